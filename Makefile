@@ -1,0 +1,29 @@
+# The two commands of the README.  Each creates the virtual environment on first use.
+#   make run    set up, then run the main job on the built-in defaults
+#   make test   set up, then lint, format-check and run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.klpo-installed
+
+.PHONY: run test lint format clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/klpo explain --all
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,30 @@
+"""klpo: KL-regularised policy optimisation for language models.
+
+The library is a set of pure tensor functions, one module per concern:
+
+- :mod:`klpo.kl`          per-token KL estimators and :func:`klpo.kl.explain`
+- :mod:`klpo.logprobs`    token log-probs, entropy and exact KL, chunked, from logits or hidden states
+- :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
+- :mod:`klpo.losses`      PPO clip / dual-clip / penalty surrogates, value loss, entropy, KL terms
+- :mod:`klpo.reduce`      the named loss aggregations
+- :mod:`klpo.control`     KL coefficient controllers
+
+Submodules are imported on first use (``klpo.kl`` imports only torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "advantages", "control", "kl", "logprobs", "losses", "reduce"]
+
+_SUBMODULES = frozenset(__all__) - {"__version__"}
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"klpo.{name}")
+    raise AttributeError(f"module 'klpo' has no attribute {name!r}")

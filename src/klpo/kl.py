@@ -1,0 +1,708 @@
+r"""Per-token KL estimators, and an honest account of which gradient each one follows.
+
+Every estimator here maps per-token log-probabilities of sampled tokens to a per-token estimate of a
+KL divergence between the policy ``pi_theta`` and the reference ``pi_ref``:
+
+    d = logp - logp_ref = log pi_theta(y_t | y_<t) - log pi_ref(y_t | y_<t),    y_t ~ pi_theta.
+
+| name          | value                               | E[value] over y ~ pi_theta       | gradient of the value |
+| ------------- | ----------------------------------- | -------------------------------- | --------------------- |
+| ``k1``        | d                                   | KL(pi_theta ‖ pi_ref), unbiased  | grad logp             |
+| ``k2``        | d² / 2                              | biased (≈ KL near d = 0)         | d · grad logp         |
+| ``k3``        | exp(-d) + d - 1                     | KL(pi_theta ‖ pi_ref), unbiased  | (1 - exp(-d)) grad logp |
+| ``abs``       | abs(d)                              | biased                           | sign(d) grad logp     |
+| ``k1+`` ...   | value of the base estimator         | as the base estimator            | d · grad logp (k2's)  |
+| ``k3_is``     | w · k3, w = exp(logp - logp_old)     | KL(pi_theta ‖ pi_ref) for y ~ pi_old | w · d · grad logp |
+| ``low_var_kl``| verl's clamped k3                   | biased where the clamps bite     | zero where clamped    |
+| ``kl_ref_theta`` | r log r - (r - 1), r = exp(-d)    | KL(pi_ref ‖ pi_theta), unbiased  | d · exp(-d) · grad logp |
+| ``full``      | sum_v pi_theta(v) log(pi_theta(v) / pi_ref(v)) | exact, per position   | grad KL(pi_theta ‖ pi_ref) at the position |
+
+References: J. Schulman, "Approximating KL Divergence" (2020) for k1, k2, k3 and the general
+recipe f(r) - f'(1)(r - 1); DeepSeekMath (arXiv:2402.03300, eq. 4) for k3 in GRPO's loss; verl's
+``kl_penalty`` for ``abs``, the ``+`` suffix and ``low_var_kl``; DeepSeek-V3.2 (arXiv:2512.02556,
+eq. 7) and TRL's ``use_bias_correction_kl`` for ``k3_is``; Liu et al. (arXiv:2510.01555) and
+Tang & Munos (arXiv:2506.09477) for the gradient analysis behind :func:`explain`.
+
+Shapes: ``logp``, ``logp_ref`` and ``logp_old`` are ``[B, T]`` (any shape works, as long as all
+three agree); ``full`` takes logits ``[B, T, V]``. Inputs may be any float dtype; the arithmetic
+is done in float64 (float32 on devices without float64) and the result is float32 (float64 when
+an input is float64, so float64 oracles stay exact). Masking is the
+caller's job and must use ``torch.where`` (as :mod:`klpo.reduce` does), not multiplication: an
+estimate may be ``+inf`` where the true value exceeds the float32 range, and ``inf * 0`` is NaN.
+
+Range: for float32 inputs, values and gradients are finite for ``|d| <= 80`` (``exp(80)`` ≈ 5.5e34).
+Beyond about ``d < -88.7`` the values of ``k3``, ``k3+``, ``k3_is`` and ``kl_ref_theta`` exceed the
+float32 range and are returned as ``+inf``, with gradients of ``±inf``; never NaN for finite
+inputs, and exactly zero gradient where the upstream gradient is zero (a masked token). The
+arguments of ``exp`` are capped at ±700 in the value only (exp(700) ≈ 1e304, finite in float64), so
+that no product inside an estimator can become ``0 · inf``; with float64 inputs this caps values
+at about 1e304 instead of overflowing. ``k1``, ``k2``, ``abs`` and their ``+`` variants stay finite
+for every finite input, and so does ``low_var_kl`` (it clamps).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ESTIMATORS",
+    "GRADIENTS",
+    "PLACEMENTS",
+    "Explanation",
+    "abs_",
+    "abs_plus",
+    "estimate",
+    "explain",
+    "explain_all",
+    "full",
+    "k1",
+    "k1_plus",
+    "k2",
+    "k2_plus",
+    "k3",
+    "k3_is",
+    "k3_plus",
+    "kl_ref_theta",
+    "low_var_kl",
+]
+
+THETA_REF = "KL(pi_theta ‖ pi_ref)"
+REF_THETA = "KL(pi_ref ‖ pi_theta)"
+
+# The four answers `explain` can give for "which expected gradient does the term follow".
+GRAD_THETA_REF = "grad KL(pi_theta ‖ pi_ref)"
+GRAD_REF_THETA = "grad KL(pi_ref ‖ pi_theta)"
+GRAD_ZERO = "zero"
+GRAD_OTHER = "other (biased)"
+GRADIENTS: tuple[str, ...] = (GRAD_THETA_REF, GRAD_REF_THETA, GRAD_ZERO, GRAD_OTHER)
+
+Placement = Literal["reward", "loss", "reward+loss"]
+PLACEMENTS: tuple[str, ...] = ("reward", "loss", "reward+loss")
+
+
+# --------------------------------------------------------------------------------------------
+# Precision helpers.
+
+
+def _wide_dtype(x: Tensor) -> torch.dtype:
+    """float64 where the device has it (everything but Apple's MPS), else float32."""
+    return torch.float32 if x.device.type == "mps" else torch.float64
+
+
+def _log_ratio(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """d = logp - logp_ref, upcast before the subtraction."""
+    _check_pair(logp, logp_ref, "logp_ref")
+    wide = _wide_dtype(logp)
+    return logp.to(wide) - logp_ref.to(wide)
+
+
+def _check_pair(logp: Tensor, other: Tensor, other_name: str) -> None:
+    if not isinstance(logp, Tensor) or not isinstance(other, Tensor):
+        raise TypeError(
+            f"logp and {other_name} must be torch tensors, got "
+            f"{type(logp).__name__} and {type(other).__name__}"
+        )
+    for name, t in (("logp", logp), (other_name, other)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor of log-probabilities, got {t.dtype}")
+    if logp.shape != other.shape:
+        raise ValueError(
+            f"logp has shape {tuple(logp.shape)} but {other_name} has shape "
+            f"{tuple(other.shape)}; both must be the per-token [B, T] log-probs of the same tokens"
+        )
+
+
+def _out(x: Tensor, *inputs: Tensor) -> Tensor:
+    """float32, or float64 when an input is float64 (so float64 oracles stay exact)."""
+    if any(t.dtype == torch.float64 for t in inputs):
+        return x.to(torch.float64)
+    return x.to(torch.float32)
+
+
+def _k2_straight_through(d: Tensor, value: Tensor) -> Tensor:
+    """`value` in the forward pass, the gradient of k2 = d²/2 in the backward pass."""
+    k2_ = 0.5 * d * d
+    return value.detach() + (k2_ - k2_.detach())
+
+
+def _capped(x: Tensor) -> Tensor:
+    """`x` capped to ±700 (±85 in float32) in the value only, for use as an exponent.
+
+    exp(±700) is finite in float64, so a product like w · k3 can never become 0 · inf = NaN; the
+    float32 result still overflows to inf where the true value exceeds the float32 range. The
+    gradient passes straight through the cap.
+    """
+    cap = 700.0 if x.dtype == torch.float64 else 85.0
+    return x + (x.clamp(-cap, cap) - x).detach()
+
+
+def _k3_wide(d: Tensor) -> Tensor:
+    """exp(-d) + d - 1 = expm1(-d) + d, accurate near d = 0, never negative, NaN-free."""
+    return _nonneg(torch.expm1(-_capped(d)) + d)
+
+
+def _with_gradient(value: Tensor, pairs: tuple[tuple[Tensor, Tensor], ...]) -> Tensor:
+    """`value`, whose gradient with respect to each wide input ``x`` is the analytic ``coef``.
+
+    Used where autograd's product rule would cancel catastrophically (w · k3 at large |d|
+    subtracts two numbers of size exp(|d|) to get one of size |d|). Coefficients are kept finite
+    so that ``coef * 0`` is never NaN; they overflow to ±inf only when cast to float32.
+    """
+    out = value.detach()
+    big = torch.finfo(value.dtype).max
+    for coef, x in pairs:
+        if x.requires_grad:
+            out = out + torch.nan_to_num(coef.detach(), posinf=big, neginf=-big) * (x - x.detach())
+    return out
+
+
+def _nonneg(x: Tensor) -> Tensor:
+    """Clamp rounding noise below zero away in the value only; the gradient passes untouched."""
+    return x + (x.clamp_min(0.0) - x).detach()
+
+
+# --------------------------------------------------------------------------------------------
+# The estimators.
+
+
+def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""Schulman's k1: the plain log-ratio.
+
+    ``k1 = d = logp - logp_ref``. Unbiased for KL(pi_theta ‖ pi_ref) over y ~ pi_theta, but
+    negative for about half the samples and of high variance (sd = 2/mu relative to KL for
+    N(0,1) vs N(mu,1)).
+
+    Gradient: ``grad k1 = grad logp``, whose expectation over y ~ pi_theta is exactly **zero**
+    (E[grad log pi] = 0). So k1 *in the loss* regularises nothing in expectation, while k1 *in the
+    reward* (detached, as REINFORCE/PPO's per-token penalty) follows grad KL(pi_theta ‖ pi_ref).
+
+    Args:
+        logp: ``[B, T]`` log pi_theta of the sampled tokens.
+        logp_ref: ``[B, T]`` log pi_ref of the same tokens (treated as a constant by callers).
+
+    Returns:
+        ``[B, T]`` float32.
+    """
+    return _out(_log_ratio(logp, logp_ref), logp, logp_ref)
+
+
+def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""Schulman's k2: half the squared log-ratio.
+
+    ``k2 = d² / 2``. Non-negative and biased: E[k2] is the f-divergence with f(x) = ½ (log x)²,
+    which agrees with KL(pi_theta ‖ pi_ref) to second order as pi_theta → pi_ref (for
+    N(0,1) vs N(mu,1), E[k2] = mu²/2 + mu⁴/8).
+
+    Gradient: ``grad k2 = d · grad logp``, whose expectation over y ~ pi_theta is
+    ``E[d grad logp] = grad KL(pi_theta ‖ pi_ref)``: on-policy, k2 in the loss is
+    gradient-equivalent to k1 in the reward, per token (Liu et al. 2025).
+
+    Args / Returns: as :func:`k1`.
+    """
+    d = _log_ratio(logp, logp_ref)
+    return _out(0.5 * d * d, logp, logp_ref)
+
+
+def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""Schulman's k3, GRPO's per-token KL term.
+
+    ``k3 = r - 1 - log r = exp(-d) + d - 1`` with ``r = pi_ref / pi_theta = exp(-d)``. Unbiased
+    for KL(pi_theta ‖ pi_ref) over y ~ pi_theta (E[r] = 1) and non-negative (log x ≤ x - 1).
+    Computed as ``expm1(-d) + d``, accurate near d = 0.
+
+    Gradient: ``grad k3 = (1 - exp(-d)) grad logp``, whose expectation over y ~ pi_theta is
+    ``sum_y (pi_theta(y) - pi_ref(y)) grad log pi_theta(y) = grad KL(pi_ref ‖ pi_theta)``:
+    **the other direction** from the KL its value estimates. In the reward (detached) it follows
+    neither direction. Its coefficient diverges like -exp(|d|) as pi_theta ≪ pi_ref
+    (DeepSeek-V3.2's complaint) and saturates at 1 as pi_theta ≫ pi_ref.
+
+    Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf (see the module notes).
+    """
+    d = _log_ratio(logp, logp_ref)
+    return _out(_k3_wide(d), logp, logp_ref)
+
+
+def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""verl's ``abs``: the absolute log-ratio, ``|d|``.
+
+    Non-negative, biased for KL(pi_theta ‖ pi_ref) (first order in d where KL is second order).
+    Gradient: ``sign(d) grad logp`` (zero at d = 0); its expectation follows no KL.
+    Registered as ``"abs"``.
+
+    Args / Returns: as :func:`k1`.
+    """
+    return _out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
+
+
+def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""``k1+``: the value of k1 with the gradient of k2 (straight-through, verl's ``+`` suffix).
+
+    Value ``d`` (unbiased for KL(pi_theta ‖ pi_ref)); gradient ``d · grad logp``, expected
+    gradient grad KL(pi_theta ‖ pi_ref) on-policy. Logging the value and descending the right
+    gradient at once.
+
+    Args / Returns: as :func:`k1`.
+    """
+    d = _log_ratio(logp, logp_ref)
+    return _out(_k2_straight_through(d, d), logp, logp_ref)
+
+
+def k2_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""``k2+``: identical to :func:`k2` (value d²/2, gradient d · grad logp); listed for verl parity."""
+    return k2(logp, logp_ref)
+
+
+def k3_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""``k3+``: the value of k3 with the gradient of k2 (straight-through, verl's ``k3+``).
+
+    Value ``exp(-d) + d - 1`` (unbiased, non-negative estimate of KL(pi_theta ‖ pi_ref));
+    gradient ``d · grad logp``, expected gradient grad KL(pi_theta ‖ pi_ref) on-policy.
+
+    Args / Returns: as :func:`k1`.
+    """
+    d = _log_ratio(logp, logp_ref)
+    return _out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
+
+
+def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""``abs+``: the value of ``abs`` with the gradient of k2 (straight-through).
+
+    Value ``|d|`` (biased); gradient ``d · grad logp``, expected gradient
+    grad KL(pi_theta ‖ pi_ref) on-policy.
+
+    Args / Returns: as :func:`k1`.
+    """
+    d = _log_ratio(logp, logp_ref)
+    return _out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
+
+
+def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
+    r"""Importance-weighted k3: ``w · k3`` with ``w = exp(logp - logp_old)``, gradient through both.
+
+    For tokens sampled from ``pi_old`` (the policy that generated the batch), E_old[w · k3] =
+    E_theta[k3] = KL(pi_theta ‖ pi_ref): unbiased. Its gradient is
+
+        grad(w k3) = w k3 grad logp + w (1 - exp(-d)) grad logp = w · d · grad logp,
+
+    whose expectation over y ~ pi_old is E_theta[d grad logp] = grad KL(pi_theta ‖ pi_ref), on-
+    and off-policy. On-policy pass ``logp_old = logp.detach()`` (w = 1 in value, w = pi/sg(pi) in
+    the gradient, i.e. k3 in the reward plus k3 in the loss). DeepSeek-V3.2 (arXiv:2512.02556,
+    eq. 7); TRL's ``use_bias_correction_kl``.
+
+    Args:
+        logp, logp_ref: as :func:`k1`.
+        logp_old: ``[B, T]`` log pi_old of the same tokens, the sampling policy; detached.
+
+    Returns:
+        ``[B, T]`` float32.
+    """
+    _check_pair(logp, logp_ref, "logp_ref")
+    _check_pair(logp, logp_old, "logp_old")
+    wide = _wide_dtype(logp)
+    lp, lp_ref = logp.to(wide), logp_ref.to(wide)
+    with torch.no_grad():
+        d = lp - lp_ref
+        w = torch.exp(_capped(lp - logp_old.to(wide)))
+        value = w * _k3_wide(d)
+        # d/dlogp (w k3) = w k3 + w (1 - exp(-d)) = w d;  d/dlogp_ref (w k3) = -w (1 - exp(-d))
+        coef, coef_ref = w * d, w * torch.expm1(-_capped(d))
+    return _out(_with_gradient(value, ((coef, lp), (coef_ref, lp_ref))), logp, logp_ref)
+
+
+def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""verl's ``low_var_kl``: k3 with its log-ratio clamped to [-20, 20] and value to [-10, 10].
+
+    A **compatibility option**, matching verl's ``kl_penalty(..., "low_var_kl")`` exactly:
+    ``kl = clamp(logp_ref - logp, -20, 20); value = clamp(exp(kl) - kl - 1, -10, 10)``.
+    Where the value clamp bites (k3 > 10, i.e. d < -2.35, pi_theta more than ~10x below pi_ref on
+    the sampled token) the gradient is **exactly zero**: the brake fails precisely where the policy
+    has moved furthest below the reference. Elsewhere it equals k3, value and gradient. Prefer
+    ``k3`` (or ``k3+``), which need no clamp.
+
+    Args / Returns: as :func:`k1`.
+    """
+    d = _log_ratio(logp, logp_ref)
+    kl = torch.clamp(-d, min=-20.0, max=20.0)
+    return _out(torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0), logp, logp_ref)
+
+
+def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    r"""Unbiased estimate of the *other* direction, KL(pi_ref ‖ pi_theta), from pi_theta samples.
+
+    ``r log r - (r - 1)`` with ``r = pi_ref / pi_theta = exp(-d)``: Schulman's general recipe
+    f(r) - f'(1)(r - 1) for f(x) = x log x. Unbiased because E_theta[r log r] =
+    sum_y pi_ref log(pi_ref / pi_theta) and E_theta[r] = 1; non-negative because x log x is convex.
+    Use it only where the other direction is wanted explicitly.
+
+    Gradient: with grad r = -r grad logp, ``grad value = -r (log r) grad logp``, i.e.
+    ``d · exp(-d) · grad logp``; its expectation over y ~ pi_theta is
+    sum_y pi_ref(y) d(y) grad log pi_theta(y), which is **not** grad KL(pi_ref ‖ pi_theta)
+    (that is sum_y (pi_theta - pi_ref) grad log pi_theta): "other (biased)" in the loss.
+
+    Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf.
+    """
+    _check_pair(logp, logp_ref, "logp_ref")
+    wide = _wide_dtype(logp)
+    lp, lp_ref = logp.to(wide), logp_ref.to(wide)
+    with torch.no_grad():
+        d = lp - lp_ref
+        r = torch.exp(-_capped(d))
+        # r log r - (r - 1) = r * (-d) - expm1(-d); written with expm1 for accuracy near d = 0.
+        value = (-r * d - torch.expm1(-_capped(d))).clamp_min(0.0)
+        coef = r * d  # d/dd [r log r - r + 1] = (log r) dr/dd = (-d)(-r)
+    return _out(_with_gradient(value, ((coef, lp), (-coef, lp_ref))), logp, logp_ref)
+
+
+def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Tensor:
+    r"""The exact per-position KL(pi_theta ‖ pi_ref) over the whole vocabulary (Rao-Blackwellised).
+
+    ``full_t = sum_v pi_theta(v) (log pi_theta(v) - log pi_ref(v))`` with
+    ``pi = softmax(logits / temperature)``. No sampling noise at the position (Amini, Vieira &
+    Cotterell, arXiv:2504.10637). Its gradient in the loss is exactly grad KL(pi_theta ‖ pi_ref) at
+    each position, ``pi ⊙ (log pi - log pi_ref - KL)`` with respect to the logits / temperature.
+
+    This version materialises ``[B, T, V]`` in the wide dtype; :mod:`klpo.logprobs` computes the
+    same quantity chunk by chunk from hidden states.
+
+    Args:
+        logits: ``[B, T, V]`` policy logits at the positions that produced the sampled tokens.
+        logits_ref: ``[B, T, V]`` reference logits (treated as a constant by callers).
+        temperature: the sampling temperature the logits are divided by.
+
+    Returns:
+        ``[B, T]`` float32.
+    """
+    _check_pair(logits, logits_ref, "logits_ref")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    wide = _wide_dtype(logits)
+    logq = torch.log_softmax(logits.to(wide) / temperature, dim=-1)
+    logq_ref = torch.log_softmax(logits_ref.to(wide) / temperature, dim=-1)
+    return _out((logq.exp() * (logq - logq_ref)).sum(-1), logits, logits_ref)
+
+
+# --------------------------------------------------------------------------------------------
+# The registry and the one entry point.
+
+
+@dataclass(frozen=True)
+class _Spec:
+    fn: Callable[..., Tensor]
+    target: str  # the KL the value is meant to estimate
+    equation: str
+    needs_old: bool = False
+    needs_logits: bool = False
+
+
+_REGISTRY: dict[str, _Spec] = {
+    "k1": _Spec(k1, THETA_REF, "d"),
+    "k2": _Spec(k2, THETA_REF, "d²/2"),
+    "k3": _Spec(k3, THETA_REF, "exp(-d) + d - 1"),
+    "abs": _Spec(abs_, THETA_REF, "|d|"),
+    "k1+": _Spec(k1_plus, THETA_REF, "d, with the gradient of d²/2"),
+    "k2+": _Spec(k2_plus, THETA_REF, "d²/2 (= k2)"),
+    "k3+": _Spec(k3_plus, THETA_REF, "exp(-d) + d - 1, with the gradient of d²/2"),
+    "abs+": _Spec(abs_plus, THETA_REF, "|d|, with the gradient of d²/2"),
+    "k3_is": _Spec(
+        k3_is, THETA_REF, "w·(exp(-d) + d - 1), w = exp(logp - logp_old)", needs_old=True
+    ),
+    "low_var_kl": _Spec(low_var_kl, THETA_REF, "clamp(k3 with |d| ≤ 20, -10, 10) (verl)"),
+    "kl_ref_theta": _Spec(kl_ref_theta, REF_THETA, "r log r - (r - 1), r = exp(-d)"),
+    "full": _Spec(full, THETA_REF, "sum_v pi(v) log(pi(v)/pi_ref(v))", needs_logits=True),
+}
+
+ESTIMATORS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def _spec(name: str) -> _Spec:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown KL estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}"
+        ) from None
+
+
+def estimate(
+    name: str,
+    logp: Tensor | None,
+    logp_ref: Tensor | None,
+    *,
+    logp_old: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+) -> Tensor:
+    """Per-token KL estimate by name: ``estimate("k3", logp, logp_ref)`` → ``[B, T]`` float32.
+
+    Args:
+        name: one of :data:`ESTIMATORS`.
+        logp: ``[B, T]`` log pi_theta of the sampled tokens.
+        logp_ref: ``[B, T]`` log pi_ref of the same tokens.
+        logp_old: ``[B, T]`` log pi_old, the sampling policy; required by ``k3_is``
+            (on-policy, pass ``logp.detach()``), ignored by the others.
+        logits, logits_ref: ``[B, T, V]``; required by ``full`` (which ignores ``logp``).
+
+    Raises:
+        ValueError: for an unknown name (listing the valid ones) or a missing input.
+    """
+    spec = _spec(name)
+    if spec.needs_logits:
+        if logits is None or logits_ref is None:
+            raise ValueError(
+                f"estimator {name!r} is the exact KL over the vocabulary and needs logits= and "
+                f"logits_ref= ([B, T, V]); estimators that work from token log-probs alone: "
+                f"{', '.join(n for n in ESTIMATORS if not _REGISTRY[n].needs_logits)}"
+            )
+        return spec.fn(logits, logits_ref)
+    if logp is None or logp_ref is None:
+        raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
+    if spec.needs_old:
+        if logp_old is None:
+            raise ValueError(
+                f"estimator {name!r} needs logp_old (the log-probs of the policy that sampled the "
+                f"tokens; on-policy pass logp.detach()); estimators that need no logp_old: "
+                f"{', '.join(n for n in ESTIMATORS if not _REGISTRY[n].needs_old)}"
+            )
+        return spec.fn(logp, logp_ref, logp_old)
+    return spec.fn(logp, logp_ref)
+
+
+# --------------------------------------------------------------------------------------------
+# explain: the table of claims, derived by exact enumeration rather than typed in.
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What a KL estimator in a placement really does.
+
+    Attributes:
+        estimator: the estimator's name.
+        placement: ``"reward"`` (the detached estimate is a per-token penalty in the reward,
+            optimised by the policy gradient), ``"loss"`` (the estimate is added to the loss and
+            differentiated) or ``"reward+loss"`` (both).
+        on_policy: whether the tokens were sampled from pi_theta itself (else from pi_old).
+        equation: the value, with d = logp - logp_ref.
+        estimates: the KL the value is meant to estimate.
+        unbiased: whether E[value] equals that KL exactly.
+        nonnegative: whether every value is ≥ 0.
+        gradient: the expected gradient the term follows, one of :data:`GRADIENTS`.
+        mismatch: True when the gradient is not the gradient of the KL the value estimates.
+    """
+
+    estimator: str
+    placement: str
+    on_policy: bool
+    equation: str
+    estimates: str
+    unbiased: bool
+    nonnegative: bool
+    gradient: str
+    mismatch: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def text(self) -> str:
+        """The explanation for people, a few lines."""
+        sampling = "samples from pi_theta" if self.on_policy else "samples from pi_old ≠ pi_theta"
+        value = (
+            f"{'unbiased' if self.unbiased else 'biased'} estimate of {self.estimates}, "
+            f"{'never negative' if self.nonnegative else 'can be negative'}"
+        )
+        if self.gradient == GRAD_ZERO:
+            grad = "zero in expectation: this term regularises nothing"
+        elif self.gradient == GRAD_OTHER:
+            grad = "no KL's gradient (biased)"
+        else:
+            grad = self.gradient
+        lines = [
+            f"{self.estimator} in the {self.placement} ({sampling})",
+            f"  value:    {self.equation}, d = logp - logp_ref",
+            f"  estimate: {value}",
+            f"  gradient: follows {grad}",
+        ]
+        if self.mismatch:
+            lines.append(
+                f"  note:     the gradient is not that of {self.estimates}, the KL it logs"
+            )
+        return "\n".join(lines)
+
+
+def explain(name: str, placement: str, *, on_policy: bool = True) -> Explanation:
+    """Say what estimator ``name`` does in ``placement``: its value, bias, sign and gradient.
+
+    The answer is *derived*, not looked up: the estimator itself is evaluated, in float64, on
+    every outcome of a few seeded random categoricals (softmax logits, vocabulary 6), each outcome
+    weighted by its probability under the sampling policy, and the exact expected value and
+    expected gradient with respect to the logits are compared with KL(pi_theta ‖ pi_ref),
+    KL(pi_ref ‖ pi_theta) and their gradients. Change an estimator and its explanation changes.
+
+    The placements, with samples y ~ pi_s (pi_s = pi_theta on-policy, pi_old off-policy) and
+    ratio = pi_theta(y) / sg(pi_s(y)):
+
+    - ``"loss"``: E_s[grad est(y)], the term differentiated with the samples held fixed (as GRPO);
+    - ``"reward"``: E_s[ratio(y) · sg(est_s(y)) · grad log pi_theta(y)], the detached estimate of
+      the sampling time used as a penalty in the (PPO-ratio) policy gradient, as PPO-RLHF;
+    - ``"reward+loss"``: the sum of the two.
+
+    Args:
+        name: one of :data:`ESTIMATORS`.
+        placement: one of :data:`PLACEMENTS`.
+        on_policy: False to ask about tokens sampled from an older policy pi_old, with no
+            correction beyond what the estimator itself carries (``k3_is`` carries one).
+
+    Returns:
+        an :class:`Explanation`.
+    """
+    _spec(name)
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    return _derive(name, placement, bool(on_policy))
+
+
+def explain_all(*, on_policy: bool = True) -> list[Explanation]:
+    """:func:`explain` for every estimator in every placement, in registry order."""
+    return [explain(n, p, on_policy=on_policy) for n in ESTIMATORS for p in PLACEMENTS]
+
+
+_VOCAB = 6
+_CASES = 4
+_TOL = 1e-9
+
+
+@functools.cache
+def _cases() -> tuple[tuple[Tensor, Tensor, Tensor], ...]:
+    """Seeded (logits, logits_ref, logits_old) triples; the last has logits far apart."""
+    gen = torch.Generator().manual_seed(20200307)  # the date of Schulman's post
+    out = []
+    for i in range(_CASES):
+        scale = 3.0 if i == _CASES - 1 else 1.0
+        theta = scale * torch.randn(_VOCAB, generator=gen, dtype=torch.float64)
+        ref = scale * torch.randn(_VOCAB, generator=gen, dtype=torch.float64)
+        old = theta + 0.5 * torch.randn(_VOCAB, generator=gen, dtype=torch.float64)
+        out.append((theta, ref, old))
+    return tuple(out)
+
+
+def _terms(name: str, logits: Tensor, ref: Tensor, logp_old: Tensor) -> Tensor:
+    """The estimator at every outcome y of the categorical, as a [1, V] batch of tokens."""
+    logp = torch.log_softmax(logits, -1)
+    logp_ref = torch.log_softmax(ref, -1)
+    v = logits.numel()
+    return estimate(
+        name,
+        logp[None],
+        logp_ref[None],
+        logp_old=logp_old[None],
+        logits=logits.expand(1, v, v),
+        logits_ref=ref.expand(1, v, v),
+    )[0].to(torch.float64)
+
+
+def expected_value_and_gradient(
+    name: str,
+    placement: str,
+    logits: Tensor,
+    logits_ref: Tensor,
+    logits_old: Tensor | None = None,
+) -> tuple[float, Tensor]:
+    """Exact E_s[est] and the exact expected gradient of ``placement`` w.r.t. ``logits``.
+
+    Enumerates every outcome of the categorical softmax(``logits``) (``[V]``, float64), the
+    samples drawn from pi_s = softmax(``logits_old``) if given, else from pi_theta itself.
+    Used by :func:`explain` and by the lab.
+    """
+    theta = logits.detach().to(torch.float64).clone().requires_grad_(True)
+    ref = logits_ref.detach().to(torch.float64)
+    logp = torch.log_softmax(theta, -1)
+    logp_s = (
+        logp.detach()
+        if logits_old is None
+        else torch.log_softmax(logits_old.detach().to(torch.float64), -1)
+    )
+    p_s = logp_s.exp()
+    est = _terms(name, theta, ref, logp_s)
+    value = float((p_s * est).sum().detach())
+    objective = torch.zeros((), dtype=torch.float64)
+    if placement in ("loss", "reward+loss"):
+        objective = objective + (p_s * est).sum()
+    if placement in ("reward", "reward+loss"):
+        # The penalty as sampled: est at the sampling policy (logp = logp_s), then detached.
+        est_s = _terms(name, logp_s.detach(), ref, logp_s).detach()
+        ratio = torch.exp(logp - logp_s)
+        objective = objective + (p_s * ratio * est_s).sum()
+    (grad,) = torch.autograd.grad(objective, theta, allow_unused=True)
+    if grad is None:
+        grad = torch.zeros_like(theta)
+    return value, grad.detach()
+
+
+def _exact_kls(logits: Tensor, ref: Tensor) -> tuple[float, float, Tensor, Tensor]:
+    theta = logits.detach().clone().requires_grad_(True)
+    logp, logp_ref = torch.log_softmax(theta, -1), torch.log_softmax(ref, -1)
+    kl_tr = (logp.exp() * (logp - logp_ref)).sum()
+    kl_rt = (logp_ref.exp() * (logp_ref - logp)).sum()
+    (g_tr,) = torch.autograd.grad(kl_tr, theta, retain_graph=True)
+    (g_rt,) = torch.autograd.grad(kl_rt, theta)
+    return float(kl_tr.detach()), float(kl_rt.detach()), g_tr, g_rt
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    return float((a - b).norm()) <= _TOL * max(1.0, float(b.norm()))
+
+
+@functools.cache
+def _derive(name: str, placement: str, on_policy: bool) -> Explanation:
+    spec = _REGISTRY[name]
+    unbiased, labels = True, set()
+    for theta, ref, old in _cases():
+        kl_tr, kl_rt, g_tr, g_rt = _exact_kls(theta, ref)
+        value, grad = expected_value_and_gradient(
+            name, placement, theta, ref, None if on_policy else old
+        )
+        target = kl_tr if spec.target == THETA_REF else kl_rt
+        unbiased &= math.isclose(value, target, rel_tol=_TOL, abs_tol=_TOL)
+        if _close(grad, torch.zeros_like(grad)):
+            labels.add(GRAD_ZERO)
+        elif _close(grad, g_tr):
+            labels.add(GRAD_THETA_REF)
+        elif _close(grad, g_rt):
+            labels.add(GRAD_REF_THETA)
+        else:
+            labels.add(GRAD_OTHER)
+    gradient = labels.pop() if len(labels) == 1 else GRAD_OTHER
+    wanted = GRAD_THETA_REF if spec.target == THETA_REF else GRAD_REF_THETA
+    return Explanation(
+        estimator=name,
+        placement=placement,
+        on_policy=on_policy,
+        equation=spec.equation,
+        estimates=spec.target,
+        unbiased=unbiased,
+        nonnegative=_never_negative(name),
+        gradient=gradient,
+        mismatch=gradient != wanted,
+    )
+
+
+@functools.cache
+def _never_negative(name: str) -> bool:
+    """Whether the value is ≥ 0 on a grid of log-ratios d ∈ [-30, 30] (and importance weights)."""
+    d = torch.linspace(-30.0, 30.0, 601, dtype=torch.float64)
+    zeros = torch.zeros_like(d)
+    if _REGISTRY[name].needs_logits:
+        # The exact KL of two categoricals is ≥ 0 (Gibbs' inequality); check it on the cases.
+        return all(
+            float(_terms(name, theta, ref, torch.log_softmax(theta, -1)).min()) >= 0.0
+            for theta, ref, _ in _cases()
+        )
+    logp_old = torch.stack([zeros, zeros + 5.0, zeros - 5.0])
+    values = estimate(name, d.expand(3, -1), zeros.expand(3, -1), logp_old=logp_old.expand(3, -1))
+    return bool((values >= 0).all())
