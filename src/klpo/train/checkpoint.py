@@ -1,0 +1,203 @@
+"""Checkpoints in safetensors + JSON, written atomically, that resume a run exactly.
+
+Layout of ``RUN/checkpoints/step_000050/``::
+
+    policy/            save_pretrained of the policy (config.json, model.safetensors)
+    critic.safetensors the critic (backbone + value head), PPO only
+    optim.safetensors  every optimizer's state tensors; the structure is in state.json
+    rng.safetensors    torch's CPU generator state (and CUDA's where present)
+    state.json         step, data position, controllers, optimizer structure, python/numpy RNG
+
+A checkpoint is built in a temporary directory beside its final place and renamed into it, and
+``RUN/checkpoints/latest`` is replaced atomically afterwards, so a run killed at any moment leaves
+either the new checkpoint or the previous one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file, save_model
+
+LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
+    sd = opt.state_dict()
+    tensors, structure = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for idx, state in sd["state"].items():
+        entry = {}
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                key = f"{prefix}.{idx}.{name}"
+                tensors[key] = value.detach().contiguous().cpu()
+                entry[name] = {"tensor": key}
+            else:
+                entry[name] = {"value": value}
+        structure["state"][str(idx)] = entry
+    return tensors, structure
+
+
+def _unflatten_optimizer(structure: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state = {}
+    for idx, entry in structure["state"].items():
+        state[int(idx)] = {
+            name: tensors[v["tensor"]] if "tensor" in v else v["value"] for name, v in entry.items()
+        }
+    return {"state": state, "param_groups": structure["param_groups"]}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda.")]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    py = plain["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = plain["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    policy: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None = None,
+    state: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically and point ``latest`` at it.
+
+    Args:
+        run_dir: the run directory.
+        step: the last completed step.
+        policy: a transformers model (``save_pretrained``).
+        optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
+        critic: PPO's critic module, or None.
+        state: JSON-serialisable extras (data position, controller state, ...).
+        keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+
+    Returns:
+        the checkpoint's directory.
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+    policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if critic is not None:
+        save_model(critic, str(tmp / "critic.safetensors"))
+    optim_tensors, optim_structure = {}, {}
+    for name, opt in optimizers.items():
+        t, s = _flatten_optimizer(opt, name)
+        optim_tensors.update(t)
+        optim_structure[name] = s
+    if optim_tensors:
+        save_file(optim_tensors, str(tmp / "optim.safetensors"))
+    rng_tensors, rng_plain = rng_state()
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
+    write_text_atomic(tmp / "state.json", json.dumps(meta))
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``latest`` points at, or None if the run has none."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(
+            f"{pointer} points at {path.name}, which is incomplete; remove {pointer} to start over"
+        )
+    return path
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    """state.json of a checkpoint, with the RNG restored as a side effect left to the caller."""
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def restore_optimizers(
+    ckpt: Path, optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any]
+) -> None:
+    """Load every optimizer's state saved by :func:`save_checkpoint`."""
+    path = ckpt / "optim.safetensors"
+    tensors = load_file(str(path)) if path.exists() else {}
+    for name, opt in optimizers.items():
+        structure = meta["optimizers"].get(name)
+        if structure is None:
+            raise KeyError(f"checkpoint {ckpt} has no state for optimizer {name!r}")
+        opt.load_state_dict(_unflatten_optimizer(structure, tensors))
+
+
+def restore_rng(ckpt: Path, meta: dict[str, Any]) -> None:
+    set_rng_state(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
+
+
+def restore_critic(ckpt: Path, critic: torch.nn.Module) -> None:
+    from safetensors.torch import load_model
+
+    load_model(critic, str(ckpt / "critic.safetensors"))

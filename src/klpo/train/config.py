@@ -1,0 +1,319 @@
+"""The trainer's one typed config: sections, defaults, validation, YAML and ``--set`` overrides.
+
+Every field carries its help text. Unknown keys and bad values fail before any work starts, with
+a message that names the key, what was given and what is allowed::
+
+    cfg = load_config("configs/grpo.yaml", overrides=["kl.beta=0.02", "rollout.group_size=8"])
+
+The resolved config is written beside every run's outputs (``config.yaml``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from klpo import control, kl, reduce
+
+Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
+Placement = Literal["loss", "reward", "reward+loss", "none"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    policy: str = Field(
+        "builtin",
+        description="The policy to train: a local directory or model id of a transformers causal "
+        "LM, or 'builtin' for the shipped tiny arithmetic model.",
+    )
+    reference: str | None = Field(
+        None, description="The frozen reference pi_ref; defaults to the policy's starting point."
+    )
+    critic: str | None = Field(
+        None,
+        description="PPO's critic backbone (a value head is added); defaults to the reference.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter dtype of all models. float32 on CPU."
+    )
+
+
+class DataConfig(_Section):
+    source: Literal["builtin", "jsonl", "datasets"] = Field(
+        "builtin",
+        description="Where prompts come from: the built-in arithmetic task, a JSONL file, or a "
+        "datasets dataset (a local path or a name already in the local cache).",
+    )
+    path: str | None = Field(None, description="The JSONL file or datasets name/path.")
+    split: str = Field("train", description="datasets split to train on.")
+    eval_split: str | None = Field(
+        None, description="datasets split for held-out evaluation (default: none for datasets)."
+    )
+    eval_path: str | None = Field(None, description="JSONL file of held-out problems.")
+    prompt_field: str = Field("prompt", description="Field holding the prompt text.")
+    answer_field: str = Field("answer", description="Field holding the reference answer.")
+    eval_size: int = Field(200, ge=0, description="Held-out problems evaluated (greedy).")
+    max_prompt_tokens: int = Field(
+        256, gt=0, description="Longer prompts are an error naming the line or sample."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch over the data (seeded).")
+
+
+class RewardTerm(_Section):
+    name: str = Field(
+        description="A built-in reward ('exact_match', 'numeric', 'format') or 'module:function'."
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the sum.")
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(16, gt=0, description="Distinct prompts per training step.")
+    group_size: int = Field(8, gt=0, description="Completions sampled per prompt (GRPO's G).")
+    max_new_tokens: int = Field(8, gt=0, description="Longest completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class AlgoConfig(_Section):
+    name: Algorithm = Field("grpo", description="The policy-optimisation algorithm.")
+    epochs: int = Field(1, gt=0, description="Passes over each batch of rollouts (PPO epochs).")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch.")
+    micro_batch: int = Field(
+        0, ge=0, description="Sequences per forward/backward (0: the whole minibatch)."
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above (DAPO clip-higher).")
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip constant c > 1 for negative advantages (off if null)."
+    )
+    std: Literal["sample", "population", "none"] = Field(
+        "sample", description="Group advantage scale: sample or population std, or none (Dr. GRPO)."
+    )
+    loss_reduction: str = Field(
+        "token-mean", description=f"How per-token losses are reduced: one of {', '.join(reduce.MODES)}."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO, REINFORCE++).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
+    value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
+
+    @field_validator("loss_reduction")
+    @classmethod
+    def _known_reduction(cls, v: str) -> str:
+        if v not in reduce.MODES:
+            raise ValueError(f"unknown reduction {v!r}; allowed: {', '.join(reduce.MODES)}")
+        return v
+
+
+class KLConfig(_Section):
+    estimator: str = Field(
+        "k3", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
+    )
+    placement: Placement = Field(
+        "loss", description="Where the KL term goes: loss, reward, reward+loss, or none."
+    )
+    beta: float = Field(0.04, ge=0, description="Initial KL coefficient.")
+    controller: str = Field(
+        "fixed", description=f"KL coefficient controller: one of {', '.join(control.CONTROLLERS)}."
+    )
+    target: float | None = Field(None, gt=0, description="Target KL for adaptive controllers.")
+    horizon: float = Field(10000, gt=0, description="Ziegler controller horizon (in samples).")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        if v not in kl.ESTIMATORS:
+            raise ValueError(f"unknown estimator {v!r}; allowed: {', '.join(kl.ESTIMATORS)}")
+        return v
+
+    @field_validator("controller")
+    @classmethod
+    def _known_controller(cls, v: str) -> str:
+        if v not in control.CONTROLLERS:
+            raise ValueError(f"unknown controller {v!r}; allowed: {', '.join(control.CONTROLLERS)}")
+        return v
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the policy.")
+    critic_lr: float | None = Field(None, gt=0, description="Critic learning rate (default: lr).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Global gradient-norm clip (null: off).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+
+
+class RunConfig(_Section):
+    steps: int = Field(200, gt=0, description="Training steps (one batch of rollouts each).")
+    seed: int = Field(0, description="Seed of everything: data order, sampling, init.")
+    out_dir: str = Field("runs/train", description="Run directory: metrics, checkpoints, report.")
+    eval_every: int = Field(25, ge=0, description="Held-out evaluation period in steps (0: off).")
+    save_every: int = Field(50, ge=0, description="Checkpoint period in steps (0: only at the end).")
+    threads: int = Field(0, ge=0, description="torch threads per process (0: torch's default).")
+    time_limit: float | None = Field(
+        None, gt=0, description="Stop cleanly after this many seconds of training."
+    )
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+    progress: bool = Field(True, description="Show a progress bar on the terminal.")
+
+
+class TrainConfig(_Section):
+    """Everything `klpo train` needs. Sections: model, data, rewards, rollout, algo, kl, optim, run."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rewards: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(name="exact_match")],
+        description="Reward functions, weighted and summed.",
+    )
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    kl: KLConfig = KLConfig()
+    optim: OptimConfig = OptimConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        group = self.algo.name in ("grpo", "rloo")
+        if group and self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size must be >= 2 for {self.algo.name} (group-relative "
+                f"advantages need several completions per prompt), got {self.rollout.group_size}"
+            )
+        if self.kl.controller != "fixed" and self.kl.target is None:
+            raise ValueError(
+                f"kl.target is required by the {self.kl.controller!r} controller "
+                "(the KL per token it steers towards), e.g. kl.target=0.05"
+            )
+        if self.data.source != "builtin" and not self.data.path:
+            raise ValueError(f"data.path is required when data.source is {self.data.source!r}")
+        if not self.rewards:
+            raise ValueError("rewards must list at least one reward function")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and the fix."""
+
+
+def _allowed_keys(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = TrainConfig
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *get_args(ann)]
+        for c in candidates:
+            inner = get_args(c) or (c,)
+            for i in inner:
+                if isinstance(i, type) and issubclass(i, BaseModel):
+                    model = i
+                    break
+            else:
+                continue
+            break
+        else:
+            return None
+    return model
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _section_model(loc[:-1])
+            allowed = _allowed_keys(parent) if parent else []
+            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+            lines.append(
+                f"unknown key {key!r}{hint}; allowed keys in {where}: {', '.join(allowed)}"
+            )
+        elif e["type"] == "literal_error":
+            expected = e.get("ctx", {}).get("expected", "")
+            lines.append(f"{key}: got {e.get('input')!r}; allowed: {expected}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            given = e.get("input")
+            shown = "" if isinstance(given, dict | list) else f" (got {given!r})"
+            lines.append(f"{key}: {msg}{shown}")
+    return "bad config:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=c"`` → (["a", "b"], value); the value is parsed as YAML (numbers, null, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. kl.beta=0.02")
+    key, _, raw = text.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each ``a.b=c`` into the nested dict ``data`` (creating sections as needed)."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {p!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Validate a nested dict (plus overrides) into a :class:`TrainConfig`, or raise ConfigError."""
+    merged = apply_overrides(dict(data or {}), list(overrides or []))
+    try:
+        return TrainConfig.model_validate(merged)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        data = loaded or {}
+    return build_config(data, overrides)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The resolved config as YAML, sections in their natural order."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,130 @@
+"""Prompts: the built-in task, a JSONL file, or a ``datasets`` dataset, served in a resumable order.
+
+Every source yields :class:`Example` (prompt text, reference answer). Bad input is an error that
+names the file and line (JSONL) or the sample index (datasets) and says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+def read_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+    """Examples from a JSONL file, one JSON object per line with the two fields (strings)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"JSONL file {str(path)!r} does not exist")
+    out = []
+    with path.open() as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg}): {line.strip()[:80]!r}") from None
+            out.append(_example(row, prompt_field, answer_field, f"{path}:{n}"))
+    if not out:
+        raise ValueError(f"JSONL file {str(path)!r} holds no examples")
+    return out
+
+
+def _example(row: object, prompt_field: str, answer_field: str, where: str) -> Example:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object with {prompt_field!r} and {answer_field!r}")
+    for key in (prompt_field, answer_field):
+        if key not in row:
+            raise ValueError(
+                f"{where}: missing field {key!r} (fields present: {', '.join(map(str, row))}); "
+                f"set data.prompt_field / data.answer_field to the right names"
+            )
+    prompt, answer = row[prompt_field], row[answer_field]
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}")
+    return Example(prompt=prompt, answer=str(answer))
+
+
+def read_dataset(
+    name_or_path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Example]:
+    """Examples from a ``datasets`` dataset: a ``save_to_disk`` directory, a local data file or
+    directory, or a name already in the local cache (nothing is downloaded here)."""
+    import datasets
+
+    path = Path(name_or_path)
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"dataset {name_or_path!r} has no split {split!r}: {list(ds)}")
+            ds = ds[split]
+    elif path.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"cannot read {name_or_path!r}: use .jsonl, .json, .csv or .parquet")
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    else:
+        ds = datasets.load_dataset(name_or_path, split=split)
+    missing = [k for k in (prompt_field, answer_field) if k not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {name_or_path!r} has no column {missing[0]!r} (columns: "
+            f"{', '.join(ds.column_names)}); set data.prompt_field / data.answer_field"
+        )
+    return [
+        _example(row, prompt_field, answer_field, f"{name_or_path}[{i}]") for i, row in enumerate(ds)
+    ]
+
+
+class PromptStream:
+    """Serves examples in a seeded order, epoch after epoch, from a position that can be saved.
+
+    The order of epoch ``e`` is a permutation drawn from ``torch.Generator().manual_seed(seed + e)``
+    (or the file order when ``shuffle`` is False), so a stream rebuilt from :meth:`state_dict`
+    continues exactly where it stopped.
+    """
+
+    def __init__(self, examples: list[Example], *, seed: int, shuffle: bool = True):
+        if not examples:
+            raise ValueError("no training examples")
+        self.examples = examples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.examples)))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.examples), generator=gen).tolist()
+
+    def next(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._permutation(self.epoch)
+            take = min(n - len(out), len(self._order) - self.offset)
+            out += [self.examples[i] for i in self._order[self.offset : self.offset + take]]
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._permutation(self.epoch)

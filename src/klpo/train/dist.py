@@ -1,0 +1,78 @@
+"""Data parallelism under ``torchrun``: process group, thread budget, and reductions of metrics.
+
+``torchrun --nproc_per_node 2 -m klpo train ...`` starts one process per rank with ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` set; a plain ``klpo train`` is a world of one. On CPU the
+backend is gloo and the cores are split between the ranks (two processes with two threads each on
+two cores run ~50x slower than one thread each).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (``x`` itself in a world of one)."""
+        if self.enabled:
+            x = x.clone()
+            tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
+        return x
+
+    def gather_floats(self, values: list[float]) -> list[float]:
+        """Every rank's list, concatenated in rank order."""
+        if not self.enabled:
+            return list(values)
+        out: list[list[float] | None] = [None] * self.world
+        tdist.all_gather_object(out, list(values))
+        return [v for part in out for v in (part or [])]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
+
+    def broadcast_object(self, obj: object) -> object:
+        if not self.enabled:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_distributed(threads: int = 0) -> Dist:
+    """Join the process group if launched by torchrun, and set the torch thread budget."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if world > 1 and not tdist.is_initialized():
+        tdist.init_process_group(backend="nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    elif world > 1 and not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return Dist(rank=rank, world=world, device=device)
+
+
+def shutdown(dist: Dist) -> None:
+    if dist.enabled and tdist.is_initialized():
+        tdist.destroy_process_group()

@@ -1,0 +1,94 @@
+"""Policy, reference and critic: transformers causal LMs loaded by path or id, and thin wrappers.
+
+The update never asks the model for its ``[B, L, V]`` logits. :class:`Backbone` returns the last
+hidden states, and the log-probs, entropy and exact KL come from the output head chunk by chunk
+(:func:`klpo.logprobs.fused`). Going through a module's ``forward`` keeps DDP's hooks in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_causal_lm(name_or_path: str, dtype: str = "float32"):
+    """A transformers causal LM from a local directory or a model id already in the local cache."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+    except OSError as err:
+        where = "directory" if Path(name_or_path).exists() else "model id"
+        raise FileNotFoundError(
+            f"could not load a causal LM from {where} {name_or_path!r}: {err}. Give a local "
+            "directory written by save_pretrained (models cannot be downloaded here), or "
+            "model.policy=builtin for the shipped arithmetic model."
+        ) from None
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+class Backbone(nn.Module):
+    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        out = self.model.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        return out.last_hidden_state
+
+    def head(self) -> tuple[Tensor, Tensor | None]:
+        """The output head's (weight [V, H], bias [V] or None)."""
+        lm_head = self.model.get_output_embeddings()
+        return lm_head.weight, getattr(lm_head, "bias", None)
+
+
+class Critic(nn.Module):
+    """PPO's critic: a causal-LM backbone and a linear value head, ``[B, L]`` values.
+
+    Initialised from the reference's backbone (its own copy, trained separately) and a zero value
+    head, so the first value predictions are 0 everywhere.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.backbone = Backbone(model)
+        hidden = model.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        self.value_head.to(next(model.parameters()).dtype)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        h = self.backbone(input_ids, attention_mask, position_ids)
+        return self.value_head(h).squeeze(-1).float()
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
