@@ -1,0 +1,365 @@
+r"""Advantages and returns: GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++.
+
+Per-token inputs are ``[B, T]`` with a ``mask`` (True = the token takes part). A row's valid tokens
+are taken **in order, skipping masked positions**: the "next" token of a valid token is the next
+valid one in the row, and after the last valid token the episode ends (value 0). With right padding
+this is the usual terminal at the end of the response; with holes in the mask (tool output inside
+a multi-turn response) it skips them, as verl's ``compute_gae_advantage_return`` does. Rewards and
+values at masked positions are ignored (they may be anything, even inf or NaN); every output is
+exactly 0 there.
+
+Per-token rewards carry everything: a task reward at the last valid token, and a KL penalty on any
+token (:func:`klpo.losses.kl_reward`). Sequence-level estimators (:func:`group_relative`,
+:func:`rloo`) take one reward per sequence, ``[N]``, with the ``G`` completions of a prompt
+contiguous (``rewards.view(-1, G)`` is one row per prompt); :func:`broadcast_to_tokens` spreads the
+result over each sequence's valid tokens.
+
+Everything here is a target, not a function of the parameters: outputs are computed under
+``torch.no_grad`` and returned detached. Arithmetic is in float64 (float32 on Apple's MPS);
+outputs are float32 (float64 when an input is float64).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "broadcast_to_tokens",
+    "gae",
+    "group_relative",
+    "group_std",
+    "reinforce_pp",
+    "returns_to_go",
+    "rloo",
+    "whiten",
+]
+
+StdMode = Literal["sample", "population", "none"]
+ScaleMode = Literal["group", "batch"]
+
+
+def _wide(x: Tensor) -> Tensor:
+    return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
+
+
+def _out(x: Tensor, *inputs: Tensor) -> Tensor:
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
+    return x.to(dtype)
+
+
+def _check_tokens(mask: Tensor, **tensors: Tensor) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise TypeError(
+            "mask must be a [B, T] bool tensor (True = the token takes part); got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)} of shape "
+            f"{tuple(getattr(mask, 'shape', ()))}; convert with mask.bool()"
+        )
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t))}")
+        if t.shape != mask.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}; "
+                f"both must be [B, T]"
+            )
+
+
+def _check_unit(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+def _check_groups(rewards: Tensor, group_size: int, what: str) -> None:
+    if not isinstance(rewards, Tensor) or rewards.dim() != 1 or not rewards.is_floating_point():
+        raise TypeError(
+            f"rewards must be a 1-D float tensor [N] (one reward per sequence), got "
+            f"{getattr(rewards, 'dtype', type(rewards).__name__)} of shape "
+            f"{tuple(getattr(rewards, 'shape', ()))}; sum per-token rewards over each sequence first"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if group_size == 1:
+        raise ValueError(
+            f"group_size=1: {what} compares each completion with the others of its prompt, so a "
+            "group of one has no baseline (every advantage would be 0); sample G >= 2 completions "
+            "per prompt, or use gae (a learned value) or reinforce_pp (a batch baseline)"
+        )
+    if rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of group_size={group_size}; "
+            f"rewards must hold the G completions of each prompt contiguously"
+        )
+    if not bool(torch.isfinite(rewards).all()):
+        bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()[:8]
+        raise ValueError(f"rewards must be finite; non-finite at indices {bad}")
+
+
+# --------------------------------------------------------------------------------------------
+# Token-level returns and GAE.
+
+
+def returns_to_go(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    r"""Discounted returns-to-go over each row's valid tokens.
+
+    ``G_t = r_t + gamma · G_{t'}``, with ``t'`` the next valid token of the row (``G = 0`` after
+    the last). With a task reward ``R`` at the last valid token and KL shaping
+    ``-beta · kl_s`` on every token, ``G_t = gamma^(n-1-k) R - beta sum_{s >= t} gamma^(k_s - k) kl_s``
+    (``k`` = index among the valid tokens): the KL of the *future* tokens reaches token ``t``,
+    which a per-token KL loss misses (Tang & Munos 2025, arXiv:2506.09477).
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards.
+        mask: ``[B, T]`` bool.
+        gamma: discount in [0, 1].
+
+    Returns:
+        ``[B, T]`` returns, 0 at masked tokens; detached.
+    """
+    _check_tokens(mask, rewards=rewards)
+    _check_unit("gamma", gamma)
+    with torch.no_grad():
+        r = _wide(rewards)
+        out = torch.zeros_like(r)
+        running = torch.zeros_like(r[:, 0])
+        for t in reversed(range(r.shape[1])):
+            m = mask[:, t]
+            running = torch.where(m, r[:, t] + gamma * running, running)
+            out[:, t] = torch.where(m, running, 0.0)
+    return _out(out, rewards)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    r"""Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16).
+
+    Over each row's valid tokens, with ``t'`` the next valid token and ``V_{t'} = 0`` after the
+    last one (the response ended):
+
+        delta_t = r_t + gamma · V_{t'} - V_t
+        A_t     = delta_t + gamma · lam · A_{t'}
+        R_t     = A_t + V_t                      (the value target, "returns")
+
+    ``lam = 1`` gives ``A_t = G_t - V_t`` (:func:`returns_to_go` minus the values); ``lam = 0``
+    gives the one-step TD error ``delta_t``. No whitening here: call :func:`whiten` on the result
+    if wanted (verl whitens inside its ``compute_gae_advantage_return``; klpo keeps it a separate
+    step so ``R_t`` and ``A_t`` stay consistent).
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards.
+        values: ``[B, T]`` the critic's V(s_t) at each token (detached here).
+        mask: ``[B, T]`` bool.
+        gamma: discount in [0, 1].
+        lam: GAE's lambda in [0, 1].
+
+    Returns:
+        ``(adv, returns)``, each ``[B, T]``, 0 at masked tokens; detached.
+    """
+    _check_tokens(mask, rewards=rewards, values=values)
+    _check_unit("gamma", gamma)
+    _check_unit("lam", lam)
+    with torch.no_grad():
+        r, v = _wide(rewards), _wide(values)
+        adv = torch.zeros_like(r)
+        next_value = torch.zeros_like(r[:, 0])
+        running = torch.zeros_like(r[:, 0])
+        for t in reversed(range(r.shape[1])):
+            m = mask[:, t]
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            running = torch.where(m, delta + gamma * lam * running, running)
+            next_value = torch.where(m, v[:, t], next_value)
+            adv[:, t] = torch.where(m, running, 0.0)
+        ret = torch.where(mask, adv + v, 0.0)
+    return _out(adv, rewards, values), _out(ret, rewards, values)
+
+
+def whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    r"""Normalise ``x`` over its valid tokens: ``(x - mean) / sqrt(var + eps)``.
+
+    ``mean`` and ``var`` are over the tokens where ``mask`` is True, ``var`` with Bessel's
+    correction (``n / (n - 1)``), ``eps`` inside the square root: the convention of verl's and
+    TRL's ``masked_whiten``. With ``shift_mean=False`` the mean is added back (only the scale
+    changes). Where every valid value is equal (or only one is valid) the centred values are
+    exactly 0, so the output is 0 (``mean`` with ``shift_mean=False``), never NaN.
+
+    Args:
+        x: ``[B, T]``.
+        mask: ``[B, T]`` bool; the statistics are over this whole tensor (pass the whole rollout
+            batch, not a micro-batch).
+        shift_mean: subtract the mean (True) or keep it.
+        eps: added to the variance.
+
+    Returns:
+        ``[B, T]``, 0 at masked tokens; detached.
+    """
+    _check_tokens(mask, x=x)
+    with torch.no_grad():
+        w = _wide(x)
+        n = mask.sum()
+        if int(n) == 0:
+            return _out(torch.zeros_like(w), x)
+        mean = torch.where(mask, w, 0.0).sum() / n
+        centred = torch.where(mask, w - mean, 0.0)
+        vmax = torch.where(mask, w, -torch.inf).max()
+        vmin = torch.where(mask, w, torch.inf).min()
+        if bool(vmax == vmin):
+            centred = torch.zeros_like(centred)
+        var = (centred * centred).sum() / (n - 1).clamp_min(1)
+        out = centred * torch.rsqrt(var + eps)
+        if not shift_mean:
+            out = out + mean
+        out = torch.where(mask, out, 0.0)
+    return _out(out, x)
+
+
+def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8) -> Tensor:
+    r"""REINFORCE++ advantages: returns-to-go whitened over the batch (Hu 2025, arXiv:2501.03262).
+
+    ``A_t = whiten(G)_t`` with ``G`` = :func:`returns_to_go` of the per-token rewards (task
+    reward at the last valid token, the KL penalty of :func:`klpo.losses.kl_reward` on every
+    token) and the mean and variance taken over all valid tokens of the batch. Matches verl's
+    ``compute_reinforce_plus_plus_outcome_advantage``.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards, KL shaping included.
+        mask: ``[B, T]`` bool.
+        gamma: discount in [0, 1].
+        eps: added to the variance in :func:`whiten`.
+
+    Returns:
+        ``[B, T]`` advantages, 0 at masked tokens; detached.
+    """
+    return whiten(returns_to_go(rewards, mask, gamma=gamma), mask, eps=eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Sequence-level (critic-free) estimators.
+
+
+def _centred(r: Tensor) -> Tensor:
+    """``r - mean(r)`` per row of ``[P, G]``; exactly 0 in a row of identical rewards."""
+    centred = r - r.mean(dim=1, keepdim=True)
+    same = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return torch.where(same, 0.0, centred)
+
+
+def group_relative(
+    rewards: Tensor,
+    group_size: int,
+    *,
+    std: StdMode = "sample",
+    scale: ScaleMode = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    r"""Group-relative advantages (GRPO; Dr. GRPO with ``std="none"``).
+
+    ``A_i = (r_i - mean_g(r)) / (s + eps)`` over the ``G = group_size`` completions of the
+    prompt (DeepSeekMath, arXiv:2402.03300, §4.1.2), where ``s`` is
+
+    - ``std="sample"``: the standard deviation with Bessel's correction (ddof 1, ``torch.std``'s
+      default, as verl and TRL);
+    - ``std="population"``: ddof 0;
+    - ``std="none"``: no division (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783: the std
+      normalisation up-weights too-easy and too-hard prompts);
+
+    taken over the group (``scale="group"``) or over every reward in the batch
+    (``scale="batch"``, TRL's ``scale_rewards="batch"``: the group mean is still subtracted).
+
+    Example, rewards (1, 0, 0, 0): "none" → (0.75, -0.25, -0.25, -0.25); "sample" (s = 0.5) →
+    (1.5, -0.5, -0.5, -0.5); "population" (s = 0.4330127) → (1.7320508, -0.5773503, ...).
+
+    A group of identical rewards gets exactly zero advantages (never NaN, even with eps = 0).
+
+    Args:
+        rewards: ``[N]`` one reward per sequence, ``N = P · G``, each prompt's completions
+            contiguous.
+        group_size: ``G >= 2``.
+        std: ``"sample"``, ``"population"`` or ``"none"``.
+        scale: ``"group"`` or ``"batch"`` (which rewards ``s`` is computed over).
+        eps: added to ``s`` (verl 1e-6; TRL 1e-4).
+
+    Returns:
+        ``[N]`` advantages; detached.
+    """
+    _check_groups(rewards, group_size, "a group-relative advantage")
+    if std not in ("sample", "population", "none"):
+        raise ValueError(f"std must be 'sample', 'population' or 'none', got {std!r}")
+    if scale not in ("group", "batch"):
+        raise ValueError(f"scale must be 'group' or 'batch', got {scale!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    with torch.no_grad():
+        r = _wide(rewards).view(-1, group_size)
+        centred = _centred(r)
+        if std == "none":
+            adv = centred
+        else:
+            ddof = 1 if std == "sample" else 0
+            if scale == "group":
+                s = r.std(dim=1, correction=ddof, keepdim=True)
+            else:
+                s = r.flatten().std(correction=ddof)
+            adv = torch.where(centred == 0, 0.0, centred / (s + eps))
+    return _out(adv.flatten(), rewards)
+
+
+def rloo(rewards: Tensor, group_size: int) -> Tensor:
+    r"""REINFORCE leave-one-out advantages (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
+
+    ``A_i = r_i - (1/(G-1)) sum_{j != i} r_j = G/(G-1) · (r_i - mean_g(r))``. Example, rewards
+    (1, 0, 0, 0): (1, -1/3, -1/3, -1/3). A group of identical rewards gets exactly zero.
+
+    Args:
+        rewards: ``[N]``, each prompt's ``G`` completions contiguous.
+        group_size: ``G >= 2``.
+
+    Returns:
+        ``[N]`` advantages; detached.
+    """
+    _check_groups(rewards, group_size, "RLOO")
+    with torch.no_grad():
+        r = _wide(rewards).view(-1, group_size)
+        adv = _centred(r) * (group_size / (group_size - 1))
+    return _out(adv.flatten(), rewards)
+
+
+def group_std(rewards: Tensor, group_size: int, *, ddof: int = 1) -> Tensor:
+    """Per-prompt standard deviation of the rewards, ``[N // G]``: the spread a
+    :class:`klpo.control.SpreadScaledKL` controller reads (pass its mean over prompts).
+
+    Args:
+        rewards: ``[N]``, each prompt's ``G`` completions contiguous.
+        group_size: ``G >= 2``.
+        ddof: 1 (sample, default) or 0 (population).
+
+    Returns:
+        ``[N // G]``; exactly 0 for a group of identical rewards; detached.
+    """
+    _check_groups(rewards, group_size, "a group standard deviation")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof!r}")
+    with torch.no_grad():
+        r = _wide(rewards).view(-1, group_size)
+        c = _centred(r)
+        s = ((c * c).sum(dim=1) / (group_size - ddof)).sqrt()
+    return _out(s, rewards)
+
+
+def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
+    """Spread a per-sequence value ``[B]`` over the valid tokens of each row: ``[B, T]``.
+
+    ``out[b, t] = adv[b]`` where ``mask[b, t]``, else 0 (the GRPO advantage is the same for every
+    token of a completion, DeepSeekMath §4.1.2). Gradients pass through to ``adv`` (it is not
+    detached here).
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise TypeError("mask must be a [B, T] bool tensor (True = the token takes part)")
+    if not isinstance(adv, Tensor) or adv.shape != mask.shape[:1]:
+        raise ValueError(
+            f"adv must be [B] = [{mask.shape[0]}] (one value per row of mask), got "
+            f"{tuple(getattr(adv, 'shape', ()))}"
+        )
+    return torch.where(mask, adv[:, None], 0.0)

@@ -1,0 +1,555 @@
+r"""Per-token losses of policy optimisation: PPO's surrogates, the value loss, entropy, the KL terms.
+
+Every loss here is a per-token ``[B, T]`` tensor to be *minimised*; reduce it with
+:func:`klpo.reduce.reduce` and the batch's mask. Inputs, for tokens ``y_t`` sampled from the
+policy ``pi_old`` that generated the batch:
+
+- ``logp``: ``[B, T]`` log pi_theta(y_t), the policy being trained (carries the gradient);
+- ``logp_old``: ``[B, T]`` log pi_old(y_t) (detached here);
+- ``logp_ref``: ``[B, T]`` log pi_ref(y_t), the frozen reference (a constant);
+- ``adv``: ``[B, T]`` advantages (detached here), see :mod:`klpo.advantages`.
+
+The ratio is ``ratio = pi_theta / pi_old = exp(logp - logp_old)``. It is computed in float64
+(float32 on Apple's MPS) with its exponent capped at ±700 in the value only, so a ratio is finite
+and a masked or clipped token's gradient is exactly 0 instead of ``0 · inf = NaN``. Outputs are
+float32 (float64 when an input is float64). verl instead clamps the log-ratio to [-20, 20], which
+zeroes the gradient beyond; klpo does not clamp.
+
+Metrics (:func:`policy_metrics`, :func:`value_metrics`, :func:`kl_metrics`) are computed under
+``torch.no_grad`` as token means over the loss's mask and returned as plain floats with namespaced
+keys; with no valid token every metric is 0.0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from klpo import kl
+from klpo.reduce import masked_mean
+
+__all__ = [
+    "entropy_bonus",
+    "kl_loss",
+    "kl_metrics",
+    "kl_reward",
+    "policy_metrics",
+    "ppo_clip",
+    "ppo_kl_penalty",
+    "value_loss",
+    "value_metrics",
+]
+
+OldKL = Literal["k1", "k3"]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _wide_dtype(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.device.type == "mps" else torch.float64
+
+
+def _out(x: Tensor, *inputs: Tensor | None) -> Tensor:
+    f64 = any(t is not None and t.dtype == torch.float64 for t in inputs)
+    return x.to(torch.float64 if f64 else torch.float32)
+
+
+def _check(ref: Tensor, **tensors: Tensor) -> None:
+    """Every tensor is a float tensor of ``ref``'s shape."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t))}")
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but logp/values have shape "
+                f"{tuple(ref.shape)}; all per-token inputs must be [B, T] over the same tokens"
+            )
+
+
+def _check_mask(ref: Tensor, mask: Tensor) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(
+            "mask must be a bool tensor (True = the token takes part); convert with mask.bool()"
+        )
+    if mask.shape != ref.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(ref.shape)}")
+
+
+def _capped(x: Tensor) -> Tensor:
+    """x capped to ±700 (±85 in float32) in the value only, for use as an exponent: exp of it is
+    finite, so ``0 · exp`` is 0, never NaN. The gradient passes straight through the cap."""
+    cap = 700.0 if x.dtype == torch.float64 else 85.0
+    return x + (x.clamp(-cap, cap) - x).detach()
+
+
+def _capped_exp(x: Tensor) -> Tensor:
+    return torch.exp(_capped(x))
+
+
+def _log_ratio(logp: Tensor, logp_old: Tensor) -> Tensor:
+    """u = logp - sg(logp_old), in the wide dtype; the gradient flows into logp only."""
+    if not isinstance(logp, Tensor) or not logp.is_floating_point():
+        raise TypeError(f"logp must be a float tensor, got {getattr(logp, 'dtype', type(logp))}")
+    _check(logp, logp_old=logp_old)
+    wide = _wide_dtype(logp)
+    return logp.to(wide) - logp_old.detach().to(wide)
+
+
+# --------------------------------------------------------------------------------------------
+# Policy surrogates.
+
+
+def ppo_clip(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> Tensor:
+    r"""PPO's clipped surrogate, per token, as a loss (Schulman et al. 2017, arXiv:1707.06347, eq. 7).
+
+        loss_t = max(-ratio · A, -clip(ratio, 1 - clip_low, 1 + clip_high) · A)
+
+    with separate ranges below and above 1 (DAPO's clip-higher, Yu et al. 2025,
+    arXiv:2503.14476, §3.1: ``clip_low = 0.2, clip_high = 0.28``). With ``dual_clip = c > 1``
+    (Ye et al. 2020, arXiv:1912.09729, eq. 5), tokens with ``A < 0`` are further bounded,
+    ``loss_t = min(loss_t, -c · A)``, so a huge ratio on a bad token cannot blow the loss up
+    (verl's ``clip_ratio_c``, default 3).
+
+    Gradient with respect to ``logp``: ``-A · ratio`` where the unclipped branch is active,
+    exactly 0 where a clip binds (``A > 0, ratio > 1 + clip_high``; ``A < 0, ratio < 1 -
+    clip_low``; with the dual clip, ``A < 0, ratio > c``). ``logp_old`` and ``adv`` are detached.
+
+    Args:
+        logp, logp_old, adv: ``[B, T]``.
+        clip_low: the lower range, in [0, 1).
+        clip_high: the upper range, >= 0.
+        dual_clip: ``c > 1``, or None for no dual clip.
+
+    Returns:
+        ``[B, T]`` per-token loss.
+    """
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+    if not clip_high >= 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (the bound is -c·A for A < 0), got {dual_clip!r}")
+    u = _log_ratio(logp, logp_old)
+    _check(logp, adv=adv)
+    a = adv.detach().to(u.dtype)
+    ratio = _capped_exp(u)
+    loss = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    if dual_clip is not None:
+        loss = torch.where(a < 0, torch.minimum(loss, -a * dual_clip), loss)
+    return _out(loss, logp, logp_old, adv)
+
+
+def _kl_old(u: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi_old ‖ pi_theta) from y ~ pi_old, u = logp - logp_old."""
+    if estimator == "k1":
+        return -u
+    if estimator == "k3":
+        # (r - 1) - log r with r = pi_theta / pi_old = exp(u); expm1 keeps it accurate near u = 0.
+        return torch.expm1(_capped(u)) - u
+    raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def ppo_kl_penalty(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    *,
+    beta: float,
+    estimator: OldKL = "k3",
+) -> Tensor:
+    r"""PPO's adaptive-KL-penalty surrogate, per token, as a loss (Schulman et al. 2017, eq. 8).
+
+        loss_t = -ratio · A + beta · kl_t,    kl_t ≈ KL(pi_old ‖ pi_theta) at the token's position
+
+    The penalty is to the *previous* policy pi_old (not to pi_ref); adapt ``beta`` between
+    updates with :class:`klpo.control.PPOAdaptiveKL`. ``kl_t`` is estimated from the sampled
+    token y_t ~ pi_old, with ``r = pi_theta(y_t) / pi_old(y_t) = exp(u)``:
+
+    - ``"k3"`` (default): ``(r - 1) - log r`` (Schulman 2020's k3 for KL[q, p] with q = pi_old,
+      p = pi_theta): never negative, unbiased for every theta because E_old[r] = 1;
+    - ``"k1"``: ``-log r = logp_old - logp``: unbiased, can be negative.
+
+    Because the samples come from pi_old, which does not depend on theta, an estimator that is
+    unbiased *for every theta* also has the right expected gradient:
+    ``E_old[grad k1] = -E_old[grad logp] = grad KL(pi_old ‖ pi_theta)`` and
+    ``E_old[grad k3] = E_old[(r - 1) grad logp] = E_theta[grad logp] - E_old[grad logp]``, the
+    same, since ``E_theta[grad logp] = 0``. (k2 = u²/2 would not be: E_old[u²/2] is not the KL.)
+    Both are proved by enumeration in the tests.
+
+    Gradient with respect to ``logp``: ``-A · ratio + beta · (ratio - 1)`` (k3) or
+    ``-A · ratio - beta`` (k1). ``logp_old`` and ``adv`` are detached.
+
+    Args:
+        logp, logp_old, adv: ``[B, T]``.
+        beta: the penalty coefficient, >= 0.
+        estimator: ``"k3"`` or ``"k1"``.
+
+    Returns:
+        ``[B, T]`` per-token loss.
+    """
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    u = _log_ratio(logp, logp_old)
+    _check(logp, adv=adv)
+    a = adv.detach().to(u.dtype)
+    loss = -a * _capped_exp(u) + beta * _kl_old(u, estimator)
+    return _out(loss, logp, logp_old, adv)
+
+
+# --------------------------------------------------------------------------------------------
+# Value loss and entropy.
+
+
+def value_loss(
+    values: Tensor, values_old: Tensor, returns: Tensor, *, clip: float | None = None
+) -> Tensor:
+    r"""The critic's squared error, optionally clipped around the old values (PPO2's value clip).
+
+        loss_t = ½ (V_t - R_t)²                                             (clip = None)
+        loss_t = ½ max((V_t - R_t)², (clamp(V_t, V_old - c, V_old + c) - R_t)²)   (clip = c)
+
+    The clipped form is OpenAI baselines' ``ppo2`` and verl's ``compute_value_loss`` (with its
+    ½). Gradient with respect to ``values``: ``V_t - R_t`` where the unclipped term is the max,
+    ``clamp(V) - R`` times the clamp's derivative (1 inside, 0 outside the range) where the
+    clipped one is. ``values_old`` and ``returns`` (targets) are detached.
+
+    Args:
+        values: ``[B, T]`` the critic's current predictions (carry the gradient).
+        values_old: ``[B, T]`` its predictions at rollout time.
+        returns: ``[B, T]`` the targets, e.g. from :func:`klpo.advantages.gae`.
+        clip: ``c > 0``, or None.
+
+    Returns:
+        ``[B, T]`` per-token loss.
+    """
+    if not isinstance(values, Tensor) or not values.is_floating_point():
+        raise TypeError("values must be a float tensor")
+    _check(values, values_old=values_old, returns=returns)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be > 0 or None, got {clip!r}")
+    wide = _wide_dtype(values)
+    v, ret = values.to(wide), returns.detach().to(wide)
+    loss = (v - ret) ** 2
+    if clip is not None:
+        v_old = values_old.detach().to(wide)
+        clipped = torch.clamp(v, v_old - clip, v_old + clip)
+        loss = torch.maximum(loss, (clipped - ret) ** 2)
+    return _out(0.5 * loss, values, values_old, returns)
+
+
+def entropy_bonus(entropy: Tensor) -> Tensor:
+    r"""The entropy bonus as a loss: ``-H_t`` per token (add ``coef · entropy_bonus(H)``).
+
+    ``H_t = -sum_v pi(v) log pi(v)`` is the exact per-token entropy of the policy's next-token
+    distribution (``klpo.logprobs.entropy(logits)``); minimising ``-H`` raises it (Mnih et al.
+    2016, arXiv:1602.01783; PPO eq. 9). Gradient with respect to the logits:
+    ``pi ⊙ (log pi + H)``.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropies (carry the gradient).
+
+    Returns:
+        ``[B, T]``.
+    """
+    if not isinstance(entropy, Tensor) or not entropy.is_floating_point():
+        raise TypeError("entropy must be a float tensor of per-token entropies [B, T]")
+    return _out(-entropy, entropy)
+
+
+# --------------------------------------------------------------------------------------------
+# The KL to the reference: in the loss, in the reward.
+
+# How each estimator is corrected for tokens sampled from pi_old (see kl_loss). Every name in
+# klpo.kl.ESTIMATORS must appear here: a new estimator fails loudly until its rule is decided.
+_WEIGHTED = frozenset(
+    {"k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+", "low_var_kl", "kl_ref_theta"}
+)
+_CARRIES_WEIGHT = frozenset({"k3_is"})  # w · k3 with the gradient through w already
+_TOKEN_FREE = frozenset({"full"})  # value at a position does not depend on the sampled token
+
+
+def kl_loss(
+    name: str,
+    logp: Tensor | None,
+    logp_ref: Tensor | None,
+    *,
+    logp_old: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+) -> Tensor:
+    r"""The KL term of the loss, per token, corrected for tokens sampled from pi_old.
+
+    On-policy (y ~ pi_theta) the loss term ``est`` of :func:`klpo.kl.estimate` follows the
+    expected gradient ``E_theta[grad est]`` that ``klpo.kl.explain(name, "loss")`` states. After
+    the first PPO epoch the tokens come from pi_old ≠ pi_theta; to keep that same expected
+    gradient (and expected value), each term is importance-weighted with a *detached* weight:
+
+        kl_loss_t = sg(w_t) · est_t,    w_t = pi_theta(y_t) / pi_old(y_t) = exp(logp - logp_old)
+
+    since ``E_old[sg(w) grad est] = sum_y pi_old(y) (pi_theta(y)/pi_old(y)) grad est(y) =
+    E_theta[grad est]`` (Liu et al. 2025, arXiv:2510.01555, "a principled correction").
+    Two estimators differ:
+
+    - ``k3_is`` already is ``w · k3`` with the gradient flowing through ``w``; its expected
+      gradient over y ~ pi_old is grad KL(pi_theta ‖ pi_ref), what it promises on-policy. It is
+      returned as is (no second weight).
+    - ``full`` is the exact KL over the vocabulary at the position: its value does not depend on
+      the sampled token, so there is nothing to reweight (a weight would have expectation 1 and
+      only add variance). Returned as is.
+
+    The correction is per token: the *prefix* was also generated by pi_old, which no per-token
+    weight repairs (as for PPO's own per-token ratio). ``w`` is not clipped.
+
+    Args:
+        name: one of :data:`klpo.kl.ESTIMATORS`.
+        logp: ``[B, T]`` log pi_theta of the sampled tokens (carries the gradient); ignored by
+            ``full``.
+        logp_ref: ``[B, T]`` log pi_ref of the same tokens; ignored by ``full``.
+        logp_old: ``[B, T]`` log pi_old, the sampling policy (detached); None means on-policy
+            (``logp.detach()``: w = 1).
+        logits, logits_ref: ``[B, T, V]``, for ``full``.
+
+    Returns:
+        ``[B, T]``; multiply by beta and reduce like the policy loss.
+    """
+    if name in _TOKEN_FREE:
+        return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref)
+    if name not in _WEIGHTED | _CARRIES_WEIGHT:
+        if name in kl.ESTIMATORS:
+            raise NotImplementedError(
+                f"kl_loss has no off-policy rule for estimator {name!r} yet; add it to "
+                "klpo.losses._WEIGHTED, _CARRIES_WEIGHT or _TOKEN_FREE with a test"
+            )
+        kl.estimate(name, logp, logp_ref)  # raises the estimator-name error, listing the names
+    if logp is None or logp_ref is None:
+        raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
+    if logp_old is None:
+        logp_old = logp.detach()
+    est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach())
+    if name in _CARRIES_WEIGHT:
+        return est
+    u = _log_ratio(logp, logp_old).detach()
+    return _out(_capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
+
+
+def kl_reward(
+    rewards: Tensor,
+    logp: Tensor | None,
+    logp_ref: Tensor | None,
+    mask: Tensor,
+    *,
+    beta: float,
+    estimator: str = "k1",
+    logp_old: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+) -> Tensor:
+    r"""KL in the reward: ``rewards_t - beta · sg(est_t)`` on the valid tokens (classic RLHF shaping).
+
+    The per-token penalty of Ziegler et al. 2019 (arXiv:1909.08593) and InstructGPT, k1 by
+    default: ``r_t - beta · (log pi(y_t) - log pi_ref(y_t))``, computed at rollout time from the
+    sampling policy's log-probs and **detached**. Use it before :func:`klpo.advantages.gae`,
+    :func:`~klpo.advantages.returns_to_go` or :func:`~klpo.advantages.reinforce_pp` (per token),
+    or sum it over each sequence before the group estimators. With returns-to-go, k1 in the
+    reward follows grad KL(pi_theta ‖ pi_ref) of the whole sequence (``klpo.kl.explain(name,
+    "reward")`` gives the per-token answer for every estimator).
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards (a task reward at the last valid token).
+        logp: ``[B, T]`` log-probs of the sampled tokens under the sampling policy.
+        logp_ref: ``[B, T]`` log pi_ref of the same tokens.
+        mask: ``[B, T]`` bool.
+        beta: the coefficient, >= 0 (e.g. a controller's ``.value``).
+        estimator: one of :data:`klpo.kl.ESTIMATORS`.
+        logp_old: for ``k3_is`` (default ``logp``: at rollout time the policy is pi_old).
+        logits, logits_ref: ``[B, T, V]``, for ``full``.
+
+    Returns:
+        ``[B, T]`` shaped rewards, 0 at masked tokens; detached.
+    """
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
+        raise TypeError("rewards must be a float tensor [B, T]")
+    _check_mask(rewards, mask)
+    with torch.no_grad():
+        if logp_old is None and logp is not None:
+            logp_old = logp
+        est = kl.estimate(
+            estimator, logp, logp_ref, logp_old=logp_old, logits=logits, logits_ref=logits_ref
+        )
+        if est.shape != rewards.shape:
+            raise ValueError(
+                f"the KL estimate has shape {tuple(est.shape)} but rewards {tuple(rewards.shape)}"
+            )
+        f64 = torch.float64 in (est.dtype, rewards.dtype)
+        r = rewards.detach().to(torch.float64 if f64 else torch.float32)
+        out = torch.where(mask, r - beta * est.to(r.dtype), 0.0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics.
+
+
+def _floats(values: dict[str, Tensor]) -> dict[str, float]:
+    """One device sync for the whole dict; NaN never leaves (0-token means are 0 already)."""
+    keys = list(values)
+    stacked = torch.stack([values[k].detach().to(torch.float64).reshape(()) for k in keys])
+    return dict(zip(keys, stacked.cpu().tolist(), strict=True))
+
+
+def _masked_extreme(x: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    fill = -torch.inf if largest else torch.inf
+    v = torch.where(mask, x, fill)
+    ext = v.max() if largest else v.min()
+    return torch.where(mask.any(), ext, 0.0)
+
+
+def policy_metrics(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> dict[str, float]:
+    r"""Diagnostics of the PPO update, token means over ``mask``, under ``no_grad``.
+
+    Keys:
+
+    - ``clip_frac``: tokens where a clip binds (``clip_frac/low + clip_frac/high``; verl's
+      ``pg_clipfrac``);
+    - ``clip_frac/high``: ``A > 0`` and ``ratio > 1 + clip_high``;
+    - ``clip_frac/low``: ``A < 0`` and ``ratio < 1 - clip_low``;
+    - ``clip_frac/dual``: ``A < 0`` and ``ratio > dual_clip`` (0 without a dual clip; verl's
+      ``pg_clipfrac_lower``);
+    - ``kl/old/k1``: mean of ``logp_old - logp``, k1 of KL(pi_old ‖ pi_theta) (verl's ``ppo_kl``);
+    - ``kl/old/k3``: mean of ``(r - 1) - log r``, k3 of the same KL (≥ 0, lower variance);
+    - ``ratio/mean``, ``ratio/max``, ``ratio/min``: of ``r = pi_theta / pi_old``.
+
+    Args:
+        logp, logp_old, adv, mask: ``[B, T]``.
+        clip_low, clip_high, dual_clip: as :func:`ppo_clip`.
+
+    Returns:
+        a dict of floats.
+    """
+    _check_mask(logp, mask)
+    with torch.no_grad():
+        u = _log_ratio(logp, logp_old)
+        _check(logp, adv=adv)
+        a = adv.detach().to(u.dtype)
+        ratio = _capped_exp(u)
+        high = (a > 0) & (ratio > 1.0 + clip_high)
+        low = (a < 0) & (ratio < 1.0 - clip_low)
+        dual = (a < 0) & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(mask)
+        values = {
+            "clip_frac": masked_mean((high | low).double(), mask),
+            "clip_frac/high": masked_mean(high.double(), mask),
+            "clip_frac/low": masked_mean(low.double(), mask),
+            "clip_frac/dual": masked_mean(dual.double(), mask),
+            "kl/old/k1": masked_mean(_kl_old(u, "k1"), mask),
+            "kl/old/k3": masked_mean(_kl_old(u, "k3"), mask),
+            "ratio/mean": masked_mean(ratio, mask),
+            "ratio/max": _masked_extreme(ratio, mask, largest=True),
+            "ratio/min": _masked_extreme(ratio, mask, largest=False),
+        }
+    return _floats(values)
+
+
+def value_metrics(
+    values: Tensor,
+    values_old: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = None,
+) -> dict[str, float]:
+    r"""Diagnostics of the critic, token means over ``mask``, under ``no_grad``.
+
+    Keys:
+
+    - ``value/clip_frac``: tokens where the clipped term is strictly the larger (verl's
+      ``vf_clipfrac``; 0 without a clip);
+    - ``value/explained_var``: ``1 - Var(R - V) / Var(R)`` over the valid tokens (1 is a perfect
+      critic, 0 no better than a constant; 0.0 when Var(R) = 0);
+    - ``value/mean``: mean of V; ``value/mse``: mean of (V - R)².
+
+    Args:
+        values, values_old, returns, mask: ``[B, T]``.
+        clip: as :func:`value_loss`.
+
+    Returns:
+        a dict of floats.
+    """
+    _check_mask(values, mask)
+    with torch.no_grad():
+        _check(values, values_old=values_old, returns=returns)
+        v, v_old, ret = (t.detach().to(torch.float64) for t in (values, values_old, returns))
+        err = (v - ret) ** 2
+        if clip is not None:
+            clipped = (torch.clamp(v, v_old - clip, v_old + clip) - ret) ** 2
+            clip_frac = masked_mean((clipped > err).double(), mask)
+        else:
+            clip_frac = torch.zeros((), dtype=torch.float64)
+        var_r = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
+        resid = ret - v
+        var_resid = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+        explained = torch.where(
+            var_r > 0, 1.0 - var_resid / torch.where(var_r > 0, var_r, 1.0), 0.0
+        )
+        out = {
+            "value/clip_frac": clip_frac,
+            "value/explained_var": explained,
+            "value/mean": masked_mean(v, mask),
+            "value/mse": masked_mean(err, mask),
+        }
+    return _floats(out)
+
+
+def kl_metrics(
+    logp: Tensor | None,
+    logp_ref: Tensor | None,
+    mask: Tensor,
+    *,
+    estimators: tuple[str, ...] = ("k1", "k3"),
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+) -> dict[str, float]:
+    r"""Token-mean estimates of KL(pi_theta ‖ pi_ref), one key ``kl/ref/<name>`` per estimator.
+
+    On-policy tokens (the rollout) make ``kl/ref/k1`` and ``kl/ref/k3`` unbiased estimates of the
+    per-token KL; ``kl/ref/full`` (pass ``logits``, ``logits_ref``) is exact at each position.
+
+    Args:
+        logp, logp_ref, mask: ``[B, T]``.
+        estimators: names from :data:`klpo.kl.ESTIMATORS` (``k3_is`` is evaluated with w = 1).
+        logits, logits_ref: ``[B, T, V]``, for ``full``.
+
+    Returns:
+        a dict of floats.
+    """
+    with torch.no_grad():
+        out = {}
+        for name in estimators:
+            est = kl.estimate(
+                name, logp, logp_ref, logp_old=logp, logits=logits, logits_ref=logits_ref
+            )
+            _check_mask(est, mask)
+            out[f"kl/ref/{name}"] = masked_mean(est, mask)
+    return _floats(out)
