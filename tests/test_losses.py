@@ -347,6 +347,12 @@ def test_kl_reward_hand():
     assert torch.isfinite(L.kl_reward(rewards, logp, -far, mask, beta=0.1, estimator="k3")).all()
     with pytest.raises(ValueError, match="beta"):
         L.kl_reward(rewards, logp, logp_ref, mask, beta=-1.0)
+    # a precomputed estimate (the fused exact KL) is used as given, detached:
+    # 1 - 0.1 * 0.3 = 0.97 at the last valid token
+    est = torch.full((1, 4), 0.3, requires_grad=True)
+    pre = L.kl_reward(rewards, None, None, mask, beta=0.1, estimate=est)
+    np.testing.assert_allclose(pre.numpy(), [[-0.03, -0.03, 0.97, 0.0]], rtol=1e-6)
+    assert not pre.requires_grad
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -107,6 +108,46 @@ def _table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool
             *grads,
         )
     return table
+
+
+@app.command()
+def train(
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="YAML config (see configs/); built-in defaults if omitted."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a config key, e.g. --set kl.beta=0.02 (repeatable)."
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue the run in this directory from its last checkpoint."
+    ),
+) -> None:
+    """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
+
+    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel.
+    """
+    from klpo.train.config import ConfigError, load_config
+
+    try:
+        if resume is not None:
+            saved = resume / "config.yaml"
+            if not saved.is_file():
+                raise ConfigError(f"--resume {resume}: no config.yaml there, so no run to resume")
+            cfg = load_config(config or saved, [*overrides, f"run.out_dir={resume}"])
+        else:
+            cfg = load_config(config, overrides)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+    from klpo.train.loop import train as run_training
+    from klpo.train.rewards import RewardError
+
+    try:
+        run_training(cfg, resume=resume is not None, log=lambda msg: typer.echo(msg, err=True))
+    except (ConfigError, RewardError, FileNotFoundError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
 
 
 def main() -> None:

@@ -355,6 +355,7 @@ def kl_reward(
     logp_old: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    estimate: Tensor | None = None,
 ) -> Tensor:
     r"""KL in the reward: ``rewards_t - beta · sg(est_t)`` on the valid tokens (classic RLHF shaping).
 
@@ -375,6 +376,9 @@ def kl_reward(
         estimator: one of :data:`klpo.kl.ESTIMATORS`.
         logp_old: for ``k3_is`` (default ``logp``: at rollout time the policy is pi_old).
         logits, logits_ref: ``[B, T, V]``, for ``full``.
+        estimate: ``[B, T]`` the per-token estimate already computed (e.g. ``full`` from
+            :func:`klpo.logprobs.fused`, which never builds the logits); then ``estimator``,
+            ``logp``, ``logp_ref`` and the logits are not used.
 
     Returns:
         ``[B, T]`` shaped rewards, 0 at masked tokens; detached.
@@ -387,9 +391,12 @@ def kl_reward(
     with torch.no_grad():
         if logp_old is None and logp is not None:
             logp_old = logp
-        est = kl.estimate(
-            estimator, logp, logp_ref, logp_old=logp_old, logits=logits, logits_ref=logits_ref
-        )
+        if estimate is not None:
+            est = estimate.detach()
+        else:
+            est = kl.estimate(
+                estimator, logp, logp_ref, logp_old=logp_old, logits=logits, logits_ref=logits_ref
+            )
         if est.shape != rewards.shape:
             raise ValueError(
                 f"the KL estimate has shape {tuple(est.shape)} but rewards {tuple(rewards.shape)}"

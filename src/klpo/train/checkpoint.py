@@ -5,7 +5,7 @@ Layout of ``RUN/checkpoints/step_000050/``::
     policy/            save_pretrained of the policy (config.json, model.safetensors)
     critic.safetensors the critic (backbone + value head), PPO only
     optim.safetensors  every optimizer's state tensors; the structure is in state.json
-    rng.safetensors    torch's CPU generator state (and CUDA's where present)
+    rng.safetensors    every rank's torch generator states (CPU, and CUDA's where present)
     state.json         step, data position, controllers, optimizer structure, python/numpy RNG
 
 A checkpoint is built in a temporary directory beside its final place and renamed into it, and
@@ -106,6 +106,7 @@ def save_checkpoint(
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
     critic: torch.nn.Module | None = None,
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
@@ -117,6 +118,7 @@ def save_checkpoint(
         policy: a transformers model (``save_pretrained``).
         optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
         critic: PPO's critic module, or None.
+        rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
 
@@ -140,7 +142,9 @@ def save_checkpoint(
         optim_structure[name] = s
     if optim_tensors:
         save_file(optim_tensors, str(tmp / "optim.safetensors"))
-    rng_tensors, rng_plain = rng_state()
+    rng = rng if rng is not None else [rng_state()]
+    rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
+    rng_plain = [plain for _, plain in rng]
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
     write_text_atomic(tmp / "state.json", json.dumps(meta))
@@ -193,8 +197,17 @@ def restore_optimizers(
         opt.load_state_dict(_unflatten_optimizer(structure, tensors))
 
 
-def restore_rng(ckpt: Path, meta: dict[str, Any]) -> None:
-    set_rng_state(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
+def restore_rng(ckpt: Path, meta: dict[str, Any], rank: int = 0) -> None:
+    """Restore this rank's generators; the world size must be the one that saved them."""
+    if rank >= len(meta["rng"]):
+        raise ValueError(
+            f"checkpoint {ckpt} was written by {len(meta['rng'])} process(es); resume it with "
+            "the same number of processes"
+        )
+    tensors = load_file(str(ckpt / "rng.safetensors"))
+    prefix = f"rank{rank}."
+    mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    set_rng_state(mine, meta["rng"][rank])
 
 
 def restore_critic(ckpt: Path, critic: torch.nn.Module) -> None:

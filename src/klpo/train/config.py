@@ -97,13 +97,23 @@ class AlgoConfig(_Section):
         "sample", description="Group advantage scale: sample or population std, or none (Dr. GRPO)."
     )
     loss_reduction: str = Field(
-        "token-mean", description=f"How per-token losses are reduced: one of {', '.join(reduce.MODES)}."
+        "token-mean",
+        description=f"How per-token losses are reduced: one of {', '.join(reduce.MODES)}.",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO, REINFORCE++).")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
+    policy_loss: Literal["clip", "kl-penalty"] = Field(
+        "clip",
+        description="PPO's clipped surrogate, or its adaptive-KL-penalty surrogate "
+        "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8).",
+    )
+    penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
+    penalty_target: float | None = Field(
+        None, gt=0, description="kl-penalty: target KL(pi_old ‖ pi_theta) of PPO's adaptive rule."
+    )
 
     @field_validator("loss_reduction")
     @classmethod
@@ -126,6 +136,9 @@ class KLConfig(_Section):
     )
     target: float | None = Field(None, gt=0, description="Target KL for adaptive controllers.")
     horizon: float = Field(10000, gt=0, description="Ziegler controller horizon (in samples).")
+    scale: float = Field(
+        0.5, gt=0, description="spread-scaled controller: the group reward std that halves beta."
+    )
 
     @field_validator("estimator")
     @classmethod
@@ -156,7 +169,9 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Seed of everything: data order, sampling, init.")
     out_dir: str = Field("runs/train", description="Run directory: metrics, checkpoints, report.")
     eval_every: int = Field(25, ge=0, description="Held-out evaluation period in steps (0: off).")
-    save_every: int = Field(50, ge=0, description="Checkpoint period in steps (0: only at the end).")
+    save_every: int = Field(
+        50, ge=0, description="Checkpoint period in steps (0: only at the end)."
+    )
     threads: int = Field(0, ge=0, description="torch threads per process (0: torch's default).")
     time_limit: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds of training."
@@ -188,7 +203,7 @@ class TrainConfig(_Section):
                 f"rollout.group_size must be >= 2 for {self.algo.name} (group-relative "
                 f"advantages need several completions per prompt), got {self.rollout.group_size}"
             )
-        if self.kl.controller != "fixed" and self.kl.target is None:
+        if self.kl.controller in ("adaptive", "ppo-adaptive") and self.kl.target is None:
             raise ValueError(
                 f"kl.target is required by the {self.kl.controller!r} controller "
                 "(the KL per token it steers towards), e.g. kl.target=0.05"
@@ -253,7 +268,7 @@ def _format_errors(err: ValidationError) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             given = e.get("input")
             shown = "" if isinstance(given, dict | list) else f" (got {given!r})"
-            lines.append(f"{key}: {msg}{shown}")
+            lines.append(f"{key}: {msg}{shown}" if loc else msg)
     return "bad config:\n  " + "\n  ".join(lines)
 
 
@@ -288,7 +303,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def build_config(
+    data: dict[str, Any] | None = None, overrides: list[str] | None = None
+) -> TrainConfig:
     """Validate a nested dict (plus overrides) into a :class:`TrainConfig`, or raise ConfigError."""
     merged = apply_overrides(dict(data or {}), list(overrides or []))
     try:

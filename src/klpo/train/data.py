@@ -19,7 +19,9 @@ class Example:
     answer: str
 
 
-def read_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Example]:
+def read_jsonl(
+    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Example]:
     """Examples from a JSONL file, one JSON object per line with the two fields (strings)."""
     path = Path(path)
     if not path.is_file():
@@ -32,7 +34,9 @@ def read_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg}): {line.strip()[:80]!r}") from None
+                raise ValueError(
+                    f"{path}:{n}: not valid JSON ({err.msg}): {line.strip()[:80]!r}"
+                ) from None
             out.append(_example(row, prompt_field, answer_field, f"{path}:{n}"))
     if not out:
         raise ValueError(f"JSONL file {str(path)!r} holds no examples")
@@ -41,7 +45,9 @@ def read_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str
 
 def _example(row: object, prompt_field: str, answer_field: str, where: str) -> Example:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object with {prompt_field!r} and {answer_field!r}")
+        raise ValueError(
+            f"{where}: expected a JSON object with {prompt_field!r} and {answer_field!r}"
+        )
     for key in (prompt_field, answer_field):
         if key not in row:
             raise ValueError(
@@ -50,7 +56,9 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
             )
     prompt, answer = row[prompt_field], row[answer_field]
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}")
+        raise ValueError(
+            f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}"
+        )
     return Example(prompt=prompt, answer=str(answer))
 
 
@@ -69,7 +77,9 @@ def read_dataset(
                 raise ValueError(f"dataset {name_or_path!r} has no split {split!r}: {list(ds)}")
             ds = ds[split]
     elif path.is_file():
-        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(
+            path.suffix
+        )
         if kind is None:
             raise ValueError(f"cannot read {name_or_path!r}: use .jsonl, .json, .csv or .parquet")
         ds = datasets.load_dataset(kind, data_files=str(path), split="train")
@@ -82,7 +92,8 @@ def read_dataset(
             f"{', '.join(ds.column_names)}); set data.prompt_field / data.answer_field"
         )
     return [
-        _example(row, prompt_field, answer_field, f"{name_or_path}[{i}]") for i, row in enumerate(ds)
+        _example(row, prompt_field, answer_field, f"{name_or_path}[{i}]")
+        for i, row in enumerate(ds)
     ]
 
 

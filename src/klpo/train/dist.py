@@ -9,7 +9,7 @@ two cores run ~50x slower than one thread each).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as tdist
@@ -19,7 +19,7 @@ import torch.distributed as tdist
 class Dist:
     rank: int = 0
     world: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def is_main(self) -> bool:
@@ -43,6 +43,23 @@ class Dist:
         out: list[list[float] | None] = [None] * self.world
         tdist.all_gather_object(out, list(values))
         return [v for part in out for v in (part or [])]
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (``[obj]`` in a world of one)."""
+        if not self.enabled:
+            return [obj]
+        out: list[object] = [None] * self.world
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric averaged over the ranks (their shares of the batch are equal in size)."""
+        if not self.enabled:
+            return dict(metrics)
+        keys = sorted(metrics)
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        return {k: v / self.world for k, v in zip(keys, t.tolist(), strict=True)}
 
     def barrier(self) -> None:
         if self.enabled:

@@ -1,21 +1,26 @@
 """`klpo train`: GRPO, PPO, RLOO and REINFORCE++ in one loop that reads top to bottom.
 
-Each step: sample G completions for each prompt (``generate``), score them (Python rewards),
-compute the sampling policy's and the reference's log-probs and the exact KL from hidden states
-(:func:`klpo.logprobs.fused`), turn rewards into advantages (:mod:`klpo.advantages`, with the KL in
-the reward when asked), and take ``epochs × minibatches`` optimizer steps on the clipped surrogate
-plus the KL in the loss when asked (:mod:`klpo.losses`, reduced by :mod:`klpo.reduce`). Every
-piece of math is a library function; this file only wires them.
+Each step:
 
-Data parallel: under ``torchrun`` each rank samples its share of the step's prompts (whole groups)
-and the loss is normalised by the global token/sequence count, so the gradient equals that of one
-process holding the whole batch (:mod:`klpo.reduce`).
+1. **sample** G completions for each of the step's prompts with ``generate`` (:mod:`.rollout`);
+2. **score** them: Python rewards, the sampling policy's and the reference's log-probs, entropy
+   and the exact full-vocabulary KL from hidden states (:func:`klpo.logprobs.fused`), the KL in
+   the reward if asked (:func:`klpo.losses.kl_reward`), advantages (:mod:`klpo.advantages`);
+3. **update**: ``epochs × minibatches`` optimizer steps on the clipped surrogate
+   (:func:`klpo.losses.ppo_clip`), plus ``beta ×`` the KL in the loss if asked
+   (:func:`klpo.losses.kl_loss`, off-policy corrected), reduced by :func:`klpo.reduce.reduce`;
+4. **control** beta, log, evaluate, checkpoint.
+
+Every piece of math is a library function; this file only wires them. Under ``torchrun`` each rank
+samples its share of the step's prompts (whole groups) and every loss is divided by the global
+token (or sequence) count, so the gradient equals that of one process holding the whole batch.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +36,14 @@ from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, init_distributed, shutdown
 from klpo.train.metrics import MetricsWriter
 from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
-from klpo.train.rollout import Rollout, completion_hidden, generate
+from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
 
 # ---------------------------------------------------------------------------------------------
-# Setup: models, data, rewards.
+# Setup: models, data, rewards, controllers.
 
 
 def resolve_model_path(name: str) -> str:
+    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model."""
     if name == "builtin":
         from klpo.train.reference import default_reference_path
 
@@ -51,8 +57,7 @@ def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     if d.source == "builtin":
         from klpo.train.task import ArithmeticTask
 
-        task = ArithmeticTask()
-        train, heldout = task.splits()
+        train, heldout = ArithmeticTask().splits()
         return list(train), list(heldout[: d.eval_size])
     if d.source == "jsonl":
         train = read_jsonl(d.path, d.prompt_field, d.answer_field)
@@ -65,25 +70,51 @@ def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     return train, heldout[: d.eval_size]
 
 
-def controller_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+def make_kl_controller(cfg: TrainConfig) -> control.KLController:
     k = cfg.kl
-    extra = {
+    extra: dict[str, Any] = {
         "fixed": {},
         "adaptive": {"target": k.target, "horizon": k.horizon},
         "ppo-adaptive": {"target": k.target},
         "spread-scaled": {"scale": k.scale},
     }[k.controller]
-    return {"beta": k.beta, **extra}
+    return control.make_controller(k.controller, beta=k.beta, **extra)
+
+
+def make_penalty_controller(cfg: TrainConfig) -> control.KLController:
+    """beta_old of PPO's KL-penalty surrogate: PPO's adaptive rule if a target is set."""
+    a = cfg.algo
+    if a.penalty_target is None:
+        return control.FixedKL(a.penalty_beta)
+    return control.PPOAdaptiveKL(a.penalty_beta, target=a.penalty_target)
+
+
+def announce(cfg: TrainConfig) -> str | None:
+    """The `explain` text of the KL choice when its gradient is not that of the KL it logs."""
+    if cfg.kl.placement == "none" or cfg.kl.beta == 0:
+        return None
+    placement = cfg.kl.placement
+    e = kl.explain(cfg.kl.estimator, placement)
+    if not e.mismatch:
+        return None
+    return (
+        "Note: this KL choice is allowed, but its expected gradient is not that of the KL it "
+        "logs (klpo explain):\n" + e.text()
+    )
 
 
 @dataclass
 class Models:
     tokenizer: Any
-    policy: Any  # the transformers model (generate, save_pretrained)
+    policy: Any  # the transformers model: generate, save_pretrained
     backbone: torch.nn.Module  # Backbone(policy), DDP-wrapped under torchrun
-    reference: Backbone
+    reference: Backbone  # frozen
     critic: torch.nn.Module | None  # Critic, DDP-wrapped under torchrun (PPO only)
     critic_core: Critic | None
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return module.module if hasattr(module, "module") else module
 
 
 def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
@@ -117,59 +148,54 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
 class Scored:
     rollout: Rollout
     scores: Tensor  # [B] total task reward per completion
-    logp_old: Tensor  # [B, C] log pi_old (the sampling policy)
+    logp_old: Tensor  # [B, C] log pi_old of the sampled tokens (the sampling policy)
     logp_ref: Tensor  # [B, C]
-    hidden_ref: Tensor  # [B, C, H] the reference's hidden states, for the exact KL
-    kl_exact: Tensor  # [B, C] exact KL(pi_old ‖ pi_ref) per token
-    entropy: Tensor  # [B, C]
+    hidden_ref: Tensor  # [B, C, H] the reference's last hidden states, for the exact KL
     adv: Tensor  # [B, C]
     returns: Tensor | None  # [B, C] value targets (PPO)
     values_old: Tensor | None  # [B, C] (PPO)
     metrics: dict[str, float]
 
 
-def _head(backbone: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
-    core = backbone.module if hasattr(backbone, "module") else backbone
-    return core.head()
-
-
-def _core(backbone: torch.nn.Module) -> torch.nn.Module:
-    return backbone.module if hasattr(backbone, "module") else backbone
+def _values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
+    """``[B, C]`` V(s_t): the critic at the column that predicts completion token t."""
+    att = rollout.attention_mask
+    p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    values = critic(rollout.input_ids, att, position_ids(att))
+    return values[:, p - 1 : p - 1 + c]
 
 
 @torch.no_grad()
-def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns, beta: float) -> Scored:
+def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta: float) -> Scored:
     mask = rollout.mask
-    scores, per_fn, skipped = rewards_mod.combined_rewards(
+    totals, per_fn = rewards_mod.combined_rewards(
         reward_fns, rollout.prompts, rollout.completions, rollout.answers
     )
-    scores = torch.tensor(scores, dtype=torch.float32)
-    temperature = cfg.rollout.temperature
-    tokens = rollout.completion_ids.to(mask.device)
-    hidden_old = completion_hidden(_core(m.backbone), rollout)
-    hidden_ref = completion_hidden(m.reference, rollout)
-    weight, bias = _head(m.backbone)
+    scores = torch.tensor(totals, dtype=torch.float32)
+    tokens = rollout.completion_ids
+    weight, bias = _unwrap(m.backbone).head()
     weight_ref, bias_ref = m.reference.head()
+    hidden_ref = completion_hidden(m.reference, rollout)
     old = logprobs.fused(
-        hidden_old,
+        completion_hidden(_unwrap(m.backbone), rollout),
         weight,
         tokens,
         bias=bias,
-        temperature=temperature,
+        temperature=cfg.rollout.temperature,
         hidden_ref=hidden_ref,
         weight_ref=weight_ref,
         bias_ref=bias_ref,
     )
-    ref = logprobs.fused(hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=temperature)
+    ref = logprobs.fused(
+        hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
+    )
     logp_old, logp_ref = old.logp, ref.logp
 
     # The task reward sits on the last valid token; the KL penalty, when in the reward, on all.
-    token_rewards = torch.zeros_like(logp_old)
     last = (mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)) & mask
-    token_rewards = torch.where(last, scores[:, None], token_rewards)
-    in_reward = cfg.kl.placement in ("reward", "reward+loss")
-    kl_penalty = torch.zeros_like(logp_old)
-    if in_reward:
+    token_rewards = torch.where(last, scores[:, None], 0.0)
+    kl_penalty = torch.zeros_like(token_rewards)
+    if cfg.kl.placement in ("reward", "reward+loss") and beta > 0:
         shaped = losses.kl_reward(
             token_rewards,
             logp_old,
@@ -181,24 +207,22 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns, beta: float
         )
         kl_penalty = shaped - token_rewards
 
-    g = rollout.group_size
+    g, name = rollout.group_size, cfg.algo.name
     values_old = returns = None
-    name = cfg.algo.name
     if name == "grpo":
-        seq_adv = advantages.group_relative(scores, g, std=cfg.algo.std)
-        adv = advantages.broadcast_to_tokens(seq_adv, mask)
-        if in_reward:  # the KL part keeps its per-token credit: returns-to-go of the penalty
-            adv = adv + advantages.returns_to_go(kl_penalty, mask, gamma=cfg.algo.gamma)
+        adv = advantages.broadcast_to_tokens(
+            advantages.group_relative(scores, g, std=cfg.algo.std), mask
+        )
+        # The KL penalty keeps its per-token credit: its returns-to-go (REINFORCE, no baseline),
+        # so that k1 in the reward follows the sequence-level grad KL(pi_theta ‖ pi_ref).
+        adv = adv + advantages.returns_to_go(kl_penalty, mask, gamma=cfg.algo.gamma)
     elif name == "rloo":
-        seq_total = scores + torch.where(mask, kl_penalty, 0.0).sum(-1)
-        adv = advantages.broadcast_to_tokens(advantages.rloo(seq_total, g), mask)
+        totals_kl = scores + torch.where(mask, kl_penalty, 0.0).sum(-1)
+        adv = advantages.broadcast_to_tokens(advantages.rloo(totals_kl, g), mask)
     elif name == "reinforce++":
         adv = advantages.reinforce_pp(token_rewards + kl_penalty, mask, gamma=cfg.algo.gamma)
     else:  # ppo
-        values_old = m.critic_core(
-            rollout.input_ids, rollout.attention_mask, _positions(rollout)
-        )[:, rollout.prompt_ids.shape[1] - 1 : -1]
-        values_old = torch.where(mask, values_old, 0.0)
+        values_old = torch.where(mask, _values(m.critic_core, rollout), 0.0)
         adv, returns = advantages.gae(
             token_rewards + kl_penalty, values_old, mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam
         )
@@ -208,133 +232,394 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns, beta: float
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "reward/group_std": float(advantages.group_std(scores, g).mean()) if g > 1 else 0.0,
-        "reward/skipped": float(skipped),
         "accuracy/train": float((scores >= 1.0).float().mean()),
         "entropy": float(reduce.masked_mean(old.entropy, mask)),
         "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
         "kl/ref/seq": float(torch.where(mask, old.kl, 0.0).sum(-1).mean()),
         "completion/length": float(mask.sum(-1).float().mean()),
         "completion/truncated": float(rollout.truncated.float().mean()),
-        **{f"reward/{k}": v for k, v in per_fn.items()},
+        **{f"reward/{k}": sum(v) / len(v) for k, v in per_fn.items()},
     }
-    est_names = tuple(dict.fromkeys(("k1", "k3", cfg.kl.estimator)))
-    metrics.update(
-        losses.kl_metrics(logp_old, logp_ref, mask, estimators=tuple(n for n in est_names if n != "full"))
-    )
+    names = tuple(n for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator)) if n != "full")
+    metrics.update(losses.kl_metrics(logp_old, logp_ref, mask, estimators=names))
+    if cfg.kl.estimator == "full":
+        metrics["kl/ref/full"] = metrics["kl/ref/exact"]
     return Scored(
-        rollout, scores, logp_old, logp_ref, hidden_ref, old.kl, old.entropy, adv, returns, values_old, metrics
+        rollout, scores, logp_old, logp_ref, hidden_ref, adv, returns, values_old, metrics
     )
-
-
-def _positions(rollout: Rollout) -> Tensor:
-    from klpo.train.rollout import position_ids
-
-    return position_ids(rollout.attention_mask)
 
 
 # ---------------------------------------------------------------------------------------------
 # The update.
 
 
+@dataclass
+class Optimizers:
+    policy: torch.optim.Optimizer
+    critic: torch.optim.Optimizer | None
+
+
 def update(
-    cfg: TrainConfig, m: Models, s: Scored, optim: torch.optim.Optimizer, critic_optim, beta: float, dist: Dist
+    cfg: TrainConfig,
+    m: Models,
+    s: Scored,
+    opt: Optimizers,
+    beta: float,
+    beta_old: float,
+    dist: Dist,
+    gen: torch.Generator,
 ) -> dict[str, float]:
+    """``epochs × minibatches`` optimizer steps on one scored rollout; returns mean metrics."""
     a = cfg.algo
     mask = s.rollout.mask
-    rows = torch.arange(mask.shape[0])
-    kl_in_loss = cfg.kl.placement in ("loss", "reward+loss") and beta > 0
     max_len = cfg.rollout.max_new_tokens
-    sums: dict[str, float] = {}
-    count = 0
-    grad_norms = []
-    gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + int(mask.sum()))
+    clip = cfg.optim.grad_clip or math.inf
+    totals: dict[str, float] = {}
+    n_micro, grad_norms = 0, []
     for _ in range(a.epochs):
-        order = rows[torch.randperm(len(rows), generator=gen)] if a.minibatches > 1 else rows
-        for mb_rows in order.chunk(a.minibatches):
-            mb_mask = mask[mb_rows]
-            # One normaliser for the whole minibatch across micro-batches and ranks.
-            n_global = dist.all_sum(reduce.normaliser(mb_mask, a.loss_reduction, max_len=max_len))
-            micro = a.micro_batch or len(mb_rows)
-            optim.zero_grad(set_to_none=True)
-            if critic_optim is not None:
-                critic_optim.zero_grad(set_to_none=True)
-            chunks = mb_rows.split(micro)
-            for i, rows_i in enumerate(chunks):
-                sync = i == len(chunks) - 1
-                part = _micro_loss(cfg, m, s, rows_i, beta, kl_in_loss, n_global, max_len, dist, sync)
+        order = torch.randperm(mask.shape[0], generator=gen)
+        for mb in order.chunk(a.minibatches):
+            # One normaliser for the whole minibatch, over its micro-batches and all ranks.
+            n_global = dist.all_sum(reduce.normaliser(mask[mb], a.loss_reduction, max_len=max_len))
+            opt.policy.zero_grad(set_to_none=True)
+            if opt.critic is not None:
+                opt.critic.zero_grad(set_to_none=True)
+            micro = mb.split(a.micro_batch or len(mb))
+            for i, rows in enumerate(micro):
+                last = i == len(micro) - 1
+                part = _micro_step(cfg, m, s, rows, beta, beta_old, n_global, dist, sync=last)
                 for k, v in part.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-            params = [p for p in m.policy.parameters() if p.requires_grad]
-            norm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip if False else (cfg.optim.grad_clip or math.inf))
-            grad_norms.append(float(norm))
-            optim.step()
-            if critic_optim is not None:
-                torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), cfg.optim.grad_clip or math.inf)
-                critic_optim.step()
-    out = {k: v / count for k, v in sums.items()}
+                    totals[k] = totals.get(k, 0.0) + v
+                n_micro += 1
+            policy_params = [p for p in m.policy.parameters() if p.requires_grad]
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy_params, clip)))
+            opt.policy.step()
+            if opt.critic is not None:
+                torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
+                opt.critic.step()
+    out = {k: v / n_micro for k, v in totals.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     return out
 
 
-def _micro_loss(cfg, m: Models, s: Scored, rows: Tensor, beta, kl_in_loss, n_global, max_len, dist, sync):
-    """Forward and backward of one micro-batch; returns its (normalised) metric contributions."""
-    from contextlib import nullcontext
+def _no_sync(module: torch.nn.Module | None, sync: bool):
+    if module is None or sync or not hasattr(module, "no_sync"):
+        return nullcontext()
+    return module.no_sync()
 
-    a = cfg.algo
+
+def _micro_step(
+    cfg: TrainConfig,
+    m: Models,
+    s: Scored,
+    rows: Tensor,
+    beta: float,
+    beta_old: float,
+    n_global: Tensor,
+    dist: Dist,
+    *,
+    sync: bool,
+) -> dict[str, float]:
+    """Forward and backward of one micro-batch (gradients accumulate); returns its metrics."""
+    a, k = cfg.algo, cfg.kl
     r = s.rollout.select(rows)
     mask = r.mask
-    no_sync = getattr(m.backbone, "no_sync", None)
-    ctx = nullcontext() if (sync or no_sync is None) else no_sync()
-    with ctx:
-        hidden = completion_hidden(m.backbone, r)
-        weight, bias = _head(m.backbone)
+    logp_old, adv = s.logp_old[rows], s.adv[rows]
+    kl_in_loss = k.placement in ("loss", "reward+loss") and beta > 0
+    need_ref = kl_in_loss and k.estimator == "full"
+    max_len = cfg.rollout.max_new_tokens
+
+    def red(x: Tensor) -> Tensor:
+        return reduce.reduce(x, mask, a.loss_reduction, normaliser=n_global, max_len=max_len)
+
+    with _no_sync(m.backbone, sync):
+        weight, bias = _unwrap(m.backbone).head()
+        weight_ref, bias_ref = m.reference.head()
         out = logprobs.fused(
-            hidden,
+            completion_hidden(m.backbone, r),
             weight,
             r.completion_ids,
             bias=bias,
             temperature=cfg.rollout.temperature,
-            hidden_ref=s.hidden_ref[rows] if cfg.kl.estimator == "full" and kl_in_loss else None,
-            weight_ref=m.reference.head()[0],
-            bias_ref=m.reference.head()[1],
+            hidden_ref=s.hidden_ref[rows] if need_ref else None,
+            weight_ref=weight_ref if need_ref else None,
+            bias_ref=bias_ref if need_ref else None,
         )
-        logp, logp_old, adv = out.logp, s.logp_old[rows], s.adv[rows]
-        if a.name == "ppo" and cfg.kl.controller == "ppo-adaptive" and False:
-            pass
-        pg = losses.ppo_clip(
-            logp, logp_old, adv, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
-        )
-        red = lambda x: reduce.reduce(x, mask, a.loss_reduction, normaliser=n_global, max_len=max_len)  # noqa: E731
+        logp = out.logp
+        if a.policy_loss == "clip":
+            pg = losses.ppo_clip(
+                logp,
+                logp_old,
+                adv,
+                clip_low=a.clip_low,
+                clip_high=a.clip_high,
+                dual_clip=a.dual_clip,
+            )
+        else:
+            pg = losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
         loss_pg = red(pg)
         total = loss_pg
-        metrics = {"loss/policy": float(loss_pg)}
+        metrics = {"loss/policy": loss_pg.item()}
         if kl_in_loss:
-            if cfg.kl.estimator == "full":
-                kl_tok = out.kl
-            else:
-                kl_tok = losses.kl_loss(cfg.kl.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
+            kl_tok = (
+                out.kl
+                if k.estimator == "full"
+                else losses.kl_loss(k.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
+            )
             loss_kl = red(kl_tok)
             total = total + beta * loss_kl
-            metrics["loss/kl"] = float(loss_kl)
+            metrics["loss/kl"] = loss_kl.item()
         if a.entropy_coef:
             loss_ent = red(losses.entropy_bonus(out.entropy))
             total = total + a.entropy_coef * loss_ent
-            metrics["loss/entropy"] = float(loss_ent)
-        # DDP averages gradients over ranks; the normaliser is global, so undo the average.
+            metrics["loss/entropy"] = loss_ent.item()
+        # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
         (total * dist.world).backward()
-    if a.name == "ppo":
-        cctx = nullcontext() if (sync or not hasattr(m.critic, "no_sync")) else m.critic.no_sync()
-        with cctx:
-            values = m.critic(r.input_ids, r.attention_mask, _positions(r))[:, r.prompt_ids.shape[1] - 1 : -1]
-            vl = losses.value_loss(values, s.values_old[rows], s.returns[rows], clip=a.value_clip)
-            loss_v = red(vl)
+    if m.critic is not None:
+        with _no_sync(m.critic, sync):
+            values = _values(m.critic, r)
+            loss_v = red(
+                losses.value_loss(values, s.values_old[rows], s.returns[rows], clip=a.value_clip)
+            )
             (a.vf_coef * loss_v * dist.world).backward()
-            metrics["loss/value"] = float(loss_v)
-            total = total + a.vf_coef * loss_v.detach()
-    metrics["loss/total"] = float(total)
+        metrics["loss/value"] = loss_v.item()
+        total = total.detach() + a.vf_coef * loss_v.detach()
+    metrics["loss/total"] = total.item()
     pm = losses.policy_metrics(
         logp, logp_old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
     )
-    metrics.update({k: v for k, v in pm.items() if k in ("clip_frac", "kl/old/k1", "kl/old/k3")})
+    metrics.update({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")})
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
+    from klpo.train.task import heldout_accuracy as accuracy
+
+    return accuracy(
+        m.policy,
+        m.tokenizer,
+        heldout,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        reward=cfg.rewards[0].name,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> Path:
+    """Run (or resume) training; returns the run directory."""
+    dist = init_distributed(cfg.run.threads)
+    try:
+        return _train(cfg, dist, resume, log if dist.is_main else (lambda *_: None))
+    finally:
+        shutdown(dist)
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    w = cfg.optim.warmup_steps
+    return cfg.optim.lr * (min(1.0, step / w) if w else 1.0)
+
+
+def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
+    run_dir = Path(cfg.run.out_dir)
+    start = ckpt_io.latest_checkpoint(run_dir) if resume else None
+    if resume and start is None:
+        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+    if not resume and (run_dir / "checkpoints").exists():
+        raise ConfigError(
+            f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
+            f"{run_dir}, or choose another run.out_dir"
+        )
+    meta = ckpt_io.load_state(start) if start else {}
+    torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
+
+    m = build_models(cfg, dist, start)
+    train_set, heldout = load_examples(cfg)
+    stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
+    kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
+    o = cfg.optim
+    opt = Optimizers(
+        policy=torch.optim.AdamW(
+            [p for p in m.policy.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
+        ),
+        critic=torch.optim.AdamW(
+            m.critic_core.parameters(),
+            lr=o.critic_lr or o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
+        )
+        if m.critic_core is not None
+        else None,
+    )
+    optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
+    update_gen = torch.Generator().manual_seed(cfg.run.seed)
+    step0 = 0
+    if start is not None:
+        step0 = meta["step"]
+        ckpt_io.restore_optimizers(start, optimizers, meta)
+        kl_ctl.load_state_dict(meta["kl_controller"])
+        pen_ctl.load_state_dict(meta["penalty_controller"])
+        stream.load_state_dict(meta["data"])
+        update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
+        ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        log(f"resuming {run_dir} from step {step0}")
+
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_io.write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        note = announce(cfg)
+        if note:
+            log(note)
+    writer = (
+        MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
+        if dist.is_main
+        else None
+    )
+
+    def save(step: int) -> None:
+        rngs = dist.gather_objects(ckpt_io.rng_state())
+        if dist.is_main:
+            ckpt_io.save_checkpoint(
+                run_dir,
+                step,
+                policy=m.policy,
+                critic=m.critic_core,
+                optimizers=optimizers,
+                rng=rngs,
+                state={
+                    "data": stream.state_dict(),
+                    "kl_controller": kl_ctl.state_dict(),
+                    "penalty_controller": pen_ctl.state_dict(),
+                    "update_generator": update_gen.get_state().tolist(),
+                },
+            )
+        dist.barrier()
+
+    per_rank = cfg.rollout.prompts_per_step // dist.world
+    if per_rank * dist.world != cfg.rollout.prompts_per_step:
+        raise ConfigError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+            f"number of processes ({dist.world})"
+        )
+    if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
+        writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
+
+    progress = _progress(cfg, dist, step0)
+    t_start = time.perf_counter()
+    step = step0
+    for step in range(step0 + 1, cfg.run.steps + 1):
+        t0 = time.perf_counter()
+        for group in opt.policy.param_groups:
+            group["lr"] = _lr(cfg, step)
+        batch = stream.next(cfg.rollout.prompts_per_step)
+        mine = batch[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+
+        # 1. Sample.
+        m.policy.eval()
+        rollout = generate(
+            m.policy,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            group_size=cfg.rollout.group_size,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+        )
+        m.policy.train()
+        t1 = time.perf_counter()
+
+        # 2. Score.
+        scored = score(cfg, m, rollout, reward_fns, kl_ctl.value)
+        t2 = time.perf_counter()
+
+        # 3. Update.
+        beta = kl_ctl.value
+        upd = update(cfg, m, scored, opt, beta, pen_ctl.value, dist, update_gen)
+        t3 = time.perf_counter()
+
+        # 4. Control, log, evaluate, checkpoint.
+        metrics = dist.mean_metrics({**scored.metrics, **upd})
+        n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        kl_ctl.update(
+            kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
+        )
+        if cfg.algo.policy_loss == "kl-penalty":
+            pen_ctl.update(kl=metrics["kl/old/k3"])
+        tokens = dist.all_sum(rollout.mask.sum()).item()
+        metrics.update(
+            {
+                "beta": beta,
+                "lr": _lr(cfg, step),
+                "time/generate": t1 - t0,
+                "time/score": t2 - t1,
+                "time/update": t3 - t2,
+            }
+        )
+        last = step == cfg.run.steps or (
+            cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
+        )
+        if heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
+            if dist.is_main:
+                metrics["accuracy/heldout"] = heldout_accuracy(cfg, m, heldout)
+            dist.barrier()
+        metrics["time/step"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = tokens / metrics["time/step"]
+        if writer is not None:
+            writer.write(step, metrics)
+        progress(step, metrics)
+        if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
+            save(step)
+        if last:
+            break
+    progress(None, None)
+    if writer is not None:
+        writer.close()
+        from klpo.train.report import write_report
+
+        report = write_report(
+            run_dir, estimator=cfg.kl.estimator, title=f"klpo train: {cfg.algo.name}"
+        )
+        log(f"wrote {report}")
+    return run_dir
+
+
+def _progress(cfg: TrainConfig, dist: Dist, step0: int):
+    """A rich progress bar on the main rank's terminal; a no-op elsewhere."""
+    if not (cfg.run.progress and dist.is_main):
+        return lambda step, metrics: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        transient=False,
+    )
+    task = bar.add_task("train", total=cfg.run.steps, completed=step0, info="")
+    bar.start()
+
+    def advance(step: int | None, metrics: dict[str, float] | None) -> None:
+        if step is None:
+            bar.stop()
+            return
+        acc = metrics.get("accuracy/heldout")
+        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics['kl/ref/exact']:.4f}" + (
+            f"  heldout {acc:.3f}" if acc is not None else ""
+        )
+        bar.update(task, completed=step, info=info)
+
+    return advance

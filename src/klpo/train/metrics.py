@@ -84,7 +84,8 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(
-                str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+                str(Path(run_dir) / "tensorboard"),
+                purge_step=resume_step + 1 if resume_step else None,
             )
 
     def write(self, step: int, values: dict[str, Any]) -> None:

@@ -15,10 +15,19 @@ from torch import Tensor, nn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars or advisory warnings from transformers in the run's output."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def load_causal_lm(name_or_path: str, dtype: str = "float32"):
     """A transformers causal LM from a local directory or a model id already in the local cache."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
     except OSError as err:

@@ -49,7 +49,10 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
     est_key = f"kl/ref/{estimator}"
     for name, (label, keys) in PLOTS.items():
         if keys is None:
-            keys = [("kl/ref/exact", "exact (full vocabulary)"), (est_key, f"estimate: {estimator}")]
+            keys = [
+                ("kl/ref/exact", "exact (full vocabulary)"),
+                (est_key, f"estimate: {estimator}"),
+            ]
         fig, ax = plt.subplots(figsize=(6, 3.4))
         drawn = False
         for key, legend in keys:
@@ -96,7 +99,9 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
     for k in summary_keys:
         if k in last:
             v = last[k]
-            lines.append(f"| `{k}` | {v:.4g} |" if isinstance(v, int | float) else f"| `{k}` | {v} |")
+            lines.append(
+                f"| `{k}` | {v:.4g} |" if isinstance(v, int | float) else f"| `{k}` | {v} |"
+            )
     lines += [""] + [f"![{n}]({n})" for n in PLOTS] + [""]
     path = run_dir / "report.md"
     write_text_atomic(path, "\n".join(lines))

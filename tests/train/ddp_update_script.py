@@ -1,0 +1,58 @@
+"""Run by torchrun in test_resume_ddp.py: one `update` of a fixed batch, data-parallel.
+
+    torchrun --nproc_per_node N ddp_update_script.py MODEL OUT.safetensors
+
+Every rank builds the same rollout (same seed), keeps its share of the prompts (whole groups),
+scores it and takes one update; rank 0 saves the policy's parameters. With N = 1 it is the
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from klpo.train import loop
+from klpo.train.config import build_config
+from klpo.train.dist import init_distributed, shutdown
+from klpo.train.rollout import generate
+
+
+def main(model: str, out: str) -> None:
+    dist = init_distributed(threads=1)
+    cfg = build_config(
+        overrides=[
+            f"model.policy={model}",
+            "kl.beta=0.5",
+            "kl.estimator=k3",
+            "algo.micro_batch=3",
+            "rewards=[{name: 'klpo_test_rewards:digits'}]",
+        ]
+    )
+    m = loop.build_models(cfg, dist, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in m.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    train, _ = loop.load_examples(cfg)
+    prompts = train[:4]
+    torch.manual_seed(1)
+    full = generate(
+        m.policy, m.tokenizer, [e.prompt for e in prompts], [e.answer for e in prompts],
+        group_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    share = len(full.prompts) // dist.world
+    mine = full.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
+    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    scored = loop.score(cfg, m, mine, reward_fns, 0.5)
+    opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
+    loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+    if dist.is_main:
+        save_file({k: v.detach().clone() for k, v in m.policy.state_dict().items()}, out)
+    shutdown(dist)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,21 @@
+"""Reward functions for the trainer's tests, loaded by ``module:function`` like a user's own."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def digits(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Fraction of digit characters: random text earns it sometimes, so gradients are non-zero."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def slow_digits(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """``digits``, slowly: gives a test time to kill the run in the middle of a step."""
+    time.sleep(0.3)
+    return digits(prompts, completions, answers)
+
+
+def nan_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    return [math.nan for _ in completions]

@@ -1,0 +1,73 @@
+"""The trainer's config: defaults, YAML, --set overrides, and errors that name the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from klpo import kl
+from klpo.train.config import ConfigError, build_config, dump_config, load_config, parse_override
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = build_config()
+    assert cfg.algo.name == "grpo" and cfg.kl.estimator in kl.ESTIMATORS
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+def test_overrides_parse_yaml_values():
+    cfg = build_config(
+        overrides=["kl.beta=0.02", "kl.placement=reward", "optim.grad_clip=null", "algo.name=ppo"]
+    )
+    assert cfg.kl.beta == 0.02 and cfg.kl.placement == "reward"
+    assert cfg.optim.grad_clip is None and cfg.algo.name == "ppo"
+    assert parse_override("rewards=[{name: numeric, weight: 2}]")[1] == [
+        {"name": "numeric", "weight": 2}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("kl.estimatr=k3", "unknown key 'kl.estimatr' (did you mean 'estimator'?)"),
+        ("kl.estimator=k4", "unknown estimator 'k4'; allowed: k1, k2, k3"),
+        ("kl.placement=rewards", "kl.placement: got 'rewards'; allowed: 'loss', 'reward'"),
+        ("kl.controller=pid", "unknown controller 'pid'; allowed: fixed, adaptive"),
+        ("algo.loss_reduction=mean", "unknown reduction 'mean'; allowed: token-mean"),
+        ("rollout.group_size=1", "group_size must be >= 2 for grpo"),
+        ("kl.controller=adaptive", "kl.target is required by the 'adaptive' controller"),
+        ("optim.lr=-1", "optim.lr: Input should be greater than 0 (got -1)"),
+        ("bogus.key=1", "unknown key 'bogus'"),
+        ("data.source=jsonl", "data.path is required when data.source is 'jsonl'"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[override])
+    assert needle in str(err.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kl: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match=r"must look like section\.key=value"):
+        build_config(overrides=["kl.beta"])
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert len(files) >= 3
+    for f in files:
+        load_config(f)
