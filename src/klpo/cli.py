@@ -150,6 +150,17 @@ def train(
         raise typer.Exit(1) from None
 
 
+@app.command()
+def docs(
+    out: Path = typer.Option(Path("docs"), "--out", help="Directory for the generated pages."),
+) -> None:
+    """Regenerate the reference pages (estimators, metrics, config) from the code."""
+    from klpo.train.docs import write_pages
+
+    for path in write_pages(out):
+        typer.echo(f"wrote {path}")
+
+
 def main() -> None:
     """Entry point of the ``klpo`` console script."""
     app()
