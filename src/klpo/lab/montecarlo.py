@@ -162,16 +162,20 @@ def monte_carlo(
     """Monte Carlo value and gradient statistics from ``samples`` sequences of each sampler.
 
     Estimators on pi_theta share one set of n samples; ``ref_is`` and ``ref_is_clip`` share one
-    of pi_ref. ``adaptive_mix`` (values only) pairs the i-th sample of each in batches of
+    of pi_ref (drawn after pi_theta's, and only when needed). ``adaptive_mix`` (values only) pairs the i-th sample of each in batches of
     ``batch``. Exact and Monte Carlo use the same targets (KL over whole sequences).
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     tables = tables or Tables(pair)
     gen = torch.Generator().manual_seed(seed)
+    needs = {"theta" if n in kl.ESTIMATORS else "ref" for n in names}
+    if "adaptive_mix" in names:
+        needs |= {"theta", "ref"}
     idx = {
-        "theta": sample_indices(pair.probs, samples, gen),
-        "ref": sample_indices(pair.probs_ref, samples, gen),
+        k: sample_indices(probs, samples, gen)
+        for k, probs in (("theta", pair.probs), ("ref", pair.probs_ref))
+        if k in needs
     }
     n_all = pair.num_sequences
     weights = {
