@@ -93,14 +93,15 @@ __all__ = [
     "token_logprobs",
 ]
 
-# Tile of the fused path, chosen by measurement on a 2-core AVX-512 CPU (bench/logprobs.py):
-# up to TOKEN_CHUNK tokens, and TILE_ELEMENTS / tokens vocabulary entries (a power of two in
-# [512, VOCAB_CHUNK_MAX]), so a float32 tile is at most 8 MiB: big enough for the GEMMs to run at
-# full speed, small enough to stay in the last-level cache for the elementwise passes. The cap
-# bounds the [vocab_chunk, H] temporaries (the weight chunk in float32, oneDNN's reordered copies
-# of it, a chunk of the weight gradient), which outweigh the tile when there are few tokens.
+# Tile of the fused path: up to TOKEN_CHUNK tokens by TILE_ELEMENTS / tokens vocabulary entries
+# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). Measured on a 2-core AVX-512 CPU
+# (``bench/logprobs.py --sweep``): forward + backward time is flat (within the ±7% run-to-run
+# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096, and ~12% slower at 8192,
+# while peak memory grows with the tile (oneDNN's copies of it and the [vocab_chunk, H]
+# temporaries), so these are the smallest tiles at full speed. Up to 4096 tokens make one token
+# chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (see the module notes).
 TOKEN_CHUNK = 4096
-TILE_ELEMENTS = 1 << 21
+TILE_ELEMENTS = 1 << 20
 VOCAB_CHUNK_MAX = 2048
 
 # Rows of the logits path hold about this many logits per chunk (16 MiB in float32).
@@ -724,7 +725,7 @@ def fused(
         token_chunk: tokens per tile (default :data:`TOKEN_CHUNK` = 4096).
         vocab_chunk: vocabulary entries per tile (default
             ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
-            8 MiB in float32). Both defaults were measured with ``bench/logprobs.py``.
+            4 MiB in float32). Both defaults were measured with ``bench/logprobs.py --sweep``.
 
     Returns:
         :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
