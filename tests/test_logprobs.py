@@ -338,7 +338,7 @@ def test_masked_tokens_get_exactly_zero_gradient():
     assert (hidden.grad[mask].abs().sum(-1) > 0).all()
 
 
-def test_overflow_falls_back_to_the_max():
+def test_overflow_falls_back_to_the_max(monkeypatch):
     # Target logit -100 and a logit of +50 in a later vocabulary chunk: exp(x - x_y) = exp(150)
     # overflows float32, so the token is redone with the max as reference. Also for the reference.
     v = 300
@@ -351,7 +351,11 @@ def test_overflow_falls_back_to_the_max():
     weight_ref = weight.flip(0).clone()  # the reference puts +50 on token 49 and -100 on 299
     p = Problem(hidden.detach(), weight, None, tokens, hidden.detach(), weight_ref, None, 1.0,
                 (torch.ones(4, dtype=torch.float64),) * 3)  # fmt: skip
+    calls = []
+    row_max = lp._Head.row_max
+    monkeypatch.setattr(lp._Head, "row_max", lambda self, *a: calls.append(1) or row_max(self, *a))
     out, grads = run_fused(p, vocab_chunk=64)
+    assert len(calls) == 2  # the fallback ran, for the policy and for the reference
     ref = naive(p)
     assert out.logp[0].item() == pytest.approx(-150.0, rel=1e-6)
     tol = value_tol(p, ref)
@@ -606,6 +610,8 @@ def test_errors_name_the_problem():
         lp.fused(h, w, torch.tensor([0, 1, 2, 10]))
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         lp.fused(h, w, torch.zeros(4))
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        lp.fused(h, w, torch.zeros(4, dtype=torch.bool))
     with pytest.raises(TypeError, match="hidden must be a float tensor"):
         lp.fused(h.long(), w, y)
     with pytest.raises(ValueError, match="needs both hidden_ref and weight_ref"):

@@ -171,7 +171,12 @@ def _check_tokens(
 ) -> None:
     """``tokens`` must be integer ids in ``[0, vocab)`` with ``shape``, the shape of ``what``
     (whose own shape is ``full``) without its last dimension."""
-    if not isinstance(tokens, Tensor) or tokens.dtype.is_floating_point or tokens.is_complex():
+    if (
+        not isinstance(tokens, Tensor)
+        or tokens.dtype.is_floating_point
+        or tokens.is_complex()
+        or tokens.dtype == torch.bool
+    ):
         raise TypeError(
             f"tokens must be an integer tensor of token ids, got "
             f"{tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__}"
