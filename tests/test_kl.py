@@ -456,6 +456,50 @@ def test_full_is_exact_kl_with_the_right_gradient():
     torch.testing.assert_close(t2, kl.full(logits.detach() / 2, logits_ref / 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_gradient_is_grad_of_exact_kl_at_each_position(dtype):
+    # float32 / bf16 logits go through klpo.logprobs.exact_kl (float32 chunks); the gradient of
+    # sum_t w_t KL_t must be w_t pi (log pi - log pi_ref - KL_t) / T at each position t, and the
+    # reference gets none.
+    gen = torch.Generator().manual_seed(11)
+    b, t, v, temp = 2, 3, 50, 0.8
+    logits = (2 * torch.randn(b, t, v, generator=gen)).to(dtype).requires_grad_(True)
+    logits_ref = (2 * torch.randn(b, t, v, generator=gen)).to(dtype).requires_grad_(True)
+    w = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    value = kl.full(logits, logits_ref, temperature=temp)
+    assert value.dtype == torch.float32 and value.shape == (b, t)
+    (grad,) = torch.autograd.grad((w * value).sum(), logits)
+    assert grad.dtype == dtype
+    (grad_ref,) = torch.autograd.grad(value.sum(), logits_ref, allow_unused=True)
+    assert grad_ref is None  # detached
+    # the estimate() entry point (temperature 1) is the same function
+    same = kl.estimate("full", None, None, logits=logits, logits_ref=logits_ref)
+    torch.testing.assert_close(same, kl.full(logits, logits_ref), rtol=0, atol=0)
+    x = logits.detach().double().numpy() / temp
+    x_ref = logits_ref.detach().double().numpy() / temp
+    u32 = 2.0**-24
+    for i in range(b):
+        for j in range(t):
+            log_pi = x[i, j] - np.log(np.exp(x[i, j] - x[i, j].max()).sum()) - x[i, j].max()
+            log_pr = (
+                x_ref[i, j]
+                - np.log(np.exp(x_ref[i, j] - x_ref[i, j].max()).sum())
+                - x_ref[i, j].max()
+            )
+            pi = np.exp(log_pi)
+            kl_ = float(np.sum(pi * (log_pi - log_pr)))
+            want = w[i, j].item() * pi * (log_pi - log_pr - kl_) / temp
+            # float32 arithmetic on V = 50 logits of size |x| (Higham & Mary's probabilistic
+            # bound with lambda = 6): |error| <= 6 sqrt(V) u (sum of the terms' sizes)
+            scale = 2 * (np.abs(x[i, j]).max() + np.abs(x_ref[i, j]).max()) + 1
+            tol = 6 * math.sqrt(v) * u32 * scale
+            assert value[i, j].item() == pytest.approx(kl_, abs=tol)
+            bound = tol * abs(w[i, j].item()) * pi * (2 + np.abs(log_pi) + np.abs(log_pr)) / temp
+            if dtype == torch.bfloat16:
+                bound = bound + 2.0**-8 * np.abs(want)  # the gradient is rounded to bf16 once
+            np.testing.assert_array_less(np.abs(grad[i, j].double().numpy() - want), bound + 1e-300)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors.
 

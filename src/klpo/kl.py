@@ -26,7 +26,9 @@ Tang & Munos (arXiv:2506.09477) for the gradient analysis behind :func:`explain`
 Shapes: ``logp``, ``logp_ref`` and ``logp_old`` are ``[B, T]`` (any shape works, as long as all
 three agree); ``full`` takes logits ``[B, T, V]``. Inputs may be any float dtype; the arithmetic
 is done in float64 (float32 on devices without float64) and the result is float32 (float64 when
-an input is float64, so float64 oracles stay exact). Masking is the
+an input is float64, so float64 oracles stay exact). ``full`` is the exception to the arithmetic:
+it runs in float32 chunks over the vocabulary (:func:`klpo.logprobs.exact_kl`; float64 for
+float64 logits), since a float64 copy of ``[B, T, V]`` logits would dwarf everything else. Masking is the
 caller's job and must use ``torch.where`` (as :mod:`klpo.reduce` does), not multiplication: an
 estimate may be ``+inf`` where the true value exceeds the float32 range, and ``inf * 0`` is NaN.
 
@@ -50,6 +52,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from klpo.logprobs import exact_kl
 
 __all__ = [
     "ESTIMATORS",
@@ -368,24 +372,23 @@ def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Ten
     Cotterell, arXiv:2504.10637). Its gradient in the loss is exactly grad KL(pi_theta ‖ pi_ref) at
     each position, ``pi ⊙ (log pi - log pi_ref - KL)`` with respect to the logits / temperature.
 
-    This version materialises ``[B, T, V]`` in the wide dtype; :mod:`klpo.logprobs` computes the
-    same quantity chunk by chunk from hidden states.
+    Computed by :func:`klpo.logprobs.exact_kl`: rows in chunks, float32 arithmetic (float64 for
+    float64 logits), nothing of size ``[B, T, V]`` saved for the backward pass besides the logits.
+    From hidden states and the output head, :func:`klpo.logprobs.fused` computes the same quantity
+    without the logits.
 
     Args:
         logits: ``[B, T, V]`` policy logits at the positions that produced the sampled tokens.
-        logits_ref: ``[B, T, V]`` reference logits (treated as a constant by callers).
+        logits_ref: ``[B, T, V]`` reference logits (detached: it gets no gradient).
         temperature: the sampling temperature the logits are divided by.
 
     Returns:
-        ``[B, T]`` float32.
+        ``[B, T]`` float32 (float64 when an input is float64).
     """
     _check_pair(logits, logits_ref, "logits_ref")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    wide = _wide_dtype(logits)
-    logq = torch.log_softmax(logits.to(wide) / temperature, dim=-1)
-    logq_ref = torch.log_softmax(logits_ref.to(wide) / temperature, dim=-1)
-    return _out((logq.exp() * (logq - logq_ref)).sum(-1), logits, logits_ref)
+    return exact_kl(logits, logits_ref, temperature=temperature)
 
 
 # --------------------------------------------------------------------------------------------

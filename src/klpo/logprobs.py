@@ -1,0 +1,815 @@
+r"""Token log-probs, entropy and the exact KL(pi_theta ‖ pi_ref), from logits or from hidden states.
+
+At one position, with logits ``z`` over a vocabulary of ``V`` entries, temperature ``T``,
+scaled logits ``x = z / T`` and ``pi = softmax(x)``:
+
+    logp    = log pi(y) = x_y - L,                      L = log sum_v exp(x_v)
+    entropy = -sum_v pi(v) log pi(v) = L - sum_v pi(v) x_v
+    kl      = sum_v pi(v) (log pi(v) - log pi_ref(v))  = KL(pi_theta ‖ pi_ref)
+
+``kl`` is the exact per-position KL over the whole vocabulary (the Rao-Blackwellised penalty of
+Amini, Vieira & Cotterell, arXiv:2504.10637), not an estimate from the sampled token.
+
+Two families of functions compute them without holding ``[tokens, V]`` float32 tensors alive:
+
+* From logits ``[..., V]`` of any float dtype: :func:`token_logprobs`, :func:`entropy` and
+  :func:`exact_kl`. Rows are processed in chunks of about 4M logits, so the extra memory is a few
+  chunks (plus the gradient, which has the logits' shape and dtype).
+* From hidden states and the output head: :func:`fused` returns all three at once from
+  ``hidden [N, H]`` (or ``[B, T, H]``), ``weight [V, H]`` and an optional ``bias [V]``, and from
+  the reference model's hidden states and head for ``kl``. The logits
+  ``hidden @ weight.T + bias`` never exist beyond one ``vocab_chunk x token_chunk`` tile.
+
+Gradients (both families), with upstream gradients ``a``, ``b``, ``c`` of ``logp``, ``entropy``
+and ``kl`` at a position, with respect to the scaled logits ``x``:
+
+    G_v = a (1[v = y] - pi_v) - b pi_v (log pi_v + entropy) + c pi_v (log pi_v - log pi_ref(v) - kl)
+
+so that one backward pass serves any combination of the three outputs. The reference
+(``logits_ref``, ``hidden_ref``, ``weight_ref``, ``bias_ref``) is detached and gets no gradient.
+The gradient with respect to the logits is ``G / T``; with respect to hidden states, weight and bias
+it is ``(G / T) @ weight``, ``(G / T).T @ hidden`` and ``sum over tokens of G / T``.
+
+Algorithm of :func:`fused` (one ``torch.autograd.Function``; see
+``/work/shared/research/performance.md`` §11 and the peers it surveys: Liger-Kernel's chunked
+selective log-prob, TRL 1.16's ``ChunkedLogProbFunction`` and ``ChunkedDivergenceFunction``, Cut
+Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein, arXiv:1805.02867):
+
+* Forward: for each ``[token_chunk, vocab_chunk]`` tile, one GEMM
+  ``(hidden / T) @ weight_chunk.T + bias / T`` (the bias in the GEMM's epilogue), minus a per-token
+  reference ``m``, one ``exp``, and row sums; per token it keeps only ``s = sum exp(x - m)``,
+  ``sum exp(x - m)(x - m)`` (entropy), ``sum exp(x - m)(x - m - x_ref + m_ref)`` and
+  ``sum exp(x_ref - m_ref)`` (KL), from which ``L = m + log s``, ``logp = x_y - L``,
+  ``entropy = log s - sum e (x - m) / s`` and ``kl = sum e (x - m - x_ref + m_ref) / s + log s_ref
+  - log s``. The reference ``m`` is the target's own logit, computed exactly by a gathered dot
+  product, so no max pass is needed and the KL's terms are differences from the target (small, so
+  float32 keeps small KLs accurate); a token whose sums overflow (a logit more than ~88 above its
+  target's) is recomputed with ``m = max_v x_v`` (found by one more pass over its tiles), so the
+  result is exact either way.
+* Backward: each tile is recomputed as ``log pi = x - L``, turned into ``G / T`` in place (``a``
+  is added at each target: no dense one-hot), and multiplied into the gradients. Only the inputs
+  and a few floats per token are saved for the backward pass; no tile outlives its iteration.
+* Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
+  float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
+  float32 ``[V, H]`` accumulator beside the gradient itself).
+
+Precision: all arithmetic is float32 (float64 when an input is float64, so float64 oracles stay
+exact). bf16/fp16 inputs are upcast exactly, so their logits are as accurate as float32 ones (the
+peers' bf16 paths round the logits to bf16: errors of ~0.02 nats at V = 152k). Gradients are
+accumulated in float32 and cast to the inputs' dtypes once, at the end. One exception, for speed:
+with a bf16 head and hidden states on CPU and at most ``token_chunk`` tokens, the weight
+gradient's GEMM multiplies ``G`` rounded to bf16 with the bf16 hidden states, accumulating in
+float32 inside the GEMM and rounding once to bf16 (as TRL's GPU kernel does); its extra error is at
+most ``2^-8 |G|^T |hidden|``, the size of the bf16 rounding the gradient gets anyway. Values are
+clamped to their ranges (``logp ≤ 0``, ``entropy ≥ 0``, ``kl ≥ 0``) in the value only, against
+rounding.
+
+Speed on CPU: the GEMMs dominate (four per tile for log-probs: forward, recompute, and the two
+gradients; six for KL), and on CPU they go through oneDNN (``torch.ops.mkldnn._linear_pointwise``)
+where torch has it: on the AMD EPYC (AVX-512) this was tuned on, oneDNN's float32 GEMM runs at
+~430-510 GFLOP/s against ~170-210 for ``torch.mm`` (MKL). Elsewhere (other devices, float64) the
+GEMMs use ``torch.mm``. ``exp`` is the only elementwise pass that costs (~0.3 ns per logit against
+~4 ns for each GEMM), so the passes are kept to one ``exp`` per tile and model. The tile sizes are
+measured defaults, see ``bench/logprobs.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TILE_ELEMENTS",
+    "TOKEN_CHUNK",
+    "VOCAB_CHUNK_MAX",
+    "FusedOutput",
+    "default_vocab_chunk",
+    "entropy",
+    "exact_kl",
+    "fused",
+    "token_logprobs",
+]
+
+# Tile of the fused path: up to TOKEN_CHUNK tokens by TILE_ELEMENTS / tokens vocabulary entries
+# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). Measured on a 2-core AVX-512 CPU
+# (``bench/logprobs.py --sweep``): forward + backward time is flat (within the ±7% run-to-run
+# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096, and ~12% slower at 8192,
+# while peak memory grows with the tile (oneDNN's copies of it and the [vocab_chunk, H]
+# temporaries), so these are the smallest tiles at full speed. Up to 4096 tokens make one token
+# chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (see the module notes).
+TOKEN_CHUNK = 4096
+TILE_ELEMENTS = 1 << 20
+VOCAB_CHUNK_MAX = 2048
+
+# Rows of the logits path hold about this many logits per chunk (16 MiB in float32).
+_ROW_ELEMENTS = 1 << 22
+
+# float32 GEMMs on CPU through oneDNN when torch has it (see the module notes); a switch for tests
+# and benchmarks.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class FusedOutput(NamedTuple):
+    """What :func:`fused` returns, each with the shape of ``tokens``, float32 (float64 inputs: float64).
+
+    Attributes:
+        logp: log pi_theta(y) of each token.
+        entropy: the entropy of pi_theta at each position (None if not asked for).
+        kl: KL(pi_theta ‖ pi_ref) at each position (None without a reference).
+    """
+
+    logp: Tensor
+    entropy: Tensor | None
+    kl: Tensor | None
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def default_vocab_chunk(tokens: int) -> int:
+    """The vocabulary width of a tile of ``tokens`` rows: ``TILE_ELEMENTS / tokens`` rounded down to
+    a power of two, clamped to [512, VOCAB_CHUNK_MAX]."""
+    width = TILE_ELEMENTS // max(tokens, 1)
+    return min(VOCAB_CHUNK_MAX, max(512, 1 << max(width.bit_length() - 1, 0)))
+
+
+def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _mm_t(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``a @ b.T + bias``: ``[M, K] x [N, K] -> [M, N]``, the bias broadcast over rows."""
+    if _ONEDNN and a.dtype == torch.float32 and a.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    out = a @ b.t()
+    return out if bias is None else out.add_(bias)
+
+
+def _inv_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    return 1.0 / t
+
+
+def _check_float(name: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+def _check_tokens(
+    tokens: Tensor, shape: torch.Size, vocab: int, what: str, full: torch.Size
+) -> None:
+    """``tokens`` must be integer ids in ``[0, vocab)`` with ``shape``, the shape of ``what``
+    (whose own shape is ``full``) without its last dimension."""
+    if (
+        not isinstance(tokens, Tensor)
+        or tokens.dtype.is_floating_point
+        or tokens.is_complex()
+        or tokens.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"tokens must be an integer tensor of token ids, got "
+            f"{tokens.dtype if isinstance(tokens, Tensor) else type(tokens).__name__}"
+        )
+    if tokens.shape != shape:
+        raise ValueError(
+            f"tokens has shape {tuple(tokens.shape)} but {what} has shape {tuple(full)}; tokens "
+            f"must have {what}'s shape without its last dimension, {tuple(shape)} (one token "
+            f"per position)"
+        )
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(
+            f"tokens must lie in [0, {vocab}) (the vocabulary size), got values in "
+            f"[{int(tokens.min())}, {int(tokens.max())}]; mask padding with a valid id and drop "
+            f"it afterwards with torch.where"
+        )
+
+
+def _coefficients(
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    grad_kl: Tensor | None,
+    ent: Tensor | None,
+    kl: Tensor | None,
+    inv_t: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma log pi_ref)
+    + delta 1[v = y]``, from the module's gradient formula; None where a term is absent."""
+    a = None if grad_logp is None else grad_logp.to(dtype)
+    b = None if grad_entropy is None else grad_entropy.to(dtype)
+    c = None if grad_kl is None else grad_kl.to(dtype)
+    alpha = torch.zeros((), dtype=dtype)
+    beta = None
+    if a is not None:
+        alpha = alpha - a
+    if b is not None:
+        alpha = alpha - b * ent
+        beta = -b
+    if c is not None:
+        alpha = alpha - c * kl
+        beta = c if beta is None else beta + c
+    gamma = None if c is None else -c * inv_t
+    delta = None if a is None else a * inv_t
+    return (
+        alpha * inv_t,
+        None if beta is None else beta * inv_t,
+        gamma,
+        delta,
+    )
+
+
+def _add_at_targets(g: Tensor, tokens: Tensor, v0: int, delta: Tensor) -> None:
+    """``g[i, tokens[i] - v0] += delta[i]`` for the targets inside the tile ``g [n, vc]``."""
+    cols = tokens - v0
+    inside = (cols >= 0) & (cols < g.shape[1])
+    if bool(inside.any()):
+        rows = torch.arange(g.shape[0], device=g.device)[inside]
+        g.index_put_((rows, cols[inside]), delta[inside], accumulate=True)
+
+
+# --------------------------------------------------------------------------------------------
+# From logits.
+
+
+class _FromLogits(torch.autograd.Function):
+    """logp, entropy and KL from logits ``[N, V]`` in row chunks; the backward recomputes them."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits: Tensor,
+        tokens: Tensor | None,
+        logits_ref: Tensor | None,
+        inv_t: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        ctx.set_materialize_grads(False)
+        n, vocab = logits.shape
+        cd = _compute_dtype(logits, logits_ref)
+        rows = max(1, _ROW_ELEMENTS // max(vocab, 1))
+        log_z = torch.empty(n, dtype=cd, device=logits.device)
+        log_z_ref = None if logits_ref is None else torch.empty_like(log_z)
+        logp = None if tokens is None else torch.empty_like(log_z)
+        ent = torch.empty_like(log_z) if with_entropy else None
+        kl = None if logits_ref is None else torch.empty_like(log_z)
+        for r0 in range(0, n, rows):
+            r = slice(r0, min(r0 + rows, n))
+            x = logits[r].to(cd).mul(inv_t)  # a fresh tensor, safe to modify
+            log_z[r] = torch.logsumexp(x, dim=-1)
+            if logp is not None:
+                logp[r] = x.gather(1, tokens[r, None])[:, 0] - log_z[r]
+            if ent is None and kl is None:
+                continue
+            log_pi = x.sub_(log_z[r, None])
+            pi = torch.exp(log_pi)
+            if ent is not None:
+                ent[r] = -torch.linalg.vecdot(pi, log_pi)
+            if kl is not None:
+                x_ref = logits_ref[r].to(cd).mul(inv_t)
+                log_z_ref[r] = torch.logsumexp(x_ref, dim=-1)
+                kl[r] = torch.linalg.vecdot(pi, log_pi.sub_(x_ref.sub_(log_z_ref[r, None])))
+        out_logp = None if logp is None else logp.clamp_max(0.0)
+        out_ent = None if ent is None else ent.clamp_min(0.0)
+        out_kl = None if kl is None else kl.clamp_min(0.0)
+        ctx.save_for_backward(logits, tokens, logits_ref, log_z, log_z_ref, out_ent, out_kl)
+        ctx.inv_t, ctx.rows, ctx.cd = inv_t, rows, cd
+        return out_logp, out_ent, out_kl
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_kl):
+        logits, tokens, logits_ref, log_z, log_z_ref, ent, kl = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (
+            grad_logp is None and grad_entropy is None and grad_kl is None
+        ):
+            return None, None, None, None, None
+        cd, inv_t, rows = ctx.cd, ctx.inv_t, ctx.rows
+        alpha, beta, gamma, delta = _coefficients(
+            grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
+        )
+        alpha = alpha.expand(log_z.shape)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        n = logits.shape[0]
+        for r0 in range(0, n, rows):
+            r = slice(r0, min(r0 + rows, n))
+            log_pi = logits[r].to(cd).mul(inv_t).sub_(log_z[r, None])
+            pi = torch.exp(log_pi)
+            if beta is None:
+                g = pi.mul_(alpha[r, None])
+            else:
+                inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
+                if gamma is not None:
+                    log_pi_ref = logits_ref[r].to(cd).mul(inv_t).sub_(log_z_ref[r, None])
+                    inner.addcmul_(log_pi_ref, gamma[r, None])
+                g = pi.mul_(inner)
+            if delta is not None:
+                g.scatter_add_(1, tokens[r, None], delta[r, None])
+            grad[r] = g
+        return grad, None, None, None, None
+
+
+def _from_logits(
+    logits: Tensor,
+    tokens: Tensor | None,
+    logits_ref: Tensor | None,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    _check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be [..., V] with V ≥ 1, got shape {tuple(logits.shape)}")
+    inv_t = _inv_temperature(temperature)
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    if tokens is not None:
+        _check_tokens(tokens, lead, vocab, "logits", logits.shape)
+        tokens = tokens.reshape(-1).to(device=logits.device, dtype=torch.long)
+    if logits_ref is not None:
+        _check_float("logits_ref", logits_ref)
+        if logits_ref.shape != logits.shape:
+            raise ValueError(
+                f"logits has shape {tuple(logits.shape)} but logits_ref has shape "
+                f"{tuple(logits_ref.shape)}; both must be [..., V] logits at the same positions"
+            )
+        logits_ref = logits_ref.detach().reshape(-1, vocab)
+    outs = _FromLogits.apply(logits.reshape(-1, vocab), tokens, logits_ref, inv_t, with_entropy)
+    return tuple(None if o is None else o.view(lead) for o in outs)  # type: ignore[return-value]
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+    r"""``log pi(y)`` of each token, ``pi = softmax(logits / temperature)``, in row chunks.
+
+    ``logp = x_y - log sum_v exp(x_v)`` with ``x = logits / temperature``; float32 arithmetic on
+    chunks of rows (float64 for float64 logits), so no full float32 copy of the logits is made.
+
+    Gradient: ``(1[v = y] - pi_v) / temperature`` per unit upstream gradient, recomputed chunk by
+    chunk in the backward pass (nothing of size ``[..., V]`` is saved besides ``logits`` itself).
+
+    Args:
+        logits: ``[..., V]`` logits at the positions that produced ``tokens``, any float dtype.
+        tokens: ``[...]`` integer token ids in ``[0, V)``.
+        temperature: the sampling temperature the logits are divided by.
+
+    Returns:
+        ``[...]`` float32 (float64 for float64 logits).
+    """
+    return _from_logits(logits, tokens, None, temperature, False)[0]
+
+
+def entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    r"""The entropy ``-sum_v pi(v) log pi(v)`` at each position, ``pi = softmax(logits / temperature)``.
+
+    Gradient with respect to the logits: ``-pi_v (log pi_v + entropy) / temperature``.
+
+    Args:
+        logits: ``[..., V]``, any float dtype.
+        temperature: the sampling temperature the logits are divided by.
+
+    Returns:
+        ``[...]`` float32 (float64 for float64 logits).
+    """
+    return _from_logits(logits, None, None, temperature, True)[1]
+
+
+def exact_kl(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Tensor:
+    r"""The exact KL(pi_theta ‖ pi_ref) over the vocabulary at each position.
+
+    ``kl = sum_v pi(v) (log pi(v) - log pi_ref(v))`` with ``pi = softmax(logits / temperature)``
+    and ``pi_ref = softmax(logits_ref / temperature)``; no sampling noise at the position
+    (Rao-Blackwellised, Amini, Vieira & Cotterell, arXiv:2504.10637).
+
+    Gradient with respect to ``logits``: ``pi_v (log pi_v - log pi_ref(v) - kl) / temperature``,
+    the gradient of KL(pi_theta ‖ pi_ref) at the position. ``logits_ref`` is detached.
+
+    Args:
+        logits: ``[..., V]`` policy logits, any float dtype.
+        logits_ref: ``[..., V]`` reference logits at the same positions (detached).
+        temperature: the sampling temperature both are divided by.
+
+    Returns:
+        ``[...]`` float32 (float64 when an input is float64).
+    """
+    _check_float("logits_ref", logits_ref)
+    return _from_logits(logits, None, logits_ref, temperature, False)[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Fused from hidden states and the output head.
+
+
+class _Head:
+    """One model's head in the compute dtype: ``x = (hidden @ weight.T + bias) / T``, by tiles."""
+
+    def __init__(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float, cd: torch.dtype
+    ) -> None:
+        self.hidden = hidden.to(cd)  # [N, H], unscaled, for the weight gradient
+        self.hidden_t = self.hidden if inv_t == 1.0 else self.hidden * inv_t  # [N, H] = h / T
+        self.weight = weight  # [V, H], chunks converted on use
+        self.bias_t = None if bias is None else bias.to(cd) * inv_t  # [V] = b / T
+        self.cd = cd
+        self._buffer: Tensor | None = None
+
+    def chunk(self, v0: int, v1: int) -> Tensor:
+        """``weight[v0:v1]`` in the compute dtype, converted into one reused buffer.
+
+        A fresh buffer per chunk costs page faults that make the conversion ~5x slower.
+        """
+        w = self.weight[v0:v1]
+        if w.dtype == self.cd:
+            return w.contiguous()
+        if self._buffer is None or self._buffer.shape[0] < v1 - v0:
+            self._buffer = torch.empty(v1 - v0, w.shape[1], dtype=self.cd, device=w.device)
+        return self._buffer[: v1 - v0].copy_(w)
+
+    def tile(self, w_chunk: Tensor, v0: int, t: slice, offset: Tensor | None) -> Tensor:
+        """``x[t, v0:v0+vc] - offset[t]``: ``[n, vc]``, the bias in the GEMM."""
+        bias = None if self.bias_t is None else self.bias_t[v0 : v0 + w_chunk.shape[0]]
+        x = _mm_t(self.hidden_t[t], w_chunk, bias)
+        return x if offset is None else x.sub_(offset[t, None])
+
+    def target_logits(self, tokens: Tensor) -> Tensor:
+        """``x_y`` for each token, by a gathered dot product: ``[N]``."""
+        x = torch.linalg.vecdot(self.hidden_t, self.weight[tokens].to(self.cd))
+        return x if self.bias_t is None else x + self.bias_t[tokens]
+
+    def row_max(self, token_chunk: int, vocab_chunk: int) -> Tensor:
+        """``max_v x_v`` for each token, one more pass over the tiles: ``[N]``."""
+        n, vocab = self.hidden.shape[0], self.weight.shape[0]
+        m = torch.full((n,), -math.inf, dtype=self.cd, device=self.hidden.device)
+        for v0 in range(0, vocab, vocab_chunk):
+            w = self.chunk(v0, min(v0 + vocab_chunk, vocab))
+            for t0 in range(0, n, token_chunk):
+                t = slice(t0, min(t0 + token_chunk, n))
+                m[t] = torch.maximum(m[t], self.tile(w, v0, t, None).amax(1))
+        return m
+
+    def subset(self, idx: Tensor) -> _Head:
+        head = object.__new__(_Head)
+        head.hidden, head.hidden_t = self.hidden[idx], self.hidden_t[idx]
+        head.weight, head.bias_t, head.cd = self.weight, self.bias_t, self.cd
+        head._buffer = None
+        return head
+
+
+def _sums(
+    pol: _Head,
+    ref: _Head | None,
+    m: Tensor,
+    m_ref: Tensor | None,
+    with_entropy: bool,
+    token_chunk: int,
+    vocab_chunk: int,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Per-token sums over the vocabulary, relative to the references ``m`` and ``m_ref``.
+
+    With ``e_v = exp(x_v - m)``: ``s = sum e``, ``s_x = sum e (x - m)`` (entropy),
+    ``s_d = sum e (x - m - x_ref + m_ref)`` and ``s_ref = sum exp(x_ref - m_ref)`` (KL).
+    """
+    n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
+
+    def zeros() -> Tensor:
+        return torch.zeros(n, dtype=pol.cd, device=m.device)
+
+    s = zeros()
+    s_x = zeros() if with_entropy else None
+    s_d = None if ref is None else zeros()
+    s_ref = None if ref is None else zeros()
+    keep_x = with_entropy or ref is not None
+    for v0 in range(0, vocab, vocab_chunk):
+        v1 = min(v0 + vocab_chunk, vocab)
+        w = pol.chunk(v0, v1)
+        w_ref = None if ref is None else ref.chunk(v0, v1)
+        ones = torch.ones(v1 - v0, dtype=pol.cd, device=m.device)
+        for t0 in range(0, n, token_chunk):
+            t = slice(t0, min(t0 + token_chunk, n))
+            x = pol.tile(w, v0, t, m)  # [n, vc]
+            e = torch.exp(x) if keep_x else x.exp_()
+            s[t] += e @ ones
+            if s_x is not None:
+                s_x[t] += torch.linalg.vecdot(e, x)
+            if ref is not None:
+                x_ref = ref.tile(w_ref, v0, t, m_ref)
+                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref))
+                s_ref[t] += x_ref.exp_() @ ones
+    return s, s_x, s_d, s_ref
+
+
+def _finish(
+    x_y: Tensor,
+    m: Tensor,
+    sums: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(logp, L, entropy, kl) from the sums of :func:`_sums`, unclamped."""
+    s, s_x, s_d, s_ref = sums
+    log_s = torch.log(s)
+    logp = (x_y - m) - log_s
+    ent = None if s_x is None else log_s - s_x / s
+    kl = None if s_d is None else s_d / s + (torch.log(s_ref) - log_s)
+    return logp, m + log_s, ent, kl
+
+
+def _bf16_weight_grad(hidden: Tensor, weight: Tensor, n: int, token_chunk: int) -> bool:
+    """Whether the weight gradient's GEMM may take ``G`` in bf16 (see :func:`fused`)."""
+    return (
+        _ONEDNN
+        and weight.dtype == torch.bfloat16
+        and hidden.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and n <= token_chunk
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class _Fused(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        hidden_ref: Tensor | None,
+        weight_ref: Tensor | None,
+        bias_ref: Tensor | None,
+        inv_t: float,
+        with_entropy: bool,
+        token_chunk: int,
+        vocab_chunk: int,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        ctx.set_materialize_grads(False)
+        cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
+        pol = _Head(hidden, weight, bias, inv_t, cd)
+        ref = None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
+        x_y = pol.target_logits(tokens)
+        m_ref = None if ref is None else ref.target_logits(tokens)
+        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk)
+        logp, log_z, ent, kl = _finish(x_y, x_y, sums)
+        log_z_ref = None if ref is None else m_ref + torch.log(sums[3])
+
+        # A token whose sums overflowed had a logit ~88 above its target's: redo it with the max.
+        finite = torch.isfinite(logp)
+        for t in (ent, kl, log_z_ref):
+            if t is not None:
+                finite &= torch.isfinite(t)
+        if not bool(finite.all()):
+            idx = (~finite).nonzero()[:, 0]
+            pol_i = pol.subset(idx)
+            ref_i = None if ref is None else ref.subset(idx)
+            m_i = pol_i.row_max(token_chunk, vocab_chunk)
+            m_ref_i = None if ref_i is None else ref_i.row_max(token_chunk, vocab_chunk)
+            sums_i = _sums(pol_i, ref_i, m_i, m_ref_i, with_entropy, token_chunk, vocab_chunk)
+            logp_i, log_z_i, ent_i, kl_i = _finish(x_y[idx], m_i, sums_i)
+            logp[idx], log_z[idx] = logp_i, log_z_i
+            if ent is not None:
+                ent[idx] = ent_i
+            if kl is not None:
+                kl[idx] = kl_i
+                log_z_ref[idx] = m_ref_i + torch.log(sums_i[3])
+
+        logp = logp.clamp_max(0.0)
+        ent = None if ent is None else ent.clamp_min(0.0)
+        kl = None if kl is None else kl.clamp_min(0.0)
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            bias,
+            tokens,
+            hidden_ref,
+            weight_ref,
+            bias_ref,
+            log_z,
+            log_z_ref,
+            ent,
+            kl,
+        )
+        ctx.inv_t, ctx.cd = inv_t, cd
+        ctx.token_chunk, ctx.vocab_chunk = token_chunk, vocab_chunk
+        return logp, ent, kl
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_kl):
+        (
+            hidden,
+            weight,
+            bias,
+            tokens,
+            hidden_ref,
+            weight_ref,
+            bias_ref,
+            log_z,
+            log_z_ref,
+            ent,
+            kl,
+        ) = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        none = (None,) * 11
+        if grad_logp is None and grad_entropy is None and grad_kl is None:
+            return none
+        if not (need_h or need_w or need_b):
+            return none
+        cd, inv_t = ctx.cd, ctx.inv_t
+        token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
+        alpha, beta, gamma, delta = _coefficients(
+            grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
+        )
+        alpha = alpha.expand(log_z.shape)[:, None]
+        beta = None if beta is None else beta[:, None]
+        gamma = None if gamma is None else gamma[:, None]
+        pol = _Head(hidden, weight, bias, inv_t, cd)
+        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        device = hidden.device
+        grad_h = torch.zeros(hidden.shape, dtype=cd, device=device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty_like(bias) if need_b else None
+        one_token_chunk = n <= token_chunk
+        bf16_w = need_w and _bf16_weight_grad(hidden, weight, n, token_chunk)
+        g_low = None  # G.T in bf16, reused across vocabulary chunks
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            w = pol.chunk(v0, v1)
+            w_ref = None if ref is None else ref.chunk(v0, v1)
+            grad_w_chunk = None
+            if need_w and not one_token_chunk:
+                grad_w_chunk = torch.zeros(v1 - v0, hidden.shape[1], dtype=cd, device=device)
+            grad_b_chunk = torch.zeros(v1 - v0, dtype=cd, device=device) if need_b else None
+            for t0 in range(0, n, token_chunk):
+                t = slice(t0, min(t0 + token_chunk, n))
+                log_pi = pol.tile(w, v0, t, log_z)  # [n, vc]
+                if beta is None:
+                    g = log_pi.exp_().mul_(alpha[t])
+                else:
+                    pi = torch.exp(log_pi)
+                    inner = torch.addcmul(alpha[t], log_pi, beta[t], out=log_pi)
+                    if gamma is not None:
+                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[t])
+                    g = pi.mul_(inner)
+                if delta is not None:
+                    _add_at_targets(g, tokens[t], v0, delta[t])
+                if need_h:
+                    grad_h[t] += _mm_t(g, w.t())
+                if need_w and bf16_w:
+                    # bf16 G (rounded once), float32 accumulation inside the GEMM, one rounding.
+                    if g_low is None:
+                        g_low = torch.empty(
+                            g.shape[1], g.shape[0], dtype=weight.dtype, device=device
+                        )
+                    g_t = g_low[: g.shape[1]].copy_(g.t())
+                    grad_w[v0:v1] = _mm_t(g_t, hidden[t].t())
+                elif need_w and one_token_chunk:
+                    grad_w[v0:v1] = _mm_t(g.t(), pol.hidden[t].t())
+                elif need_w:
+                    grad_w_chunk += _mm_t(g.t(), pol.hidden[t].t())
+                if need_b:
+                    grad_b_chunk += g.sum(0)
+            if grad_w_chunk is not None:
+                grad_w[v0:v1] = grad_w_chunk
+            if need_b:
+                grad_b[v0:v1] = grad_b_chunk
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            grad_w,
+            grad_b,
+            *(None,) * 8,
+        )
+
+
+def fused(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    bias_ref: Tensor | None = None,
+    with_entropy: bool = True,
+    token_chunk: int = TOKEN_CHUNK,
+    vocab_chunk: int | None = None,
+) -> FusedOutput:
+    r"""Token log-probs, entropy and exact KL(pi_theta ‖ pi_ref) from hidden states and the head.
+
+    With ``x = (hidden @ weight.T + bias) / temperature`` and ``pi = softmax(x)`` (and ``x_ref``,
+    ``pi_ref`` likewise from ``hidden_ref``, ``weight_ref``, ``bias_ref``), per position:
+    ``logp = log pi(y)``, ``entropy = -sum_v pi log pi`` and
+    ``kl = sum_v pi (log pi - log pi_ref)``, all computed tile by tile (``vocab_chunk`` vocabulary
+    entries by ``token_chunk`` tokens) so that the ``[N, V]`` logits never exist; see the module
+    notes for the algorithm, its precision and its speed.
+
+    Gradient: with respect to ``hidden``, ``weight`` and ``bias`` (whichever require it), of any
+    combination of the three outputs, in one backward pass that recomputes the tiles (the formula
+    for ``G`` is in the module notes), accumulated in float32 and cast to the inputs' dtypes. A
+    ``weight`` tied to the input embeddings (``model.lm_head.weight``) gets this gradient added to
+    the embedding's by autograd as usual. The reference (``hidden_ref``, ``weight_ref``,
+    ``bias_ref``) is detached.
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` the policy's last hidden states at the positions that
+            produced ``tokens`` (after the final norm), float32, bf16, fp16 or float64.
+        weight: ``[V, H]`` the policy's output head (``model.lm_head.weight``).
+        tokens: ``[N]`` or ``[B, T]`` integer token ids in ``[0, V)``.
+        bias: ``[V]`` the head's bias, if it has one.
+        temperature: the sampling temperature the logits are divided by (policy and reference).
+        hidden_ref: ``[N, H_ref]`` or ``[B, T, H_ref]`` the reference model's hidden states at the
+            same positions; with ``weight_ref`` it turns on ``kl``.
+        weight_ref: ``[V, H_ref]`` the reference model's head.
+        bias_ref: ``[V]`` the reference head's bias, if any.
+        with_entropy: compute the entropy (one more elementwise pass per tile); else it is None.
+        token_chunk: tokens per tile (default :data:`TOKEN_CHUNK` = 4096).
+        vocab_chunk: vocabulary entries per tile (default
+            ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
+            4 MiB in float32). Both defaults were measured with ``bench/logprobs.py --sweep``.
+
+    Returns:
+        :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
+        (float64 when an input is float64); ``kl`` is None without a reference.
+
+    Raises:
+        ValueError / TypeError: naming the argument, for a wrong shape, dtype, token id, chunk size
+        or temperature, or for half a reference.
+    """
+    _check_float("hidden", hidden)
+    _check_float("weight", weight)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's last dimension), got "
+            f"shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    lead = hidden.shape[:-1]
+    _check_tokens(tokens, lead, vocab, "hidden", hidden.shape)
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
+    if (hidden_ref is None) != (weight_ref is None):
+        raise ValueError(
+            "the exact KL needs both hidden_ref and weight_ref (the reference model's hidden "
+            "states and head); pass both or neither"
+        )
+    if bias_ref is not None and weight_ref is None:
+        raise ValueError("bias_ref was given without hidden_ref and weight_ref")
+    if hidden_ref is not None:
+        _check_float("hidden_ref", hidden_ref)
+        _check_float("weight_ref", weight_ref)
+        if hidden_ref.shape[:-1] != lead or hidden_ref.dim() != hidden.dim():
+            raise ValueError(
+                f"hidden_ref has shape {tuple(hidden_ref.shape)} but hidden has shape "
+                f"{tuple(hidden.shape)}; they must agree in every dimension but the last"
+            )
+        if weight_ref.dim() != 2 or weight_ref.shape != (vocab, hidden_ref.shape[-1]):
+            raise ValueError(
+                f"weight_ref must be [V, H_ref] = [{vocab}, {hidden_ref.shape[-1]}], got shape "
+                f"{tuple(weight_ref.shape)}; policy and reference must share the vocabulary"
+            )
+        if bias_ref is not None:
+            _check_float("bias_ref", bias_ref)
+            if bias_ref.shape != (vocab,):
+                raise ValueError(
+                    f"bias_ref must be [V] = [{vocab}], got shape {tuple(bias_ref.shape)}"
+                )
+    if vocab_chunk is None:
+        vocab_chunk = default_vocab_chunk(min(math.prod(lead), token_chunk))
+    for name, size in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    inv_t = _inv_temperature(temperature)
+
+    def flat(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.reshape(-1, t.shape[-1])
+
+    def detached(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.detach()
+
+    logp, ent, kl = _Fused.apply(
+        flat(hidden),
+        weight,
+        bias,
+        tokens.reshape(-1).to(device=hidden.device, dtype=torch.long),
+        detached(flat(hidden_ref)),
+        detached(weight_ref),
+        detached(bias_ref),
+        inv_t,
+        bool(with_entropy),
+        token_chunk,
+        vocab_chunk,
+    )
+    return FusedOutput(
+        logp.view(lead),
+        None if ent is None else ent.view(lead),
+        None if kl is None else kl.view(lead),
+    )

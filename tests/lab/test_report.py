@@ -1,0 +1,76 @@
+"""`klpo lab report --quick` end to end, and the seed-000 verdicts' logic."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from klpo.cli import app
+from klpo.lab.report import PRESETS, verdicts
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lab")
+    result = runner.invoke(app, ["lab", "report", "--out", str(out), "--quick"])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+@pytest.mark.slow
+def test_report_writes_every_file(quick_report):
+    out, output = quick_report
+    names = {p.name for p in out.iterdir()}
+    assert {"report.md", "results.json", "mu_sweep.png", "gradient_cosines.png",
+            "ref_is_variants.png", "drift.png"} <= names  # fmt: skip
+    assert not [n for n in names if n.endswith(".tmp")]  # atomic writes leave nothing behind
+    for png in ("mu_sweep.png", "drift.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Seed 000: which claims hold" in output and "report.md" in output
+
+
+@pytest.mark.slow
+def test_report_content(quick_report):
+    out, _ = quick_report
+    text = (out / "report.md").read_text()
+    for heading in ("Schulman's table", "Gradient table", "ref_is variants", "Drift", "Seed 000"):
+        assert heading in text
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"]["name"] == "quick"
+    assert all(row["within_4se"] for row in results["schulman"])
+    for key in ("categorical_oracle", "sequence_oracle"):
+        mc = results[key]["monte_carlo"]
+        assert mc["value_failures"] == 0 and mc["gradient_failures"] == 0
+    v = {i + 1: x["verdict"] for i, x in enumerate(results["verdicts"])}
+    assert v[1] == "holds"  # k1 unbiased
+    assert v[2] == "does not hold"  # unclipped ref_is is unbiased
+    assert v[10] == "does not hold"  # gamma > 0 favours ref_is at small KL
+    assert "K2" in text and "`ref_is`" in text
+    assert "k2 (ref_is" not in text and "k3 (adaptive_mix" not in text  # never called k2, k3
+    assert '"K2" (= ref_is' in text
+
+
+@pytest.mark.slow
+def test_verdicts_follow_the_numbers(quick_report):
+    """Change the numbers and the verdicts change: they are computed, not typed in."""
+    out, _ = quick_report
+    results = json.loads((out / "results.json").read_text())
+    altered = copy.deepcopy(results)
+    altered["categorical_oracle"]["values"]["ref_is"]["bias"] = 0.01
+    assert verdicts(altered)[1]["verdict"] == "holds"
+    altered = copy.deepcopy(results)
+    w = altered["drift"]["mix_weight_on_k1"]
+    w["adaptive_mix (gamma = +10, as written)"] = [1.0] * len(
+        w["adaptive_mix (gamma = +10, as written)"]
+    )
+    assert verdicts(altered)[9]["verdict"] == "holds"
+
+
+def test_presets_count_their_progress_units():
+    p = PRESETS["quick"]
+    assert p.units == 2 + 4 + 2 + 3 * 1 + 3 + 31 + 1 + 1

@@ -1,0 +1,657 @@
+"""Tests for klpo.logprobs: values and gradients against naive float64 oracles, memory, errors.
+
+Oracles: hand arithmetic, and a naive float64 implementation (full logits, log_softmax, gather)
+differentiated by autograd. Tolerances are derived from the dtypes, never tuned:
+
+* Every value is computed in float32 (unit roundoff u = 2^-24) from inputs that are exact in
+  float32 (bf16 inputs are upcast exactly). Its error is a sum of rounding errors of dot products
+  of length H, sums of length V and a few scalar operations, each bounded by the probabilistic
+  bound of Higham & Mary (SIAM J. Sci. Comput. 2019): |error| ≤ λ √n u · (sum of |terms|), which
+  holds with probability at least 1 - 2 exp(-λ²/2) per quantity; λ = 6 gives 3e-8. The |terms| are
+  the logits' magnitudes, so the tolerance of a token's values is
+  ``λ √(H + V) u (2 (S + S_ref) + |L| + |L_ref| + 1)`` with ``S = max_v (|h|·|w_v| + |b_v|) / T``
+  (see :func:`value_tol`).
+* A gradient is ``G @ W``-like: its error is the error of each entry of ``G`` (that of the values,
+  times the entry's own terms) plus the accumulation over V (or N) terms, bounded componentwise with
+  the float64 reference's absolute values (see :func:`grad_bound`).
+* Gradients returned in bf16 are rounded once (unit roundoff 2^-8, so +2^-8 |reference|); with a
+  bf16 head and one token chunk the weight gradient's GEMM takes ``G`` rounded to bf16 (+2^-8 ·
+  ``|G|^T |h|``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from klpo import logprobs as lp
+
+U32 = 2.0**-24
+U_BF16 = 2.0**-8
+LAMBDA = 6.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-computed values.
+
+
+def test_hand_values_from_logits_and_from_hidden_states():
+    # logits [0, ln 2, ln 5]: pi = [1, 2, 5] / 8
+    logits = torch.tensor([[0.0, math.log(2.0), math.log(5.0)]])
+    # log pi(2) = ln(5/8) = -0.4700036
+    logp = -0.4700036292457356
+    # entropy = (1/8) ln 8 + (2/8) ln 4 + (5/8) ln(8/5) = 0.2599302 + 0.3465736 + 0.2937523
+    ent = 0.9002560512685369
+    # against the uniform pi_ref = 1/3: KL = sum pi ln(3 pi) = ln 3 - entropy = 1.0986123 - 0.9002561
+    kl_uniform = math.log(3.0) - ent
+    assert lp.token_logprobs(logits, torch.tensor([2])).item() == pytest.approx(logp, rel=1e-6)
+    assert lp.entropy(logits).item() == pytest.approx(ent, rel=1e-6)
+    assert lp.exact_kl(logits, torch.zeros(1, 3)).item() == pytest.approx(kl_uniform, rel=1e-5)
+    # The same distribution as hidden [1] (H = 1) times the head [[0], [ln 2], [ln 5]].
+    out = lp.fused(
+        torch.ones(1, 1),
+        logits.t().contiguous(),
+        torch.tensor([2]),
+        hidden_ref=torch.ones(1, 1),
+        weight_ref=torch.zeros(3, 1),
+    )
+    assert out.logp.item() == pytest.approx(logp, rel=1e-6)
+    assert out.entropy.item() == pytest.approx(ent, rel=1e-6)
+    assert out.kl.item() == pytest.approx(kl_uniform, rel=1e-5)
+    # temperature 2 halves the logits: pi ∝ [1, √2, √5] = [1, 1.4142136, 2.2360680] / 4.6502815,
+    # so log pi(2) = ln 2.2360680 - ln 4.6502815 = 0.8047190 - 1.5369188 = -0.7321998
+    warm = lp.token_logprobs(logits, torch.tensor([2]), temperature=2.0)
+    assert warm.item() == pytest.approx(0.5 * math.log(5) - math.log(1 + 2**0.5 + 5**0.5), rel=1e-6)
+
+
+def test_default_vocab_chunk():
+    # 2^20 / tokens, rounded down to a power of 2 and clamped to [512, 2048]
+    assert lp.default_vocab_chunk(1024) == 1024
+    assert lp.default_vocab_chunk(512) == 2048
+    assert lp.default_vocab_chunk(700) == 1024  # 2^20 / 700 = 1497 -> 1024
+    assert lp.default_vocab_chunk(4096) == 512  # 256, clamped
+    assert lp.default_vocab_chunk(1) == 2048
+    assert lp.default_vocab_chunk(0) == 2048
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 oracle and the derived tolerances.
+
+
+@dataclass
+class Problem:
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None
+    tokens: torch.Tensor
+    hidden_ref: torch.Tensor | None
+    weight_ref: torch.Tensor | None
+    bias_ref: torch.Tensor | None
+    temperature: float
+    upstream: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # d loss / d (logp, entropy, kl)
+
+
+def make_problem(n, h, v, *, dtype, temperature=1.0, bias=False, ref=True, seed=0) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    # Logits with a spread of a few nats, like a trained head.
+    scale = 2.0 / math.sqrt(h)
+    return Problem(
+        hidden=rand(n, h),
+        weight=rand(v, h, scale=scale),
+        bias=rand(v) if bias else None,
+        tokens=torch.randint(0, v, (n,), generator=gen),
+        hidden_ref=rand(n, h) if ref else None,
+        weight_ref=rand(v, h, scale=scale) if ref else None,
+        bias_ref=rand(v, scale=0.5) if ref and bias else None,
+        temperature=temperature,
+        upstream=tuple(torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(3)),
+    )
+
+
+def naive(p: Problem):
+    """Float64 full logits, log_softmax, gather; values and autograd gradients."""
+    h = p.hidden.detach().double().requires_grad_(True)
+    w = p.weight.detach().double().requires_grad_(True)
+    b = None if p.bias is None else p.bias.detach().double().requires_grad_(True)
+    x = (h @ w.t() + (0 if b is None else b)) / p.temperature
+    log_pi = torch.log_softmax(x, -1)
+    pi = log_pi.exp()
+    logp = log_pi.gather(1, p.tokens[:, None])[:, 0]
+    ent = -(pi * log_pi).sum(-1)
+    kl = log_pi_ref = None
+    if p.hidden_ref is not None:
+        x_ref = p.hidden_ref.double() @ p.weight_ref.double().t()
+        if p.bias_ref is not None:
+            x_ref = x_ref + p.bias_ref.double()
+        log_pi_ref = torch.log_softmax(x_ref / p.temperature, -1)
+        kl = (pi * (log_pi - log_pi_ref)).sum(-1)
+    a, c, d = p.upstream
+    loss = (a * logp).sum() + (c * ent).sum() + (0 if kl is None else (d * kl).sum())
+    inputs = [t for t in (h, w, b) if t is not None]
+    grads = torch.autograd.grad(loss, inputs)
+    out = {"logp": logp, "entropy": ent, "kl": kl, "grad_hidden": grads[0], "grad_weight": grads[1]}
+    out["grad_bias"] = grads[2] if b is not None else None
+    out["log_pi"], out["log_pi_ref"] = log_pi.detach(), log_pi_ref
+    return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def logit_scale(hidden, weight, bias, temperature):
+    """S_i = max_v (|h_i|·|w_v| + |b_v|) / T, in float64: the size of the terms of a logit."""
+    s = hidden.abs().double() @ weight.abs().double().t()
+    if bias is not None:
+        s = s + bias.abs().double()
+    return s.max(-1).values / temperature
+
+
+def value_tol(p: Problem, ref: dict) -> torch.Tensor:
+    """λ √(H + V) u (2 (S + S_ref) + |L| + |L_ref| + 1), per token (see the module notes)."""
+    h, v = p.hidden.shape[1], p.weight.shape[0]
+    s = logit_scale(p.hidden, p.weight, p.bias, p.temperature)
+    x = (p.hidden.double() @ p.weight.double().t()) / p.temperature
+    m = 2 * s + torch.logsumexp(x, -1).abs() + 1
+    if p.hidden_ref is not None:
+        s_ref = logit_scale(p.hidden_ref, p.weight_ref, p.bias_ref, p.temperature)
+        x_ref = (p.hidden_ref.double() @ p.weight_ref.double().t()) / p.temperature
+        m = m + 2 * s_ref + torch.logsumexp(x_ref, -1).abs()
+    return LAMBDA * math.sqrt(h + v) * U32 * m
+
+
+def g_hat(p: Problem, ref: dict) -> torch.Tensor:
+    """|terms| of G at each (token, vocab) entry, from the float64 reference: ``[N, V]``."""
+    a, c, d = (t.abs()[:, None] for t in p.upstream)
+    log_pi = ref["log_pi"]
+    pi = log_pi.exp()
+    onehot = torch.zeros_like(pi).scatter_(1, p.tokens[:, None], 1.0)
+    terms = 2 + log_pi.abs() + ref["entropy"][:, None]
+    coef = a + c
+    if ref["kl"] is not None:
+        terms = terms + ref["log_pi_ref"].abs() + ref["kl"][:, None]
+        coef = coef + d
+    return a * onehot + coef * pi * terms
+
+
+def grad_bound(p: Problem, ref: dict, tol: torch.Tensor, bf16_weight_gemm: bool) -> dict:
+    """Componentwise bounds on the gradients' errors (see the module notes)."""
+    n, v = len(p.tokens), p.weight.shape[0]
+    g = g_hat(p, ref) / p.temperature
+    acc = LAMBDA * math.sqrt(v + n) * U32  # the gradients' own accumulation
+    err_g = (tol[:, None] + acc) * g
+    bound = {
+        "grad_hidden": err_g @ p.weight.abs().double(),
+        "grad_weight": err_g.t() @ p.hidden.abs().double(),
+        "grad_bias": err_g.sum(0) if p.bias is not None else None,
+    }
+    for name, t in (("grad_hidden", p.hidden), ("grad_weight", p.weight), ("grad_bias", p.bias)):
+        if t is not None and t.dtype == torch.bfloat16:
+            bound[name] = bound[name] + U_BF16 * ref[name].abs()  # the final rounding
+    if bf16_weight_gemm:
+        bound["grad_weight"] = bound["grad_weight"] + U_BF16 * (g.t() @ p.hidden.abs().double())
+    return bound
+
+
+def assert_within(name, got, want, bound):
+    err = (got.double() - want).abs()
+    worst = float((err / bound).max().detach())
+    assert worst <= 1.0, f"{name}: error {float(err.max()):.3e} exceeds its bound by {worst:.2f}x"
+
+
+def run_fused(p: Problem, **kw):
+    leaves = [p.hidden, p.weight] + ([p.bias] if p.bias is not None else [])
+    leaves = [t.detach().requires_grad_(True) for t in leaves]
+    hidden, weight = leaves[0], leaves[1]
+    bias = leaves[2] if p.bias is not None else None
+    out = lp.fused(
+        hidden,
+        weight,
+        p.tokens,
+        bias=bias,
+        temperature=p.temperature,
+        hidden_ref=p.hidden_ref,
+        weight_ref=p.weight_ref,
+        bias_ref=p.bias_ref,
+        **kw,
+    )
+    a, c, d = (u.float() for u in p.upstream)
+    loss = (a * out.logp).sum() + (c * out.entropy).sum()
+    if out.kl is not None:
+        loss = loss + (d * out.kl).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return out, dict(zip(["grad_hidden", "grad_weight", "grad_bias"], grads, strict=False))
+
+
+# (N, H, V, token_chunk, vocab_chunk): ragged tails in both chunk dimensions, one token chunk
+# (where a bf16 head takes the bf16 weight-gradient GEMM), one vocabulary chunk, chunks of 1.
+SHAPES = [
+    (37, 24, 301, 8, 64),
+    (29, 16, 517, 4096, 100),
+    (6, 8, 50, 1, 7),
+    (12, 32, 200, 5, 4096),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("temperature", "bias"), [(1.0, False), (0.7, True)])
+def test_fused_matches_float64_naive(dtype, shape, temperature, bias):
+    n, h, v, token_chunk, vocab_chunk = shape
+    p = make_problem(n, h, v, dtype=dtype, temperature=temperature, bias=bias)
+    out, grads = run_fused(p, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+    ref = naive(p)
+    tol = value_tol(p, ref)
+    for name in ("logp", "entropy", "kl"):
+        got = getattr(out, name)
+        assert got.dtype == torch.float32 and got.shape == (n,)
+        assert_within(name, got, ref[name], tol)
+    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and lp._ONEDNN
+    bound = grad_bound(p, ref, tol, bf16_gemm)
+    for name, got in grads.items():
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_float32_error_is_well_under_1e_4():
+    # The issue's bar, norm-wise: float32 relative errors well under 1e-4 (here: < 1e-5).
+    p = make_problem(64, 32, 1000, dtype=torch.float32, temperature=0.8, bias=True)
+    out, grads = run_fused(p, token_chunk=16, vocab_chunk=128)
+    ref = naive(p)
+    for name, got in [*((k, getattr(out, k)) for k in ("logp", "entropy", "kl")), *grads.items()]:
+        rel = float((got.detach().double() - ref[name]).norm() / ref[name].norm())
+        assert rel < 1e-5, (name, rel)
+
+
+def test_fused_batch_time_shapes_and_without_reference():
+    p = make_problem(12, 16, 97, dtype=torch.float32, ref=False)
+    out, _ = run_fused(p, vocab_chunk=32)
+    assert out.kl is None
+    ref = naive(p)
+    hidden = p.hidden.view(3, 4, 16)
+    out3 = lp.fused(hidden, p.weight, p.tokens.view(3, 4), vocab_chunk=32)
+    assert out3.logp.shape == (3, 4) and out3.entropy.shape == (3, 4)
+    tol = value_tol(p, ref).view(3, 4)
+    assert_within("logp", out3.logp, ref["logp"].view(3, 4), tol)
+    no_ent = lp.fused(p.hidden, p.weight, p.tokens, with_entropy=False)
+    assert no_ent.entropy is None
+    torch.testing.assert_close(no_ent.logp, out.logp, rtol=0, atol=float(tol.max()))
+
+
+def test_fused_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    n, h, v = 5, 3, 11
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, generator=gen, requires_grad=True)
+    hidden_ref = torch.randn(n, 2, dtype=torch.float64, generator=gen)  # H_ref != H
+    weight_ref = torch.randn(v, 2, dtype=torch.float64, generator=gen)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+
+    def f(hidden, weight, bias):
+        out = lp.fused(
+            hidden,
+            weight,
+            tokens,
+            bias=bias,
+            temperature=0.9,
+            hidden_ref=hidden_ref,
+            weight_ref=weight_ref,
+            token_chunk=2,
+            vocab_chunk=4,
+        )
+        return out.logp, out.entropy, out.kl
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias))
+
+
+def test_reference_is_detached():
+    p = make_problem(7, 8, 40, dtype=torch.float32, bias=True)
+    hidden_ref = p.hidden_ref.clone().requires_grad_(True)
+    weight_ref = p.weight_ref.clone().requires_grad_(True)
+    bias_ref = p.bias_ref.clone().requires_grad_(True)
+    hidden = p.hidden.clone().requires_grad_(True)
+    out = lp.fused(
+        hidden, p.weight, p.tokens, hidden_ref=hidden_ref, weight_ref=weight_ref, bias_ref=bias_ref
+    )
+    out.kl.sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    assert hidden_ref.grad is None and weight_ref.grad is None and bias_ref.grad is None
+    logits = torch.randn(3, 6, requires_grad=True)
+    logits_ref = torch.randn(3, 6, requires_grad=True)
+    lp.exact_kl(logits, logits_ref).sum().backward()
+    assert logits.grad is not None and logits_ref.grad is None
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    p = make_problem(10, 8, 60, dtype=torch.float32)
+    hidden = p.hidden.clone().requires_grad_(True)
+    out = lp.fused(hidden, p.weight, p.tokens, hidden_ref=p.hidden_ref, weight_ref=p.weight_ref)
+    mask = torch.arange(10) % 3 != 0
+    loss = torch.where(mask, out.logp + out.entropy + out.kl, 0.0).sum()
+    loss.backward()
+    assert torch.equal(hidden.grad[~mask], torch.zeros_like(hidden.grad[~mask]))
+    assert (hidden.grad[mask].abs().sum(-1) > 0).all()
+
+
+def test_overflow_falls_back_to_the_max(monkeypatch):
+    # Target logit -100 and a logit of +50 in a later vocabulary chunk: exp(x - x_y) = exp(150)
+    # overflows float32, so the token is redone with the max as reference. Also for the reference.
+    v = 300
+    weight = torch.zeros(v, 1)
+    weight[0] = -100.0
+    weight[250] = 50.0
+    weight[1:250, 0] = torch.linspace(-3, 3, 249)
+    hidden = torch.ones(4, 1, requires_grad=True)
+    tokens = torch.tensor([0, 250, 7, 0])
+    weight_ref = weight.flip(0).clone()  # the reference puts +50 on token 49 and -100 on 299
+    p = Problem(hidden.detach(), weight, None, tokens, hidden.detach(), weight_ref, None, 1.0,
+                (torch.ones(4, dtype=torch.float64),) * 3)  # fmt: skip
+    calls = []
+    row_max = lp._Head.row_max
+    monkeypatch.setattr(lp._Head, "row_max", lambda self, *a: calls.append(1) or row_max(self, *a))
+    out, grads = run_fused(p, vocab_chunk=64)
+    assert len(calls) == 2  # the fallback ran, for the policy and for the reference
+    ref = naive(p)
+    assert out.logp[0].item() == pytest.approx(-150.0, rel=1e-6)
+    tol = value_tol(p, ref)
+    for name in ("logp", "entropy", "kl"):
+        assert torch.isfinite(getattr(out, name)).all()
+        assert_within(name, getattr(out, name), ref[name], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in grads.items():
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_onednn_and_torch_mm_agree(monkeypatch):
+    p = make_problem(20, 16, 150, dtype=torch.float32, bias=True)
+    out, grads = run_fused(p, token_chunk=8, vocab_chunk=64)
+    monkeypatch.setattr(lp, "_ONEDNN", False)
+    out_mm, grads_mm = run_fused(p, token_chunk=8, vocab_chunk=64)
+    ref = naive(p)
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, out_mm.logp.double(), 2 * tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name in grads:
+        assert_within(name, grads[name], grads_mm[name].double(), 2 * bound[name])
+
+
+def test_tied_embedding_gradient():
+    # A tiny LM whose head is its input embedding: the weight gradient must add both uses.
+    gen = torch.Generator().manual_seed(5)
+    v, h, n = 50, 12, 9
+    emb = torch.randn(v, h, generator=gen, dtype=torch.float64) * 0.5
+    mix = torch.randn(h, h, generator=gen, dtype=torch.float64) / h**0.5
+    ids = torch.randint(0, v, (n,), generator=gen)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+
+    def loss(emb, mix, use_fused, head_only=False):
+        hidden = torch.tanh((emb.detach() if head_only else emb)[ids] @ mix)
+        if use_fused:
+            out = lp.fused(hidden, emb, tokens, vocab_chunk=16)
+            return (out.logp + 0.5 * out.entropy).sum()
+        log_pi = torch.log_softmax(hidden @ emb.t(), -1)
+        ent = -(log_pi.exp() * log_pi).sum(-1)
+        return (log_pi.gather(1, tokens[:, None])[:, 0] + 0.5 * ent).sum()
+
+    e64, m64 = emb.clone().requires_grad_(True), mix.clone().requires_grad_(True)
+    want = torch.autograd.grad(loss(e64, m64, False), (e64, m64))
+    e32, m32 = emb.float().requires_grad_(True), mix.float().requires_grad_(True)
+    got = torch.autograd.grad(loss(e32, m32, True), (e32, m32))
+    # float32 arithmetic: every entry is a short chain of float32 operations on O(1) terms
+    # (|emb| < 3, |hidden| < 1, H = 12 products per logit, V + N terms per gradient entry).
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=LAMBDA * math.sqrt(v + h) * U32 * 50)
+    # The test means something: the embedding's own path changes the gradient.
+    (head_only,) = torch.autograd.grad(loss(e64, m64, False, head_only=True), e64)
+    assert (head_only - want[0]).abs().max() > 0.1
+
+
+def test_hugging_face_causal_lm_with_tied_head():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config).float()
+    ids = torch.randint(0, 257, (2, 9))
+    tokens = ids[:, 1:]
+    params = [q for q in model.parameters() if q.requires_grad]
+
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    out = lp.fused(hidden, model.lm_head.weight, tokens, temperature=0.9, vocab_chunk=64)
+    got = torch.autograd.grad((out.logp - 0.1 * out.entropy).sum(), params)
+
+    logits = model(input_ids=ids).logits[:, :-1].double() / 0.9
+    log_pi = torch.log_softmax(logits, -1)
+    ent = -(log_pi.exp() * log_pi).sum(-1)
+    logp = log_pi.gather(-1, tokens[..., None])[..., 0]
+    want = torch.autograd.grad((logp - 0.1 * ent).sum(), params)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(out.logp.double(), logp, rtol=0, atol=1e-5)
+    for g, w in zip(got, want, strict=True):
+        # model parameters: the float32 model itself rounds; compare norm-wise
+        assert float((g.double() - w).norm()) <= 1e-5 * float(w.norm()) + 1e-7
+
+
+# ---------------------------------------------------------------------------------------------
+# From logits.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_from_logits_matches_float64_naive(dtype, temperature, monkeypatch):
+    monkeypatch.setattr(lp, "_ROW_ELEMENTS", 200)  # 2 rows per chunk at V = 97, ragged tail
+    gen = torch.Generator().manual_seed(1)
+    b, t, v = 3, 5, 97
+    logits = (3 * torch.randn(b, t, v, generator=gen)).to(dtype).requires_grad_(True)
+    logits_ref = (3 * torch.randn(b, t, v, generator=gen)).to(dtype)
+    tokens = torch.randint(0, v, (b, t), generator=gen)
+    up = [torch.randn(b, t, generator=gen, dtype=torch.float64) for _ in range(3)]
+    logp = lp.token_logprobs(logits, tokens, temperature=temperature)
+    ent = lp.entropy(logits, temperature=temperature)
+    kl = lp.exact_kl(logits, logits_ref, temperature=temperature)
+    (grad,) = torch.autograd.grad((up[0] * logp + up[1] * ent + up[2] * kl).sum(), logits)
+
+    x64 = logits.detach().double().requires_grad_(True)
+    log_pi = torch.log_softmax(x64 / temperature, -1)
+    log_pi_ref = torch.log_softmax(logits_ref.double() / temperature, -1)
+    want_logp = log_pi.gather(-1, tokens[..., None])[..., 0]
+    want_ent = -(log_pi.exp() * log_pi).sum(-1)
+    want_kl = (log_pi.exp() * (log_pi - log_pi_ref)).sum(-1)
+    # Three functions, three gradients: autograd rounds each to the logits' dtype and adds them.
+    parts = [
+        torch.autograd.grad((u * w).sum(), x64, retain_graph=True)[0]
+        for u, w in zip(up, (want_logp, want_ent, want_kl), strict=True)
+    ]
+    want_grad = sum(parts)
+
+    # values: float32 arithmetic on logits of size S = max |x| / T (no dot products here)
+    s = (logits.detach().double().abs().amax(-1) + logits_ref.double().abs().amax(-1)) / temperature
+    tol = (
+        LAMBDA
+        * math.sqrt(v)
+        * U32
+        * (2 * s + 1 + torch.logsumexp(x64.detach() / temperature, -1).abs())
+    )
+    for name, got, want in (
+        ("logp", logp, want_logp),
+        ("entropy", ent, want_ent),
+        ("kl", kl, want_kl),
+    ):
+        assert got.dtype == torch.float32 and got.shape == (b, t)
+        assert_within(name, got, want.detach(), tol)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    pi = log_pi.detach().exp()
+    g_abs = sum(u.abs()[..., None] for u in up) * pi * (
+        2
+        + log_pi.detach().abs()
+        + log_pi_ref.abs()
+        + want_ent.detach()[..., None]
+        + want_kl.detach()[..., None]
+    ) + up[0].abs()[..., None] * torch.zeros_like(pi).scatter_(-1, tokens[..., None], 1.0)
+    bound = (tol[..., None] + LAMBDA * math.sqrt(v) * U32) * g_abs / temperature
+    if dtype == torch.bfloat16:
+        # each part rounded once, then two bf16 additions: at most 3 u_bf16 sum |part|
+        bound = bound + 3 * U_BF16 * sum(q.abs() for q in parts)
+    assert_within("grad", grad, want_grad, bound)
+
+
+def test_from_logits_gradcheck_float64_and_expanded_input():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    logits_ref = torch.randn(4, 6, dtype=torch.float64, generator=gen)
+    tokens = torch.tensor([0, 5, 2, 2])
+    assert torch.autograd.gradcheck(
+        lambda x: (
+            lp.token_logprobs(x, tokens, temperature=1.3),
+            lp.entropy(x, temperature=1.3),
+            lp.exact_kl(x, logits_ref, temperature=1.3),
+        ),
+        (logits,),
+    )
+    # A stride-0 (expanded) input, as klpo.kl.explain passes; the gradient sums over the copies.
+    row = torch.randn(6, dtype=torch.float64, generator=gen, requires_grad=True)
+    kl = lp.exact_kl(row.expand(1, 6, 6), logits_ref[0].expand(1, 6, 6))
+    (grad,) = torch.autograd.grad(kl.sum(), row)
+    log_pi, log_pi_ref = torch.log_softmax(row.detach(), -1), torch.log_softmax(logits_ref[0], -1)
+    kl1 = (log_pi.exp() * (log_pi - log_pi_ref)).sum()
+    torch.testing.assert_close(kl, kl1.expand(1, 6), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, 6 * log_pi.exp() * (log_pi - log_pi_ref - kl1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: nothing of size [tokens, V] is kept alive between forward and backward.
+
+
+def saved_bytes(fn):
+    """Run fn under a pack hook; return (output, [(shape, bytes) of each tensor saved])."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.numel() * t.element_size()))
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def test_fused_saves_only_inputs_and_per_token_floats():
+    n, h, v = 256, 16, 4000
+    p = make_problem(n, h, v, dtype=torch.float32, bias=True)
+    hidden = p.hidden.clone().requires_grad_(True)
+    weight = p.weight.clone().requires_grad_(True)
+    bias = p.bias.clone().requires_grad_(True)
+    out, saved = saved_bytes(
+        lambda: lp.fused(
+            hidden, weight, p.tokens, bias=bias, hidden_ref=p.hidden_ref,
+            weight_ref=p.weight_ref, bias_ref=p.bias_ref, vocab_chunk=512,
+        )
+    )  # fmt: skip
+    inputs = sum(t.numel() * t.element_size() for t in (hidden, weight, bias, p.tokens,
+                 p.hidden_ref, p.weight_ref, p.bias_ref))  # fmt: skip
+    total = sum(b for _, b in saved)
+    assert all(math.prod(s) < n * v / 4 for s, _ in saved)  # no tile, let alone [N, V]
+    # the inputs themselves, plus at most 8 float64 per token (log Z, log Z_ref, entropy, KL)
+    assert total <= inputs + 8 * 8 * n
+    (out.logp.sum() + out.entropy.sum() + out.kl.sum()).backward()  # still differentiable
+
+
+def test_from_logits_saves_only_the_logits_and_per_row_floats():
+    n, v = 64, 3000
+    logits = torch.randn(n, v, requires_grad=True)
+    logits_ref = torch.randn(n, v)
+    tokens = torch.randint(0, v, (n,))
+    for fn in (
+        lambda: lp.token_logprobs(logits, tokens),
+        lambda: lp.entropy(logits),
+        lambda: lp.exact_kl(logits, logits_ref),
+    ):
+        _, saved = saved_bytes(fn)
+        big = [s for s, _ in saved if math.prod(s) >= n * v]
+        extra = sum(b for s, b in saved if math.prod(s) < n * v)
+        assert len(big) <= 2  # the logits (and logits_ref) themselves, no new tensor
+        assert extra <= 8 * 8 * n
+
+
+def test_from_logits_saved_big_tensors_are_the_inputs():
+    logits = torch.randn(8, 500, requires_grad=True)
+    logits_ref = torch.randn(8, 500)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp.exact_kl(logits, logits_ref)
+    big = [t for t in saved if t.numel() == logits.numel()]
+    ptrs = {logits.data_ptr(), logits_ref.data_ptr()}
+    assert big and all(t.data_ptr() in ptrs for t in big)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors.
+
+
+def test_errors_name_the_problem():
+    h, w, y = torch.zeros(4, 3), torch.zeros(10, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"weight must be \[V, H\] with H = 3"):
+        lp.fused(h, torch.zeros(10, 4), y)
+    with pytest.raises(ValueError, match=r"tokens has shape \(5,\) but hidden has shape \(4, 3\)"):
+        lp.fused(h, w, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 10\).*\[0, 10\]"):
+        lp.fused(h, w, torch.tensor([0, 1, 2, 10]))
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        lp.fused(h, w, torch.zeros(4))
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        lp.fused(h, w, torch.zeros(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="hidden must be a float tensor"):
+        lp.fused(h.long(), w, y)
+    with pytest.raises(ValueError, match="needs both hidden_ref and weight_ref"):
+        lp.fused(h, w, y, hidden_ref=h)
+    with pytest.raises(ValueError, match=r"weight_ref must be \[V, H_ref\] = \[10, 3\]"):
+        lp.fused(h, w, y, hidden_ref=h, weight_ref=torch.zeros(11, 3))
+    with pytest.raises(ValueError, match=r"bias must be \[V\] = \[10\]"):
+        lp.fused(h, w, y, bias=torch.zeros(9))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        lp.fused(h, w, y, temperature=0.0)
+    with pytest.raises(ValueError, match="vocab_chunk must be a positive int"):
+        lp.fused(h, w, y, vocab_chunk=0)
+    with pytest.raises(ValueError, match=r"hidden must be \[N, H\] or \[B, T, H\]"):
+        lp.fused(torch.zeros(3), w, torch.zeros((), dtype=torch.long))
+    x = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=r"logits_ref has shape \(2, 4\)"):
+        lp.exact_kl(x, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 5\)"):
+        lp.token_logprobs(x, torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
+        lp.entropy(x, temperature=float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers (optional): TRL 1.16's chunked kernels compute the same quantities.
+
+
+@pytest.mark.peer
+def test_agrees_with_trl_chunked_functions():
+    chunked_logprob = pytest.importorskip("trl.kernels.chunked_logprob")
+    chunked_divergence = pytest.importorskip("trl.kernels.chunked_divergence")
+    p = make_problem(40, 16, 700, dtype=torch.float32, temperature=0.8)
+    out = lp.fused(p.hidden, p.weight, p.tokens, temperature=0.8,
+                   hidden_ref=p.hidden_ref, weight_ref=p.weight_ref)  # fmt: skip
+    logp, ent, *_ = chunked_logprob.ChunkedLogProbFunction.apply(
+        p.hidden, p.weight, None, p.tokens, 0.8, 256, None, 1.0, ("entropy",)
+    )
+    kl, _ = chunked_divergence.ChunkedDivergenceFunction.apply(
+        p.hidden, p.weight, None, p.hidden_ref, p.weight_ref, None, 1.0, 0.8
+    )
+    tol = value_tol(p, naive(p))
+    for got, want in ((out.logp, logp), (out.entropy, ent), (out.kl, kl)):
+        assert_within("peer", got, want.double(), 2 * tol)
