@@ -51,6 +51,7 @@ def main(model: str, out: str) -> None:
     loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
     if dist.is_main:
         save_file({k: v.detach().clone() for k, v in m.policy.state_dict().items()}, out)
+    del m, opt, scored  # DDP's reducer must go before the process group it uses
     shutdown(dist)
 
 

@@ -91,5 +91,8 @@ def init_distributed(threads: int = 0) -> Dist:
 
 
 def shutdown(dist: Dist) -> None:
+    """Leave the process group together: a rank tearing gloo down while another still talks to it
+    can abort ("terminate called without an active exception")."""
     if dist.enabled and tdist.is_initialized():
+        tdist.barrier()
         tdist.destroy_process_group()
