@@ -395,6 +395,96 @@ def lab_report(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# klpo make-reference: the tiny reference model of the built-in task (issue 6).
+
+
+@app.command("make-reference")
+def make_reference_cmd(
+    out: str = typer.Argument(
+        "klpo-reference",
+        help="Directory to write the model, tokenizer and reference.json into.",
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    steps: int | None = typer.Option(None, help="The most SFT steps."),
+    seed: int | None = typer.Option(None, help="Seed of initialisation and data order."),
+    arch: str | None = typer.Option(None, help="llama or qwen2."),
+    hidden_size: int | None = typer.Option(None, help="Model width."),
+    num_layers: int | None = typer.Option(None, help="Number of transformer blocks."),
+    intermediate_size: int | None = typer.Option(None, help="MLP width."),
+    batch_size: int | None = typer.Option(None, help="Problems per SFT step."),
+    lr: float | None = typer.Option(None, help="Peak SFT learning rate."),
+    stop_at_accuracy: float | None = typer.Option(
+        None, help="Stop SFT once the validation accuracy reaches this (0 = never stop early)."
+    ),
+    save_dtype: str | None = typer.Option(None, help="float32, bfloat16 or float16."),
+) -> None:
+    """Train the tiny reference model of the built-in arithmetic task by seeded SFT and save it.
+
+    With no options it reproduces the reference shipped in the package (and says whether the
+    weights are bit-identical to it).
+    """
+    import dataclasses
+
+    from klpo.train import reference
+
+    overrides = {
+        k: v
+        for k, v in dict(
+            steps=steps,
+            seed=seed,
+            arch=arch,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            intermediate_size=intermediate_size,
+            batch_size=batch_size,
+            lr=lr,
+            stop_at_accuracy=stop_at_accuracy,
+            save_dtype=save_dtype,
+        ).items()
+        if v is not None
+    }
+    if overrides.get("stop_at_accuracy") == 0:
+        overrides["stop_at_accuracy"] = None
+    try:
+        config = dataclasses.replace(reference.ReferenceConfig(), **overrides)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    out_console = console()
+
+    def on_step(step: int, loss: float, val_accuracy: float | None) -> None:
+        if val_accuracy is not None and (
+            (step + 1) % (4 * config.eval_every) == 0
+            or (config.stop_at_accuracy is not None and val_accuracy >= config.stop_at_accuracy)
+            or step + 1 == config.steps
+        ):
+            out_console.print(
+                f"step {step + 1:>5}  loss {loss:.4f}  validation accuracy {val_accuracy:.3f}",
+                highlight=False,
+            )
+
+    try:
+        result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
+    except FileExistsError as err:
+        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    size = sum(f.stat().st_size for f in result.path.iterdir() if f.is_file())
+    out_console.print(
+        f"wrote {result.path} ({size / 1e6:.2f} MB): {result.num_parameters:,} parameters, "
+        f"{result.steps} SFT steps, held-out accuracy {result.heldout_accuracy:.3f} (greedy, "
+        f"exact match, {config.n_heldout} problems), {result.seconds:.1f} s",
+        highlight=False,
+    )
+    try:
+        shipped = reference.default_reference_path()
+    except FileNotFoundError:
+        return
+    if not overrides and result.path.resolve() != shipped.resolve():
+        same = reference.same_weights(result.path, shipped)
+        out_console.print(
+            f"bit-identical to the shipped reference: {'yes' if same else 'no'}", highlight=False
+        )
+
+
 def main() -> None:
     """Entry point of the ``klpo`` console script."""
     app()

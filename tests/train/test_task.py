@@ -1,0 +1,179 @@
+"""Tests for klpo.train.task: the splits (determinism, disjointness, correct answers), batched
+generation with left padding, and held-out accuracy on stub models that are known to be right,
+wrong or half right."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+from klpo.train.task import ArithmeticTask, Example, generate, heldout_accuracy
+
+
+def test_splits_are_deterministic_disjoint_and_cover_the_space():
+    task = ArithmeticTask(max_operand=20, ops=("+", "-"), n_heldout=100, seed=3)
+    train, heldout = task.splits()
+    assert (train, heldout) == ArithmeticTask(20, ("+", "-"), 100, 3).splits()
+    assert len(heldout) == 100
+    assert len(train) + len(heldout) == task.size == 2 * 21 * 21
+    prompts_train = {e.prompt for e in train}
+    prompts_held = {e.prompt for e in heldout}
+    assert prompts_train.isdisjoint(prompts_held)
+    assert len(prompts_train | prompts_held) == task.size  # no problem twice
+    # Another seed draws another held-out set.
+    other = {e.prompt for e in ArithmeticTask(20, ("+", "-"), 100, seed=4).heldout}
+    assert other != prompts_held
+
+
+def test_answers_are_right():
+    # Oracle: parse the prompt with a regex and compute with Python's int arithmetic.
+    task = ArithmeticTask(max_operand=12, ops=("+", "-", "*"), n_heldout=10)
+    for e in task.train + task.heldout:
+        a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=", e.prompt).groups()
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert e.answer == str(expected)
+    assert Example("12*12=", "144") in task.train + task.heldout
+    assert Example("0-12=", "-12") in task.train + task.heldout
+
+
+def test_default_task_and_answer_length():
+    task = ArithmeticTask()
+    assert (task.max_operand, task.ops, task.n_heldout, task.size) == (99, ("+",), 500, 10_000)
+    assert task.max_answer_chars() == 3  # 99+99 = 198
+    assert ArithmeticTask(ops=("-",)).max_answer_chars() == 3  # 0-99 = -99
+    assert ArithmeticTask(ops=("*",)).max_answer_chars() == 4  # 99*99 = 9801
+    # Pinned: the permutation depends only on Random(0).random(), stable across Python versions.
+    assert [e.prompt for e in task.heldout[:3]] == ["9+93=", "43+15=", "35+73="]
+    assert [e.prompt for e in task.train[:2]] == ["73+77=", "95+35="]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_operand": 0}, "max_operand must be an integer >= 1"),
+        ({"ops": ("/",)}, r"ops must be a non-empty subset of \['\+', '-', '\*'\]"),
+        ({"ops": ()}, "ops must be a non-empty subset"),
+        ({"ops": ("+", "+")}, "must not repeat"),
+        ({"max_operand": 2, "n_heldout": 9}, r"n_heldout must be an integer in \[1, 8\]"),
+        ({"n_heldout": 0}, "n_heldout must be an integer"),
+    ],
+)
+def test_bad_task_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ArithmeticTask(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation and accuracy on stubs.
+
+
+class StubLM:
+    """Answers ``a op b=`` right (or wrong by one, for prompts chosen by ``wrong``), then EOS,
+    then junk that must be cut away; checks that prompts arrive left-padded with a right mask."""
+
+    def __init__(self, tokenizer, wrong=lambda prompt: False):
+        self.tok = tokenizer
+        self.wrong = wrong
+        self.training = True
+        self.calls = []
+
+    def eval(self):
+        self.training = False
+        return self
+
+    def train(self, mode=True):
+        self.training = mode
+        return self
+
+    def generate(
+        self, *, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw
+    ):
+        assert not self.training and not torch.is_grad_enabled()
+        self.calls.append({"batch": input_ids.shape[0], **kw})
+        pad = pad_token_id
+        assert torch.equal(attention_mask, (input_ids != pad).long())
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            n_pad = mask.index(1)
+            assert all(m == 0 for m in mask[:n_pad]) and all(m == 1 for m in mask[n_pad:])
+            prompt = self.tok.decode(ids[n_pad:])
+            value = eval(prompt[:-1]) + (1 if self.wrong(prompt) else 0)  # the oracle
+            new = [*self.tok.encode(str(value), add_special_tokens=False), eos_token_id]
+            new += self.tok.encode("77", add_special_tokens=False)  # junk after EOS
+            rows.append(ids + (new + [pad] * max_new_tokens)[:max_new_tokens])
+        return torch.tensor(rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_accuracy_of_right_wrong_and_half_right_stubs(tokenizer):
+    held = ArithmeticTask(max_operand=99, n_heldout=40, seed=1).heldout
+    right = StubLM(tokenizer)
+    assert heldout_accuracy(right, tokenizer, held, max_new_tokens=6, batch_size=16) == 1.0
+    assert right.training  # restored after evaluation
+    assert [c["batch"] for c in right.calls] == [16, 16, 8]
+    assert right.calls[0]["do_sample"] is False
+    wrong = StubLM(tokenizer, wrong=lambda p: True)
+    assert heldout_accuracy(wrong, tokenizer, held, max_new_tokens=6) == 0.0
+    odd = {e.prompt for e in held[1::2]}
+    half = StubLM(tokenizer, wrong=lambda p: p in odd)
+    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6) == 0.5  # 20 of 40
+    # A name or a function scores the same way.
+    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6, reward="numeric") == 0.5
+
+
+def test_generate_cuts_at_eos_and_truncates(tokenizer):
+    examples = [Example("9+9=", "18"), Example("10+5=", "15")]
+    prompts = [e.prompt for e in examples]
+    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=6) == ["18", "15"]
+    # Two new tokens leave no room for EOS: the truncated text is returned, and it is wrong.
+    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=1) == ["1", "1"]
+    stub = StubLM(tokenizer)
+    generate(stub, tokenizer, prompts, max_new_tokens=3, do_sample=True, temperature=0.7, top_p=0.9)
+    assert stub.calls[0] == {
+        "batch": 2,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+    }
+
+
+def test_generate_errors(tokenizer):
+    with pytest.raises(ValueError, match="max_new_tokens and batch_size must be >= 1"):
+        generate(StubLM(tokenizer), tokenizer, ["1+1="], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        generate(
+            StubLM(tokenizer),
+            tokenizer,
+            ["1+1="],
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=0.0,
+        )
+    with pytest.raises(ValueError, match="at least one example"):
+        heldout_accuracy(StubLM(tokenizer), tokenizer, [], max_new_tokens=2)
+
+
+def test_left_padding_changes_no_greedy_completion(tokenizer):
+    # A random tiny real model: a prompt's greedy completion alone equals its completion in a
+    # left-padded batch beside longer prompts (positions come from the mask, padding is masked).
+    torch.manual_seed(0)
+    cfg = ReferenceConfig(
+        hidden_size=32, num_layers=2, intermediate_size=64, num_heads=2, num_kv_heads=1
+    )
+    model = build_model(cfg, tokenizer)
+    with torch.no_grad():  # the default init (std 0.02) is near uniform: make it opinionated
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    prompts = ["1+2=", "45+67=", "8+90=", "12345+1="]
+    batched = generate(model, tokenizer, prompts, max_new_tokens=5)
+    alone = [generate(model, tokenizer, [p], max_new_tokens=5)[0] for p in prompts]
+    assert batched == alone
+    assert len(set(batched)) > 1  # not a degenerate constant model
