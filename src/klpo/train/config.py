@@ -59,7 +59,7 @@ class DataConfig(_Section):
     eval_path: str | None = Field(None, description="JSONL file of held-out problems.")
     prompt_field: str = Field("prompt", description="Field holding the prompt text.")
     answer_field: str = Field("answer", description="Field holding the reference answer.")
-    eval_size: int = Field(200, ge=0, description="Held-out problems evaluated (greedy).")
+    eval_size: int = Field(500, ge=0, description="Held-out problems evaluated (greedy).")
     max_prompt_tokens: int = Field(
         256, gt=0, description="Longer prompts are an error naming the line or sample."
     )
@@ -76,7 +76,7 @@ class RewardTerm(_Section):
 class RolloutConfig(_Section):
     prompts_per_step: int = Field(16, gt=0, description="Distinct prompts per training step.")
     group_size: int = Field(8, gt=0, description="Completions sampled per prompt (GRPO's G).")
-    max_new_tokens: int = Field(8, gt=0, description="Longest completion, in tokens.")
+    max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
 
@@ -130,7 +130,7 @@ class KLConfig(_Section):
     placement: Placement = Field(
         "loss", description="Where the KL term goes: loss, reward, reward+loss, or none."
     )
-    beta: float = Field(0.04, ge=0, description="Initial KL coefficient.")
+    beta: float = Field(0.01, ge=0, description="Initial KL coefficient.")
     controller: str = Field(
         "fixed", description=f"KL coefficient controller: one of {', '.join(control.CONTROLLERS)}."
     )
@@ -156,7 +156,7 @@ class KLConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the policy.")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate of the policy.")
     critic_lr: float | None = Field(None, gt=0, description="Critic learning rate (default: lr).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -165,12 +165,12 @@ class OptimConfig(_Section):
 
 
 class RunConfig(_Section):
-    steps: int = Field(200, gt=0, description="Training steps (one batch of rollouts each).")
+    steps: int = Field(1500, gt=0, description="Training steps (one batch of rollouts each).")
     seed: int = Field(0, description="Seed of everything: data order, sampling, init.")
     out_dir: str = Field("runs/train", description="Run directory: metrics, checkpoints, report.")
-    eval_every: int = Field(25, ge=0, description="Held-out evaluation period in steps (0: off).")
+    eval_every: int = Field(250, ge=0, description="Held-out evaluation period in steps (0: off).")
     save_every: int = Field(
-        50, ge=0, description="Checkpoint period in steps (0: only at the end)."
+        500, ge=0, description="Checkpoint period in steps (0: only at the end)."
     )
     threads: int = Field(0, ge=0, description="torch threads per process (0: torch's default).")
     time_limit: float | None = Field(
