@@ -140,11 +140,15 @@ def train(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
 
+    from klpo.train.loop import TrainingDiverged
     from klpo.train.loop import train as run_training
     from klpo.train.rewards import RewardError
 
     try:
         run_training(cfg, resume=resume is not None, log=lambda msg: typer.echo(msg, err=True))
+    except TrainingDiverged as err:
+        typer.echo(f"diverged: {err}", err=True)
+        raise typer.Exit(3) from None
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
@@ -483,6 +487,69 @@ def make_reference_cmd(
         out_console.print(
             f"bit-identical to the shipped reference: {'yes' if same else 'no'}", highlight=False
         )
+
+
+# --------------------------------------------------------------------------------------------
+# klpo compare: the estimator stability study on real training (issue 7).
+
+
+@app.command()
+def compare(
+    out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
+    quick: bool = typer.Option(
+        False, "--quick", help="The smoke-test preset: every choice, one beta, 2 seeds, 12 steps."
+    ),
+    study_file: Path | None = typer.Option(
+        None, "--config", "-c", help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...)."
+    ),
+    workers: int | None = typer.Option(None, help="Runs in parallel (one torch thread each)."),
+    steps: int | None = typer.Option(None, help="Training steps per run (the fixed budget)."),
+    seeds: str | None = typer.Option(None, help="Comma-separated seeds, e.g. 0,1,2."),
+    betas: str | None = typer.Option(None, help="Comma-separated KL coefficients, e.g. 0.01,0.1."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+) -> None:
+    """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
+
+    Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
+    interrupted study without repeating finished runs.
+    """
+    from klpo.train.compare import load_study, run_study, study_grid
+    from klpo.train.config import ConfigError
+
+    try:
+        study = load_study(study_file, quick=quick)
+        if workers is not None:
+            study.workers = workers
+        if steps is not None:
+            study.steps = steps
+        if seeds is not None:
+            study.seeds = [int(s) for s in seeds.split(",")]
+        if betas is not None:
+            study.betas = [float(b) for b in betas.split(",")]
+        grid = study_grid(study)
+    except (ConfigError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if dry_run:
+        for r in grid:
+            typer.echo(r.name)
+        typer.echo(f"{len(grid)} runs", err=True)
+        return
+    typer.echo(f"{len(grid)} runs, {study.workers} at a time, into {out}", err=True)
+
+    def on_result(row: dict, n: int, total: int) -> None:
+        typer.echo(
+            f"[{n}/{total}] {row['name']}: {row['status']}, held-out {row['acc_final']:.3f}, "
+            f"exact KL {row['kl_exact_final']:.4f}, {row['wall_s']:.0f} s",
+            err=True,
+        )
+
+    try:
+        run_study(study, out, on_result=on_result)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {out / 'report.md'}", err=True)
 
 
 def main() -> None:

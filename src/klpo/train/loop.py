@@ -412,6 +412,10 @@ def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> flo
 # The run.
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite; the run stopped at that step."""
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> Path:
     """Run (or resume) training; returns the run directory."""
     dist = init_distributed(cfg.run.threads)
@@ -579,6 +583,16 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         if writer is not None:
             writer.write(step, metrics)
         progress(step, metrics)
+        bad = [k for k in ("loss/total", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
+        if bad:
+            progress(None, None)
+            if writer is not None:
+                writer.close()
+            raise TrainingDiverged(
+                f"step {step}: {', '.join(f'{k} = {metrics[k]}' for k in bad)}; the weights are "
+                "no longer finite, so training stopped (metrics up to this step are in "
+                f"{run_dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
+            )
         if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
             save(step)
         if last:

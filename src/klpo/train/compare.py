@@ -1,0 +1,616 @@
+"""`klpo compare`: which KL estimator, placed where, trains best and most stably?
+
+A study is a grid of ordinary ``klpo train`` runs on the same task and budget that differ only in
+the KL choice (estimator × placement × algorithm), its coefficient beta, and the seed::
+
+    grid = study_grid(StudyConfig())          # the full default grid
+    results = run_study(StudyConfig(), "runs/compare")
+
+Each run is its own ``python -m klpo train`` process with one torch thread (two processes with two
+threads each on two cores run ~50× slower), ``workers`` of them at a time. A run that exits with an
+error is recorded as ``crashed``, one whose loss turned non-finite as ``diverged`` (the trainer
+stops and exits with code 3), and one that finished but fell apart as ``collapsed``: its final
+held-out accuracy is more than ``collapse_drop`` below its starting accuracy. None is dropped.
+A study directory can be re-run: finished runs are read back, not repeated.
+
+Written to the output directory, atomically: ``results.csv`` (one row per run), ``report.md``
+(one row per choice: final held-out accuracy mean ± sd over seeds, the exact KL to the reference
+at the end and at its peak, the gap between the logged estimate and the exact KL, the variance of
+the final reward across seeds, failures, wall time) and PNG plots (accuracy and exact-KL curves
+with seed bands, final accuracy against final KL).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from klpo import kl
+from klpo.train.checkpoint import write_text_atomic
+from klpo.train.config import ConfigError, apply_overrides, build_config, dump_config
+from klpo.train.metrics import read_metrics
+
+
+class Choice(BaseModel):
+    """One KL choice of the grid: an estimator in a placement, trained by one or more algorithms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    estimator: str = Field(description="A klpo.kl estimator (ignored when placement is none).")
+    placement: Literal["loss", "reward", "reward+loss", "none"]
+    algos: list[Literal["grpo", "ppo", "rloo", "reinforce++"]] = Field(
+        default_factory=lambda: ["grpo"], description="Algorithms that run this choice."
+    )
+
+    @field_validator("estimator")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in kl.ESTIMATORS:
+            raise ValueError(f"unknown estimator {v!r}; allowed: {', '.join(kl.ESTIMATORS)}")
+        return v
+
+    @property
+    def label(self) -> str:
+        return "no KL" if self.placement == "none" else f"{self.estimator} {self.placement}"
+
+
+def _default_choices() -> list[Choice]:
+    both = ["grpo", "ppo"]
+    return [
+        Choice(estimator="k1", placement="reward", algos=both),
+        Choice(estimator="k2", placement="loss"),
+        Choice(estimator="k3", placement="loss"),
+        Choice(estimator="k3+", placement="loss"),
+        Choice(estimator="k3_is", placement="loss"),
+        Choice(estimator="full", placement="loss"),
+        Choice(estimator="full", placement="reward", algos=both),
+        Choice(estimator="k1", placement="none"),
+    ]
+
+
+class StudyConfig(BaseModel):
+    """The grid and budget of a study. Every run is ``base`` plus its choice, beta and seed."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    choices: list[Choice] = Field(default_factory=_default_choices)
+    betas: list[float] = Field(
+        default_factory=lambda: [0.01, 0.1], description="KL coefficients tried per choice."
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], description="Seeds per cell.")
+    steps: int = Field(300, gt=0, description="Training steps of every run (the fixed budget).")
+    eval_every: int = Field(50, gt=0, description="Held-out evaluation period in steps.")
+    eval_size: int = Field(200, gt=0, description="Held-out problems per evaluation.")
+    base: dict[str, Any] = Field(
+        default_factory=dict, description="Train-config keys shared by all runs (dotted keys)."
+    )
+    ppo: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "rollout.group_size": 4,
+            "algo.epochs": 2,
+            "algo.minibatches": 2,
+        },
+        description="Extra train-config keys of PPO runs (as configs/ppo.yaml, fixed beta).",
+    )
+    workers: int = Field(2, gt=0, description="Runs executed in parallel (one thread each).")
+    collapse_drop: float = Field(
+        0.1, ge=0, description="A finished run whose accuracy fell this far below its start."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if not v or any(b <= 0 for b in v):
+            raise ValueError(f"betas must be a non-empty list of positive numbers, got {v}")
+        return v
+
+    @field_validator("seeds", "choices")
+    @classmethod
+    def _non_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+
+def quick_study() -> StudyConfig:
+    """The ``--quick`` preset: every default choice, one beta, two seeds, a few steps (~2 min)."""
+    return StudyConfig(
+        betas=[0.05],
+        seeds=[0, 1],
+        steps=12,
+        eval_every=6,
+        eval_size=40,
+        base={"rollout.prompts_per_step": 8, "rollout.group_size": 4},
+        ppo={"algo.epochs": 2, "algo.minibatches": 2},
+    )
+
+
+def load_study(path: str | Path | None = None, *, quick: bool = False) -> StudyConfig:
+    """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults."""
+    base = quick_study() if quick else StudyConfig()
+    if path is None:
+        return base
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"study file {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"study file {str(p)!r} must hold a mapping of StudyConfig keys")
+    try:
+        return StudyConfig.model_validate({**base.model_dump(), **data})
+    except ValidationError as err:
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        raise ConfigError(f"bad study file {str(p)!r}:\n  " + "\n  ".join(lines)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid.
+
+
+class Run(BaseModel):
+    """One training run of the grid."""
+
+    name: str
+    algo: str
+    choice: str
+    estimator: str
+    placement: str
+    beta: float
+    seed: int
+    overrides: list[str]
+
+    @property
+    def cell(self) -> tuple[str, str, float]:
+        return (self.algo, self.choice, self.beta)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}"
+
+
+def study_grid(study: StudyConfig) -> list[Run]:
+    """Every run of the study, in a stable order; each carries its ``klpo train`` overrides."""
+    runs: list[Run] = []
+    common = {
+        "run.steps": study.steps,
+        "run.eval_every": study.eval_every,
+        "run.save_every": 0,
+        "run.threads": 1,
+        "run.progress": False,
+        "run.tensorboard": False,
+        "data.eval_size": study.eval_size,
+        **study.base,
+    }
+    for choice in study.choices:
+        betas = [0.0] if choice.placement == "none" else study.betas
+        for algo in choice.algos:
+            for beta in betas:
+                for seed in study.seeds:
+                    keys = {
+                        **common,
+                        **(study.ppo if algo == "ppo" else {}),
+                        "algo.name": algo,
+                        "kl.estimator": choice.estimator,
+                        "kl.placement": choice.placement,
+                        "kl.beta": beta,
+                        "kl.controller": "fixed",
+                        "run.seed": seed,
+                    }
+                    tag = choice.label.replace(" ", "-").replace("+", "plus")
+                    runs.append(
+                        Run(
+                            name=f"{algo}_{tag}_b{_fmt(beta)}_s{seed}",
+                            algo=algo,
+                            choice=choice.label,
+                            estimator=choice.estimator,
+                            placement=choice.placement,
+                            beta=beta,
+                            seed=seed,
+                            overrides=[f"{k}={json.dumps(v)}" for k, v in keys.items()],
+                        )
+                    )
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ConfigError("the study lists the same choice twice; remove the duplicate")
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and summarising.
+
+RESULT_FIELDS = [
+    "name",
+    "algo",
+    "choice",
+    "estimator",
+    "placement",
+    "beta",
+    "seed",
+    "status",
+    "steps_done",
+    "acc_start",
+    "acc_final",
+    "acc_best",
+    "kl_exact_final",
+    "kl_exact_peak",
+    "kl_logged_final",
+    "kl_gap_mean",
+    "reward_final",
+    "entropy_final",
+    "wall_s",
+    "error",
+]
+
+
+def _num(v: Any) -> float:
+    """A metric value as float; the strings 'nan'/'inf' written for non-finite values too."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+WINDOW = 10  # steps: "final" values are means over the last WINDOW steps, peaks running means
+
+
+def _tail_mean(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [_num(r[key]) for r in rows if key in r]
+    if not vals:
+        return math.nan
+    tail = vals[-WINDOW:]
+    return sum(tail) / len(tail)
+
+
+def summarise_run(
+    run: Run,
+    run_dir: Path,
+    *,
+    returncode: int,
+    wall_s: float,
+    steps: int,
+    collapse_drop: float,
+    error: str = "",
+) -> dict[str, Any]:
+    """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``."""
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.exists() else []
+    steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "kl/ref/exact" in r]
+    evals = [(r["step"], _num(r["accuracy/heldout"])) for r in rows if "accuracy/heldout" in r]
+    kl_exact = [_num(r["kl/ref/exact"]) for r in steps_rows]
+    logged_key = f"kl/ref/{run.estimator}"
+    gaps = [_num(r[logged_key]) - _num(r["kl/ref/exact"]) for r in steps_rows if logged_key in r]
+    acc_start = evals[0][1] if evals and evals[0][0] == 0 else math.nan
+    acc_final = evals[-1][1] if evals else math.nan
+    done = steps_rows[-1]["step"] if steps_rows else 0
+    if returncode == 3:
+        status = "diverged"
+    elif returncode != 0 or done < steps:
+        status = "crashed"
+    elif not all(map(math.isfinite, kl_exact)) or not math.isfinite(acc_final):
+        status = "diverged"
+    elif acc_final < acc_start - collapse_drop:
+        status = "collapsed"
+    else:
+        status = "ok"
+    # The KL curve is noisy step to step: its peak is the largest running mean over WINDOW steps.
+    smooth = [
+        sum(kl_exact[i : i + WINDOW]) / len(kl_exact[i : i + WINDOW])
+        for i in range(max(1, len(kl_exact) - WINDOW + 1))
+    ]
+    return {
+        "name": run.name,
+        "algo": run.algo,
+        "choice": run.choice,
+        "estimator": run.estimator,
+        "placement": run.placement,
+        "beta": run.beta,
+        "seed": run.seed,
+        "status": status,
+        "steps_done": done,
+        "acc_start": acc_start,
+        "acc_final": acc_final,
+        "acc_best": max((a for _, a in evals), default=math.nan),
+        "kl_exact_final": _tail_mean(steps_rows, "kl/ref/exact"),
+        "kl_exact_peak": max(smooth) if kl_exact else math.nan,
+        "kl_logged_final": _tail_mean(steps_rows, logged_key),
+        "kl_gap_mean": sum(gaps) / len(gaps) if gaps else math.nan,
+        "reward_final": _tail_mean(steps_rows, "reward/mean"),
+        "entropy_final": _tail_mean(steps_rows, "entropy"),
+        "wall_s": round(wall_s, 1),
+        "error": error,
+    }
+
+
+def _execute(run: Run, out: Path, study: StudyConfig) -> dict[str, Any]:
+    run_dir = out / "runs" / run.name
+    done_marker = run_dir / "result.yaml"
+    if done_marker.exists():  # finished in an earlier invocation of the same study
+        return yaml.safe_load(done_marker.read_text())
+    if run_dir.exists():  # a run interrupted mid-way: start it again from scratch
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "klpo", "train", "--set", f"run.out_dir={run_dir}"]
+    for o in run.overrides:
+        cmd += ["--set", o]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    t0 = time.perf_counter()
+    with (run_dir / "log.txt").open("w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    wall = time.perf_counter() - t0
+    error = ""
+    if proc.returncode != 0:
+        lines = (run_dir / "log.txt").read_text().strip().splitlines()
+        error = (lines[-1] if lines else f"exit code {proc.returncode}")[:300]
+    row = summarise_run(
+        run,
+        run_dir,
+        returncode=proc.returncode,
+        wall_s=wall,
+        steps=study.steps,
+        collapse_drop=study.collapse_drop,
+        error=error,
+    )
+    write_text_atomic(done_marker, yaml.safe_dump(row, sort_keys=False))
+    return row
+
+
+def run_study(
+    study: StudyConfig,
+    out: str | Path,
+    *,
+    on_result: Callable[[dict[str, Any], int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots."""
+    out = Path(out)
+    runs = study_grid(study)
+    for r in runs:  # fail on a bad choice before any run starts
+        build_config(apply_overrides({}, list(r.overrides)))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
+    write_text_atomic(
+        out / "train-config.yaml",
+        "# The first run's resolved klpo train config; others differ in kl.*, algo.*, seed.\n"
+        + dump_config(build_config(apply_overrides({}, list(runs[0].overrides)))),
+    )
+    rows: list[dict[str, Any] | None] = [None] * len(runs)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=study.workers) as pool:
+        futures = {pool.submit(_execute, r, out, study): i for i, r in enumerate(runs)}
+        for n, fut in enumerate(as_completed(futures), start=1):
+            i = futures[fut]
+            rows[i] = fut.result()
+            if on_result is not None:
+                on_result(rows[i], n, len(runs))
+    results = [r for r in rows if r is not None]
+    write_results(results, out, study, wall_s=time.perf_counter() - t0)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
+
+
+def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (algo, choice, beta): means ± sd over seeds and the failure count."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        cells.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    table = []
+    for (algo, choice, beta), rs in cells.items():
+        acc_m, acc_s = _stats([_num(r["acc_final"]) for r in rs])
+        reward_m, reward_s = _stats([_num(r["reward_final"]) for r in rs])
+        table.append(
+            {
+                "algo": algo,
+                "choice": choice,
+                "beta": beta,
+                "runs": len(rs),
+                "failed": sum(r["status"] != "ok" for r in rs),
+                "statuses": ", ".join(sorted({r["status"] for r in rs if r["status"] != "ok"})),
+                "acc_start": _stats([_num(r["acc_start"]) for r in rs])[0],
+                "acc_mean": acc_m,
+                "acc_sd": acc_s,
+                "kl_final": _stats([_num(r["kl_exact_final"]) for r in rs])[0],
+                "kl_peak": _stats([_num(r["kl_exact_peak"]) for r in rs])[0],
+                "kl_gap": _stats([_num(r["kl_gap_mean"]) for r in rs])[0],
+                "reward_mean": reward_m,
+                "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
+                "wall_s": _stats([_num(r["wall_s"]) for r in rs])[0],
+            }
+        )
+    return table
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def write_results(
+    results: list[dict[str, Any]], out: str | Path, study: StudyConfig, *, wall_s: float
+) -> Path:
+    """Write ``results.csv``, the plots and ``report.md`` into ``out``; returns the report."""
+    out = Path(out)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=RESULT_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in results:
+        writer.writerow({k: r.get(k, "") for k in RESULT_FIELDS})
+    write_text_atomic(out / "results.csv", buf.getvalue())
+    cells = summarise_cells(results)
+    plots = _plot(results, cells, out)
+
+    n_fail = sum(r["status"] != "ok" for r in results)
+    lines = [
+        "# klpo compare: KL estimators and placements on real training",
+        "",
+        f"{len(results)} runs ({len(study.seeds)} seeds per cell, {study.steps} steps each, "
+        f"{study.workers} in parallel with one thread each) in {wall_s / 60:.1f} minutes; "
+        f"{n_fail} failed (crashed, diverged or collapsed). Study: `study.yaml`; the shared "
+        "training config: `train-config.yaml`; one row per run: `results.csv`.",
+        "",
+        "Columns: held-out accuracy (greedy) at the start and at the end, mean ± sd over seeds; "
+        f"the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token over the last {WINDOW} steps "
+        f"and at its peak (largest {WINDOW}-step running mean); the mean gap between the logged "
+        "estimate (the configured estimator) and the exact KL over the run; the variance "
+        f"across seeds of the final train reward (last {WINDOW} steps); failed runs; mean wall time per run.",
+        "",
+        "| algo | KL choice | beta | acc start | acc final | KL final | KL peak | logged − exact "
+        "| reward var | failed | wall s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], -_nan_low(c["acc_mean"]))):
+        failed = f"{c['failed']}/{c['runs']}" + (f" ({c['statuses']})" if c["failed"] else "")
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | {_f(c['acc_start'])} | "
+            f"{_f(c['acc_mean'])} ± {_f(c['acc_sd'])} | {_f(c['kl_final'], 4)} | "
+            f"{_f(c['kl_peak'], 4)} | {_f(c['kl_gap'], 4)} | {_f(c['reward_var'], 5)} | "
+            f"{failed} | {_f(c['wall_s'], 0)} |"
+        )
+    failures = [r for r in results if r["status"] != "ok"]
+    if failures:
+        lines += ["", "## Failed runs", "", "| run | status | steps | error |"]
+        lines.append("| --- | --- | --- | --- |")
+        for r in failures:
+            err = str(r.get("error", "")).replace("|", "\\|")
+            lines.append(f"| {r['name']} | {r['status']} | {r['steps_done']} | {err} |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    report = out / "report.md"
+    write_text_atomic(report, "\n".join(lines))
+    return report
+
+
+def _nan_low(x: float) -> float:
+    return x if math.isfinite(x) else -math.inf
+
+
+def _curves(run_dir: Path, key: str) -> tuple[list[int], list[float]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return [], []
+    pts = [(r["step"], _num(r[key])) for r in read_metrics(path) if key in r]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def _plot(results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names: list[str] = []
+    groups: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for r in results:
+        groups.setdefault((r["algo"], float(r["beta"])), {}).setdefault(r["choice"], []).append(r)
+    # "no KL" runs (beta 0) are drawn in every panel of their algorithm as the baseline.
+    for (algo, beta), by_choice in groups.items():
+        if beta == 0.0:
+            continue
+        baseline = groups.get((algo, 0.0), {})
+        for key, ylabel, fname, smooth in (
+            ("accuracy/heldout", "held-out accuracy (greedy)", "accuracy", 1),
+            ("kl/ref/exact", "exact KL(pi_theta ‖ pi_ref) per token", "kl", 10),
+        ):
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for choice, rs in sorted({**by_choice, **baseline}.items()):
+                xs, mean, lo, hi = _band(
+                    [_curves(out / "runs" / r["name"], key) for r in rs], smooth
+                )
+                if not xs:
+                    continue
+                (line,) = ax.plot(xs, mean, label=choice, lw=1.5)
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{algo}, beta = {_fmt(beta)} (mean ± sd over seeds)")
+            ax.grid(alpha=0.3)
+            ax.legend(frameon=False, fontsize=8, ncol=2)
+            name = f"{fname}_{algo}_b{_fmt(beta)}.png"
+            _save(fig, out / name)
+            plt.close(fig)
+            names.append(name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in cells:
+        if not (math.isfinite(c["kl_final"]) and math.isfinite(c["acc_mean"])):
+            continue
+        marker = "o" if c["algo"] == "grpo" else "s"
+        ax.errorbar(c["kl_final"], c["acc_mean"], yerr=_nan0(c["acc_sd"]), fmt=marker, ms=5)
+        ax.annotate(
+            f"{c['algo']} {c['choice']} β={_fmt(c['beta'])}",
+            (c["kl_final"], c["acc_mean"]),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("final exact KL per token")
+    ax.set_ylabel("final held-out accuracy")
+    ax.set_title("accuracy against KL at the end (o: grpo, s: ppo)")
+    ax.grid(alpha=0.3)
+    _save(fig, out / "accuracy_vs_kl.png")
+    plt.close(fig)
+    names.append("accuracy_vs_kl.png")
+    return names
+
+
+def _nan0(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def _band(curves: list[tuple[list[int], list[float]]], smooth: int):
+    """Mean and mean ± sd over seeds at the steps all curves share, after a running mean."""
+    curves = [c for c in curves if c[0]]
+    if not curves:
+        return [], [], [], []
+    common = sorted(set.intersection(*(set(xs) for xs, _ in curves)))
+    series = []
+    for xs, ys in curves:
+        at = dict(zip(xs, ys, strict=True))
+        vals = [at[s] for s in common]
+        if smooth > 1:
+            vals = [
+                statistics.fmean(vals[max(0, i - smooth + 1) : i + 1]) for i in range(len(vals))
+            ]
+        series.append(vals)
+    mean, lo, hi = [], [], []
+    for i in range(len(common)):
+        col = [s[i] for s in series if math.isfinite(s[i])]
+        m = statistics.fmean(col) if col else math.nan
+        sd = statistics.stdev(col) if len(col) > 1 else 0.0
+        mean.append(m)
+        lo.append(m - sd)
+        hi.append(m + sd)
+    return common, mean, lo, hi
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp.replace(path)
