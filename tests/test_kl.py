@@ -508,6 +508,9 @@ def test_errors_name_the_problem():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*k1, k2, k3"):
         kl.estimate("k4", x, x)
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'"):
+        kl.function("k4")
+    assert kl.function("k3+") is kl.k3_plus and kl.function("abs") is kl.abs_
     with pytest.raises(ValueError, match=r"needs logp_old.*logp.detach\(\)"):
         kl.estimate("k3_is", x, x)
     with pytest.raises(ValueError, match=r"shape \(2, 3\).*shape \(3, 2\)"):

@@ -66,6 +66,7 @@ __all__ = [
     "explain",
     "explain_all",
     "full",
+    "function",
     "k1",
     "k1_plus",
     "k2",
@@ -431,6 +432,15 @@ def _spec(name: str) -> _Spec:
         raise ValueError(
             f"unknown KL estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}"
         ) from None
+
+
+def function(name: str) -> Callable[..., Tensor]:
+    """The function that implements estimator ``name``; its docstring is the estimator's reference.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`ESTIMATORS`.
+    """
+    return _spec(name).fn
 
 
 def estimate(

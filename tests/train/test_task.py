@@ -88,11 +88,19 @@ class StubLM:
         self.training = mode
         return self
 
-    def generate(
-        self, *, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw
-    ):
+    def parameters(self):
+        return iter([torch.zeros(1)])
+
+    def generate(self, *, input_ids, attention_mask, generation_config):
         assert not self.training and not torch.is_grad_enabled()
-        self.calls.append({"batch": input_ids.shape[0], **kw})
+        g = generation_config
+        max_new_tokens, eos_token_id, pad_token_id = (
+            g.max_new_tokens,
+            g.eos_token_id,
+            g.pad_token_id,
+        )
+        sampling = {k: getattr(g, k) for k in ("do_sample", "temperature", "top_p", "top_k")}
+        self.calls.append({"batch": input_ids.shape[0], **sampling})
         pad = pad_token_id
         assert torch.equal(attention_mask, (input_ids != pad).long())
         rows = []

@@ -15,6 +15,8 @@ import torch
 
 @dataclass(frozen=True)
 class Example:
+    """One problem: the prompt the policy sees and the answer a reward function checks."""
+
     prompt: str
     answer: str
 

@@ -31,7 +31,7 @@ def _first_paragraph(obj: object) -> str:
 
 
 def estimators_page() -> str:
-    fns = {n: kl._REGISTRY[n].fn for n in kl.ESTIMATORS}
+    fns = {n: kl.function(n) for n in kl.ESTIMATORS}
     lines = [
         "# KL estimators: what each one estimates, and which gradient it follows",
         "",

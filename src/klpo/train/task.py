@@ -23,10 +23,9 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from klpo.train.data import Example
 
 __all__ = [
     "OPS",
@@ -42,14 +41,6 @@ OPS: dict[str, Callable[[int, int], int]] = {
     "-": lambda a, b: a - b,
     "*": lambda a, b: a * b,
 }
-
-
-@dataclass(frozen=True)
-class Example:
-    """One problem: the prompt the policy sees and the answer a reward function checks."""
-
-    prompt: str
-    answer: str
 
 
 @dataclass(frozen=True)
@@ -135,7 +126,6 @@ def generate(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    generator_seed: int | None = None,
 ) -> list[str]:
     """Completions of ``prompts`` by a decoder-only ``transformers`` model, cut at the first EOS.
 
@@ -150,13 +140,12 @@ def generate(
         prompts: the prompt texts.
         max_new_tokens: the most tokens generated per completion, EOS included.
         batch_size: prompts per ``generate`` call.
-        do_sample: sample (with ``temperature`` and ``top_p``) instead of greedy decoding.
-        generator_seed: if given, ``torch.manual_seed(generator_seed)`` before sampling.
+        do_sample: sample (with ``temperature`` and ``top_p``, no top-k) from torch's global
+            generator instead of greedy decoding.
 
     Returns:
         One completion text per prompt, in order.
     """
-    import torch
 
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise ValueError(
@@ -171,58 +160,29 @@ def generate(
         raise ValueError(
             f"sampling needs temperature > 0 and top_p in (0, 1], got {temperature} and {top_p}"
         )
-    if generator_seed is not None:
-        torch.manual_seed(generator_seed)
+    from klpo.train.rollout import generate as rollout_generate
+
     was_training = model.training
     model.eval()
     out: list[str] = []
     try:
-        with torch.no_grad():
-            for start in range(0, len(prompts), batch_size):
-                batch = list(prompts[start : start + batch_size])
-                completion_ids = _generate_ids(
-                    model, tokenizer, batch, max_new_tokens, do_sample, temperature, top_p
-                )
-                out.extend(
-                    tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids
-                )
+        for start in range(0, len(prompts), batch_size):
+            batch = list(prompts[start : start + batch_size])
+            rollout = rollout_generate(
+                model,
+                tokenizer,
+                batch,
+                [""] * len(batch),
+                group_size=1,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                greedy=not do_sample,
+            )
+            out.extend(rollout.completions)
     finally:
         model.train(was_training)
     return out
-
-
-def _generate_ids(
-    model: Any,
-    tokenizer: Any,
-    prompts: list[str],
-    max_new_tokens: int,
-    do_sample: bool,
-    temperature: float,
-    top_p: float,
-) -> list[list[int]]:
-    enc = tokenizer(
-        prompts,
-        padding=True,
-        padding_side="left",
-        add_special_tokens=False,
-        return_tensors="pt",
-    )
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        if do_sample
-        else {"do_sample": False}
-    )
-    seqs: torch.Tensor = model.generate(
-        input_ids=enc["input_ids"],
-        attention_mask=enc["attention_mask"],
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **sampling,
-    )
-    new = seqs[:, enc["input_ids"].shape[1] :].tolist()
-    eos = tokenizer.eos_token_id
-    return [ids[: ids.index(eos)] if eos in ids else ids for ids in new]
 
 
 def heldout_accuracy(
