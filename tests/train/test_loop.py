@@ -145,3 +145,12 @@ def test_metrics_of_a_run_are_deterministic(run, tmp_path):
     b = run(tmp_path / "b")
     strip = [{k: v for k, v in r.items() if not is_timing(k)} for r in a]
     assert strip == [{k: v for k, v in r.items() if not is_timing(k)} for r in b]
+
+
+def test_a_non_finite_loss_stops_the_run(run, tmp_path):
+    # Rewards of order 1e38 without the std scale make the gradient norm overflow to inf.
+    huge = {"rewards": "[{name: 'klpo_test_rewards:digits', weight: 1.0e38}]", "algo.std": "none"}
+    with pytest.raises(loop.TrainingDiverged, match=r"step 1: grad_norm = inf.*optim.lr"):
+        run(tmp_path / "d", **huge)
+    rows = read_metrics(tmp_path / "d" / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and rows[-1]["grad_norm"] == "inf"

@@ -311,6 +311,7 @@ def summarise_run(
     smooth = [
         sum(kl_exact[i : i + WINDOW]) / len(kl_exact[i : i + WINDOW])
         for i in range(max(1, len(kl_exact) - WINDOW + 1))
+        if kl_exact
     ]
     return {
         "name": run.name,
@@ -399,7 +400,17 @@ def run_study(
         futures = {pool.submit(_execute, r, out, study): i for i, r in enumerate(runs)}
         for n, fut in enumerate(as_completed(futures), start=1):
             i = futures[fut]
-            rows[i] = fut.result()
+            try:
+                rows[i] = fut.result()
+            except Exception as err:  # the study goes on; the run is recorded as crashed
+                rows[i] = {
+                    **{k: "" for k in RESULT_FIELDS},
+                    **runs[i].model_dump(include={"name", "algo", "choice", "estimator"}),
+                    **runs[i].model_dump(include={"placement", "beta", "seed"}),
+                    "status": "crashed",
+                    "steps_done": 0,
+                    "error": f"{type(err).__name__}: {err}"[:300],
+                }
             if on_result is not None:
                 on_result(rows[i], n, len(runs))
     results = [r for r in rows if r is not None]
@@ -551,7 +562,8 @@ def _plot(results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{algo}, beta = {_fmt(beta)} (mean ± sd over seeds)")
             ax.grid(alpha=0.3)
-            ax.legend(frameon=False, fontsize=8, ncol=2)
+            if ax.lines:
+                ax.legend(frameon=False, fontsize=8, ncol=2)
             name = f"{fname}_{algo}_b{_fmt(beta)}.png"
             _save(fig, out / name)
             plt.close(fig)
