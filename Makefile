@@ -1,5 +1,5 @@
 # The two commands of the README.  Each creates the virtual environment on first use.
-#   make run    set up, then run the main job on the built-in defaults
+#   make run    set up, then run the main job (klpo train) on the built-in defaults
 #   make test   set up, then lint, format-check and run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/klpo explain --all
+	$(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
