@@ -64,8 +64,9 @@ def estimators_page() -> str:
             rows = [kl.explain(name, p, on_policy=on_policy) for p in kl.PLACEMENTS]
             e = rows[0]
             grads = [r.gradient + (" *" if r.mismatch else "") for r in rows]
+            equation = e.equation.replace("|", r"\|")  # a bare | would end the table cell
             lines.append(
-                f"| `{name}` | {e.equation} | {e.estimates} | {'yes' if e.unbiased else 'no'} | "
+                f"| `{name}` | {equation} | {e.estimates} | {'yes' if e.unbiased else 'no'} | "
                 f"{'yes' if e.nonnegative else 'no'} | " + " | ".join(grads) + " |"
             )
         lines.append("")
