@@ -186,7 +186,7 @@ def test_cells_and_report(tmp_path):
     assert k3["acc_sd"] == pytest.approx(0.1)  # sample sd of 0.4, 0.5, 0.6
     assert k3["reward_var"] == pytest.approx(0.01)
     assert k3["failed"] == 0 and cells["no KL"]["failed"] == 1
-    report = write_results(results, tmp_path, quick_study(), wall_s=60)
+    report = write_results(results, tmp_path, quick_study())
     text = report.read_text()
     assert "| grpo | k3 loss | 0.1 | 0.300 | 0.500 ± 0.100 |" in text
     assert "1/1 (crashed)" in text and "boom" in text

@@ -395,7 +395,6 @@ def run_study(
         + dump_config(build_config(apply_overrides({}, list(runs[0].overrides)))),
     )
     rows: list[dict[str, Any] | None] = [None] * len(runs)
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=study.workers) as pool:
         futures = {pool.submit(_execute, r, out, study): i for i, r in enumerate(runs)}
         for n, fut in enumerate(as_completed(futures), start=1):
@@ -414,7 +413,7 @@ def run_study(
             if on_result is not None:
                 on_result(rows[i], n, len(runs))
     results = [r for r in rows if r is not None]
-    write_results(results, out, study, wall_s=time.perf_counter() - t0)
+    write_results(results, out, study)
     return results
 
 
@@ -464,9 +463,7 @@ def _f(x: float, digits: int = 3) -> str:
     return "–" if not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def write_results(
-    results: list[dict[str, Any]], out: str | Path, study: StudyConfig, *, wall_s: float
-) -> Path:
+def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyConfig) -> Path:
     """Write ``results.csv``, the plots and ``report.md`` into ``out``; returns the report."""
     out = Path(out)
     buf = io.StringIO()
@@ -479,11 +476,13 @@ def write_results(
     plots = _plot(results, cells, out)
 
     n_fail = sum(r["status"] != "ok" for r in results)
+    run_s = math.fsum(x for r in results if math.isfinite(x := _num(r.get("wall_s"))))
     lines = [
         "# klpo compare: KL estimators and placements on real training",
         "",
         f"{len(results)} runs ({len(study.seeds)} seeds per cell, {study.steps} steps each, "
-        f"{study.workers} in parallel with one thread each) in {wall_s / 60:.1f} minutes; "
+        f"{study.workers} in parallel with one thread each): {run_s / 60:.1f} minutes of runs, "
+        f"about {run_s / 60 / study.workers:.1f} minutes elapsed; "
         f"{n_fail} failed (crashed, diverged or collapsed). Study: `study.yaml`; the shared "
         "training config: `train-config.yaml`; one row per run: `results.csv`.",
         "",
@@ -568,24 +567,33 @@ def _plot(results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path)
             _save(fig, out / name)
             plt.close(fig)
             names.append(name)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in cells:
-        if not (math.isfinite(c["kl_final"]) and math.isfinite(c["acc_mean"])):
-            continue
-        marker = "o" if c["algo"] == "grpo" else "s"
-        ax.errorbar(c["kl_final"], c["acc_mean"], yerr=_nan0(c["acc_sd"]), fmt=marker, ms=5)
-        ax.annotate(
-            f"{c['algo']} {c['choice']} β={_fmt(c['beta'])}",
-            (c["kl_final"], c["acc_mean"]),
-            fontsize=6,
-            xytext=(3, 3),
-            textcoords="offset points",
-        )
-    ax.set_xscale("symlog", linthresh=1e-3)
-    ax.set_xlabel("final exact KL per token")
-    ax.set_ylabel("final held-out accuracy")
-    ax.set_title("accuracy against KL at the end (o: grpo, s: ppo)")
-    ax.grid(alpha=0.3)
+    # One panel per beta (the "no KL" cells in each); cells that land on the same point (k2, k3+
+    # and k3_is train identically on-policy) share one label.
+    betas = sorted({c["beta"] for c in cells if c["beta"] > 0}) or [0.0]
+    fig, axes = plt.subplots(1, len(betas), figsize=(5.5 * len(betas), 4.5), squeeze=False)
+    for ax, beta in zip(axes[0], betas, strict=True):
+        points: dict[tuple[str, float, float], list[dict[str, Any]]] = {}
+        for c in cells:
+            if c["beta"] not in (beta, 0.0):
+                continue
+            if math.isfinite(c["kl_final"]) and math.isfinite(c["acc_mean"]):
+                key = (c["algo"], round(c["kl_final"], 6), round(c["acc_mean"], 6))
+                points.setdefault(key, []).append(c)
+        for (algo, x, y), cs in sorted(points.items()):
+            marker = "o" if algo == "grpo" else "s"
+            ax.errorbar(x, y, yerr=_nan0(cs[0]["acc_sd"]), fmt=marker, ms=5, capsize=2)
+            label = " = ".join(c["choice"] for c in cs)
+            ax.annotate(
+                label if algo == "grpo" else f"{algo}: {label}",
+                (x, y),
+                fontsize=7,
+                xytext=(4, 2),
+                textcoords="offset points",
+            )
+        ax.set_xlabel(f"final exact KL per token (mean of the last {WINDOW} steps)")
+        ax.set_ylabel("final held-out accuracy (mean ± sd over seeds)")
+        ax.set_title(f"beta = {_fmt(beta)} (o: grpo, s: ppo)")
+        ax.grid(alpha=0.3)
     _save(fig, out / "accuracy_vs_kl.png")
     plt.close(fig)
     names.append("accuracy_vs_kl.png")
