@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from klpo import kl
@@ -71,3 +73,13 @@ def test_shipped_configs_load():
     assert len(files) >= 3
     for f in files:
         load_config(f)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.policy == "builtin"

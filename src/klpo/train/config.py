@@ -125,12 +125,12 @@ class AlgoConfig(_Section):
 
 class KLConfig(_Section):
     estimator: str = Field(
-        "k3", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
+        "full", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
     )
     placement: Placement = Field(
         "loss", description="Where the KL term goes: loss, reward, reward+loss, or none."
     )
-    beta: float = Field(0.01, ge=0, description="Initial KL coefficient.")
+    beta: float = Field(0.1, ge=0, description="Initial KL coefficient.")
     controller: str = Field(
         "fixed", description=f"KL coefficient controller: one of {', '.join(control.CONTROLLERS)}."
     )
