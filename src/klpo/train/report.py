@@ -48,15 +48,22 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
     rows = read_metrics(run_dir / "metrics.jsonl")
     est_key = f"kl/ref/{estimator}"
     for name, (label, keys) in PLOTS.items():
-        if keys is None:
-            keys = [
-                ("kl/ref/exact", "exact (full vocabulary)"),
-                (est_key, f"estimate: {estimator}"),
+        if keys is None:  # the exact KL beside the configured estimate and k1, k3 (always logged)
+            shown = dict.fromkeys(n for n in (estimator, "k1", "k3") if n != "full")
+            keys = [("kl/ref/exact", "exact (full vocabulary)")] + [
+                (f"kl/ref/{n}", f"estimate: {n}" + (" (configured)" if n == estimator else ""))
+                for n in shown
             ]
         fig, ax = plt.subplots(figsize=(6, 3.4))
         drawn = False
         for key, legend in keys:
             xs, ys = _series(rows, key)
+            if len(xs) > 100:  # per-step values are noisy: draw a running mean
+                ys = [
+                    sum(ys[max(0, i - 19) : i + 1]) / (i + 1 - max(0, i - 19))
+                    for i in range(len(ys))
+                ]
+                legend += " (20-step mean)"
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=legend)
                 drawn = True
