@@ -78,10 +78,13 @@ def test_kl_choices_and_options_run(run, tmp_path, extra):
         assert last["kl/ref/full"] == last["kl/ref/exact"]
 
 
-def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path):
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     """One fixed batch: the trainer's gradient equals a naive assembly of the library's functions
-    from full logits (log_softmax + gather in float64), for the clipped surrogate + k3 in the loss."""
-    cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
+    from full logits (log_softmax + gather in float64), for the clipped surrogate + k3 in the loss,
+    and for the default, the exact KL summed over the vocabulary by hand."""
+    extra = {"kl.beta": 0.5, "kl.estimator": estimator}
+    cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **extra))
     dist = Dist()
     m = loop.build_models(cfg, dist, None)
     torch.manual_seed(0)
@@ -111,7 +114,15 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path):
     logq = torch.log_softmax(logits[:, p - 1 : p - 1 + c].double(), -1)
     logp = logq.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     pg = losses.ppo_clip(logp, s.logp_old, s.adv)
-    kl_tok = losses.kl_loss("k3", logp, s.logp_ref, logp_old=s.logp_old)
+    if estimator == "k3":
+        kl_tok = losses.kl_loss("k3", logp, s.logp_ref, logp_old=s.logp_old)
+    else:  # sum_v q(v) (log q(v) - log q_ref(v)), q_ref from the reference's hidden states
+        weight_ref, bias_ref = m.reference.head()
+        logits_ref = s.hidden_ref.double() @ weight_ref.double().T
+        if bias_ref is not None:
+            logits_ref = logits_ref + bias_ref.double()
+        logq_ref = torch.log_softmax(logits_ref, -1)
+        kl_tok = (logq.exp() * (logq - logq_ref)).sum(-1)
     loss = reduce.reduce(pg, rollout.mask, "token-mean") + 0.5 * reduce.reduce(
         kl_tok, rollout.mask, "token-mean"
     )
