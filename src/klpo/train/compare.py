@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from klpo import kl
 from klpo.train.checkpoint import write_text_atomic
-from klpo.train.config import ConfigError, apply_overrides, build_config, dump_config
+from klpo.train.config import ConfigError, apply_overrides, build_config, dump_config, one_of
 from klpo.train.metrics import read_metrics
 
 
@@ -60,9 +60,7 @@ class Choice(BaseModel):
     @field_validator("estimator")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in kl.ESTIMATORS:
-            raise ValueError(f"unknown estimator {v!r}; allowed: {', '.join(kl.ESTIMATORS)}")
-        return v
+        return one_of("estimator", v, kl.ESTIMATORS)
 
     @property
     def label(self) -> str:

@@ -11,6 +11,7 @@ The resolved config is written beside every run's outputs (``config.yaml``).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -21,6 +22,13 @@ from klpo import control, kl, reduce
 
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
 Placement = Literal["loss", "reward", "reward+loss", "none"]
+
+
+def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
+    """``value`` if it is in ``allowed``, else a ValueError that names it and lists the choices."""
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+    return value
 
 
 class _Section(BaseModel):
@@ -118,9 +126,7 @@ class AlgoConfig(_Section):
     @field_validator("loss_reduction")
     @classmethod
     def _known_reduction(cls, v: str) -> str:
-        if v not in reduce.MODES:
-            raise ValueError(f"unknown reduction {v!r}; allowed: {', '.join(reduce.MODES)}")
-        return v
+        return one_of("reduction", v, reduce.MODES)
 
 
 class KLConfig(_Section):
@@ -143,16 +149,12 @@ class KLConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
-        if v not in kl.ESTIMATORS:
-            raise ValueError(f"unknown estimator {v!r}; allowed: {', '.join(kl.ESTIMATORS)}")
-        return v
+        return one_of("estimator", v, kl.ESTIMATORS)
 
     @field_validator("controller")
     @classmethod
     def _known_controller(cls, v: str) -> str:
-        if v not in control.CONTROLLERS:
-            raise ValueError(f"unknown controller {v!r}; allowed: {', '.join(control.CONTROLLERS)}")
-        return v
+        return one_of("controller", v, control.CONTROLLERS)
 
 
 class OptimConfig(_Section):
