@@ -98,6 +98,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     )  # fmt: skip
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+    assert s.logp_old is None  # one epoch, one minibatch: the update's pass gives log pi_old
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
@@ -113,9 +114,9 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
     logq = torch.log_softmax(logits[:, p - 1 : p - 1 + c].double(), -1)
     logp = logq.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
-    pg = losses.ppo_clip(logp, s.logp_old, s.adv)
+    pg = losses.ppo_clip(logp, logp.detach(), s.adv)
     if estimator == "k3":
-        kl_tok = losses.kl_loss("k3", logp, s.logp_ref, logp_old=s.logp_old)
+        kl_tok = losses.kl_loss("k3", logp, s.logp_ref, logp_old=logp.detach())
     else:  # sum_v q(v) (log q(v) - log q_ref(v)), q_ref from the reference's hidden states
         weight_ref, bias_ref = m.reference.head()
         logits_ref = s.hidden_ref.double() @ weight_ref.double().T
@@ -130,6 +131,49 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     for k, param in m.policy.named_parameters():
         torch.testing.assert_close(got[k], param.grad, rtol=1e-4, atol=1e-6, msg=k)
     assert any(g.abs().max() > 0 for g in got.values())
+
+
+def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, monkeypatch):
+    """One epoch, one minibatch: the update's forward pass gives log pi_old, the entropy and the
+    exact KL. The step, parameters and metrics, equals the one with the score's separate policy
+    pass (the previous behaviour), to float32 rounding, over several micro-batches."""
+    cfg = build_config(
+        overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5, "algo.micro_batch": 5})
+    )
+    assert loop.update_gives_logp_old(cfg)
+    for off in ({"algo.epochs": 2}, {"algo.minibatches": 2}, {"kl.placement": "reward"}):
+        other = build_config(overrides=quick(tiny_model, tmp_path / "o", **off))
+        assert not loop.update_gives_logp_old(other), off
+    dist = Dist()
+    train, _ = loop.load_examples(cfg)
+    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+
+    def one_step(separate_pass: bool):
+        monkeypatch.setattr(loop, "update_gives_logp_old", lambda _: not separate_pass)
+        m = loop.build_models(cfg, dist, None)
+        torch.manual_seed(0)
+        with torch.no_grad():  # a policy away from the reference: KL and entropy not trivial
+            for p in m.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        rollout = generate(
+            m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
+            group_size=4, max_new_tokens=4,
+        )  # fmt: skip
+        s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+        assert (s.logp_old is None) == (not separate_pass)
+        assert ("entropy" in s.metrics) == separate_pass
+        opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
+        upd = loop.update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+        return {**s.metrics, **upd}, dict(m.policy.named_parameters())
+
+    ours, params = one_step(separate_pass=False)
+    theirs, params_ref = one_step(separate_pass=True)
+    assert set(ours) == set(theirs)
+    assert ours["kl/ref/exact"] > 1e-3 and ours["entropy"] > 0.1
+    for key in theirs:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    for name, p in params.items():
+        torch.testing.assert_close(p, params_ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_errors_are_clear(run, tmp_path):

@@ -6,6 +6,8 @@ Each step:
 2. **score** them: Python rewards, the sampling policy's and the reference's log-probs, entropy
    and the exact full-vocabulary KL from hidden states (:func:`klpo.logprobs.fused`), the KL in
    the reward if asked (:func:`klpo.losses.kl_reward`), advantages (:mod:`klpo.advantages`);
+   when the update is exactly on-policy (:func:`update_gives_logp_old`) the policy's side of this
+   comes from the update's own forward pass instead of a pass of its own;
 3. **update**: ``epochs × minibatches`` optimizer steps on the clipped surrogate
    (:func:`klpo.losses.ppo_clip`), plus ``beta ×`` the KL in the loss if asked
    (:func:`klpo.losses.kl_loss`, off-policy corrected), reduced by :func:`klpo.reduce.reduce`;
@@ -144,11 +146,49 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
 # Scoring a rollout: rewards, old and reference log-probs, values, advantages.
 
 
+def update_gives_logp_old(cfg: TrainConfig) -> bool:
+    """Whether the update's forward pass can stand in for the sampling policy's log-probs.
+
+    With one epoch and one minibatch, every micro-batch's forward runs at the parameters that
+    sampled the rollout (the one optimizer step comes after all of them), so its detached
+    log-probs are log pi_old (the ratio is exactly 1, as in TRL with ``num_iterations=1``) and its
+    entropy and exact KL are those the score pass would have logged. :func:`score` then skips its
+    policy pass, one forward of the policy per step. A KL in the reward needs log pi_old before
+    the advantages, so it keeps the pass.
+    """
+    return (
+        cfg.algo.epochs == 1 and cfg.algo.minibatches == 1 and cfg.kl.placement in ("loss", "none")
+    )
+
+
+def policy_metrics(
+    cfg: TrainConfig,
+    logp_old: Tensor,
+    logp_ref: Tensor,
+    entropy: Tensor,
+    kl_exact: Tensor,
+    mask: Tensor,
+) -> dict[str, float]:
+    """The sampling policy's entropy and KL to the reference, over the rollout's tokens."""
+    metrics = {
+        "entropy": float(reduce.masked_mean(entropy, mask)),
+        "kl/ref/exact": float(reduce.masked_mean(kl_exact, mask)),
+        "kl/ref/seq": float(torch.where(mask, kl_exact, 0.0).sum(-1).mean()),
+    }
+    names = tuple(n for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator)) if n != "full")
+    metrics.update(losses.kl_metrics(logp_old, logp_ref, mask, estimators=names))
+    if cfg.kl.estimator == "full":
+        metrics["kl/ref/full"] = metrics["kl/ref/exact"]
+    return metrics
+
+
 @dataclass
 class Scored:
     rollout: Rollout
     scores: Tensor  # [B] total task reward per completion
-    logp_old: Tensor  # [B, C] log pi_old of the sampled tokens (the sampling policy)
+    # [B, C] log pi_old of the sampled tokens (the sampling policy); None when the update's
+    # forward pass gives it (update_gives_logp_old), which then also logs policy_metrics.
+    logp_old: Tensor | None
     logp_ref: Tensor  # [B, C]
     hidden_ref: Tensor  # [B, C, H] the reference's last hidden states, for the exact KL
     adv: Tensor  # [B, C]
@@ -176,20 +216,23 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
     weight, bias = _unwrap(m.backbone).head()
     weight_ref, bias_ref = m.reference.head()
     hidden_ref = completion_hidden(m.reference, rollout)
-    old = logprobs.fused(
-        completion_hidden(_unwrap(m.backbone), rollout),
-        weight,
-        tokens,
-        bias=bias,
-        temperature=cfg.rollout.temperature,
-        hidden_ref=hidden_ref,
-        weight_ref=weight_ref,
-        bias_ref=bias_ref,
-    )
     ref = logprobs.fused(
         hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
     )
-    logp_old, logp_ref = old.logp, ref.logp
+    logp_ref = ref.logp
+    old = logp_old = None
+    if not update_gives_logp_old(cfg):
+        old = logprobs.fused(
+            completion_hidden(_unwrap(m.backbone), rollout),
+            weight,
+            tokens,
+            bias=bias,
+            temperature=cfg.rollout.temperature,
+            hidden_ref=hidden_ref,
+            weight_ref=weight_ref,
+            bias_ref=bias_ref,
+        )
+        logp_old = old.logp
 
     # The task reward sits on the last valid token; the KL penalty, when in the reward, on all.
     last = (mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)) & mask
@@ -233,17 +276,12 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
         "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
         "reward/group_std": float(advantages.group_std(scores, g).mean()) if g > 1 else 0.0,
         "accuracy/train": float((scores >= 1.0).float().mean()),
-        "entropy": float(reduce.masked_mean(old.entropy, mask)),
-        "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
-        "kl/ref/seq": float(torch.where(mask, old.kl, 0.0).sum(-1).mean()),
         "completion/length": float(mask.sum(-1).float().mean()),
         "completion/truncated": float(rollout.truncated.float().mean()),
         **{f"reward/{k}": sum(v) / len(v) for k, v in per_fn.items()},
     }
-    names = tuple(n for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator)) if n != "full")
-    metrics.update(losses.kl_metrics(logp_old, logp_ref, mask, estimators=names))
-    if cfg.kl.estimator == "full":
-        metrics["kl/ref/full"] = metrics["kl/ref/exact"]
+    if old is not None:
+        metrics.update(policy_metrics(cfg, logp_old, logp_ref, old.entropy, old.kl, mask))
     return Scored(
         rollout, scores, logp_old, logp_ref, hidden_ref, adv, returns, values_old, metrics
     )
@@ -276,6 +314,12 @@ def update(
     clip = cfg.optim.grad_clip or math.inf
     totals: dict[str, float] = {}
     n_micro, grad_norms = 0, []
+    # On-policy (update_gives_logp_old): the forward passes record the sampling policy's side.
+    seen = (
+        None
+        if s.logp_old is not None
+        else {k: torch.zeros_like(s.logp_ref) for k in ("logp", "entropy", "kl")}
+    )
     for _ in range(a.epochs):
         order = torch.randperm(mask.shape[0], generator=gen)
         for mb in order.chunk(a.minibatches):
@@ -287,7 +331,9 @@ def update(
             micro = mb.split(a.micro_batch or len(mb))
             for i, rows in enumerate(micro):
                 last = i == len(micro) - 1
-                part = _micro_step(cfg, m, s, rows, beta, beta_old, n_global, dist, sync=last)
+                part = _micro_step(
+                    cfg, m, s, rows, beta, beta_old, n_global, dist, sync=last, seen=seen
+                )
                 for k, v in part.items():
                     totals[k] = totals.get(k, 0.0) + v
                 n_micro += 1
@@ -299,6 +345,8 @@ def update(
                 opt.critic.step()
     out = {k: v / n_micro for k, v in totals.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if seen is not None:
+        out.update(policy_metrics(cfg, seen["logp"], s.logp_ref, seen["entropy"], seen["kl"], mask))
     return out
 
 
@@ -319,14 +367,21 @@ def _micro_step(
     dist: Dist,
     *,
     sync: bool,
+    seen: dict[str, Tensor] | None = None,
 ) -> dict[str, float]:
-    """Forward and backward of one micro-batch (gradients accumulate); returns its metrics."""
+    """Forward and backward of one micro-batch (gradients accumulate); returns its metrics.
+
+    Without ``s.logp_old`` (:func:`update_gives_logp_old`) log pi_old is this forward's own
+    detached log-probs, and they, the entropy and the exact KL are written into ``seen`` (full
+    ``[B, C]`` tensors) at ``rows``.
+    """
     a, k = cfg.algo, cfg.kl
     r = s.rollout.select(rows)
     mask = r.mask
-    logp_old, adv = s.logp_old[rows], s.adv[rows]
+    logp_old = None if s.logp_old is None else s.logp_old[rows]
+    adv = s.adv[rows]
     kl_in_loss = k.placement in ("loss", "reward+loss") and beta > 0
-    need_ref = kl_in_loss and k.estimator == "full"
+    need_ref = (kl_in_loss and k.estimator == "full") or logp_old is None
     max_len = cfg.rollout.max_new_tokens
 
     def red(x: Tensor) -> Tensor:
@@ -346,6 +401,12 @@ def _micro_step(
             bias_ref=bias_ref if need_ref else None,
         )
         logp = out.logp
+        if logp_old is None:
+            logp_old = logp.detach()
+            if seen is not None:
+                seen["logp"][rows] = logp_old
+                seen["entropy"][rows] = out.entropy.detach()
+                seen["kl"][rows] = out.kl.detach()
         if a.policy_loss == "clip":
             pg = losses.ppo_clip(
                 logp,

@@ -1,0 +1,676 @@
+"""klpo train against TRL's GRPOTrainer: the same GRPO run, side by side, in one table.
+
+Both trainers run the same job, one after the other, each in its own subprocess with 2 torch
+threads: the shipped tiny reference model (1M-parameter Llama) as policy and reference, the
+built-in arithmetic task, the same prompts in the same order, 16 prompts × 8 completions = 128
+completions per step, one optimizer step per batch, AdamW at a constant learning rate of 2e-4,
+gradient-norm clip 1.0, beta 0.01 with k3 in the loss, max 4 new tokens at temperature 1, the
+token-mean reduction, the same number of steps and the same seed. Then, in a third subprocess, one
+fixed batch: klpo's GRPO loss (the trainer's own ``_micro_step``) against TRL's
+``GRPOTrainer._compute_loss``, value and gradient.
+
+How each TRL setting matches klpo's (TRL 1.16.0; docs/frameworks.md has the full mapping):
+
+- group size: ``num_generations=8`` = ``rollout.group_size=8``.
+- batch per step: ``per_device_train_batch_size=128`` with ``gradient_accumulation_steps=1``
+  (so ``steps_per_generation=1`` and ``generation_batch_size=128``) and ``num_iterations=1`` =
+  ``rollout.prompts_per_step=16``, ``algo.epochs=1``, ``algo.minibatches=1``,
+  ``algo.micro_batch=0``: 128 completions sampled, one forward/backward over all of them and one
+  optimizer step per batch, in both.
+- KL: ``beta=0.01`` with ``use_bias_correction_kl=False`` (plain k3 added to the per-token loss)
+  = ``kl.beta=0.01``, ``kl.estimator=k3``, ``kl.placement=loss``, ``kl.controller=fixed``.
+- reduction: ``loss_type="dapo"`` (the batch's summed per-token loss over its token count,
+  ``num_items_in_batch``, with one process and one micro-batch) = ``algo.loss_reduction=
+  token-mean`` (the same sum over the same count).
+- clip: ``epsilon=0.2`` (``epsilon_high`` defaults to it) = ``algo.clip_low=0.2``,
+  ``algo.clip_high=0.2``.
+- advantages: ``scale_rewards="group"`` = ``algo.std=sample`` (group mean, Bessel std).
+- optimizer: ``learning_rate=2e-4``, ``lr_scheduler_type="constant"``, ``warmup_steps=0``,
+  ``weight_decay=0``, ``max_grad_norm=1.0``, AdamW betas (0.9, 0.999) = ``optim.lr=2e-4``,
+  ``optim.warmup_steps=0``, ``optim.weight_decay=0``, ``optim.grad_clip=1.0``, the same betas.
+- sampling: ``max_completion_length=4``, ``temperature=1``, ``top_p=1``, ``top_k=0`` =
+  ``rollout.max_new_tokens=4``, ``rollout.temperature=1``, ``rollout.top_p=1`` (klpo always
+  switches top-k off).
+- prompts: TRL gets a dataset holding klpo's prompt stream in order (``steps × 16`` prompts) and
+  ``shuffle_dataset=False``, so step t of both trains on the same 16 prompts; ``seed`` =
+  ``run.seed``.
+- ``activation_checkpointing=False``: TRL's GRPOConfig turns it on by default (as
+  ``gradient_checkpointing``); klpo never recomputes activations.
+
+Known differences that remain: TRL divides the group std by ``std + 1e-4``, klpo by
+``std + 1e-6`` (a relative change below 3e-4 of the advantages with 0/1 rewards in groups of 8);
+TRL's optimizer is its default ``adamw_torch_fused``, klpo's ``torch.optim.AdamW`` (the same
+update). With one update per batch both take pi_old to be the update's own detached log-probs
+(TRL skips the old log-probs when ``num_iterations=1``; klpo when
+``klpo.train.loop.update_gives_logp_old``), so the ratio is exactly 1 and klpo's k3 weight
+pi_theta / pi_old too; klpo also logs the entropy and the exact KL from that pass.
+
+Only the training step is compared. Disabled in both: held-out evaluation, checkpoints during
+training, TensorBoard, progress bars and logging (klpo: ``run.eval_every=0``,
+``run.save_every=0`` (its one checkpoint, at the end, falls outside every step),
+``run.tensorboard=false``, ``run.progress=false``; TRL: ``eval_strategy="no"``,
+``save_strategy="no"``, ``logging_strategy="no"``, ``report_to="none"``, ``disable_tqdm=True``).
+
+Measures, the same definition for both:
+
+- step time: one training step, sampling through the optimizer step: klpo's ``time/step``
+  (``metrics.jsonl``); TRL from its ``on_step_begin`` to its ``on_step_end`` callback (the
+  ``training_step`` with generation, rewards, reference log-probs, loss, backward, then the
+  clip, optimizer and scheduler steps). The table gives the median over all steps.
+- tokens per second: completion tokens sampled (up to and including each completion's first
+  EOS, summed over the step's 128 completions) divided by that step's time; the median over
+  steps 2 to N (the first step's one-off warm-up is left out of both).
+- final reward: the mean exact-match reward of the step's 128 completions, averaged over the last
+  20% of steps (klpo's ``reward/mean``; for TRL, recorded by the reward function itself).
+- quiet machine: the CPU seconds every other process used while each trainer ran
+  (``/proc/stat`` less this process tree's own); above 5% of the run's cores × wall time the
+  table is flagged as untrustworthy.
+
+Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
+
+    PYTHONPATH=$PWD/src /work/venv-peers/bin/python bench/trainer_vs_trl.py [--steps 150]
+
+Without TRL it says so, runs klpo alone, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The one GRPO job both trainers run."""
+
+    steps: int = 150
+    seed: int = 0
+    threads: int = 2
+    prompts_per_step: int = 16
+    group_size: int = 8
+    lr: float = 2e-4
+    beta: float = 0.01
+    clip: float = 0.2
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    grad_clip: float = 1.0
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings → each trainer's configuration (no timing, no TRL needed: tested).
+
+
+def klpo_overrides(s: Settings, out_dir: str) -> list[str]:
+    """``klpo train --set`` overrides for the job, overhead off."""
+    return [
+        "model.policy=builtin",
+        "data.source=builtin",
+        "data.shuffle=true",
+        "rollout.prompts_per_step=" + str(s.prompts_per_step),
+        f"rollout.group_size={s.group_size}",
+        f"rollout.max_new_tokens={s.max_new_tokens}",
+        f"rollout.temperature={s.temperature}",
+        "rollout.top_p=1.0",
+        "algo.name=grpo",
+        "algo.epochs=1",
+        "algo.minibatches=1",
+        "algo.micro_batch=0",
+        "algo.std=sample",
+        "algo.loss_reduction=token-mean",
+        f"algo.clip_low={s.clip}",
+        f"algo.clip_high={s.clip}",
+        "kl.estimator=k3",
+        "kl.placement=loss",
+        f"kl.beta={s.beta}",
+        "kl.controller=fixed",
+        f"optim.lr={s.lr}",
+        "optim.warmup_steps=0",
+        "optim.weight_decay=0.0",
+        f"optim.grad_clip={s.grad_clip}",
+        f"run.steps={s.steps}",
+        f"run.seed={s.seed}",
+        f"run.threads={s.threads}",
+        f"run.out_dir={out_dir}",
+        "run.eval_every=0",
+        "run.save_every=0",
+        "run.tensorboard=false",
+        "run.progress=false",
+    ]
+
+
+def trl_config_kwargs(s: Settings, out_dir: str) -> dict:
+    """``trl.GRPOConfig`` keyword arguments for the same job (see the module docstring)."""
+    return {
+        "output_dir": out_dir,
+        "max_steps": s.steps,
+        "seed": s.seed,
+        "num_generations": s.group_size,
+        "per_device_train_batch_size": s.completions_per_step,
+        "gradient_accumulation_steps": 1,
+        "num_iterations": 1,
+        "shuffle_dataset": False,
+        "max_completion_length": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "beta": s.beta,
+        "use_bias_correction_kl": False,
+        "loss_type": "dapo",
+        "epsilon": s.clip,
+        "scale_rewards": "group",
+        "learning_rate": s.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": s.grad_clip,
+        "activation_checkpointing": False,  # TRL defaults it (as gradient_checkpointing) on
+        "use_cpu": True,
+        "bf16": False,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+
+
+def prompt_order(s: Settings) -> list[tuple[str, str]]:
+    """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``."""
+    from klpo.train.data import Example, PromptStream
+    from klpo.train.task import ArithmeticTask
+
+    train, _ = ArithmeticTask().splits()
+    stream = PromptStream([Example(e.prompt, e.answer) for e in train], seed=s.seed)
+    return [(e.prompt, e.answer) for e in stream.next(s.steps * s.prompts_per_step)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries (no timing of their own: tested).
+
+
+def final_mean(values: list[float], fraction: float = FINAL_FRACTION) -> float:
+    """Mean of the last ``ceil(fraction · n)`` values (at least one)."""
+    if not values:
+        raise ValueError("final_mean of no values")
+    k = max(1, math.ceil(fraction * len(values)))
+    return math.fsum(values[-k:]) / k
+
+
+def final_se(values: list[float], fraction: float = FINAL_FRACTION) -> float:
+    """Naive standard error of :func:`final_mean`: sample sd / sqrt(k) (0 for one value).
+
+    It treats the last k steps as independent, which they are not quite (each step's policy
+    follows from the last), so it is a guide to the noise, not a test.
+    """
+    k = max(1, math.ceil(fraction * len(values)))
+    return statistics.stdev(values[-k:]) / math.sqrt(k) if k > 1 else 0.0
+
+
+def summarize(step_s: list[float], tokens: list[float], rewards: list[float]) -> dict[str, float]:
+    """Median step time, median tokens per second of step time (steps 2..N), the final reward.
+
+    ``tokens_per_s = median over t >= 2 of tokens[t] / step_s[t]`` (step 1 too when it is the only
+    one): a median, like the step time, so that a few steps slowed by something else on the
+    machine do not move it.
+    """
+    n = len(step_s)
+    if n == 0 or len(tokens) != n or len(rewards) != n:
+        raise ValueError(
+            f"need one step time, token count and reward per step, got {n}, {len(tokens)}, "
+            f"{len(rewards)}"
+        )
+    skip = 1 if n > 1 else 0
+    return {
+        "steps": n,
+        "median_step_s": statistics.median(step_s),
+        "tokens_per_s": statistics.median(
+            k / t for k, t in zip(tokens[skip:], step_s[skip:], strict=True)
+        ),
+        "tokens_per_step": math.fsum(tokens) / n,
+        "final_reward": final_mean(rewards),
+        "final_reward_se": final_se(rewards),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a worker, and how busy the rest of the machine was meanwhile.
+
+
+def _busy_cpu_s() -> float | None:
+    """CPU seconds spent by the whole machine so far (``/proc/stat``), None where unavailable."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def run_worker(cmd: list[str], threads: int, what: str) -> dict:
+    """Run ``cmd``; its wall time and the CPU seconds other processes used meanwhile."""
+    busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    proc = subprocess.run(cmd, env=_env(threads), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    busy1, own1 = _busy_cpu_s(), _own_cpu_s()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    others = None if busy0 is None else max(0.0, (busy1 - busy0) - (own1 - own0))
+    return {"process_s": wall, "others_cpu_s": others}
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: each trainer in its own process.
+
+
+def _env(threads: int) -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "PYTHONPATH": src + (os.pathsep + path if path else ""),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+
+
+def run_klpo(s: Settings, work: Path) -> dict:
+    """``python -m klpo train`` in a subprocess; its ``metrics.jsonl``, summarised."""
+    from klpo.train.metrics import read_metrics
+
+    out = work / "klpo"
+    cmd = [
+        sys.executable,
+        "-m",
+        "klpo",
+        "train",
+        *[arg for o in klpo_overrides(s, str(out)) for arg in ("--set", o)],
+    ]
+    run = run_worker(cmd, s.threads, "klpo train")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "time/step" in r]
+    n = s.completions_per_step
+    result = summarize(
+        [r["time/step"] for r in rows],
+        [r["completion/length"] * n for r in rows],
+        [r["reward/mean"] for r in rows],
+    )
+    split = {
+        k: statistics.median(r[f"time/{k}"] for r in rows) for k in ("generate", "score", "update")
+    }
+    return {**result, **run, "split": split}
+
+
+def trl_worker(s: Settings, out_path: str) -> None:
+    """TRL's GRPOTrainer on the job; writes per-step times, tokens and rewards as JSON."""
+    import torch
+
+    torch.set_num_threads(s.threads)
+    try:
+        import trl
+        from datasets import Dataset
+        from transformers import AutoTokenizer, TrainerCallback
+    except ImportError as err:
+        Path(out_path).write_text(json.dumps({"unavailable": f"TRL is not importable ({err})"}))
+        return
+
+    from klpo.train.reference import default_reference_path
+    from klpo.train.rewards import exact_match
+
+    model_dir = str(default_reference_path())
+    order = prompt_order(s)
+    data = Dataset.from_dict({"prompt": [p for p, _ in order], "answer": [a for _, a in order]})
+    rewards: list[float] = []
+    tokens: list[int] = []
+    gen_score: list[float] = []
+    generate_s: list[float] = []
+
+    def exact_match_reward(prompts, completions, answer, completion_ids, **_):
+        """klpo's exact_match; records the step's mean reward and completion tokens."""
+        scores = exact_match(list(prompts), list(completions), list(answer))
+        rewards.append(math.fsum(scores) / len(scores))
+        tokens.append(sum(len(ids) for ids in completion_ids))  # up to and including EOS
+        return scores
+
+    class Timed(trl.GRPOTrainer):
+        """Stock GRPOTrainer; only times its sampling + scoring (for the profile)."""
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            generate_s.append(time.perf_counter() - t0)
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            gen_score.append(time.perf_counter() - t0)
+            return out
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin: list[float] = []
+            self.end: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Timed(
+            model=model_dir,
+            reward_funcs=exact_match_reward,
+            args=trl.GRPOConfig(**trl_config_kwargs(s, tmp)),
+            train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(model_dir),
+            callbacks=[timer],
+        )
+        trainer.train()
+    step_s = [e - b for b, e in zip(timer.begin, timer.end, strict=True)]
+    gaps = [b - e for e, b in zip(timer.end, timer.begin[1:], strict=False)]
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "version": trl.__version__,
+                "step_s": step_s,
+                "tokens": tokens,
+                "rewards": rewards,
+                "generate_s": generate_s,
+                "gen_score_s": gen_score,
+                "between_steps_s": gaps,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+def run_trl(s: Settings, work: Path) -> dict:
+    out = work / "trl.json"
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "trl",
+        "--out",
+        str(out),
+        *_cli(s),
+    ]
+    run = run_worker(cmd, s.threads, "the TRL run")
+    raw = json.loads(out.read_text())
+    if "unavailable" in raw:
+        return raw
+    result = summarize(raw["step_s"], raw["tokens"], raw["rewards"])
+    gen = statistics.median(raw["generate_s"])
+    gen_score = statistics.median(raw["gen_score_s"])
+    split = {
+        "generate": gen,
+        "score": gen_score - gen,
+        "update": result["median_step_s"] - gen_score,
+    }
+    return {
+        **result,
+        **run,
+        "split": split,
+        "version": raw["version"],
+        "between_steps_s": statistics.median(raw["between_steps_s"] or [0.0]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixed-batch loss check.
+
+
+def loss_worker(s: Settings, out_path: str) -> None:
+    """klpo's GRPO loss (the trainer's ``_micro_step``) and TRL's ``_compute_loss`` on one batch.
+
+    The batch: 16 prompts × 8 completions sampled by a policy moved off the reference (seeded
+    noise of 0.2 × each tensor's std, so that the KL term is not zero), scored by klpo's trainer
+    (rewards, log-probs, group advantages). TRL gets the same prompt and completion ids and masks,
+    advantages, reference log-probs and token count, and no old log-probs (what its trainer does
+    with one update per batch: pi_old is the policy's own detached log-probs).
+    """
+    import torch
+
+    torch.set_num_threads(s.threads)
+    import trl
+    from datasets import Dataset
+
+    from klpo import reduce
+    from klpo.train import loop
+    from klpo.train import rewards as rewards_mod
+    from klpo.train.config import load_config
+    from klpo.train.dist import Dist
+    from klpo.train.rollout import generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, klpo_overrides(s, tmp))
+        torch.manual_seed(s.seed)
+        dist = Dist()
+        m = loop.build_models(cfg, dist, None)
+        gen = torch.Generator().manual_seed(s.seed + 1)
+        with torch.no_grad():
+            for p in m.policy.parameters():
+                p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
+        order = prompt_order(Settings(steps=1, seed=s.seed))
+        m.policy.eval()
+        rollout = generate(
+            m.policy,
+            m.tokenizer,
+            [p for p, _ in order],
+            [a for _, a in order],
+            group_size=s.group_size,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+        )
+        m.policy.train()
+        reward_fns = rewards_mod.resolve_rewards({"exact_match": 1.0})
+        scored = loop.score(cfg, m, rollout, reward_fns, s.beta)
+        mask = rollout.mask
+        rows = torch.arange(mask.shape[0])
+        n_tokens = reduce.normaliser(mask, "token-mean", max_len=s.max_new_tokens)
+
+        params = [p for p in m.policy.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        metrics = loop._micro_step(cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True)
+        klpo_value = metrics["loss/total"]
+        klpo_grad = torch.cat([p.grad.flatten() for p in params]).double()
+
+        args = trl.GRPOConfig(**{**trl_config_kwargs(s, tmp), "max_steps": 1})
+        trainer = trl.GRPOTrainer(
+            model=m.policy,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["1+1="] * s.group_size}),
+            processing_class=m.tokenizer,
+        )
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by the HF loop; we call the loss
+        inputs = {
+            "prompt_ids": rollout.prompt_ids,
+            "prompt_mask": rollout.prompt_mask.long(),
+            "completion_ids": rollout.completion_ids,
+            "completion_mask": mask.long(),
+            "advantages": scored.adv[:, 0],  # every completion has >= 1 token
+            "ref_per_token_logps": scored.logp_ref,
+            "num_items_in_batch": mask.sum(),
+        }
+        for p in params:
+            p.grad = None
+        loss = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        loss.backward()
+        trl_value = float(loss)
+        trl_grad = torch.cat([p.grad.flatten() for p in params]).double()
+
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "klpo": klpo_value,
+                "trl": trl_value,
+                "abs": abs(klpo_value - trl_value),
+                "rel": abs(klpo_value - trl_value) / max(abs(trl_value), 1e-30),
+                "grad_rel": float((klpo_grad - trl_grad).norm() / trl_grad.norm()),
+                "grad_norm": float(trl_grad.norm()),
+                "loss_kl": metrics["loss/kl"],
+                "k3_mean": metrics["loss/kl"],  # the token mean of k3 (its weight is 1)
+                "tokens": int(mask.sum()),
+                "sequences": int(mask.shape[0]),
+                "padded_prompts": int((~rollout.prompt_mask).any(-1).sum()),
+            }
+        )
+    )
+
+
+def run_loss_check(s: Settings, work: Path) -> dict:
+    out = work / "loss.json"
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "loss",
+        "--out",
+        str(out),
+        *_cli(s),
+    ]
+    run_worker(cmd, s.threads, "the loss check")
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: klpo, then TRL, then the loss check; one table.
+
+
+def _cli(s: Settings) -> list[str]:
+    return ["--steps", str(s.steps), "--seed", str(s.seed), "--threads", str(s.threads)]
+
+
+def table(klpo: dict, trl: dict | None) -> str:
+    head = (
+        "| trainer | steps | median step s | generate / score / update s | tokens/s "
+        "| completion tokens/step | final reward ± se |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    rows = [head]
+    runs = [("klpo", klpo)] + ([(f"TRL {trl['version']}", trl)] if trl else [])
+    for name, r in runs:
+        split = " / ".join(f"{r['split'][k]:.3f}" for k in ("generate", "score", "update"))
+        rows.append(
+            f"| {name} | {r['steps']} | {r['median_step_s']:.3f} | {split} | "
+            f"{r['tokens_per_s']:.0f} | {r['tokens_per_step']:.1f} | "
+            f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f} |"
+        )
+    if trl:
+        ratio = {k: klpo[k] / trl[k] for k in ("median_step_s", "tokens_per_s", "final_reward")}
+        split = " / ".join(
+            f"{klpo['split'][k] / trl['split'][k]:.2f}" for k in ("generate", "score", "update")
+        )
+        rows.append(
+            f"| klpo / TRL | | {ratio['median_step_s']:.2f} | {split} | "
+            f"**{ratio['tokens_per_s']:.2f}** | "
+            f"{klpo['tokens_per_step'] / trl['tokens_per_step']:.2f} | "
+            f"{ratio['final_reward']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=Settings.steps, help="training steps")
+    parser.add_argument("--seed", type=int, default=Settings.seed)
+    parser.add_argument("--threads", type=int, default=Settings.threads, help="torch threads")
+    parser.add_argument("--worker", choices=["trl", "loss"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    s = Settings(steps=args.steps, seed=args.seed, threads=args.threads)
+    if args.worker == "trl":
+        trl_worker(s, args.out)
+        return
+    if args.worker == "loss":
+        loss_worker(s, args.out)
+        return
+
+    has_trl = importlib.util.find_spec("trl") is not None
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"klpo train: {s.steps} steps ...", file=sys.stderr, flush=True)
+        klpo = run_klpo(s, work)
+        trl = loss = None
+        if has_trl:
+            print(f"TRL GRPOTrainer: {s.steps} steps ...", file=sys.stderr, flush=True)
+            trl = run_trl(s, work)
+            if "unavailable" in trl:
+                print(trl["unavailable"], file=sys.stderr)
+                trl = None
+            else:
+                print("fixed-batch loss check ...", file=sys.stderr, flush=True)
+                loss = run_loss_check(s, work)
+    if not has_trl:
+        print("TRL is not installed (pip install trl==1.16.0): klpo alone.\n")
+    print(table(klpo, trl))
+    print(
+        f"\n{s.completions_per_step} completions per step ({s.prompts_per_step} prompts × "
+        f"{s.group_size}), {s.threads} torch threads per trainer, seed {s.seed}. Median step "
+        "time over all steps; tokens/s = median over steps 2..N of completion tokens (EOS "
+        "included) / step time; final reward = mean exact-match reward over the last "
+        f"{FINAL_FRACTION:.0%} of steps (se: naive, steps taken as independent). The ratio row is "
+        "klpo / TRL (below 1 is faster for times, above 1 better for tokens/s). klpo's split is its own time/generate, time/score, time/update; TRL's is "
+        "_generate, the rest of _generate_and_score_completions, and the rest of the step."
+    )
+    for name, r in [("klpo", klpo)] + ([("TRL", trl)] if trl else []):
+        others = r["others_cpu_s"]
+        if others is None:
+            continue
+        quiet = others <= 0.05 * r["process_s"] * s.threads
+        print(
+            f"{name}: process wall {r['process_s']:.1f} s (imports, loading, training, exit); "
+            f"other processes used {others:.1f} CPU-s meanwhile"
+            + ("." if quiet else ": NOT a quiet machine, the times are not trustworthy.")
+        )
+    if trl:
+        print(
+            f"TRL's median gap between steps (outside its step time: the prompt batch) "
+            f"{trl['between_steps_s'] * 1e3:.1f} ms."
+        )
+    if loss:
+        print(
+            f"\nFixed batch ({loss['sequences']} completions, {loss['tokens']} tokens, "
+            f"{loss['padded_prompts']} left-padded prompts; mean k3 to the reference "
+            f"{loss['k3_mean']:.4f}): klpo _micro_step loss {loss['klpo']:.9f}, TRL "
+            f"_compute_loss {loss['trl']:.9f}; |diff| {loss['abs']:.2e} (relative "
+            f"{loss['rel']:.2e}); gradient relative error {loss['grad_rel']:.2e} "
+            f"(|grad| {loss['grad_norm']:.3e})."
+        )
+    print(f"total wall time {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
