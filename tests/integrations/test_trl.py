@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -61,42 +60,18 @@ def test_import_klpo_never_imports_trl():
 
 
 def _tiny_model_dir(root: Path) -> Path:
-    """A random Llama (hidden 16, 1 layer) and a character tokenizer, saved locally."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """A random Llama (hidden 16, 1 layer) and the character tokenizer of the built-in task."""
+    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: chars
-    tok.decoder = decoders.Fuse()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
-    cfg = LlamaConfig(
-        vocab_size=len(hf_tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=hf_tok.pad_token_id,
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        tie_word_embeddings=True,
+    tok = build_tokenizer()
+    cfg = ReferenceConfig(
+        hidden_size=16, num_layers=1, intermediate_size=32, num_heads=2, num_kv_heads=1
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model.generation_config.pad_token_id = hf_tok.pad_token_id
+    model = build_model(cfg, tok)
     path = root / "tiny-llama"
     model.save_pretrained(path)
-    hf_tok.save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 
