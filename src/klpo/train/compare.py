@@ -42,8 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from klpo import kl
 from klpo.train.checkpoint import write_text_atomic
-from klpo.train.config import ConfigError, apply_overrides, build_config, dump_config, one_of
+from klpo.train.config import ConfigError, build_config, dump_config, one_of
 from klpo.train.metrics import read_metrics
+from klpo.train.report import save_figure
 
 
 class Choice(BaseModel):
@@ -171,10 +172,6 @@ class Run(BaseModel):
     beta: float
     seed: int
     overrides: list[str]
-
-    @property
-    def cell(self) -> tuple[str, str, float]:
-        return (self.algo, self.choice, self.beta)
 
 
 def _fmt(v: float) -> str:
@@ -383,14 +380,13 @@ def run_study(
     """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots."""
     out = Path(out)
     runs = study_grid(study)
-    for r in runs:  # fail on a bad choice before any run starts
-        build_config(apply_overrides({}, list(r.overrides)))
+    configs = [build_config(overrides=r.overrides) for r in runs]  # fail before any run starts
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
     write_text_atomic(
         out / "train-config.yaml",
         "# The first run's resolved klpo train config; others differ in kl.*, algo.*, seed.\n"
-        + dump_config(build_config(apply_overrides({}, list(runs[0].overrides)))),
+        + dump_config(configs[0]),
     )
     rows: list[dict[str, Any] | None] = [None] * len(runs)
     with ThreadPoolExecutor(max_workers=study.workers) as pool:
@@ -562,7 +558,7 @@ def _plot(results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path)
             if ax.lines:
                 ax.legend(frameon=False, fontsize=8, ncol=2)
             name = f"{fname}_{algo}_b{_fmt(beta)}.png"
-            _save(fig, out / name)
+            save_figure(fig, out / name)
             plt.close(fig)
             names.append(name)
     # One panel per beta (the "no KL" cells in each); cells that land on the same point (k2, k3+
@@ -592,7 +588,7 @@ def _plot(results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path)
         ax.set_ylabel("final held-out accuracy (mean ± sd over seeds)")
         ax.set_title(f"beta = {_fmt(beta)} (o: grpo, s: ppo)")
         ax.grid(alpha=0.3)
-    _save(fig, out / "accuracy_vs_kl.png")
+    save_figure(fig, out / "accuracy_vs_kl.png")
     plt.close(fig)
     names.append("accuracy_vs_kl.png")
     return names
@@ -626,9 +622,3 @@ def _band(curves: list[tuple[list[int], list[float]]], smooth: int):
         lo.append(m - sd)
         hi.append(m + sd)
     return common, mean, lo, hi
-
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(path)

@@ -161,7 +161,7 @@ def update_gives_logp_old(cfg: TrainConfig) -> bool:
     )
 
 
-def policy_metrics(
+def sampling_metrics(
     cfg: TrainConfig,
     logp_old: Tensor,
     logp_ref: Tensor,
@@ -187,7 +187,7 @@ class Scored:
     rollout: Rollout
     scores: Tensor  # [B] total task reward per completion
     # [B, C] log pi_old of the sampled tokens (the sampling policy); None when the update's
-    # forward pass gives it (update_gives_logp_old), which then also logs policy_metrics.
+    # forward pass gives it (update_gives_logp_old), which then also logs sampling_metrics.
     logp_old: Tensor | None
     logp_ref: Tensor  # [B, C]
     hidden_ref: Tensor  # [B, C, H] the reference's last hidden states, for the exact KL
@@ -281,7 +281,7 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
         **{f"reward/{k}": sum(v) / len(v) for k, v in per_fn.items()},
     }
     if old is not None:
-        metrics.update(policy_metrics(cfg, logp_old, logp_ref, old.entropy, old.kl, mask))
+        metrics.update(sampling_metrics(cfg, logp_old, logp_ref, old.entropy, old.kl, mask))
     return Scored(
         rollout, scores, logp_old, logp_ref, hidden_ref, adv, returns, values_old, metrics
     )
@@ -346,7 +346,9 @@ def update(
     out = {k: v / n_micro for k, v in totals.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     if seen is not None:
-        out.update(policy_metrics(cfg, seen["logp"], s.logp_ref, seen["entropy"], seen["kl"], mask))
+        out.update(
+            sampling_metrics(cfg, seen["logp"], s.logp_ref, seen["entropy"], seen["kl"], mask)
+        )
     return out
 
 

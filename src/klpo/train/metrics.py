@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from klpo.train.checkpoint import write_text_atomic
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
@@ -76,7 +77,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0 and self.path.exists():
             keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            _write_lines_atomic(self.path, keep)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         elif resume_step == 0 and self.path.exists():
             self.path.unlink()
         self._tb = None
@@ -124,9 +125,3 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
-
-
-def _write_lines_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)

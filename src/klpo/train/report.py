@@ -31,7 +31,8 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return xs, ys
 
 
-def _atomic_savefig(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
+    """Save a matplotlib figure as PNG via a temporary file and an atomic rename."""
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     tmp.replace(path)
@@ -72,7 +73,7 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(frameon=False)
-        _atomic_savefig(fig, run_dir / name)
+        save_figure(fig, run_dir / name)
         plt.close(fig)
 
     last = rows[-1] if rows else {}
