@@ -558,20 +558,30 @@ def compare(
 
 @app.command()
 def doctor(
-    config: str = typer.Argument(..., help="verl YAML or main_ppo command line, TRL GRPOConfig/"
-                                 "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config."),
+    config: str = typer.Argument(
+        ...,
+        help="verl YAML or main_ppo command line, TRL GRPOConfig/"
+        "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config.",
+    ),
     framework: str | None = typer.Option(
         None, "--framework", help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected)."
     ),
     framework_version: str | None = typer.Option(
-        None, "--framework-version", help="The framework version the config is for (warns if "
-        "the doctor knows another)."
+        None,
+        "--framework-version",
+        help="The framework version the config is for (warns if the doctor knows another).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
     model: str | None = typer.Option(None, "--model", help="Policy model directory to measure on."),
     reference: str | None = typer.Option(None, "--reference", help="Reference model directory."),
-    data: str | None = typer.Option(None, "--data", help="Prompts: JSONL with a 'prompt' field, or text lines."),
-    layer: str | None = typer.Option(None, "--layer", help="Measure gradients on the parameters whose name starts with this (default: all)."),
+    data: str | None = typer.Option(
+        None, "--data", help="Prompts: JSONL with a 'prompt' field, or text lines."
+    ),
+    layer: str | None = typer.Option(
+        None,
+        "--layer",
+        help="Measure gradients on the parameters whose name starts with this (default: all).",
+    ),
     prompts: int = typer.Option(8, "--prompts", help="Prompts taken from --data."),
     samples: int = typer.Option(8, "--samples", help="Completions sampled per prompt."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Longest completion."),
@@ -581,9 +591,18 @@ def doctor(
     from klpo.doctor.command import run
 
     code = run(
-        config, framework=framework, version=framework_version, as_json=as_json, model=model,
-        reference=reference, data=data, layer=layer, prompts=prompts, samples=samples,
-        max_new_tokens=max_new_tokens, seed=seed,
+        config,
+        framework=framework,
+        version=framework_version,
+        as_json=as_json,
+        model=model,
+        reference=reference,
+        data=data,
+        layer=layer,
+        prompts=prompts,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
     )
     if code:
         raise typer.Exit(code)

@@ -48,7 +48,12 @@ def detect(path: Path) -> str:
         return "verl"
     if isinstance(data.get("kl"), dict) or isinstance(data.get("algo"), dict):
         return "klpo"
-    grpo_only = {"loss_type", "use_bias_correction_kl", "scale_rewards", "importance_sampling_level"}
+    grpo_only = {
+        "loss_type",
+        "use_bias_correction_kl",
+        "scale_rewards",
+        "importance_sampling_level",
+    }
     if keys & grpo_only:
         return "trl-grpo"
     if "normalize_advantages" in keys:

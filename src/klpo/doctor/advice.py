@@ -47,7 +47,9 @@ def _kl_section(terms: list[Term]) -> tuple[dict[str, Any], list[str]]:
         if len({t.estimator for t in terms}) > 1 or len({t.beta for t in terms}) > 1:
             diffs.append(
                 "klpo has one estimator and one beta for reward+loss; the framework uses "
-                + " and ".join(f"{t.framework_name} (beta {t.beta:g}) in the {t.placement}" for t in terms)
+                + " and ".join(
+                    f"{t.framework_name} (beta {t.beta:g}) in the {t.placement}" for t in terms
+                )
                 + f"; shown with the first, {first.framework_name}"
             )
     out: dict[str, Any] = {"estimator": first.estimator, "placement": placement, "beta": first.beta}

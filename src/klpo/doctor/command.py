@@ -30,7 +30,9 @@ def run(
     seed: int = 0,
 ) -> int:
     """Print the diagnosis of ``config``; 2 on bad input (the message on stderr), else 0."""
-    given = [name for name, v in (("--model", model), ("--reference", reference), ("--data", data)) if v]
+    given = [
+        name for name, v in (("--model", model), ("--reference", reference), ("--data", data)) if v
+    ]
     try:
         if given and len(given) != 3:
             missing = sorted({"--model", "--reference", "--data"} - set(given))
@@ -44,8 +46,15 @@ def run(
 
             terms = [(t["estimator"], t["placement"]) for t in diag["terms"] if t["estimator"]]
             diag["measurement"] = measure(
-                model, reference, data, layer=layer, prompts=prompts, samples=samples,
-                max_new_tokens=max_new_tokens, seed=seed, highlight=terms,
+                model,
+                reference,
+                data,
+                layer=layer,
+                prompts=prompts,
+                samples=samples,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                highlight=terms,
             )
     except (DoctorError, ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)

@@ -50,7 +50,9 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
                 )
             )
     if k.placement == "none" or k.beta == 0:
-        r.warn("note", ["kl.placement", "kl.beta"], "no KL term: nothing holds the policy near pi_ref")
+        r.warn(
+            "note", ["kl.placement", "kl.beta"], "no KL term: nothing holds the policy near pi_ref"
+        )
     if k.estimator == "full" and k.placement in ("reward", "reward+loss") and k.beta > 0:
         r.warn(
             "note",
@@ -60,9 +62,7 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
         )
     r.equivalent = cfg.model_dump(mode="json", include={"algo", "rollout", "kl"})
     build_intended(r)
-    r.settings = {
-        key: {"value": value, "from": "file"} for key, value in _flat(data).items()
-    }
+    r.settings = {key: {"value": value, "from": "file"} for key, value in _flat(data).items()}
     return r
 
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended
-from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, scalar, shell_words
+from klpo.doctor.reading import (
+    DoctorError,
+    Reading,
+    Settings,
+    Term,
+    check_known,
+    scalar,
+    shell_words,
+)
 
 __all__ = ["DEFAULTS", "FLAGS", "VERSION", "parse_args", "read"]
 
@@ -104,7 +112,9 @@ def read(args: dict[str, Any], source: str, version: str | None = None) -> Readi
     name = check_known(s.str("kl_estimator") or "", ESTIMATORS, "--kl_estimator", source)
     use_loss = s.bool("use_kl_loss")
     target, horizon = s.float("kl_target"), s.float("kl_horizon")
-    adv = check_known(s.str("advantage_estimator") or "", ADVANTAGES, "--advantage_estimator", source)
+    adv = check_known(
+        s.str("advantage_estimator") or "", ADVANTAGES, "--advantage_estimator", source
+    )
     no_std = s.bool("no_advantage_std_norm")
     epochs = s.int("max_epochs") or 1
     n = s.int("n_samples_per_prompt") or 1
@@ -187,7 +197,9 @@ def read(args: dict[str, Any], source: str, version: str | None = None) -> Readi
     if algo_name == "ppo":
         algo["gamma"], algo["lam"] = s.float("gamma"), s.float("lambd")
     if algo_name is None:
-        r.equivalent_differences.append(f"klpo has no advantage estimator {adv!r}; reinforce++ shown")
+        r.equivalent_differences.append(
+            f"klpo has no advantage estimator {adv!r}; reinforce++ shown"
+        )
     if coef > 0 and not use_loss and algo_name in ("grpo", "rloo"):
         r.equivalent_differences.append(
             "klpo's rloo sums a reward-side KL into the leave-one-out score; OpenRLHF adds it per "

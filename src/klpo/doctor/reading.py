@@ -247,7 +247,9 @@ def load_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def check_known(value: str, allowed: dict[str, Any] | tuple[str, ...], key: str, source: str) -> str:
+def check_known(
+    value: str, allowed: dict[str, Any] | tuple[str, ...], key: str, source: str
+) -> str:
     if value not in allowed:
         raise DoctorError(
             f"{source}: {key} = {value!r} is not a value this framework accepts; "

@@ -73,7 +73,7 @@ def clamp_regions(term: Term, span: float = 30.0, step: float = 1e-3) -> dict[st
     base = _BASE.get(term.estimator or "")
     if base is None:
         return None
-    n = int(round(2 * span / step)) + 1
+    n = round(2 * span / step) + 1
     d = torch.linspace(-span, span, n, dtype=torch.float64, requires_grad=True)
     value = _framework_term(base, d, term)
     (grad,) = torch.autograd.grad(value.sum(), d)
@@ -180,7 +180,9 @@ def _grad_text(rec: dict[str, Any] | None) -> str:
         return "zero in expectation: this term regularises nothing"
     if g == kl.GRAD_OTHER:
         return "no KL's gradient (biased)"
-    note = "" if not rec["mismatch"] else f"  ← not the gradient of {rec['estimates']}, the KL it logs"
+    note = (
+        "" if not rec["mismatch"] else f"  ← not the gradient of {rec['estimates']}, the KL it logs"
+    )
     return g + note
 
 
@@ -271,12 +273,20 @@ def render(diag: dict[str, Any]) -> str:
         for f in diag["findings"]:
             lines.append(f"  [{f['level']}] {f['text']}  ({', '.join(f['keys'])})")
     eq, it = diag["equivalent"], diag["intended"]
-    lines += ["", "klpo config that does the same thing (klpo train -c FILE):", _indent(_yaml(eq["config"]))]
+    lines += [
+        "",
+        "klpo config that does the same thing (klpo train -c FILE):",
+        _indent(_yaml(eq["config"])),
+    ]
     for d in eq["differences"]:
         lines.append(f"  # differs: {d}")
     if eq["invalid"]:
         lines.append(f"  # klpo rejects it: {eq['invalid']}")
-    lines += ["", "klpo config that does what these settings most likely meant:", _indent(_yaml(it["config"]))]
+    lines += [
+        "",
+        "klpo config that does what these settings most likely meant:",
+        _indent(_yaml(it["config"])),
+    ]
     for w in it["why"]:
         lines.append(f"  # why: {w}")
     if it["invalid"]:

@@ -56,7 +56,13 @@ LOSS_TYPES: dict[str, str] = {
     "dr_grpo": "seq-mean-token-sum-norm",
 }
 
-SCALE_REWARDS = {"group": "sample", "true": "sample", "none": "none", "false": "none", "batch": None}
+SCALE_REWARDS = {
+    "group": "sample",
+    "true": "sample",
+    "none": "none",
+    "false": "none",
+    "batch": None,
+}
 
 
 def _updates(s: Settings) -> tuple[int, int]:
@@ -86,7 +92,10 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
     beta = s.float("beta") or 0.0
     bias = s.bool("use_bias_correction_kl")
     level = check_known(
-        s.str("importance_sampling_level") or "", ("token", "sequence"), "importance_sampling_level", source
+        s.str("importance_sampling_level") or "",
+        ("token", "sequence"),
+        "importance_sampling_level",
+        source,
     )
     loss_type = check_known(s.str("loss_type") or "", LOSS_TYPES, "loss_type", source)
     scale = str(s.get("scale_rewards")).lower()

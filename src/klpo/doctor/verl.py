@@ -130,7 +130,9 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
     mini = s.int(f"{ACTOR}.ppo_mini_batch_size") or batch
     minibatches = max(1, -(-batch // mini))
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * minibatches
-    agg = check_known(s.str(f"{ACTOR}.loss_agg_mode") or "", REDUCTIONS, f"{ACTOR}.loss_agg_mode", source)
+    agg = check_known(
+        s.str(f"{ACTOR}.loss_agg_mode") or "", REDUCTIONS, f"{ACTOR}.loss_agg_mode", source
+    )
     norm_std = s.bool("algorithm.norm_adv_by_std_in_grpo")
     loss_mode = s.str(f"{ACTOR}.policy_loss.loss_mode")
 
@@ -246,7 +248,9 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
                 "baseline from the group is subtracted: only differences of sequence-summed KL "
                 "within a group remain, and every token of a completion gets its whole KL"
             )
-        r.warn("warning", ["algorithm.use_kl_in_reward", "algorithm.adv_estimator"], r.group_scaling)
+        r.warn(
+            "warning", ["algorithm.use_kl_in_reward", "algorithm.adv_estimator"], r.group_scaling
+        )
     if agg == "token-sum":
         r.warn(
             "note",
