@@ -52,3 +52,22 @@ def test_bad_input_exits_2_with_one_message(tmp_path):
     result = runner.invoke(app, ["doctor", str(FIX / "verl_grpo.yaml"), "--framework", "deepspeed"])
     assert result.exit_code == 2
     assert "unknown framework 'deepspeed'" in result.output
+
+
+def test_the_library_never_imports_the_doctor():
+    import subprocess
+    import sys
+
+    import klpo
+
+    src = str(Path(klpo.__file__).parents[1])
+    code = (
+        "import sys, klpo, klpo.kl, klpo.losses, klpo.reduce, klpo.advantages, klpo.control, "
+        "klpo.logprobs, klpo.lab\n"
+        "print(sorted(m for m in sys.modules if m.startswith('klpo.doctor')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": src}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
