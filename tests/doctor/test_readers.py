@@ -303,3 +303,29 @@ def test_clamp_regions_match_the_closed_forms():
     st = Term("x", "k3+", "k3+", "loss", 1.0, "b", "token-mean", (-10.0, 10.0), (-20.0, 20.0))
     c = clamp_regions(st)
     assert c["zero_gradient"] == [] and c["binds"]
+
+
+@pytest.mark.parametrize(
+    ("name", "framework"),
+    [
+        ("verl_grpo.yaml", None),
+        ("verl_ppo_ignored.yaml", None),
+        ("trl_grpo_kl.json", None),
+        ("trl_rloo.yaml", "trl-rloo"),
+        ("openrlhf_ppo.sh", None),
+        ("openrlhf_grpo.sh", None),
+    ],
+)
+def test_equivalent_config_read_back_gives_the_same_terms(name, framework, tmp_path):
+    """The klpo config the doctor writes, read by the doctor, has the same estimator, placement,
+    beta and update count as the framework config it came from."""
+    import yaml
+
+    d = diagnose(FIX / name, framework=framework)
+    cfg = tmp_path / "klpo.yaml"
+    cfg.write_text(yaml.safe_dump(d["equivalent"]["config"]))
+    back = diagnose(cfg)
+    assert back["framework"] == "klpo"
+    key = lambda t: (t["estimator"], t["placement"], t["beta"])  # noqa: E731
+    assert [key(t) for t in back["terms"]] == [key(t) for t in d["terms"]]
+    assert back["updates_per_batch"] == d["updates_per_batch"]
