@@ -257,6 +257,15 @@ def test_named_version_other_than_known_warns():
     )
 
 
+def test_interpolations_ask_for_the_resolved_config(tmp_path):
+    cfg = tmp_path / "i.yaml"
+    cfg.write_text(
+        "actor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: ${data.train_batch_size}\n"
+    )
+    with pytest.raises(DoctorError, match=r"ppo_mini_batch_size = .*--cfg job --resolve"):
+        read(cfg)
+
+
 def test_unreadable_files_say_why(tmp_path):
     with pytest.raises(DoctorError, match="does not exist"):
         read(tmp_path / "nope.yaml")

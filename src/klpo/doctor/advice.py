@@ -130,6 +130,11 @@ def build_intended(reading: Reading) -> None:
             f"{reading.updates_per_batch} optimiser steps per batch: klpo's kl_loss weights the "
             "term by the detached pi_theta / pi_old, keeping the on-policy gradient"
         )
+    if not why:
+        why.append(
+            "the KL term already follows grad KL(pi_theta ‖ pi_ref), the KL it logs: the same "
+            "config"
+        )
     reading.intended = intended
     reading.intended_why = why
 

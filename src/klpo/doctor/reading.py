@@ -153,6 +153,12 @@ class Settings:
         value = self.get(key)
         if value is None:
             return None
+        if isinstance(value, str) and "${" in value:
+            raise DoctorError(
+                f"{self.source}: {key} = {value!r} is an interpolation the doctor does not "
+                "resolve; give the resolved config (for verl, add `--cfg job --resolve` to the "
+                "main_ppo command line to print it)"
+            )
         try:
             if kind is bool:
                 if isinstance(value, bool):
