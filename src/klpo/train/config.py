@@ -87,6 +87,26 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="What samples the completions: 'hf', the policy's own transformers "
+        "generate; or 'vllm', a vLLM engine that gets the policy's weights before each step "
+        "and reports its log-probs (optional extra klpo[vllm]; see docs/engines.md).",
+    )
+    tis_cap: float | None = Field(
+        2.0,
+        gt=0,
+        description="vllm: truncated importance sampling cap C; each token's policy loss is "
+        "weighted by min(pi_old / pi_engine, C) (Yao et al. 2025). null: no correction (the "
+        "gap is still logged as engine/*).",
+    )
+    vllm_memory: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="vllm on a GPU: the fraction of GPU memory the engine may take (weights "
+        "and KV cache), beside the trainer's models.",
+    )
 
 
 class AlgoConfig(_Section):
