@@ -12,7 +12,7 @@ from klpo import losses, reduce
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
 from klpo.train.dist import Dist
-from klpo.train.metrics import is_timing, read_metrics
+from klpo.train.metrics import Tally, is_timing, read_metrics
 from klpo.train.rollout import generate, position_ids
 
 
@@ -98,11 +98,12 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     )  # fmt: skip
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = loop.score(cfg, m, rollout, reward_fns, 0.5)
-    assert s.logp_old is None  # one epoch, one minibatch: the update's pass gives log pi_old
+    assert not s.old.filled.any()  # one epoch, one minibatch: the update's pass gives log pi_old
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True)
+    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    assert s.old.filled.all()
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
     # Naive: full logits, float64 log-softmax, gather; the same library losses.
@@ -160,11 +161,11 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
             group_size=4, max_new_tokens=4,
         )  # fmt: skip
         s = loop.score(cfg, m, rollout, reward_fns, 0.5)
-        assert (s.logp_old is None) == (not separate_pass)
-        assert ("entropy" in s.metrics) == separate_pass
+        assert bool(s.old.filled.all()) == separate_pass
         opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
         upd = loop.update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
-        return {**s.metrics, **upd}, dict(m.policy.named_parameters())
+        assert s.old.filled.all()
+        return loop.step_metrics(cfg, s, upd, dist), dict(m.policy.named_parameters())
 
     ours, params = one_step(separate_pass=False)
     theirs, params_ref = one_step(separate_pass=True)
