@@ -866,7 +866,8 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     t2 = time.perf_counter()
 
     # 3. Update.
-    upd = update(cfg, m, scored, run.opt, beta, run.pen_ctl.value, dist, run.update_gen)
+    beta_old = run.pen_ctl.value
+    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen)
     t3 = time.perf_counter()
 
     # 4. Control: the controllers see the whole step's metrics, the same on every rank.
@@ -876,6 +877,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
         kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
     )
     if cfg.algo.policy_loss == "kl-penalty":
+        metrics["beta_old"] = beta_old
         run.pen_ctl.update(kl=metrics["kl/old/k3"])
     metrics.update(
         {

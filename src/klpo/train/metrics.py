@@ -47,6 +47,8 @@ METRICS: dict[str, str] = {
     "value/mean": "PPO: mean value prediction V over the update's tokens",
     "value/mse": "PPO: mean of (V - R)² over the update's tokens",
     "beta": "the KL coefficient used this step (after the controller's last update)",
+    "beta_old": "kl-penalty: PPO's penalty coefficient beta_old used this step (its adaptive rule "
+    "then moves it by the step's kl/old/k3)",
     "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps",
     "lr": "the policy's learning rate this step",
     "completion/length": "mean completion length in tokens (EOS included)",
