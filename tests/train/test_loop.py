@@ -350,3 +350,79 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
     diff = (s.adv - got["none"].adv).double()
     assert float(want.abs().max()) > 1e-3  # the penalty is not trivially small
     torch.testing.assert_close(torch.where(mask, diff, 0.0), want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The variants are tables; every check runs before any model loads or any file is written.
+
+
+def test_every_variant_has_one_table_entry():
+    from typing import get_args
+
+    from klpo.train.config import Algorithm, PolicyLoss
+
+    assert set(loop.ALGORITHMS) == set(get_args(Algorithm))
+    assert set(loop.POLICY_LOSSES) == set(get_args(PolicyLoss))
+    assert [a for a, spec in loop.ALGORITHMS.items() if spec.critic] == ["ppo"]
+    assert [e for e in kl.ESTIMATORS if loop.needs_exact_kl(e)] == ["full"]
+
+
+def test_one_placement_type_for_the_library_and_the_config():
+    from typing import get_args
+
+    from klpo.train.config import KLConfig
+
+    assert KLConfig.model_fields["placement"].annotation is kl.Placement
+    table = {p: (kl.in_reward(p), kl.in_loss(p)) for p in get_args(kl.Placement)}
+    assert table == {
+        "none": (False, False),
+        "reward": (True, False),
+        "loss": (False, True),
+        "reward+loss": (True, True),
+    }
+    assert set(kl.PLACEMENTS) == set(get_args(kl.Placement)) - {"none"}
+    with pytest.raises(ValueError, match="'none' puts no KL in the reward or the loss"):
+        kl.explain("k3", "none")
+    with pytest.raises(ValueError, match="unknown placement 'rewards'; choose one of: none, "):
+        kl.in_loss("rewards")
+
+
+def _no_model_loads(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("a model was loaded before the checks")
+
+    monkeypatch.setattr(loop, "load_causal_lm", refuse)
+    monkeypatch.setattr(loop, "load_tokenizer", refuse)
+
+
+def test_preflight_fails_before_any_model_loads_or_file_is_written(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    _no_model_loads(monkeypatch)
+    out = tmp_path / "run"
+    cfg = build_config(overrides=quick(tiny_model, out, **{"rollout.prompts_per_step": 3}))
+    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be divisible by .* \(2\)"):
+        loop._train(cfg, Dist(rank=0, world=2), False, print)
+    assert not out.exists()
+
+    # A reference of another vocabulary, and completions longer than the positions: refused
+    # from the config files alone.
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    conf = json.loads((other / "config.json").read_text())
+    conf["vocab_size"] += 7
+    (other / "config.json").write_text(json.dumps(conf))
+    cfg = build_config(overrides=quick(tiny_model, out, **{"model.reference": str(other)}))
+    with pytest.raises(ConfigError, match=r"model.reference=.*vocabulary of \d+ tokens but "):
+        loop.train(cfg, log=print)
+    n = conf["max_position_embeddings"]
+    cfg = build_config(overrides=quick(tiny_model, out, **{"rollout.max_new_tokens": n}))
+    with pytest.raises(ConfigError, match=rf"rollout.max_new_tokens={n} leaves no room"):
+        loop.train(cfg, log=print)
+    missing = build_config(overrides=quick(tmp_path / "nowhere", out))
+    with pytest.raises(ConfigError, match=r"model.policy=.*nowhere.*no model config"):
+        loop.train(missing, log=print)
+    assert not out.exists()
