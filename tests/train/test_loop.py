@@ -363,6 +363,7 @@ def test_every_variant_has_one_table_entry():
 
     assert set(loop.ALGORITHMS) == set(get_args(Algorithm))
     assert set(loop.POLICY_LOSSES) == set(get_args(PolicyLoss))
+    assert set(loop.USES_BETA_OLD) == {"kl-penalty"}
     assert [a for a, spec in loop.ALGORITHMS.items() if spec.critic] == ["ppo"]
     assert [e for e in kl.ESTIMATORS if loop.needs_exact_kl(e)] == ["full"]
 

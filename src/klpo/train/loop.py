@@ -13,9 +13,16 @@ Each step:
    (:func:`klpo.losses.kl_loss`, off-policy corrected), reduced by :func:`klpo.reduce.reduce`;
 4. **control** beta, log, evaluate, checkpoint.
 
-Every piece of math is a library function; this file only wires them. Under ``torchrun`` each rank
-samples its share of the step's prompts (whole groups) and every loss is divided by the global
-token (or sequence) count, so the gradient equals that of one process holding the whole batch.
+Every piece of math is a library function; this file only wires them. The variants are tables:
+:data:`ALGORITHMS` (advantages, critic), :data:`POLICY_LOSSES`, :func:`needs_exact_kl`, and the
+placement predicates :func:`klpo.kl.in_reward` / :func:`klpo.kl.in_loss`. A run is
+:func:`preflight` (every check that can fail, before any model loads or file is written),
+:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`.
+
+Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
+is divided by the global token (or sequence) count, so the gradient equals that of one process
+holding the whole batch; the metrics are ratios of sums over micro-batches and ranks
+(:class:`klpo.train.metrics.Tally`), so they too are the whole batch's at any split.
 """
 
 from __future__ import annotations
@@ -231,6 +238,10 @@ POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
     "kl-penalty": _kl_penalty_loss,
 }
 """Per-token policy loss ``[B, C]`` from (algo config, logp, logp_old, adv, beta_old)."""
+
+USES_BETA_OLD: frozenset[PolicyLoss] = frozenset({"kl-penalty"})
+"""Surrogates with PPO's penalty coefficient beta_old (its controller runs, ``beta_old`` logged)."""
+
 
 EXACT_KL_ESTIMATORS = frozenset({"full"})
 """Estimators whose per-token value is the exact KL over the vocabulary at the position: they
@@ -876,7 +887,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     run.kl_ctl.update(
         kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
     )
-    if cfg.algo.policy_loss == "kl-penalty":
+    if cfg.algo.policy_loss in USES_BETA_OLD:
         metrics["beta_old"] = beta_old
         run.pen_ctl.update(kl=metrics["kl/old/k3"])
     metrics.update(
