@@ -56,7 +56,7 @@ def test_hf_engine_is_generate(tiny_model, quick, tmp_path):
     m.policy.eval()
     want = generate(
         m.policy, m.tokenizer, prompts, answers, group_size=4, max_new_tokens=4,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        max_prompt_tokens=cfg.data.max_prompt_tokens, sampler=cfg.rollout.sampler,
     )  # fmt: skip
     for key in ("prompt_ids", "completion_ids", "mask", "truncated"):
         assert torch.equal(getattr(got, key), getattr(want, key)), key

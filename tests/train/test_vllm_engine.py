@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from klpo import logprobs  # noqa: E402
-from klpo.train import engines, loop  # noqa: E402
-from klpo.train.config import build_config  # noqa: E402
-from klpo.train.dist import Dist  # noqa: E402
-from klpo.train.metrics import read_metrics  # noqa: E402
-from klpo.train.models import Backbone  # noqa: E402
-from klpo.train.rollout import completion_hidden, completion_mask  # noqa: E402
+from klpo import logprobs
+from klpo.train import engines, loop
+from klpo.train.config import build_config
+from klpo.train.dist import Dist
+from klpo.train.metrics import read_metrics
+from klpo.train.models import Backbone
+from klpo.train.rollout import completion_hidden, completion_mask
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,9 @@ def _trainer_logp(policy, rollout, temperature: float = 1.0) -> torch.Tensor:
     weight, bias = backbone.head()
     with torch.no_grad():
         h = completion_hidden(backbone, rollout)
-        return logprobs.fused(h, weight, rollout.completion_ids, bias=bias, temperature=temperature).logp
+        return logprobs.fused(
+            h, weight, rollout.completion_ids, bias=bias, temperature=temperature
+        ).logp
 
 
 def test_vllm_samples_the_synced_policy_and_reports_its_log_probs(vllm_model, quick, tmp_path):

@@ -88,11 +88,22 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    sampler: Literal["lean", "generate"] = Field(
+        "lean",
+        description="How completions are sampled: `lean` (a plain loop over the model's forward "
+        "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
+        "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
+    )
+    share_prompt: bool = Field(
+        True,
+        description="Compute each prompt once per group in the reference, scoring and update "
+        "passes (its keys/values repeated for the G completions); the same values and gradients.",
+    )
     engine: Literal["hf", "vllm"] = Field(
         "hf",
-        description="What samples the completions: 'hf', the policy's own transformers "
-        "generate; or 'vllm', a vLLM engine that gets the policy's weights before each step "
-        "and reports its log-probs (optional extra klpo[vllm]; see docs/engines.md).",
+        description="What samples the completions: 'hf', the policy's own model (with "
+        "rollout.sampler); or 'vllm', a vLLM engine that gets the policy's weights before each "
+        "step and reports its log-probs (optional extra klpo[vllm]; see docs/engines.md).",
     )
     tis_cap: float | None = Field(
         2.0,

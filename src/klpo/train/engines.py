@@ -6,8 +6,9 @@ lays it out (prompts left-padded by the policy's tokenizer, completions right-pa
 first EOS), and, when it is not the trainer's own model, also reports the log-probs of the tokens
 it sampled (``Rollout.engine_logp``). Two engines:
 
-- ``hf`` (:class:`HFEngine`): the policy's own ``generate``; it *is* the policy, so there is no
-  weight to sync and no gap to measure (``engine_logp`` is None).
+- ``hf`` (:class:`HFEngine`): the policy's own model through :func:`klpo.train.rollout.generate`
+  (``rollout.sampler``: the lean cached loop or transformers' ``generate``); it *is* the policy,
+  so there is no weight to sync and no gap to measure (``engine_logp`` is None).
 - ``vllm`` (:class:`VLLMEngine`): a vLLM ``LLM`` in the same process. Before each step's sampling
   the policy's current weights are loaded into it (:meth:`VLLMEngine.sync_weights`); it returns
   each sampled token's log-prob after temperature (``logprobs_mode="processed_logprobs"``). The
@@ -65,17 +66,23 @@ class Sampling:
     temperature: float
     top_p: float
     max_prompt_tokens: int | None
+    sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Sampling:
         r = cfg.rollout
         return cls(
-            r.group_size, r.max_new_tokens, r.temperature, r.top_p, cfg.data.max_prompt_tokens
+            r.group_size,
+            r.max_new_tokens,
+            r.temperature,
+            r.top_p,
+            cfg.data.max_prompt_tokens,
+            r.sampler,
         )
 
 
 class HFEngine:
-    """The policy's own ``generate`` (:func:`klpo.train.rollout.generate`), in eval mode."""
+    """The policy's own model through :func:`klpo.train.rollout.generate`, in eval mode."""
 
     name = "hf"
 
@@ -99,6 +106,7 @@ class HFEngine:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_prompt_tokens=s.max_prompt_tokens,
+                sampler=s.sampler,
             )
         finally:
             self.policy.train()
