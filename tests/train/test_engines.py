@@ -150,3 +150,32 @@ def test_config_rejects_bad_engine_settings():
         build_config(overrides=["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match=r"rollout\.tis_cap"):
         build_config(overrides=["rollout.tis_cap=0"])
+
+
+def test_a_lora_policy_is_sent_merged_and_left_unmerged(tiny_model):
+    """policy_weights of a peft LoRA model: the names and values of peft's own merge_and_unload
+    (W + (alpha / r)·B A), while the policy keeps its adapters unmerged (its outputs unchanged)."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    from klpo.train.models import load_causal_lm
+
+    torch.manual_seed(0)
+    base = load_causal_lm(str(tiny_model), "float32")
+    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    policy = peft.get_peft_model(base, cfg)
+    with torch.no_grad():  # peft starts B at 0 (a zero delta): make the adapters matter
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    before = policy(input_ids=ids).logits
+    want = copy.deepcopy(policy).merge_and_unload().state_dict()
+    got = dict(engines.policy_weights(policy))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    # The merge is not a no-op: the sent q_proj differs from the frozen base weight.
+    q_base = policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert (got["model.layers.0.self_attn.q_proj.weight"] - q_base).abs().max() > 1e-3
+    assert torch.equal(policy(input_ids=ids).logits, before)
