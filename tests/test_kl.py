@@ -162,8 +162,11 @@ def test_properties(xs, ys):
     logp = torch.tensor(xs[:n]).reshape(1, n).requires_grad_(True)
     logp_ref = torch.tensor(ys[:n]).reshape(1, n)
     values = {name: est(name, logp, logp_ref, logp.detach()) for name in LOG_NAMES}
-    for name in ("k2", "k3", "abs", "k2+", "k3+", "abs+", "kl_ref_theta", "k3_is", "low_var_kl"):
+    for name in ("k2", "k3", "abs", "k2+", "k3+", "abs+", "kl_ref_theta", "k3_is"):
         assert (values[name] >= 0).all(), name
+    # low_var_kl is verl's formula exp(kl) - kl - 1 verbatim (no expm1): near d = 0 it rounds to
+    # a few ulp below zero (d = -1e-16 gives -1.1e-16), never further
+    assert (values["low_var_kl"] >= -4 * torch.finfo(torch.float64).eps).all()
     assert torch.equal(values["k3"], values["k3+"])
     assert torch.equal(values["k1"], values["k1+"])
     assert torch.equal(values["abs"], values["abs+"])
@@ -523,3 +526,47 @@ def test_errors_name_the_problem():
         kl.explain("k3", "rewards")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         kl.full(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), temperature=0.0)
+
+
+def test_non_finite_input_is_named_and_counted():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
+    ref = logp - 0.25
+    # a reference that forbids a sampled token: k3 = exp(-d) + d - 1 with d = +inf is not a number
+    # worth training on; the error names the argument and counts the entries (2 of 6)
+    bad_ref = ref.clone()
+    bad_ref[0, 1] = bad_ref[1, 2] = -math.inf
+    with pytest.raises(ValueError, match=r"logp_ref has 2 non-finite entries.*out of 6"):
+        kl.estimate("k3", logp, bad_ref)
+    bad = logp.clone()
+    bad[1, 0] = math.nan
+    with pytest.raises(ValueError, match=r"logp has 1 non-finite entry"):
+        kl.estimate("k1", bad, ref)
+    with pytest.raises(ValueError, match=r"logp_old has 1 non-finite entry"):
+        kl.estimate("k3_is", logp, ref, logp_old=bad)
+    # losses route through estimate: kl_loss without a mask checks every position
+    from klpo import losses
+
+    with pytest.raises(ValueError, match=r"logp_ref has 2 non-finite"):
+        losses.kl_loss("k3", logp, bad_ref)
+
+    # masked positions may hold padding of any value: only unmasked ones are checked, and the
+    # unmasked estimates are those of the clean input
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+    got = kl.estimate("k3", logp, bad_ref, mask=mask)
+    want = kl.estimate("k3", logp, ref)
+    assert torch.equal(got[mask], want[mask])
+    rewards = torch.zeros(2, 3)
+    shaped = losses.kl_reward(rewards, logp, bad_ref, mask, beta=0.5, estimator="k3")
+    assert torch.isfinite(shaped).all() and (shaped[~mask] == 0).all()
+    torch.testing.assert_close(shaped[mask], -0.5 * want[mask])
+    metrics = losses.kl_metrics(logp, bad_ref, mask, estimators=("k1", "k3"))
+    assert math.isfinite(metrics["kl/ref/k3"])
+    wider = mask.clone()
+    wider[0, 1] = True
+    with pytest.raises(ValueError, match=r"logp_ref has 1 non-finite entry .* at unmasked"):
+        kl.estimate("k3", logp, bad_ref, mask=wider)
+
+    # asked not to check, the NaN the check exists for comes back without a word
+    raw = kl.estimate("k3", logp, bad_ref, check_finite=False)
+    assert torch.isnan(raw[0, 1]) and torch.isfinite(raw[0, 0])
+    assert torch.isnan(kl.estimate("k1", bad, ref, check_finite=False)[1, 0])
