@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from klpo.train.checkpoint import write_text_atomic
+from klpo._io import write_text_atomic
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
