@@ -68,7 +68,7 @@ Measures, the same definition for both:
 
 Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
 
-    PYTHONPATH=$PWD/src /work/venv-peers/bin/python bench/trainer_vs_trl.py [--steps 150]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--steps 150]
 
 Without TRL it says so, runs klpo alone, and exits 0.
 """

@@ -136,7 +136,7 @@ def test_atomic_dir_failure_keeps_the_old_directory_and_no_temporary(tmp_path, e
 
 
 def test_the_library_layer_writes_no_files():
-    # DESIGN: klpo/*.py are pure tensor functions; only the lab, the trainer and the CLI write
+    # klpo/*.py are pure tensor functions; only the lab, the trainer and the CLI write files
     import re
 
     src = Path(_io.__file__).parent

@@ -250,8 +250,8 @@ def random_cases(seed: int, n: int):
     return out
 
 
-def test_research_note_oracle():
-    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): the numbers in research/literature-kl §10.2."""
+def test_hand_checked_categorical_oracle():
+    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): values and gradients checked by hand."""
     theta, ref = np.log([0.7, 0.2, 0.1]), np.log([0.5, 0.3, 0.2])
     t = targets(theta, ref)
     assert t["values"][kl.THETA_REF] == pytest.approx(0.085123, abs=1e-6)

@@ -3,7 +3,7 @@
 Imports only the library (``klpo.kl``), never the trainer or the CLI. Modules:
 
 - :mod:`klpo.lab.distributions`  Gaussians, categoricals, Zipfian LM-like pairs, tabular sequence models
-- :mod:`klpo.lab.ref_is`         ``ref_is`` and ``adaptive_mix`` (seed 000's "K2" and "K3")
+- :mod:`klpo.lab.ref_is`         ``ref_is`` and ``adaptive_mix`` (the "K2" and "K3" of docs/claims.md)
 - :mod:`klpo.lab.exact`          closed forms, quadrature, and enumeration of values and gradients
 - :mod:`klpo.lab.montecarlo`     Monte Carlo statistics, seeded
 - :mod:`klpo.lab.stats`          value statistics, cosines, streaming moments

@@ -5,7 +5,7 @@ estimators: "K1", plain Monte Carlo over samples of pi_theta (this is ``k1``); "
 sampling from pi_ref (here ``ref_is``, :func:`klpo.lab.ref_is.ref_is_terms`); and "K3", a sigmoid
 mixture of the two that adapts to a sliding window of the KL (here ``adaptive_mix``,
 :class:`klpo.lab.ref_is.AdaptiveMixStream`). Its "K2" and "K3" are **not** Schulman's k2 and k3.
-It makes eleven checkable claims about them; :func:`verdicts` decides each one from the numbers
+It makes twelve checkable claims about them; :func:`verdicts` decides each one from the numbers
 ``klpo lab report`` measures, and docs/claims.md quotes every claim with the reasoning.
 
 Each verdict is computed, not typed in: change the measured numbers and the verdict changes
@@ -23,10 +23,10 @@ __all__ = ["section", "verdicts"]
 
 
 def verdicts(r: dict) -> list[dict]:
-    """Which claims of seed 000 hold, computed from the measured numbers.
+    """Which of the claims quoted in docs/claims.md hold, computed from the measured numbers.
 
     Each verdict: ``{"claim", "quote", "verdict": "holds" | "does not hold" | "partly" |
-    "not testable here", "evidence"}``. The seed's "K2" is ``ref_is``, its "K3" ``adaptive_mix``.
+    "not testable here", "evidence"}``. The answer's "K2" is ``ref_is``, its "K3" ``adaptive_mix``.
     """
     out = []
     sch = {(row["mu"], row["estimator"]): row for row in r["schulman"]}
@@ -87,7 +87,7 @@ def verdicts(r: dict) -> list[dict]:
                 f"{max(ratio_g):.3g} (mu {mus[0]:g} to {mus[-1]:g}; closed form "
                 f"e^(mu²)(1 + 9mu²/4) - mu²/4 > 1 for every mu ≠ 0); LM-like categoricals "
                 f"{min(ratio_c):.2f} to {max(ratio_c):.3g} (KL {var['kl'][0]:.2g} to "
-                f"{var['kl'][-1]:.2g}); oracles §10.2 {ratio_o[0]:.3f}, §10.3 {ratio_o[1]:.3f}. "
+                f"{var['kl'][-1]:.2g}); oracles: categorical {ratio_o[0]:.3f}, 2-step sequence {ratio_o[1]:.3f}. "
                 f"Lower in {below} of {total} cases"
             ),
         }
@@ -227,7 +227,7 @@ def verdicts(r: dict) -> list[dict]:
             "quote": "当策略接近参考策略时（KL小），偏向K1（无偏）；当策略偏离时（KL大），偏向K2",
             "verdict": "does not hold" if a_w[i_small] < 0.5 < a_w[-1] else "holds",
             "evidence": (
-                f"with the seed's own formula a = sigmoid(gamma (KL_window - threshold)) and "
+                f"with the answer's own formula a = sigmoid(gamma (KL_window - threshold)) and "
                 f"gamma > 0 (+{ms['gamma_as_written']:g}, threshold {ms['threshold']:g}), the "
                 f"weight on k1 is {a_w[i_small]:.3f} at KL {kl[i_small]:.3f} and {a_w[-1]:.3f} at "
                 f"KL {kl[-1]:.2f}: the reverse. In the loss its gradient is (1 - a) × "
@@ -288,16 +288,17 @@ def section(r: dict) -> list[str]:
     """Section 8: the verdicts."""
     s: list[str] = []
     add = s.append
-    add("## 8. Seed 000: which claims hold\n")
+    add('## 8. Claims about "K2" and "K3": which hold\n')
     add(
-        'Seed 000 (an interview-prep answer) calls importance sampling from the reference "K2" '
-        'and an adaptive sigmoid mixture "K3"; here they are `ref_is` and `adaptive_mix`, not '
-        "Schulman's k2 and k3. Each verdict is computed from the numbers above.\n"
+        "A widely shared interview-preparation answer (quoted in docs/claims.md) calls importance "
+        'sampling from the reference "K2" and an adaptive sigmoid mixture "K3"; here they are '
+        "`ref_is` and `adaptive_mix`, not Schulman's k2 and k3. Each verdict is computed from the "
+        "numbers above.\n"
     )
     rows = [
         [str(i + 1), v["claim"], v["quote"], f"**{v['verdict']}**", v["evidence"]]
         for i, v in enumerate(r["verdicts"])
     ]
-    add(table(["#", "claim", "seed 000", "verdict", "numbers"], rows))
+    add(table(["#", "claim", "as written", "verdict", "numbers"], rows))
     add("")
     return s

@@ -4,13 +4,14 @@ The suite (:func:`run_report`):
 
 1. Schulman's table (mu = 0.1 and 1): published, exact closed form, Monte Carlo;
 2. a mu sweep of every Gaussian estimator (plot ``mu_sweep.png``);
-3. the categorical and 2-step sequence oracles of research/literature-kl.md §10.2-10.3: exact
+3. a hand-checked categorical oracle and a 2-step sequence oracle: exact
    values and the gradient table (estimator × placement: cosine and relative error to each true
    gradient), checked against Monte Carlo;
 4. gradient cosines across random LM-like categoricals of growing KL (``gradient_cosines.png``);
 5. ``ref_is`` variants' bias and spread against the KL (``ref_is_variants.png``);
 6. the drift experiment for ``adaptive_mix`` (``drift.png``);
-7. verdicts on the claims of seed 000, computed from the numbers above.
+7. verdicts on claims about ``ref_is`` and ``adaptive_mix`` (:mod:`klpo.lab.claims`,
+   docs/claims.md), computed from the numbers above.
 
 Every file is written atomically. The default preset finishes in under 3 minutes on 2 CPU cores;
 ``quick`` is a smoke-test preset of a few seconds.
@@ -134,12 +135,12 @@ PRESETS: dict[str, Preset] = {
 
 
 def categorical_oracle_pair() -> SequencePair:
-    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): research/literature-kl.md §10.2."""
+    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): a categorical small enough to check by hand."""
     return SequencePair.from_probabilities([0.7, 0.2, 0.1], [0.5, 0.3, 0.2])
 
 
 SEQUENCE_ORACLE_SPEC: dict[str, Any] = {
-    # research/literature-kl.md §10.3: vocab {0, 1}, length 2.
+    # vocab {0, 1}, length 2: 4 sequences, 3 prefixes, 6 logits per model (checkable by hand).
     "vocab": 2,
     "length": 2,
     "policy": {"": [0.3, -0.2], "0": [0.5, 0.0], "1": [-0.4, 0.6]},
@@ -148,7 +149,7 @@ SEQUENCE_ORACLE_SPEC: dict[str, Any] = {
 
 
 def sequence_oracle_pair() -> SequencePair:
-    """The 2-step tabular model of research/literature-kl.md §10.3."""
+    """The 2-step tabular model of :data:`SEQUENCE_ORACLE_SPEC` (vocabulary {0, 1}, length 2)."""
     return SequencePair.from_spec(SEQUENCE_ORACLE_SPEC)
 
 

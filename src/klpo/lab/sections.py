@@ -52,8 +52,9 @@ def header(r: dict) -> list[str]:
         "d = log pi_theta(y) - log pi_ref(y). k1 = d, k2 = d²/2, k3 = exp(-d) + d - 1 are "
         "Schulman's estimators (see `klpo explain --all` for every estimator in `klpo.kl`). "
         "`ref_is` = mean of w log w over samples of pi_ref, w = pi_theta/pi_ref, and "
-        '`adaptive_mix` = a k1 + (1 - a) ref_is are the estimators that seed 000 calls "K2" and '
-        '"K3"; they are not k2 and k3. `ref_is_clip` clips w to [0.1, 10] as seed 000 suggests. '
+        "`adaptive_mix` = a k1 + (1 - a) ref_is are the estimators that the answer quoted in "
+        'docs/claims.md calls "K2" and "K3"; they are not k2 and k3. `ref_is_clip` clips w to '
+        "[0.1, 10] as that answer suggests. "
         "sd is the standard deviation of one sample; se a standard error.\n"
     )
     return s
@@ -68,7 +69,7 @@ def schulman(r: dict) -> list[str]:
     add(
         f"pi_theta = N(0, 1), pi_ref = N(mu, 1), true KL = mu²/2. *Published*: the 2020 post "
         f"(10⁷ samples). *Exact*: closed forms derived in `klpo.lab.exact` (mean and variance "
-        f"of each estimator, research/literature-kl.md §10.1). *Monte Carlo*: "
+        f"of each estimator, from the moments of d for equal-variance Gaussians). *Monte Carlo*: "
         f"{p['schulman_samples']:,} samples; z = (Monte Carlo - exact) / se.\n"
     )
     rows = []
@@ -179,14 +180,14 @@ def oracles(r: dict) -> list[str]:
     for key, title, what in (
         (
             "categorical_oracle",
-            "3. One categorical step (research/literature-kl.md §10.2)",
+            "3. One categorical step (checked by hand)",
             "pi_theta = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2), softmax logits log p; gradients "
             "with respect to the logits.",
         ),
         (
             "sequence_oracle",
-            "4. A 2-step sequence model (research/literature-kl.md §10.3)",
-            "vocabulary {0, 1}, length 2, logits per prefix as in §10.3; values are sums over the "
+            "4. A 2-step sequence model",
+            "vocabulary {0, 1}, length 2, logits per prefix as in `SEQUENCE_ORACLE_SPEC`; values are sums over the "
             "sequence, KLs over whole sequences, gradients with respect to all 6 logits. "
             '"reward" = the detached per-token estimate as a reward with returns-to-go (REINFORCE, '
             'gamma 1); "loss" = the per-token term summed over the sequence, differentiated with '
@@ -332,7 +333,7 @@ def drift(r: dict) -> list[str]:
         f"{dr['runs']} independent runs; each step draws {dr['batch']} samples of pi_ref and "
         f"{2 * dr['batch']} of pi_theta. `adaptive_mix` mixes k1 and ref_is ({dr['batch']} "
         f"samples each) with threshold {ms['threshold']:g} nats, window {ms['window']} steps, "
-        f"and gamma = {ms['gamma_as_written']:+g} (the seed's formula) or "
+        f"and gamma = {ms['gamma_as_written']:+g} (the formula as written) or "
         f"{ms['gamma_as_described']:+g} (what its prose describes).\n"
     )
     idx = [closest(dr["true_kl"], k) for k in (0.01, 0.1, 0.5, 1.0, dr["max_kl"])]
