@@ -570,3 +570,22 @@ def test_non_finite_input_is_named_and_counted():
     raw = kl.estimate("k3", logp, bad_ref, check_finite=False)
     assert torch.isnan(raw[0, 1]) and torch.isfinite(raw[0, 0])
     assert torch.isnan(kl.estimate("k1", bad, ref, check_finite=False)[1, 0])
+
+
+def test_k2_bias_takes_either_sign():
+    """docs/choosing.md: k2's value is biased, not 'biased low': its sign depends on the pair."""
+    # categorical, exact: E_p[d²/2] - KL with p = (0.7, 0.2, 0.1), q = (0.5, 0.3, 0.2)
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    lp, lq = p.log()[None], q.log()[None]
+    bias = float((p * kl.k2(lp, lq)[0]).sum() - (p * kl.k1(lp, lq)[0]).sum())
+    assert bias == pytest.approx(-0.005035, abs=1e-6)  # below the KL (0.085123) by 6%
+    # equal-variance Gaussians, N(0, 1) against N(mu, 1): d = mu²/2 - mu x, so
+    # E[d²]/2 = (mu² + mu⁴/4)/2 = KL + mu⁴/8 > KL: above the KL (+25% at mu = 1), by quadrature
+    x, w = np.polynomial.hermite_e.hermegauss(40)
+    w = torch.tensor(w / w.sum())
+    mu = 1.0
+    lp = torch.tensor(-(x**2) / 2)[None]
+    lq = torch.tensor(-((x - mu) ** 2) / 2)[None]
+    e_k2 = float((w * kl.k2(lp, lq)[0]).sum())
+    assert e_k2 == pytest.approx(0.5 + 1 / 8, rel=1e-12)

@@ -304,8 +304,8 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     A **compatibility option**, matching verl's ``kl_penalty(..., "low_var_kl")`` exactly:
     ``kl = clamp(logp_ref - logp, -20, 20); value = clamp(exp(kl) - kl - 1, -10, 10)``.
-    Where the value clamp bites (k3 > 10, i.e. d < -2.35, pi_theta more than ~10x below pi_ref on
-    the sampled token) the gradient is **exactly zero**: the brake fails precisely where the policy
+    Where the value clamp bites (k3 > 10, i.e. d < -2.611, pi_theta below 7.3% of pi_ref on the
+    sampled token: exp(2.611) - 2.611 - 1 = 10) the gradient is **exactly zero**: the brake fails precisely where the policy
     has moved furthest below the reference. Elsewhere it equals k3, value and gradient. Prefer
     ``k3`` (or ``k3+``), which need no clamp.
 
