@@ -559,6 +559,8 @@ def test_non_finite_input_is_named_and_counted():
     shaped = losses.kl_reward(rewards, logp, bad_ref, mask, beta=0.5, estimator="k3")
     assert torch.isfinite(shaped).all() and (shaped[~mask] == 0).all()
     torch.testing.assert_close(shaped[mask], -0.5 * want[mask])
+    term = losses.kl_loss("k3", logp, bad_ref, mask=mask)
+    torch.testing.assert_close(term[mask], want[mask])
     metrics = losses.kl_metrics(logp, bad_ref, mask, estimators=("k1", "k3"))
     assert math.isfinite(metrics["kl/ref/k3"])
     wider = mask.clone()

@@ -31,6 +31,9 @@ it runs in float32 chunks over the vocabulary (:func:`klpo.logprobs.exact_kl`; f
 float64 logits), since a float64 copy of ``[B, T, V]`` logits would dwarf everything else. Masking is the
 caller's job and must use ``torch.where`` (as :mod:`klpo.reduce` does), not multiplication: an
 estimate may be ``+inf`` where the true value exceeds the float32 range, and ``inf * 0`` is NaN.
+:func:`estimate` refuses non-finite log-probs (NaN, or a ``-inf`` from a reference that forbids a
+sampled token), naming the argument and the count; give it the ``mask`` and padding positions may
+hold anything. The per-estimator functions do not check.
 
 Range: for float32 inputs, values and gradients are finite for ``|d| <= 80`` (``exp(80)`` ≈ 5.5e34).
 Beyond about ``d < -88.7`` the values of ``k3``, ``k3+``, ``k3_is`` and ``kl_ref_theta`` exceed the

@@ -262,6 +262,7 @@ def kl_loss(
     logp_old: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     r"""The KL term of the loss, per token, corrected for tokens sampled from pi_old.
 
@@ -294,12 +295,15 @@ def kl_loss(
         logp_old: ``[B, T]`` log pi_old, the sampling policy (detached); None means on-policy
             (``logp.detach()``: w = 1).
         logits, logits_ref: ``[B, T, V]``, for ``full``.
+        mask: optional ``[B, T]`` bool, True where a token takes part: the inputs must be finite
+            there (:func:`klpo.kl.estimate` raises otherwise); elsewhere they may hold any
+            padding. Without it every position must be finite.
 
     Returns:
-        ``[B, T]``; multiply by beta and reduce like the policy loss.
+        ``[B, T]``; multiply by beta and reduce like the policy loss (with the mask).
     """
     if name in _TOKEN_FREE:
-        return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref)
+        return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref, mask=mask)
     if name not in _WEIGHTED | _CARRIES_WEIGHT:
         if name in kl.ESTIMATORS:
             raise NotImplementedError(
@@ -311,7 +315,7 @@ def kl_loss(
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
     if logp_old is None:
         logp_old = logp.detach()
-    est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach())
+    est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach(), mask=mask)
     if name in _CARRIES_WEIGHT:
         return est
     u = _log_ratio(logp, logp_old).detach()
