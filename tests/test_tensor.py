@@ -78,3 +78,15 @@ def test_check_finite_counts_only_unmasked_entries():
     with pytest.raises(ValueError, match=r"1 non-finite entry .*at unmasked positions"):
         T.check_finite("logp", x, mask)
     T.check_finite("logp", torch.zeros(0))  # empty is finite
+
+
+def test_check_finite_names_the_first_bad_argument_of_several():
+    good, bad = torch.zeros(2, 2), torch.tensor([[0.0, -math.inf], [math.nan, 1.0]])
+    T.check_finite("logp", good, logp_ref=good, logp_old=good)
+    with pytest.raises(ValueError, match=r"^logp_ref has 2 non-finite entries"):
+        T.check_finite("logp", good, logp_ref=bad, logp_old=bad)
+    old = torch.tensor([[0.0, 0.0], [0.0, math.inf]])
+    mask = torch.tensor([[True, True], [True, False]])
+    T.check_finite("logp", good, mask, logp_ref=good, logp_old=old)  # the inf is padding
+    with pytest.raises(ValueError, match=r"^logp_old has 1 non-finite entry .* at unmasked"):
+        T.check_finite("logp", good, ~mask | mask, logp_ref=good, logp_old=old)

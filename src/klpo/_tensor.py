@@ -94,23 +94,34 @@ def check_mask(mask: object, shape: torch.Size | tuple[int, ...] | None = None) 
         )
 
 
-def check_finite(name: str, t: Tensor, mask: Tensor | None = None) -> None:
-    """ValueError naming ``name`` and the count of non-finite entries, if any (where ``mask``).
+def check_finite(name: str, t: Tensor, mask: Tensor | None = None, **more: Tensor) -> None:
+    """ValueError naming the first argument with non-finite entries (where ``mask``) and its count.
 
-    One fused ``isfinite(...).all()`` reduction on the happy path; the count is computed only
-    when the check fails. Positions where ``mask`` is False are not checked: they may hold
+    ``name``/``t`` and every ``more`` tensor (``logp_ref=...``) are checked with one host sync on
+    the happy path (``isfinite`` per tensor, combined, one ``.all()``); the counts are computed
+    only when the check fails. Positions where ``mask`` is False are not checked: they may hold
     padding of any value.
     """
-    ok = torch.isfinite(t)
+    named = {name: t, **more}
+    ok = None
+    for x in named.values():
+        f = torch.isfinite(x.detach())
+        ok = f if ok is None else ok & f
+    assert ok is not None
     if mask is not None:
         ok = ok | ~mask
     if bool(ok.all()):
         return
-    bad = int((~ok).sum())
+
+    def count(x: Tensor) -> int:
+        bad_at = ~torch.isfinite(x.detach())
+        return int((bad_at & mask if mask is not None else bad_at).sum())
+
+    arg, bad = next((a, n) for a, n in ((a, count(x)) for a, x in named.items()) if n)
     where = " at unmasked positions" if mask is not None else ""
     raise ValueError(
-        f"{name} has {bad} non-finite entr{'y' if bad == 1 else 'ies'} (NaN or ±inf){where} "
-        f"out of {t.numel()}; log-probabilities of sampled tokens are finite, so this is an "
+        f"{arg} has {bad} non-finite entr{'y' if bad == 1 else 'ies'} (NaN or ±inf){where} "
+        f"out of {named[arg].numel()}; log-probabilities of sampled tokens are finite, so this is an "
         f"upstream bug (a NaN in the model's logits, or a token the reference gives probability "
         f"0, e.g. a masked or filtered vocabulary): fix the input, or mask those positions out"
     )

@@ -452,7 +452,7 @@ def estimate(
             ``mask``). A token sampled from pi_theta has a finite log-probability under pi_theta
             and pi_old, and a ``-inf`` under pi_ref means the reference forbids it (an infinite
             KL, whose gradient is NaN): either way the estimate would be NaN or inf with no word.
-            The check is one ``isfinite(...).all()`` reduction per input (one host sync); pass
+            The check is one ``isfinite`` pass per input and one host sync; pass
             False where infinite inputs are meant (a study of what each estimator does with an
             infinite log-ratio). ``full``'s logits are not checked (that would be a second pass
             over ``[B, T, V]``).
@@ -476,12 +476,11 @@ def estimate(
         _check_pair(logp, logp_ref, "logp_ref")
         if mask is not None:
             check_mask(mask, logp.shape)
-        named = [("logp", logp), ("logp_ref", logp_ref)]
+        old = {}
         if spec.needs_old and logp_old is not None:
             _check_pair(logp, logp_old, "logp_old")
-            named.append(("logp_old", logp_old))
-        for arg, t in named:
-            _check_finite(arg, t.detach(), mask)
+            old = {"logp_old": logp_old}
+        _check_finite("logp", logp, mask, logp_ref=logp_ref, **old)
     if spec.needs_old:
         if logp_old is None:
             raise ValueError(
