@@ -63,8 +63,16 @@ def explain(
         )
     names = list(kl.ESTIMATORS) if all_ or estimator is None else [estimator]
     placements = list(kl.PLACEMENTS) if placement is None else [placement]
+    # Estimators from the reference's samples go only in the loss; unasked-for placements are
+    # skipped, and the refusal of one asked for is the error.
+    pairs = [
+        (n, p)
+        for n in names
+        for p in placements
+        if placement is not None or kl.refusal(n, p) is None
+    ]
     try:
-        rows = [kl.explain(n, p, on_policy=not off_policy) for n in names for p in placements]
+        rows = [kl.explain(n, p, on_policy=not off_policy) for n, p in pairs]
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, reduce
 from klpo.train import checkpoint as ckpt_io
+from klpo.train import ref_samples
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import ConfigError, TrainConfig, dump_config
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
@@ -175,7 +176,11 @@ def sampling_metrics(
         "kl/ref/exact": float(reduce.masked_mean(kl_exact, mask)),
         "kl/ref/seq": float(torch.where(mask, kl_exact, 0.0).sum(-1).mean()),
     }
-    names = tuple(n for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator)) if n != "full")
+    names = tuple(
+        n
+        for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator))
+        if n != "full" and n not in kl.REF_SAMPLED  # those are logged by ref_samples
+    )
     metrics.update(losses.kl_metrics(logp_old, logp_ref, mask, estimators=names))
     if cfg.kl.estimator == "full":
         metrics["kl/ref/full"] = metrics["kl/ref/exact"]
@@ -306,14 +311,23 @@ def update(
     beta_old: float,
     dist: Dist,
     gen: torch.Generator,
+    ref: ref_samples.RefBatch | None = None,
+    mix_weight: float = 0.0,
 ) -> dict[str, float]:
-    """``epochs × minibatches`` optimizer steps on one scored rollout; returns mean metrics."""
+    """``epochs × minibatches`` optimizer steps on one scored rollout; returns mean metrics.
+
+    With ``ref`` (``ref_is``, ``adaptive_mix``) each optimizer step also carries the KL term on
+    the reference's completions (:func:`klpo.train.ref_samples.ref_term`); its metrics are those
+    of the first step, at the sampling policy's parameters.
+    """
     a = cfg.algo
     mask = s.rollout.mask
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     totals: dict[str, float] = {}
     n_micro, grad_norms = 0, []
+    ref_metrics: dict[str, float] = {}
+    ref_seconds = 0.0
     # On-policy (update_gives_logp_old): the forward passes record the sampling policy's side.
     seen = (
         None
@@ -328,11 +342,28 @@ def update(
             opt.policy.zero_grad(set_to_none=True)
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
+            if ref is not None:
+                head = _unwrap(m.backbone).head()
+                part = ref_samples.ref_term(
+                    cfg, m.backbone, head, ref, beta=beta, mix_weight=mix_weight
+                )
+                ref_seconds += part["time/ref_update"]
+                ref_metrics = ref_metrics or part
             micro = mb.split(a.micro_batch or len(mb))
             for i, rows in enumerate(micro):
                 last = i == len(micro) - 1
                 part = _micro_step(
-                    cfg, m, s, rows, beta, beta_old, n_global, dist, sync=last, seen=seen
+                    cfg,
+                    m,
+                    s,
+                    rows,
+                    beta,
+                    beta_old,
+                    n_global,
+                    dist,
+                    sync=last,
+                    seen=seen,
+                    mix_weight=mix_weight,
                 )
                 for k, v in part.items():
                     totals[k] = totals.get(k, 0.0) + v
@@ -345,6 +376,8 @@ def update(
                 opt.critic.step()
     out = {k: v / n_micro for k, v in totals.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if ref is not None:
+        out.update({**ref_metrics, "time/ref_update": ref_seconds})
     if seen is not None:
         out.update(
             sampling_metrics(cfg, seen["logp"], s.logp_ref, seen["entropy"], seen["kl"], mask)
@@ -370,6 +403,7 @@ def _micro_step(
     *,
     sync: bool,
     seen: dict[str, Tensor] | None = None,
+    mix_weight: float = 0.0,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its metrics.
 
@@ -382,8 +416,10 @@ def _micro_step(
     mask = r.mask
     logp_old = None if s.logp_old is None else s.logp_old[rows]
     adv = s.adv[rows]
-    kl_in_loss = k.placement in ("loss", "reward+loss") and beta > 0
-    need_ref = (kl_in_loss and k.estimator == "full") or logp_old is None
+    # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
+    kl_name, kl_coef = ref_samples.policy_term(cfg, mix_weight)
+    kl_in_loss = k.placement in ("loss", "reward+loss") and beta * kl_coef > 0
+    need_ref = (kl_in_loss and kl_name == "full") or logp_old is None
     max_len = cfg.rollout.max_new_tokens
 
     def red(x: Tensor) -> Tensor:
@@ -426,10 +462,10 @@ def _micro_step(
         if kl_in_loss:
             kl_tok = (
                 out.kl
-                if k.estimator == "full"
-                else losses.kl_loss(k.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
+                if kl_name == "full"
+                else losses.kl_loss(kl_name, logp, s.logp_ref[rows], logp_old=logp_old)
             )
-            loss_kl = red(kl_tok)
+            loss_kl = kl_coef * red(kl_tok)
             total = total + beta * loss_kl
             metrics["loss/kl"] = loss_kl.item()
         if a.entropy_coef:
@@ -511,6 +547,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
+    mix_window = ref_samples.make_window(cfg)
     o = cfg.optim
     opt = Optimizers(
         policy=torch.optim.AdamW(
@@ -536,6 +573,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         ckpt_io.restore_optimizers(start, optimizers, meta)
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
+        if mix_window is not None:
+            mix_window.load_state_dict(meta["mix_window"])
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
         ckpt_io.restore_rng(start, meta, rank=dist.rank)
@@ -568,6 +607,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                     "kl_controller": kl_ctl.state_dict(),
                     "penalty_controller": pen_ctl.state_dict(),
                     "update_generator": update_gen.get_state().tolist(),
+                    **({"mix_window": mix_window.state_dict()} if mix_window else {}),
                 },
             )
         dist.barrier()
@@ -607,17 +647,44 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         m.policy.train()
         t1 = time.perf_counter()
 
+        # 1b. ref_is, adaptive_mix: the reference's own completions for the same prompts.
+        ref = None
+        if ref_samples.uses_reference_samples(cfg):
+            ref = ref_samples.sample_reference(
+                cfg,
+                m.reference,
+                m.tokenizer,
+                [e.prompt for e in mine],
+                [e.answer for e in mine],
+                rollout,
+            )
+        mix_weight = mix_window.weight() if mix_window is not None else 0.0
+        t1r = time.perf_counter()
+
         # 2. Score.
         scored = score(cfg, m, rollout, reward_fns, kl_ctl.value)
         t2 = time.perf_counter()
 
         # 3. Update.
         beta = kl_ctl.value
-        upd = update(cfg, m, scored, opt, beta, pen_ctl.value, dist, update_gen)
+        upd = update(cfg, m, scored, opt, beta, pen_ctl.value, dist, update_gen, ref, mix_weight)
         t3 = time.perf_counter()
 
         # 4. Control, log, evaluate, checkpoint.
         metrics = dist.mean_metrics({**scored.metrics, **upd})
+        if ref is not None:
+            metrics["ref/samples"] = dist.world * len(ref.logp_ref)
+            metrics["time/ref_sample"] = ref.seconds
+        if mix_window is not None:
+            mix = mix_weight * metrics["kl/ref/k1"] + (1 - mix_weight) * metrics["kl/ref/ref_is"]
+            metrics.update(
+                {
+                    "kl/ref/adaptive_mix": mix,
+                    "ref/mix_weight": mix_weight,
+                    "ref/kl_window": mix_window.kl_window,
+                }
+            )
+            mix_window.push(mix)
         n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         kl_ctl.update(
             kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
@@ -630,7 +697,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                 "beta": beta,
                 "lr": _lr(cfg, step),
                 "time/generate": t1 - t0,
-                "time/score": t2 - t1,
+                "time/score": t2 - t1r,
                 "time/update": t3 - t2,
             }
         )
