@@ -746,8 +746,8 @@ REF_SAMPLED: tuple[str, ...] = ("ref_is", "adaptive_mix")
 
 _REF_EQUATIONS = {
     "ref_is": "w·log w over x ~ pi_ref, w = pi_theta(x)/pi_ref(x)",
-    "adaptive_mix": "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)) "
-    "(its gradient: 1 - a times the one below)",
+    "adaptive_mix": "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)); "
+    "its expected gradient is scaled by 1 - a",
 }
 
 
