@@ -165,7 +165,7 @@ def test_both_estimators_train_end_to_end(tiny_model, quick, tmp_path, extra):
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"run.steps": 3, **extra}))
     loop.train(cfg, log=lambda *_: None)
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] >= 1]
-    n_ref = cfg.rollout.prompts_per_step * cfg.kl.ref_samples
+    n_ref = cfg.rollout.prompts_per_step * (cfg.kl.ref_samples or cfg.rollout.group_size)
     for r in rows:
         assert r["ref/samples"] == n_ref
         assert 0 < r["ref/ess"] <= 1 + 1e-6 and r["ref/max_weight"] > 0

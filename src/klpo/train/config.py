@@ -148,11 +148,11 @@ class KLConfig(_Section):
         0.5, gt=0, description="spread-scaled controller: the group reward std that halves beta."
     )
 
-    ref_samples: int = Field(
-        4,
+    ref_samples: int | None = Field(
+        None,
         gt=0,
         description="ref_is, adaptive_mix: completions sampled from the reference per prompt "
-        "each step (the extra cost).",
+        "each step, the extra cost (null: rollout.group_size, as many as the policy samples).",
     )
     ref_is_clip: tuple[float, float] | None = Field(
         None,

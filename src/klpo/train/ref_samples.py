@@ -1,7 +1,8 @@
 """The KL term of ``ref_is`` and ``adaptive_mix``: completions sampled from the reference.
 
 These two estimators (:mod:`klpo.ref_kl`) read, besides the policy's rollout, completions that
-pi_ref samples for the same prompts (``kl.ref_samples`` per prompt). Each step:
+pi_ref samples for the same prompts (``kl.ref_samples`` per prompt, by default as many as the
+policy's ``rollout.group_size``). Each step:
 
 1. :func:`sample_reference` draws them with ``generate`` from the frozen reference and scores
    them once under pi_ref (sequence log-probs, no gradient);
@@ -96,7 +97,7 @@ def sample_reference(
         tokenizer,
         prompts,
         answers,
-        group_size=cfg.kl.ref_samples,
+        group_size=cfg.kl.ref_samples or cfg.rollout.group_size,
         max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
