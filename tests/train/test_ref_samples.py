@@ -38,7 +38,7 @@ class _ConstantBackbone(torch.nn.Module):
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, **_shared_prompt):
         return torch.ones(*input_ids.shape, 1, dtype=torch.float64)
 
 

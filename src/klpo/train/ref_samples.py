@@ -77,12 +77,18 @@ class RefBatch:
     seconds: float  # time spent sampling and scoring under pi_ref
 
 
-def sequence_logp(backbone, head: tuple[Tensor, Tensor | None], r: Rollout, temperature: float):
+def sequence_logp(
+    backbone,
+    head: tuple[Tensor, Tensor | None],
+    r: Rollout,
+    temperature: float,
+    *,
+    share_prompt: bool = True,
+) -> Tensor:
     """``[N]`` the log-probability of each whole completion (sum over its valid tokens)."""
     weight, bias = head
-    out = logprobs.fused(
-        completion_hidden(backbone, r), weight, r.completion_ids, bias=bias, temperature=temperature
-    )
+    hidden = completion_hidden(backbone, r, share_prompt=share_prompt)
+    out = logprobs.fused(hidden, weight, r.completion_ids, bias=bias, temperature=temperature)
     return torch.where(r.mask.to(out.logp.device), out.logp, 0.0).sum(-1)
 
 
@@ -102,8 +108,15 @@ def sample_reference(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
+        sampler=cfg.rollout.sampler,
     )
-    logp_ref = sequence_logp(reference, reference.head(), r, cfg.rollout.temperature)
+    logp_ref = sequence_logp(
+        reference,
+        reference.head(),
+        r,
+        cfg.rollout.temperature,
+        share_prompt=cfg.rollout.share_prompt,
+    )
     mask = policy.mask
     mean_len = float(mask.sum()) / mask.shape[0]
     ones = reduce.reduce(
@@ -133,7 +146,13 @@ def ref_term(
     grad = coef > 0
     sync = backbone.no_sync() if hasattr(backbone, "no_sync") else nullcontext()
     with sync, torch.set_grad_enabled(grad):
-        logp = sequence_logp(backbone, head, batch.rollout, cfg.rollout.temperature)
+        logp = sequence_logp(
+            backbone,
+            head,
+            batch.rollout,
+            cfg.rollout.temperature,
+            share_prompt=cfg.rollout.share_prompt,
+        )
         est = ref_kl.ref_is(
             logp,
             batch.logp_ref.to(logp.device),
