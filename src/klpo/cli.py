@@ -368,6 +368,12 @@ def lab_report(
     out_dir: str = typer.Option(..., "--out", help="Folder for report.md, results.json and plots."),
     quick: bool = typer.Option(False, "--quick", help="A small preset for smoke tests (seconds)."),
     seed: int = typer.Option(0, "--seed", help="Base seed of every experiment."),
+    training: str | None = typer.Option(
+        None,
+        "--training",
+        help="A klpo compare study's results.csv with ref_is and adaptive_mix runs: judge the "
+        "training claim on it.",
+    ),
 ) -> None:
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
     from pathlib import Path
@@ -392,6 +398,7 @@ def lab_report(
             preset,
             seed=seed,
             progress=lambda done, what: progress.update(task, completed=done, description=what),
+            training=Path(training) if training else None,
         )
     verdicts = Table(title="Seed 000: which claims hold (details in report.md)")
     verdicts.add_column("#", justify="right")

@@ -61,3 +61,13 @@ def test_claim_needs_the_runs(tmp_path):
     assert read_results(path) == rows
     with pytest.raises(FileNotFoundError, match=r"results\.csv"):
         read_results(tmp_path / "missing.csv")
+
+
+def test_study_scale_in_words():
+    from klpo.lab.training import study_scale
+
+    rows = [_row("ref_is loss", s, 1, 1, 5, done=80) for s in (0, 1, 2)]
+    assert study_scale(rows) == (
+        "3 GRPO runs of the built-in task's model (about 1M parameters) for 80 steps, "
+        "3 seeds per choice"
+    )

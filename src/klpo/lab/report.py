@@ -165,6 +165,7 @@ def run_report(
     *,
     seed: int = 0,
     progress: Callable[[int, str], None] | None = None,
+    training: Path | None = None,
 ) -> dict:
     """Run the suite and write ``out/report.md``, ``out/results.json`` and the PNG plots.
 
@@ -174,6 +175,9 @@ def run_report(
         seed: the base seed; every experiment derives its own from it.
         progress: called as ``progress(units_done, description)`` after each unit of work;
             ``preset.units`` units in all.
+        training: a ``klpo compare`` study's ``results.csv`` with ``ref_is`` and
+            ``adaptive_mix`` runs; the training claim is then judged on it
+            (:func:`klpo.lab.training.judge_training_claim`).
 
     Returns:
         the results (also written to results.json).
@@ -256,6 +260,11 @@ def run_report(
             lambda: step("drift"),
         ),
     )
+    if training is not None:
+        from klpo.lab.training import judge_training_claim, read_results, study_scale
+
+        rows = read_results(training)
+        results["training"] = judge_training_claim(rows, scale=study_scale(rows))
     results["verdicts"] = verdicts(results)
     t0 = time.perf_counter()
     plots.plot_mu_sweep(results["mu_sweep"], out / PLOTS["mu_sweep"])
@@ -531,17 +540,25 @@ def verdicts(r: dict) -> list[dict]:
         }
     )
 
-    # 11. invented numbers.
+    # 11. invented numbers, judged on a training study when one is given (klpo.lab.training).
+    lab_part = (
+        f"In the lab, Var(ref_is)/Var(k1) is below 0.7 in "
+        f"{sum(x < 0.7 for x in ratio_g + ratio_c + ratio_o)} of {total} cases"
+    )
+    training = r.get("training")
     out.append(
         {
             "claim": '"K2" had 30% lower variance than "K1" on a 7B model; "K3" converged 15% faster than "K2"',
             "quote": "K2的方差比K1低30% … K3在收敛速度上比K2快15%",
-            "verdict": "not testable here",
+            "verdict": training["verdict"] if training else "not testable here",
             "evidence": (
-                "training-run anecdotes from a résumé template, with no source (the cited "
+                f"trained with both (klpo compare, --training): {training['evidence']} "
+                f"{lab_part}. The 7B numbers themselves have no source"
+                if training
+                else "training-run anecdotes from a résumé template, with no source (the cited "
                 "'Monte Carlo Estimation of KL Divergence: A Comparative Study' does not appear "
-                f"to exist). In the lab, Var(ref_is)/Var(k1) is below 0.7 in {sum(x < 0.7 for x in ratio_g + ratio_c + ratio_o)} "
-                f"of {total} cases"
+                f"to exist). {lab_part}; pass a klpo compare study's results.csv with "
+                "--training to judge it on training runs"
             ),
         }
     )

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["judge_training_claim", "read_results"]
+__all__ = ["judge_training_claim", "read_results", "study_scale"]
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
@@ -98,3 +98,15 @@ def judge_training_claim(rows: list[dict[str, Any]], *, scale: str = "") -> dict
     verdict = "holds" if all(both) else ("partly" if any(both) else "does not hold")
     where = f" At this scale ({scale}), not a 7B model." if scale else " At this study's scale."
     return {"verdict": verdict, "evidence": "; ".join(parts) + "." + where}
+
+
+def study_scale(rows: list[dict[str, Any]]) -> str:
+    """Words for a study's scale from its rows: runs, steps, seeds."""
+    steps = max(
+        (int(_num(r.get("steps_done"))) for r in rows if _num(r.get("steps_done")) > 0), default=0
+    )
+    seeds = len({r.get("seed") for r in rows})
+    return (
+        f"{len(rows)} GRPO runs of the built-in task's model (about 1M parameters) for {steps} "
+        f"steps, {seeds} seeds per choice"
+    )
