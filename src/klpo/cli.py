@@ -512,7 +512,9 @@ def make_reference_cmd(
 def compare(
     out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
     quick: bool = typer.Option(
-        False, "--quick", help="The smoke-test preset: every choice, one beta, 2 seeds, 12 steps."
+        False,
+        "--quick",
+        help="The smoke-test preset: every choice but ref_is and adaptive_mix, one beta, 2 seeds, 12 steps.",
     ),
     study_file: Path | None = typer.Option(
         None, "--config", "-c", help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...)."
