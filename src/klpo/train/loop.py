@@ -825,7 +825,11 @@ class TrainRun:
                     "kl_controller": self.kl_ctl.state_dict(),
                     "penalty_controller": self.pen_ctl.state_dict(),
                     "update_generator": self.update_gen.get_state().tolist(),
-                    **({"mix_window": self.mix_window.state_dict()} if self.mix_window else {}),
+                    **(
+                        {"mix_window": self.mix_window.state_dict()}
+                        if self.mix_window is not None
+                        else {}
+                    ),
                 },
             )
         self.dist.barrier()
