@@ -400,7 +400,7 @@ def lab_report(
             progress=lambda done, what: progress.update(task, completed=done, description=what),
             training=Path(training) if training else None,
         )
-    verdicts = Table(title="Seed 000: which claims hold (details in report.md)")
+    verdicts = Table(title='Claims about "K2" and "K3": which hold (report.md, docs/claims.md)')
     verdicts.add_column("#", justify="right")
     verdicts.add_column("claim")
     verdicts.add_column("verdict")
@@ -415,7 +415,7 @@ def lab_report(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo make-reference: the tiny reference model of the built-in task (issue 6).
+# klpo make-reference: the tiny reference model of the built-in task.
 
 
 @app.command("make-reference")
@@ -505,7 +505,7 @@ def make_reference_cmd(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo compare: the estimator stability study on real training (issue 7).
+# klpo compare: the estimator stability study on real training.
 
 
 @app.command()
