@@ -121,6 +121,8 @@ SPLITS = {
         },
         8,
     ),
+    # the term on the reference's completions, once per optimizer step, and the mix's a·k1 part
+    "adaptive_mix": ({"kl.estimator": "adaptive_mix", "algo.minibatches": 2}, 8),
 }
 
 
@@ -196,6 +198,7 @@ COVERAGE = [
     },
     # An engine that reports its own log-probs (engine/*): the perturbed stand-in for vLLM.
     {"rollout.engine": "vllm"},
+    {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
 ]
 
 
