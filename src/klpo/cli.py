@@ -155,6 +155,30 @@ def train(
 
 
 @app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="A klpo train run directory."),
+    out: Path = typer.Option(..., "--out", help="New directory for the model."),
+    merge: bool = typer.Option(
+        False, "--merge", help="LoRA runs: fold the adapters into the weights (a plain model)."
+    ),
+) -> None:
+    """Write a run's latest policy as a Hugging Face model directory (weights + tokenizer).
+
+    Full fine-tunes and FSDP-sharded runs give a plain model; LoRA runs give their adapters, or
+    with --merge a plain model with the adapters merged in.
+    """
+    from klpo.train.config import ConfigError
+    from klpo.train.export import export_run
+
+    try:
+        path = export_run(run_dir, out, merge=merge)
+    except (ConfigError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
 def docs(
     out: Path = typer.Option(Path("docs"), "--out", help="Directory for the generated pages."),
 ) -> None:

@@ -32,12 +32,22 @@ from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, reduce
 from klpo.train import checkpoint as ckpt_io
+from klpo.train import fsdp, microbatch
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import ConfigError, TrainConfig, dump_config
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, init_distributed, shutdown
+from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
 from klpo.train.metrics import MetricsWriter
-from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
+from klpo.train.models import (
+    DTYPES,
+    Backbone,
+    Critic,
+    autocast,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+)
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +120,7 @@ class Models:
     tokenizer: Any
     policy: Any  # the transformers model: generate, save_pretrained
     backbone: torch.nn.Module  # Backbone(policy), DDP-wrapped under torchrun
-    reference: Backbone  # frozen
+    reference: torch.nn.Module  # frozen: a Backbone, or the LoRA policy with adapters off
     critic: torch.nn.Module | None  # Critic, DDP-wrapped under torchrun (PPO only)
     critic_core: Critic | None
 
@@ -123,22 +133,47 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
     tokenizer = load_tokenizer(policy_path)
-    policy = load_causal_lm(str(start / "policy") if start else policy_path, cfg.model.dtype)
+    # Parameters are float32 (the master weights); model.dtype is the compute dtype (autocast).
+    compute = DTYPES[cfg.model.dtype]
+    # --- real models hook: LoRA (klpo.train.lora), checkpointing, FSDP (klpo.train.fsdp) ---
+    lora_cfg = cfg.model.lora
+    if lora_cfg is not None:
+        policy = load_causal_lm(policy_path)
+        policy = (
+            load_adapters(policy, start / "policy")
+            if start
+            else apply_lora(policy, **lora_cfg.model_dump())
+        )
+    elif start is not None and fsdp.is_sharded_checkpoint(start):
+        policy = load_causal_lm(policy_path)  # the sharded weights are loaded after sharding
+    else:
+        policy = load_causal_lm(str(start / "policy") if start else policy_path)
+    if cfg.model.gradient_checkpointing:
+        # Non-reentrant checkpointing: correct with frozen inputs (LoRA) and under FSDP.
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.to(dist.device).train()
-    reference = Backbone(freeze(load_causal_lm(ref_path, cfg.model.dtype).to(dist.device)))
+    backbone: torch.nn.Module = Backbone(policy, compute)
+    reference: torch.nn.Module
+    if lora_cfg is not None and cfg.model.reference is None:
+        reference = AdapterFreeReference(backbone)  # no second copy of the weights
+    else:
+        reference = Backbone(freeze(load_causal_lm(ref_path).to(dist.device)), compute)
     critic_core = None
     if cfg.algo.name == "ppo":
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
-        critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype)).to(dist.device)
+        critic_core = Critic(load_causal_lm(critic_path), compute).to(dist.device)
         if start is not None:
             ckpt_io.restore_critic(start, critic_core)
-    backbone: torch.nn.Module = Backbone(policy)
     critic: torch.nn.Module | None = critic_core
-    if dist.enabled:
+    if dist.enabled and cfg.dist.strategy == "fsdp":
+        backbone = fsdp.shard(backbone, dist)
+        reference = fsdp.shard(reference, dist)
+    elif dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         backbone = DDP(backbone)
         critic = DDP(critic_core) if critic_core is not None else None
+    # --- end of the real models hook ---
     return Models(tokenizer, policy, backbone, reference, critic, critic_core)
 
 
@@ -328,7 +363,8 @@ def update(
             opt.policy.zero_grad(set_to_none=True)
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
-            micro = mb.split(a.micro_batch or len(mb))
+            width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
+            micro = microbatch.split(mb, width, a.micro_batch, a.micro_batch_tokens)
             for i, rows in enumerate(micro):
                 last = i == len(micro) - 1
                 part = _micro_step(
@@ -338,7 +374,8 @@ def update(
                     totals[k] = totals.get(k, 0.0) + v
                 n_micro += 1
             policy_params = [p for p in m.policy.parameters() if p.requires_grad]
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy_params, clip)))
+            norm = torch.nn.utils.clip_grad_norm_(policy_params, clip)
+            grad_norms.append(fsdp.to_float(norm))  # a DTensor under FSDP
             opt.policy.step()
             if opt.critic is not None:
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
@@ -529,11 +566,22 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         else None,
     )
     optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
+    # FSDP: the policy and its optimizer state are saved as shards (klpo.train.fsdp).
+    sharded = fsdp.is_sharded(m.backbone)
+    if sharded:
+        del optimizers["policy"]
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     step0 = 0
     if start is not None:
         step0 = meta["step"]
         ckpt_io.restore_optimizers(start, optimizers, meta)
+        if fsdp.is_sharded_checkpoint(start):
+            if not sharded:
+                raise ConfigError(
+                    f"{start} holds sharded weights (dist.strategy=fsdp); resume it under "
+                    "torchrun with dist.strategy=fsdp, or klpo export it to a plain model"
+                )
+            fsdp.load_sharded(m.backbone, opt.policy, start / "policy")
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
         stream.load_state_dict(meta["data"])
@@ -555,11 +603,17 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
 
     def save(step: int) -> None:
         rngs = dist.gather_objects(ckpt_io.rng_state())
+        policy = m.policy
+        if sharded:  # every rank writes its shards; the main rank moves them into place
+            staged = run_dir / "checkpoints" / f".shards-step_{step:06d}"
+            fsdp.save_sharded(m.backbone, opt.policy, staged)
+            dist.barrier()
+            policy = fsdp.StagedShards(staged, m.policy.config)
         if dist.is_main:
             ckpt_io.save_checkpoint(
                 run_dir,
                 step,
-                policy=m.policy,
+                policy=policy,
                 critic=m.critic_core,
                 optimizers=optimizers,
                 rng=rngs,
@@ -593,17 +647,20 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
 
         # 1. Sample.
         m.policy.eval()
-        rollout = generate(
-            m.policy,
-            m.tokenizer,
-            [e.prompt for e in mine],
-            [e.answer for e in mine],
-            group_size=cfg.rollout.group_size,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_prompt_tokens=cfg.data.max_prompt_tokens,
-        )
+        fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
+        with autocast(DTYPES[cfg.model.dtype], dist.device):
+            rollout = generate(
+                m.policy,
+                m.tokenizer,
+                [e.prompt for e in mine],
+                [e.answer for e in mine],
+                group_size=cfg.rollout.group_size,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                max_prompt_tokens=cfg.data.max_prompt_tokens,
+                synced=dist.enabled and cfg.dist.strategy == "fsdp",
+            )
         m.policy.train()
         t1 = time.perf_counter()
 

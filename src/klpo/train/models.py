@@ -7,6 +7,7 @@ hidden states, and the log-probs, entropy and exact KL come from the output head
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -53,24 +54,56 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-class Backbone(nn.Module):
-    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states."""
+def autocast(dtype: torch.dtype | None, device: torch.device):
+    """Mixed precision: ``torch.autocast`` in ``dtype`` (None or float32: no autocast).
 
-    def __init__(self, model: nn.Module):
+    The parameters stay float32 (the master weights the optimizer updates); matmuls run in bf16
+    on bf16 copies of them, reductions and norms in float32 (autocast's op lists)."""
+    if dtype is None or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def transformer(model: nn.Module) -> nn.Module:
+    """The decoder stack under a causal LM's head (through a peft wrapper if there is one)."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model.base_model
+
+
+class Backbone(nn.Module):
+    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
+
+    ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
+    FSDP this module is the root of the sharding, so its own parameter group holds the
+    embeddings, the final norm and the head (:mod:`klpo.train.fsdp`).
+    """
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
+        self.compute_dtype = compute_dtype
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        out = self.model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
+        with autocast(self.compute_dtype, input_ids.device):
+            out = transformer(self.model)(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            )
         return out.last_hidden_state
 
     def head(self) -> tuple[Tensor, Tensor | None]:
-        """The output head's (weight [V, H], bias [V] or None)."""
+        """The output head's (weight [V, H], bias [V] or None), whole.
+
+        Under FSDP the head is unsharded for the pass (:func:`klpo.train.fsdp.unshard_root`):
+        the fused log-prob/KL pass reads it tile by tile many times, so one all-gather per pass
+        beats one per tile, and its gradient reaches the shards through FSDP's reduce-scatter.
+        """
+        from klpo.train.fsdp import unshard_root
+
+        unshard_root(self)
         lm_head = self.model.get_output_embeddings()
         return lm_head.weight, getattr(lm_head, "bias", None)
 
@@ -82,9 +115,9 @@ class Critic(nn.Module):
     head, so the first value predictions are 0 everywhere.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
-        self.backbone = Backbone(model)
+        self.backbone = Backbone(model, compute_dtype)
         hidden = model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
@@ -93,7 +126,7 @@ class Critic(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         h = self.backbone(input_ids, attention_mask, position_ids)
-        return self.value_head(h).squeeze(-1).float()
+        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
 def freeze(model: nn.Module) -> nn.Module:

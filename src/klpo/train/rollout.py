@@ -83,12 +83,15 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     max_prompt_tokens: int | None = None,
+    synced: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt with ``model.generate``.
 
     Sampling is from softmax(logits / temperature) restricted by ``top_p`` only: ``top_k`` is
     switched off (transformers' default of 50 would silently sample from a distribution other
     than the policy's, biasing every estimator), and no repetition penalty applies.
+    ``synced`` keeps every rank decoding until all are done (transformers' ``synced_gpus``):
+    a sharded model's forward is collective, so no rank may stop early.
     """
     texts = [p for p in prompts for _ in range(group_size)]
     refs = [a for a in answers for _ in range(group_size)]
@@ -118,6 +121,7 @@ def generate(
         input_ids=enc["input_ids"].to(device),
         attention_mask=enc["attention_mask"].to(device),
         generation_config=gen_cfg,
+        synced_gpus=synced,
     )
     p = enc["input_ids"].shape[1]
     completion_ids = out[:, p:].cpu()
