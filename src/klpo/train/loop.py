@@ -44,6 +44,7 @@ from klpo.train.models import (
     Backbone,
     Critic,
     autocast,
+    enable_checkpointing,
     freeze,
     load_causal_lm,
     load_tokenizer,
@@ -149,8 +150,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     else:
         policy = load_causal_lm(str(start / "policy") if start else policy_path)
     if cfg.model.gradient_checkpointing:
-        # Non-reentrant checkpointing: correct with frozen inputs (LoRA) and under FSDP.
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(policy)
     policy.to(dist.device).train()
     backbone: torch.nn.Module = Backbone(policy, compute)
     reference: torch.nn.Module

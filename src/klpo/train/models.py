@@ -129,6 +129,18 @@ class Critic(nn.Module):
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in the backward pass (transformers' checkpointing).
+
+    Non-reentrant ``torch.utils.checkpoint``: it needs no input that requires grad (LoRA's frozen
+    embeddings) and composes with FSDP's hooks."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name in transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():
