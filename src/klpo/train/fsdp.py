@@ -71,6 +71,9 @@ def shard(module: nn.Module, dist) -> nn.Module:
     for layer in transformer(module.model).layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(module, mesh=mesh, mp_policy=mp)
+    # FSDP2 makes the first unit to run forward the root. generate() calls the layers without
+    # the Backbone's forward, so settle the root now (FSDP2's own lazy init, done early).
+    module._get_fsdp_state()._lazy_init()
     return module
 
 

@@ -574,7 +574,6 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
     step0 = 0
     if start is not None:
         step0 = meta["step"]
-        ckpt_io.restore_optimizers(start, optimizers, meta)
         if fsdp.is_sharded_checkpoint(start):
             if not sharded:
                 raise ConfigError(
@@ -582,6 +581,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                     "torchrun with dist.strategy=fsdp, or klpo export it to a plain model"
                 )
             fsdp.load_sharded(m.backbone, opt.policy, start / "policy")
+        ckpt_io.restore_optimizers(start, optimizers, meta)
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
         stream.load_state_dict(meta["data"])
