@@ -80,3 +80,12 @@ def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick
     )
     with pytest.raises(ConfigError, match="holds sharded weights"):
         loop.train(cfg, resume=True, log=lambda *_: None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [(["algo.name=ppo"], "critic"), (["model.lora={r: 2}"], "LoRA")],
+)
+def test_fsdp_refuses_what_it_does_not_shard_yet(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(overrides=["dist.strategy=fsdp", *extra])
