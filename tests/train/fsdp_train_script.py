@@ -19,7 +19,7 @@ from klpo.train.dist import init_distributed
 
 
 def main(model: str, run_dir: str) -> None:
-    extra = {"dist.strategy": "fsdp", "run.save_every": 1, "run.eval_every": 0}
+    extra = {"dist.strategy": "fsdp", "run.save_every": 1, "run.eval_every": 2, "data.eval_size": 4}
     dist = init_distributed(threads=1)
     leave = loop.shutdown
     loop.shutdown = lambda _: None  # one process group for both runs; left at the end

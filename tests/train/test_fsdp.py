@@ -63,7 +63,8 @@ def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick
     run = tmp_path / "run"
     torchrun("fsdp_train_script.py", str(tiny_model), str(run))
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # (every rank evaluates: collective)
+    assert "accuracy/heldout" in rows[0] and "accuracy/heldout" in rows[2]
     ckpt = run / "checkpoints" / "step_000003" / "policy"
     assert (ckpt / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
 

@@ -499,6 +499,7 @@ def _micro_step(
 def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
     from klpo.train.task import heldout_accuracy as accuracy
 
+    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
     return accuracy(
         m.policy,
         m.tokenizer,
@@ -632,8 +633,13 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
             f"number of processes ({dist.world})"
         )
-    if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
-        writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
+    # A sharded policy's forward is collective: under FSDP every rank evaluates (greedy decoding
+    # of the same problems with the same weights, so all take the same number of forwards).
+    evaluates = dist.is_main or sharded
+    if step0 == 0 and heldout and cfg.run.eval_every and evaluates:
+        acc = heldout_accuracy(cfg, m, heldout)
+        if writer is not None:
+            writer.write(0, {"accuracy/heldout": acc})
 
     progress = _progress(cfg, dist, step0)
     t_start = time.perf_counter()
@@ -695,8 +701,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
         if heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
-            if dist.is_main:
-                metrics["accuracy/heldout"] = heldout_accuracy(cfg, m, heldout)
+            if evaluates:
+                acc = heldout_accuracy(cfg, m, heldout)
+                if dist.is_main:
+                    metrics["accuracy/heldout"] = acc
             dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
