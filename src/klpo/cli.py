@@ -124,7 +124,8 @@ def train(
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
 
-    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel.
+    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
+    with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md).
     """
     from klpo.train.config import ConfigError, load_config
 

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from klpo.train.dist import Dist
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -39,7 +46,7 @@ def unshard_root(module: nn.Module) -> None:
         module.unshard()
 
 
-def to_float(x) -> float:
+def to_float(x: torch.Tensor) -> float:
     """A scalar tensor as a float; a DTensor (FSDP's gradient norm) is gathered first."""
     from torch.distributed.tensor import DTensor
 
@@ -48,14 +55,13 @@ def to_float(x) -> float:
     return float(x)
 
 
-def shard(module: nn.Module, dist) -> nn.Module:
+def shard(module: nn.Module, dist: Dist) -> nn.Module:
     """``module`` (a Backbone, the policy's or the reference's) sharded in place and returned.
 
     Every decoder layer becomes an FSDP unit, then the Backbone itself the root unit. With a
     bf16 compute dtype the units gather their parameters in bf16 and reduce gradients in float32
     (``MixedPrecisionPolicy``); the float32 shards stay the master weights.
     """
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -85,7 +91,7 @@ def is_sharded_checkpoint(ckpt: Path) -> bool:
     return (Path(ckpt) / "policy" / SHARDS).is_file()
 
 
-def save_sharded(backbone: nn.Module, optimizer, path: Path) -> None:
+def save_sharded(backbone: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Every rank writes its shards of the policy and its optimizer state to ``path`` (collective).
 
     ``get_state_dict`` names the entries by their unsharded names (``model.model.layers.0...``),
@@ -98,7 +104,7 @@ def save_sharded(backbone: nn.Module, optimizer, path: Path) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
 
 
-def load_sharded(backbone: nn.Module, optimizer, path: Path) -> None:
+def load_sharded(backbone: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Load :func:`save_sharded`'s shards into the sharded policy and its optimizer (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -128,7 +134,7 @@ class StagedShards:
     ``save_pretrained`` moves the shards every rank already wrote into the checkpoint being
     built, with the model's config.json beside them."""
 
-    def __init__(self, staged: Path, config) -> None:
+    def __init__(self, staged: Path, config: PretrainedConfig) -> None:
         self.staged, self.config = Path(staged), config
 
     def save_pretrained(self, path: Path, **_: object) -> None:

@@ -16,6 +16,7 @@ Checkpoints hold the adapters only (``save_pretrained`` of a ``PeftModel``:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_mo
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft calls transformers' deprecated spellings
+            warnings.simplefilter("ignore", FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as err:
         raise ValueError(
             f"model.lora.target_modules={target_modules!r} does not fit this model: {err}. "
@@ -55,7 +58,9 @@ def load_adapters(model: nn.Module, adapter_dir: str | Path):
     """``model`` with the trainable adapters saved in ``adapter_dir`` (a checkpoint's policy/)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
 
 
 def is_adapter_dir(path: str | Path) -> bool:
