@@ -150,3 +150,18 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_export(tiny_model, qu
     assert (adapters / "tokenizer_config.json").is_file()
     again = CliRunner().invoke(app, ["export", str(whole), "--out", str(out)])
     assert again.exit_code == 2 and "not empty" in again.output
+
+
+def test_export_of_a_full_fine_tune_is_its_checkpoint(tiny_model, quick, tmp_path):
+    run = tmp_path / "run"
+    extra = {"run.steps": 1, "run.eval_every": 0}
+    loop.train(build_config(overrides=quick(tiny_model, run, **extra)), log=lambda *_: None)
+    out = tmp_path / "plain"
+    result = CliRunner().invoke(app, ["export", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    got = load_file(str(out / "model.safetensors"))
+    want = load_file(str(run / "checkpoints" / "step_000001" / "policy" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    missing = CliRunner().invoke(app, ["export", str(tmp_path / "nothing"), "--out", str(out)])
+    assert missing.exit_code == 2 and "holds no run" in missing.output
