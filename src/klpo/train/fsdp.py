@@ -76,7 +76,9 @@ def shard(module: nn.Module, dist: Dist) -> nn.Module:
     )
     for layer in transformer(module.model).layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+    # The root keeps its parameters gathered from its forward to its backward: the fused pass
+    # reads the head outside the forward, before and after it (FSDP2's default for a root).
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # FSDP2 makes the first unit to run forward the root. generate() calls the layers without
     # the Backbone's forward, so settle the root now (FSDP2's own lazy init, done early).
     module._get_fsdp_state()._lazy_init()
