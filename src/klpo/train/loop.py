@@ -416,7 +416,7 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
     scores = torch.tensor(totals, dtype=torch.float32)
     tokens = rollout.completion_ids
     weight_ref, bias_ref = m.reference.head()
-    hidden_ref = completion_hidden(m.reference, rollout)
+    hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)
     ref = logprobs.fused(
         hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
     )
@@ -425,7 +425,7 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
     if not update_gives_logp_old(cfg):
         weight, bias = _unwrap(m.backbone).head()
         out = logprobs.fused(
-            completion_hidden(_unwrap(m.backbone), rollout),
+            completion_hidden(_unwrap(m.backbone), rollout, share_prompt=cfg.rollout.share_prompt),
             weight,
             tokens,
             bias=bias,
@@ -495,7 +495,7 @@ def update(
     clip = cfg.optim.grad_clip or math.inf
     tally = Tally()
     for _ in range(a.epochs):
-        order = torch.randperm(mask.shape[0], generator=gen)
+        order = shuffle_rows(cfg, s.rollout, gen)
         for mb in order.chunk(a.minibatches):
             # One normaliser for the whole minibatch, over its micro-batches and all ranks.
             n_global = dist.all_sum(reduce.normaliser(mask[mb], a.loss_reduction, max_len=max_len))
@@ -523,6 +523,21 @@ def update(
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
                 opt.critic.step()
     return tally
+
+
+def shuffle_rows(cfg: TrainConfig, rollout: Rollout, gen: torch.Generator) -> Tensor:
+    """The update's row order: whole groups shuffled when prompts are shared, else rows.
+
+    With ``rollout.share_prompt`` the minibatches (and micro-batches of a multiple of the group
+    size) hold whole groups in order, so each prompt is computed once per group in the update's
+    forward pass too (:func:`klpo.train.rollout.shared_groups`).
+    """
+    g = rollout.group_size
+    b = rollout.mask.shape[0]
+    if not cfg.rollout.share_prompt or g <= 1 or b % g:
+        return torch.randperm(b, generator=gen)
+    groups = torch.randperm(b // g, generator=gen)
+    return (groups[:, None] * g + torch.arange(g)).flatten()
 
 
 def _no_sync(module: torch.nn.Module | None, sync: bool):
@@ -566,7 +581,7 @@ def _micro_step(
         weight, bias = _unwrap(m.backbone).head()
         weight_ref, bias_ref = m.reference.head()
         out = logprobs.fused(
-            completion_hidden(m.backbone, r),
+            completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt),
             weight,
             r.completion_ids,
             bias=bias,
@@ -940,6 +955,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
+            sampler=cfg.rollout.sampler,
             synced=dist.enabled and cfg.dist.strategy == "fsdp",
         )
     m.policy.train()

@@ -89,11 +89,21 @@ class AdapterFreeReference(nn.Module):
     def backbone(self) -> Backbone:
         return self._policy[0]
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        *,
+        prefix: int = 0,
+        group: int = 1,
+    ) -> Tensor:
         peft_model = self.backbone.model
         # Dropout on the adapters' input is bypassed with them; the base layers have none.
         with torch.no_grad(), peft_model.disable_adapter():
-            return self.backbone(input_ids, attention_mask, position_ids)
+            return self.backbone(
+                input_ids, attention_mask, position_ids, prefix=prefix, group=group
+            )
 
     def head(self) -> tuple[Tensor, Tensor | None]:
         return self.backbone.head()

@@ -74,6 +74,14 @@ def transformer(model: nn.Module) -> nn.Module:
 class Backbone(nn.Module):
     """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
 
+    With ``group > 1`` and ``prefix = P``, rows ``g*group .. g*group + group - 1`` share their first
+    ``P`` columns (one prompt, ``group`` completions, as GRPO samples them): the prompt is run once
+    per group, its keys and values are repeated ``group`` times (autograd flows back through the
+    repeat, so every completion's gradient reaches the shared prompt's activations, summed), and
+    the completion columns attend to them through the cache. The hidden states and parameter
+    gradients are those of the unshared forward (tested in float64); the prompt's compute drops by
+    the factor ``group``.
+
     ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
     FSDP this module is the root of the sharding, so its own parameter group holds the
     embeddings, the final norm and the head (:mod:`klpo.train.fsdp`).
@@ -84,15 +92,55 @@ class Backbone(nn.Module):
         self.model = model
         self.compute_dtype = compute_dtype
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        *,
+        prefix: int = 0,
+        group: int = 1,
+    ) -> Tensor:
         with autocast(self.compute_dtype, input_ids.device):
-            out = transformer(self.model)(
+            return self._hidden(input_ids, attention_mask, position_ids, prefix, group)
+
+    def _hidden(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prefix: int,
+        group: int,
+    ) -> Tensor:
+        base = transformer(self.model)
+        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1]:
+            out = base(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,
             )
-        return out.last_hidden_state
+            return out.last_hidden_state
+        first = slice(None, None, group)  # one row per group
+        head = base(
+            input_ids=input_ids[first, :prefix],
+            attention_mask=attention_mask[first, :prefix],
+            position_ids=position_ids[first, :prefix],
+            use_cache=True,
+        )
+        cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
+        if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
+            return self._hidden(input_ids, attention_mask, position_ids, 0, 1)
+        cache.batch_repeat_interleave(group)
+        tail = base(
+            input_ids=input_ids[:, prefix:],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, prefix:],
+            cache=cache,
+            use_cache=True,
+        )
+        shared = head.last_hidden_state.repeat_interleave(group, dim=0)
+        return torch.cat([shared, tail.last_hidden_state], dim=1)
 
     def head(self) -> tuple[Tensor, Tensor | None]:
         """The output head's (weight [V, H], bias [V] or None), whole.
@@ -124,8 +172,16 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
         self.value_head.to(next(model.parameters()).dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        h = self.backbone(input_ids, attention_mask, position_ids)
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        *,
+        prefix: int = 0,
+        group: int = 1,
+    ) -> Tensor:
+        h = self.backbone(input_ids, attention_mask, position_ids, prefix=prefix, group=group)
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
