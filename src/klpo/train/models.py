@@ -113,7 +113,13 @@ class Backbone(nn.Module):
         group: int,
     ) -> Tensor:
         base = transformer(self.model)
-        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1]:
+        # Checkpointed layers keep no cache, so a shared prompt could not reach the completions.
+        checkpointed = (
+            getattr(base, "gradient_checkpointing", False)
+            and base.training
+            and torch.is_grad_enabled()
+        )
+        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1] or checkpointed:
             out = base(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
