@@ -108,18 +108,21 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model):
 
 
 @pytest.mark.parametrize(
-    ("n", "width", "micro", "tokens", "want"),
+    ("n", "width", "micro", "tokens", "group", "want"),
     [
-        (16, 10, 0, 0, 16),  # no limit: the whole minibatch
-        (16, 10, 0, 35, 3),  # 35 // 10 = 3 rows
-        (16, 10, 4, 35, 3),  # both set: the smaller
-        (16, 10, 2, 35, 2),
-        (16, 50, 0, 35, 1),  # a row wider than the budget still goes, alone
-        (2, 10, 0, 1000, 2),  # never more than the minibatch
+        (16, 10, 0, 0, 1, 16),  # no limit: the whole minibatch
+        (16, 10, 0, 35, 1, 3),  # 35 // 10 = 3 rows
+        (16, 10, 4, 35, 1, 3),  # both set: the smaller
+        (16, 10, 2, 35, 1, 2),
+        (16, 50, 0, 35, 1, 1),  # a row wider than the budget still goes, alone
+        (2, 10, 0, 1000, 1, 2),  # never more than the minibatch
+        (16, 10, 0, 95, 4, 8),  # 9 rows, rounded down to two whole groups of 4
+        (16, 10, 0, 35, 4, 3),  # fewer rows than a group: kept as they are
+        (16, 10, 5, 95, 4, 5),  # micro_batch is taken as given
     ],
 )
-def test_rows_per_micro_batch(n, width, micro, tokens, want):
-    assert microbatch.rows_per_micro_batch(n, width, micro, tokens) == want
+def test_rows_per_micro_batch(n, width, micro, tokens, group, want):
+    assert microbatch.rows_per_micro_batch(n, width, micro, tokens, group) == want
 
 
 def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny_model):

@@ -504,7 +504,9 @@ def update(
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
             width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
-            micro = microbatch.split(mb, width, a.micro_batch, a.micro_batch_tokens)
+            micro = microbatch.split(
+                mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
+            )
             for i, rows in enumerate(micro):
                 part = _micro_step(
                     cfg, m, s, rows, beta, beta_old, n_global, dist,

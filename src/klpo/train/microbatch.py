@@ -13,8 +13,14 @@ from __future__ import annotations
 from torch import Tensor
 
 
-def rows_per_micro_batch(n_rows: int, width: int, micro_batch: int, micro_batch_tokens: int) -> int:
-    """Rows in one micro-batch: the smaller of ``micro_batch`` and ``micro_batch_tokens // width``.
+def rows_per_micro_batch(
+    n_rows: int, width: int, micro_batch: int, micro_batch_tokens: int, group: int = 1
+) -> int:
+    """Rows in one micro-batch: the smaller of ``micro_batch`` and the token budget's rows.
+
+    The budget's rows are ``micro_batch_tokens // width``, rounded down to whole groups of
+    ``group`` when that leaves at least one: the update orders its rows by whole groups, so
+    micro-batches of whole groups compute each prompt once (``rollout.share_prompt``).
 
     Args:
         n_rows: rows in the minibatch.
@@ -22,17 +28,22 @@ def rows_per_micro_batch(n_rows: int, width: int, micro_batch: int, micro_batch_
         micro_batch: sequences per pass (0: no limit).
         micro_batch_tokens: token budget per pass (0: no limit); a row wider than the budget
             still makes a micro-batch of its own.
+        group: completions per prompt (consecutive rows that share a prompt).
     """
     size = n_rows
     if micro_batch:
         size = min(size, micro_batch)
     if micro_batch_tokens:
-        size = min(size, max(1, micro_batch_tokens // max(width, 1)))
+        budget = max(1, micro_batch_tokens // max(width, 1))
+        if group > 1 and budget >= group:
+            budget -= budget % group
+        size = min(size, budget)
     return max(size, 1)
 
 
 def split(
-    rows: Tensor, width: int, micro_batch: int, micro_batch_tokens: int
+    rows: Tensor, width: int, micro_batch: int, micro_batch_tokens: int, group: int = 1
 ) -> tuple[Tensor, ...]:
     """``rows`` (a minibatch's row indices) cut into consecutive micro-batches."""
-    return rows.split(rows_per_micro_batch(len(rows), width, micro_batch, micro_batch_tokens))
+    size = rows_per_micro_batch(len(rows), width, micro_batch, micro_batch_tokens, group)
+    return rows.split(size)
