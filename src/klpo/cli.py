@@ -410,7 +410,7 @@ def lab_report(
             seed=seed,
             progress=lambda done, what: progress.update(task, completed=done, description=what),
         )
-    verdicts = Table(title="Seed 000: which claims hold (details in report.md)")
+    verdicts = Table(title='Claims about "K2" and "K3": which hold (report.md, docs/claims.md)')
     verdicts.add_column("#", justify="right")
     verdicts.add_column("claim")
     verdicts.add_column("verdict")
@@ -425,7 +425,7 @@ def lab_report(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo make-reference: the tiny reference model of the built-in task (issue 6).
+# klpo make-reference: the tiny reference model of the built-in task.
 
 
 @app.command("make-reference")
@@ -515,7 +515,7 @@ def make_reference_cmd(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo compare: the estimator stability study on real training (issue 7).
+# klpo compare: the estimator stability study on real training.
 
 
 @app.command()

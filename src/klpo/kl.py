@@ -31,6 +31,9 @@ it runs in float32 chunks over the vocabulary (:func:`klpo.logprobs.exact_kl`; f
 float64 logits), since a float64 copy of ``[B, T, V]`` logits would dwarf everything else. Masking is the
 caller's job and must use ``torch.where`` (as :mod:`klpo.reduce` does), not multiplication: an
 estimate may be ``+inf`` where the true value exceeds the float32 range, and ``inf * 0`` is NaN.
+:func:`estimate` refuses non-finite log-probs (NaN, or a ``-inf`` from a reference that forbids a
+sampled token), naming the argument and the count; give it the ``mask`` and padding positions may
+hold anything. The per-estimator functions do not check.
 
 Range: for float32 inputs, values and gradients are finite for ``|d| <= 80`` (``exp(80)`` ≈ 5.5e34).
 Beyond about ``d < -88.7`` the values of ``k3``, ``k3+``, ``k3_is`` and ``kl_ref_theta`` exceed the
@@ -53,6 +56,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from klpo._tensor import (
+    capped,
+    check_float,
+    check_mask,
+    check_same_shape,
+    to_out,
+    wide_dtype,
+)
+from klpo._tensor import check_finite as _check_finite
 from klpo.logprobs import exact_kl
 
 __all__ = [
@@ -117,42 +129,22 @@ def _placement(placement: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Precision helpers.
-
-
-def _wide_dtype(x: Tensor) -> torch.dtype:
-    """float64 where the device has it (everything but Apple's MPS), else float32."""
-    return torch.float32 if x.device.type == "mps" else torch.float64
+# Precision helpers (the shared ones live in klpo._tensor).
 
 
 def _log_ratio(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """d = logp - logp_ref, upcast before the subtraction."""
     _check_pair(logp, logp_ref, "logp_ref")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     return logp.to(wide) - logp_ref.to(wide)
 
 
 def _check_pair(logp: Tensor, other: Tensor, other_name: str) -> None:
-    if not isinstance(logp, Tensor) or not isinstance(other, Tensor):
-        raise TypeError(
-            f"logp and {other_name} must be torch tensors, got "
-            f"{type(logp).__name__} and {type(other).__name__}"
-        )
     for name, t in (("logp", logp), (other_name, other)):
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor of log-probabilities, got {t.dtype}")
-    if logp.shape != other.shape:
-        raise ValueError(
-            f"logp has shape {tuple(logp.shape)} but {other_name} has shape "
-            f"{tuple(other.shape)}; both must be the per-token [B, T] log-probs of the same tokens"
-        )
-
-
-def _out(x: Tensor, *inputs: Tensor) -> Tensor:
-    """float32, or float64 when an input is float64 (so float64 oracles stay exact)."""
-    if any(t.dtype == torch.float64 for t in inputs):
-        return x.to(torch.float64)
-    return x.to(torch.float32)
+        check_float(name, t, "a float tensor of log-probabilities")
+    check_same_shape(
+        other_name, other, hint="the per-token [B, T] log-probs of the same tokens", logp=logp
+    )
 
 
 def _k2_straight_through(d: Tensor, value: Tensor) -> Tensor:
@@ -161,20 +153,9 @@ def _k2_straight_through(d: Tensor, value: Tensor) -> Tensor:
     return value.detach() + (k2_ - k2_.detach())
 
 
-def _capped(x: Tensor) -> Tensor:
-    """`x` capped to ±700 (±85 in float32) in the value only, for use as an exponent.
-
-    exp(±700) is finite in float64, so a product like w · k3 can never become 0 · inf = NaN; the
-    float32 result still overflows to inf where the true value exceeds the float32 range. The
-    gradient passes straight through the cap.
-    """
-    cap = 700.0 if x.dtype == torch.float64 else 85.0
-    return x + (x.clamp(-cap, cap) - x).detach()
-
-
 def _k3_wide(d: Tensor) -> Tensor:
     """exp(-d) + d - 1 = expm1(-d) + d, accurate near d = 0, never negative, NaN-free."""
-    return _nonneg(torch.expm1(-_capped(d)) + d)
+    return _nonneg(torch.expm1(-capped(d)) + d)
 
 
 def _with_gradient(value: Tensor, pairs: tuple[tuple[Tensor, Tensor], ...]) -> Tensor:
@@ -219,7 +200,7 @@ def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Returns:
         ``[B, T]`` float32.
     """
-    return _out(_log_ratio(logp, logp_ref), logp, logp_ref)
+    return to_out(_log_ratio(logp, logp_ref), logp, logp_ref)
 
 
 def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -236,7 +217,7 @@ def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(0.5 * d * d, logp, logp_ref)
+    return to_out(0.5 * d * d, logp, logp_ref)
 
 
 def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -255,7 +236,7 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf (see the module notes).
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k3_wide(d), logp, logp_ref)
+    return to_out(_k3_wide(d), logp, logp_ref)
 
 
 def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -267,7 +248,7 @@ def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     Args / Returns: as :func:`k1`.
     """
-    return _out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
+    return to_out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
 
 
 def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -280,7 +261,7 @@ def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, d), logp, logp_ref)
+    return to_out(_k2_straight_through(d, d), logp, logp_ref)
 
 
 def k2_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -297,7 +278,7 @@ def k3_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
+    return to_out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
 
 
 def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -309,7 +290,7 @@ def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
+    return to_out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
 
 
 def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
@@ -334,15 +315,15 @@ def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
     """
     _check_pair(logp, logp_ref, "logp_ref")
     _check_pair(logp, logp_old, "logp_old")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     lp, lp_ref = logp.to(wide), logp_ref.to(wide)
     with torch.no_grad():
         d = lp - lp_ref
-        w = torch.exp(_capped(lp - logp_old.to(wide)))
+        w = torch.exp(capped(lp - logp_old.to(wide)))
         value = w * _k3_wide(d)
         # d/dlogp (w k3) = w k3 + w (1 - exp(-d)) = w d;  d/dlogp_ref (w k3) = -w (1 - exp(-d))
-        coef, coef_ref = w * d, w * torch.expm1(-_capped(d))
-    return _out(_with_gradient(value, ((coef, lp), (coef_ref, lp_ref))), logp, logp_ref)
+        coef, coef_ref = w * d, w * torch.expm1(-capped(d))
+    return to_out(_with_gradient(value, ((coef, lp), (coef_ref, lp_ref))), logp, logp_ref)
 
 
 def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -350,8 +331,8 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     A **compatibility option**, matching verl's ``kl_penalty(..., "low_var_kl")`` exactly:
     ``kl = clamp(logp_ref - logp, -20, 20); value = clamp(exp(kl) - kl - 1, -10, 10)``.
-    Where the value clamp bites (k3 > 10, i.e. d < -2.35, pi_theta more than ~10x below pi_ref on
-    the sampled token) the gradient is **exactly zero**: the brake fails precisely where the policy
+    Where the value clamp bites (k3 > 10, i.e. d < -2.611, pi_theta below 7.3% of pi_ref on the
+    sampled token: exp(2.611) - 2.611 - 1 = 10) the gradient is **exactly zero**: the brake fails precisely where the policy
     has moved furthest below the reference. Elsewhere it equals k3, value and gradient. Prefer
     ``k3`` (or ``k3+``), which need no clamp.
 
@@ -359,7 +340,7 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """
     d = _log_ratio(logp, logp_ref)
     kl = torch.clamp(-d, min=-20.0, max=20.0)
-    return _out(torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0), logp, logp_ref)
+    return to_out(torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0), logp, logp_ref)
 
 
 def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -378,15 +359,15 @@ def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf.
     """
     _check_pair(logp, logp_ref, "logp_ref")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     lp, lp_ref = logp.to(wide), logp_ref.to(wide)
     with torch.no_grad():
         d = lp - lp_ref
-        r = torch.exp(-_capped(d))
+        r = torch.exp(-capped(d))
         # r log r - (r - 1) = r * (-d) - expm1(-d); written with expm1 for accuracy near d = 0.
-        value = (-r * d - torch.expm1(-_capped(d))).clamp_min(0.0)
+        value = (-r * d - torch.expm1(-capped(d))).clamp_min(0.0)
         coef = r * d  # d/dd [r log r - r + 1] = (log r) dr/dd = (-d)(-r)
-    return _out(_with_gradient(value, ((coef, lp), (-coef, lp_ref))), logp, logp_ref)
+    return to_out(_with_gradient(value, ((coef, lp), (-coef, lp_ref))), logp, logp_ref)
 
 
 def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -475,6 +456,8 @@ def estimate(
     logp_old: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    mask: Tensor | None = None,
+    check_finite: bool = True,
 ) -> Tensor:
     """Per-token KL estimate by name: ``estimate("k3", logp, logp_ref)`` → ``[B, T]`` float32.
 
@@ -485,9 +468,22 @@ def estimate(
         logp_old: ``[B, T]`` log pi_old, the sampling policy; required by ``k3_is``
             (on-policy, pass ``logp.detach()``), ignored by the others.
         logits, logits_ref: ``[B, T, V]``; required by ``full`` (which ignores ``logp``).
+        mask: optional ``[B, T]`` bool, True where a token takes part. Only the finiteness check
+            uses it (positions where it is False may hold padding of any value, NaN included);
+            the estimate is still returned at every position, and reducing it with the mask
+            (:func:`klpo.reduce.reduce`) is the caller's job.
+        check_finite: raise on non-finite ``logp``, ``logp_ref`` or ``logp_old`` (where
+            ``mask``). A token sampled from pi_theta has a finite log-probability under pi_theta
+            and pi_old, and a ``-inf`` under pi_ref means the reference forbids it (an infinite
+            KL, whose gradient is NaN): either way the estimate would be NaN or inf with no word.
+            The check is one ``isfinite`` pass per input and one host sync; pass
+            False where infinite inputs are meant (a study of what each estimator does with an
+            infinite log-ratio). ``full``'s logits are not checked (that would be a second pass
+            over ``[B, T, V]``).
 
     Raises:
-        ValueError: for an unknown name (listing the valid ones) or a missing input.
+        ValueError: for an unknown name (listing the valid ones), a missing input, or a
+            non-finite log-prob (naming the argument and the count of non-finite entries).
     """
     spec = _spec(name)
     if spec.needs_logits:
@@ -500,6 +496,15 @@ def estimate(
         return spec.fn(logits, logits_ref)
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
+    if check_finite:
+        _check_pair(logp, logp_ref, "logp_ref")
+        if mask is not None:
+            check_mask(mask, logp.shape)
+        old = {}
+        if spec.needs_old and logp_old is not None:
+            _check_pair(logp, logp_old, "logp_old")
+            old = {"logp_old": logp_old}
+        _check_finite("logp", logp, mask, logp_ref=logp_ref, **old)
     if spec.needs_old:
         if logp_old is None:
             raise ValueError(

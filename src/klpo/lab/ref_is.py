@@ -1,7 +1,7 @@
 r"""Two estimators that need samples of the reference: ``ref_is`` and ``adaptive_mix``.
 
-They come from an interview-prep text (the project's seed 000), where they are called "K2" and
-"K3". They are **not** Schulman's k2 and k3 (see :mod:`klpo.kl`); the lab implements them under
+They come from a widely shared interview-preparation answer, quoted in docs/claims.md, where they
+are called "K2" and "K3". They are **not** Schulman's k2 and k3 (see :mod:`klpo.kl`); the lab implements them under
 their own names and measures them.
 
 ``ref_is`` (importance sampling from the reference). With x ~ pi_ref and the weight
@@ -24,10 +24,10 @@ pi_ref)`` exactly: in the loss, plain ``ref_is`` follows the right gradient, eve
 sequences. ``grad(w log w) = w (1 + log w) grad log pi_theta(x)``; where a clip bites, w is a
 constant and only ``clamp(w) · grad log w`` remains.
 
-``adaptive_mix`` (the seed's "K3"): ``a · k1 + (1 - a) · ref_is`` with
+``adaptive_mix`` (the answer's "K3"): ``a · k1 + (1 - a) · ref_is`` with
 ``a = sigmoid(gamma · (KL_window - threshold))``, ``KL_window`` the mean of the last ``window``
 outputs of the mix itself (an empty window counts as KL = 0: the policy starts at the reference).
-With gamma > 0, as written, the weight on k1 *grows* with the KL, the opposite of the seed's prose
+With gamma > 0, as written, the weight on k1 *grows* with the KL, the opposite of the answer's prose
 ("favour K1 when the KL is small"); gamma < 0 gives the prose's behaviour. Both components are
 unbiased, and a depends only on past batches, so the plain mix is unbiased too.
 """

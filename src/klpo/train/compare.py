@@ -41,7 +41,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from klpo import kl
-from klpo.train.checkpoint import write_text_atomic
+from klpo._io import write_text_atomic
 from klpo.train.config import ConfigError, build_config, dump_config, one_of
 from klpo.train.metrics import read_metrics
 from klpo.train.report import save_figure

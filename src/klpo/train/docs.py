@@ -164,7 +164,7 @@ PAGES = {"estimators.md": estimators_page, "metrics.md": metrics_page, "config.m
 
 def write_pages(out: str | Path) -> list[Path]:
     """Write every generated page into ``out``; returns their paths."""
-    from klpo.train.checkpoint import write_text_atomic
+    from klpo._io import write_text_atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -683,6 +683,7 @@ def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> flo
         heldout,
         max_new_tokens=cfg.rollout.max_new_tokens,
         reward=cfg.rewards[0].name,
+        sampler=cfg.rollout.sampler,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from klpo.train.checkpoint import write_text_atomic
+from klpo._io import write_text_atomic
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
