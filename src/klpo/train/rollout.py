@@ -307,6 +307,6 @@ def _hf_generate(
         input_ids=enc["input_ids"].to(device),
         attention_mask=enc["attention_mask"].to(device),
         generation_config=gen_cfg,
-        synced_gpus=synced,
+        **({"synced_gpus": True} if synced else {}),  # (only when asked: stub models lack it)
     )
     return out[:, enc["input_ids"].shape[1] :].cpu()
