@@ -71,6 +71,7 @@ __all__ = [
     "ESTIMATORS",
     "GRADIENTS",
     "PLACEMENTS",
+    "REF_SAMPLED",
     "Explanation",
     "Placement",
     "abs_",
@@ -91,6 +92,7 @@ __all__ = [
     "k3_plus",
     "kl_ref_theta",
     "low_var_kl",
+    "refusal",
 ]
 
 THETA_REF = "KL(pi_theta ‖ pi_ref)"
@@ -554,6 +556,10 @@ class Explanation:
     def text(self) -> str:
         """The explanation for people, a few lines."""
         sampling = "samples from pi_theta" if self.on_policy else "samples from pi_old ≠ pi_theta"
+        if self.estimator == "ref_is":
+            sampling = "samples from pi_ref"
+        elif self.estimator == "adaptive_mix":
+            sampling = "samples from pi_ref and pi_theta"
         value = (
             f"{'unbiased' if self.unbiased else 'biased'} estimate of {self.estimates}, "
             f"{'never negative' if self.nonnegative else 'can be negative'}"
@@ -596,19 +602,30 @@ def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Expla
 
     Args:
         name: one of :data:`ESTIMATORS`.
-        placement: one of :data:`PLACEMENTS` (``"none"`` is an error: it places no KL).
+        placement: one of :data:`PLACEMENTS` (``"none"`` is an error: it places no KL). The
+            estimators of :data:`REF_SAMPLED` have only ``"loss"``; other placements raise a
+            ValueError with the reason (:func:`refusal`).
         on_policy: False to ask about tokens sampled from an older policy pi_old, with no
             correction beyond what the estimator itself carries (``k3_is`` carries one).
 
     Returns:
         an :class:`Explanation`.
+
+    Raises:
+        ValueError: an unknown estimator or placement, or a placement that makes no sense for it.
     """
-    _spec(name)
+    if name not in REF_SAMPLED:
+        _spec(name)
     if _placement(placement) == "none":
         raise ValueError(
             "placement 'none' puts no KL in the reward or the loss, so there is no gradient to "
             f"explain; choose one of: {', '.join(PLACEMENTS)}"
         )
+    if name in REF_SAMPLED:
+        reason = refusal(name, placement)
+        if reason is not None:
+            raise ValueError(reason)
+        return _derive_ref_sampled(name)
     return _derive(name, placement, bool(on_policy))
 
 
@@ -751,3 +768,80 @@ def _never_negative(name: str) -> bool:
     logp_old = torch.stack([zeros, zeros + 5.0, zeros - 5.0])
     values = estimate(name, d.expand(3, -1), zeros.expand(3, -1), logp_old=logp_old.expand(3, -1))
     return bool((values >= 0).all())
+
+
+# --------------------------------------------------------------------------------------------
+# Estimators from samples of the reference (klpo.ref_kl): only in the loss.
+
+REF_SAMPLED: tuple[str, ...] = ("ref_is", "adaptive_mix")
+"""Estimators that also need completions sampled from pi_ref (:mod:`klpo.ref_kl`); not in
+:data:`ESTIMATORS`, which are per-token functions of the policy's own samples."""
+
+_REF_EQUATIONS = {
+    "ref_is": "w·log w over x ~ pi_ref, w = pi_theta(x)/pi_ref(x)",
+    "adaptive_mix": "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)); "
+    "its expected gradient is scaled by 1 - a",
+}
+
+
+def refusal(name: str, placement: str) -> str | None:
+    """Why ``name`` cannot go in ``placement``, or None if it can.
+
+    Only the estimators of :data:`REF_SAMPLED` refuse a placement: ``ref_is`` is computed on
+    completions the *reference* sampled, so as a detached per-token reward it would attach to
+    no token the policy sampled and carry no policy-gradient term for them; ``adaptive_mix``
+    inherits this through its ``ref_is`` part.
+    """
+    if name not in REF_SAMPLED or placement == "loss":
+        return None
+    why = (
+        f"{name} cannot go in the {placement}: it is computed on completions sampled from pi_ref, "
+        "not from the policy, so as a detached reward it sits on no token the policy sampled and "
+        "carries no policy-gradient term for the policy's own tokens. "
+    )
+    if name == "adaptive_mix":
+        why += "(Its k1 part could, but its ref_is part cannot, and the mix is one number.) "
+    return why + (
+        "Use kl.placement=loss: there, differentiating w·log w with the reference's samples held "
+        "fixed follows grad KL(pi_theta ‖ pi_ref) exactly (klpo explain -e ref_is -p loss)."
+    )
+
+
+@functools.cache
+def _derive_ref_sampled(name: str) -> Explanation:
+    """:func:`explain` for a :data:`REF_SAMPLED` estimator in the loss, by exact enumeration.
+
+    ``ref_is``: E_ref[w log w] and E_ref[grad (w log w)] summed over every outcome x with weight
+    pi_ref(x). ``adaptive_mix`` at a fixed weight a = 1/2: a·E_theta[k1] + (1 - a)·E_ref[w log w];
+    its expected gradient must then be (1 - a)·grad KL(pi_theta ‖ pi_ref) (k1's is zero).
+    """
+    a = 0.5 if name == "adaptive_mix" else 0.0
+    unbiased, labels = True, set()
+    for theta, ref, _ in _cases():
+        kl_tr, _, g_tr, _ = _exact_kls(theta, ref)
+        t = theta.detach().clone().requires_grad_(True)
+        logp, logp_ref = torch.log_softmax(t, -1), torch.log_softmax(ref, -1)
+        p, p_ref = logp.exp(), logp_ref.exp()
+        log_w = logp - logp_ref
+        ris = (p_ref * log_w.exp() * log_w).sum()
+        k1_loss = (p.detach() * k1(logp, logp_ref)).sum()  # samples of pi_theta held fixed
+        objective = a * k1_loss + (1 - a) * ris
+        value = a * float((p * log_w).sum().detach()) + (1 - a) * float(ris.detach())
+        (grad,) = torch.autograd.grad(objective, t)
+        unbiased &= math.isclose(value, kl_tr, rel_tol=_TOL, abs_tol=_TOL)
+        if _close(grad / (1 - a), g_tr):
+            labels.add(GRAD_THETA_REF)
+        else:
+            labels.add(GRAD_OTHER)
+    gradient = labels.pop() if len(labels) == 1 else GRAD_OTHER
+    return Explanation(
+        estimator=name,
+        placement="loss",
+        on_policy=True,
+        equation=_REF_EQUATIONS[name],
+        estimates=THETA_REF,
+        unbiased=unbiased,
+        nonnegative=False,  # w log w < 0 wherever w < 1, and k1 can be negative
+        gradient=gradient,
+        mismatch=gradient != GRAD_THETA_REF,
+    )

@@ -92,3 +92,14 @@ def test_claims_page_quotes_every_claim_judged(quick_report):
 def test_presets_count_their_progress_units():
     p = PRESETS["quick"]
     assert p.units == 2 + 4 + 2 + 3 * 1 + 3 + 31 + 1 + 1
+
+
+@pytest.mark.slow
+def test_the_training_claim_is_judged_on_a_study_when_given(quick_report):
+    out, _ = quick_report
+    results = json.loads((out / "results.json").read_text())
+    last = verdicts(results)[-1]
+    assert last["verdict"] == "not testable here" and "--training" in last["evidence"]
+    results["training"] = {"verdict": "does not hold", "evidence": "ratio 22.52 at this scale."}
+    last = verdicts(results)[-1]
+    assert last["verdict"] == "does not hold" and "ratio 22.52 at this scale." in last["evidence"]

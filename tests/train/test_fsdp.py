@@ -85,8 +85,13 @@ def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick
 
 @pytest.mark.parametrize(
     ("extra", "match"),
-    [(["algo.name=ppo"], "critic"), (["model.lora={r: 2}"], "LoRA")],
+    [
+        (["dist.strategy=fsdp", "algo.name=ppo"], "critic"),
+        (["dist.strategy=fsdp", "model.lora={r: 2}"], "LoRA"),
+        (["dist.strategy=fsdp", "kl.estimator=ref_is"], "samples completions from the reference"),
+        (["model.lora={r: 2}", "kl.estimator=ref_is"], "samples completions from the reference"),
+    ],
 )
-def test_fsdp_refuses_what_it_does_not_shard_yet(extra, match):
+def test_fsdp_and_lora_refuse_what_they_do_not_support_yet(extra, match):
     with pytest.raises(ConfigError, match=match):
-        build_config(overrides=["dist.strategy=fsdp", *extra])
+        build_config(overrides=extra)

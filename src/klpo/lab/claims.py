@@ -287,18 +287,27 @@ def _mix_beats_its_parts(r: dict) -> dict:
 
 
 def _invented_numbers(r: dict) -> dict:
-    """Claim 12: "30% lower variance", "15% faster": anecdotes the lab cannot test."""
+    """Claim 12: "30% lower variance", "15% faster": anecdotes the lab alone cannot test; judged
+    on a training study when ``r["training"]`` holds one (:mod:`klpo.lab.training`)."""
     ratio_g, ratio_c, ratio_o = _variance_ratios(r)
     total = len(ratio_g) + len(ratio_c) + len(ratio_o)
+    lab_part = (
+        f"In the lab, Var(ref_is)/Var(k1) is below 0.7 in "
+        f"{sum(x < 0.7 for x in ratio_g + ratio_c + ratio_o)} of {total} cases"
+    )
+    training = r.get("training")
     return {
         "claim": '"K2" had 30% lower variance than "K1" on a 7B model; "K3" converged 15% faster than "K2"',
         "quote": "K2的方差比K1低30% … K3在收敛速度上比K2快15%",
-        "verdict": "not testable here",
+        "verdict": training["verdict"] if training else "not testable here",
         "evidence": (
-            "training-run anecdotes from a résumé template, with no source (the cited "
+            f"trained with both (klpo compare, --training): {training['evidence']} "
+            f"{lab_part}. The 7B numbers themselves have no source"
+            if training
+            else "training-run anecdotes from a résumé template, with no source (the cited "
             "'Monte Carlo Estimation of KL Divergence: A Comparative Study' does not appear "
-            f"to exist). In the lab, Var(ref_is)/Var(k1) is below 0.7 in {sum(x < 0.7 for x in ratio_g + ratio_c + ratio_o)} "
-            f"of {total} cases"
+            f"to exist). {lab_part}; pass a klpo compare study's results.csv with "
+            "--training to judge it on training runs"
         ),
     }
 

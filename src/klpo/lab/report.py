@@ -163,6 +163,7 @@ def run_report(
     *,
     seed: int = 0,
     progress: Callable[[int, str], None] | None = None,
+    training: Path | None = None,
 ) -> dict:
     """Run the suite and write ``out/report.md``, ``out/results.json`` and the PNG plots.
 
@@ -172,6 +173,9 @@ def run_report(
         seed: the base seed; every experiment derives its own from it.
         progress: called as ``progress(units_done, description)`` after each unit of work;
             ``preset.units`` units in all.
+        training: a ``klpo compare`` study's ``results.csv`` with ``ref_is`` and
+            ``adaptive_mix`` runs; the training claim is then judged on it
+            (:func:`klpo.lab.training.judge_training_claim`).
 
     Returns:
         the results (also written to results.json).
@@ -254,6 +258,11 @@ def run_report(
             lambda: step("drift"),
         ),
     )
+    if training is not None:
+        from klpo.lab.training import judge_training_claim, read_results, study_scale
+
+        rows = read_results(training)
+        results["training"] = judge_training_claim(rows, scale=study_scale(rows))
     results["verdicts"] = verdicts(results)
     t0 = time.perf_counter()
     plots.plot_mu_sweep(results["mu_sweep"], out / PLOTS["mu_sweep"])
