@@ -51,8 +51,8 @@ class PerturbedEngine:
 def spec(delta: float, made: list | None = None) -> EngineSpec:
     """An :class:`EngineSpec` making :class:`PerturbedEngine` (each one appended to ``made``)."""
 
-    def make(cfg, policy, tokenizer, policy_path):
-        engine = PerturbedEngine(cfg, policy, tokenizer, delta)
+    def make(cfg, m, dist, policy_path):
+        engine = PerturbedEngine(cfg, m.policy, m.tokenizer, delta)
         if made is not None:
             made.append(engine)
         return engine

@@ -47,7 +47,7 @@ def test_hf_engine_is_generate(tiny_model, quick, tmp_path):
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "r"))
     m = loop.build_models(cfg, Dist(), None)
     prompts, answers = ["1+2=", "30+4="], ["3", "34"]
-    engine = engines.make_engine(cfg, m.policy, m.tokenizer, str(tiny_model))
+    engine = engines.make_engine(cfg, m, Dist(), str(tiny_model))
     assert isinstance(engine, engines.HFEngine)
     torch.manual_seed(5)
     got = engine.sample(prompts, answers)

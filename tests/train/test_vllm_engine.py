@@ -9,6 +9,7 @@ of :func:`klpo.train.rollout.generate`.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_vllm_samples_the_synced_policy_and_reports_its_log_probs(vllm_model, qu
     over |= PLAIN
     cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **over))
     m = loop.build_models(cfg, Dist(), None)
-    engine = engines.make_engine(cfg, m.policy, m.tokenizer, str(vllm_model))
+    engine = engines.make_engine(cfg, m, Dist(), str(vllm_model))
     assert isinstance(engine, engines.VLLMEngine)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -129,7 +130,8 @@ def test_a_lora_policy_reaches_vllm_merged(vllm_model, quick, tmp_path):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    engine = engines.make_engine(cfg, policy, tok, str(vllm_model))
+    models = SimpleNamespace(policy=policy, tokenizer=tok, backbone=None)
+    engine = engines.make_engine(cfg, models, Dist(), str(vllm_model))
     engine.sync_weights(policy)
     r = engine.sample(["12+7=", "3+45="], ["19", "48"])
     att = r.attention_mask

@@ -35,7 +35,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from klpo.train import fsdp
 from klpo.train.config import ConfigError, TrainConfig
+from klpo.train.models import DTYPES, autocast
 from klpo.train.rollout import Rollout, completion_mask, generate
 
 
@@ -67,9 +69,10 @@ class Sampling:
     top_p: float
     max_prompt_tokens: int | None
     sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout)
+    synced: bool = False  # hf under FSDP: every rank steps generate until all are done
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> Sampling:
+    def from_config(cls, cfg: TrainConfig, *, synced: bool = False) -> Sampling:
         r = cfg.rollout
         return cls(
             r.group_size,
@@ -78,16 +81,32 @@ class Sampling:
             r.top_p,
             cfg.data.max_prompt_tokens,
             r.sampler,
+            synced,
         )
 
 
 class HFEngine:
-    """The policy's own model through :func:`klpo.train.rollout.generate`, in eval mode."""
+    """The policy's own model through :func:`klpo.train.rollout.generate`, in eval mode.
+
+    Under FSDP the root unit of ``backbone`` is gathered first (generate calls the model outside
+    the root's forward); with a bf16 ``dtype`` it samples under autocast, as the update computes.
+    """
 
     name = "hf"
 
-    def __init__(self, policy: Any, tokenizer: Any, sampling: Sampling) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        tokenizer: Any,
+        sampling: Sampling,
+        *,
+        backbone: torch.nn.Module | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
+        self.backbone, self.dtype = backbone, dtype
+        self.device = device or torch.device("cpu")
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Nothing to do: this engine samples with the policy module itself."""
@@ -95,19 +114,23 @@ class HFEngine:
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
         s = self.sampling
         self.policy.eval()
+        if self.backbone is not None:
+            fsdp.unshard_root(self.backbone)
         try:
-            return generate(
-                self.policy,
-                self.tokenizer,
-                prompts,
-                answers,
-                group_size=s.group_size,
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_prompt_tokens=s.max_prompt_tokens,
-                sampler=s.sampler,
-            )
+            with autocast(self.dtype, self.device):
+                return generate(
+                    self.policy,
+                    self.tokenizer,
+                    prompts,
+                    answers,
+                    group_size=s.group_size,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    max_prompt_tokens=s.max_prompt_tokens,
+                    sampler=s.sampler,
+                    synced=s.synced,
+                )
         finally:
             self.policy.train()
 
@@ -285,25 +308,36 @@ class VLLMEngine:
 
 
 EngineFactory = Callable[[TrainConfig, Any, Any, str], RolloutEngine]
+"""``(cfg, models, dist, policy_path) -> RolloutEngine``; ``models`` is the run's
+:class:`klpo.train.loop.Models` (tokenizer, policy, backbone), ``dist`` its
+:class:`klpo.train.dist.Dist`."""
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    make: EngineFactory  # (cfg, policy, tokenizer, policy_path) -> RolloutEngine
+    make: EngineFactory  # (cfg, models, dist, policy_path) -> RolloutEngine
     requires: str | None = None  # a module that must be importable (checked before loading)
     processes: int | None = None  # the most torchrun processes it supports (None: any)
 
 
-def _hf(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> RolloutEngine:
-    return HFEngine(policy, tokenizer, Sampling.from_config(cfg))
+def _hf(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+    synced = dist.enabled and cfg.dist.strategy == "fsdp"
+    return HFEngine(
+        m.policy,
+        m.tokenizer,
+        Sampling.from_config(cfg, synced=synced),
+        backbone=m.backbone,
+        dtype=DTYPES[cfg.model.dtype],
+        device=dist.device,
+    )
 
 
-def _vllm(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> RolloutEngine:
-    positions = getattr(policy.config, "max_position_embeddings", None)
+def _vllm(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+    positions = getattr(m.policy.config, "max_position_embeddings", None)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     return VLLMEngine(
         policy_path,
-        tokenizer,
+        m.tokenizer,
         Sampling.from_config(cfg),
         dtype=cfg.model.dtype,
         seed=cfg.run.seed,
@@ -342,6 +376,7 @@ def check_engine(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def make_engine(cfg: TrainConfig, policy: Any, tokenizer: Any, policy_path: str) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, for this policy."""
-    return ENGINES[cfg.rollout.engine].make(cfg, policy, tokenizer, policy_path)
+def make_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+    """The engine ``rollout.engine`` names, for the run's models (:class:`klpo.train.loop.Models`)
+    and processes (:class:`klpo.train.dist.Dist`)."""
+    return ENGINES[cfg.rollout.engine].make(cfg, m, dist, policy_path)
