@@ -144,3 +144,17 @@ def test_a_lora_policy_reaches_vllm_merged(vllm_model, quick, tmp_path):
     logp = logp.gather(-1, r.completion_ids[..., None])[..., 0]
     assert (r.engine_logp - logp)[r.mask].abs().max() < 1e-4
     engine.close()
+
+
+def test_train_a_lora_policy_with_vllm(vllm_model, quick, tmp_path):
+    """model.lora and rollout.engine=vllm run end to end: the merged weights load into vLLM under
+    its names at every step and its log-probs stay the trainer's (that a merge which matters
+    reaches vLLM is test_a_lora_policy_reaches_vllm_merged)."""
+    pytest.importorskip("peft")
+    over = {"rollout.engine": "vllm", "run.steps": 2, "run.eval_every": 0}
+    over |= PLAIN | {"model.lora": "{r: 4, alpha: 8}"}
+    loop.train(build_config(overrides=quick(vllm_model, tmp_path / "r", **over)), log=print)
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["engine/abs_max"] < 1e-3, row
