@@ -81,6 +81,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from klpo import gemm
+
 __all__ = [
     "TILE_ELEMENTS",
     "TOKEN_CHUNK",
@@ -107,8 +109,8 @@ VOCAB_CHUNK_MAX = 2048
 # Rows of the logits path hold about this many logits per chunk (16 MiB in float32).
 _ROW_ELEMENTS = 1 << 22
 
-# float32 GEMMs on CPU through oneDNN when torch has it (see the module notes); a switch for tests
-# and benchmarks.
+# oneDNN's linear is available (torch built with it); a switch for tests and benchmarks: False
+# sends every GEMM to torch.mm / addmm.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -142,14 +144,6 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
-
-
-def _mm_t(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``a @ b.T + bias``: ``[M, K] x [N, K] -> [M, N]``, the bias broadcast over rows."""
-    if _ONEDNN and a.dtype == torch.float32 and a.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
-    out = a @ b.t()
-    return out if bias is None else out.add_(bias)
 
 
 def _inv_temperature(temperature: float) -> float:
@@ -410,13 +404,20 @@ class _Head:
     """One model's head in the compute dtype: ``x = (hidden @ weight.T + bias) / T``, by tiles."""
 
     def __init__(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float, cd: torch.dtype
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        inv_t: float,
+        cd: torch.dtype,
+        plan: gemm.Plan,
     ) -> None:
         self.hidden = hidden.to(cd)  # [N, H], unscaled, for the weight gradient
         self.hidden_t = self.hidden if inv_t == 1.0 else self.hidden * inv_t  # [N, H] = h / T
         self.weight = weight  # [V, H], chunks converted on use
         self.bias_t = None if bias is None else bias.to(cd) * inv_t  # [V] = b / T
         self.cd = cd
+        self.plan = plan
         self._buffer: Tensor | None = None
 
     def chunk(self, v0: int, v1: int) -> Tensor:
@@ -434,7 +435,7 @@ class _Head:
     def tile(self, w_chunk: Tensor, v0: int, t: slice, offset: Tensor | None) -> Tensor:
         """``x[t, v0:v0+vc] - offset[t]``: ``[n, vc]``, the bias in the GEMM."""
         bias = None if self.bias_t is None else self.bias_t[v0 : v0 + w_chunk.shape[0]]
-        x = _mm_t(self.hidden_t[t], w_chunk, bias)
+        x = gemm.logits(self.hidden_t[t], w_chunk, bias, self.plan.logits)
         return x if offset is None else x.sub_(offset[t, None])
 
     def target_logits(self, tokens: Tensor) -> Tensor:
@@ -456,7 +457,7 @@ class _Head:
     def subset(self, idx: Tensor) -> _Head:
         head = object.__new__(_Head)
         head.hidden, head.hidden_t = self.hidden[idx], self.hidden_t[idx]
-        head.weight, head.bias_t, head.cd = self.weight, self.bias_t, self.cd
+        head.weight, head.bias_t, head.cd, head.plan = self.weight, self.bias_t, self.cd, self.plan
         head._buffer = None
         return head
 
@@ -518,16 +519,18 @@ def _finish(
     return logp, m + log_s, ent, kl
 
 
-def _bf16_weight_grad(hidden: Tensor, weight: Tensor, n: int, token_chunk: int) -> bool:
-    """Whether the weight gradient's GEMM may take ``G`` in bf16 (see :func:`fused`)."""
-    return (
-        _ONEDNN
-        and weight.dtype == torch.bfloat16
-        and hidden.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and n <= token_chunk
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+def _plan(hidden: Tensor, weight: Tensor, cd: torch.dtype) -> gemm.Plan:
+    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for calls
+    big enough to gain from it, the static default for small ones, torch.mm where ``_ONEDNN`` is
+    off."""
+    if not _ONEDNN:
+        return gemm.Plan("mm", "mm", "mm", False)
+    low = hidden.dtype == weight.dtype == torch.bfloat16
+    dtype = torch.bfloat16 if low else cd
+    n, (vocab, h) = hidden.shape[0], weight.shape
+    if 2.0 * n * vocab * h < gemm.MIN_FLOPS:
+        return gemm.default_plan(dtype, hidden.device)
+    return gemm.plan(h, dtype, hidden.device)
 
 
 class _Fused(torch.autograd.Function):
@@ -545,11 +548,14 @@ class _Fused(torch.autograd.Function):
         with_entropy: bool,
         token_chunk: int,
         vocab_chunk: int,
+        plan: gemm.Plan,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         ctx.set_materialize_grads(False)
         cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
-        pol = _Head(hidden, weight, bias, inv_t, cd)
-        ref = None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        ref = (
+            None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+        )
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
@@ -594,7 +600,7 @@ class _Fused(torch.autograd.Function):
             kl,
         )
         ctx.inv_t, ctx.cd = inv_t, cd
-        ctx.token_chunk, ctx.vocab_chunk = token_chunk, vocab_chunk
+        ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
 
     @staticmethod
@@ -613,7 +619,7 @@ class _Fused(torch.autograd.Function):
             kl,
         ) = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 11
+        none = (None,) * 12
         if grad_logp is None and grad_entropy is None and grad_kl is None:
             return none
         if not (need_h or need_w or need_b):
@@ -626,15 +632,16 @@ class _Fused(torch.autograd.Function):
         alpha = alpha.expand(log_z.shape)[:, None]
         beta = None if beta is None else beta[:, None]
         gamma = None if gamma is None else gamma[:, None]
-        pol = _Head(hidden, weight, bias, inv_t, cd)
-        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        plan = ctx.plan
+        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
         n, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
         grad_h = torch.zeros(hidden.shape, dtype=cd, device=device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
         one_token_chunk = n <= token_chunk
-        bf16_w = need_w and _bf16_weight_grad(hidden, weight, n, token_chunk)
+        bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
         g_low = None  # G.T in bf16, reused across vocabulary chunks
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
@@ -658,7 +665,7 @@ class _Fused(torch.autograd.Function):
                 if delta is not None:
                     _add_at_targets(g, tokens[t], v0, delta[t])
                 if need_h:
-                    grad_h[t] += _mm_t(g, w.t())
+                    gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
                 if need_w and bf16_w:
                     # bf16 G (rounded once), float32 accumulation inside the GEMM, one rounding.
                     if g_low is None:
@@ -666,11 +673,11 @@ class _Fused(torch.autograd.Function):
                             g.shape[1], g.shape[0], dtype=weight.dtype, device=device
                         )
                     g_t = g_low[: g.shape[1]].copy_(g.t())
-                    grad_w[v0:v1] = _mm_t(g_t, hidden[t].t())
+                    gemm.grad_weight(grad_w[v0:v1], g_t.t(), hidden[t], "onednn", False)
                 elif need_w and one_token_chunk:
-                    grad_w[v0:v1] = _mm_t(g.t(), pol.hidden[t].t())
+                    gemm.grad_weight(grad_w[v0:v1], g, pol.hidden[t], plan.grad_weight, False)
                 elif need_w:
-                    grad_w_chunk += _mm_t(g.t(), pol.hidden[t].t())
+                    gemm.grad_weight(grad_w_chunk, g, pol.hidden[t], plan.grad_weight, True)
                 if need_b:
                     grad_b_chunk += g.sum(0)
             if grad_w_chunk is not None:
@@ -681,7 +688,7 @@ class _Fused(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
             grad_b,
-            *(None,) * 8,
+            *(None,) * 9,
         )
 
 
@@ -807,6 +814,7 @@ def fused(
         bool(with_entropy),
         token_chunk,
         vocab_chunk,
+        _plan(flat(hidden), weight, _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)),
     )
     return FusedOutput(
         logp.view(lead),
