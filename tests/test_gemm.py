@@ -28,30 +28,30 @@ def test_roles_match_float64_products(backend, bias):
     x = torch.randn(n, h, generator=gen)
     w = torch.randn(vc, h, generator=gen)
     b = torch.randn(vc, generator=gen) if bias else None
-    g = torch.randn(n, vc, generator=gen)
+    g = torch.randn(vc, n, generator=gen)  # a tile's gradient, transposed
     want = x.double() @ w.double().t() + (0 if b is None else b.double())
     _close(gemm.logits(x, w, b, backend), want, h)
 
     start = torch.randn(n, h, generator=gen)
     dh = start.clone()
     gemm.grad_hidden(dh, g, w, backend)
-    _close(dh, start.double() + g.double() @ w.double(), vc)
+    _close(dh, start.double() + g.double().t() @ w.double(), vc)
 
     dw = torch.full((vc, h), 7.0)
     gemm.grad_weight(dw, g, x, backend, False)
-    _close(dw, g.double().t() @ x.double(), n)
+    _close(dw, g.double() @ x.double(), n)
     gemm.grad_weight(dw, g, x, backend, True)
-    _close(dw, 2 * g.double().t() @ x.double(), n)
+    _close(dw, 2 * g.double() @ x.double(), n)
 
     # Into a row block of a bigger output (how the fused backward writes the weight gradient),
     # and into a bf16 output (cast once).
     big = torch.zeros(vc + 5, h)
     gemm.grad_weight(big[3 : 3 + vc], g, x, backend, False)
-    _close(big[3 : 3 + vc], g.double().t() @ x.double(), n)
+    _close(big[3 : 3 + vc], g.double() @ x.double(), n)
     assert big[:3].eq(0).all() and big[3 + vc :].eq(0).all()
     low = torch.empty(vc, h, dtype=torch.bfloat16)
     gemm.grad_weight(low, g, x, backend, False)
-    assert torch.allclose(low.double(), g.double().t() @ x.double(), rtol=2**-7, atol=1e-2)
+    assert torch.allclose(low.double(), g.double() @ x.double(), rtol=2**-7, atol=1e-2)
 
 
 @pytest.fixture

@@ -1,11 +1,12 @@
 r"""The three GEMMs of the fused head (:func:`klpo.logprobs.fused`), each on the CPU backend that is fastest here.
 
-A tile of ``n`` tokens by ``vc`` vocabulary entries, with hidden states ``h [n, H]``, the head's
-rows ``w [vc, H]`` and the tile's gradient ``g [n, vc]``, needs three products:
+A tile of ``vc`` vocabulary entries by ``n`` tokens, with hidden states ``h [n, H]``, the head's
+rows ``w [vc, H]`` and the tile's gradient ``g_t [vc, n]`` (transposed, like the tile), needs three
+products:
 
-    logits       x      = h @ w.T (+ bias)       [n, vc]
-    grad_hidden  dh    += g @ w                  [n, H]
-    grad_weight  dw   (+)= g.T @ h               [vc, H]
+    logits       x_t    = w @ h.T + bias         [vc, n]   (bias [n]: per token, in the epilogue)
+    grad_hidden  dh    += g_t.T @ w              [n, H]
+    grad_weight  dw   (+)= g_t @ h               [vc, H]
 
 On CPU each can go to oneDNN (``torch.ops.mkldnn._linear_pointwise``, which reorders its weight
 operand into a blocked layout on every call) or to torch.mm / addmm (MKL or OpenBLAS, which reads the
@@ -97,33 +98,34 @@ def logits(a: Tensor, b: Tensor, bias: Tensor | None, backend: Backend) -> Tenso
     return torch.addmm(bias, a, b.t())
 
 
-def grad_hidden(out: Tensor, g: Tensor, w: Tensor, backend: Backend) -> None:
-    """``out += g @ w``: ``[n, vc] x [vc, H]`` added into ``out [n, H]`` (float32 or float64)."""
-    if backend == "onednn" and _ONEDNN and g.device.type == "cpu":
-        out += torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], "")
+def grad_hidden(out: Tensor, g_t: Tensor, w: Tensor, backend: Backend) -> None:
+    """``out += g_t.T @ w``: ``[n, vc] x [vc, H]`` added into ``out [n, H]``; ``g_t`` is the tile's
+    gradient transposed, ``[vc, n]``."""
+    if backend == "onednn" and _ONEDNN and g_t.device.type == "cpu":
+        out += torch.ops.mkldnn._linear_pointwise(g_t.t(), w.t(), None, "none", [], "")
     else:
-        out.addmm_(g, w)
+        out.addmm_(g_t.t(), w)
 
 
-def grad_weight(out: Tensor, g: Tensor, h: Tensor, backend: Backend, accumulate: bool) -> None:
-    """``out = g.T @ h`` (``out += g.T @ h`` if ``accumulate``): ``[vc, n] x [n, H]`` into
-    ``out [vc, H]``, cast to ``out``'s dtype."""
-    if backend == "onednn" and _ONEDNN and g.device.type == "cpu":
-        r = torch.ops.mkldnn._linear_pointwise(g.t(), h.t(), None, "none", [], "")
+def grad_weight(out: Tensor, g_t: Tensor, h: Tensor, backend: Backend, accumulate: bool) -> None:
+    """``out = g_t @ h`` (``out += g_t @ h`` if ``accumulate``): ``[vc, n] x [n, H]`` into
+    ``out [vc, H]``, cast to ``out``'s dtype; ``g_t`` is the tile's gradient transposed."""
+    if backend == "onednn" and _ONEDNN and g_t.device.type == "cpu":
+        r = torch.ops.mkldnn._linear_pointwise(g_t, h.t(), None, "none", [], "")
         if accumulate:
             out += r
         else:
             out.copy_(r)
-    elif out.dtype != g.dtype:
-        r = g.t() @ h
+    elif out.dtype != g_t.dtype:
+        r = g_t @ h
         if accumulate:
             out += r
         else:
             out.copy_(r)
     elif accumulate:
-        out.addmm_(g.t(), h)
+        out.addmm_(g_t, h)
     else:
-        torch.mm(g.t(), h, out=out)
+        torch.mm(g_t, h, out=out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,14 +245,14 @@ def measure(hidden_size: int, dtype: torch.dtype, rounds: int = ROUNDS) -> tuple
     n, vc, hs = TILE_TOKENS, TILE_VOCAB, hidden_size
     h = torch.randn(n, hs, generator=gen)
     w = torch.randn(vc, hs, generator=gen) * hs**-0.5
-    bias = torch.randn(vc, generator=gen)
-    g = torch.randn(n, vc, generator=gen) / vc
+    bias = torch.randn(n, generator=gen)
+    g = torch.randn(vc, n, generator=gen) / vc
     dh = torch.zeros(n, hs)
     dw = torch.empty(vc, hs, dtype=dtype if dtype == torch.bfloat16 else torch.float32)
     backends = BACKENDS if _ONEDNN else ("mm",)
     chosen, seconds = {}, {}
     roles = {
-        "logits": lambda b: lambda: logits(h, w, bias, b),
+        "logits": lambda b: lambda: logits(w, h, bias, b),
         "grad_hidden": lambda b: lambda: grad_hidden(dh, g, w, b),
         "grad_weight": lambda b: lambda: grad_weight(dw, g, h, b, False),
     }
@@ -258,9 +260,9 @@ def measure(hidden_size: int, dtype: torch.dtype, rounds: int = ROUNDS) -> tuple
         chosen[role], seconds[role] = _fastest({b: make(b) for b in backends}, rounds)
     bf16 = False
     if dtype == torch.bfloat16 and default_plan(dtype).bf16_grad_weight:
-        h_low, g_low = h.to(dtype), g.t().contiguous().to(dtype)
+        h_low, g_low = h.to(dtype), g.to(dtype)
         cands = {
-            "bf16": lambda: grad_weight(dw, g_low.t(), h_low, "onednn", False),
+            "bf16": lambda: grad_weight(dw, g_low, h_low, "onednn", False),
             "float32": lambda: grad_weight(dw, g, h, chosen["grad_weight"], False),
         }
         pick, seconds["bf16_grad_weight"] = _fastest(cands, rounds)

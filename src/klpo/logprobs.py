@@ -224,12 +224,12 @@ def _coefficients(
 
 
 def _add_at_targets(g: Tensor, tokens: Tensor, v0: int, delta: Tensor) -> None:
-    """``g[i, tokens[i] - v0] += delta[i]`` for the targets inside the tile ``g [n, vc]``."""
-    cols = tokens - v0
-    inside = (cols >= 0) & (cols < g.shape[1])
+    """``g[tokens[i] - v0, i] += delta[i]`` for the targets inside the tile ``g [vc, n]``."""
+    rows = tokens - v0
+    inside = (rows >= 0) & (rows < g.shape[0])
     if bool(inside.any()):
-        rows = torch.arange(g.shape[0], device=g.device)[inside]
-        g.index_put_((rows, cols[inside]), delta[inside], accumulate=True)
+        cols = torch.arange(g.shape[1], device=g.device)[inside]
+        g.index_put_((rows[inside], cols), delta[inside], accumulate=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,10 +433,16 @@ class _Head:
         return self._buffer[: v1 - v0].copy_(w)
 
     def tile(self, w_chunk: Tensor, v0: int, t: slice, offset: Tensor | None) -> Tensor:
-        """``x[t, v0:v0+vc] - offset[t]``: ``[n, vc]``, the bias in the GEMM."""
-        bias = None if self.bias_t is None else self.bias_t[v0 : v0 + w_chunk.shape[0]]
-        x = gemm.logits(self.hidden_t[t], w_chunk, bias, self.plan.logits)
-        return x if offset is None else x.sub_(offset[t, None])
+        """``(x[t, v0:v0+vc] - offset[t]).T``: ``[vc, n]``, vocabulary rows by token columns.
+
+        Transposed so that the per-token ``-offset`` is the GEMM's bias (added in its epilogue,
+        no pass over the tile); a head's own bias (per vocabulary row) is one more pass.
+        """
+        neg = None if offset is None else -offset[t]
+        x = gemm.logits(w_chunk, self.hidden_t[t], neg, self.plan.logits)
+        if self.bias_t is not None:
+            x.add_(self.bias_t[v0 : v0 + w_chunk.shape[0], None])
+        return x
 
     def target_logits(self, tokens: Tensor) -> Tensor:
         """``x_y`` for each token, by a gathered dot product: ``[N]``."""
@@ -451,7 +457,7 @@ class _Head:
             w = self.chunk(v0, min(v0 + vocab_chunk, vocab))
             for t0 in range(0, n, token_chunk):
                 t = slice(t0, min(t0 + token_chunk, n))
-                m[t] = torch.maximum(m[t], self.tile(w, v0, t, None).amax(1))
+                m[t] = torch.maximum(m[t], self.tile(w, v0, t, None).amax(0))
         return m
 
     def subset(self, idx: Tensor) -> _Head:
@@ -490,18 +496,17 @@ def _sums(
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
         w_ref = None if ref is None else ref.chunk(v0, v1)
-        ones = torch.ones(v1 - v0, dtype=pol.cd, device=m.device)
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            x = pol.tile(w, v0, t, m)  # [n, vc]
+            x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            s[t] += e @ ones
+            s[t] += e.sum(0)
             if s_x is not None:
-                s_x[t] += torch.linalg.vecdot(e, x)
+                s_x[t] += torch.linalg.vecdot(e, x, dim=0)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref))
-                s_ref[t] += x_ref.exp_() @ ones
+                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref), dim=0)
+                s_ref[t] += x_ref.exp_().sum(0)
     return s, s_x, s_d, s_ref
 
 
@@ -629,9 +634,10 @@ class _Fused(torch.autograd.Function):
         alpha, beta, gamma, delta = _coefficients(
             grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
         )
-        alpha = alpha.expand(log_z.shape)[:, None]
-        beta = None if beta is None else beta[:, None]
-        gamma = None if gamma is None else gamma[:, None]
+        # Row vectors: the tiles are [vc, n], vocabulary by tokens.
+        alpha = alpha.expand(log_z.shape)[None, :]
+        beta = None if beta is None else beta[None, :]
+        gamma = None if gamma is None else gamma[None, :]
         plan = ctx.plan
         pol = _Head(hidden, weight, bias, inv_t, cd, plan)
         ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
@@ -643,6 +649,7 @@ class _Fused(torch.autograd.Function):
         one_token_chunk = n <= token_chunk
         bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
         g_low = None  # G.T in bf16, reused across vocabulary chunks
+        col = slice(None)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             w = pol.chunk(v0, v1)
@@ -653,33 +660,33 @@ class _Fused(torch.autograd.Function):
             grad_b_chunk = torch.zeros(v1 - v0, dtype=cd, device=device) if need_b else None
             for t0 in range(0, n, token_chunk):
                 t = slice(t0, min(t0 + token_chunk, n))
-                log_pi = pol.tile(w, v0, t, log_z)  # [n, vc]
+                tc = (col, t)
+                log_pi = pol.tile(w, v0, t, log_z)  # [vc, n]
                 if beta is None:
-                    g = log_pi.exp_().mul_(alpha[t])
+                    g = log_pi.exp_().mul_(alpha[tc])
                 else:
                     pi = torch.exp(log_pi)
-                    inner = torch.addcmul(alpha[t], log_pi, beta[t], out=log_pi)
+                    inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
                     if gamma is not None:
-                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[t])
+                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[tc])
                     g = pi.mul_(inner)
                 if delta is not None:
                     _add_at_targets(g, tokens[t], v0, delta[t])
+                # g is (G / T).T for this tile: [vc, n].
                 if need_h:
                     gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
                 if need_w and bf16_w:
                     # bf16 G (rounded once), float32 accumulation inside the GEMM, one rounding.
                     if g_low is None:
-                        g_low = torch.empty(
-                            g.shape[1], g.shape[0], dtype=weight.dtype, device=device
-                        )
-                    g_t = g_low[: g.shape[1]].copy_(g.t())
-                    gemm.grad_weight(grad_w[v0:v1], g_t.t(), hidden[t], "onednn", False)
+                        g_low = torch.empty(g.shape, dtype=weight.dtype, device=device)
+                    g_t = g_low[: g.shape[0]].copy_(g)
+                    gemm.grad_weight(grad_w[v0:v1], g_t, hidden[t], "onednn", False)
                 elif need_w and one_token_chunk:
                     gemm.grad_weight(grad_w[v0:v1], g, pol.hidden[t], plan.grad_weight, False)
                 elif need_w:
                     gemm.grad_weight(grad_w_chunk, g, pol.hidden[t], plan.grad_weight, True)
                 if need_b:
-                    grad_b_chunk += g.sum(0)
+                    grad_b_chunk += g.sum(1)
             if grad_w_chunk is not None:
                 grad_w[v0:v1] = grad_w_chunk
             if need_b:
