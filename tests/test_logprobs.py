@@ -406,6 +406,61 @@ def test_fused_matches_float64_naive_on_every_gemm_plan(plan, monkeypatch):
             assert_within(name, got, ref[name], bound[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("temperature", "bias"), [(1.0, False), (0.7, True)])
+@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+def test_fused_logp_only_gradient_matches_float64_naive(dtype, shape, temperature, bias, backend):
+    """Only logp has a gradient (the policy-gradient loss): the backward that takes the per-token
+    coefficient out of the tiles, on both backends, against float64 naive."""
+    n, h, v, token_chunk, vocab_chunk = shape
+    p = make_problem(n, h, v, dtype=dtype, temperature=temperature, bias=bias, ref=False)
+    p.upstream = (p.upstream[0], torch.zeros(n, dtype=torch.float64), p.upstream[2])
+    ref = naive(p)  # d loss / d entropy = 0: the gradients of sum a * logp alone
+    leaves = [
+        t.detach().requires_grad_(True) for t in (p.hidden, p.weight, p.bias) if t is not None
+    ]
+    plan = lp._plan
+    try:
+        lp._plan = lambda *args: gemm.Plan(backend, backend, backend, False)
+        out = lp.fused(
+            leaves[0],
+            leaves[1],
+            p.tokens,
+            bias=leaves[2] if bias else None,
+            temperature=temperature,
+            with_entropy=False,
+            token_chunk=token_chunk,
+            vocab_chunk=vocab_chunk,
+        )
+    finally:
+        lp._plan = plan
+    assert out.entropy is None and out.kl is None
+    a = p.upstream[0].to(out.logp.dtype)
+    grads = torch.autograd.grad((a * out.logp).sum(), leaves)
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, ref["logp"], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in zip(["grad_hidden", "grad_weight", "grad_bias"], grads, strict=False):
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_logp_only_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(23, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(23, dtype=torch.float64, generator=gen, requires_grad=True)
+    tokens = torch.tensor([0, 22, 5, 5, 11, 3, 22])
+
+    def f(h, w, b):
+        return lp.fused(
+            h, w, tokens, bias=b, temperature=0.8, with_entropy=False, token_chunk=3, vocab_chunk=6
+        ).logp
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
+
+
 def test_tied_embedding_gradient():
     # A tiny LM whose head is its input embedding: the weight gradient must add both uses.
     gen = torch.Generator().manual_seed(5)

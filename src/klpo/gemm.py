@@ -89,9 +89,18 @@ class Plan(NamedTuple):
 # The GEMMs.
 
 
+def _onednn_can(t: Tensor) -> bool:
+    """oneDNN's linear takes CPU float32 / bf16 / fp16; anything else goes to torch.mm."""
+    return (
+        _ONEDNN
+        and t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
 def logits(a: Tensor, b: Tensor, bias: Tensor | None, backend: Backend) -> Tensor:
     """``a @ b.T + bias``: ``[M, K] x [N, K] -> [M, N]``, the bias ``[N]`` broadcast over rows."""
-    if backend == "onednn" and _ONEDNN and a.device.type == "cpu":
+    if backend == "onednn" and _onednn_can(a):
         return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
     if bias is None:
         return a @ b.t()
@@ -101,7 +110,7 @@ def logits(a: Tensor, b: Tensor, bias: Tensor | None, backend: Backend) -> Tenso
 def grad_hidden(out: Tensor, g_t: Tensor, w: Tensor, backend: Backend) -> None:
     """``out += g_t.T @ w``: ``[n, vc] x [vc, H]`` added into ``out [n, H]``; ``g_t`` is the tile's
     gradient transposed, ``[vc, n]``."""
-    if backend == "onednn" and _ONEDNN and g_t.device.type == "cpu":
+    if backend == "onednn" and _onednn_can(g_t):
         out += torch.ops.mkldnn._linear_pointwise(g_t.t(), w.t(), None, "none", [], "")
     else:
         out.addmm_(g_t.t(), w)
@@ -110,7 +119,7 @@ def grad_hidden(out: Tensor, g_t: Tensor, w: Tensor, backend: Backend) -> None:
 def grad_weight(out: Tensor, g_t: Tensor, h: Tensor, backend: Backend, accumulate: bool) -> None:
     """``out = g_t @ h`` (``out += g_t @ h`` if ``accumulate``): ``[vc, n] x [n, H]`` into
     ``out [vc, H]``, cast to ``out``'s dtype; ``g_t`` is the tile's gradient transposed."""
-    if backend == "onednn" and _ONEDNN and g_t.device.type == "cpu":
+    if backend == "onednn" and _onednn_can(g_t):
         r = torch.ops.mkldnn._linear_pointwise(g_t, h.t(), None, "none", [], "")
         if accumulate:
             out += r

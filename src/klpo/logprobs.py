@@ -492,6 +492,7 @@ def _sums(
     s_d = None if ref is None else zeros()
     s_ref = None if ref is None else zeros()
     keep_x = with_entropy or ref is not None
+    ones = torch.ones(min(vocab_chunk, vocab), dtype=pol.cd, device=m.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
@@ -500,7 +501,9 @@ def _sums(
             t = slice(t0, min(t0 + token_chunk, n))
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            s[t] += e.sum(0)
+            if e.shape[0] < ones.shape[0]:
+                ones = ones[: e.shape[0]]
+            s[t] += ones @ e
             if s_x is not None:
                 s_x[t] += torch.linalg.vecdot(e, x, dim=0)
             if ref is not None:
@@ -536,6 +539,68 @@ def _plan(hidden: Tensor, weight: Tensor, cd: torch.dtype) -> gemm.Plan:
     if 2.0 * n * vocab * h < gemm.MIN_FLOPS:
         return gemm.default_plan(dtype, hidden.device)
     return gemm.plan(h, dtype, hidden.device)
+
+
+def _backward_logp(
+    pol: _Head,
+    tokens: Tensor,
+    log_z: Tensor,
+    alpha: Tensor,
+    delta: Tensor | None,
+    grad_h: Tensor | None,
+    grad_w: Tensor | None,
+    grad_b: Tensor | None,
+    ctx,
+) -> None:
+    """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
+
+    The per-token ``alpha`` is taken out of the tiles: ``grad_hidden = alpha * (pi @ W) + delta
+    W[y]`` (one row scaling at the end) and ``grad_weight = pi.T @ (alpha * hidden) + the targets'
+    rows delta * hidden`` (``alpha * hidden`` formed once), so a tile is one GEMM, one ``exp`` and
+    two GEMMs: no pass to scale it or to add at the targets. Fills ``grad_h`` (float32 ``[N, H]``,
+    zeros), ``grad_w`` and ``grad_b`` in place.
+    """
+    cd, plan = pol.cd, pol.plan
+    token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
+    n, hs = pol.hidden.shape
+    vocab = pol.weight.shape[0]
+    device = pol.hidden.device
+    ha = None if grad_w is None else pol.hidden * alpha[:, None]  # [N, H]
+    direct = grad_w is not None and n <= token_chunk and grad_w.dtype == cd
+    gb = None if grad_b is None else torch.zeros(vocab, dtype=cd, device=device)
+    dw_buffer = None
+    if grad_w is not None and not direct:
+        dw_buffer = torch.empty(min(vocab_chunk, vocab), hs, dtype=cd, device=device)
+    for v0 in range(0, vocab, vocab_chunk):
+        v1 = min(v0 + vocab_chunk, vocab)
+        w = pol.chunk(v0, v1)
+        dw = None
+        if grad_w is not None:
+            dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
+        for t0 in range(0, n, token_chunk):
+            t = slice(t0, min(t0 + token_chunk, n))
+            pi = pol.tile(w, v0, t, log_z).exp_()  # pi.T: [vc, n]
+            if grad_h is not None:
+                gemm.grad_hidden(grad_h[t], pi, w, plan.grad_hidden)
+            if dw is not None:
+                gemm.grad_weight(dw, pi, ha[t], plan.grad_weight, t0 > 0)
+            if gb is not None:
+                gb[v0:v1] += pi @ alpha[t]
+        if delta is not None and dw is not None:
+            rows = tokens - v0
+            inside = (rows >= 0) & (rows < v1 - v0)
+            if bool(inside.any()):
+                dw.index_add_(0, rows[inside], pol.hidden[inside] * delta[inside, None])
+        if dw is not None and not direct:
+            grad_w[v0:v1] = dw
+    if grad_h is not None:
+        grad_h.mul_(alpha[:, None])
+        if delta is not None:
+            grad_h.add_(pol.weight[tokens].to(cd) * delta[:, None])
+    if gb is not None:
+        if delta is not None:
+            gb.index_add_(0, tokens, delta)
+        grad_b.copy_(gb)
 
 
 class _Fused(torch.autograd.Function):
@@ -648,6 +713,14 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         one_token_chunk = n <= token_chunk
         bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
+        if beta is None and not bf16_w:
+            _backward_logp(pol, tokens, log_z, alpha[0], delta, grad_h, grad_w, grad_b, ctx)
+            return (
+                None if grad_h is None else grad_h.to(hidden.dtype),
+                grad_w,
+                grad_b,
+                *(None,) * 9,
+            )
         g_low = None  # G.T in bf16, reused across vocabulary chunks
         col = slice(None)
         for v0 in range(0, vocab, vocab_chunk):
