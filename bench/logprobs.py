@@ -374,7 +374,7 @@ def table(groups: list[tuple[str, dict]]) -> str:
         peers = [r for m, r in ok.items() if m in PEERS]
         fastest = min((r["time"] for r in peers), default=None)
         leanest = min((r["peak_mib"] for r in peers if "peak_mib" in r), default=None)
-        for m, r in results.items():
+        for m, r in sorted(results.items(), key=lambda mr: "time" not in mr[1]):
             if "time" not in r:
                 rows.append(f"| {title} | {m} | {r.get('error', '?')} | | | | | | |")
                 continue
@@ -386,8 +386,8 @@ def table(groups: list[tuple[str, dict]]) -> str:
                 _fmt(naive and t / naive["time"], ".2f"),
                 _fmt(fastest and t / fastest, ".2f"),
                 _fmt(peak, ".0f"),
-                _fmt(naive and peak is not None and peak / naive["peak_mib"], ".2f"),
-                _fmt(leanest and peak is not None and peak / leanest, ".2f"),
+                _fmt(None if naive is None or peak is None else peak / naive["peak_mib"], ".2f"),
+                _fmt(None if leanest is None or peak is None else peak / leanest, ".2f"),
                 _fmt(r.get("err"), ".1e"),
             ]
             rows.append("| " + " | ".join(cells) + " |")
@@ -498,7 +498,7 @@ def main() -> None:
         for n, h, v in shape_list:
             for dtype in dtypes:
                 title = f"{kind} N={n} H={h} V={v} {dtype}"
-                first = (n, h, v) == shape_list[0] and kind == "logp" and not args.quick
+                first = (n, h, v) == shape_list[0] and kind == "logp"
                 chosen = [m for m in methods if m not in ABLATIONS or first] + ["floor"]
                 if args.methods:
                     chosen = [m for m in chosen if m in args.methods.split(",")]

@@ -26,7 +26,7 @@ For bf16 inputs one more choice is measured: whether the weight gradient's GEMM 
 to bf16 (oneDNN's bf16 GEMM, float32 accumulation, one rounding: fast with native bf16 instructions,
 emulated and slow without them) or stays in float32.
 
-Measuring costs about a second, so it is skipped for calls too small to gain from it
+Measuring costs about a second (once per machine), so it is skipped for calls too small to gain from it
 (:data:`MIN_FLOPS`); those keep the static default (oneDNN where torch has it). ``KLPO_GEMM=onednn``
 or ``KLPO_GEMM=mm`` in the environment forces every role to one backend (no measurement).
 """
@@ -70,7 +70,7 @@ TILE_VOCAB = 1024
 # GEMM's cost on a shared machine).
 ROUNDS = 5
 # A fused call with fewer GEMM flops than this (2 n V H, one pass) keeps the default plan.
-MIN_FLOPS = 2e10
+MIN_FLOPS = 1e9
 _CACHE_VERSION = 1
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

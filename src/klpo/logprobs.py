@@ -590,7 +590,9 @@ def _backward_logp(
             rows = tokens - v0
             inside = (rows >= 0) & (rows < v1 - v0)
             if bool(inside.any()):
-                dw.index_add_(0, rows[inside], pol.hidden[inside] * delta[inside, None])
+                # index_put_ (accumulate): index_add_ takes ~0.3 s here whatever the row count.
+                src = pol.hidden[inside] * delta[inside, None]
+                dw.index_put_((rows[inside],), src, accumulate=True)
         if dw is not None and not direct:
             grad_w[v0:v1] = dw
     if grad_h is not None:
@@ -599,7 +601,7 @@ def _backward_logp(
             grad_h.add_(pol.weight[tokens].to(cd) * delta[:, None])
     if gb is not None:
         if delta is not None:
-            gb.index_add_(0, tokens, delta)
+            gb.index_put_((tokens,), delta, accumulate=True)
         grad_b.copy_(gb)
 
 
