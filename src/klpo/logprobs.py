@@ -30,14 +30,16 @@ so that one backward pass serves any combination of the three outputs. The refer
 The gradient with respect to the logits is ``G / T``; with respect to hidden states, weight and bias
 it is ``(G / T) @ weight``, ``(G / T).T @ hidden`` and ``sum over tokens of G / T``.
 
-Algorithm of :func:`fused` (one ``torch.autograd.Function``; see
-``/work/shared/research/performance.md`` §11 and the peers it surveys: Liger-Kernel's chunked
-selective log-prob, TRL 1.16's ``ChunkedLogProbFunction`` and ``ChunkedDivergenceFunction``, Cut
+Algorithm of :func:`fused` (one ``torch.autograd.Function``; after the peers: Liger-Kernel's
+chunked selective log-prob, TRL's ``ChunkedLogProbFunction`` and ``ChunkedDivergenceFunction``, Cut
 Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein, arXiv:1805.02867):
 
-* Forward: for each ``[token_chunk, vocab_chunk]`` tile, one GEMM
-  ``(hidden / T) @ weight_chunk.T + bias / T`` (the bias in the GEMM's epilogue), minus a per-token
-  reference ``m``, one ``exp``, and row sums; per token it keeps only ``s = sum exp(x - m)``,
+* Tiles are transposed, ``[vocab_chunk, token_chunk]``: vocabulary rows by token columns, so a
+  per-token offset is the GEMM's bias (added in its epilogue, no pass over the tile) and the weight
+  gradient's GEMM reads its operand contiguously. The three products and their backends are in
+  :mod:`klpo.gemm`.
+* Forward: for each tile, one GEMM ``weight_chunk @ (hidden / T).T - m`` (plus ``bias / T``),
+  one ``exp``, and column sums; per token it keeps only ``s = sum exp(x - m)``,
   ``sum exp(x - m)(x - m)`` (entropy), ``sum exp(x - m)(x - m - x_ref + m_ref)`` and
   ``sum exp(x_ref - m_ref)`` (KL), from which ``L = m + log s``, ``logp = x_y - L``,
   ``entropy = log s - sum e (x - m) / s`` and ``kl = sum e (x - m - x_ref + m_ref) / s + log s_ref
@@ -46,9 +48,13 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   float32 keeps small KLs accurate); a token whose sums overflow (a logit more than ~88 above its
   target's) is recomputed with ``m = max_v x_v`` (found by one more pass over its tiles), so the
   result is exact either way.
-* Backward: each tile is recomputed as ``log pi = x - L``, turned into ``G / T`` in place (``a``
-  is added at each target: no dense one-hot), and multiplied into the gradients. Only the inputs
-  and a few floats per token are saved for the backward pass; no tile outlives its iteration.
+* Backward: each tile is recomputed as ``log pi = x - L`` (``-L`` in the GEMM's epilogue), turned
+  into ``G / T`` in place (``a`` is added at each target: no dense one-hot), and multiplied into
+  the gradients. When only ``logp`` has a gradient (the policy-gradient loss), ``G / T = alpha pi
+  + delta 1[v = y]`` and the per-token ``alpha`` is taken out of the tile: ``grad_hidden = alpha
+  (pi @ weight) + delta weight[y]`` and ``grad_weight = pi.T @ (alpha hidden) + delta hidden`` at
+  the targets' rows, so a tile costs one ``exp`` and its GEMMs. Only the inputs and a few floats
+  per token are saved for the backward pass; no tile outlives its iteration.
 * Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
   float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
   float32 ``[V, H]`` accumulator beside the gradient itself).
@@ -65,12 +71,13 @@ clamped to their ranges (``logp ≤ 0``, ``entropy ≥ 0``, ``kl ≥ 0``) in the
 rounding.
 
 Speed on CPU: the GEMMs dominate (four per tile for log-probs: forward, recompute, and the two
-gradients; six for KL), and on CPU they go through oneDNN (``torch.ops.mkldnn._linear_pointwise``)
-where torch has it: on the AMD EPYC (AVX-512) this was tuned on, oneDNN's float32 GEMM runs at
-~430-510 GFLOP/s against ~170-210 for ``torch.mm`` (MKL). Elsewhere (other devices, float64) the
-GEMMs use ``torch.mm``. ``exp`` is the only elementwise pass that costs (~0.3 ns per logit against
-~4 ns for each GEMM), so the passes are kept to one ``exp`` per tile and model. The tile sizes are
-measured defaults, see ``bench/logprobs.py``.
+gradients; six for KL), so the floor of this recomputing kernel is 4/3 (log-probs) or 6/4 (KL) of
+the GEMMs a method that keeps the logits needs. Each of the three GEMM roles runs on the backend
+measured fastest on the machine, oneDNN or torch.mm, once and cached (:mod:`klpo.gemm`): on an
+AVX-512 CPU oneDNN's float32 GEMM is the faster, on one without AVX-512 (or with oneDNN capped at
+AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the passes are kept to one
+``exp`` per tile and model. The tile sizes and the measurements are in docs/performance.md
+(``bench/logprobs.py``).
 """
 
 from __future__ import annotations
