@@ -71,13 +71,14 @@ def test_hand_values_from_logits_and_from_hidden_states():
 
 
 def test_default_vocab_chunk():
-    # 2^20 / tokens, rounded down to a power of 2 and clamped to [512, 2048]
-    assert lp.default_vocab_chunk(1024) == 1024
-    assert lp.default_vocab_chunk(512) == 2048
-    assert lp.default_vocab_chunk(700) == 1024  # 2^20 / 700 = 1497 -> 1024
-    assert lp.default_vocab_chunk(4096) == 512  # 256, clamped
-    assert lp.default_vocab_chunk(1) == 2048
-    assert lp.default_vocab_chunk(0) == 2048
+    # 2^21 / tokens, rounded down to a power of 2 and clamped to [512, 8192]
+    assert lp.default_vocab_chunk(1024) == 2048
+    assert lp.default_vocab_chunk(512) == 4096
+    assert lp.default_vocab_chunk(256) == 8192
+    assert lp.default_vocab_chunk(700) == 2048  # 2^21 / 700 = 2995 -> 2048
+    assert lp.default_vocab_chunk(8192) == 512  # 256, clamped
+    assert lp.default_vocab_chunk(1) == 8192
+    assert lp.default_vocab_chunk(0) == 8192
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,15 +103,17 @@ __all__ = [
 ]
 
 # Tile of the fused path: up to TOKEN_CHUNK tokens by TILE_ELEMENTS / tokens vocabulary entries
-# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). Measured on a 2-core AVX-512 CPU
-# (``bench/logprobs.py --sweep``): forward + backward time is flat (within the ±7% run-to-run
-# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096, and ~12% slower at 8192,
-# while peak memory grows with the tile (oneDNN's copies of it and the [vocab_chunk, H]
-# temporaries), so these are the smallest tiles at full speed. Up to 4096 tokens make one token
-# chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (see the module notes).
+# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). On a 2-core AVX-512 CPU
+# (``bench/logprobs.py --sweep``) forward + backward time was flat (within the ±7% run-to-run
+# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096 at 1024 tokens; with few
+# tokens a narrow tile starves the GEMM: at 256 tokens, H = 896, V = 32000 and both backends
+# capped at AVX2, the logits' GEMMs took 1.6-1.8x longer (torch.mm) and 1.3x (oneDNN) in
+# vocabulary chunks of 2048 than of 8192 (docs/performance.md). So the tile holds 2^21 logits
+# (8 MiB in float32) and grows to 8192 vocabulary entries for short inputs. Up to 4096 tokens make
+# one token chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (module notes).
 TOKEN_CHUNK = 4096
-TILE_ELEMENTS = 1 << 20
-VOCAB_CHUNK_MAX = 2048
+TILE_ELEMENTS = 1 << 21
+VOCAB_CHUNK_MAX = 8192
 
 # Rows of the logits path hold about this many logits per chunk (16 MiB in float32).
 _ROW_ELEMENTS = 1 << 22
@@ -826,7 +828,7 @@ def fused(
         token_chunk: tokens per tile (default :data:`TOKEN_CHUNK` = 4096).
         vocab_chunk: vocabulary entries per tile (default
             ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
-            4 MiB in float32). Both defaults were measured with ``bench/logprobs.py --sweep``.
+            8 MiB in float32). Both defaults are justified in docs/performance.md.
 
     Returns:
         :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
