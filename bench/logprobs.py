@@ -20,7 +20,7 @@ after the inputs exist, and ``peak`` is the high-water mark over that. ``err``: 
 of the log-probs (the KL for KL cases) against float64 on the first 64 tokens. Ratios are to naive
 and to the fastest / leanest peer.
 
-    PYTHONPATH=$PWD/src OMP_NUM_THREADS=2 python bench/logprobs.py [--quick]
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=2 PEERS_VENV/bin/python bench/logprobs.py [--quick]
 
 (the peers from an environment that has ``trl`` and ``liger-kernel``, the latter installed with
 ``--no-deps``). To see a CPU without AVX-512 on one that has it:

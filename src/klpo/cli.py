@@ -63,8 +63,16 @@ def explain(
         )
     names = list(kl.ESTIMATORS) if all_ or estimator is None else [estimator]
     placements = list(kl.PLACEMENTS) if placement is None else [placement]
+    # Estimators from the reference's samples go only in the loss; unasked-for placements are
+    # skipped, and the refusal of one asked for is the error.
+    pairs = [
+        (n, p)
+        for n in names
+        for p in placements
+        if placement is not None or kl.refusal(n, p) is None
+    ]
     try:
-        rows = [kl.explain(n, p, on_policy=not off_policy) for n in names for p in placements]
+        rows = [kl.explain(n, p, on_policy=not off_policy) for n, p in pairs]
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 
@@ -124,7 +132,8 @@ def train(
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
 
-    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel.
+    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
+    with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md).
     """
     from klpo.train.config import ConfigError, load_config
 
@@ -152,6 +161,30 @@ def train(
     except (ConfigError, RewardError, FileNotFoundError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="A klpo train run directory."),
+    out: Path = typer.Option(..., "--out", help="New directory for the model."),
+    merge: bool = typer.Option(
+        False, "--merge", help="LoRA runs: fold the adapters into the weights (a plain model)."
+    ),
+) -> None:
+    """Write a run's latest policy as a Hugging Face model directory (weights + tokenizer).
+
+    Full fine-tunes and FSDP-sharded runs give a plain model; LoRA runs give their adapters, or
+    with --merge a plain model with the adapters merged in.
+    """
+    from klpo.train.config import ConfigError
+    from klpo.train.export import export_run
+
+    try:
+        path = export_run(run_dir, out, merge=merge)
+    except (ConfigError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
 
 
 @app.command()
@@ -360,6 +393,12 @@ def lab_report(
     out_dir: str = typer.Option(..., "--out", help="Folder for report.md, results.json and plots."),
     quick: bool = typer.Option(False, "--quick", help="A small preset for smoke tests (seconds)."),
     seed: int = typer.Option(0, "--seed", help="Base seed of every experiment."),
+    training: str | None = typer.Option(
+        None,
+        "--training",
+        help="A klpo compare study's results.csv with ref_is and adaptive_mix runs: judge the "
+        "training claim on it.",
+    ),
 ) -> None:
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
     from pathlib import Path
@@ -384,8 +423,9 @@ def lab_report(
             preset,
             seed=seed,
             progress=lambda done, what: progress.update(task, completed=done, description=what),
+            training=Path(training) if training else None,
         )
-    verdicts = Table(title="Seed 000: which claims hold (details in report.md)")
+    verdicts = Table(title='Claims about "K2" and "K3": which hold (report.md, docs/claims.md)')
     verdicts.add_column("#", justify="right")
     verdicts.add_column("claim")
     verdicts.add_column("verdict")
@@ -400,7 +440,7 @@ def lab_report(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo make-reference: the tiny reference model of the built-in task (issue 6).
+# klpo make-reference: the tiny reference model of the built-in task.
 
 
 @app.command("make-reference")
@@ -490,14 +530,16 @@ def make_reference_cmd(
 
 
 # --------------------------------------------------------------------------------------------
-# klpo compare: the estimator stability study on real training (issue 7).
+# klpo compare: the estimator stability study on real training.
 
 
 @app.command()
 def compare(
     out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
     quick: bool = typer.Option(
-        False, "--quick", help="The smoke-test preset: every choice, one beta, 2 seeds, 12 steps."
+        False,
+        "--quick",
+        help="The smoke-test preset: every choice but ref_is and adaptive_mix, one beta, 2 seeds, 12 steps.",
     ),
     study_file: Path | None = typer.Option(
         None, "--config", "-c", help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...)."

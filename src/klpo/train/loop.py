@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from klpo import advantages, control, kl, logprobs, losses, reduce
+from klpo import advantages, control, kl, logprobs, losses, reduce, ref_kl
 from klpo.train import checkpoint as ckpt_io
+from klpo.train import fsdp, microbatch, ref_samples
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import (
     AlgoConfig,
@@ -52,8 +53,18 @@ from klpo.train.config import (
 )
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, init_distributed, shutdown
+from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
 from klpo.train.metrics import MetricsWriter, Tally
-from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
+from klpo.train.models import (
+    DTYPES,
+    Backbone,
+    Critic,
+    autocast,
+    enable_checkpointing,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+)
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +137,7 @@ class Models:
     tokenizer: Any
     policy: Any  # the transformers model: generate, save_pretrained
     backbone: torch.nn.Module  # Backbone(policy), DDP-wrapped under torchrun
-    reference: Backbone  # frozen
+    reference: torch.nn.Module  # frozen: a Backbone, or the LoRA policy with adapters off
     critic: torch.nn.Module | None  # Critic, DDP-wrapped under torchrun (PPO only)
     critic_core: Critic | None
 
@@ -139,22 +150,46 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
     tokenizer = load_tokenizer(policy_path)
-    policy = load_causal_lm(str(start / "policy") if start else policy_path, cfg.model.dtype)
+    # Parameters are float32 (the master weights); model.dtype is the compute dtype (autocast).
+    compute = DTYPES[cfg.model.dtype]
+    # --- real models hook: LoRA (klpo.train.lora), checkpointing, FSDP (klpo.train.fsdp) ---
+    lora_cfg = cfg.model.lora
+    if lora_cfg is not None:
+        policy = load_causal_lm(policy_path)
+        policy = (
+            load_adapters(policy, start / "policy")
+            if start
+            else apply_lora(policy, **lora_cfg.model_dump())
+        )
+    elif start is not None and fsdp.is_sharded_checkpoint(start):
+        policy = load_causal_lm(policy_path)  # the sharded weights are loaded after sharding
+    else:
+        policy = load_causal_lm(str(start / "policy") if start else policy_path)
+    if cfg.model.gradient_checkpointing:
+        enable_checkpointing(policy)
     policy.to(dist.device).train()
-    reference = Backbone(freeze(load_causal_lm(ref_path, cfg.model.dtype).to(dist.device)))
+    backbone: torch.nn.Module = Backbone(policy, compute)
+    reference: torch.nn.Module
+    if lora_cfg is not None and cfg.model.reference is None:
+        reference = AdapterFreeReference(backbone)  # no second copy of the weights
+    else:
+        reference = Backbone(freeze(load_causal_lm(ref_path).to(dist.device)), compute)
     critic_core = None
     if ALGORITHMS[cfg.algo.name].critic:
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
-        critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype)).to(dist.device)
+        critic_core = Critic(load_causal_lm(critic_path), compute).to(dist.device)
         if start is not None:
             ckpt_io.restore_critic(start, critic_core)
-    backbone: torch.nn.Module = Backbone(policy)
     critic: torch.nn.Module | None = critic_core
-    if dist.enabled:
+    if dist.enabled and cfg.dist.strategy == "fsdp":
+        backbone = fsdp.shard(backbone, dist)
+        reference = fsdp.shard(reference, dist)
+    elif dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         backbone = DDP(backbone)
         critic = DDP(critic_core) if critic_core is not None else None
+    # --- end of the real models hook ---
     return Models(tokenizer, policy, backbone, reference, critic, critic_core)
 
 
@@ -327,7 +362,11 @@ def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask
         "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
     }
     est = cfg.kl.estimator
-    names = tuple(n for n in dict.fromkeys(("k1", "k3", est)) if not needs_exact_kl(n))
+    names = tuple(
+        n
+        for n in dict.fromkeys(("k1", "k3", est))
+        if not needs_exact_kl(n) and n not in kl.REF_SAMPLED  # those: ref_samples.ref_term
+    )
     means.update(losses.kl_metrics(old.logp, logp_ref, mask, estimators=names))
     if needs_exact_kl(est):
         means[f"kl/ref/{est}"] = means["kl/ref/exact"]
@@ -476,18 +515,25 @@ def update(
     beta_old: float,
     dist: Dist,
     gen: torch.Generator,
+    ref: ref_samples.RefBatch | None = None,
+    mix_weight: float = 0.0,
 ) -> Tally:
     """``epochs × minibatches`` optimizer steps on one scored rollout; returns their metrics.
 
     Losses are summed over an optimizer step's micro-batches and ranks (each is already divided
     by the minibatch's global normaliser) and averaged over the optimizer steps; token metrics
     pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
+
+    With ``ref`` (``ref_is``, ``adaptive_mix``) each optimizer step also carries the KL term on
+    the reference's completions (:func:`klpo.train.ref_samples.ref_term`); its metrics are those
+    of the first optimizer step, at the sampling policy's parameters, averaged over ranks.
     """
     a = cfg.algo
     mask = s.rollout.mask
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     tally = Tally()
+    ref_seconds, ref_logged = 0.0, False
     for _ in range(a.epochs):
         order = shuffle_rows(cfg, s.rollout, gen)
         for mb in order.chunk(a.minibatches):
@@ -497,11 +543,23 @@ def update(
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
-            micro = mb.split(a.micro_batch or len(mb))
+            if ref is not None:
+                head = _unwrap(m.backbone).head()
+                part = ref_samples.ref_term(
+                    cfg, m.backbone, head, ref, beta=beta, mix_weight=mix_weight
+                )
+                ref_seconds += part.pop("time/ref_update")
+                if not ref_logged:
+                    tally.add_means(part, 1.0)
+                    ref_logged = True
+            width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
+            micro = microbatch.split(
+                mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
+            )
             for i, rows in enumerate(micro):
                 part = _micro_step(
                     cfg, m, s, rows, beta, beta_old, n_global, dist,
-                    sync=i == len(micro) - 1, tally=tally,
+                    sync=i == len(micro) - 1, tally=tally, mix_weight=mix_weight,
                 )  # fmt: skip
                 for k, v in part.items():
                     step_losses[k] = step_losses.get(k, 0.0) + v
@@ -509,11 +567,14 @@ def update(
             for k, v in step_losses.items():
                 tally.add(k, v, 1.0 / dist.world)
             policy_params = [p for p in m.policy.parameters() if p.requires_grad]
-            tally.add("grad_norm", float(torch.nn.utils.clip_grad_norm_(policy_params, clip)), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(policy_params, clip)
+            tally.add("grad_norm", fsdp.to_float(norm), 1.0)  # a DTensor under FSDP
             opt.policy.step()
             if opt.critic is not None:
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
                 opt.critic.step()
+    if ref is not None:
+        tally.add("time/ref_update", ref_seconds, 1.0)
     return tally
 
 
@@ -550,6 +611,7 @@ def _micro_step(
     *,
     sync: bool,
     tally: Tally,
+    mix_weight: float = 0.0,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
@@ -561,9 +623,11 @@ def _micro_step(
     r = s.rollout.select(rows)
     mask = r.mask
     adv = s.adv[rows]
-    kl_in_loss = kl.in_loss(k.placement) and beta > 0
+    # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
+    kl_name, kl_coef = ref_samples.policy_term(cfg, mix_weight)
+    kl_in_loss = kl.in_loss(k.placement) and beta * kl_coef > 0
     recording = not bool(s.old.filled[rows].all())
-    need_ref = (kl_in_loss and needs_exact_kl(k.estimator)) or recording
+    need_ref = (kl_in_loss and needs_exact_kl(kl_name)) or recording
     max_len = cfg.rollout.max_new_tokens
 
     def red(x: Tensor) -> Tensor:
@@ -592,10 +656,10 @@ def _micro_step(
         if kl_in_loss:
             kl_tok = (
                 out.kl
-                if needs_exact_kl(k.estimator)
-                else losses.kl_loss(k.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
+                if needs_exact_kl(kl_name)
+                else losses.kl_loss(kl_name, logp, s.logp_ref[rows], logp_old=logp_old)
             )
-            loss_kl = red(kl_tok)
+            loss_kl = kl_coef * red(kl_tok)
             total = total + beta * loss_kl
             metrics["loss/kl"] = loss_kl.item()
         if a.entropy_coef:
@@ -637,12 +701,14 @@ def _micro_step(
 def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
     from klpo.train.task import heldout_accuracy as accuracy
 
+    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
     return accuracy(
         m.policy,
         m.tokenizer,
         heldout,
         max_new_tokens=cfg.rollout.max_new_tokens,
         reward=cfg.rewards[0].name,
+        sampler=cfg.rollout.sampler,
     )
 
 
@@ -704,6 +770,12 @@ def preflight(cfg: TrainConfig, dist: Dist, *, resume: bool) -> Path | None:
             f"{run_dir}, or choose another run.out_dir"
         )
     check_models(cfg)
+    sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
+    if start is not None and fsdp.is_sharded_checkpoint(start) and not sharded_run:
+        raise ConfigError(
+            f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
+            "with dist.strategy=fsdp, or klpo export it to a plain model"
+        )
     return start
 
 
@@ -777,19 +849,33 @@ class TrainRun:
     writer: MetricsWriter | None
     step0: int
     progress: Callable[[int | None, dict[str, float] | None], None]
+    mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP: the policy and its optimizer state are saved as shards (klpo.train.fsdp)."""
+        return fsdp.is_sharded(self.models.backbone)
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers whose state goes to optim.safetensors (a sharded policy's does not)."""
         o = self.opt
-        return {"policy": o.policy} | ({"critic": o.critic} if o.critic else {})
+        policy = {} if self.sharded else {"policy": o.policy}
+        return policy | ({"critic": o.critic} if o.critic else {})
 
     def save(self, step: int) -> None:
         rngs = self.dist.gather_objects(ckpt_io.rng_state())
+        policy = self.models.policy
+        if self.sharded:  # every rank writes its shards; the main rank moves them into place
+            staged = self.dir / "checkpoints" / f".shards-step_{step:06d}"
+            fsdp.save_sharded(self.models.backbone, self.opt.policy, staged)
+            self.dist.barrier()
+            policy = fsdp.StagedShards(staged, self.models.policy.config)
         if self.dist.is_main:
             ckpt_io.save_checkpoint(
                 self.dir,
                 step,
-                policy=self.models.policy,
+                policy=policy,
                 critic=self.models.critic_core,
                 optimizers=self.optimizers,
                 rng=rngs,
@@ -798,6 +884,11 @@ class TrainRun:
                     "kl_controller": self.kl_ctl.state_dict(),
                     "penalty_controller": self.pen_ctl.state_dict(),
                     "update_generator": self.update_gen.get_state().tolist(),
+                    **(
+                        {"mix_window": self.mix_window.state_dict()}
+                        if self.mix_window is not None
+                        else {}
+                    ),
                 },
             )
         self.dist.barrier()
@@ -825,15 +916,21 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
+    mix_window = ref_samples.make_window(cfg)
     opt = make_optimizers(cfg, m)
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     step0 = 0
     if start is not None:
         step0 = meta["step"]
         optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
+        if fsdp.is_sharded_checkpoint(start):  # (preflight checked that this run is sharded)
+            fsdp.load_sharded(m.backbone, opt.policy, start / "policy")
+            del optimizers["policy"]
         ckpt_io.restore_optimizers(start, optimizers, meta)
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
+        if mix_window is not None:
+            mix_window.load_state_dict(meta["mix_window"])
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
         ckpt_io.restore_rng(start, meta, rank=dist.rank)
@@ -849,11 +946,20 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
     run = TrainRun(
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
-        update_gen, writer, step0, _progress(cfg, dist, step0),
+        update_gen, writer, step0, _progress(cfg, dist, step0), mix_window,
     )  # fmt: skip
-    if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
-        writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
+    if step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
+        acc = heldout_accuracy(cfg, m, heldout)
+        if writer is not None:
+            writer.write(0, {"accuracy/heldout": acc})
     return run
+
+
+def evaluates(run: TrainRun) -> bool:
+    """Whether this rank runs the held-out evaluation: the main rank; under FSDP every rank, since
+    a sharded forward is collective (greedy decoding of the same problems with the same weights,
+    so all ranks take the same number of forwards)."""
+    return run.dist.is_main or run.sharded
 
 
 def run_steps(run: TrainRun) -> None:
@@ -867,8 +973,10 @@ def run_steps(run: TrainRun) -> None:
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
         if run.heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
-            if run.dist.is_main:
-                metrics["accuracy/heldout"] = heldout_accuracy(cfg, run.models, run.heldout)
+            if evaluates(run):
+                acc = heldout_accuracy(cfg, run.models, run.heldout)
+                if run.dist.is_main:
+                    metrics["accuracy/heldout"] = acc
             run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
@@ -901,20 +1009,38 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # 1. Sample.
     m.policy.eval()
-    rollout = generate(
-        m.policy,
-        m.tokenizer,
-        [e.prompt for e in mine],
-        [e.answer for e in mine],
-        group_size=cfg.rollout.group_size,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        sampler=cfg.rollout.sampler,
-    )
+    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
+    with autocast(DTYPES[cfg.model.dtype], dist.device):
+        rollout = generate(
+            m.policy,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            group_size=cfg.rollout.group_size,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            sampler=cfg.rollout.sampler,
+            synced=dist.enabled and cfg.dist.strategy == "fsdp",
+        )
     m.policy.train()
     t1 = time.perf_counter()
+
+    # 1b. ref_is, adaptive_mix: the reference's own completions for the same prompts.
+    ref = None
+    if ref_samples.uses_reference_samples(cfg):
+        ref = ref_samples.sample_reference(
+            cfg,
+            m.reference,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            rollout,
+        )
+    window = run.mix_window
+    mix_weight = window.weight() if window is not None else 0.0
+    t1r = time.perf_counter()
 
     # 2. Score.
     beta = run.kl_ctl.value
@@ -923,11 +1049,20 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # 3. Update.
     beta_old = run.pen_ctl.value
-    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen)
+    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, ref, mix_weight)
     t3 = time.perf_counter()
 
     # 4. Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist)
+    if ref is not None:
+        metrics["ref/samples"] = dist.world * len(ref.logp_ref)
+        metrics["time/ref_sample"] = ref.seconds
+    if window is not None:  # the mix's output of this step joins its window
+        mix = mix_weight * metrics["kl/ref/k1"] + (1 - mix_weight) * metrics["kl/ref/ref_is"]
+        metrics["kl/ref/adaptive_mix"] = mix
+        metrics["ref/mix_weight"] = mix_weight
+        metrics["ref/kl_window"] = window.kl_window
+        window.push(mix)
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     run.kl_ctl.update(
         kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
@@ -940,7 +1075,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
             "beta": beta,
             "lr": _lr(cfg, step),
             "time/generate": t1 - t0,
-            "time/score": t2 - t1,
+            "time/score": t2 - t1r,
             "time/update": t3 - t2,
         }
     )
