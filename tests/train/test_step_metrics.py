@@ -8,6 +8,7 @@ keys some configuration emits.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -195,6 +196,8 @@ COVERAGE = [
         "algo.policy_loss": "kl-penalty",
         "algo.penalty_target": 0.01,
     },
+    # An engine that reports its own log-probs (engine/*): the perturbed stand-in for vLLM.
+    {"rollout.engine": "vllm"},
     {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
 ]
 
@@ -209,7 +212,13 @@ def _entry(key: str) -> str:
     return family[0]
 
 
-def test_every_documented_metric_is_emitted_and_none_undocumented(tiny_model, quick, tmp_path):
+def test_every_documented_metric_is_emitted_and_none_undocumented(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    from klpo.train import engines
+
+    fake = importlib.import_module("klpo_fake_engine")
+    monkeypatch.setitem(engines.ENGINES, "vllm", fake.spec(0.1))
     emitted: set[str] = set()
     for i, extra in enumerate(COVERAGE):
         over = {**extra, "run.steps": 1, "run.eval_every": 1}
@@ -226,6 +235,7 @@ def test_every_documented_metric_is_emitted_and_none_undocumented(tiny_model, qu
         "kl/ref/k2",
         "value/explained_var",
         "beta_old",
+        "engine/k3_max",
     } <= emitted
     page = (HERE.parents[1] / "docs" / "metrics.md").read_text()
     for key in METRICS:

@@ -140,6 +140,26 @@ class RolloutConfig(_Section):
         description="Compute each prompt once per group in the reference, scoring and update "
         "passes (its keys/values repeated for the G completions); the same values and gradients.",
     )
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="What samples the completions: 'hf', the policy's own model (with "
+        "rollout.sampler); or 'vllm', a vLLM engine that gets the policy's weights before each "
+        "step and reports its log-probs (optional extra klpo[vllm]; see docs/engines.md).",
+    )
+    tis_cap: float | None = Field(
+        2.0,
+        gt=0,
+        description="vllm: truncated importance sampling cap C; each token's policy loss is "
+        "weighted by min(pi_old / pi_engine, C) (Yao et al. 2025). null: no correction (the "
+        "gap is still logged as engine/*).",
+    )
+    vllm_memory: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="vllm on a GPU: the fraction of GPU memory the engine may take (weights "
+        "and KV cache), beside the trainer's models.",
+    )
 
 
 class AlgoConfig(_Section):

@@ -2,7 +2,10 @@
 
 Each step:
 
-1. **sample** G completions for each of the step's prompts with ``generate`` (:mod:`.rollout`);
+1. **sample** G completions for each of the step's prompts with the configured engine
+   (:mod:`.engines`: the policy's own ``generate``, or vLLM synced with the policy's weights,
+   whose log-prob gap to the trainer's is logged and corrected by truncated importance sampling,
+   :mod:`klpo.mismatch`);
 2. **score** them: Python rewards, the sampling policy's and the reference's log-probs, entropy
    and the exact full-vocabulary KL from hidden states (:func:`klpo.logprobs.fused`), the KL in
    the reward if asked (:func:`klpo.losses.kl_reward`), advantages (:mod:`klpo.advantages`);
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from klpo import advantages, control, kl, logprobs, losses, reduce, ref_kl
+from klpo import advantages, control, kl, logprobs, losses, mismatch, reduce, ref_kl
 from klpo.train import checkpoint as ckpt_io
 from klpo.train import fsdp, microbatch, ref_samples
 from klpo.train import rewards as rewards_mod
@@ -53,19 +56,19 @@ from klpo.train.config import (
 )
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, init_distributed, shutdown
+from klpo.train.engines import RolloutEngine, check_engine, make_engine
 from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
 from klpo.train.metrics import MetricsWriter, Tally
 from klpo.train.models import (
     DTYPES,
     Backbone,
     Critic,
-    autocast,
     enable_checkpointing,
     freeze,
     load_causal_lm,
     load_tokenizer,
 )
-from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
+from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids  # noqa: F401 (generate: loop.generate for callers)
 
 # ---------------------------------------------------------------------------------------------
 # Setup: models, data, rewards, controllers.
@@ -650,7 +653,12 @@ def _micro_step(
         if recording:
             s.old.record(rows, out)
         logp_old = s.old.logp[rows]
-        loss_pg = red(POLICY_LOSSES[a.policy_loss](a, logp, logp_old, adv, beta_old))
+        pg = POLICY_LOSSES[a.policy_loss](a, logp, logp_old, adv, beta_old)
+        if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
+            # Tokens sampled by an inference engine: truncated importance sampling against the
+            # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.
+            pg = mismatch.tis_policy_loss(pg, logp_old, r.engine_logp, cap=cfg.rollout.tis_cap)
+        loss_pg = red(pg)
         total = loss_pg
         metrics = {"loss/policy": loss_pg.item()}
         if kl_in_loss:
@@ -776,6 +784,7 @@ def preflight(cfg: TrainConfig, dist: Dist, *, resume: bool) -> Path | None:
             f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
             "with dist.strategy=fsdp, or klpo export it to a plain model"
         )
+    check_engine(cfg, dist.world)
     return start
 
 
@@ -849,6 +858,7 @@ class TrainRun:
     writer: MetricsWriter | None
     step0: int
     progress: Callable[[int | None, dict[str, float] | None], None]
+    engine: RolloutEngine  # samples the completions (klpo.train.engines)
     mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
 
     @property
@@ -946,7 +956,8 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
     run = TrainRun(
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
-        update_gen, writer, step0, _progress(cfg, dist, step0), mix_window,
+        update_gen, writer, step0, _progress(cfg, dist, step0),
+        make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy)), mix_window,
     )  # fmt: skip
     if step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
         acc = heldout_accuracy(cfg, m, heldout)
@@ -1007,24 +1018,9 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     batch = run.stream.next(cfg.rollout.prompts_per_step)
     mine = batch[dist.rank * per_rank : (dist.rank + 1) * per_rank]
 
-    # 1. Sample.
-    m.policy.eval()
-    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
-    with autocast(DTYPES[cfg.model.dtype], dist.device):
-        rollout = generate(
-            m.policy,
-            m.tokenizer,
-            [e.prompt for e in mine],
-            [e.answer for e in mine],
-            group_size=cfg.rollout.group_size,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_prompt_tokens=cfg.data.max_prompt_tokens,
-            sampler=cfg.rollout.sampler,
-            synced=dist.enabled and cfg.dist.strategy == "fsdp",
-        )
-    m.policy.train()
+    # 1. Sample, with the policy's current weights.
+    run.engine.sync_weights(m.policy)
+    rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
     t1 = time.perf_counter()
 
     # 1b. ref_is, adaptive_mix: the reference's own completions for the same prompts.
@@ -1088,12 +1084,25 @@ def step_metrics(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> dict[st
     tally.merge(s.metrics)
     tally.merge(sampling_metrics(cfg, s.old, s.logp_ref, s.rollout.mask))
     tally.merge(upd)
-    return finish_metrics(tally, dist)
+    if s.rollout.engine_logp is None:
+        return finish_metrics(tally, dist)
+    # The engine's log-probs against the trainer's pi_old: means pool tokens, maxima over ranks.
+    mask = s.rollout.mask
+    gap = mismatch.mismatch_metrics(
+        s.old.logp, s.rollout.engine_logp, mask, cap=cfg.rollout.tis_cap
+    )
+    extremes = {k: gap.pop(k) for k in ("engine/k3_max", "engine/abs_max")}
+    tally.add_means(gap, float(mask.sum()))
+    out = finish_metrics(tally, dist)
+    for key, value in extremes.items():
+        out[key] = max(float(v) for v in dist.gather_objects(value))
+    return out
 
 
 def teardown(run: TrainRun, *, finished: bool) -> None:
     """Stop the progress bar, close the metrics; after a finished run, write its report."""
     run.progress(None, None)
+    run.engine.close()
     if run.writer is None:
         return
     run.writer.close()

@@ -78,6 +78,17 @@ METRICS: dict[str, str] = {
     "time/ref_update": "ref_is, adaptive_mix: seconds spent on the forward and backward passes of "
     "the policy over the reference's completions (all optimizer steps; inside time/update)",
     "time/step": "wall seconds of the whole step",
+    "engine/k1": "rollout.engine=vllm: k1 estimate of KL(pi_engine ‖ pi_old) per token, the mean "
+    "of log pi_engine - log pi_old over the sampled tokens (the engine's log-probs against the "
+    "trainer's at the same weights; docs/engines.md)",
+    "engine/k3": "rollout.engine=vllm: k3 estimate of KL(pi_engine ‖ pi_old) per token "
+    "(rho - 1 - log rho, rho = pi_old / pi_engine; non-negative)",
+    "engine/k3_max": "rollout.engine=vllm: the largest per-token k3 of the step",
+    "engine/abs_max": "rollout.engine=vllm: the largest |log pi_engine - log pi_old| of the step",
+    "engine/tis_weight": "rollout.engine=vllm: mean truncated importance weight "
+    "min(pi_old / pi_engine, rollout.tis_cap) on the policy loss (1: no gap)",
+    "engine/tis_clip_frac": "rollout.engine=vllm: fraction of tokens whose ratio pi_old / "
+    "pi_engine exceeds rollout.tis_cap (0 without a cap)",
     "tokens_per_s": "completion tokens sampled and trained on per second of step time",
 }
 

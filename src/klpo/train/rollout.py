@@ -31,6 +31,9 @@ class Rollout:
     answers: list[str]  # [B] reference answers (repeated G times)
     group_size: int
     truncated: Tensor = field(default=None)  # [B] bool: no EOS within max_new_tokens
+    # [B, C] log-probs of the sampled tokens as an inference engine reported them (0 where
+    # mask is False); None when the trainer's own model sampled (see klpo.train.engines).
+    engine_logp: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -54,6 +57,7 @@ class Rollout:
             answers=[self.answers[i] for i in pick],
             group_size=self.group_size,
             truncated=None if self.truncated is None else self.truncated[idx],
+            engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
         )
 
 

@@ -1,0 +1,60 @@
+"""A rollout engine for tests that needs no vLLM: the HF sampler, its log-probs known and perturbed.
+
+It samples with the policy's own ``generate`` (:class:`klpo.train.engines.HFEngine`) and reports
+``engine_logp = log pi_old + delta`` on every completion token, ``log pi_old`` computed by the
+trainer's own path (:func:`klpo.logprobs.fused` on the policy's hidden states). With a known
+``delta`` every engine metric and every TIS weight is known by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from klpo import logprobs
+from klpo.train.engines import EngineSpec, HFEngine, Sampling
+from klpo.train.models import Backbone
+from klpo.train.rollout import Rollout, completion_hidden
+
+
+class PerturbedEngine:
+    name = "perturbed"
+
+    def __init__(self, cfg, policy, tokenizer, delta: float) -> None:
+        self.hf = HFEngine(policy, tokenizer, Sampling.from_config(cfg))
+        self.policy, self.delta, self.temperature = policy, delta, cfg.rollout.temperature
+        self.synced = 0
+        self.closed = False
+
+    def sync_weights(self, policy) -> None:
+        assert policy is self.policy
+        self.synced += 1
+
+    def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
+        r = self.hf.sample(prompts, answers)
+        backbone = Backbone(self.policy)
+        weight, bias = backbone.head()
+        with torch.no_grad():
+            out = logprobs.fused(
+                completion_hidden(backbone, r),
+                weight,
+                r.completion_ids,
+                bias=bias,
+                temperature=self.temperature,
+            )
+        r.engine_logp = torch.where(r.mask, out.logp.float() + self.delta, 0.0)
+        return r
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def spec(delta: float, made: list | None = None) -> EngineSpec:
+    """An :class:`EngineSpec` making :class:`PerturbedEngine` (each one appended to ``made``)."""
+
+    def make(cfg, m, dist, policy_path):
+        engine = PerturbedEngine(cfg, m.policy, m.tokenizer, delta)
+        if made is not None:
+            made.append(engine)
+        return engine
+
+    return EngineSpec(make)
