@@ -15,8 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from klpo.train import loop
-from klpo.train.config import build_config
 from klpo.train.metrics import is_timing, read_metrics
 
 HERE = Path(__file__).resolve().parent
@@ -49,8 +47,15 @@ def test_resume_after_kill_equals_the_uninterrupted_run(tiny_model, quick, tmp_p
         "run.save_every": 2,
         "rewards": "[{name: 'klpo_test_rewards:slow_digits'}]",
     }
+    # Both runs are the same command in a fresh process, so that nothing this test process did
+    # before (threads, plans, global torch state) can tell them apart but the kill and resume.
     whole = tmp_path / "whole"
-    loop.train(build_config(overrides=quick(tiny_model, whole, **extra)), log=lambda *_: None)
+    subprocess.run(
+        klpo_cmd("train", *sets(quick(tiny_model, whole, **extra))),
+        env=env(),
+        check=True,
+        capture_output=True,
+    )
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(

@@ -7,6 +7,7 @@ hidden states, and the log-probs, entropy and exact KL come from the output head
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -22,6 +23,33 @@ def quiet_transformers() -> None:
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+
+
+def cache_kwargs(module: nn.Module, cache) -> dict:
+    """``{name: cache}`` under the name ``module.forward`` takes its key/value cache by.
+
+    transformers 5.20 renamed ``past_key_values`` to ``cache`` (the old name is accepted, with a
+    deprecation, for a while); older releases silently ignore ``cache=``, which would run the
+    completion tokens without their prompt. Asked of the signature, so both work.
+    """
+    if hasattr(module, "get_base_model"):  # a peft wrapper passes the name through
+        module = module.get_base_model()
+    kind = type(module)
+    name = _CACHE_KWARG.get(kind)
+    if name is None:
+        params = inspect.signature(module.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KWARG[kind] = name
+    return {name: cache}
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def output_cache(out):
+    """The key/value cache a forward returned (``cache``, or ``past_key_values`` before 5.20)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32"):
@@ -134,7 +162,7 @@ class Backbone(nn.Module):
             position_ids=position_ids[first, :prefix],
             use_cache=True,
         )
-        cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
+        cache = output_cache(head)
         if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
             return self._hidden(input_ids, attention_mask, position_ids, 0, 1)
         cache.batch_repeat_interleave(group)
@@ -142,7 +170,7 @@ class Backbone(nn.Module):
             input_ids=input_ids[:, prefix:],
             attention_mask=attention_mask,
             position_ids=position_ids[:, prefix:],
-            cache=cache,
+            **cache_kwargs(base, cache),
             use_cache=True,
         )
         shared = head.last_hidden_state.repeat_interleave(group, dim=0)

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
+from klpo.train.models import cache_kwargs, output_cache
+
 
 @dataclass
 class Rollout:
@@ -131,7 +133,7 @@ def sample_lean(
     out = model(
         input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1
     )
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = output_cache(out)
     cache.batch_repeat_interleave(group_size)
     logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
     att = att.repeat_interleave(group_size, dim=0)
@@ -156,10 +158,10 @@ def sample_lean(
             input_ids=token[:, None],
             attention_mask=att,
             position_ids=next_pos,
-            cache=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
         )
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = output_cache(out)
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1).cpu()
