@@ -113,10 +113,19 @@ class AlgoConfig(_Section):
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
-    policy_loss: Literal["clip", "kl-penalty"] = Field(
+    policy_loss: Literal["clip", "kl-penalty", "gspo", "cispo"] = Field(
         "clip",
-        description="PPO's clipped surrogate, or its adaptive-KL-penalty surrogate "
-        "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8).",
+        description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "
+        "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8); GSPO's "
+        "sequence-level clip of the length-normalised ratio (Zheng et al. 2025; ranges "
+        "gspo_clip_low/high); or CISPO's clipped stop-gradient weight on log pi (MiniMax 2025; "
+        "weight capped at 1 + clip_high, no lower bound).",
+    )
+    gspo_clip_low: float = Field(
+        3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
+    )
+    gspo_clip_high: float = Field(
+        4e-4, ge=0, description="gspo: sequence-ratio clip above, 1 + gspo_clip_high."
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(

@@ -409,17 +409,7 @@ def _micro_step(
                 seen["logp"][rows] = logp_old
                 seen["entropy"][rows] = out.entropy.detach()
                 seen["kl"][rows] = out.kl.detach()
-        if a.policy_loss == "clip":
-            pg = losses.ppo_clip(
-                logp,
-                logp_old,
-                adv,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                dual_clip=a.dual_clip,
-            )
-        else:
-            pg = losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
+        pg = policy_loss_tokens(cfg, logp, logp_old, adv, mask, beta_old)
         loss_pg = red(pg)
         total = loss_pg
         metrics = {"loss/policy": loss_pg.item()}
@@ -452,7 +442,33 @@ def _micro_step(
         logp, logp_old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
     )
     metrics.update({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")})
+    if a.policy_loss == "gspo":
+        metrics.update(
+            losses.gspo_metrics(
+                logp, logp_old, adv, mask, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+            )
+        )
     return metrics
+
+
+def policy_loss_tokens(
+    cfg: TrainConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, beta_old: float
+) -> Tensor:
+    """The ``[B, C]`` policy loss chosen by ``algo.policy_loss``. The KL to the reference is not
+    part of it: it keeps its own per-token off-policy weight (:func:`klpo.losses.kl_loss`)
+    under every choice, GSPO's sequence ratio included."""
+    a = cfg.algo
+    if a.policy_loss == "clip":
+        return losses.ppo_clip(
+            logp, logp_old, adv, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
+        )
+    if a.policy_loss == "kl-penalty":
+        return losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
+    if a.policy_loss == "gspo":
+        return losses.gspo(
+            logp, logp_old, adv, mask, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+        )
+    return losses.cispo(logp, logp_old, adv, clip_high=a.clip_high)
 
 
 # ---------------------------------------------------------------------------------------------
