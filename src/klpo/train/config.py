@@ -76,7 +76,7 @@ class DataConfig(_Section):
 
 class RewardTerm(_Section):
     name: str = Field(
-        description="A built-in reward ('exact_match', 'numeric', 'format') or 'module:function'."
+        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function'."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
 
