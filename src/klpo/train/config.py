@@ -72,6 +72,14 @@ class DataConfig(_Section):
         256, gt=0, description="Longer prompts are an error naming the line or sample."
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch over the data (seeded).")
+    chat: bool = Field(
+        False,
+        description="Render each prompt (a string, or a list of {role, content} messages) with "
+        "the tokenizer's chat template, ending with the assistant's generation prompt.",
+    )
+    system_prompt: str | None = Field(
+        None, description="With chat: a system message put before each prompt's messages."
+    )
 
 
 class RewardTerm(_Section):

@@ -34,7 +34,7 @@ from klpo import advantages, control, kl, logprobs, losses, reduce
 from klpo.train import checkpoint as ckpt_io
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import ConfigError, TrainConfig, dump_config
-from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
+from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, render_chat
 from klpo.train.dist import Dist, init_distributed, shutdown
 from klpo.train.metrics import MetricsWriter
 from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
@@ -524,6 +524,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
 
     m = build_models(cfg, dist, start)
     train_set, heldout = load_examples(cfg)
+    train_set, heldout = (
+        render_chat(x, m.tokenizer, chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
+        for x in (train_set, heldout)
+    )
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
