@@ -43,9 +43,7 @@ def test_render_chat_hand(chat_model):
         [Example("1+2=", "3"), Example("", "5", messages=(("system", "be brief"), ("user", "2+3=")))],
         tok, chat=True, system_prompt="answer with a number",
     )  # fmt: skip
-    assert got[0] == Example(
-        "<s>system: answer with a number\n<s>user: 1+2=\n<s>assistant: ", "3"
-    )
+    assert got[0] == Example("<s>system: answer with a number\n<s>user: 1+2=\n<s>assistant: ", "3")
     # A conversation that starts with its own system message keeps it.
     assert got[1].prompt == "<s>system: be brief\n<s>user: 2+3=\n<s>assistant: "
     # The rendered text tokenizes with <s> as one special token, nothing added around it.
@@ -57,14 +55,14 @@ def test_chat_off_keeps_prompts_and_refuses_messages(chat_model):
     tok = _tok(chat_model)
     plain = [Example("1+2=", "3")]
     assert render_chat(plain, tok, chat=False) == plain
-    with pytest.raises(ValueError, match="data.chat=true"):
+    with pytest.raises(ValueError, match=r"data\.chat=true"):
         render_chat([Example("", "3", messages=(("user", "x"),))], tok, chat=False)
     with pytest.raises(ValueError, match="system_prompt"):
         render_chat(plain, tok, chat=False, system_prompt="hi")
 
 
 def test_chat_without_a_template_is_a_clear_error(tiny_model):
-    with pytest.raises(ValueError, match="has none.*chat_template"):
+    with pytest.raises(ValueError, match=r"has none.*chat_template"):
         render_chat([Example("1+2=", "3")], _tok(tiny_model), chat=True)
 
 
