@@ -38,6 +38,9 @@ from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, ren
 from klpo.train.dist import Dist, init_distributed, shutdown
 from klpo.train.metrics import MetricsWriter
 from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
+from klpo.train.overopt import eval_reward, gold_metrics
+from klpo.train.refreset import reset_due, update_reference
+from klpo.train.reward_model import build_rewards
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
 
 # ---------------------------------------------------------------------------------------------
@@ -56,7 +59,7 @@ def resolve_model_path(name: str) -> str:
 def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples of the configured source."""
     d = cfg.data
-    if d.source == "builtin":
+    if d.source in ("builtin", "builtin-overopt"):
         from klpo.train.task import ArithmeticTask
 
         train, heldout = ArithmeticTask().splits()
@@ -280,6 +283,8 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
         "completion/truncated": float(rollout.truncated.float().mean()),
         **{f"reward/{k}": sum(v) / len(v) for k, v in per_fn.items()},
     }
+    if cfg.gold_reward:
+        metrics.update(gold_metrics(cfg.gold_reward, rollout, scores))
     if old is not None:
         metrics.update(sampling_metrics(cfg, logp_old, logp_ref, old.entropy, old.kl, mask))
     return Scored(
@@ -483,7 +488,7 @@ def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> flo
         m.tokenizer,
         heldout,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        reward=cfg.rewards[0].name,
+        reward=eval_reward(cfg),
     )
 
 
@@ -529,8 +534,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         for x in (train_set, heldout)
     )
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-    reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
+    reward_fns = build_rewards(cfg.rewards, device=dist.device)
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
+    resets = cfg.kl.reference_reset
+    ref_updates = int(meta.get("reference_updates", 0))
     o = cfg.optim
     opt = Optimizers(
         policy=torch.optim.AdamW(
@@ -559,6 +566,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
         ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        if resets is not None:
+            ckpt_io.restore_reference(start, m.reference.model)
         log(f"resuming {run_dir} from step {step0}")
 
     if dist.is_main:
@@ -581,6 +590,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                 step,
                 policy=m.policy,
                 critic=m.critic_core,
+                reference=m.reference.model if resets is not None else None,
                 optimizers=optimizers,
                 rng=rngs,
                 state={
@@ -588,6 +598,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                     "kl_controller": kl_ctl.state_dict(),
                     "penalty_controller": pen_ctl.state_dict(),
                     "update_generator": update_gen.get_state().tolist(),
+                    "reference_updates": ref_updates,
                 },
             )
         dist.barrier()
@@ -644,6 +655,13 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         )
         if cfg.algo.policy_loss == "kl-penalty":
             pen_ctl.update(kl=metrics["kl/old/k3"])
+        if resets is not None:  # move the reference (docs/overopt.md); the KL logged is before
+            if reset_due(resets, step, metrics["kl/ref/exact"]):
+                update_reference(m.reference.model, m.policy, resets.alpha)
+                if resets.reset_optimizer:
+                    opt.policy.state.clear()
+                ref_updates += 1
+            metrics["reference/updates"] = ref_updates
         tokens = dist.all_sum(rollout.mask.sum()).item()
         metrics.update(
             {

@@ -9,7 +9,7 @@ i-th prompt, whose reference answer is the i-th answer; a prompt repeats once pe
 group). It returns N real numbers, one per completion. Completions are the decoded text after the
 prompt, cut at the end-of-sequence token, without special tokens.
 
-Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}``:
+Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
 
 - ``exact_match``: the completion, stripped of surrounding whitespace, equals the answer stripped.
 - ``numeric``: the number extracted from the completion equals the number extracted from the
@@ -29,6 +29,8 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}``:
   ``\boxed{}`` if it has one, the number after ``####`` if it has that, else the answer stripped.
   A completion with no ``\boxed{}``, or an unclosed one, scores 0 (the convention of
   MATH-style graders, Hendrycks et al. 2021, arXiv:2103.03874).
+- ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
+  (:func:`klpo.train.overopt.overopt_proxy`).
 
 Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
 (:func:`combined_rewards`). Every value is checked: a function that raises, returns a value that
@@ -191,6 +193,15 @@ BUILTIN: dict[str, RewardFn] = {
     "format": format_reward,
     "boxed": boxed,
 }
+
+
+def _overopt_proxy(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    from klpo.train.overopt import overopt_proxy
+
+    return overopt_proxy(prompts, completions, answers)
+
+
+BUILTIN["overopt_proxy"] = _overopt_proxy
 
 
 def get_reward(name: str) -> RewardFn:
