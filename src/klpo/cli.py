@@ -553,6 +553,12 @@ def compare(
     seeds: str | None = typer.Option(None, help="Comma-separated seeds, e.g. 0,1,2."),
     betas: str | None = typer.Option(None, help="Comma-separated KL coefficients, e.g. 0.01,0.1."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+    task: str = typer.Option(
+        "builtin",
+        "--task",
+        help="builtin (the arithmetic task) or overopt (train on a flawed proxy reward, watch "
+        "the gold reward).",
+    ),
 ) -> None:
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
 
@@ -563,7 +569,7 @@ def compare(
     from klpo.train.config import ConfigError
 
     try:
-        study = load_study(study_file, quick=quick)
+        study = load_study(study_file, quick=quick, task=task)
         if workers is not None:
             study.workers = workers
         if steps is not None:
