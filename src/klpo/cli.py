@@ -505,6 +505,7 @@ def make_reward_model_cmd(
     steps: int | None = typer.Option(None, help="Training steps."),
     lr: float | None = typer.Option(None, help="AdamW learning rate."),
     seed: int | None = typer.Option(None, help="Seed of the pairs, batches and head."),
+    n_eval: int | None = typer.Option(None, help="Held-out pairs the result is measured on."),
 ) -> None:
     """Train a small reward model (a sequence classifier) on the built-in task from a limited
     labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
@@ -515,7 +516,13 @@ def make_reward_model_cmd(
     overrides = {
         k: v
         for k, v in dict(
-            init=init, n_pairs=n_pairs, max_offset=max_offset, steps=steps, lr=lr, seed=seed
+            init=init,
+            n_pairs=n_pairs,
+            max_offset=max_offset,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            n_eval=n_eval,
         ).items()
         if v is not None
     }

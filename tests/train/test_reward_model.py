@@ -13,9 +13,7 @@ from klpo.train.config import ConfigError, RewardTerm, build_config
 from klpo.train.metrics import read_metrics
 from klpo.train.reward_model import (
     RewardModel,
-    RewardModelConfig,
     build_rewards,
-    make_reward_model,
     wrong_answer,
 )
 from klpo.train.rewards import combined_rewards
@@ -100,12 +98,31 @@ def test_wrong_answer_is_near_and_wrong():
 
 @pytest.mark.slow
 def test_a_small_trained_reward_model_ranks_right_above_wrong(tmp_path):
-    """Seeded: 50 steps on 256 labelled pairs from the shipped reference; on 200 held-out pairs
-    the pairwise accuracy beats chance (0.5) by more than 3 standard errors (sqrt(0.25/200))."""
-    cfg = RewardModelConfig(n_pairs=256, steps=50, batch_size=32, n_eval=200)
-    result = make_reward_model(tmp_path / "rm", cfg)
-    se = math.sqrt(0.25 / cfg.n_eval)
-    assert result.heldout_pairwise_accuracy > 0.5 + 3 * se, result
-    meta = json.loads((tmp_path / "rm" / "reward_model.json").read_text())
-    assert meta["heldout_pairwise_accuracy"] == result.heldout_pairwise_accuracy
-    assert RewardModel(tmp_path / "rm").model.config.num_labels == 1
+    """`klpo make-reward-model`, seeded: 50 steps on 256 labelled pairs from the shipped
+    reference; on 200 held-out pairs the pairwise accuracy beats chance (0.5) by more than 3
+    standard errors (sqrt(0.25/200))."""
+    from typer.testing import CliRunner
+
+    from klpo.cli import app
+
+    out = tmp_path / "rm"
+    args = ["make-reward-model", str(out), "--n-pairs", "256", "--steps", "50", "--n-eval", "200"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out pairs (chance 0.5)" in result.output
+    meta = json.loads((out / "reward_model.json").read_text())
+    assert meta["config"]["n_pairs"] == 256 and meta["heldout_pairs"] == 200
+    assert meta["heldout_pairwise_accuracy"] > 0.5 + 3 * math.sqrt(0.25 / 200), meta
+    assert RewardModel(out).model.config.num_labels == 1
+
+
+def test_make_reward_model_cli_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from klpo.cli import app
+
+    (tmp_path / "rm").mkdir()
+    again = CliRunner().invoke(app, ["make-reward-model", str(tmp_path / "rm")])
+    assert again.exit_code != 0 and "--overwrite" in again.output
+    bad = CliRunner().invoke(app, ["make-reward-model", str(tmp_path / "x"), "--steps", "0"])
+    assert bad.exit_code != 0 and "steps must be >= 1" in bad.output
