@@ -183,3 +183,18 @@ def test_kl_beside_sequence_losses_keeps_its_per_token_weight(policy_loss):
     s = torch.exp(L.sequence_log_ratio(logp, logp_old, mask)).detach()[:, None]
     wrong = torch.where(mask, beta * s * (1 - torch.exp(-d)), 0.0)
     assert not torch.allclose(want, wrong)
+
+
+def test_gradcheck_float64_of_the_reduced_gspo_objective():
+    """gradcheck compares autograd with finite differences of the *value*. Per token neither
+    surrogate is the derivative of its value by design (GSPO-token puts each token's share of
+    d s_i on that token only; CISPO's weight is detached), but GSPO reduced with
+    seq-mean-token-mean is exactly the sequence objective, so there the two must agree."""
+    logp, logp_old, adv, mask = _gspo_batch()
+    x = logp.detach().clone().requires_grad_(True)  # no sequence sits on a clip boundary
+
+    def objective(z):
+        loss = L.gspo(z, logp_old, adv, mask, clip_low=0.2, clip_high=0.2)
+        return reduce(loss, mask, "seq-mean-token-mean")
+
+    assert torch.autograd.gradcheck(objective, (x,))

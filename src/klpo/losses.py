@@ -262,7 +262,9 @@ def gspo(
     ``∇ loss_i = -A_i s_i (1/|y_i|) sum_t ∇ log pi_theta(y_it)`` where the clip does not bind,
     and 0 for the whole sequence where it binds (``A_i > 0, s_i > 1 + clip_high`` or
     ``A_i < 0, s_i < 1 - clip_low``). With ``token-mean`` each sequence is weighted by its
-    length instead. The default ranges are the paper's (3e-4 below, 4e-4 above): a per-token
+    length instead. Per token, the gradient is the token form's, not the derivative of the
+    token's value (which would spread d s_i over the sequence); only the reduced objective is
+    both. The default ranges are the paper's (3e-4 below, 4e-4 above): a per-token
     range of 0.2 is far too wide for a geometric mean of ratios. ``logp_old`` and ``adv`` are
     detached; masked tokens get value and gradient 0.
 
