@@ -468,6 +468,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from klpo.train import rewards as rewards_mod
     from klpo.train.config import load_config
     from klpo.train.dist import Dist
+    from klpo.train.metrics import Tally
     from klpo.train.rollout import generate
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -500,7 +501,9 @@ def loss_worker(s: Settings, out_path: str) -> None:
         params = [p for p in m.policy.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
-        metrics = loop._micro_step(cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True)
+        metrics = loop._micro_step(
+            cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True, tally=Tally()
+        )
         klpo_value = metrics["loss/total"]
         klpo_grad = torch.cat([p.grad.flatten() for p in params]).double()
 

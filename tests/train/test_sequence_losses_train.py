@@ -12,7 +12,7 @@ from klpo import losses, reduce
 from klpo.train import loop
 from klpo.train.config import build_config
 from klpo.train.dist import Dist
-from klpo.train.metrics import read_metrics
+from klpo.train.metrics import Tally, read_metrics
 from klpo.train.rollout import generate, position_ids
 
 
@@ -57,7 +57,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     )  # fmt: skip
     fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = loop.score(cfg, m, rollout, fns, 0.5)
-    assert s.logp_old is not None
+    assert bool(s.old.filled.all())  # two epochs: the score's own pass gives log pi_old
     torch.manual_seed(1)
     with torch.no_grad():  # the policy moves after sampling: ratios != 1
         for p in m.policy.parameters():
@@ -65,7 +65,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True)
+    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
     m.policy.zero_grad()
@@ -77,10 +77,10 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     logq = torch.log_softmax(logits[:, p - 1 : p - 1 + c].double(), -1)
     logp = logq.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     if policy_loss == "gspo":
-        pg = losses.gspo(logp, s.logp_old, s.adv, mask, clip_low=0.05, clip_high=0.05)
+        pg = losses.gspo(logp, s.old.logp, s.adv, mask, clip_low=0.05, clip_high=0.05)
     else:
-        pg = losses.cispo(logp, s.logp_old, s.adv, clip_high=0.2)
-    w = torch.exp(logp - s.logp_old).detach()  # the KL's per-token weight
+        pg = losses.cispo(logp, s.old.logp, s.adv, clip_high=0.2)
+    w = torch.exp(logp - s.old.logp).detach()  # the KL's per-token weight
     d = logp - s.logp_ref
     kl_tok = w * (torch.exp(-d) + d - 1)
     loss = reduce.reduce(pg, mask, "token-mean") + 0.5 * reduce.reduce(kl_tok, mask, "token-mean")

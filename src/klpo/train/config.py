@@ -19,9 +19,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from klpo import control, kl, reduce
+from klpo.kl import Placement
 
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
-Placement = Literal["loss", "reward", "reward+loss", "none"]
+PolicyLoss = Literal["clip", "kl-penalty", "gspo", "cispo"]
 
 
 def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
@@ -137,7 +138,7 @@ class AlgoConfig(_Section):
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
-    policy_loss: Literal["clip", "kl-penalty", "gspo", "cispo"] = Field(
+    policy_loss: PolicyLoss = Field(
         "clip",
         description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "
         "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8); GSPO's "
@@ -192,7 +193,8 @@ class KLConfig(_Section):
         "full", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
     )
     placement: Placement = Field(
-        "loss", description="Where the KL term goes: loss, reward, reward+loss, or none."
+        "loss",
+        description="Where the KL term goes: loss, reward, reward+loss, or none (only measured).",
     )
     beta: float = Field(0.1, ge=0, description="Initial KL coefficient.")
     controller: str = Field(

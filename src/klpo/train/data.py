@@ -91,6 +91,17 @@ def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def check_chat_template(tokenizer: object) -> None:
+    """Raise a ValueError that says how to fix it when ``tokenizer`` has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"data.chat=true needs a tokenizer with a chat template, and the tokenizer of this "
+            f"model ({getattr(tokenizer, 'name_or_path', '?')!r}) has none; use the tokenizer of "
+            "an instruction-tuned model, set tokenizer.chat_template and save it with the model "
+            "(tokenizer_config.json or chat_template.jinja), or set data.chat=false"
+        )
+
+
 def render_chat(
     examples: list[Example], tokenizer: object, *, chat: bool, system_prompt: str | None = None
 ) -> list[Example]:
@@ -117,13 +128,7 @@ def render_chat(
         if system_prompt:
             raise ValueError("data.system_prompt is only used with data.chat=true; set both")
         return examples
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"data.chat=true needs a tokenizer with a chat template, and the tokenizer of this "
-            f"model ({getattr(tokenizer, 'name_or_path', '?')!r}) has none; use the tokenizer of "
-            "an instruction-tuned model, set tokenizer.chat_template and save it with the model "
-            "(tokenizer_config.json or chat_template.jinja), or set data.chat=false"
-        )
+    check_chat_template(tokenizer)
     out = []
     for e in examples:
         msgs = [{"role": r, "content": c} for r, c in (e.messages or (("user", e.prompt),))]
