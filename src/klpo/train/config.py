@@ -112,6 +112,17 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    sampler: Literal["lean", "generate"] = Field(
+        "lean",
+        description="How completions are sampled: `lean` (a plain loop over the model's forward "
+        "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
+        "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
+    )
+    share_prompt: bool = Field(
+        True,
+        description="Compute each prompt once per group in the reference, scoring and update "
+        "passes (its keys/values repeated for the G completions); the same values and gradients.",
+    )
 
 
 class AlgoConfig(_Section):
