@@ -16,7 +16,6 @@ either the new checkpoint or the previous one, never half of one.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -26,26 +25,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
+from klpo._io import atomic_dir, write_text_atomic
+
 LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
@@ -129,40 +111,27 @@ def save_checkpoint(
         the checkpoint's directory.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-
-    policy.save_pretrained(tmp / "policy", safe_serialization=True)
-    if critic is not None:
-        save_model(critic, str(tmp / "critic.safetensors"))
-    if reference is not None:
-        save_model(reference, str(tmp / "reference.safetensors"))
-    optim_tensors, optim_structure = {}, {}
-    for name, opt in optimizers.items():
-        t, s = _flatten_optimizer(opt, name)
-        optim_tensors.update(t)
-        optim_structure[name] = s
-    if optim_tensors:
-        save_file(optim_tensors, str(tmp / "optim.safetensors"))
-    rng = rng if rng is not None else [rng_state()]
-    rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
-    rng_plain = [plain for _, plain in rng]
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
-    write_text_atomic(tmp / "state.json", json.dumps(meta))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
+    with atomic_dir(final) as tmp:
+        policy.save_pretrained(tmp / "policy", safe_serialization=True)
+        if critic is not None:
+            save_model(critic, str(tmp / "critic.safetensors"))
+        if reference is not None:
+            save_model(reference, str(tmp / "reference.safetensors"))
+        optim_tensors, optim_structure = {}, {}
+        for name, opt in optimizers.items():
+            t, s = _flatten_optimizer(opt, name)
+            optim_tensors.update(t)
+            optim_structure[name] = s
+        if optim_tensors:
+            save_file(optim_tensors, str(tmp / "optim.safetensors"))
+        rng = rng if rng is not None else [rng_state()]
+        rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
+        rng_plain = [plain for _, plain in rng]
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
+        write_text_atomic(tmp / "state.json", json.dumps(meta))
     write_text_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep]:
         if old != final:
