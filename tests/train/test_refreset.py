@@ -103,7 +103,8 @@ def test_trainer_hard_reset_zeroes_the_next_steps_kl_and_resumes(quick, tiny_mod
     loop.train(cfg, log=lambda *_: None)
     rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
     assert rows[2]["kl/ref/exact"] > 1e-5
-    assert abs(rows[3]["kl/ref/exact"]) < 1e-7
+    # 0 up to float32 rounding (the policy and the reference take different head kernels)
+    assert abs(rows[3]["kl/ref/exact"]) < 1e-6
     assert [rows[s]["reference/updates"] for s in (1, 2, 3)] == [0, 1, 1]
     # Resume from step 2 (the reference saved there is the moved one): step 3 is the same.
     import shutil
@@ -115,5 +116,5 @@ def test_trainer_hard_reset_zeroes_the_next_steps_kl_and_resumes(quick, tiny_mod
     cfg2 = build_config(overrides=quick(tiny_model, tmp_path / "resumed", **extra))
     loop.train(cfg2, resume=True, log=lambda *_: None)
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")}
-    assert abs(again[3]["kl/ref/exact"]) < 1e-7
+    assert abs(again[3]["kl/ref/exact"]) < 1e-6
     assert again[3]["reward/mean"] == rows[3]["reward/mean"]
