@@ -5,7 +5,7 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.kl`          per-token KL estimators and :func:`klpo.kl.explain`
 - :mod:`klpo.logprobs`    token log-probs, entropy and exact KL, chunked, from logits or hidden states
 - :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
-- :mod:`klpo.losses`      PPO clip / dual-clip / penalty surrogates, value loss, entropy, KL terms
+- :mod:`klpo.losses`      PPO clip / dual-clip / penalty, GSPO, CISPO surrogates, value loss, entropy, KL terms
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
 

@@ -530,6 +530,59 @@ def make_reference_cmd(
 
 
 # --------------------------------------------------------------------------------------------
+# klpo make-reward-model: a small learned proxy reward for the built-in task.
+
+
+@app.command("make-reward-model")
+def make_reward_model_cmd(
+    out: str = typer.Argument(..., help="Directory to write the reward model into."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    init: str | None = typer.Option(
+        None, help="Causal-LM directory to start from (default: builtin, the shipped reference)."
+    ),
+    n_pairs: int | None = typer.Option(None, help="Labelled (right, wrong) pairs to train on."),
+    max_offset: int | None = typer.Option(None, help="Wrong answers: right one ± up to this."),
+    steps: int | None = typer.Option(None, help="Training steps."),
+    lr: float | None = typer.Option(None, help="AdamW learning rate."),
+    seed: int | None = typer.Option(None, help="Seed of the pairs, batches and head."),
+    n_eval: int | None = typer.Option(None, help="Held-out pairs the result is measured on."),
+) -> None:
+    """Train a small reward model (a sequence classifier) on the built-in task from a limited
+    labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
+    import dataclasses
+
+    from klpo.train import reward_model
+
+    overrides = {
+        k: v
+        for k, v in dict(
+            init=init,
+            n_pairs=n_pairs,
+            max_offset=max_offset,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            n_eval=n_eval,
+        ).items()
+        if v is not None
+    }
+    try:
+        config = dataclasses.replace(reward_model.RewardModelConfig(), **overrides)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    try:
+        result = reward_model.make_reward_model(out, config, overwrite=overwrite)
+    except FileExistsError as err:
+        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    console().print(
+        f"wrote {result.path}: pairwise accuracy {result.train_pairwise_accuracy:.3f} on its "
+        f"{config.n_pairs} training pairs, {result.heldout_pairwise_accuracy:.3f} on "
+        f"{config.n_eval} held-out pairs (chance 0.5), {result.seconds:.1f} s",
+        highlight=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # klpo compare: the estimator stability study on real training.
 
 
@@ -549,6 +602,12 @@ def compare(
     seeds: str | None = typer.Option(None, help="Comma-separated seeds, e.g. 0,1,2."),
     betas: str | None = typer.Option(None, help="Comma-separated KL coefficients, e.g. 0.01,0.1."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+    task: str = typer.Option(
+        "builtin",
+        "--task",
+        help="builtin (the arithmetic task) or overopt (train on a flawed proxy reward, watch "
+        "the gold reward).",
+    ),
 ) -> None:
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
 
@@ -559,7 +618,7 @@ def compare(
     from klpo.train.config import ConfigError
 
     try:
-        study = load_study(study_file, quick=quick)
+        study = load_study(study_file, quick=quick, task=task)
         if workers is not None:
             study.workers = workers
         if steps is not None:

@@ -40,13 +40,17 @@ from klpo._tensor import (
 from klpo.reduce import masked_mean
 
 __all__ = [
+    "cispo",
     "entropy_bonus",
+    "gspo",
+    "gspo_metrics",
     "kl_loss",
     "kl_metrics",
     "kl_reward",
     "policy_metrics",
     "ppo_clip",
     "ppo_kl_penalty",
+    "sequence_log_ratio",
     "value_loss",
     "value_metrics",
 ]
@@ -179,6 +183,158 @@ def ppo_kl_penalty(
     _check(logp, adv=adv)
     a = adv.detach().to(u.dtype)
     loss = -a * capped_exp(u) + beta * _kl_old(u, estimator)
+    return to_out(loss, logp, logp_old, adv)
+
+
+def sequence_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
+    r"""GSPO's length-normalised log importance ratio of each sequence, ``[B]``.
+
+        log s_i = (1 / |y_i|) sum_{t valid} (log pi_theta(y_it) - log pi_old(y_it))
+
+    the log of the geometric mean of the per-token ratios (Zheng et al. 2025, arXiv:2507.18071). A sequence with no valid token gets 0 (s_i = 1). ``logp_old`` is detached; the
+    gradient flows into ``logp``: ``d log s_i / d logp_it = 1 / |y_i|`` on valid tokens, 0 on
+    masked ones. Computed in float64 (float32 on MPS).
+
+    Args:
+        logp, logp_old, mask: ``[B, T]``.
+
+    Returns:
+        ``[B]``.
+    """
+    u = _log_ratio(logp, logp_old)
+    check_mask(mask, logp.shape)
+    n = mask.sum(-1).clamp(min=1).to(u.dtype)
+    return torch.where(mask, u, 0.0).sum(-1) / n
+
+
+def gspo(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> Tensor:
+    r"""GSPO's sequence-level clipped surrogate, written per token (Zheng et al. 2025, arXiv:2507.18071).
+
+    GSPO (Group Sequence Policy Optimization) clips one importance ratio per
+    sequence, the length-normalised one of :func:`sequence_log_ratio`:
+
+        s_i = (pi_theta(y_i | x) / pi_old(y_i | x)) ^ (1 / |y_i|)
+        J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+
+    Here it is written in the paper's "GSPO-token" form, so that the loss is a per-token
+    ``[B, T]`` tensor like every other surrogate:
+
+        s_it = sg(s_i) · pi_theta(y_it) / sg(pi_theta(y_it))       (value s_i, gradient s_i ∇log pi)
+        loss_t = max(-s_it A_t, -clip(s_it, 1 - clip_low, 1 + clip_high) A_t)
+
+    Every valid token of sequence i carries the value of the sequence's loss, and with the
+    sequence's own advantage at every token (GRPO's broadcast) reducing with
+    ``seq-mean-token-mean`` gives exactly GSPO's objective and gradient:
+    ``∇ loss_i = -A_i s_i (1/|y_i|) sum_t ∇ log pi_theta(y_it)`` where the clip does not bind,
+    and 0 for the whole sequence where it binds (``A_i > 0, s_i > 1 + clip_high`` or
+    ``A_i < 0, s_i < 1 - clip_low``). With ``token-mean`` each sequence is weighted by its
+    length instead. Per token, the gradient is the token form's, not the derivative of the
+    token's value (which would spread d s_i over the sequence); only the reduced objective is
+    both. The default ranges are the paper's (3e-4 below, 4e-4 above): a per-token
+    range of 0.2 is far too wide for a geometric mean of ratios. ``logp_old`` and ``adv`` are
+    detached; masked tokens get value and gradient 0.
+
+    Args:
+        logp, logp_old, adv, mask: ``[B, T]``.
+        clip_low: in [0, 1).
+        clip_high: >= 0.
+
+    Returns:
+        ``[B, T]`` per-token loss, 0 at masked tokens.
+    """
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+    if not clip_high >= 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+    _check(logp, adv=adv)
+    log_s = sequence_log_ratio(logp, logp_old, mask)  # [B]
+    u = _log_ratio(logp, logp_old)
+    # value log s_i, gradient d log pi_theta(y_it): GSPO-token.
+    log_s_tok = log_s.detach()[:, None] + (u - u.detach())
+    s_tok = capped_exp(log_s_tok)
+    a = adv.detach().to(u.dtype)
+    loss = torch.maximum(-a * s_tok, -a * s_tok.clamp(1.0 - clip_low, 1.0 + clip_high))
+    return to_out(torch.where(mask, loss, 0.0), logp, logp_old, adv)
+
+
+def gspo_metrics(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> dict[str, float]:
+    r"""GSPO's sequence-level diagnostics, under ``no_grad``, means over sequences with a token.
+
+    Keys: ``clip_frac/seq`` (sequences whose clip binds: ``A_i > 0, s_i > 1 + clip_high`` or
+    ``A_i < 0, s_i < 1 - clip_low``; ``A_i`` is the mean advantage over the sequence's tokens),
+    ``ratio/seq_mean`` (mean of s_i).
+    """
+    with torch.no_grad():
+        s = torch.exp(sequence_log_ratio(logp, logp_old, mask))
+        rows = mask.any(-1)
+        n = mask.sum(-1).clamp(min=1)
+        a = torch.where(mask, adv.detach().double(), 0.0).sum(-1) / n
+        clipped = ((a > 0) & (s > 1 + clip_high)) | ((a < 0) & (s < 1 - clip_low))
+        k = rows.sum().clamp(min=1)
+        out = {
+            "clip_frac/seq": torch.where(rows, clipped.double(), 0.0).sum() / k,
+            "ratio/seq_mean": torch.where(rows, s.double(), 0.0).sum() / k,
+        }
+    return _floats(out)
+
+
+def cispo(
+    logp: Tensor,
+    logp_old: Tensor,
+    adv: Tensor,
+    *,
+    clip_low: float | None = None,
+    clip_high: float = 0.2,
+) -> Tensor:
+    r"""CISPO: a clipped, stop-gradient importance weight on the log-prob (MiniMax-M1, arXiv:2506.13585).
+
+    CISPO (Clipped IS-weight Policy Optimization, MiniMax 2025) clips the
+    importance weight instead of the update, so that no token's gradient is dropped:
+
+        r_t = pi_theta(y_t) / pi_old(y_t),    r̂_t = clip(r_t, 1 - clip_low, 1 + clip_high)
+        loss_t = -sg(r̂_t) · A_t · log pi_theta(y_t)
+
+    Gradient with respect to ``logp``: ``-r̂_t A_t`` at every token, including those where the
+    clip binds (PPO's clip would give 0 there); the weight itself is detached. The value is
+    ``-r̂·A·logp``, which is not a surrogate of the return (its size follows logp); only its
+    gradient means something. ``clip_low = None`` is MiniMax's choice (no lower bound; they set
+    ε_low large); ``clip_high`` is their tuned ε_high. Reduce with ``token-mean`` for the
+    paper's objective (it normalises by the batch's total token count).
+
+    Args:
+        logp, logp_old, adv: ``[B, T]``.
+        clip_low: in [0, 1), or None for no lower bound.
+        clip_high: >= 0.
+
+    Returns:
+        ``[B, T]`` per-token loss.
+    """
+    if clip_low is not None and not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1) or None, got {clip_low!r}")
+    if not clip_high >= 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+    u = _log_ratio(logp, logp_old)
+    _check(logp, adv=adv)
+    a = adv.detach().to(u.dtype)
+    w = capped_exp(u.detach())
+    w = w.clamp(min=1.0 - clip_low if clip_low is not None else None, max=1.0 + clip_high)
+    loss = -w * a * logp.to(u.dtype)
     return to_out(loss, logp, logp_old, adv)
 
 

@@ -198,6 +198,11 @@ COVERAGE = [
     },
     # An engine that reports its own log-probs (engine/*): the perturbed stand-in for vLLM.
     {"rollout.engine": "vllm"},
+    {
+        "data.source": "builtin-overopt",
+        "algo.policy_loss": "gspo",
+        "kl.reference_reset": "{every: 1}",
+    },
     {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
 ]
 

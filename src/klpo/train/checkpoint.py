@@ -88,6 +88,7 @@ def save_checkpoint(
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
     critic: torch.nn.Module | None = None,
+    reference: torch.nn.Module | None = None,
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
     keep: int = 2,
@@ -100,6 +101,8 @@ def save_checkpoint(
         policy: a transformers model (``save_pretrained``).
         optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
         critic: PPO's critic module, or None.
+        reference: the reference model when it moves during training (kl.reference_reset),
+            saved as ``reference.safetensors``; None when it is frozen.
         rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
@@ -114,6 +117,8 @@ def save_checkpoint(
         policy.save_pretrained(tmp / "policy", safe_serialization=True)
         if critic is not None:
             save_model(critic, str(tmp / "critic.safetensors"))
+        if reference is not None:
+            save_model(reference, str(tmp / "reference.safetensors"))
         optim_tensors, optim_structure = {}, {}
         for name, opt in optimizers.items():
             t, s = _flatten_optimizer(opt, name)
@@ -183,3 +188,16 @@ def restore_critic(ckpt: Path, critic: torch.nn.Module) -> None:
     from safetensors.torch import load_model
 
     load_model(critic, str(ckpt / "critic.safetensors"))
+
+
+def restore_reference(ckpt: Path, reference: torch.nn.Module) -> None:
+    """Load a moved reference (``reference.safetensors``) saved by :func:`save_checkpoint`."""
+    from safetensors.torch import load_model
+
+    path = ckpt / "reference.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{ckpt} has no reference.safetensors; it was saved by a run without "
+            "kl.reference_reset, so it cannot be resumed with it"
+        )
+    load_model(reference, str(path))

@@ -125,6 +125,12 @@ class StudyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    task: Literal["builtin", "overopt"] = Field(
+        "builtin",
+        description="The task every run trains on: the built-in arithmetic task, or the "
+        "over-optimisation task (data.source builtin-overopt: a proxy reward to train on, the "
+        "gold reward logged; docs/overopt.md).",
+    )
     choices: list[Choice] = Field(default_factory=_default_choices)
     betas: list[float] = Field(
         default_factory=lambda: [0.01, 0.1], description="KL coefficients tried per choice."
@@ -188,9 +194,58 @@ def quick_study() -> StudyConfig:
     )
 
 
-def load_study(path: str | Path | None = None, *, quick: bool = False) -> StudyConfig:
-    """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults."""
-    base = quick_study() if quick else StudyConfig()
+def quick_overopt_study() -> StudyConfig:
+    """The ``--task overopt --quick`` preset: no KL and the exact KL in the loss, one beta, one
+    seed, a few steps (a smoke test: two runs side by side)."""
+    return StudyConfig(
+        task="overopt",
+        choices=[
+            Choice(estimator="k1", placement="none"),
+            Choice(estimator="full", placement="loss"),
+        ],
+        betas=[0.1],
+        seeds=[0],
+        steps=3,
+        eval_every=3,
+        eval_size=16,
+        base={"rollout.prompts_per_step": 4, "rollout.group_size": 4},
+    )
+
+
+def overopt_study() -> StudyConfig:
+    """The over-optimisation study's default grid (``--task overopt``): the KL choices of the
+    default study, the two sequence-exact ones (``full`` and ``k3`` in reward+loss), GSPO and
+    CISPO with the default KL, betas 0.01-0.3, 3 seeds, 250 steps."""
+    both = ["grpo", "ppo"]
+    return StudyConfig(
+        task="overopt",
+        choices=[
+            Choice(estimator="k1", placement="none"),
+            Choice(estimator="k1", placement="reward", algos=both),
+            Choice(estimator="k3", placement="loss"),
+            Choice(estimator="k3+", placement="loss"),
+            Choice(estimator="full", placement="loss"),
+            Choice(estimator="full", placement="reward+loss"),
+            Choice(estimator="k3", placement="reward+loss"),
+        ],
+        betas=[0.01, 0.03, 0.1, 0.3],
+        seeds=[0, 1, 2],
+        steps=250,
+        eval_every=50,
+        eval_size=200,
+    )
+
+
+def load_study(
+    path: str | Path | None = None, *, quick: bool = False, task: str = "builtin"
+) -> StudyConfig:
+    """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults, of
+    ``task`` (``builtin`` or ``overopt``)."""
+    one_of("task", task, ("builtin", "overopt"))
+    if task == "overopt":
+        base = quick_overopt_study() if quick else overopt_study()
+    else:
+        base = quick_study() if quick else StudyConfig()
     if path is None:
         return base
     p = Path(path)
@@ -238,6 +293,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
         "run.progress": False,
         "run.tensorboard": False,
         "data.eval_size": study.eval_size,
+        **({"data.source": "builtin-overopt"} if study.task == "overopt" else {}),
         **study.base,
     }
     for choice in study.choices:
@@ -302,6 +358,11 @@ RESULT_FIELDS = [
     "steps_to_target",
     "ref_time_s",
     "reward_final",
+    "gold_final",
+    "gold_peak",
+    "gold_peak_kl_seq",
+    "proxy_final",
+    "kl_seq_final",
     "entropy_final",
     "wall_s",
     "error",
@@ -387,6 +448,8 @@ def summarise_run(
         _num(r.get("time/ref_sample", 0.0)) + _num(r.get("time/ref_update", 0.0))
         for r in steps_rows
     )
+
+    gold = _gold_summary(steps_rows)
     return {
         "name": run.name,
         "algo": run.algo,
@@ -410,10 +473,37 @@ def summarise_run(
         "steps_to_target": reached,
         "ref_time_s": round(ref_time, 2),
         "reward_final": _tail_mean(steps_rows, "reward/mean"),
+        **gold,
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+def _gold_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Over-optimisation columns: the gold and proxy rewards at the end (means of the last WINDOW
+    steps), the peak of the gold reward's WINDOW-step running mean and the exact sequence KL
+    (``kl/ref/seq``, same running mean) at that peak; NaN where no gold reward was logged."""
+    nan = {k: math.nan for k in ("gold_final", "gold_peak", "gold_peak_kl_seq", "proxy_final")}
+    out = {**nan, "kl_seq_final": _tail_mean(rows, "kl/ref/seq")}
+    rows = [r for r in rows if "reward/gold" in r]
+    if not rows:
+        return out
+    gold = [_num(r["reward/gold"]) for r in rows]
+    seq = [_num(r.get("kl/ref/seq")) for r in rows]
+    n = max(1, len(gold) - WINDOW + 1)
+    runs = [
+        (statistics.fmean(gold[i : i + WINDOW]), statistics.fmean(seq[i : i + WINDOW]))
+        for i in range(n)
+    ]
+    peak = max(runs, key=lambda gk: _nan_low(gk[0]))
+    out.update(
+        gold_final=_tail_mean(rows, "reward/gold"),
+        gold_peak=peak[0],
+        gold_peak_kl_seq=peak[1],
+        proxy_final=_tail_mean(rows, "reward/proxy"),
+    )
+    return out
 
 
 def _var(xs: list[float]) -> float:
@@ -535,6 +625,12 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kl_final": _stats([_num(r["kl_exact_final"]) for r in rs])[0],
                 "kl_peak": _stats([_num(r["kl_exact_peak"]) for r in rs])[0],
                 "kl_gap": _stats([_num(r["kl_gap_mean"]) for r in rs])[0],
+                "gold_final": _stats([_num(r.get("gold_final")) for r in rs])[0],
+                "gold_sd": _stats([_num(r.get("gold_final")) for r in rs])[1],
+                "gold_peak": _stats([_num(r.get("gold_peak")) for r in rs])[0],
+                "gold_peak_kl_seq": _stats([_num(r.get("gold_peak_kl_seq")) for r in rs])[0],
+                "proxy_final": _stats([_num(r.get("proxy_final")) for r in rs])[0],
+                "kl_seq_final": _stats([_num(r.get("kl_seq_final")) for r in rs])[0],
                 "reward_mean": reward_m,
                 "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
                 "wall_s": _stats([_num(r["wall_s"]) for r in rs])[0],
@@ -620,6 +716,8 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
             f"{_f(c['steps_to_target'], 0)} ({c['reached']}/{c['runs']}) | "
             f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
         )
+    if study.task == "overopt":
+        lines += _overopt_table(cells)
     failures = [r for r in results if r["status"] != "ok"]
     if failures:
         lines += ["", "## Failed runs", "", "| run | status | steps | error |"]
@@ -631,6 +729,31 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
     report = out / "report.md"
     write_text_atomic(report, "\n".join(lines))
     return report
+
+
+def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
+    """The over-optimisation columns, one row per cell, by final gold reward."""
+    lines = [
+        "",
+        "## Over-optimisation: gold against proxy reward",
+        "",
+        f"Gold reward (exact correctness) and proxy reward (trained on) over the last {WINDOW} "
+        f"steps, the peak of the gold reward's {WINDOW}-step running mean and the exact sequence "
+        "KL(pi_theta ‖ pi_ref) there, and the exact sequence KL at the end (means over seeds). "
+        "proxy − gold is the over-optimisation gap.",
+        "",
+        "| algo | KL choice | beta | gold final | gold peak | seq KL at peak | proxy final "
+        "| proxy − gold | seq KL final |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], -_nan_low(c["gold_final"]))):
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | {_f(c['gold_final'])} ± "
+            f"{_f(c['gold_sd'])} | {_f(c['gold_peak'])} | {_f(c['gold_peak_kl_seq'])} | "
+            f"{_f(c['proxy_final'])} | {_f(c['proxy_final'] - c['gold_final'])} | "
+            f"{_f(c['kl_seq_final'])} |"
+        )
+    return lines
 
 
 def _g(x: float) -> str:

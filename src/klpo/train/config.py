@@ -22,7 +22,7 @@ from klpo import control, kl, reduce
 from klpo.kl import Placement
 
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
-PolicyLoss = Literal["clip", "kl-penalty"]
+PolicyLoss = Literal["clip", "kl-penalty", "gspo", "cispo"]
 
 
 def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
@@ -96,10 +96,12 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["builtin", "jsonl", "datasets"] = Field(
+    source: Literal["builtin", "builtin-overopt", "jsonl", "datasets"] = Field(
         "builtin",
-        description="Where prompts come from: the built-in arithmetic task, a JSONL file, or a "
-        "datasets dataset (a local path or a name already in the local cache).",
+        description="Where prompts come from: the built-in arithmetic task, the same task as the "
+        "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
+        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path or a name "
+        "already in the local cache).",
     )
     path: str | None = Field(None, description="The JSONL file or datasets name/path.")
     split: str = Field("train", description="datasets split to train on.")
@@ -114,13 +116,35 @@ class DataConfig(_Section):
         256, gt=0, description="Longer prompts are an error naming the line or sample."
     )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch over the data (seeded).")
+    chat: bool = Field(
+        False,
+        description="Render each prompt (a string, or a list of {role, content} messages) with "
+        "the tokenizer's chat template, ending with the assistant's generation prompt.",
+    )
+    system_prompt: str | None = Field(
+        None, description="With chat: a system message put before each prompt's messages."
+    )
 
 
 class RewardTerm(_Section):
     name: str = Field(
-        description="A built-in reward ('exact_match', 'numeric', 'format') or 'module:function'."
+        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function'."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    path: str | None = Field(
+        None, description="name 'model': the reward model's directory (a sequence classifier)."
+    )
+
+    @model_validator(mode="after")
+    def _path_for_model(self) -> RewardTerm:
+        if self.name == "model" and not self.path:
+            raise ValueError(
+                "the reward 'model' needs the reward model's directory: {name: model, path: DIR} "
+                "(make a small one with 'klpo make-reward-model DIR')"
+            )
+        if self.name != "model" and self.path:
+            raise ValueError(f"path is only used by the reward 'model', not by {self.name!r}")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -195,8 +219,17 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
     policy_loss: PolicyLoss = Field(
         "clip",
-        description="PPO's clipped surrogate, or its adaptive-KL-penalty surrogate "
-        "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8).",
+        description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "
+        "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8); GSPO's "
+        "sequence-level clip of the length-normalised ratio (Zheng et al. 2025; ranges "
+        "gspo_clip_low/high); or CISPO's clipped stop-gradient weight on log pi (MiniMax 2025; "
+        "weight capped at 1 + clip_high, no lower bound).",
+    )
+    gspo_clip_low: float = Field(
+        3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
+    )
+    gspo_clip_high: float = Field(
+        4e-4, ge=0, description="gspo: sequence-ratio clip above, 1 + gspo_clip_high."
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(
@@ -207,6 +240,31 @@ class AlgoConfig(_Section):
     @classmethod
     def _known_reduction(cls, v: str) -> str:
         return one_of("reduction", v, reduce.MODES)
+
+
+class ReferenceReset(_Section):
+    every: int = Field(0, ge=0, description="Update the reference every N steps (0: not by count).")
+    kl_above: float | None = Field(
+        None, gt=0, description="Update it when the exact per-token KL exceeds this (null: off)."
+    )
+    alpha: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="ref <- alpha·policy + (1 - alpha)·ref: 1 is a hard reset (ProRL), < 1 a "
+        "soft update (TR-DPO).",
+    )
+    reset_optimizer: bool = Field(
+        False, description="Also clear the policy optimizer's state at each update (ProRL)."
+    )
+
+    @model_validator(mode="after")
+    def _some_trigger(self) -> ReferenceReset:
+        if not self.every and self.kl_above is None:
+            raise ValueError(
+                "kl.reference_reset needs a trigger: every (steps) and/or kl_above (exact KL)"
+            )
+        return self
 
 
 class KLConfig(_Section):
@@ -227,6 +285,11 @@ class KLConfig(_Section):
     horizon: float = Field(10000, gt=0, description="Ziegler controller horizon (in samples).")
     scale: float = Field(
         0.5, gt=0, description="spread-scaled controller: the group reward std that halves beta."
+    )
+    reference_reset: ReferenceReset | None = Field(
+        None,
+        description="Move the reference to the policy during training: {every, kl_above, alpha, "
+        "reset_optimizer} (null: a frozen reference).",
     )
 
     ref_samples: int | None = Field(
@@ -329,12 +392,37 @@ class TrainConfig(_Section):
         default_factory=lambda: [RewardTerm(name="exact_match")],
         description="Reward functions, weighted and summed.",
     )
+    gold_reward: str | None = Field(
+        None,
+        description="A reward logged every step as reward/gold (with the trained-on total as "
+        "reward/proxy) and never trained on; held-out accuracy uses it. Defaults to "
+        "'exact_match' with data.source=builtin-overopt.",
+    )
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     kl: KLConfig = KLConfig()
     optim: OptimConfig = OptimConfig()
     run: RunConfig = RunConfig()
     dist: DistConfig = DistConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overopt_defaults(cls, data: Any) -> Any:
+        """builtin-overopt: the proxy reward, the gold reward and room to write past the answer,
+        each unless given (docs/overopt.md)."""
+        if not isinstance(data, dict):
+            return data
+        d = data.get("data")
+        source = d.get("source") if isinstance(d, dict) else getattr(d, "source", None)
+        if source != "builtin-overopt":
+            return data
+        data = dict(data)
+        data.setdefault("rewards", [{"name": "overopt_proxy"}])
+        data.setdefault("gold_reward", "exact_match")
+        rollout = data.get("rollout")
+        if rollout is None or (isinstance(rollout, dict) and "max_new_tokens" not in rollout):
+            data["rollout"] = {**(rollout or {}), "max_new_tokens": 8}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -349,12 +437,27 @@ class TrainConfig(_Section):
                 f"kl.target is required by the {self.kl.controller!r} controller "
                 "(the KL per token it steers towards), e.g. kl.target=0.05"
             )
+        if self.kl.reference_reset is not None and self.model.reference is not None:
+            raise ValueError(
+                "kl.reference_reset moves the reference towards the policy, so the two must be "
+                "the same model: leave model.reference unset"
+            )
+        if self.kl.reference_reset is not None and self.model.lora is not None:
+            raise ValueError(
+                "kl.reference_reset with model.lora is not supported yet (it needs "
+                "merge-and-restart of the adapters, docs/overopt.md); use full fine-tuning"
+            )
+        if self.kl.reference_reset is not None and self.dist.strategy == "fsdp":
+            raise ValueError(
+                "kl.reference_reset with dist.strategy=fsdp is not supported yet (the update of "
+                "a sharded reference is untested); use dist.strategy=ddp"
+            )
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
                 f"kl.estimator={self.kl.estimator} with kl.placement={self.kl.placement}: {reason}"
             )
-        if self.data.source != "builtin" and not self.data.path:
+        if self.data.source in ("jsonl", "datasets") and not self.data.path:
             raise ValueError(f"data.path is required when data.source is {self.data.source!r}")
         if not self.rewards:
             raise ValueError("rewards must list at least one reward function")

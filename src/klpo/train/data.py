@@ -15,10 +15,15 @@ import torch
 
 @dataclass(frozen=True)
 class Example:
-    """One problem: the prompt the policy sees and the answer a reward function checks."""
+    """One problem: the prompt the policy sees and the answer a reward function checks.
+
+    ``messages`` holds a prompt given as chat messages (``[{"role": ..., "content": ...}]``);
+    :func:`render_chat` turns it, or the plain prompt, into the text the policy sees.
+    """
 
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 def read_jsonl(
@@ -57,11 +62,81 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
                 f"set data.prompt_field / data.answer_field to the right names"
             )
     prompt, answer = row[prompt_field], row[answer_field]
+    if isinstance(prompt, list):
+        return Example(prompt="", answer=str(answer), messages=_messages(prompt, where))
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
-            f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}"
+            f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat "
+            f"messages, got {prompt!r}"
         )
     return Example(prompt=prompt, answer=str(answer))
+
+
+def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for i, msg in enumerate(value):
+        ok = (
+            isinstance(msg, dict)
+            and isinstance(msg.get("role"), str)
+            and isinstance(msg.get("content"), str)
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: chat message {i} must be an object with string fields 'role' and "
+                f"'content', got {msg!r}"
+            )
+        out.append((msg["role"], msg["content"]))
+    if not out:
+        raise ValueError(f"{where}: the prompt is an empty list of chat messages")
+    return tuple(out)
+
+
+def check_chat_template(tokenizer: object) -> None:
+    """Raise a ValueError that says how to fix it when ``tokenizer`` has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"data.chat=true needs a tokenizer with a chat template, and the tokenizer of this "
+            f"model ({getattr(tokenizer, 'name_or_path', '?')!r}) has none; use the tokenizer of "
+            "an instruction-tuned model, set tokenizer.chat_template and save it with the model "
+            "(tokenizer_config.json or chat_template.jinja), or set data.chat=false"
+        )
+
+
+def render_chat(
+    examples: list[Example], tokenizer: object, *, chat: bool, system_prompt: str | None = None
+) -> list[Example]:
+    """The examples with each prompt as the text the policy sees.
+
+    With ``chat`` on, the prompt (a plain string becomes one user message; a list of messages is
+    kept, with ``system_prompt`` put first unless it already starts with a system message) is
+    rendered by the tokenizer's chat template, ending with the assistant's generation prompt
+    (``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``, as TRL renders
+    conversational prompts); the rollout then tokenizes that text without adding special
+    tokens, so nothing is doubled. With ``chat`` off the prompts are returned as they are.
+
+    Raises:
+        ValueError: chat is on and the tokenizer has no chat template; or chat is off and an
+            example's prompt is a list of messages (it needs a template).
+    """
+    if not chat:
+        listed = [i for i, e in enumerate(examples) if e.messages is not None]
+        if listed:
+            raise ValueError(
+                f"example {listed[0]} gives its prompt as chat messages; set data.chat=true to "
+                "render them with the tokenizer's chat template"
+            )
+        if system_prompt:
+            raise ValueError("data.system_prompt is only used with data.chat=true; set both")
+        return examples
+    check_chat_template(tokenizer)
+    out = []
+    for e in examples:
+        msgs = [{"role": r, "content": c} for r, c in (e.messages or (("user", e.prompt),))]
+        if system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(Example(prompt=text, answer=e.answer))
+    return out
 
 
 def read_dataset(

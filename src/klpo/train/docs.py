@@ -173,7 +173,11 @@ def config_page() -> str:
                             f"`{f2.default!r}` | {f2.description or ''} |"
                         )
         else:
-            shown = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+            shown = (
+                [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+                if isinstance(value, list)
+                else value
+            )
             lines.append(f"{field.description} Default: `{shown!r}`.")
         lines.append("")
     return HEADER + "\n".join(lines)

@@ -54,7 +54,7 @@ from klpo.train.config import (
     TrainConfig,
     dump_config,
 )
-from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
+from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, render_chat
 from klpo.train.dist import Dist, init_distributed, shutdown
 from klpo.train.engines import RolloutEngine, check_engine, make_engine
 from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
@@ -68,6 +68,9 @@ from klpo.train.models import (
     load_causal_lm,
     load_tokenizer,
 )
+from klpo.train.overopt import eval_reward, gold_metrics
+from klpo.train.refreset import reset_due, update_reference
+from klpo.train.reward_model import build_rewards
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids  # noqa: F401 (generate: loop.generate for callers)
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +89,7 @@ def resolve_model_path(name: str) -> str:
 def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples of the configured source."""
     d = cfg.data
-    if d.source == "builtin":
+    if d.source in ("builtin", "builtin-overopt"):
         from klpo.train.task import ArithmeticTask
 
         train, heldout = ArithmeticTask().splits()
@@ -277,24 +280,38 @@ ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
     "ppo": AlgorithmSpec(_ppo_advantages, critic=True),
 }
 
-PolicyLossFn = Callable[[AlgoConfig, Tensor, Tensor, Tensor, float], Tensor]
+PolicyLossFn = Callable[[AlgoConfig, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
 
-def _clip_loss(a: AlgoConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, beta_old: float):
+def _clip_loss(a: AlgoConfig, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
     return losses.ppo_clip(
         logp, logp_old, adv, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
     )
 
 
-def _kl_penalty_loss(a: AlgoConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, beta_old: float):
+def _kl_penalty_loss(a: AlgoConfig, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
     return losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
+
+
+def _gspo_loss(a: AlgoConfig, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
+    return losses.gspo(
+        logp, logp_old, adv, mask, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+    )
+
+
+def _cispo_loss(a: AlgoConfig, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
+    return losses.cispo(logp, logp_old, adv, clip_high=a.clip_high)
 
 
 POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
     "clip": _clip_loss,
     "kl-penalty": _kl_penalty_loss,
+    "gspo": _gspo_loss,
+    "cispo": _cispo_loss,
 }
-"""Per-token policy loss ``[B, C]`` from (algo config, logp, logp_old, adv, beta_old)."""
+"""Per-token policy loss ``[B, C]`` from (algo config, logp, logp_old, adv, mask, beta_old).
+The KL to the reference is not part of it: under every choice it keeps its own per-token
+off-policy weight (:func:`klpo.losses.kl_loss`), never GSPO's sequence ratio."""
 
 USES_BETA_OLD: frozenset[PolicyLoss] = frozenset({"kl-penalty"})
 """Surrogates with PPO's penalty coefficient beta_old (its controller runs, ``beta_old`` logged)."""
@@ -496,6 +513,8 @@ def score(
         AdvantageInputs(scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist()),
     )
     metrics = reward_metrics(scores, per_fn, rollout, g)
+    if cfg.gold_reward:
+        metrics.add_means(gold_metrics(cfg.gold_reward, rollout, scores), len(scores))
     return Scored(rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics)
 
 
@@ -653,7 +672,7 @@ def _micro_step(
         if recording:
             s.old.record(rows, out)
         logp_old = s.old.logp[rows]
-        pg = POLICY_LOSSES[a.policy_loss](a, logp, logp_old, adv, beta_old)
+        pg = POLICY_LOSSES[a.policy_loss](a, logp, logp_old, adv, mask, beta_old)
         if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
             # Tokens sampled by an inference engine: truncated importance sampling against the
             # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.
@@ -699,6 +718,11 @@ def _micro_step(
         logp, logp_old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
     )
     tally.add_means({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")}, n_tok)
+    if a.policy_loss == "gspo":  # sequence means, over the sequences with a token
+        gm = losses.gspo_metrics(
+            logp, logp_old, adv, mask, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+        )
+        tally.add_means(gm, float(mask.any(-1).sum()))
     return metrics
 
 
@@ -715,7 +739,7 @@ def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> flo
         m.tokenizer,
         heldout,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        reward=cfg.rewards[0].name,
+        reward=eval_reward(cfg),
         sampler=cfg.rollout.sampler,
     )
 
@@ -785,6 +809,10 @@ def preflight(cfg: TrainConfig, dist: Dist, *, resume: bool) -> Path | None:
             "with dist.strategy=fsdp, or klpo export it to a plain model"
         )
     check_engine(cfg, dist.world)
+    if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
+        from klpo.train.data import check_chat_template
+
+        check_chat_template(load_tokenizer(resolve_model_path(cfg.model.policy)))
     return start
 
 
@@ -860,6 +888,7 @@ class TrainRun:
     progress: Callable[[int | None, dict[str, float] | None], None]
     engine: RolloutEngine  # samples the completions (klpo.train.engines)
     mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
+    ref_updates: int = 0  # kl.reference_reset: reference updates so far
 
     @property
     def sharded(self) -> bool:
@@ -887,6 +916,7 @@ class TrainRun:
                 step,
                 policy=policy,
                 critic=self.models.critic_core,
+                reference=self.models.reference.model if self.cfg.kl.reference_reset else None,
                 optimizers=self.optimizers,
                 rng=rngs,
                 state={
@@ -894,6 +924,7 @@ class TrainRun:
                     "kl_controller": self.kl_ctl.state_dict(),
                     "penalty_controller": self.pen_ctl.state_dict(),
                     "update_generator": self.update_gen.get_state().tolist(),
+                    "reference_updates": self.ref_updates,
                     **(
                         {"mix_window": self.mix_window.state_dict()}
                         if self.mix_window is not None
@@ -922,9 +953,12 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
     meta = ckpt_io.load_state(start) if start else {}
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
     m = build_models(cfg, dist, start)
-    train_set, heldout = load_examples(cfg)
+    train_set, heldout = (
+        render_chat(x, m.tokenizer, chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
+        for x in load_examples(cfg)
+    )
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-    reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
+    reward_fns = build_rewards(cfg.rewards, device=dist.device)
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
     mix_window = ref_samples.make_window(cfg)
     opt = make_optimizers(cfg, m)
@@ -944,6 +978,8 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
         ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        if cfg.kl.reference_reset is not None:
+            ckpt_io.restore_reference(start, m.reference.model)
         log(f"resuming {run_dir} from step {step0}")
 
     writer = None
@@ -958,6 +994,7 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
         update_gen, writer, step0, _progress(cfg, dist, step0),
         make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy)), mix_window,
+        ref_updates=int(meta.get("reference_updates", 0)),
     )  # fmt: skip
     if step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
         acc = heldout_accuracy(cfg, m, heldout)
@@ -1066,6 +1103,14 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     if cfg.algo.policy_loss in USES_BETA_OLD:
         metrics["beta_old"] = beta_old
         run.pen_ctl.update(kl=metrics["kl/old/k3"])
+    resets = cfg.kl.reference_reset
+    if resets is not None:  # move the reference (docs/overopt.md); the step's KL is before it
+        if reset_due(resets, step, metrics["kl/ref/exact"]):
+            update_reference(m.reference.model, m.policy, resets.alpha)
+            if resets.reset_optimizer:
+                run.opt.policy.state.clear()
+            run.ref_updates += 1
+        metrics["reference/updates"] = run.ref_updates
     metrics.update(
         {
             "beta": beta,

@@ -21,6 +21,9 @@ METRICS: dict[str, str] = {
     "reward/mean": "mean total (weighted) task reward over the step's completions",
     "reward/std": "sample standard deviation of the total reward over the step's completions",
     "reward/<name>": "mean of one reward function's value",
+    "reward/proxy": "with a gold reward: mean of the trained-on (proxy) total reward, = reward/mean",
+    "reward/gold": "mean of the gold reward (gold_reward; exact correctness in builtin-overopt), "
+    "logged, never trained on",
     "reward/group_std": "mean over prompts of the reward's standard deviation within each group",
     "accuracy/train": "fraction of the step's completions whose total (weighted) reward is at "
     "least 1; with the default single exact_match reward, the fraction answered correctly",
@@ -52,6 +55,9 @@ METRICS: dict[str, str] = {
     "kl/old/k3": "k3 estimate of KL(pi_old ‖ pi_theta) per token over the update",
     "entropy": "mean per-token entropy of pi_theta on the sampled completions (exact, in nats)",
     "clip_frac": "fraction of the update's tokens whose PPO ratio was clipped (low or high)",
+    "clip_frac/seq": "GSPO: fraction of sequences whose length-normalised ratio was clipped",
+    "ratio/seq_mean": "GSPO: mean over sequences of the length-normalised ratio s_i",
+    "reference/updates": "kl.reference_reset: reference updates (resets) so far, after this step",
     "loss/policy": "policy surrogate loss (reduced), mean over the step's optimizer steps",
     "loss/kl": "beta-free KL term of the loss (reduced), when the KL is in the loss (adaptive_mix: "
     "its a · k1 part; ref_is: absent, see loss/kl_ref)",

@@ -9,7 +9,7 @@ i-th prompt, whose reference answer is the i-th answer; a prompt repeats once pe
 group). It returns N real numbers, one per completion. Completions are the decoded text after the
 prompt, cut at the end-of-sequence token, without special tokens.
 
-Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}``:
+Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
 
 - ``exact_match``: the completion, stripped of surrounding whitespace, equals the answer stripped.
 - ``numeric``: the number extracted from the completion equals the number extracted from the
@@ -22,6 +22,15 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}``:
   data error and raises.
 - ``format``: the completion respects the answer format: stripped, it is one number
   (``"85"``) or ends with a final line ``#### <number>`` (GSM8K's format).
+- ``boxed``: the content of the completion's last ``\boxed{...}`` (braces balanced, so
+  ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; :func:`extract_boxed`) equals the answer: as
+  exact decimals when both are one number (``"1,000"`` and ``"1000.0"`` agree), else as strings
+  with surrounding whitespace and ``$`` removed. The answer is the content of its own last
+  ``\boxed{}`` if it has one, the number after ``####`` if it has that, else the answer stripped.
+  A completion with no ``\boxed{}``, or an unclosed one, scores 0 (the convention of
+  MATH-style graders, Hendrycks et al. 2021, arXiv:2103.03874).
+- ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
+  (:func:`klpo.train.overopt.overopt_proxy`).
 
 Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
 (:func:`combined_rewards`). Every value is checked: a function that raises, returns a value that
@@ -44,8 +53,10 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "WeightedReward",
+    "boxed",
     "combined_rewards",
     "exact_match",
+    "extract_boxed",
     "extract_number",
     "format_reward",
     "get_reward",
@@ -125,11 +136,72 @@ def format_reward(prompts: list[str], completions: list[str], answers: list[str]
     return [float(_FORMAT.fullmatch(c.strip()) is not None) for c in completions]
 
 
+_BOXED = "\\boxed{"
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` in ``text``, braces balanced; None if there is none.
+
+    Examples: ``"so \boxed{42}."`` → ``"42"``; ``"\boxed{\frac{1}{2}}"`` → ``"\frac{1}{2}"``;
+    ``"\boxed{1} then \boxed{2}"`` → ``"2"``; ``"\boxed{12"`` (never closed) → None.
+    """
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    i = start + len(_BOXED)
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def _as_decimal(text: str) -> Decimal | None:
+    """``text`` as a decimal when it is exactly one number (``1,234.5``), else None."""
+    t = text.strip().strip("$").strip()
+    if not _NUMBER.fullmatch(t):
+        return None
+    return Decimal(t.replace(",", ""))
+
+
+def _same_answer(got: str, expected: str) -> bool:
+    a, b = _as_decimal(got), _as_decimal(expected)
+    if a is not None and b is not None:
+        return a == b
+    return got.strip().strip("$").strip() == expected.strip().strip("$").strip()
+
+
+def boxed(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    r"""1.0 where the completion's last ``\boxed{...}`` holds the answer, else 0.0 (see the module)."""
+    out = []
+    for c, a in zip(completions, answers, strict=True):
+        expected = extract_boxed(a)
+        if expected is None:
+            expected = a.rsplit("####", 1)[1] if "####" in a else a
+        got = extract_boxed(c)
+        out.append(float(got is not None and _same_answer(got, expected)))
+    return out
+
+
 BUILTIN: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "numeric": numeric,
     "format": format_reward,
+    "boxed": boxed,
 }
+
+
+def _overopt_proxy(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    from klpo.train.overopt import overopt_proxy
+
+    return overopt_proxy(prompts, completions, answers)
+
+
+BUILTIN["overopt_proxy"] = _overopt_proxy
 
 
 def get_reward(name: str) -> RewardFn:
