@@ -121,12 +121,21 @@ def train(
     resume: Path | None = typer.Option(
         None, "--resume", help="Continue the run in this directory from its last checkpoint."
     ),
+    allow_config_change: bool = typer.Option(
+        False,
+        "--allow-config-change",
+        help="With --resume: continue even though the config or the number of processes "
+        "changed (recorded in the run's config-changes.jsonl).",
+    ),
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
 
     Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel.
+    Ctrl-C or SIGTERM stops it after the current step with a checkpoint. Models and datasets
+    are read from local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
     """
     from klpo.train.config import ConfigError, load_config
+    from klpo.train.preflight import empty_config_warning
 
     try:
         if resume is not None:
@@ -139,18 +148,41 @@ def train(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    if allow_config_change and resume is None:
+        typer.echo("error: --allow-config-change only applies with --resume DIR", err=True)
+        raise typer.Exit(2)
+    empty = empty_config_warning(config)
+    if empty:
+        typer.echo(f"warning: {empty}", err=True)
 
+    import os
+
+    from klpo.train.dist import PeerFailed
     from klpo.train.loop import TrainingDiverged
     from klpo.train.loop import train as run_training
     from klpo.train.rewards import RewardError
+    from klpo.train.stop import Interrupted
 
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    who = f"rank {rank}: " if rank is not None else ""
     try:
-        run_training(cfg, resume=resume is not None, log=lambda msg: typer.echo(msg, err=True))
+        run_training(
+            cfg,
+            resume=resume is not None,
+            log=lambda msg: typer.echo(msg, err=True),
+            allow_config_change=allow_config_change,
+        )
+    except Interrupted as err:
+        typer.echo(f"{who}{err}", err=True)
+        raise typer.Exit(err.exit_code) from None
     except TrainingDiverged as err:
-        typer.echo(f"diverged: {err}", err=True)
+        typer.echo(f"{who}diverged: {err}", err=True)
         raise typer.Exit(3) from None
-    except (ConfigError, RewardError, FileNotFoundError, ValueError) as err:
-        typer.echo(f"error: {err}", err=True)
+    except PeerFailed as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+    except (ConfigError, RewardError, OSError, ValueError) as err:
+        typer.echo(f"{who}error: {err}", err=True)
         raise typer.Exit(1) from None
 
 

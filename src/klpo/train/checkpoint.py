@@ -126,12 +126,47 @@ def save_checkpoint(
         the checkpoint's directory.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = find_checkpoint(run_dir)[0]
+        kept = (
+            f"the previous checkpoint {previous.name} is intact"
+            if previous is not None
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} in {root}: "
+            f"{err.strerror or err}; {kept} and the partial files were removed. Free space "
+            f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
+        ) from None
 
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    step: int,
+    policy: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None,
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
+    state: dict[str, Any] | None,
+) -> None:
     policy.save_pretrained(tmp / "policy", safe_serialization=True)
     if critic is not None:
         save_model(critic, str(tmp / "critic.safetensors"))
@@ -154,29 +189,116 @@ def save_checkpoint(
                 os.fsync(fh.fileno())
     _fsync_dir(tmp)
 
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    write_text_atomic(root / LATEST, final.name + "\n")
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the message says what is intact and how to go on."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file, or None if it is.
+
+    The format is an 8-byte little-endian header length N, N bytes of JSON giving each tensor's
+    ``data_offsets``, then the data: a complete file is exactly 8 + N + the largest end offset
+    bytes long. Reads the header only, so it is cheap on any model size.
+    """
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is truncated ({size} bytes)"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated ({size} bytes, header says more)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as err:
+        return f"{path.name} cannot be read ({err})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
+    return None
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """Why the ``save_pretrained`` directory ``path`` cannot be a model, or None if it can."""
+    if not (path / "config.json").is_file():
+        return f"{path.name}/config.json is missing"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as err:
+            return f"{index.name} cannot be read ({err})"
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return f"{path.name} holds no model.safetensors"
+    for shard in shards:
+        problem = safetensors_problem(path / shard)
+        if problem:
+            return f"{path.name}/{problem}"
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (a missing or truncated file), or None if it can."""
+    try:
+        meta = json.loads((ckpt / "state.json").read_text())
+        meta["step"], meta["rng"], meta["optimizers"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"state.json is missing or unreadable ({type(err).__name__})"
+    problem = model_dir_problem(ckpt / "policy")
+    if problem:
+        return problem
+    has_tensors = any(
+        "tensor" in v
+        for o in meta["optimizers"].values()
+        for e in o["state"].values()
+        for v in e.values()
+    )
+    names = ["rng.safetensors"] + (["optim.safetensors"] if has_tensors else [])
+    names += ["critic.safetensors"] if (ckpt / "critic.safetensors").exists() else []
+    for name in names:
+        problem = safetensors_problem(ckpt / name)
+        if problem:
+            return problem
+    return None
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of a run, and a line for each newer one that is not.
+
+    ``latest`` is only a hint: a checkpoint whose files are missing or truncated (a disk that
+    filled up, a copy cut short) is skipped for the one before it, and a removed or stale
+    ``latest`` does not hide the checkpoints that are there.
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None, []
+    notes = []
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    for path in steps:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"checkpoint {path} is incomplete ({problem}); skipped")
+    return None, notes
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` points at, or None if the run has none."""
+    """The newest complete checkpoint of the run (see :func:`find_checkpoint`), or None."""
+    return find_checkpoint(run_dir)[0]
+
+
+def remove_orphans(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories of saves that never finished; returns them."""
     root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(
-            f"{pointer} points at {path.name}, which is incomplete; remove {pointer} to start over"
-        )
-    return path
+    gone = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

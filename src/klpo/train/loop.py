@@ -21,6 +21,7 @@ token (or sequence) count, so the gradient equals that of one process holding th
 from __future__ import annotations
 
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -32,13 +33,22 @@ from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, reduce
 from klpo.train import checkpoint as ckpt_io
+from klpo.train import preflight
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import ConfigError, TrainConfig, dump_config
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
-from klpo.train.dist import Dist, init_distributed, shutdown
+from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.metrics import MetricsWriter
-from klpo.train.models import Backbone, Critic, freeze, load_causal_lm, load_tokenizer
+from klpo.train.models import (
+    Backbone,
+    Critic,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    offline_unless_allowed,
+)
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids
+from klpo.train.stop import Interrupted, StopOnSignal
 
 # ---------------------------------------------------------------------------------------------
 # Setup: models, data, rewards, controllers.
@@ -123,14 +133,19 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
     tokenizer = load_tokenizer(policy_path)
-    policy = load_causal_lm(str(start / "policy") if start else policy_path, cfg.model.dtype)
+    policy = load_causal_lm(
+        str(start / "policy") if start else policy_path, cfg.model.dtype, "model.policy"
+    )
     policy.to(dist.device).train()
-    reference = Backbone(freeze(load_causal_lm(ref_path, cfg.model.dtype).to(dist.device)))
+    reference = Backbone(
+        freeze(load_causal_lm(ref_path, cfg.model.dtype, "model.reference").to(dist.device))
+    )
     critic_core = None
     if cfg.algo.name == "ppo":
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
-        critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype)).to(dist.device)
-        if start is not None:
+        critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype, "model.critic"))
+        critic_core.to(dist.device)
+        if start is not None and (start / "critic.safetensors").is_file():
             ckpt_io.restore_critic(start, critic_core)
     backbone: torch.nn.Module = Backbone(policy)
     critic: torch.nn.Module | None = critic_core
@@ -479,13 +494,40 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became non-finite; the run stopped at that step."""
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> Path:
-    """Run (or resume) training; returns the run directory."""
+def train(
+    cfg: TrainConfig, *, resume: bool = False, log=print, allow_config_change: bool = False
+) -> Path:
+    """Run (or resume) training; returns the run directory.
+
+    ``allow_config_change`` lets a resume continue with a changed config or number of processes
+    (recorded in the run's ``config-changes.jsonl``); without it such a resume is refused.
+    SIGINT/SIGTERM stop the run after the current step with a checkpoint (:mod:`.stop`).
+    """
+    offline_unless_allowed()
     dist = init_distributed(cfg.run.threads)
+    failed = True
     try:
-        return _train(cfg, dist, resume, log if dist.is_main else (lambda *_: None))
+        with StopOnSignal() as stopper:
+            out = _train(
+                cfg,
+                dist,
+                resume,
+                log if dist.is_main else (lambda *_: None),
+                allow_config_change=allow_config_change,
+                stopper=stopper,
+            )
+        failed = False
+        return out
+    except Exception as err:
+        if dist.enabled and is_peer_failure(err):
+            raise PeerFailed(
+                f"rank {dist.rank}: stopped because another process of the run failed (its "
+                "error is printed above by that rank)"
+            ) from None
+        raise
     finally:
-        shutdown(dist)
+        # A failed rank leaves without a barrier: the others may wait in another collective.
+        shutdown(dist, failed=failed)
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -493,21 +535,47 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.optim.lr * (min(1.0, step / w) if w else 1.0)
 
 
-def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
+def _train(
+    cfg: TrainConfig,
+    dist: Dist,
+    resume: bool,
+    log,
+    *,
+    allow_config_change: bool = False,
+    stopper: StopOnSignal | None = None,
+) -> Path:
     run_dir = Path(cfg.run.out_dir)
-    start = ckpt_io.latest_checkpoint(run_dir) if resume else None
-    if resume and start is None:
-        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not resume and (run_dir / "checkpoints").exists():
+    # --- Preflight (klpo.train.preflight): every check that can fail, before any model loads
+    # or any file is written.
+    plan = preflight.plan_run_dir(
+        cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
+    )
+    if cfg.rollout.prompts_per_step % dist.world:
         raise ConfigError(
-            f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
-            f"{run_dir}, or choose another run.out_dir"
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+            f"number of processes ({dist.world})"
         )
-    meta = ckpt_io.load_state(start) if start else {}
+    train_set, heldout = load_examples(cfg)
+    policy_path = resolve_model_path(cfg.model.policy)
+    ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
+    preflight.check_models_and_data(
+        cfg,
+        train_set,
+        heldout,
+        policy=policy_path,
+        reference=ref_path,
+        critic=resolve_model_path(cfg.model.critic or ref_path) if cfg.algo.name == "ppo" else None,
+    )
+    log(f"run directory: {run_dir}")
+    for line in plan.notes:
+        log(f"note: {line}")
+    for line in preflight.config_warnings(cfg, dist.world):
+        log(f"warning: {line}")
+    # --- End of preflight.
+    start, meta = plan.start, plan.meta
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
 
     m = build_models(cfg, dist, start)
-    train_set, heldout = load_examples(cfg)
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
@@ -533,16 +601,29 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
     step0 = 0
     if start is not None:
         step0 = meta["step"]
-        ckpt_io.restore_optimizers(start, optimizers, meta)
+        # After an allowed change of algorithm, an optimizer the checkpoint lacks starts fresh.
+        ckpt_io.restore_optimizers(
+            start, {k: o for k, o in optimizers.items() if k in meta["optimizers"]}, meta
+        )
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
-        ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        if plan.saved_world == dist.world:
+            ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        else:  # an allowed change of world size: each rank's sampling stream starts anew
+            torch.manual_seed(cfg.run.seed * 1000 + dist.rank + 7919 * step0)
         log(f"resuming {run_dir} from step {step0}")
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for orphan in ckpt_io.remove_orphans(run_dir):
+            log(f"note: removed {orphan}, the remains of a checkpoint save that did not finish")
+        if plan.restart and (kept := preflight.keep_old_metrics(run_dir)) is not None:
+            log(f"note: the earlier metrics of this run are kept in {kept}")
+        if plan.changes:
+            preflight.record_config_change(run_dir, step0, plan.changes)
+            log(f"note: config change recorded in {run_dir / preflight.CHANGES_FILE}")
         ckpt_io.write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
         note = announce(cfg)
         if note:
@@ -573,11 +654,6 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         dist.barrier()
 
     per_rank = cfg.rollout.prompts_per_step // dist.world
-    if per_rank * dist.world != cfg.rollout.prompts_per_step:
-        raise ConfigError(
-            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
-            f"number of processes ({dist.world})"
-        )
     if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
         writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
 
@@ -656,8 +732,11 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
                 "no longer finite, so training stopped (metrics up to this step are in "
                 f"{run_dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
             )
-        if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
+        stop = dist.any(stopper is not None and stopper.requested) and not last
+        if last or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
             save(step)
+        if stop:
+            _stop(run_dir, step, stopper, progress, writer)
         if last:
             break
     progress(None, None)
@@ -670,6 +749,21 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
         )
         log(f"wrote {report}")
     return run_dir
+
+
+def _stop(run_dir: Path, step: int, stopper: StopOnSignal | None, progress, writer) -> None:
+    """End the run after a signal: the checkpoint of ``step`` is saved; say where."""
+    progress(None, None)
+    if writer is not None:
+        writer.close()
+    signum = stopper.signum if stopper is not None and stopper.signum else signal.SIGTERM
+    what = stopper.name if stopper is not None and stopper.requested else "a signal to another rank"
+    raise Interrupted(
+        f"stopped by {what} after step {step}; the checkpoint is "
+        f"{run_dir / 'checkpoints' / f'step_{step:06d}'} and the metrics up to it are in "
+        f"{run_dir / 'metrics.jsonl'}. Continue with: klpo train --resume {run_dir}",
+        signum,
+    )
 
 
 def _progress(cfg: TrainConfig, dist: Dist, step0: int):

@@ -1,0 +1,62 @@
+"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (a job scheduler, ``kill``) without losing it.
+
+The first signal only raises a flag; the loop finishes the step it is in, saves a checkpoint and
+stops with :class:`Interrupted`, whose message says where the checkpoint is and how to resume. A
+second signal interrupts at once (Python's default: ``KeyboardInterrupt``), for a step that takes
+too long; the previous checkpoint is then the one to resume from.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal:
+    """Context manager: while inside, SIGINT and SIGTERM set :attr:`signum` instead of killing.
+
+    Outside the main thread (where Python cannot install handlers) it does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # the second signal: stop now
+            self._restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
