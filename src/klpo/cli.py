@@ -191,8 +191,15 @@ def docs(
     out: Path = typer.Option(Path("docs"), "--out", help="Directory for the generated pages."),
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
+    from klpo.train.config import ConfigError
     from klpo.train.docs import write_pages
+    from klpo.train.preflight import check_writable_dir
 
+    try:
+        check_writable_dir(out, "--out")
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     for path in write_pages(out):
         typer.echo(f"wrote {path}")
 
@@ -217,6 +224,20 @@ def _lab_probabilities(text: str, option: str) -> list[float]:
             f"{text!r} is not a comma-separated list of numbers, e.g. 0.7,0.2,0.1",
             param_hint=option,
         ) from None
+
+
+def _plain_progress(total: int):
+    """``progress(done, what)`` printing a line when the part of the work changes."""
+    import time
+
+    t0, last = time.perf_counter(), [""]
+
+    def report(done: int, what: str) -> None:
+        if what != last[0] or done == total:
+            last[0] = what
+            typer.echo(f"[{done}/{total}] {what} ({time.perf_counter() - t0:.0f} s)", err=True)
+
+    return report
 
 
 def _lab_print_json(record: dict) -> None:
@@ -399,23 +420,37 @@ def lab_report(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
+    from klpo.train.config import ConfigError
+    from klpo.train.preflight import check_writable_dir
 
+    try:
+        check_writable_dir(out_dir, "--out")
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     preset = PRESETS["quick" if quick else "default"]
     out = console()
-    with Progress(
-        TextColumn("[bold]klpo lab report[/bold] {task.description:<20}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("starting", total=preset.units)
+    err_console = Console(stderr=True)
+    if err_console.is_terminal:
+        with Progress(
+            TextColumn("[bold]klpo lab report[/bold] {task.description:<20}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        ) as progress:
+            task = progress.add_task("starting", total=preset.units)
+            results = run_report(
+                Path(out_dir),
+                preset,
+                seed=seed,
+                progress=lambda done, what: progress.update(task, completed=done, description=what),
+            )
+    else:  # a log file, CI or a scheduler: plain lines, one per part of the suite
+        typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
         results = run_report(
-            Path(out_dir),
-            preset,
-            seed=seed,
-            progress=lambda done, what: progress.update(task, completed=done, description=what),
+            Path(out_dir), preset, seed=seed, progress=_plain_progress(preset.units)
         )
     verdicts = Table(title="Seed 000: which claims hold (details in report.md)")
     verdicts.add_column("#", justify="right")
@@ -525,6 +560,19 @@ def make_reference_cmd(
 # klpo compare: the estimator stability study on real training (issue 7).
 
 
+def _numbers(text: str, kind: type, option: str, example: str) -> list:
+    """A comma-separated list of ``kind`` values, or a ConfigError naming ``option``."""
+    from klpo.train.config import ConfigError
+
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise ConfigError(
+            f"{option} {text!r} is not a comma-separated list of {what}; e.g. {option} {example}"
+        ) from None
+
+
 @app.command()
 def compare(
     out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
@@ -555,9 +603,9 @@ def compare(
         if steps is not None:
             study.steps = steps
         if seeds is not None:
-            study.seeds = [int(s) for s in seeds.split(",")]
+            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
         if betas is not None:
-            study.betas = [float(b) for b in betas.split(",")]
+            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
         grid = study_grid(study)
     except (ConfigError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
@@ -569,6 +617,9 @@ def compare(
         return
     typer.echo(f"{len(grid)} runs, {study.workers} at a time, into {out}", err=True)
 
+    def on_start(name: str, log_path: Path) -> None:
+        typer.echo(f"start {name} (log: {log_path})", err=True)
+
     def on_result(row: dict, n: int, total: int) -> None:
         typer.echo(
             f"[{n}/{total}] {row['name']}: {row['status']}, held-out {row['acc_final']:.3f}, "
@@ -577,7 +628,7 @@ def compare(
         )
 
     try:
-        run_study(study, out, on_result=on_result)
+        run_study(study, out, on_result=on_result, on_start=on_start)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

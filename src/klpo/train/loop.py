@@ -657,7 +657,7 @@ def _train(
     if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
         writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
 
-    progress = _progress(cfg, dist, step0)
+    progress = _progress(cfg, dist, step0, log)
     t_start = time.perf_counter()
     step = step0
     for step in range(step0 + 1, cfg.run.steps + 1):
@@ -766,11 +766,29 @@ def _stop(run_dir: Path, step: int, stopper: StopOnSignal | None, progress, writ
     )
 
 
-def _progress(cfg: TrainConfig, dist: Dist, step0: int):
-    """A rich progress bar on the main rank's terminal; a no-op elsewhere."""
+def _progress(cfg: TrainConfig, dist: Dist, step0: int, log=print):
+    """Progress on the main rank: a rich bar on a terminal; elsewhere (a log file, CI, a job
+    scheduler) a plain line every ``max(1, steps // 20)`` steps and at the last step."""
     if not (cfg.run.progress and dist.is_main):
         return lambda step, metrics: None
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def info(metrics: dict[str, float]) -> str:
+        acc = metrics.get("accuracy/heldout")
+        return f"reward {metrics['reward/mean']:.3f}  kl {metrics['kl/ref/exact']:.4f}" + (
+            f"  heldout {acc:.3f}" if acc is not None else ""
+        )
+
+    if not Console().is_terminal:
+        every, t0 = max(1, cfg.run.steps // 20), time.perf_counter()
+
+        def line(step: int | None, metrics: dict[str, float] | None) -> None:
+            if step is not None and (step % every == 0 or step == cfg.run.steps):
+                elapsed = time.perf_counter() - t0
+                log(f"step {step}/{cfg.run.steps}  {info(metrics)}  {elapsed:.0f} s")
+
+        return line
 
     bar = Progress(
         TextColumn("[bold]train"),
@@ -787,10 +805,6 @@ def _progress(cfg: TrainConfig, dist: Dist, step0: int):
         if step is None:
             bar.stop()
             return
-        acc = metrics.get("accuracy/heldout")
-        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics['kl/ref/exact']:.4f}" + (
-            f"  heldout {acc:.3f}" if acc is not None else ""
-        )
-        bar.update(task, completed=step, info=info)
+        bar.update(task, completed=step, info=info(metrics))
 
     return advance
