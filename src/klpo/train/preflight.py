@@ -328,12 +328,14 @@ def check_same_tokenizer(policy_tok: Any, policy: str, other_tok: Any, other: st
     a, b = policy_tok.get_vocab(), other_tok.get_vocab()
     if a == b:
         return
-    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
-    token, _ = diff[0]
+    differ = sorted(
+        (t for t in set(a) | set(b) if a.get(t) != b.get(t)), key=lambda t: a.get(t, -1)
+    )
+    token = differ[0]
     raise ConfigError(
         f"model.{role} {other!r} has another tokenizer than model.policy {policy!r}: "
         f"{len(a)} and {len(b)} tokens, and token {token!r} has id {a.get(token)} in the policy's "
-        f"but {b.get(token)} in the {role}'s ({len(diff) // 2 or len(diff)} ids differ). The KL "
+        f"but {b.get(token)} in the {role}'s ({len(differ)} tokens differ). The KL "
         f"compares the models id by id, so they must share the tokenizer; give a {role} trained "
         "with the policy's tokenizer"
     )
