@@ -188,7 +188,7 @@ def test_errors_are_clear(run, tmp_path):
         run(tmp_path / "j", **{"data.source": "jsonl", "data.path": str(bad)})
     long = tmp_path / "long.jsonl"
     long.write_text('{"prompt": "' + "9" * 50 + '=", "answer": "1"}\n')
-    with pytest.raises(ValueError, match=r"prompt 0 is 51 tokens long.*max_prompt_tokens=10"):
+    with pytest.raises(ValueError, match=r"long.jsonl:1: the prompt is 51 tokens long.*max_prompt"):
         run(
             tmp_path / "l",
             **{"data.source": "jsonl", "data.path": str(long), "data.max_prompt_tokens": 10},

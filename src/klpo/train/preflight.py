@@ -147,9 +147,9 @@ def plan_run_dir(
         found = has_metrics(run_dir) or any((run_dir / "checkpoints").glob("step_*"))
         if found:
             raise ConfigError(
-                f"run.out_dir {str(run_dir)!r} already holds a run (metrics or checkpoints), "
-                f"which a new run would overwrite; continue it with --resume {run_dir}, or "
-                "choose another run.out_dir"
+                f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
+                f"{run_dir}, or choose another run.out_dir (a new run never overwrites another "
+                "run's metrics or checkpoints)"
             )
         return plan
 
