@@ -9,6 +9,7 @@ too long; the previous checkpoint is then the one to resume from.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
 
@@ -46,6 +47,11 @@ class StopOnSignal:
             self._restore()
             raise KeyboardInterrupt
         self.signum = signum
+        sys.stderr.write(
+            f"{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+            "(send it again to stop at once)\n"
+        )
+        sys.stderr.flush()
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
