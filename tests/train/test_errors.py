@@ -600,3 +600,17 @@ def test_plain_progress_lines_when_not_a_terminal(tiny_model, quick, tmp_path):
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
     assert "reward " in steps[0] and " kl " in steps[0]
+
+
+def test_config_and_study_files_that_cannot_be_read(tmp_path):
+    from klpo.train.compare import load_study
+    from klpo.train.config import load_config
+
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"kl:\n  beta: 0.1 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c.yaml' is not UTF-8 text \(byte 0xe9 at offset 21\)"):
+        load_config(bad)
+    study = tmp_path / "s.yaml"
+    study.write_text("steps: [1\n")
+    with pytest.raises(ConfigError, match=r"s.yaml' is not valid UTF-8 YAML"):
+        load_study(study)

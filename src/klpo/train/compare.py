@@ -147,7 +147,12 @@ def load_study(path: str | Path | None = None, *, quick: bool = False) -> StudyC
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"study file {str(p)!r} is not valid UTF-8 YAML: {str(err).splitlines()[0]}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"study file {str(p)!r} must hold a mapping of StudyConfig keys")
     try:

@@ -112,7 +112,7 @@ def is_peer_failure(err: BaseException) -> bool:
         return True
     text = str(err).lower()
     return isinstance(err, RuntimeError) and any(
-        s in text for s in ("gloo", "connection closed by peer", "connection reset", "nccl")
+        s in text for s in ("connection closed by peer", "connection reset by peer")
     )
 
 
