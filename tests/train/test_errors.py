@@ -339,6 +339,12 @@ def test_bad_model_directories_are_named(tiny_model, tmp_path, monkeypatch):
         f"model.policy '{bare}' has no tokenizer",
         "tokenizer.save_pretrained",
     )
+    half = model_copy(tiny_model, tmp_path / "half", skip=("tokenizer.json",))
+    clean_error(
+        cli(*base, "--set", f"model.policy={half}"),
+        1,
+        f"could not load the tokenizer of model.policy '{half}'",
+    )
     clean_error(
         cli(*base, "--set", f"model.policy={tiny_model}", "--set", f"model.reference={cut}"),
         1,
