@@ -635,6 +635,62 @@ def compare(
     typer.echo(f"wrote {out / 'report.md'}", err=True)
 
 
+# --------------------------------------------------------------------------------------------
+# klpo doctor: what a framework's KL settings really do (klpo.doctor).
+
+
+@app.command()
+def doctor(
+    config: str = typer.Argument(
+        ...,
+        help="verl YAML or main_ppo command line, TRL GRPOConfig/"
+        "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config.",
+    ),
+    framework: str | None = typer.Option(
+        None, "--framework", help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected)."
+    ),
+    framework_version: str | None = typer.Option(
+        None,
+        "--framework-version",
+        help="The framework version the config is for (warns if the doctor knows another).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    model: str | None = typer.Option(None, "--model", help="Policy model directory to measure on."),
+    reference: str | None = typer.Option(None, "--reference", help="Reference model directory."),
+    data: str | None = typer.Option(
+        None, "--data", help="Prompts: JSONL with a 'prompt' field, or text lines."
+    ),
+    layer: str | None = typer.Option(
+        None,
+        "--layer",
+        help="Measure gradients on the parameters whose name starts with this (default: all).",
+    ),
+    prompts: int = typer.Option(8, "--prompts", help="Prompts taken from --data."),
+    samples: int = typer.Option(8, "--samples", help="Completions sampled per prompt."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Longest completion."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+) -> None:
+    """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
+    from klpo.doctor.command import run
+
+    code = run(
+        config,
+        framework=framework,
+        version=framework_version,
+        as_json=as_json,
+        model=model,
+        reference=reference,
+        data=data,
+        layer=layer,
+        prompts=prompts,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    if code:
+        raise typer.Exit(code)
+
+
 def main() -> None:
     """Entry point of the ``klpo`` console script."""
     app()

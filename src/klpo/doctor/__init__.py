@@ -1,0 +1,98 @@
+r"""``klpo doctor``: what a training framework's KL settings really do, and the klpo config for it.
+
+Reads one configuration of verl (its Hydra YAML, or a ``main_ppo`` command line with ``key=value``
+overrides), TRL (``GRPOConfig`` / ``RLOOConfig`` fields as YAML or JSON), OpenRLHF
+(``train_ppo_ray`` command-line arguments) or klpo itself, fills in the framework's defaults for the
+version the doctor knows (verl 0.9, TRL 1.16, OpenRLHF 0.11), and says, per KL term in effect: the
+klpo estimator and placement it is, what value it logs and which gradient it follows on- and
+off-policy (:func:`klpo.kl.explain`), where clamps zero that gradient, which settings are ignored or
+applied twice, how a group normalisation rescales a KL in the reward, and two klpo configs: the one
+that does the same thing and the one that does what the settings most likely meant.
+
+    from klpo.doctor import diagnose, render
+    print(render(diagnose("verl_grpo.yaml")))
+
+:mod:`klpo.doctor.measure` adds measurements on the user's own model pair (``--model``).
+
+The doctor sits above the library (it reads files and prints); nothing in ``klpo/*.py`` imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from klpo.doctor import klpo_config, openrlhf, trl, verl
+from klpo.doctor.reading import DoctorError, Reading, load_mapping
+from klpo.doctor.report import diagnosis, render
+
+__all__ = ["FRAMEWORKS", "DoctorError", "detect", "diagnose", "read", "render"]
+
+FRAMEWORKS: tuple[str, ...] = ("verl", "trl-grpo", "trl-rloo", "openrlhf", "klpo")
+
+_TEXT_SUFFIXES = (".sh", ".txt", ".args", ".cmd", "")
+
+
+def detect(path: Path) -> str:
+    """The framework a config file belongs to, from its contents."""
+    text = path.read_text()
+    if path.suffix in _TEXT_SUFFIXES:
+        if "openrlhf" in text or "--init_kl_coef" in text or "--algo.kl." in text:
+            return "openrlhf"
+        if "verl.trainer" in text or "actor_rollout_ref." in text or "algorithm." in text:
+            return "verl"
+    data = load_mapping(path)
+    keys = set(data)
+    flat = " ".join(keys)
+    if "actor_rollout_ref" in keys or "algorithm" in keys or "actor_rollout_ref." in flat:
+        return "verl"
+    if isinstance(data.get("kl"), dict) or isinstance(data.get("algo"), dict):
+        return "klpo"
+    grpo_only = {
+        "loss_type",
+        "use_bias_correction_kl",
+        "scale_rewards",
+        "importance_sampling_level",
+    }
+    if keys & grpo_only:
+        return "trl-grpo"
+    if "normalize_advantages" in keys:
+        return "trl-rloo"
+    if keys & {"beta", "num_generations", "num_iterations", "output_dir"}:
+        return "trl-grpo"
+    raise DoctorError(
+        f"{path}: cannot tell which framework this config is for (no verl section such as "
+        "`algorithm` or `actor_rollout_ref`, no TRL field such as `beta` or `loss_type`, no klpo "
+        f"`kl` section, no OpenRLHF flag); name it with --framework ({', '.join(FRAMEWORKS)})"
+    )
+
+
+def read(path: str | Path, framework: str | None = None, version: str | None = None) -> Reading:
+    """Read a config file into a :class:`~klpo.doctor.reading.Reading`."""
+    p = Path(path)
+    if not p.is_file():
+        raise DoctorError(f"config file {str(p)!r} does not exist")
+    fw = framework or detect(p)
+    if fw not in FRAMEWORKS:
+        raise DoctorError(f"unknown framework {fw!r}; choose one of: {', '.join(FRAMEWORKS)}")
+    src = str(path)
+    if fw == "openrlhf":
+        return openrlhf.read(openrlhf.parse_args(p.read_text(), src), src, version)
+    if fw == "verl":
+        data: dict[str, Any] = (
+            verl.read_text(p.read_text(), src) if p.suffix in _TEXT_SUFFIXES else load_mapping(p)
+        )
+        return verl.read(data, src, version)
+    data = load_mapping(p)
+    if fw == "trl-grpo":
+        return trl.read_grpo(data, src, version)
+    if fw == "trl-rloo":
+        return trl.read_rloo(data, src, version)
+    return klpo_config.read(data, src, version)
+
+
+def diagnose(
+    path: str | Path, framework: str | None = None, version: str | None = None
+) -> dict[str, Any]:
+    """The whole diagnosis of a config file as JSON-ready data (``klpo doctor --json``)."""
+    return diagnosis(read(path, framework, version))

@@ -1,0 +1,282 @@
+"""What a framework reader returns: the KL terms a configuration switches on, and what it implies.
+
+A reader (:mod:`klpo.doctor.verl`, :mod:`~klpo.doctor.trl`, :mod:`~klpo.doctor.openrlhf`,
+:mod:`~klpo.doctor.klpo_config`) turns one configuration into a :class:`Reading`: the framework's
+own settings with their defaults filled in, each KL term in klpo's words (:class:`Term`: estimator,
+placement, coefficient, reduction, clamps), whether the tokens the KL term sees can come from an
+older policy, and findings (settings ignored, applied twice, or doing something other than what
+their name says). :mod:`klpo.doctor.report` adds what :func:`klpo.kl.explain` derives.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "DoctorError",
+    "Finding",
+    "Reading",
+    "Term",
+    "flatten",
+    "load_mapping",
+    "scalar",
+]
+
+
+class DoctorError(ValueError):
+    """A configuration the doctor cannot read; the message names the file, the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One KL term in effect, in klpo's words.
+
+    Attributes:
+        option: the framework's setting(s) that switch it on, as written there.
+        framework_name: the framework's name of the estimator (e.g. verl's ``low_var_kl``).
+        estimator: the klpo estimator with the same value and gradient (``klpo.kl.ESTIMATORS``);
+            ``None`` where klpo has none.
+        placement: ``"loss"`` or ``"reward"``.
+        beta: the coefficient.
+        beta_option: the setting that holds it.
+        reduction: how the term is reduced to the loss (a ``klpo.reduce`` mode), or for the
+            reward, how the per-token penalty reaches the advantage.
+        value_clamp: ``(lo, hi)`` clamp of the estimate's value, or None.
+        log_ratio_clamp: ``(lo, hi)`` clamp of ``log pi_ref - log pi_theta`` before the estimator.
+        corrected: whether the framework weights the term for tokens sampled by pi_old.
+        logged_as: the metric the framework logs the term's value under.
+        adaptive: whether a controller changes ``beta`` during training.
+    """
+
+    option: str
+    framework_name: str
+    estimator: str | None
+    placement: str
+    beta: float
+    beta_option: str
+    reduction: str
+    value_clamp: tuple[float, float] | None = None
+    log_ratio_clamp: tuple[float, float] | None = None
+    corrected: bool = False
+    logged_as: str = ""
+    adaptive: bool = False
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something the user should know. ``level``: ``"error"`` (a setting that cannot do what it
+    says, or that the framework rejects), ``"warning"`` (ignored, doubled, silently rescaled or
+    off-policy), ``"note"``."""
+
+    level: str
+    keys: tuple[str, ...]
+    text: str
+
+
+@dataclass
+class Reading:
+    """One configuration, read.
+
+    Attributes:
+        framework: ``"verl"``, ``"trl-grpo"``, ``"trl-rloo"``, ``"openrlhf"`` or ``"klpo"``.
+        defaults_version: the framework version whose defaults fill what the file leaves out.
+        version: the version the user named (None: assumed ``defaults_version``).
+        source: the file read.
+        settings: every setting the doctor looked at, with its value in effect and whether it came
+            from the file or the defaults.
+        algorithm: the advantage estimator / algorithm, in the framework's words.
+        group_size: completions per prompt (1 where there are no groups).
+        updates_per_batch: optimiser steps taken on one batch of rollouts.
+        terms: the KL terms in effect.
+        group_scaling: how the group normalisation scales a KL that is in the reward, or None.
+        findings: see :class:`Finding`.
+        equivalent: the klpo config (a nested dict, ``klpo train -c``) that does the same thing,
+            as far as klpo can; ``equivalent_differences`` says where it cannot.
+        intended: the klpo config that does what the settings most likely meant, and ``why``.
+    """
+
+    framework: str
+    defaults_version: str
+    version: str | None
+    source: str
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    algorithm: str = ""
+    group_size: int = 1
+    updates_per_batch: int = 1
+    terms: list[Term] = field(default_factory=list)
+    group_scaling: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+    equivalent: dict[str, Any] = field(default_factory=dict)
+    equivalent_differences: list[str] = field(default_factory=list)
+    intended: dict[str, Any] = field(default_factory=dict)
+    intended_why: list[str] = field(default_factory=list)
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether a KL term in the loss sees tokens sampled by an older policy."""
+        return self.updates_per_batch > 1
+
+    def warn(self, level: str, keys: tuple[str, ...] | list[str], text: str) -> None:
+        self.findings.append(Finding(level, tuple(keys), text))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["off_policy"] = self.off_policy
+        return out
+
+
+class Settings:
+    """Dotted-key lookups into a flattened config, with defaults, remembering what was read."""
+
+    def __init__(self, values: dict[str, Any], defaults: dict[str, Any], source: str):
+        self.values, self.defaults, self.source = values, defaults, source
+        self.read: dict[str, dict[str, Any]] = {}
+
+    def given(self, key: str) -> bool:
+        return key in self.values
+
+    def get(self, key: str) -> Any:
+        if key in self.values:
+            value, origin = self.values[key], "file"
+        else:
+            value, origin = self.defaults[key], "default"
+        self.read[key] = {"value": value, "from": origin}
+        return value
+
+    def _typed(self, key: str, kind: type, check: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, str) and "${" in value:
+            raise DoctorError(
+                f"{self.source}: {key} = {value!r} is an interpolation the doctor does not "
+                "resolve; give the resolved config (for verl, add `--cfg job --resolve` to the "
+                "main_ppo command line to print it)"
+            )
+        try:
+            if kind is bool:
+                if isinstance(value, bool):
+                    return value
+                text = str(value).strip().lower()
+                if text in ("true", "1", "yes"):
+                    return True
+                if text in ("false", "0", "no"):
+                    return False
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError):
+            raise DoctorError(
+                f"{self.source}: {key} = {value!r} is not {check}; write it as {check}, "
+                f"e.g. {key}={self.defaults.get(key)!r}"
+            ) from None
+
+    def bool(self, key: str) -> bool:
+        return bool(self._typed(key, bool, "true or false"))
+
+    def float(self, key: str) -> float | None:
+        return self._typed(key, float, "a number")
+
+    def int(self, key: str) -> int | None:
+        return self._typed(key, int, "an integer")
+
+    def str(self, key: str) -> str | None:
+        value = self.get(key)
+        return None if value is None else str(value)
+
+
+def scalar(text: str) -> Any:
+    """A command-line value as Python: numbers (``1e-3`` included), booleans, null, or the text."""
+    t = text.strip().strip("'\"")
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none", "~"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(t)
+        except ValueError:
+            pass
+    return t
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c.d": 2}`` → ``{"a.b": 1, "c.d": 2}`` (Hydra's dotted keys)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, str):
+            out[name] = scalar(value) if _looks_numeric(value) else value
+        else:
+            out[name] = value
+    return out
+
+
+def _looks_numeric(text: str) -> bool:
+    return bool(re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", text))
+
+
+def shell_words(text: str) -> list[str]:
+    """The words of a shell command, with line continuations, comments and ``$VARS`` kept as is."""
+    import shlex
+
+    lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.lstrip().startswith("#")]
+    try:
+        return shlex.split(" ".join(lines), comments=True)
+    except ValueError as err:
+        raise DoctorError(f"cannot split the command line into words: {err}") from None
+
+
+def load_mapping(path: Path) -> dict[str, Any]:
+    """A YAML or JSON file holding one mapping, or a DoctorError that says what is wrong."""
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise DoctorError(f"{path}: not valid {kind}: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DoctorError(
+            f"{path}: the file holds a {type(data).__name__}, not a mapping of settings; "
+            "give a YAML/JSON mapping (verl, TRL, klpo) or a command line (OpenRLHF, verl overrides)"
+        )
+    return data
+
+
+def check_known(
+    value: str, allowed: dict[str, Any] | tuple[str, ...], key: str, source: str
+) -> str:
+    if value not in allowed:
+        raise DoctorError(
+            f"{source}: {key} = {value!r} is not a value this framework accepts; "
+            f"allowed: {', '.join(allowed)}"
+        )
+    return value
+
+
+def as_dict(obj: Any) -> Any:
+    """Dataclasses and tuples to JSON-ready values."""
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, dict):
+        return {k: as_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [as_dict(v) for v in obj]
+    return obj
+
+
+def version_matches(named: str | None, known: str) -> bool:
+    """``"0.9.1"`` matches ``"0.9"``; None (not named) matches."""
+    if named is None:
+        return True
+    return named == known or named.startswith(known + ".")

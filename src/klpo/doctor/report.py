@@ -1,0 +1,298 @@
+r"""The diagnosis: each KL term's logged value and followed gradient, its clamps, and the advice.
+
+What a term logs and which gradient it follows is not typed here: it comes from
+:func:`klpo.kl.explain`, which derives it by exact enumeration. Where a term's value is clamped,
+the region in which the clamp zeroes the gradient is found the same way, by differentiating the
+framework's clamped term on a fine grid of log-ratios d = log pi_theta(y) - log pi_ref(y) and
+reporting where its gradient is exactly zero while the unclamped estimator's is not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import yaml
+
+from klpo import kl
+from klpo.doctor.advice import validate
+from klpo.doctor.reading import Reading, Term, version_matches
+
+__all__ = ["clamp_regions", "diagnosis", "render"]
+
+_BASE = {
+    "k1": "k1", "k1+": "k1", "k2": "k2", "k2+": "k2", "k3": "k3", "k3+": "k3",
+    "low_var_kl": "k3", "abs": "abs", "abs+": "abs",
+}  # fmt: skip
+
+
+def _framework_term(base: str, d: torch.Tensor, term: Term) -> torch.Tensor:
+    """The framework's per-token term as a function of d, clamps and straight-through included."""
+    x = -d  # log pi_ref - log pi_theta, the quantity verl clamps
+    if term.log_ratio_clamp is not None:
+        x = x.clamp(*term.log_ratio_clamp)
+    value = {
+        "k1": lambda: -x,
+        "k2": lambda: 0.5 * x * x,
+        "k3": lambda: torch.expm1(x) - x,
+        "abs": lambda: x.abs(),
+    }[base]()
+    if term.value_clamp is not None:
+        value = value.clamp(*term.value_clamp)
+    if (term.estimator or "").endswith("+"):
+        k2 = 0.5 * d * d
+        value = k2 - k2.detach() + value.detach()
+    return value
+
+
+def _runs(flags: torch.Tensor, d: torch.Tensor) -> list[tuple[float, float]]:
+    """The [lo, hi] intervals of d where ``flags`` holds."""
+    out, start = [], None
+    for i, f in enumerate(flags.tolist()):
+        if f and start is None:
+            start = i
+        if not f and start is not None:
+            out.append((float(d[start]), float(d[i - 1])))
+            start = None
+    if start is not None:
+        out.append((float(d[start]), float(d[-1])))
+    return out
+
+
+def clamp_regions(term: Term, span: float = 30.0, step: float = 1e-3) -> dict[str, Any] | None:
+    """Where the term's clamps bind, and where they zero its gradient, over d ∈ [-span, span].
+
+    Returns None for an unclamped term; else ``{"value_clamp", "log_ratio_clamp", "binds",
+    "zero_gradient"}``, the last two as lists of ``[lo, hi]`` intervals of d (``±span`` stands
+    for "beyond").
+    """
+    if term.value_clamp is None and term.log_ratio_clamp is None:
+        return None
+    base = _BASE.get(term.estimator or "")
+    if base is None:
+        return None
+    n = round(2 * span / step) + 1
+    d = torch.linspace(-span, span, n, dtype=torch.float64, requires_grad=True)
+    value = _framework_term(base, d, term)
+    (grad,) = torch.autograd.grad(value.sum(), d)
+    plain = Term(**{**asdict(term), "value_clamp": None, "log_ratio_clamp": None})
+    d2 = d.detach().clone().requires_grad_(True)
+    plain_value = _framework_term(base, d2, plain)
+    (plain_grad,) = torch.autograd.grad(plain_value.sum(), d2)
+    binds = (value.detach() != plain_value.detach()) | (grad != plain_grad)
+    zero = (grad == 0) & (plain_grad != 0)
+    dd = d.detach()
+    return {
+        "value_clamp": list(term.value_clamp) if term.value_clamp else None,
+        "log_ratio_clamp": list(term.log_ratio_clamp) if term.log_ratio_clamp else None,
+        "binds": [list(r) for r in _runs(binds, dd)],
+        "zero_gradient": [list(r) for r in _runs(zero, dd)],
+        "span": span,
+    }
+
+
+def _interval_text(lo: float, hi: float, span: float) -> str:
+    def ratio(x: float) -> str:
+        r = math.exp(x)
+        return f"{r:.3g}" if 1e-3 <= r <= 1e4 else f"e^{x:.3g}"
+
+    if lo <= -span + 1e-9 and hi >= span - 1e-9:
+        return "every d"
+    if lo <= -span + 1e-9:
+        return f"d < {hi:.3g} (pi_theta/pi_ref < {ratio(hi)} on the token)"
+    if hi >= span - 1e-9:
+        return f"d > {lo:.3g} (pi_theta/pi_ref > {ratio(lo)})"
+    return f"{lo:.3g} < d < {hi:.3g}"
+
+
+def _explain(est: str | None, placement: str, on_policy: bool) -> dict[str, Any] | None:
+    if est is None:
+        return None
+    return kl.explain(est, placement, on_policy=on_policy).to_dict()
+
+
+def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
+    rec: dict[str, Any] = asdict(term)
+    rec["on_policy"] = _explain(term.estimator, term.placement, True)
+    rec["off_policy"] = None
+    if reading.off_policy and term.estimator is not None:
+        if term.placement == "loss" and term.corrected and term.estimator != "k3_is":
+            # klpo.losses.kl_loss's detached weight keeps the on-policy expected gradient.
+            rec["off_policy"] = {**rec["on_policy"], "on_policy": False, "corrected_by": "weight"}
+        else:
+            rec["off_policy"] = _explain(term.estimator, term.placement, False)
+    rec["clamps"] = clamp_regions(term)
+    base = _BASE.get(term.estimator or "")
+    rec["unclamped"] = None
+    if rec["clamps"] is not None and base is not None and base != term.estimator:
+        # Where no clamp binds the term is its base estimator, value and gradient.
+        rec["unclamped"] = _explain(base, term.placement, True)
+    return rec
+
+
+def diagnosis(reading: Reading) -> dict[str, Any]:
+    """Everything the doctor says about ``reading``, as JSON-ready data."""
+    findings = [asdict(f) for f in reading.findings]
+    if not version_matches(reading.version, reading.defaults_version):
+        findings.insert(
+            0,
+            {
+                "level": "warning",
+                "keys": ["--framework-version"],
+                "text": f"you named {reading.framework} {reading.version}; the defaults and "
+                f"semantics here are {reading.framework} {reading.defaults_version}'s: settings "
+                "your file leaves out may have other defaults in your version",
+            },
+        )
+    return {
+        "source": reading.source,
+        "framework": reading.framework,
+        "defaults_version": reading.defaults_version,
+        "version": reading.version,
+        "algorithm": reading.algorithm,
+        "group_size": reading.group_size,
+        "updates_per_batch": reading.updates_per_batch,
+        "off_policy": reading.off_policy,
+        "terms": [_term_record(t, reading) for t in reading.terms],
+        "group_scaling": reading.group_scaling,
+        "findings": findings,
+        "equivalent": {
+            "config": reading.equivalent,
+            "differences": reading.equivalent_differences,
+            "invalid": validate(reading.equivalent) if reading.equivalent else None,
+        },
+        "intended": {
+            "config": reading.intended,
+            "why": reading.intended_why,
+            "invalid": validate(reading.intended) if reading.intended else None,
+        },
+        "settings": reading.settings,
+    }
+
+
+def _grad_text(rec: dict[str, Any] | None) -> str:
+    if rec is None:
+        return "klpo has no estimator for this term"
+    g = rec["gradient"]
+    if g == kl.GRAD_ZERO:
+        return "zero in expectation: this term regularises nothing"
+    if g == kl.GRAD_OTHER:
+        return "no KL's gradient (biased)"
+    note = (
+        "" if not rec["mismatch"] else f"  ← not the gradient of {rec['estimates']}, the KL it logs"
+    )
+    return g + note
+
+
+def _yaml(config: dict[str, Any]) -> str:
+    clean = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in config.items()}
+    return yaml.safe_dump(clean, sort_keys=False, allow_unicode=True).rstrip()
+
+
+def render(diag: dict[str, Any]) -> str:
+    """The diagnosis for people."""
+    fw = diag["framework"]
+    lines = [f"klpo doctor: {diag['source']}"]
+    named = diag["version"]
+    lines.append(
+        f"framework: {fw}; defaults and semantics of {fw.split('-')[0]} {diag['defaults_version']}"
+        + (
+            f" (you named {named})"
+            if named
+            else " (version not named: assumed; --framework-version names yours)"
+        )
+    )
+    ups = diag["updates_per_batch"]
+    lines.append(
+        f"algorithm: {diag['algorithm']}, {diag['group_size']} completion(s) per prompt, "
+        f"{ups} optimiser step(s) per batch of rollouts"
+        + (" (tokens are off-policy from the 2nd)" if diag["off_policy"] else " (on-policy)")
+    )
+    lines.append("")
+    if not diag["terms"]:
+        lines.append("KL terms in effect: none")
+    else:
+        lines.append("KL terms in effect:")
+    for i, t in enumerate(diag["terms"], 1):
+        est = t["estimator"] or "— (none in klpo)"
+        lines.append(
+            f" {i}. {t['option']}  →  klpo `{est}` in the {t['placement']}, beta {t['beta']:g} "
+            f"({t['beta_option']}{', adaptive' if t['adaptive'] else ''})"
+        )
+        lines.append(
+            f"    reduced:  {t['reduction']}"
+            if t["placement"] == "loss"
+            else f"    credit:   {t['reduction']}"
+        )
+        on = t["on_policy"]
+        if on is not None:
+            lines.append(
+                f"    logs:     {'unbiased' if on['unbiased'] else 'biased'} estimate of "
+                f"{on['estimates']}, {'never negative' if on['nonnegative'] else 'can be negative'}"
+                + (f", as `{t['logged_as']}`" if t["logged_as"] else "")
+            )
+        lines.append(f"    gradient: on-policy: {_grad_text(on)}")
+        if t.get("unclamped") is not None and t["unclamped"]["gradient"] != on["gradient"]:
+            lines.append(
+                f"              where no clamp binds, as {t['unclamped']['estimator']}: "
+                f"{_grad_text(t['unclamped'])}"
+            )
+        off = t["off_policy"]
+        if off is not None:
+            if t["placement"] == "reward":
+                how = "penalty estimated at pi_old, PPO ratio"
+            elif off.get("corrected_by"):
+                how = "corrected by klpo's detached pi_theta/pi_old weight"
+            else:
+                how = "carries its own weight" if t["corrected"] else "not corrected"
+            lines.append(f"              off-policy ({how}): {_grad_text(off)}")
+        c = t["clamps"]
+        if c is not None:
+            parts = []
+            if c["value_clamp"]:
+                parts.append(f"value clamped to {c['value_clamp']}")
+            if c["log_ratio_clamp"]:
+                parts.append(f"log pi_ref - log pi_theta clamped to {c['log_ratio_clamp']}")
+            lines.append(f"    clamps:   {'; '.join(parts)}")
+            if t["placement"] == "loss":
+                zero = c["zero_gradient"]
+                if zero:
+                    where = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in zero)
+                    lines.append(f"              the gradient is exactly zero where {where}")
+                else:
+                    lines.append("              the gradient is never zeroed (straight-through)")
+            else:
+                binds = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in c["binds"])
+                lines.append(f"              the per-token penalty is capped where {binds}")
+    if diag["group_scaling"]:
+        lines += ["", "group normalisation of the reward-side KL:", f"  {diag['group_scaling']}"]
+    if diag["findings"]:
+        lines += ["", "findings:"]
+        for f in diag["findings"]:
+            lines.append(f"  [{f['level']}] {f['text']}  ({', '.join(f['keys'])})")
+    eq, it = diag["equivalent"], diag["intended"]
+    lines += [
+        "",
+        "klpo config that does the same thing (klpo train -c FILE):",
+        _indent(_yaml(eq["config"])),
+    ]
+    for d in eq["differences"]:
+        lines.append(f"  # differs: {d}")
+    if eq["invalid"]:
+        lines.append(f"  # klpo rejects it: {eq['invalid']}")
+    lines += [
+        "",
+        "klpo config that does what these settings most likely meant:",
+        _indent(_yaml(it["config"])),
+    ]
+    for w in it["why"]:
+        lines.append(f"  # why: {w}")
+    if it["invalid"]:
+        lines.append(f"  # klpo rejects it: {it['invalid']}")
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + ln for ln in text.splitlines())

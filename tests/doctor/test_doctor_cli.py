@@ -1,0 +1,73 @@
+"""`klpo doctor` on the command line: what it prints for people and for machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from klpo.cli import app
+from klpo.doctor import diagnose
+
+FIX = Path(__file__).parent / "fixtures"
+runner = CliRunner()
+
+
+def test_text_for_a_stock_verl_grpo_config():
+    result = runner.invoke(app, ["doctor", str(FIX / "verl_grpo.yaml")])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "defaults and semantics of verl 0.9 (version not named: assumed" in out
+    assert "klpo `low_var_kl` in the loss, beta 0.001" in out
+    assert "where no clamp binds, as k3: grad KL(pi_ref ‖ pi_theta)" in out
+    assert "the gradient is exactly zero where d < -2.61" in out
+    assert "estimator: k3+" in out  # the likely intended config
+
+
+def test_json_is_the_diagnosis():
+    path = str(FIX / "openrlhf_ppo.sh")
+    result = runner.invoke(app, ["doctor", path, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == json.loads(json.dumps(diagnose(path), default=str))
+
+
+def test_framework_option_and_version_warning():
+    result = runner.invoke(
+        app,
+        ["doctor", str(FIX / "trl_rloo.yaml"), "--framework", "trl-rloo",
+         "--framework-version", "0.19.0"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "klpo `k1` in the reward, beta 0.05" in result.output
+    assert "you named trl-rloo 0.19.0; the defaults and semantics here are trl-rloo 1.16's" in (
+        result.output
+    )
+
+
+def test_bad_input_exits_2_with_one_message(tmp_path):
+    result = runner.invoke(app, ["doctor", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
+    result = runner.invoke(app, ["doctor", str(FIX / "verl_grpo.yaml"), "--framework", "deepspeed"])
+    assert result.exit_code == 2
+    assert "unknown framework 'deepspeed'" in result.output
+
+
+def test_the_library_never_imports_the_doctor():
+    import subprocess
+    import sys
+
+    import klpo
+
+    src = str(Path(klpo.__file__).parents[1])
+    code = (
+        "import sys, klpo, klpo.kl, klpo.losses, klpo.reduce, klpo.advantages, klpo.control, "
+        "klpo.logprobs, klpo.lab\n"
+        "print(sorted(m for m in sys.modules if m.startswith('klpo.doctor')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": src}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
