@@ -151,12 +151,18 @@ def test_sigterm_before_the_first_checkpoint_saves_one_and_says_where(tiny_model
     assert [r["step"] for r in read_metrics(metrics)][-2:] == [step, step + 1]
 
 
-def test_a_signal_sets_a_flag_and_a_second_one_interrupts():
+def test_a_signal_sets_a_flag_and_the_same_one_again_interrupts():
     with StopOnSignal() as stop:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
         assert stop.requested and stop.name == "SIGINT"
+        # What torchrun forwards to its workers after a Ctrl-C: the same request, no interrupt.
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert stop.name == "SIGINT"
+        time.sleep(StopOnSignal.REPEAT_S)
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)

@@ -2,8 +2,9 @@
 
 The first signal only raises a flag; the loop finishes the step it is in, saves a checkpoint and
 stops with :class:`Interrupted`, whose message says where the checkpoint is and how to resume. A
-second signal interrupts at once (Python's default: ``KeyboardInterrupt``), for a step that takes
-too long; the previous checkpoint is then the one to resume from.
+second signal of the same kind, a second or more later, interrupts at once (Python's default:
+``KeyboardInterrupt``), for a step that takes too long; the previous checkpoint is then the one to
+resume from.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 
 
@@ -29,9 +31,11 @@ class StopOnSignal:
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 1.0  # a signal repeated within this many seconds is the same request
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._since = 0.0
         self._previous: dict[int, object] = {}
 
     @property
@@ -43,10 +47,15 @@ class StopOnSignal:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # the second signal: stop now
-            self._restore()
-            raise KeyboardInterrupt
-        self.signum = signum
+        now = time.monotonic()
+        if self.signum is not None:
+            # The same request arriving twice is not a second one: a Ctrl-C reaches torchrun's
+            # workers from the terminal and again, forwarded (as SIGINT or SIGTERM), from torchrun.
+            if signum == self.signum and now - self._since > self.REPEAT_S:
+                self._restore()
+                raise KeyboardInterrupt
+            return
+        self.signum, self._since = signum, now
         sys.stderr.write(
             f"{signal.Signals(signum).name}: stopping after this step with a checkpoint "
             "(send it again to stop at once)\n"
