@@ -626,3 +626,33 @@ def test_config_and_study_files_that_cannot_be_read(tmp_path):
     study.write_text("steps: [1\n")
     with pytest.raises(ConfigError, match=r"s.yaml' is not valid UTF-8 YAML"):
         load_study(study)
+
+
+@pytest.mark.slow
+def test_torchrun_ctrl_c_saves_a_checkpoint(tiny_model, quick, tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed beside this Python")
+    out = tmp_path / "run"
+    extra = {"run.steps": 200, "rewards": "[{name: 'klpo_test_rewards:slow_digits'}]"}
+    args = sets(quick(tiny_model, out, **extra, **{"run.eval_every": 0}))
+    cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "klpo", "train", *args]
+    # A terminal's Ctrl-C: SIGINT to the whole process group (torchrun forwards it once more).
+    proc = subprocess.Popen(
+        cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and read_metrics(metrics):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    text, _ = proc.communicate(timeout=150)
+    step = max(r["step"] for r in read_metrics(metrics))
+    ckpt = out / "checkpoints" / f"step_{step:06d}"
+    for rank in (0, 1):
+        assert f"rank {rank}: stopped by SIGINT after step {step}; the checkpoint is {ckpt}" in text
+    assert ck.checkpoint_problem(ckpt) is None
+    assert "klpo/train/" not in text
