@@ -132,7 +132,7 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
-    tokenizer = load_tokenizer(policy_path)
+    tokenizer = load_tokenizer(policy_path, "model.policy")
     policy = load_causal_lm(
         str(start / "policy") if start else policy_path, cfg.model.dtype, "model.policy"
     )

@@ -129,7 +129,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"
     return model
 
 
-def load_tokenizer(name_or_path: str, key: str = "model.policy"):
+def load_tokenizer(name_or_path: str, key: str = "model"):
     """The tokenizer saved with a model (left padding; EOS as pad if there is no pad token)."""
     problem = model_source_problem(name_or_path, key, tokenizer=True)
     if problem:
