@@ -68,7 +68,9 @@ Measures, the same definition for both:
 
 Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
 
-    PYTHONPATH=$PWD/src /work/venv-peers/bin/python bench/trainer_vs_trl.py [--steps 150]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--workload a|b|both]
+
+where ``PEERS_VENV`` is a side environment with ``torch==2.13.0`` and ``trl==1.16.0`` installed.
 
 Without TRL it says so, runs klpo alone, and exits 0.
 """
@@ -92,9 +94,12 @@ from pathlib import Path
 FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
 
 
+WORKLOADS = ("a", "b")
+
+
 @dataclass(frozen=True)
 class Settings:
-    """The one GRPO job both trainers run."""
+    """The one GRPO job both trainers run (workload ``a``; :meth:`for_workload` for ``b``)."""
 
     steps: int = 150
     seed: int = 0
@@ -107,6 +112,20 @@ class Settings:
     max_new_tokens: int = 4
     temperature: float = 1.0
     grad_clip: float = 1.0
+    workload: str = "a"
+    model_dir: str = ""  # workload b: the locally built model (compute_workload.build_model)
+    data_path: str = ""  # workload b: its prompts as JSONL
+
+    @classmethod
+    def for_workload(cls, workload: str, **kw) -> Settings:
+        """(a) the built-in task and shipped model, 16 × 8 completions of 4 tokens;
+        (b) the ~25M-parameter Llama of ``compute_workload``, 4 × 8 completions of 128 tokens
+        after 64-token prompts."""
+        if workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {WORKLOADS}, got {workload!r}")
+        if workload == "b":
+            kw = {"prompts_per_step": 4, "max_new_tokens": 128, **kw, "workload": "b"}
+        return cls(**kw)
 
     @property
     def completions_per_step(self) -> int:
@@ -119,9 +138,18 @@ class Settings:
 
 def klpo_overrides(s: Settings, out_dir: str) -> list[str]:
     """``klpo train --set`` overrides for the job, overhead off."""
+    if s.workload == "b":
+        task = [
+            f"model.policy={s.model_dir}",
+            "data.source=jsonl",
+            f"data.path={s.data_path}",
+            "data.max_prompt_tokens=64",
+            "rewards=[{name: 'compute_workload:lexical_reward', weight: 1.0}]",
+        ]
+    else:
+        task = ["model.policy=builtin", "data.source=builtin"]
     return [
-        "model.policy=builtin",
-        "data.source=builtin",
+        *task,
         "data.shuffle=true",
         "rollout.prompts_per_step=" + str(s.prompts_per_step),
         f"rollout.group_size={s.group_size}",
@@ -194,10 +222,13 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict:
 
 def prompt_order(s: Settings) -> list[tuple[str, str]]:
     """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``."""
-    from klpo.train.data import Example, PromptStream
+    from klpo.train.data import Example, PromptStream, read_jsonl
     from klpo.train.task import ArithmeticTask
 
-    train, _ = ArithmeticTask().splits()
+    if s.workload == "b":
+        train = read_jsonl(s.data_path)
+    else:
+        train, _ = ArithmeticTask().splits()
     stream = PromptStream([Example(e.prompt, e.answer) for e in train], seed=s.seed)
     return [(e.prompt, e.answer) for e in stream.next(s.steps * s.prompts_per_step)]
 
@@ -288,10 +319,11 @@ def run_worker(cmd: list[str], threads: int, what: str) -> dict:
 
 def _env(threads: int) -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
+    bench = str(Path(__file__).resolve().parent)  # compute_workload's reward, for workload b
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
-        "PYTHONPATH": src + (os.pathsep + path if path else ""),
+        "PYTHONPATH": src + os.pathsep + bench + (os.pathsep + path if path else ""),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
@@ -300,7 +332,7 @@ def _env(threads: int) -> dict[str, str]:
     }
 
 
-def run_klpo(s: Settings, work: Path) -> dict:
+def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
     """``python -m klpo train`` in a subprocess; its ``metrics.jsonl``, summarised."""
     from klpo.train.metrics import read_metrics
 
@@ -310,7 +342,7 @@ def run_klpo(s: Settings, work: Path) -> dict:
         "-m",
         "klpo",
         "train",
-        *[arg for o in klpo_overrides(s, str(out)) for arg in ("--set", o)],
+        *[arg for o in [*klpo_overrides(s, str(out)), *extra] for arg in ("--set", o)],
     ]
     run = run_worker(cmd, s.threads, "klpo train")
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "time/step" in r]
@@ -342,7 +374,13 @@ def trl_worker(s: Settings, out_path: str) -> None:
     from klpo.train.reference import default_reference_path
     from klpo.train.rewards import exact_match
 
-    model_dir = str(default_reference_path())
+    if s.workload == "b":
+        from compute_workload import lexical_reward as task_reward
+
+        model_dir = s.model_dir
+    else:
+        task_reward = exact_match
+        model_dir = str(default_reference_path())
     order = prompt_order(s)
     data = Dataset.from_dict({"prompt": [p for p, _ in order], "answer": [a for _, a in order]})
     rewards: list[float] = []
@@ -351,8 +389,8 @@ def trl_worker(s: Settings, out_path: str) -> None:
     generate_s: list[float] = []
 
     def exact_match_reward(prompts, completions, answer, completion_ids, **_):
-        """klpo's exact_match; records the step's mean reward and completion tokens."""
-        scores = exact_match(list(prompts), list(completions), list(answer))
+        """klpo's reward of the workload; records the step's mean reward and completion tokens."""
+        scores = task_reward(list(prompts), list(completions), list(answer))
         rewards.append(math.fsum(scores) / len(scores))
         tokens.append(sum(len(ids) for ids in completion_ids))  # up to and including EOS
         return scores
@@ -468,6 +506,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from klpo.train import rewards as rewards_mod
     from klpo.train.config import load_config
     from klpo.train.dist import Dist
+    from klpo.train.metrics import Tally
     from klpo.train.rollout import generate
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -479,7 +518,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
         with torch.no_grad():
             for p in m.policy.parameters():
                 p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
-        order = prompt_order(Settings(steps=1, seed=s.seed))
+        order = prompt_order(Settings(**{**s.__dict__, "steps": 1}))
         m.policy.eval()
         rollout = generate(
             m.policy,
@@ -500,7 +539,9 @@ def loss_worker(s: Settings, out_path: str) -> None:
         params = [p for p in m.policy.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
-        metrics = loop._micro_step(cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True)
+        metrics = loop._micro_step(
+            cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True, tally=Tally()
+        )
         klpo_value = metrics["loss/total"]
         klpo_grad = torch.cat([p.grad.flatten() for p in params]).double()
 
@@ -569,106 +610,287 @@ def run_loss_check(s: Settings, work: Path) -> dict:
 
 
 def _cli(s: Settings) -> list[str]:
-    return ["--steps", str(s.steps), "--seed", str(s.seed), "--threads", str(s.threads)]
+    return [
+        "--steps",
+        str(s.steps),
+        "--seed",
+        str(s.seed),
+        "--threads",
+        str(s.threads),
+        "--workload",
+        s.workload,
+        "--model-dir",
+        s.model_dir,
+        "--data-path",
+        s.data_path,
+    ]
 
 
-def table(klpo: dict, trl: dict | None) -> str:
+def cpu_info() -> str:
+    """The CPU model and its vector/matrix flags, as benchmarks on machines of our kind differ."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    return f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(shown) or 'n/a'}"
+
+
+def floor_worker(s: Settings, out_path: str) -> None:
+    """The model's own time for the tokens a step must compute, with no trainer around it.
+
+    On the step's batch (sampled once): generation = each prompt's prefill once plus one cached
+    single-token forward per new token for every row (argmax, no sampling machinery); the
+    reference = one no-grad forward over each prompt once and every completion token, with the
+    head's log-softmax at the completion tokens; the policy = the same forward with its backward.
+    Each the median of 3 timings; the floor is their sum.
+    """
+    import torch
+
+    torch.set_num_threads(s.threads)
+    from klpo.train import loop
+    from klpo.train.config import load_config
+    from klpo.train.dist import Dist
+    from klpo.train.models import Backbone
+    from klpo.train.rollout import completion_hidden, generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, klpo_overrides(s, tmp))
+        torch.manual_seed(s.seed)
+        m = loop.build_models(cfg, Dist(), None)
+    order = prompt_order(Settings(**{**s.__dict__, "steps": 1}))
+    model = m.policy
+    model.eval()
+    rollout = generate(
+        model,
+        m.tokenizer,
+        [p for p, _ in order],
+        [a for _, a in order],
+        group_size=s.group_size,
+        max_new_tokens=s.max_new_tokens,
+    )
+    g, c = s.group_size, rollout.completion_ids.shape[1]
+    unique = rollout.prompt_ids[::g], rollout.prompt_mask[::g].long()
+    backbone = Backbone(model)
+    weight = model.get_output_embeddings().weight
+
+    def decode():
+        with torch.no_grad():
+            out = model(
+                input_ids=unique[0], attention_mask=unique[1], use_cache=True, logits_to_keep=1
+            )
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(g)
+            token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
+            att = unique[1].repeat_interleave(g, dim=0)
+            for _ in range(c - 1):
+                att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+                out = model(
+                    input_ids=token[:, None],
+                    attention_mask=att,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                token = out.logits[:, -1].argmax(-1)
+
+    def logp():
+        h = completion_hidden(backbone, rollout)
+        return (h @ weight.T).float().log_softmax(-1).gather(-1, rollout.completion_ids[..., None])
+
+    def reference():
+        with torch.no_grad():
+            logp()
+
+    def policy():
+        model.zero_grad(set_to_none=True)
+        (logp().squeeze(-1) * rollout.mask).sum().backward()
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    model.train()
+    result = {"generate": timed(decode), "reference": timed(reference), "policy": timed(policy)}
+    result["floor"] = math.fsum(result.values())
+    Path(out_path).write_text(json.dumps(result))
+
+
+def run_floor(s: Settings, work: Path) -> dict:
+    out = work / "floor.json"
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "floor",
+        "--out",
+        str(out),
+        *_cli(s),
+    ]
+    run_worker(cmd, s.threads, "the floor")
+    return json.loads(out.read_text())
+
+
+def combine(runs: list[dict]) -> dict:
+    """Several runs of one trainer: medians of the per-run medians, and their spread."""
+    steps = [r["median_step_s"] for r in runs]
+    tps = [r["tokens_per_s"] for r in runs]
+    return {
+        **runs[0],
+        "runs": len(runs),
+        "median_step_s": statistics.median(steps),
+        "step_min": min(steps),
+        "step_max": max(steps),
+        "tokens_per_s": statistics.median(tps),
+        "tps_min": min(tps),
+        "tps_max": max(tps),
+        "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
+        "final_reward": statistics.fmean(r["final_reward"] for r in runs),
+        "final_reward_se": math.sqrt(math.fsum(r["final_reward_se"] ** 2 for r in runs))
+        / len(runs),
+        "split": {
+            k: statistics.median(r["split"][k] for r in runs)
+            for k in ("generate", "score", "update")
+        },
+        "others_cpu_s": sum(r["others_cpu_s"] or 0.0 for r in runs),
+        "process_s": sum(r["process_s"] for r in runs),
+    }
+
+
+def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
     head = (
-        "| trainer | steps | median step s | generate / score / update s | tokens/s "
-        "| completion tokens/step | final reward ± se |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| trainer | runs × steps | median step s (min–max) | generate / score / update s "
+        "| tokens/s (min–max) | tokens/step | final reward ± se | step / floor |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     rows = [head]
-    runs = [("klpo", klpo)] + ([(f"TRL {trl['version']}", trl)] if trl else [])
-    for name, r in runs:
+    sides = [("klpo", klpo)] + ([(f"TRL {trl['version']}", trl)] if trl else [])
+    for name, r in sides:
         split = " / ".join(f"{r['split'][k]:.3f}" for k in ("generate", "score", "update"))
+        vs_floor = f"{r['median_step_s'] / floor['floor']:.2f}" if floor else "n/a"
         rows.append(
-            f"| {name} | {r['steps']} | {r['median_step_s']:.3f} | {split} | "
-            f"{r['tokens_per_s']:.0f} | {r['tokens_per_step']:.1f} | "
-            f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f} |"
+            f"| {name} | {r['runs']} × {r['steps']} | {r['median_step_s']:.3f} "
+            f"({r['step_min']:.3f}–{r['step_max']:.3f}) | {split} | {r['tokens_per_s']:.0f} "
+            f"({r['tps_min']:.0f}–{r['tps_max']:.0f}) | {r['tokens_per_step']:.1f} | "
+            f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f} | {vs_floor} |"
         )
     if trl:
-        ratio = {k: klpo[k] / trl[k] for k in ("median_step_s", "tokens_per_s", "final_reward")}
-        split = " / ".join(
-            f"{klpo['split'][k] / trl['split'][k]:.2f}" for k in ("generate", "score", "update")
-        )
         rows.append(
-            f"| klpo / TRL | | {ratio['median_step_s']:.2f} | {split} | "
-            f"**{ratio['tokens_per_s']:.2f}** | "
+            f"| klpo / TRL | | {klpo['median_step_s'] / trl['median_step_s']:.2f} | "
+            + " / ".join(
+                f"{klpo['split'][k] / trl['split'][k]:.2f}" for k in ("generate", "score", "update")
+            )
+            + f" | **{klpo['tokens_per_s'] / trl['tokens_per_s']:.2f}** | "
             f"{klpo['tokens_per_step'] / trl['tokens_per_step']:.2f} | "
-            f"{ratio['final_reward']:.2f} |"
+            f"{klpo['final_reward'] / max(trl['final_reward'], 1e-12):.2f} | |"
+        )
+    if floor:
+        rows.append(
+            f"| floor (model alone) | | {floor['floor']:.3f} | {floor['generate']:.3f} / "
+            f"{floor['reference']:.3f} / {floor['policy']:.3f} (generate / reference / policy) | "
+            "| | | 1.00 |"
         )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=Settings.steps, help="training steps")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run")
+    parser.add_argument("--runs", type=int, default=3, help="runs per trainer, interleaved")
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument("--threads", type=int, default=Settings.threads, help="torch threads")
-    parser.add_argument("--worker", choices=["trl", "loss"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--workload", choices=[*WORKLOADS, "both"], default="both", help="a, b or both"
+    )
+    parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
+    parser.add_argument("--worker", choices=["trl", "loss", "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--data-path", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    s = Settings(steps=args.steps, seed=args.seed, threads=args.threads)
-    if args.worker == "trl":
-        trl_worker(s, args.out)
-        return
-    if args.worker == "loss":
-        loss_worker(s, args.out)
+    if args.worker:
+        s = Settings.for_workload(
+            args.workload,
+            steps=args.steps or 1,
+            seed=args.seed,
+            threads=args.threads,
+            model_dir=args.model_dir,
+            data_path=args.data_path,
+        )
+        {"trl": trl_worker, "loss": loss_worker, "floor": floor_worker}[args.worker](s, args.out)
         return
 
     has_trl = importlib.util.find_spec("trl") is not None
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        print(f"klpo train: {s.steps} steps ...", file=sys.stderr, flush=True)
-        klpo = run_klpo(s, work)
-        trl = loss = None
-        if has_trl:
-            print(f"TRL GRPOTrainer: {s.steps} steps ...", file=sys.stderr, flush=True)
-            trl = run_trl(s, work)
-            if "unavailable" in trl:
-                print(trl["unavailable"], file=sys.stderr)
-                trl = None
-            else:
-                print("fixed-batch loss check ...", file=sys.stderr, flush=True)
-                loss = run_loss_check(s, work)
+    print(f"CPU: {cpu_info()}\n")
     if not has_trl:
         print("TRL is not installed (pip install trl==1.16.0): klpo alone.\n")
-    print(table(klpo, trl))
+    workloads = WORKLOADS if args.workload == "both" else (args.workload,)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for w in workloads:
+            s = Settings.for_workload(w, seed=args.seed, threads=args.threads)
+            s = Settings(**{**s.__dict__, "steps": args.steps or (30 if w == "a" else 4)})
+            if w == "b":
+                import compute_workload
+
+                model_dir = compute_workload.build_model(work / "model-b")
+                data = compute_workload.write_prompts(work / "prompts-b.jsonl", 4 * 64, args.seed)
+                s = Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
+            klpo_runs, trl_runs = [], []
+            for i in range(args.runs):
+                (work / f"{w}-{i}").mkdir(parents=True, exist_ok=True)
+            for i in range(args.runs):  # A B A B A B
+                print(f"[{w}] run {i + 1}/{args.runs}: klpo ...", file=sys.stderr, flush=True)
+                klpo_runs.append(run_klpo(s, work / f"{w}-{i}", args.klpo_set))
+                if has_trl:
+                    print(f"[{w}] run {i + 1}/{args.runs}: TRL ...", file=sys.stderr, flush=True)
+                    t = run_trl(s, work / f"{w}-{i}")
+                    if "unavailable" in t:
+                        print(t["unavailable"], file=sys.stderr)
+                        has_trl = False
+                    else:
+                        trl_runs.append(t)
+            floor = run_floor(s, work / f"{w}-0")
+            loss = run_loss_check(s, work / f"{w}-0") if trl_runs else None
+            klpo = combine(klpo_runs)
+            trl = combine(trl_runs) if trl_runs else None
+            print(
+                f"## Workload ({w}): {s.prompts_per_step} prompts × {s.group_size} completions, "
+                f"up to {s.max_new_tokens} new tokens, {s.threads} torch threads per trainer\n"
+            )
+            print(runs_table(klpo, trl, floor))
+            others = klpo["others_cpu_s"] + (trl["others_cpu_s"] if trl else 0.0)
+            busy = klpo["process_s"] + (trl["process_s"] if trl else 0.0)
+            quiet = others <= 0.05 * busy * s.threads
+            print(
+                f"\nOther processes used {others:.1f} CPU-s over {busy:.0f} s of runs"
+                + ("." if quiet else ": NOT a quiet machine, the times are not trustworthy.")
+            )
+            if loss:
+                print(
+                    f"Fixed batch ({loss['sequences']} completions, {loss['tokens']} tokens): klpo "
+                    f"_micro_step loss {loss['klpo']:.9f}, TRL _compute_loss {loss['trl']:.9f}; "
+                    f"relative {loss['rel']:.2e}; gradient relative error {loss['grad_rel']:.2e}."
+                )
+            print()
     print(
-        f"\n{s.completions_per_step} completions per step ({s.prompts_per_step} prompts × "
-        f"{s.group_size}), {s.threads} torch threads per trainer, seed {s.seed}. Median step "
-        "time over all steps; tokens/s = median over steps 2..N of completion tokens (EOS "
-        "included) / step time; final reward = mean exact-match reward over the last "
-        f"{FINAL_FRACTION:.0%} of steps (se: naive, steps taken as independent). The ratio row is "
-        "klpo / TRL (below 1 is faster for times, above 1 better for tokens/s). klpo's split is its own time/generate, time/score, time/update; TRL's is "
-        "_generate, the rest of _generate_and_score_completions, and the rest of the step."
+        "Median step time: the median over a run's steps, then the median over runs (min–max of "
+        "the runs in brackets); tokens/s = median over steps 2..N of completion tokens (EOS "
+        "included) / step time; final reward = mean reward over the last "
+        f"{FINAL_FRACTION:.0%} of steps, averaged over runs. klpo / TRL: below 1 is faster for "
+        "times, above 1 better for tokens/s. step / floor: the side's median step over the "
+        "model's own generation + reference + policy time for the same tokens."
     )
-    for name, r in [("klpo", klpo)] + ([("TRL", trl)] if trl else []):
-        others = r["others_cpu_s"]
-        if others is None:
-            continue
-        quiet = others <= 0.05 * r["process_s"] * s.threads
-        print(
-            f"{name}: process wall {r['process_s']:.1f} s (imports, loading, training, exit); "
-            f"other processes used {others:.1f} CPU-s meanwhile"
-            + ("." if quiet else ": NOT a quiet machine, the times are not trustworthy.")
-        )
-    if trl:
-        print(
-            f"TRL's median gap between steps (outside its step time: the prompt batch) "
-            f"{trl['between_steps_s'] * 1e3:.1f} ms."
-        )
-    if loss:
-        print(
-            f"\nFixed batch ({loss['sequences']} completions, {loss['tokens']} tokens, "
-            f"{loss['padded_prompts']} left-padded prompts; mean k3 to the reference "
-            f"{loss['k3_mean']:.4f}): klpo _micro_step loss {loss['klpo']:.9f}, TRL "
-            f"_compute_loss {loss['trl']:.9f}; |diff| {loss['abs']:.2e} (relative "
-            f"{loss['rel']:.2e}); gradient relative error {loss['grad_rel']:.2e} "
-            f"(|grad| {loss['grad_norm']:.3e})."
-        )
     print(f"total wall time {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

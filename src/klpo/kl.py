@@ -60,6 +60,7 @@ __all__ = [
     "GRADIENTS",
     "PLACEMENTS",
     "Explanation",
+    "Placement",
     "abs_",
     "abs_plus",
     "estimate",
@@ -67,6 +68,8 @@ __all__ = [
     "explain_all",
     "full",
     "function",
+    "in_loss",
+    "in_reward",
     "k1",
     "k1_plus",
     "k2",
@@ -88,8 +91,29 @@ GRAD_ZERO = "zero"
 GRAD_OTHER = "other (biased)"
 GRADIENTS: tuple[str, ...] = (GRAD_THETA_REF, GRAD_REF_THETA, GRAD_ZERO, GRAD_OTHER)
 
-Placement = Literal["reward", "loss", "reward+loss"]
-PLACEMENTS: tuple[str, ...] = ("reward", "loss", "reward+loss")
+Placement = Literal["loss", "reward", "reward+loss", "none"]
+"""Where a KL term goes: nowhere (``"none"``: the KL is only measured), the reward, the loss, or
+both. One type for the library, the trainer's config and :func:`explain`."""
+PLACEMENTS: tuple[Placement, ...] = ("reward", "loss", "reward+loss")
+"""The placements that put a KL somewhere: what :func:`explain` answers for."""
+
+
+def in_reward(placement: Placement) -> bool:
+    """Whether ``placement`` puts a detached KL penalty in the reward (``reward``, ``reward+loss``)."""
+    return _placement(placement) in ("reward", "reward+loss")
+
+
+def in_loss(placement: Placement) -> bool:
+    """Whether ``placement`` differentiates a KL term in the loss (``loss``, ``reward+loss``)."""
+    return _placement(placement) in ("loss", "reward+loss")
+
+
+def _placement(placement: str) -> str:
+    if placement not in ("none", *PLACEMENTS):
+        raise ValueError(
+            f"unknown placement {placement!r}; choose one of: none, {', '.join(PLACEMENTS)}"
+        )
+    return placement
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,7 +572,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(name: str, placement: str, *, on_policy: bool = True) -> Explanation:
+def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Explanation:
     """Say what estimator ``name`` does in ``placement``: its value, bias, sign and gradient.
 
     The answer is *derived*, not looked up: the estimator itself is evaluated, in float64, on
@@ -567,7 +591,7 @@ def explain(name: str, placement: str, *, on_policy: bool = True) -> Explanation
 
     Args:
         name: one of :data:`ESTIMATORS`.
-        placement: one of :data:`PLACEMENTS`.
+        placement: one of :data:`PLACEMENTS` (``"none"`` is an error: it places no KL).
         on_policy: False to ask about tokens sampled from an older policy pi_old, with no
             correction beyond what the estimator itself carries (``k3_is`` carries one).
 
@@ -575,8 +599,11 @@ def explain(name: str, placement: str, *, on_policy: bool = True) -> Explanation
         an :class:`Explanation`.
     """
     _spec(name)
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    if _placement(placement) == "none":
+        raise ValueError(
+            "placement 'none' puts no KL in the reward or the loss, so there is no gradient to "
+            f"explain; choose one of: {', '.join(PLACEMENTS)}"
+        )
     return _derive(name, placement, bool(on_policy))
 
 

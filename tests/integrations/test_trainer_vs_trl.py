@@ -90,3 +90,61 @@ def test_trl_config_is_the_same_job(bench, tmp_path):
         4,
     )
     assert args.shuffle_dataset is False and args.max_steps == 3
+
+
+def test_workload_b_is_the_compute_bound_job(bench, tmp_path):
+    """(b): the locally built ~23M Llama, 4 × 8 completions of 128 tokens after 64-token prompts."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import compute_workload as cw
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from klpo.train import loop
+    from klpo.train.config import load_config
+    from klpo.train.data import PromptStream
+    from klpo.train.models import load_tokenizer
+
+    data = cw.write_prompts(tmp_path / "p.jsonl", 12, seed=0)
+    s = bench.Settings.for_workload(
+        "b", steps=2, model_dir=str(tmp_path / "m"), data_path=str(data)
+    )
+    assert (s.prompts_per_step, s.group_size, s.max_new_tokens) == (4, 8, 128)
+    assert s.completions_per_step == 32
+    cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path / "run")))
+    assert cfg.data.source == "jsonl" and cfg.rewards[0].name == "compute_workload:lexical_reward"
+    train, _ = loop.load_examples(cfg)
+    served = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle).next(2 * 4)
+    assert bench.prompt_order(s) == [(e.prompt, e.answer) for e in served]
+    # the tokenizer of the built model gives each prompt exactly 64 tokens (BOS + 63 words)
+    cw.build_model(tmp_path / "m")
+    tok = load_tokenizer(str(tmp_path / "m"))
+    assert {len(tok(p)["input_ids"]) for p, _ in bench.prompt_order(s)} == {64}
+    # the reward by hand: w3 and w99 hit (< 100), w100 and w5000 do not; no words: 0
+    assert cw.lexical_reward([""] * 3, ["w3 w100 w99 w5000", "", "w0"], [""] * 3) == [0.5, 0.0, 1.0]
+    with pytest.raises(ValueError, match="--workload"):
+        bench.Settings.for_workload("c")
+
+
+def test_runs_combine_by_hand(bench):
+    def run(step, tps, reward, se):
+        split = {"generate": step / 2, "score": step / 4, "update": step / 4}
+        return {
+            "steps": 5,
+            "median_step_s": step,
+            "tokens_per_s": tps,
+            "tokens_per_step": 10.0,
+            "final_reward": reward,
+            "final_reward_se": se,
+            "split": split,
+            "others_cpu_s": 1.0,
+            "process_s": 10.0,
+        }
+
+    got = bench.combine([run(1.0, 100, 0.2, 0.03), run(3.0, 90, 0.4, 0.04), run(2.0, 80, 0.3, 0.0)])
+    assert got["runs"] == 3 and got["median_step_s"] == 2.0
+    assert (got["step_min"], got["step_max"]) == (1.0, 3.0)
+    assert got["tokens_per_s"] == 90 and (got["tps_min"], got["tps_max"]) == (80, 100)
+    assert got["final_reward"] == pytest.approx(0.3)
+    assert got["final_reward_se"] == pytest.approx(0.05 / 3)  # sqrt(0.03² + 0.04²) / 3
+    assert got["split"]["generate"] == 1.0 and got["process_s"] == 30.0
+    assert "logical CPUs; flags:" in bench.cpu_info()

@@ -1,15 +1,19 @@
 """Run by torchrun in test_resume_ddp.py: one `update` of a fixed batch, data-parallel.
 
-    torchrun --nproc_per_node N ddp_update_script.py MODEL OUT.safetensors
+    torchrun --nproc_per_node N ddp_update_script.py MODEL OUT.safetensors [VARIANT]
 
 Every rank builds the same rollout (same seed), keeps its share of the prompts (whole groups),
-scores it and takes one update; rank 0 saves the policy's parameters. With N = 1 it is the
-single-process reference.
+scores it and takes one update; rank 0 saves the policy's parameters and the step's metrics
+(OUT.json). With N = 1 it is the single-process reference. VARIANT ``on-policy`` (default): one
+epoch, the KL (k3) in the loss; ``off-policy``: two epochs, the KL in the reward and the loss, an
+entropy bonus.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -19,8 +23,13 @@ from klpo.train.config import build_config
 from klpo.train.dist import init_distributed, shutdown
 from klpo.train.rollout import generate
 
+VARIANTS = {
+    "on-policy": [],
+    "off-policy": ["algo.epochs=2", "kl.placement=reward+loss", "algo.entropy_coef=0.01"],
+}
 
-def main(model: str, out: str) -> None:
+
+def main(model: str, out: str, variant: str = "on-policy") -> None:
     dist = init_distributed(threads=1)
     cfg = build_config(
         overrides=[
@@ -29,6 +38,7 @@ def main(model: str, out: str) -> None:
             "kl.estimator=k3",
             "algo.micro_batch=3",
             "rewards=[{name: 'klpo_test_rewards:digits'}]",
+            *VARIANTS[variant],
         ]
     )
     m = loop.build_models(cfg, dist, None)
@@ -48,12 +58,14 @@ def main(model: str, out: str) -> None:
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
     scored = loop.score(cfg, m, mine, reward_fns, 0.5)
     opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-    loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+    upd = loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+    metrics = loop.step_metrics(cfg, scored, upd, dist)
     if dist.is_main:
         save_file({k: v.detach().clone() for k, v in m.policy.state_dict().items()}, out)
+        Path(out).with_suffix(".json").write_text(json.dumps(metrics))
     del m, opt, scored  # DDP's reducer must go before the process group it uses
     shutdown(dist)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

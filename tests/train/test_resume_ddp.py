@@ -1,7 +1,9 @@
-"""A run killed mid-step resumes to the same metrics; torchrun runs data-parallel, same gradient."""
+"""A run killed mid-step resumes to the same metrics; torchrun runs data-parallel, same gradient
+and metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -95,6 +97,11 @@ def test_torchrun_two_processes_give_the_one_process_gradient(tiny_model, tmp_pa
     assert any(not torch.equal(one[k], before[k]) for k in before)
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6, msg=k)
+    # ... and the same metrics (sums over micro-batches and ranks, not means of means).
+    m1, m2 = (json.loads(outs[n].with_suffix(".json").read_text()) for n in (1, 2))
+    assert set(m1) == set(m2) and m1["loss/kl"] > 0
+    for k, v in m1.items():
+        assert m2[k] == pytest.approx(v, rel=2e-5, abs=1e-6), k
 
 
 @pytest.mark.slow

@@ -19,9 +19,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from klpo import control, kl, reduce
+from klpo.kl import Placement
 
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
-Placement = Literal["loss", "reward", "reward+loss", "none"]
+PolicyLoss = Literal["clip", "kl-penalty"]
 
 
 def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
@@ -87,6 +88,17 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    sampler: Literal["lean", "generate"] = Field(
+        "lean",
+        description="How completions are sampled: `lean` (a plain loop over the model's forward "
+        "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
+        "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
+    )
+    share_prompt: bool = Field(
+        True,
+        description="Compute each prompt once per group in the reference, scoring and update "
+        "passes (its keys/values repeated for the G completions); the same values and gradients.",
+    )
 
 
 class AlgoConfig(_Section):
@@ -113,7 +125,7 @@ class AlgoConfig(_Section):
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
-    policy_loss: Literal["clip", "kl-penalty"] = Field(
+    policy_loss: PolicyLoss = Field(
         "clip",
         description="PPO's clipped surrogate, or its adaptive-KL-penalty surrogate "
         "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8).",
@@ -134,7 +146,8 @@ class KLConfig(_Section):
         "full", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
     )
     placement: Placement = Field(
-        "loss", description="Where the KL term goes: loss, reward, reward+loss, or none."
+        "loss",
+        description="Where the KL term goes: loss, reward, reward+loss, or none (only measured).",
     )
     beta: float = Field(0.1, ge=0, description="Initial KL coefficient.")
     controller: str = Field(

@@ -1,4 +1,4 @@
-"""Data parallelism under ``torchrun``: process group, thread budget, and reductions of metrics.
+"""Data parallelism under ``torchrun``: process group, thread budget, sums and gathers.
 
 ``torchrun --nproc_per_node 2 -m klpo train ...`` starts one process per rank with ``RANK``,
 ``WORLD_SIZE`` and ``LOCAL_RANK`` set; a plain ``klpo train`` is a world of one. On CPU the
@@ -36,14 +36,6 @@ class Dist:
             tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
         return x
 
-    def gather_floats(self, values: list[float]) -> list[float]:
-        """Every rank's list, concatenated in rank order."""
-        if not self.enabled:
-            return list(values)
-        out: list[list[float] | None] = [None] * self.world
-        tdist.all_gather_object(out, list(values))
-        return [v for part in out for v in (part or [])]
-
     def gather_objects(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (``[obj]`` in a world of one)."""
         if not self.enabled:
@@ -51,15 +43,6 @@ class Dist:
         out: list[object] = [None] * self.world
         tdist.all_gather_object(out, obj)
         return out
-
-    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Each metric averaged over the ranks (their shares of the batch are equal in size)."""
-        if not self.enabled:
-            return dict(metrics)
-        keys = sorted(metrics)
-        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
-        return {k: v / self.world for k, v in zip(keys, t.tolist(), strict=True)}
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is True on any rank (a collective: every rank must call it)."""
@@ -72,13 +55,6 @@ class Dist:
     def barrier(self) -> None:
         if self.enabled:
             tdist.barrier()
-
-    def broadcast_object(self, obj: object) -> object:
-        if not self.enabled:
-            return obj
-        box = [obj]
-        tdist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 def init_distributed(threads: int = 0) -> Dist:

@@ -13,9 +13,16 @@ Each step:
    (:func:`klpo.losses.kl_loss`, off-policy corrected), reduced by :func:`klpo.reduce.reduce`;
 4. **control** beta, log, evaluate, checkpoint.
 
-Every piece of math is a library function; this file only wires them. Under ``torchrun`` each rank
-samples its share of the step's prompts (whole groups) and every loss is divided by the global
-token (or sequence) count, so the gradient equals that of one process holding the whole batch.
+Every piece of math is a library function; this file only wires them. The variants are tables:
+:data:`ALGORITHMS` (advantages, critic), :data:`POLICY_LOSSES`, :func:`needs_exact_kl`, and the
+placement predicates :func:`klpo.kl.in_reward` / :func:`klpo.kl.in_loss`. A run is
+:func:`preflight` (every check that can fail, before any model loads or file is written),
+:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`.
+
+Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
+is divided by the global token (or sequence) count, so the gradient equals that of one process
+holding the whole batch; the metrics are ratios of sums over micro-batches and ranks
+(:class:`klpo.train.metrics.Tally`), so they too are the whole batch's at any split.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +41,19 @@ from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, reduce
 from klpo.train import checkpoint as ckpt_io
-from klpo.train import preflight
+from klpo.train import preflight as checks
 from klpo.train import rewards as rewards_mod
-from klpo.train.config import ConfigError, TrainConfig, dump_config
+from klpo.train.config import (
+    AlgoConfig,
+    Algorithm,
+    ConfigError,
+    PolicyLoss,
+    TrainConfig,
+    dump_config,
+)
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
-from klpo.train.metrics import MetricsWriter
+from klpo.train.metrics import MetricsWriter, Tally
 from klpo.train.models import (
     Backbone,
     Critic,
@@ -103,9 +118,9 @@ def make_penalty_controller(cfg: TrainConfig) -> control.KLController:
 
 def announce(cfg: TrainConfig) -> str | None:
     """The `explain` text of the KL choice when its gradient is not that of the KL it logs."""
-    if cfg.kl.placement == "none" or cfg.kl.beta == 0:
-        return None
     placement = cfg.kl.placement
+    if not (kl.in_loss(placement) or kl.in_reward(placement)) or cfg.kl.beta == 0:
+        return None
     e = kl.explain(cfg.kl.estimator, placement)
     if not e.mismatch:
         return None
@@ -141,7 +156,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
         freeze(load_causal_lm(ref_path, cfg.model.dtype, "model.reference").to(dist.device))
     )
     critic_core = None
-    if cfg.algo.name == "ppo":
+    if ALGORITHMS[cfg.algo.name].critic:
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
         critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype, "model.critic"))
         critic_core.to(dist.device)
@@ -158,6 +173,102 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
 
 
 # ---------------------------------------------------------------------------------------------
+# The variants, as tables: algorithm -> advantages, policy loss -> surrogate, estimator -> exact KL.
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every advantage estimator may read; B completions of C tokens."""
+
+    scores: Tensor  # [B] total task reward per completion
+    token_rewards: Tensor  # [B, C] the task reward on each completion's last valid token
+    kl_penalty: Tensor  # [B, C] -beta · sg(est) when the KL is in the reward, else 0
+    mask: Tensor  # [B, C] bool
+    group_size: int
+    values: Tensor | None  # [B, C] V(s_t) of the critic (algorithms with a critic)
+
+
+AdvantageFn = Callable[[AlgoConfig, AdvantageInputs], tuple[Tensor, Tensor | None]]
+
+
+def _grpo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, None]:
+    """Group-relative task advantage on every token, plus the KL penalty's returns-to-go.
+
+    The KL penalty keeps its per-token credit (REINFORCE, no baseline), so that k1 in the reward
+    follows the sequence-level grad KL(pi_theta ‖ pi_ref)."""
+    adv = advantages.broadcast_to_tokens(
+        advantages.group_relative(x.scores, x.group_size, std=a.std), x.mask
+    )
+    return adv + advantages.returns_to_go(x.kl_penalty, x.mask, gamma=a.gamma), None
+
+
+def _rloo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, None]:
+    """Leave-one-out baseline of the sequence's total reward, KL penalty summed in."""
+    totals = x.scores + torch.where(x.mask, x.kl_penalty, 0.0).sum(-1)
+    return advantages.broadcast_to_tokens(advantages.rloo(totals, x.group_size), x.mask), None
+
+
+def _reinforce_pp_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, None]:
+    """Per-token returns-to-go of the shaped reward, whitened over the batch."""
+    return advantages.reinforce_pp(x.token_rewards + x.kl_penalty, x.mask, gamma=a.gamma), None
+
+
+def _ppo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GAE on the shaped reward with the critic's values, whitened; returns are the targets."""
+    assert x.values is not None
+    adv, returns = advantages.gae(
+        x.token_rewards + x.kl_penalty, x.values, x.mask, gamma=a.gamma, lam=a.lam
+    )
+    return advantages.whiten(adv, x.mask), returns
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    advantages: AdvantageFn  # (adv [B, C], value targets [B, C] or None)
+    critic: bool = False  # whether it trains a critic (and logs loss/value, value/*)
+
+
+ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
+    "grpo": AlgorithmSpec(_grpo_advantages),
+    "rloo": AlgorithmSpec(_rloo_advantages),
+    "reinforce++": AlgorithmSpec(_reinforce_pp_advantages),
+    "ppo": AlgorithmSpec(_ppo_advantages, critic=True),
+}
+
+PolicyLossFn = Callable[[AlgoConfig, Tensor, Tensor, Tensor, float], Tensor]
+
+
+def _clip_loss(a: AlgoConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, beta_old: float):
+    return losses.ppo_clip(
+        logp, logp_old, adv, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
+    )
+
+
+def _kl_penalty_loss(a: AlgoConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, beta_old: float):
+    return losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
+
+
+POLICY_LOSSES: dict[PolicyLoss, PolicyLossFn] = {
+    "clip": _clip_loss,
+    "kl-penalty": _kl_penalty_loss,
+}
+"""Per-token policy loss ``[B, C]`` from (algo config, logp, logp_old, adv, beta_old)."""
+
+USES_BETA_OLD: frozenset[PolicyLoss] = frozenset({"kl-penalty"})
+"""Surrogates with PPO's penalty coefficient beta_old (its controller runs, ``beta_old`` logged)."""
+
+
+EXACT_KL_ESTIMATORS = frozenset({"full"})
+"""Estimators whose per-token value is the exact KL over the vocabulary at the position: they
+need the reference's hidden states in the forward pass (:func:`klpo.logprobs.fused`), not token
+log-probs."""
+
+
+def needs_exact_kl(estimator: str) -> bool:
+    return estimator in EXACT_KL_ESTIMATORS
+
+
+# ---------------------------------------------------------------------------------------------
 # Scoring a rollout: rewards, old and reference log-probs, values, advantages.
 
 
@@ -171,45 +282,101 @@ def update_gives_logp_old(cfg: TrainConfig) -> bool:
     policy pass, one forward of the policy per step. A KL in the reward needs log pi_old before
     the advantages, so it keeps the pass.
     """
-    return (
-        cfg.algo.epochs == 1 and cfg.algo.minibatches == 1 and cfg.kl.placement in ("loss", "none")
-    )
+    return cfg.algo.epochs == 1 and cfg.algo.minibatches == 1 and not kl.in_reward(cfg.kl.placement)
 
 
-def sampling_metrics(
-    cfg: TrainConfig,
-    logp_old: Tensor,
-    logp_ref: Tensor,
-    entropy: Tensor,
-    kl_exact: Tensor,
-    mask: Tensor,
-) -> dict[str, float]:
-    """The sampling policy's entropy and KL to the reference, over the rollout's tokens."""
-    metrics = {
-        "entropy": float(reduce.masked_mean(entropy, mask)),
-        "kl/ref/exact": float(reduce.masked_mean(kl_exact, mask)),
-        "kl/ref/seq": float(torch.where(mask, kl_exact, 0.0).sum(-1).mean()),
+@dataclass
+class SamplingPass:
+    """The sampling policy pi_old on the rollout's tokens, ``[B, C]`` each.
+
+    Filled by one forward pass at the parameters that sampled the rollout: :func:`score`'s own
+    pass, or, when :func:`update_gives_logp_old`, the update's first forward of each row (the
+    same parameters, since its one optimizer step comes after every micro-batch). Either way the
+    update reads log pi_old from here and the step logs the entropy and KL from here.
+    """
+
+    logp: Tensor  # log pi_old of the sampled tokens
+    entropy: Tensor  # exact entropy of pi_old at each position
+    kl: Tensor  # exact KL(pi_old ‖ pi_ref) at each position
+    filled: Tensor  # [B] bool: rows recorded so far
+
+    @classmethod
+    def empty(cls, like: Tensor) -> SamplingPass:
+        zeros = torch.zeros_like(like)
+        return cls(
+            zeros, zeros.clone(), zeros.clone(), torch.zeros(like.shape[0], dtype=torch.bool)
+        )
+
+    def record(self, rows: Tensor, out: logprobs.FusedOutput) -> None:
+        """Keep ``out`` (a forward at the sampling parameters, with the exact KL) for ``rows``."""
+        self.logp[rows] = out.logp.detach().to(self.logp.dtype)
+        self.entropy[rows] = out.entropy.detach().to(self.entropy.dtype)
+        self.kl[rows] = out.kl.detach().to(self.kl.dtype)
+        self.filled[rows] = True
+
+
+def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask: Tensor) -> Tally:
+    """The sampling policy's entropy and KL to the reference, token sums over the rollout."""
+    t = Tally()
+    means = {
+        "entropy": float(reduce.masked_mean(old.entropy, mask)),
+        "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
     }
-    names = tuple(n for n in dict.fromkeys(("k1", "k3", cfg.kl.estimator)) if n != "full")
-    metrics.update(losses.kl_metrics(logp_old, logp_ref, mask, estimators=names))
-    if cfg.kl.estimator == "full":
-        metrics["kl/ref/full"] = metrics["kl/ref/exact"]
-    return metrics
+    est = cfg.kl.estimator
+    names = tuple(n for n in dict.fromkeys(("k1", "k3", est)) if not needs_exact_kl(n))
+    means.update(losses.kl_metrics(old.logp, logp_ref, mask, estimators=names))
+    if needs_exact_kl(est):
+        means[f"kl/ref/{est}"] = means["kl/ref/exact"]
+    t.add_means(means, float(mask.sum()))
+    t.add("kl/ref/seq", float(torch.where(mask, old.kl, 0.0).double().sum()), mask.shape[0])
+    return t
+
+
+def reward_metrics(
+    scores: Tensor, per_fn: dict[str, list[float]], rollout: Rollout, group_size: int
+) -> Tally:
+    """Rewards, accuracy and completion lengths, as sums over the rollout's completions."""
+    t, n, x = Tally(), len(scores), scores.double()
+    t.add("reward/mean", float(x.sum()), n)
+    t.add("_reward/sq", float((x * x).sum()), n)  # for reward/std, see finish_metrics
+    t.add(
+        "reward/group_std",
+        float(advantages.group_std(x, group_size).sum()) if group_size > 1 else 0.0,
+        n / group_size,
+    )
+    t.add("accuracy/train", float((scores >= 1.0).sum()), n)
+    t.add("completion/length", float(rollout.mask.sum()), n)
+    t.add("completion/truncated", float(rollout.truncated.sum()), n)
+    for k, v in per_fn.items():
+        t.add(f"reward/{k}", sum(v), len(v))
+    return t
+
+
+def finish_metrics(tally: Tally, dist: Dist) -> dict[str, float]:
+    """The step's metrics from every rank's tally: one sum over ranks, then the pooled moments."""
+    res = tally.result(dist.all_sum)
+    out = {k: v for k, (v, _) in res.items() if not k.startswith("_")}
+    if "_reward/sq" in res:
+        (mean, n), (sq, _) = res["reward/mean"], res["_reward/sq"]
+        out["reward/std"] = math.sqrt(max(sq - mean * mean, 0.0) * n / (n - 1)) if n > 1 else 0.0
+    if "_value/r" in res:
+        r, r2, e, e2 = (res[f"_value/{k}"][0] for k in ("r", "r2", "e", "e2"))
+        var_r, var_e = r2 - r * r, e2 - e * e
+        out["value/explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
+    return out
 
 
 @dataclass
 class Scored:
     rollout: Rollout
     scores: Tensor  # [B] total task reward per completion
-    # [B, C] log pi_old of the sampled tokens (the sampling policy); None when the update's
-    # forward pass gives it (update_gives_logp_old), which then also logs sampling_metrics.
-    logp_old: Tensor | None
+    old: SamplingPass  # the sampling policy's log-probs, entropy and KL (see SamplingPass)
     logp_ref: Tensor  # [B, C]
     hidden_ref: Tensor  # [B, C, H] the reference's last hidden states, for the exact KL
     adv: Tensor  # [B, C]
-    returns: Tensor | None  # [B, C] value targets (PPO)
-    values_old: Tensor | None  # [B, C] (PPO)
-    metrics: dict[str, float]
+    returns: Tensor | None  # [B, C] value targets (algorithms with a critic)
+    values_old: Tensor | None  # [B, C] (algorithms with a critic)
+    metrics: Tally  # rewards, accuracy, lengths
 
 
 def _values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
@@ -228,17 +395,17 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
     )
     scores = torch.tensor(totals, dtype=torch.float32)
     tokens = rollout.completion_ids
-    weight, bias = _unwrap(m.backbone).head()
     weight_ref, bias_ref = m.reference.head()
-    hidden_ref = completion_hidden(m.reference, rollout)
+    hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)
     ref = logprobs.fused(
         hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
     )
     logp_ref = ref.logp
-    old = logp_old = None
+    old = SamplingPass.empty(logp_ref)
     if not update_gives_logp_old(cfg):
-        old = logprobs.fused(
-            completion_hidden(_unwrap(m.backbone), rollout),
+        weight, bias = _unwrap(m.backbone).head()
+        out = logprobs.fused(
+            completion_hidden(_unwrap(m.backbone), rollout, share_prompt=cfg.rollout.share_prompt),
             weight,
             tokens,
             bias=bias,
@@ -247,59 +414,33 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
             weight_ref=weight_ref,
             bias_ref=bias_ref,
         )
-        logp_old = old.logp
+        old.record(torch.arange(len(scores)), out)
 
     # The task reward sits on the last valid token; the KL penalty, when in the reward, on all.
     last = (mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)) & mask
     token_rewards = torch.where(last, scores[:, None], 0.0)
     kl_penalty = torch.zeros_like(token_rewards)
-    if cfg.kl.placement in ("reward", "reward+loss") and beta > 0:
+    if kl.in_reward(cfg.kl.placement) and beta > 0:
+        est = cfg.kl.estimator
         shaped = losses.kl_reward(
             token_rewards,
-            logp_old,
+            old.logp,
             logp_ref,
             mask,
             beta=beta,
-            estimator=cfg.kl.estimator,
-            estimate=old.kl if cfg.kl.estimator == "full" else None,
+            estimator=est,
+            estimate=old.kl if needs_exact_kl(est) else None,
         )
         kl_penalty = shaped - token_rewards
 
-    g, name = rollout.group_size, cfg.algo.name
-    values_old = returns = None
-    if name == "grpo":
-        adv = advantages.broadcast_to_tokens(
-            advantages.group_relative(scores, g, std=cfg.algo.std), mask
-        )
-        # The KL penalty keeps its per-token credit: its returns-to-go (REINFORCE, no baseline),
-        # so that k1 in the reward follows the sequence-level grad KL(pi_theta ‖ pi_ref).
-        adv = adv + advantages.returns_to_go(kl_penalty, mask, gamma=cfg.algo.gamma)
-    elif name == "rloo":
-        totals_kl = scores + torch.where(mask, kl_penalty, 0.0).sum(-1)
-        adv = advantages.broadcast_to_tokens(advantages.rloo(totals_kl, g), mask)
-    elif name == "reinforce++":
-        adv = advantages.reinforce_pp(token_rewards + kl_penalty, mask, gamma=cfg.algo.gamma)
-    else:  # ppo
-        values_old = torch.where(mask, _values(m.critic_core, rollout), 0.0)
-        adv, returns = advantages.gae(
-            token_rewards + kl_penalty, values_old, mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam
-        )
-        adv = advantages.whiten(adv, mask)
-
-    metrics = {
-        "reward/mean": float(scores.mean()),
-        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "reward/group_std": float(advantages.group_std(scores, g).mean()) if g > 1 else 0.0,
-        "accuracy/train": float((scores >= 1.0).float().mean()),
-        "completion/length": float(mask.sum(-1).float().mean()),
-        "completion/truncated": float(rollout.truncated.float().mean()),
-        **{f"reward/{k}": sum(v) / len(v) for k, v in per_fn.items()},
-    }
-    if old is not None:
-        metrics.update(sampling_metrics(cfg, logp_old, logp_ref, old.entropy, old.kl, mask))
-    return Scored(
-        rollout, scores, logp_old, logp_ref, hidden_ref, adv, returns, values_old, metrics
+    spec = ALGORITHMS[cfg.algo.name]
+    values_old = torch.where(mask, _values(m.critic_core, rollout), 0.0) if spec.critic else None
+    g = rollout.group_size
+    adv, returns = spec.advantages(
+        cfg.algo, AdvantageInputs(scores, token_rewards, kl_penalty, mask, g, values_old)
     )
+    metrics = reward_metrics(scores, per_fn, rollout, g)
+    return Scored(rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,50 +462,60 @@ def update(
     beta_old: float,
     dist: Dist,
     gen: torch.Generator,
-) -> dict[str, float]:
-    """``epochs × minibatches`` optimizer steps on one scored rollout; returns mean metrics."""
+) -> Tally:
+    """``epochs × minibatches`` optimizer steps on one scored rollout; returns their metrics.
+
+    Losses are summed over an optimizer step's micro-batches and ranks (each is already divided
+    by the minibatch's global normaliser) and averaged over the optimizer steps; token metrics
+    pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
+    """
     a = cfg.algo
     mask = s.rollout.mask
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
-    totals: dict[str, float] = {}
-    n_micro, grad_norms = 0, []
-    # On-policy (update_gives_logp_old): the forward passes record the sampling policy's side.
-    seen = (
-        None
-        if s.logp_old is not None
-        else {k: torch.zeros_like(s.logp_ref) for k in ("logp", "entropy", "kl")}
-    )
+    tally = Tally()
     for _ in range(a.epochs):
-        order = torch.randperm(mask.shape[0], generator=gen)
+        order = shuffle_rows(cfg, s.rollout, gen)
         for mb in order.chunk(a.minibatches):
             # One normaliser for the whole minibatch, over its micro-batches and all ranks.
             n_global = dist.all_sum(reduce.normaliser(mask[mb], a.loss_reduction, max_len=max_len))
             opt.policy.zero_grad(set_to_none=True)
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
+            step_losses: dict[str, float] = {}
             micro = mb.split(a.micro_batch or len(mb))
             for i, rows in enumerate(micro):
-                last = i == len(micro) - 1
                 part = _micro_step(
-                    cfg, m, s, rows, beta, beta_old, n_global, dist, sync=last, seen=seen
-                )
+                    cfg, m, s, rows, beta, beta_old, n_global, dist,
+                    sync=i == len(micro) - 1, tally=tally,
+                )  # fmt: skip
                 for k, v in part.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                n_micro += 1
+                    step_losses[k] = step_losses.get(k, 0.0) + v
+            # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
+            for k, v in step_losses.items():
+                tally.add(k, v, 1.0 / dist.world)
             policy_params = [p for p in m.policy.parameters() if p.requires_grad]
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy_params, clip)))
+            tally.add("grad_norm", float(torch.nn.utils.clip_grad_norm_(policy_params, clip)), 1.0)
             opt.policy.step()
             if opt.critic is not None:
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
                 opt.critic.step()
-    out = {k: v / n_micro for k, v in totals.items()}
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    if seen is not None:
-        out.update(
-            sampling_metrics(cfg, seen["logp"], s.logp_ref, seen["entropy"], seen["kl"], mask)
-        )
-    return out
+    return tally
+
+
+def shuffle_rows(cfg: TrainConfig, rollout: Rollout, gen: torch.Generator) -> Tensor:
+    """The update's row order: whole groups shuffled when prompts are shared, else rows.
+
+    With ``rollout.share_prompt`` the minibatches (and micro-batches of a multiple of the group
+    size) hold whole groups in order, so each prompt is computed once per group in the update's
+    forward pass too (:func:`klpo.train.rollout.shared_groups`).
+    """
+    g = rollout.group_size
+    b = rollout.mask.shape[0]
+    if not cfg.rollout.share_prompt or g <= 1 or b % g:
+        return torch.randperm(b, generator=gen)
+    groups = torch.randperm(b // g, generator=gen)
+    return (groups[:, None] * g + torch.arange(g)).flatten()
 
 
 def _no_sync(module: torch.nn.Module | None, sync: bool):
@@ -384,21 +535,21 @@ def _micro_step(
     dist: Dist,
     *,
     sync: bool,
-    seen: dict[str, Tensor] | None = None,
+    tally: Tally,
 ) -> dict[str, float]:
-    """Forward and backward of one micro-batch (gradients accumulate); returns its metrics.
+    """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
-    Without ``s.logp_old`` (:func:`update_gives_logp_old`) log pi_old is this forward's own
-    detached log-probs, and they, the entropy and the exact KL are written into ``seen`` (full
-    ``[B, C]`` tensors) at ``rows``.
+    Its losses are its share of the optimizer step's (``n_global`` is the step's normaliser);
+    its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
+    forward (:class:`SamplingPass`).
     """
     a, k = cfg.algo, cfg.kl
     r = s.rollout.select(rows)
     mask = r.mask
-    logp_old = None if s.logp_old is None else s.logp_old[rows]
     adv = s.adv[rows]
-    kl_in_loss = k.placement in ("loss", "reward+loss") and beta > 0
-    need_ref = (kl_in_loss and k.estimator == "full") or logp_old is None
+    kl_in_loss = kl.in_loss(k.placement) and beta > 0
+    recording = not bool(s.old.filled[rows].all())
+    need_ref = (kl_in_loss and needs_exact_kl(k.estimator)) or recording
     max_len = cfg.rollout.max_new_tokens
 
     def red(x: Tensor) -> Tensor:
@@ -408,7 +559,7 @@ def _micro_step(
         weight, bias = _unwrap(m.backbone).head()
         weight_ref, bias_ref = m.reference.head()
         out = logprobs.fused(
-            completion_hidden(m.backbone, r),
+            completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt),
             weight,
             r.completion_ids,
             bias=bias,
@@ -418,30 +569,16 @@ def _micro_step(
             bias_ref=bias_ref if need_ref else None,
         )
         logp = out.logp
-        if logp_old is None:
-            logp_old = logp.detach()
-            if seen is not None:
-                seen["logp"][rows] = logp_old
-                seen["entropy"][rows] = out.entropy.detach()
-                seen["kl"][rows] = out.kl.detach()
-        if a.policy_loss == "clip":
-            pg = losses.ppo_clip(
-                logp,
-                logp_old,
-                adv,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                dual_clip=a.dual_clip,
-            )
-        else:
-            pg = losses.ppo_kl_penalty(logp, logp_old, adv, beta=beta_old)
-        loss_pg = red(pg)
+        if recording:
+            s.old.record(rows, out)
+        logp_old = s.old.logp[rows]
+        loss_pg = red(POLICY_LOSSES[a.policy_loss](a, logp, logp_old, adv, beta_old))
         total = loss_pg
         metrics = {"loss/policy": loss_pg.item()}
         if kl_in_loss:
             kl_tok = (
                 out.kl
-                if k.estimator == "full"
+                if needs_exact_kl(k.estimator)
                 else losses.kl_loss(k.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
             )
             loss_kl = red(kl_tok)
@@ -453,20 +590,29 @@ def _micro_step(
             metrics["loss/entropy"] = loss_ent.item()
         # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
         (total * dist.world).backward()
+    n_tok = float(mask.sum())
     if m.critic is not None:
         with _no_sync(m.critic, sync):
             values = _values(m.critic, r)
-            loss_v = red(
-                losses.value_loss(values, s.values_old[rows], s.returns[rows], clip=a.value_clip)
-            )
+            values_old, returns = s.values_old[rows], s.returns[rows]
+            loss_v = red(losses.value_loss(values, values_old, returns, clip=a.value_clip))
             (a.vf_coef * loss_v * dist.world).backward()
         metrics["loss/value"] = loss_v.item()
         total = total.detach() + a.vf_coef * loss_v.detach()
+        vm = losses.value_metrics(values, values_old, returns, mask, clip=a.value_clip)
+        tally.add_means(
+            {key: vm[key] for key in ("value/clip_frac", "value/mean", "value/mse")}, n_tok
+        )
+        # value/explained_var pools every token of the update: first and second moments.
+        ret = returns.detach().double()
+        err = ret - values.detach().double()
+        for key, x in (("r", ret), ("r2", ret * ret), ("e", err), ("e2", err * err)):
+            tally.add(f"_value/{key}", float(reduce.masked_sum(x, mask)), n_tok)
     metrics["loss/total"] = total.item()
     pm = losses.policy_metrics(
         logp, logp_old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
     )
-    metrics.update({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")})
+    tally.add_means({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")}, n_tok)
     return metrics
 
 
@@ -544,63 +690,189 @@ def _train(
     allow_config_change: bool = False,
     stopper: StopOnSignal | None = None,
 ) -> Path:
-    run_dir = Path(cfg.run.out_dir)
-    # --- Preflight (klpo.train.preflight): every check that can fail, before any model loads
-    # or any file is written.
-    plan = preflight.plan_run_dir(
+    plan, examples = preflight(
+        cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change
+    )
+    run = setup(cfg, dist, plan, examples, log)
+    finished = False
+    try:
+        run_steps(run, stopper)
+        finished = True
+    finally:
+        teardown(run, finished=finished)
+    return run.dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Preflight: every check that can fail, before any model loads or any file is written.
+
+
+def preflight(
+    cfg: TrainConfig, dist: Dist, *, resume: bool, log=print, allow_config_change: bool = False
+) -> tuple[checks.RunPlan, tuple[list[Example], list[Example]]]:
+    """Check the config against the launch, the run directory, the models and the data; returns
+    where the run starts (:func:`klpo.train.preflight.plan_run_dir`) and the (train, held-out)
+    examples. Reads only small files (model configs, tokenizers, checkpoint headers) and the
+    data; raises :class:`ConfigError` naming the key, file or line and the fix."""
+    ro = cfg.rollout
+    if ro.prompts_per_step % dist.world:
+        raise ConfigError(
+            f"rollout.prompts_per_step={ro.prompts_per_step} must be divisible by the number of "
+            f"processes ({dist.world}): each process samples whole groups of an equal share"
+        )
+    plan = checks.plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
-    if cfg.rollout.prompts_per_step % dist.world:
-        raise ConfigError(
-            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
-            f"number of processes ({dist.world})"
-        )
     train_set, heldout = load_examples(cfg)
-    policy_path = resolve_model_path(cfg.model.policy)
-    ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
-    preflight.check_models_and_data(
-        cfg,
-        train_set,
-        heldout,
-        policy=policy_path,
-        reference=ref_path,
-        critic=resolve_model_path(cfg.model.critic or ref_path) if cfg.algo.name == "ppo" else None,
+    policy = resolve_model_path(cfg.model.policy)
+    reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
+    critic = resolve_model_path(cfg.model.critic or reference)
+    names = dict(
+        policy=policy,
+        reference=reference,
+        critic=critic if ALGORITHMS[cfg.algo.name].critic else None,
     )
-    log(f"run directory: {run_dir}")
+    checks.check_model_sources(cfg, **names)
+    check_models(cfg)
+    checks.check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
-    for line in preflight.config_warnings(cfg, dist.world):
+    for line in checks.config_warnings(cfg, dist.world):
         log(f"warning: {line}")
-    # --- End of preflight.
+    return plan, (train_set, heldout)
+
+
+def _model_config(key: str, name: str):
+    from transformers import AutoConfig
+
+    from klpo.train.models import quiet_transformers
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{key}={name!r}: no model config could be read ({err}). Give a local directory "
+            "written by save_pretrained, or builtin for the shipped arithmetic model."
+        ) from None
+
+
+def check_models(cfg: TrainConfig) -> None:
+    """The models against each other and the config, from their config files alone: the policy
+    and the reference share a vocabulary (the KL compares them token by token), and a
+    completion fits in every model's positions."""
+    mc = cfg.model
+    configs = {"model.policy": (mc.policy, _model_config("model.policy", mc.policy))}
+    ref = mc.reference or mc.policy
+    configs["model.reference"] = (ref, _model_config("model.reference", ref))
+    if ALGORITHMS[cfg.algo.name].critic:
+        critic = mc.critic or ref
+        configs["model.critic"] = (critic, _model_config("model.critic", critic))
+    (p_name, p_cfg), (r_name, r_cfg) = configs["model.policy"], configs["model.reference"]
+    p_vocab, r_vocab = getattr(p_cfg, "vocab_size", None), getattr(r_cfg, "vocab_size", None)
+    if p_vocab is not None and r_vocab is not None and p_vocab != r_vocab:
+        raise ConfigError(
+            f"model.reference={r_name!r} has a vocabulary of {r_vocab} tokens but model.policy="
+            f"{p_name!r} has {p_vocab}: the KL compares the two token by token, so the "
+            "reference must share the policy's tokenizer (leave model.reference unset to use "
+            "the policy's starting point)"
+        )
+    new = cfg.rollout.max_new_tokens
+    for key, (name, c) in configs.items():
+        positions = getattr(c, "max_position_embeddings", None)
+        if positions is not None and new >= positions:
+            raise ConfigError(
+                f"rollout.max_new_tokens={new} leaves no room for a prompt in {key}={name!r}, "
+                f"which has {positions} positions (max_position_embeddings); lower "
+                "rollout.max_new_tokens"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup, the loop of steps, teardown.
+
+
+@dataclass
+class TrainRun:
+    """Everything a run holds between its steps."""
+
+    cfg: TrainConfig
+    dist: Dist
+    dir: Path
+    log: Callable[..., None]
+    models: Models
+    stream: PromptStream
+    heldout: list[Example]
+    reward_fns: list
+    kl_ctl: control.KLController
+    pen_ctl: control.KLController
+    opt: Optimizers
+    update_gen: torch.Generator
+    writer: MetricsWriter | None
+    step0: int
+    progress: Callable[[int | None, dict[str, float] | None], None]
+
+    @property
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        o = self.opt
+        return {"policy": o.policy} | ({"critic": o.critic} if o.critic else {})
+
+    def save(self, step: int) -> None:
+        rngs = self.dist.gather_objects(ckpt_io.rng_state())
+        if self.dist.is_main:
+            ckpt_io.save_checkpoint(
+                self.dir,
+                step,
+                policy=self.models.policy,
+                critic=self.models.critic_core,
+                optimizers=self.optimizers,
+                rng=rngs,
+                state={
+                    "data": self.stream.state_dict(),
+                    "kl_controller": self.kl_ctl.state_dict(),
+                    "penalty_controller": self.pen_ctl.state_dict(),
+                    "update_generator": self.update_gen.get_state().tolist(),
+                },
+            )
+        self.dist.barrier()
+
+
+def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
+    o = cfg.optim
+
+    def adamw(params, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+
+    policy = adamw([p for p in m.policy.parameters() if p.requires_grad], o.lr)
+    critic = adamw(m.critic_core.parameters(), o.critic_lr or o.lr) if m.critic_core else None
+    return Optimizers(policy, critic)
+
+
+def setup(
+    cfg: TrainConfig,
+    dist: Dist,
+    plan: checks.RunPlan,
+    examples: tuple[list[Example], list[Example]],
+    log,
+) -> TrainRun:
+    """Load the models, build the optimizers and controllers, restore a checkpoint, write the
+    run's config (and any allowed change of it) and open its metrics."""
+    run_dir = Path(cfg.run.out_dir)
     start, meta = plan.start, plan.meta
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
-
     m = build_models(cfg, dist, start)
+    train_set, heldout = examples
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
-    o = cfg.optim
-    opt = Optimizers(
-        policy=torch.optim.AdamW(
-            [p for p in m.policy.parameters() if p.requires_grad],
-            lr=o.lr,
-            betas=o.betas,
-            weight_decay=o.weight_decay,
-        ),
-        critic=torch.optim.AdamW(
-            m.critic_core.parameters(),
-            lr=o.critic_lr or o.lr,
-            betas=o.betas,
-            weight_decay=o.weight_decay,
-        )
-        if m.critic_core is not None
-        else None,
-    )
-    optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
+    opt = make_optimizers(cfg, m)
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     step0 = 0
     if start is not None:
         step0 = meta["step"]
+        optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
         # After an allowed change of algorithm, an optimizer the checkpoint lacks starts fresh.
         ckpt_io.restore_optimizers(
             start, {k: o for k, o in optimizers.items() if k in meta["optimizers"]}, meta
@@ -615,155 +887,158 @@ def _train(
             torch.manual_seed(cfg.run.seed * 1000 + dist.rank + 7919 * step0)
         log(f"resuming {run_dir} from step {step0}")
 
+    writer = None
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         for orphan in ckpt_io.remove_orphans(run_dir):
             log(f"note: removed {orphan}, the remains of a checkpoint save that did not finish")
-        if plan.restart and (kept := preflight.keep_old_metrics(run_dir)) is not None:
+        if plan.restart and (kept := checks.keep_old_metrics(run_dir)) is not None:
             log(f"note: the earlier metrics of this run are kept in {kept}")
         if plan.changes:
-            preflight.record_config_change(run_dir, step0, plan.changes)
-            log(f"note: config change recorded in {run_dir / preflight.CHANGES_FILE}")
+            checks.record_config_change(run_dir, step0, plan.changes)
+            log(f"note: config change recorded in {run_dir / checks.CHANGES_FILE}")
         ckpt_io.write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
         note = announce(cfg)
         if note:
             log(note)
-    writer = (
-        MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
-        if dist.is_main
-        else None
-    )
-
-    def save(step: int) -> None:
-        rngs = dist.gather_objects(ckpt_io.rng_state())
-        if dist.is_main:
-            ckpt_io.save_checkpoint(
-                run_dir,
-                step,
-                policy=m.policy,
-                critic=m.critic_core,
-                optimizers=optimizers,
-                rng=rngs,
-                state={
-                    "data": stream.state_dict(),
-                    "kl_controller": kl_ctl.state_dict(),
-                    "penalty_controller": pen_ctl.state_dict(),
-                    "update_generator": update_gen.get_state().tolist(),
-                },
-            )
-        dist.barrier()
-
-    per_rank = cfg.rollout.prompts_per_step // dist.world
+        writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
+    run = TrainRun(
+        cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
+        update_gen, writer, step0, _progress(cfg, dist, step0, log),
+    )  # fmt: skip
     if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
         writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
+    return run
 
-    progress = _progress(cfg, dist, step0, log)
+
+def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
+    """Steps ``step0 + 1 ..`` until ``run.steps`` or the time limit; checkpoint as configured,
+    and after a step in which ``stopper`` caught SIGINT/SIGTERM on any rank (then stop)."""
+    cfg = run.cfg
     t_start = time.perf_counter()
-    step = step0
-    for step in range(step0 + 1, cfg.run.steps + 1):
+    for step in range(run.step0 + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
-        for group in opt.policy.param_groups:
-            group["lr"] = _lr(cfg, step)
-        batch = stream.next(cfg.rollout.prompts_per_step)
-        mine = batch[dist.rank * per_rank : (dist.rank + 1) * per_rank]
-
-        # 1. Sample.
-        m.policy.eval()
-        rollout = generate(
-            m.policy,
-            m.tokenizer,
-            [e.prompt for e in mine],
-            [e.answer for e in mine],
-            group_size=cfg.rollout.group_size,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_prompt_tokens=cfg.data.max_prompt_tokens,
-        )
-        m.policy.train()
-        t1 = time.perf_counter()
-
-        # 2. Score.
-        scored = score(cfg, m, rollout, reward_fns, kl_ctl.value)
-        t2 = time.perf_counter()
-
-        # 3. Update.
-        beta = kl_ctl.value
-        upd = update(cfg, m, scored, opt, beta, pen_ctl.value, dist, update_gen)
-        t3 = time.perf_counter()
-
-        # 4. Control, log, evaluate, checkpoint.
-        metrics = dist.mean_metrics({**scored.metrics, **upd})
-        n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        kl_ctl.update(
-            kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
-        )
-        if cfg.algo.policy_loss == "kl-penalty":
-            pen_ctl.update(kl=metrics["kl/old/k3"])
-        tokens = dist.all_sum(rollout.mask.sum()).item()
-        metrics.update(
-            {
-                "beta": beta,
-                "lr": _lr(cfg, step),
-                "time/generate": t1 - t0,
-                "time/score": t2 - t1,
-                "time/update": t3 - t2,
-            }
-        )
+        metrics, tokens = train_step(run, step)
         last = step == cfg.run.steps or (
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
-        if heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
-            if dist.is_main:
-                metrics["accuracy/heldout"] = heldout_accuracy(cfg, m, heldout)
-            dist.barrier()
+        if run.heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
+            if run.dist.is_main:
+                metrics["accuracy/heldout"] = heldout_accuracy(cfg, run.models, run.heldout)
+            run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
-        if writer is not None:
-            writer.write(step, metrics)
-        progress(step, metrics)
+        if run.writer is not None:
+            run.writer.write(step, metrics)
+        run.progress(step, metrics)
         bad = [k for k in ("loss/total", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
         if bad:
-            progress(None, None)
-            if writer is not None:
-                writer.close()
             raise TrainingDiverged(
                 f"step {step}: {', '.join(f'{k} = {metrics[k]}' for k in bad)}; the weights are "
                 "no longer finite, so training stopped (metrics up to this step are in "
-                f"{run_dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
+                f"{run.dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
             )
-        stop = dist.any(stopper is not None and stopper.requested) and not last
+        stop = run.dist.any(stopper is not None and stopper.requested) and not last
         if last or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
-            save(step)
+            run.save(step)
         if stop:
-            _stop(run_dir, step, stopper, progress, writer)
+            raise _interrupted(run.dir, step, stopper)
         if last:
             break
-    progress(None, None)
-    if writer is not None:
-        writer.close()
+
+
+def _interrupted(run_dir: Path, step: int, stopper: StopOnSignal | None) -> Interrupted:
+    """The end of a run stopped by a signal after the checkpoint of ``step``: say where it is."""
+    mine = stopper is not None and stopper.requested
+    return Interrupted(
+        f"stopped by {stopper.name if mine else 'a signal to another rank'} after step {step}; "
+        f"the checkpoint is {run_dir / 'checkpoints' / f'step_{step:06d}'} and the metrics up "
+        f"to it are in {run_dir / 'metrics.jsonl'}. Continue with: klpo train --resume {run_dir}",
+        stopper.signum if mine else signal.SIGTERM,
+    )
+
+
+def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
+    """Sample, score, update, control: one step's metrics (without the held-out evaluation) and
+    the number of completion tokens it trained on, over all ranks."""
+    cfg, dist, m = run.cfg, run.dist, run.models
+    t0 = time.perf_counter()
+    for group in run.opt.policy.param_groups:
+        group["lr"] = _lr(cfg, step)
+    per_rank = cfg.rollout.prompts_per_step // dist.world
+    batch = run.stream.next(cfg.rollout.prompts_per_step)
+    mine = batch[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+
+    # 1. Sample.
+    m.policy.eval()
+    rollout = generate(
+        m.policy,
+        m.tokenizer,
+        [e.prompt for e in mine],
+        [e.answer for e in mine],
+        group_size=cfg.rollout.group_size,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        sampler=cfg.rollout.sampler,
+    )
+    m.policy.train()
+    t1 = time.perf_counter()
+
+    # 2. Score.
+    beta = run.kl_ctl.value
+    scored = score(cfg, m, rollout, run.reward_fns, beta)
+    t2 = time.perf_counter()
+
+    # 3. Update.
+    beta_old = run.pen_ctl.value
+    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen)
+    t3 = time.perf_counter()
+
+    # 4. Control: the controllers see the whole step's metrics, the same on every rank.
+    metrics = step_metrics(cfg, scored, upd, dist)
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    run.kl_ctl.update(
+        kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
+    )
+    if cfg.algo.policy_loss in USES_BETA_OLD:
+        metrics["beta_old"] = beta_old
+        run.pen_ctl.update(kl=metrics["kl/old/k3"])
+    metrics.update(
+        {
+            "beta": beta,
+            "lr": _lr(cfg, step),
+            "time/generate": t1 - t0,
+            "time/score": t2 - t1,
+            "time/update": t3 - t2,
+        }
+    )
+    return metrics, float(dist.all_sum(rollout.mask.sum()).item())
+
+
+def step_metrics(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> dict[str, float]:
+    """Every metric of a scored and updated rollout, reduced over the ranks."""
+    tally = Tally()
+    tally.merge(s.metrics)
+    tally.merge(sampling_metrics(cfg, s.old, s.logp_ref, s.rollout.mask))
+    tally.merge(upd)
+    return finish_metrics(tally, dist)
+
+
+def teardown(run: TrainRun, *, finished: bool) -> None:
+    """Stop the progress bar, close the metrics; after a finished run, write its report."""
+    run.progress(None, None)
+    if run.writer is None:
+        return
+    run.writer.close()
+    if finished:
         from klpo.train.report import write_report
 
         report = write_report(
-            run_dir, estimator=cfg.kl.estimator, title=f"klpo train: {cfg.algo.name}"
+            run.dir, estimator=run.cfg.kl.estimator, title=f"klpo train: {run.cfg.algo.name}"
         )
-        log(f"wrote {report}")
-    return run_dir
-
-
-def _stop(run_dir: Path, step: int, stopper: StopOnSignal | None, progress, writer) -> None:
-    """End the run after a signal: the checkpoint of ``step`` is saved; say where."""
-    progress(None, None)
-    if writer is not None:
-        writer.close()
-    signum = stopper.signum if stopper is not None and stopper.signum else signal.SIGTERM
-    what = stopper.name if stopper is not None and stopper.requested else "a signal to another rank"
-    raise Interrupted(
-        f"stopped by {what} after step {step}; the checkpoint is "
-        f"{run_dir / 'checkpoints' / f'step_{step:06d}'} and the metrics up to it are in "
-        f"{run_dir / 'metrics.jsonl'}. Continue with: klpo train --resume {run_dir}",
-        signum,
-    )
+        run.log(f"wrote {report}")
 
 
 def _progress(cfg: TrainConfig, dist: Dist, step0: int, log=print):

@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from klpo.train.checkpoint import write_text_atomic
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
     "reward/mean": "mean total (weighted) task reward over the step's completions",
-    "reward/std": "standard deviation of the total reward over the step's completions",
+    "reward/std": "sample standard deviation of the total reward over the step's completions",
     "reward/<name>": "mean of one reward function's value",
     "reward/group_std": "mean over prompts of the reward's standard deviation within each group",
-    "reward/skipped": "completions whose reward was not finite and were skipped (counted, never NaN)",
-    "accuracy/train": "fraction of the step's completions with the task reward equal to 1",
+    "accuracy/train": "fraction of the step's completions whose total (weighted) reward is at "
+    "least 1; with the default single exact_match reward, the fraction answered correctly",
     "accuracy/heldout": "held-out accuracy, greedy decoding (only on evaluation steps)",
-    "kl/ref/<est>": "the configured estimator of KL(pi_theta ‖ pi_ref) per token, mean over tokens",
+    "kl/ref/<est>": "the configured estimator's per-token value on the sampled tokens, mean over "
+    "tokens: an estimate of the KL in its 'estimates' column of docs/estimators.md, "
+    "KL(pi_theta ‖ pi_ref) for most, KL(pi_ref ‖ pi_theta) for kl_ref_theta",
     "kl/ref/k1": "k1 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, noisy)",
     "kl/ref/k3": "k3 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, non-negative)",
     "kl/ref/exact": "the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token, mean over tokens",
@@ -30,14 +35,21 @@ METRICS: dict[str, str] = {
     "kl/old/k1": "k1 estimate of KL(pi_old ‖ pi_theta) per token over the update (PPO's approx KL)",
     "kl/old/k3": "k3 estimate of KL(pi_old ‖ pi_theta) per token over the update",
     "entropy": "mean per-token entropy of pi_theta on the sampled completions (exact, in nats)",
-    "clip_frac": "fraction of tokens whose PPO ratio was clipped (low or high)",
-    "loss/policy": "policy surrogate loss (reduced)",
+    "clip_frac": "fraction of the update's tokens whose PPO ratio was clipped (low or high)",
+    "loss/policy": "policy surrogate loss (reduced), mean over the step's optimizer steps",
     "loss/kl": "beta-free KL term of the loss (reduced), when the KL is in the loss",
     "loss/value": "value loss (PPO), reduced",
-    "loss/entropy": "entropy bonus term (reduced)",
-    "loss/total": "the total loss that was differentiated",
+    "loss/entropy": "entropy bonus term (reduced; minus the entropy, so lower is more entropy)",
+    "loss/total": "the total loss that was differentiated (policy, beta·KL, entropy, vf_coef·value)",
+    "value/clip_frac": "PPO: fraction of the update's tokens where the clipped value loss was larger",
+    "value/explained_var": "PPO: 1 - Var(R - V) / Var(R) over all the update's tokens (1: a "
+    "perfect critic, 0: no better than a constant)",
+    "value/mean": "PPO: mean value prediction V over the update's tokens",
+    "value/mse": "PPO: mean of (V - R)² over the update's tokens",
     "beta": "the KL coefficient used this step (after the controller's last update)",
-    "grad_norm": "global gradient norm of the policy before clipping",
+    "beta_old": "kl-penalty: PPO's penalty coefficient beta_old used this step (its adaptive rule "
+    "then moves it by the step's kl/old/k3)",
+    "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps",
     "lr": "the policy's learning rate this step",
     "completion/length": "mean completion length in tokens (EOS included)",
     "completion/truncated": "fraction of completions that hit max_new_tokens without EOS",
@@ -63,6 +75,46 @@ def describe(key: str) -> str:
 def is_timing(key: str) -> bool:
     """Keys that measure wall time and so differ between otherwise identical runs."""
     return key.startswith("time/") or key == "tokens_per_s"
+
+
+class Tally:
+    """Metrics as ratios of sums, so that none depends on how the batch is split.
+
+    Each key accumulates a numerator and a denominator over micro-batches, optimizer steps and
+    ranks; the logged value is ``sum(num) / sum(den)`` (0 where nothing was counted). A token mean
+    adds (sum over tokens, token count), a sequence mean (sum over sequences, count), a reduced
+    loss its micro-batch's share of the optimizer step's loss (the normaliser is already global).
+    The result is the value one process holding the whole step's batch computes.
+    """
+
+    def __init__(self) -> None:
+        self._num: dict[str, float] = {}
+        self._den: dict[str, float] = {}
+
+    def add(self, key: str, num: float, den: float) -> None:
+        self._num[key] = self._num.get(key, 0.0) + float(num)
+        self._den[key] = self._den.get(key, 0.0) + float(den)
+
+    def add_means(self, means: dict[str, float], weight: float) -> None:
+        """Means over ``weight`` items (tokens, sequences) each: sum = mean · weight."""
+        for key, value in means.items():
+            self.add(key, value * weight, weight)
+
+    def merge(self, other: Tally) -> None:
+        for key in other._num:
+            self.add(key, other._num[key], other._den[key])
+
+    def result(
+        self, all_sum: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, tuple[float, float]]:
+        """``{key: (value, total denominator)}`` after ``all_sum`` (a sum over ranks); one
+        collective for every key. Every rank must hold the same keys."""
+        keys = sorted(self._num)
+        t = torch.tensor(
+            [[self._num[k] for k in keys], [self._den[k] for k in keys]], dtype=torch.float64
+        )
+        num, den = all_sum(t).tolist() if keys else ([], [])
+        return {k: (n / d if d else 0.0, d) for k, n, d in zip(keys, num, den, strict=True)}
 
 
 class MetricsWriter:

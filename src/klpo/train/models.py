@@ -158,20 +158,59 @@ def load_tokenizer(name_or_path: str, key: str = "model"):
 
 
 class Backbone(nn.Module):
-    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states."""
+    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
+
+    With ``group > 1`` and ``prefix = P``, rows ``g*group .. g*group + group - 1`` share their first
+    ``P`` columns (one prompt, ``group`` completions, as GRPO samples them): the prompt is run once
+    per group, its keys and values are repeated ``group`` times (autograd flows back through the
+    repeat, so every completion's gradient reaches the shared prompt's activations, summed), and
+    the completion columns attend to them through the cache. The hidden states and parameter
+    gradients are those of the unshared forward (tested in float64); the prompt's compute drops by
+    the factor ``group``.
+    """
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        out = self.model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        *,
+        prefix: int = 0,
+        group: int = 1,
+    ) -> Tensor:
+        base = self.model.base_model
+        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1]:
+            out = base(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            )
+            return out.last_hidden_state
+        first = slice(None, None, group)  # one row per group
+        head = base(
+            input_ids=input_ids[first, :prefix],
+            attention_mask=attention_mask[first, :prefix],
+            position_ids=position_ids[first, :prefix],
+            use_cache=True,
         )
-        return out.last_hidden_state
+        cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
+        if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
+            return self.forward(input_ids, attention_mask, position_ids)
+        cache.batch_repeat_interleave(group)
+        tail = base(
+            input_ids=input_ids[:, prefix:],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, prefix:],
+            cache=cache,
+            use_cache=True,
+        )
+        shared = head.last_hidden_state.repeat_interleave(group, dim=0)
+        return torch.cat([shared, tail.last_hidden_state], dim=1)
 
     def head(self) -> tuple[Tensor, Tensor | None]:
         """The output head's (weight [V, H], bias [V] or None)."""
@@ -195,8 +234,16 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
         self.value_head.to(next(model.parameters()).dtype)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        h = self.backbone(input_ids, attention_mask, position_ids)
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        *,
+        prefix: int = 0,
+        group: int = 1,
+    ) -> Tensor:
+        h = self.backbone(input_ids, attention_mask, position_ids, prefix=prefix, group=group)
         return self.value_head(h).squeeze(-1).float()
 
 

@@ -341,7 +341,29 @@ def check_same_tokenizer(policy_tok: Any, policy: str, other_tok: Any, other: st
     )
 
 
-def check_models_and_data(
+def model_keys(cfg: TrainConfig, policy: str, reference: str, critic: str | None) -> dict:
+    """``{config key: resolved name}`` of the run's models (a default named by its source)."""
+    keys = {"model.policy": policy}
+    keys["model.reference" if cfg.model.reference else "model.policy"] = reference
+    if critic is not None:
+        keys["model.critic" if cfg.model.critic else "model.reference"] = critic
+    return keys
+
+
+def check_model_sources(
+    cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
+) -> None:
+    """Every model is a complete local directory (the policy's with a tokenizer) or a model id
+    in the local cache (:func:`klpo.train.models.model_source_problem`); files only."""
+    from klpo.train.models import model_source_problem
+
+    for key, name in model_keys(cfg, policy, reference, critic).items():
+        problem = model_source_problem(name, key, tokenizer=key == "model.policy")
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_tokenizers_and_prompts(
     cfg: TrainConfig,
     train: list,
     heldout: list,
@@ -350,7 +372,9 @@ def check_models_and_data(
     reference: str,
     critic: str | None,
 ) -> None:
-    """The models' files, their tokenizers and every prompt, checked before any weights load.
+    """The reference's and critic's tokenizers equal the policy's (where they have one), and
+    every prompt fits (:func:`check_prompts`). Run after the models' configs agree on the
+    vocabulary size and positions.
 
     Args:
         cfg: the run's config.
@@ -361,33 +385,13 @@ def check_models_and_data(
 
     from klpo.train.models import downloads_allowed, load_tokenizer, model_source_problem
 
-    keys = {"model.policy": policy}
-    keys["model.reference" if cfg.model.reference else "model.policy"] = reference
-    if critic is not None:
-        keys["model.critic" if cfg.model.critic else "model.reference"] = critic
-    for key, name in keys.items():
-        problem = model_source_problem(name, key, tokenizer=key == "model.policy")
-        if problem:
-            raise ConfigError(problem)
     tokenizer = load_tokenizer(policy, "model.policy")
-    local = not downloads_allowed()
-    configs = {
-        key: AutoConfig.from_pretrained(name, local_files_only=local) for key, name in keys.items()
-    }
-    vocab = configs["model.policy"].vocab_size
-    for key, name in keys.items():
-        if key == "model.policy" or name == policy:
-            continue
-        if configs[key].vocab_size != vocab:
-            raise ConfigError(
-                f"{key} {name!r} has a vocabulary of {configs[key].vocab_size} tokens, the "
-                f"policy {policy!r} of {vocab}; the KL compares the models token by token, so "
-                f"give a {key.split('.')[1]} with the policy's tokenizer"
-            )
-        if model_source_problem(name, key, tokenizer=True) is None:
+    for key, name in model_keys(cfg, policy, reference, critic).items():
+        if name != policy and model_source_problem(name, key, tokenizer=True) is None:
             other = load_tokenizer(name, key)
             check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[1])
-    positions = getattr(configs["model.policy"], "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(policy, local_files_only=not downloads_allowed())
+    positions = getattr(config, "max_position_embeddings", None)
     for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
         check_prompts(
             examples,

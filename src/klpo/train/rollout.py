@@ -70,6 +70,94 @@ def completion_mask(completion_ids: Tensor, eos_token_id: int | list[int]) -> tu
     return ~seen_before, ~is_eos.any(-1)
 
 
+SAMPLERS = ("lean", "generate")
+
+
+def nucleus_logits(logits: Tensor, top_p: float) -> Tensor:
+    """``logits`` with every token outside the top-``top_p`` nucleus set to -inf.
+
+    The nucleus is the smallest set of most likely tokens whose probability mass reaches
+    ``top_p`` (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"); the most
+    likely token is always kept. ``top_p = 1`` returns ``logits`` unchanged. Shapes: ``[..., V]``.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@torch.no_grad()
+def sample_lean(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> Tensor:
+    """``[N*G, C]`` completion tokens: ``group_size`` samples for each of ``N`` left-padded prompts.
+
+    A plain sampling loop over the model's forward with a key/value cache, in place of
+    ``generate``'s general machinery (logits processors, stopping criteria, cache bookkeeping)
+    whose per-token overhead dominates short completions of small models. Each prompt is run
+    once, its cache repeated ``group_size`` times; then each new token is drawn from
+    softmax(logits / temperature) restricted to the ``top_p`` nucleus (or the argmax if
+    ``greedy``), with the model's logits in float32. Rows stop at their first EOS (later columns
+    hold ``pad_token_id``) and the loop stops when every row has stopped. The distribution is the
+    one ``generate`` samples with ``top_k`` off; the draws for a given seed are not the same.
+    """
+    eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+    device = next(model.parameters()).device
+    ids = prompt_ids.to(device)
+    att = prompt_mask.to(device).long()
+    pos = position_ids(att)
+    out = model(
+        input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_repeat_interleave(group_size)
+    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
+    att = att.repeat_interleave(group_size, dim=0)
+    next_pos = pos[:, -1:].repeat_interleave(group_size, dim=0) + 1
+    eos = eos.to(device)
+    rows = logits.shape[0]
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens: list[Tensor] = []
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            probs = nucleus_logits(logits / temperature, top_p).softmax(-1)
+            token = torch.multinomial(probs, 1).squeeze(-1)
+        token = torch.where(done, torch.full_like(token, pad_token_id), token)
+        tokens.append(token)
+        done = done | torch.isin(token, eos)
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=att,
+            position_ids=next_pos,
+            cache=cache,
+            use_cache=True,
+        )
+        cache = getattr(out, "cache", None) or out.past_key_values
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+    return torch.stack(tokens, dim=1).cpu()
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -83,44 +171,48 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     max_prompt_tokens: int | None = None,
+    sampler: str = "lean",
 ) -> Rollout:
-    """Sample ``group_size`` completions for each prompt with ``model.generate``.
+    """Sample ``group_size`` completions for each prompt: :func:`sample_lean` or ``model.generate``.
 
     Sampling is from softmax(logits / temperature) restricted by ``top_p`` only: ``top_k`` is
     switched off (transformers' default of 50 would silently sample from a distribution other
     than the policy's, biasing every estimator), and no repetition penalty applies.
     """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {sampler!r}")
     texts = [p for p in prompts for _ in range(group_size)]
     refs = [a for a in answers for _ in range(group_size)]
     tokenizer.padding_side = "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+    once = prompts if sampler == "lean" else texts  # lean: each prompt once, its cache repeated
+    enc = tokenizer(once, return_tensors="pt", padding=True, add_special_tokens=True)
     if max_prompt_tokens is not None:
         lengths = enc["attention_mask"].sum(-1)
         too_long = (lengths > max_prompt_tokens).nonzero().flatten().tolist()
         if too_long:
-            i = too_long[0] // group_size
+            i = too_long[0] // (1 if sampler == "lean" else group_size)
             raise ValueError(
                 f"prompt {i} is {int(lengths[too_long[0]])} tokens long, more than "
                 f"data.max_prompt_tokens={max_prompt_tokens}: {prompts[i][:80]!r}"
             )
-    gen_cfg = GenerationConfig(
-        do_sample=not greedy,
-        temperature=None if greedy else temperature,
-        top_p=None if greedy else top_p,
-        top_k=None if greedy else 0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    device = next(model.parameters()).device
-    out = model.generate(
-        input_ids=enc["input_ids"].to(device),
-        attention_mask=enc["attention_mask"].to(device),
-        generation_config=gen_cfg,
-    )
-    p = enc["input_ids"].shape[1]
-    completion_ids = out[:, p:].cpu()
+    if sampler == "lean":
+        completion_ids = sample_lean(
+            model,
+            enc["input_ids"],
+            enc["attention_mask"],
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+        )
+        enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}
+    else:
+        completion_ids = _hf_generate(
+            model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy
+        )
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((len(texts), 1), tokenizer.pad_token_id)
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
@@ -139,16 +231,61 @@ def generate(
     )
 
 
-def completion_hidden(backbone, rollout: Rollout) -> Tensor:
+def shared_groups(rollout: Rollout) -> int:
+    """The number of consecutive rows that share one prompt, or 1 if the rows are not whole groups.
+
+    A rollout as sampled holds whole groups; a micro-batch or a rank's share of it does when its
+    rows are whole groups in order. Checked on the tensors, so a selection that breaks a group
+    falls back to the unshared forward rather than computing a wrong one.
+    """
+    g = rollout.group_size
+    b = rollout.prompt_ids.shape[0]
+    if g <= 1 or b % g:
+        return 1
+    ids = rollout.prompt_ids.view(b // g, g, -1)
+    att = rollout.prompt_mask.view(b // g, g, -1)
+    same = (ids == ids[:, :1]).all() and (att == att[:, :1]).all()
+    return g if bool(same) else 1
+
+
+def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) -> Tensor:
     """``[B, C, H]`` last hidden states at the positions that predict each completion token.
 
     ``backbone`` maps (input_ids, attention_mask, position_ids) to hidden states ``[B, L, H]``
     (see :class:`klpo.train.models.Backbone`); the state at column P - 1 + t predicts token t.
+    With ``share_prompt`` and whole groups (:func:`shared_groups`), each prompt is computed once
+    per group (``Backbone``'s ``prefix``/``group``), with the same values and gradients.
     """
     device = next(backbone.parameters()).device
     ids = rollout.input_ids.to(device)
     att = rollout.attention_mask.to(device)
-    hidden = backbone(ids, att, position_ids(att))
+    group = shared_groups(rollout) if share_prompt else 1
+    if group > 1:
+        prefix = rollout.prompt_ids.shape[1]
+        hidden = backbone(ids, att, position_ids(att), prefix=prefix, group=group)
+    else:
+        hidden = backbone(ids, att, position_ids(att))
     p = rollout.prompt_ids.shape[1]
     c = rollout.completion_ids.shape[1]
     return hidden[:, p - 1 : p - 1 + c]
+
+
+def _hf_generate(model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy) -> Tensor:
+    """``[B, C]`` completion tokens from ``model.generate`` (top-k off, no repetition penalty)."""
+    gen_cfg = GenerationConfig(
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else top_p,
+        top_k=None if greedy else 0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    device = next(model.parameters()).device
+    out = model.generate(
+        input_ids=enc["input_ids"].to(device),
+        attention_mask=enc["attention_mask"].to(device),
+        generation_config=gen_cfg,
+    )
+    return out[:, enc["input_ids"].shape[1] :].cpu()

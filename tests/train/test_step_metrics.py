@@ -1,0 +1,249 @@
+"""The step's metrics do not depend on how the batch is split, and each is documented and emitted.
+
+Every logged metric is a ratio of sums over micro-batches and ranks (:class:`klpo.train.metrics.Tally`),
+so ``algo.micro_batch`` and the number of ``torchrun`` processes change none of them; the
+documentation table (``klpo.train.metrics.METRICS``, rendered as docs/metrics.md) lists exactly the
+keys some configuration emits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from klpo import losses
+from klpo.train import loop
+from klpo.train.config import build_config
+from klpo.train.dist import Dist
+from klpo.train.metrics import METRICS, Tally, is_timing, read_metrics
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+
+def _split(n: int, parts: int, gen: torch.Generator) -> list[torch.Tensor]:
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[: parts - 1].add(1).tolist())
+    return list(torch.arange(n).tensor_split(cuts))
+
+
+def _ranks(tallies: list[Tally]):
+    """An ``all_sum`` over fake ranks: each call returns the sum of every tally's table."""
+
+    def all_sum(_: torch.Tensor) -> torch.Tensor:
+        tables = []
+        for t in tallies:
+            keys = sorted(t._num)
+            tables.append(
+                torch.tensor(
+                    [[t._num[k] for k in keys], [t._den[k] for k in keys]], dtype=torch.float64
+                )
+            )
+        return torch.stack(tables).double().sum(0)
+
+    return all_sum
+
+
+def test_tally_of_any_split_is_the_whole_mean():
+    """Token means, sequence means and losses over arbitrary splits into 'ranks' and
+    'micro-batches' equal the whole batch's, computed naively in float64."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 7, generator=gen, dtype=torch.float64)
+    mask = torch.rand(12, 7, generator=gen) < 0.6
+    want = float(x[mask].mean())
+    for parts in (1, 2, 3, 5):
+        tallies = []
+        for rows in _split(12, parts, gen):
+            t = Tally()
+            for micro in _split(len(rows), 2, gen) if len(rows) > 1 else [torch.arange(len(rows))]:
+                r = rows[micro]
+                m = mask[r]
+                t.add_means({"mean": float(x[r][m].mean()) if m.any() else 0.0}, float(m.sum()))
+            tallies.append(t)
+        res = tallies[0].result(_ranks(tallies))
+        assert res["mean"][0] == pytest.approx(want, rel=1e-12)
+        assert res["mean"][1] == float(mask.sum())
+    empty = Tally()
+    empty.add("nothing", 0.0, 0.0)
+    assert empty.result(lambda t: t) == {"nothing": (0.0, 0.0)}
+
+
+def test_pooled_std_and_explained_variance_match_the_whole_batch():
+    """reward/std (Bessel-corrected) and value/explained_var from per-part moments equal
+    torch.std and losses.value_metrics on the whole batch."""
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(16, generator=gen) * 3 + 1
+    values = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    returns = values + 0.5 * torch.randn(16, 5, generator=gen, dtype=torch.float64) + 0.3
+    mask = torch.rand(16, 5, generator=gen) < 0.7
+    tallies = []
+    for rows in _split(16, 3, gen):
+        t = Tally()
+        x = scores[rows].double()
+        t.add("reward/mean", float(x.sum()), len(rows))
+        t.add("_reward/sq", float((x * x).sum()), len(rows))
+        r, e, m = returns[rows], returns[rows] - values[rows], mask[rows]
+        for key, v in (("r", r), ("r2", r * r), ("e", e), ("e2", e * e)):
+            t.add(f"_value/{key}", float(v[m].sum()), float(m.sum()))
+        tallies.append(t)
+
+    class FakeDist:
+        all_sum = staticmethod(_ranks(tallies))
+
+    out = loop.finish_metrics(tallies[0], FakeDist())
+    assert out["reward/std"] == pytest.approx(float(scores.double().std()), rel=1e-10)
+    want = losses.value_metrics(values, values, returns, mask)["value/explained_var"]
+    assert out["value/explained_var"] == pytest.approx(want, rel=1e-9)
+    assert not any(k.startswith("_") for k in out)
+
+
+SPLITS = {
+    # one epoch, one minibatch: the update's pass gives log pi_old; exact KL and entropy in the loss
+    "on-policy": ({"algo.entropy_coef": 0.01}, 16),
+    # PPO, 2 epochs × 2 minibatches, KL in the reward and in the loss, kl-penalty surrogate
+    "ppo": (
+        {
+            "algo.name": "ppo",
+            "algo.epochs": 2,
+            "algo.minibatches": 2,
+            "kl.placement": "reward+loss",
+            "kl.estimator": "k3",
+            "algo.entropy_coef": 0.01,
+            "algo.policy_loss": "kl-penalty",
+            "algo.penalty_target": 0.01,
+        },
+        8,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLITS))
+def test_every_metric_is_the_same_at_any_micro_batch(tiny_model, quick, tmp_path, name):
+    """micro_batch = the whole minibatch, half, quarter: every logged metric of the step agrees
+    to float32 rounding (before the fix the losses were 1/(micro-batches) too small)."""
+    extra, minibatch = SPLITS[name]
+    rows = {}
+    for micro in (minibatch, minibatch // 2, minibatch // 4):
+        over = {**extra, "algo.micro_batch": micro, "run.steps": 1, "run.eval_every": 0}
+        cfg = build_config(overrides=quick(tiny_model, tmp_path / f"m{micro}", **over))
+        loop.train(cfg, log=lambda *_: None)
+        (row,) = read_metrics(tmp_path / f"m{micro}" / "metrics.jsonl")
+        rows[micro] = {k: v for k, v in row.items() if not is_timing(k)}
+    whole = rows[minibatch]
+    assert whole["loss/policy"] != 0.0 and whole["loss/total"] != 0.0
+    for micro, row in rows.items():
+        assert set(row) == set(whole), micro
+        for key, v in whole.items():
+            assert row[key] == pytest.approx(v, rel=2e-5, abs=1e-6), (micro, key)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), e.get("PYTHONPATH", "")])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+@pytest.mark.slow
+def test_every_metric_is_the_same_for_one_and_two_processes(tiny_model, tmp_path):
+    """torchrun with 1 and 2 processes, one fixed batch (each rank holds half the groups), two
+    epochs with the KL in the reward and the loss: every metric of the step agrees. The on-policy
+    variant is checked with the gradients in tests/train/test_resume_ddp.py."""
+    variant = "off-policy"
+    script = str(HERE / "ddp_update_script.py")
+    got = {}
+    for n in (1, 2):
+        out = tmp_path / f"world{n}.safetensors"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={n}", script, str(tiny_model), str(out), variant,
+        ]  # fmt: skip
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[n] = json.loads(out.with_suffix(".json").read_text())
+    assert set(got[1]) == set(got[2])
+    assert got[1]["loss/kl"] > 0 and got[1]["entropy"] > 0
+    for key, v in got[1].items():
+        assert got[2][key] == pytest.approx(v, rel=2e-5, abs=1e-6), key
+
+
+# Configurations that together emit every documented metric.
+COVERAGE = [
+    {"kl.estimator": "k2", "kl.placement": "reward+loss", "algo.entropy_coef": 0.01},
+    {
+        "algo.name": "ppo",
+        "algo.epochs": 2,
+        "algo.policy_loss": "kl-penalty",
+        "algo.penalty_target": 0.01,
+    },
+]
+
+
+def _entry(key: str) -> str:
+    """The documentation entry a key falls under: itself, or its ``<...>`` family."""
+    if key in METRICS:
+        return key
+    head = key.rsplit("/", 1)[0]
+    family = [k for k in METRICS if k.endswith(">") and k.rsplit("/", 1)[0] == head]
+    assert family, f"metric {key!r} is emitted but not documented in METRICS"
+    return family[0]
+
+
+def test_every_documented_metric_is_emitted_and_none_undocumented(tiny_model, quick, tmp_path):
+    emitted: set[str] = set()
+    for i, extra in enumerate(COVERAGE):
+        over = {**extra, "run.steps": 1, "run.eval_every": 1}
+        loop.train(build_config(overrides=quick(tiny_model, tmp_path / str(i), **over)), log=print)
+        for row in read_metrics(tmp_path / str(i) / "metrics.jsonl"):
+            emitted |= set(row)
+    entries = {_entry(k) for k in emitted}
+    assert entries == set(METRICS), {
+        "documented, never emitted": sorted(set(METRICS) - entries),
+        "emitted, undocumented": sorted(entries - set(METRICS)),
+    }
+    assert {
+        "reward/klpo_test_rewards:digits",
+        "kl/ref/k2",
+        "value/explained_var",
+        "beta_old",
+    } <= emitted
+    page = (HERE.parents[1] / "docs" / "metrics.md").read_text()
+    for key in METRICS:
+        assert f"| `{key}` |" in page, key
+
+
+def test_kl_ref_of_the_configured_estimator_is_its_own_value(tiny_model, quick, tmp_path):
+    """kl/ref/<est> is the estimator's mean value on the rollout: for kl_ref_theta an estimate
+    of KL(pi_ref ‖ pi_theta), r log r - (r - 1) with r = pi_ref / pi_theta, by hand."""
+    cfg = build_config(
+        overrides=quick(tiny_model, tmp_path / "r", **{"kl.estimator": "kl_ref_theta"})
+    )
+    dist = Dist()
+    m = loop.build_models(cfg, dist, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in m.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    train, _ = loop.load_examples(cfg)
+    rollout = loop.generate(
+        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
+        group_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = loop.score(cfg, m, rollout, fns, 0.1)
+    opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.0), None)
+    upd = loop.update(cfg, m, s, opt, 0.1, 1.0, dist, torch.Generator().manual_seed(0))
+    metrics = loop.step_metrics(cfg, s, upd, dist)
+    d = (s.logp_ref - s.old.logp).double()[rollout.mask]
+    want = float((d.exp() * d - (d.exp() - 1)).mean())  # r log r - (r - 1), r = pi_ref/pi
+    assert metrics["kl/ref/kl_ref_theta"] == pytest.approx(want, rel=1e-5)
+    k1 = float((-d).mean())
+    assert metrics["kl/ref/k1"] == pytest.approx(k1, rel=1e-5, abs=1e-7)
+    assert math.isfinite(metrics["reward/std"])
