@@ -17,7 +17,9 @@ Every piece of math is a library function; this file only wires them. The varian
 :data:`ALGORITHMS` (advantages, critic), :data:`POLICY_LOSSES`, :func:`needs_exact_kl`, and the
 placement predicates :func:`klpo.kl.in_reward` / :func:`klpo.kl.in_loss`. A run is
 :func:`preflight` (every check that can fail, before any model loads or file is written),
-:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`.
+:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`. A run is
+never lost: SIGINT/SIGTERM end it after the current step with a checkpoint (:mod:`.stop`), and
+under ``torchrun`` a rank that fails leaves at once so that the group stops rather than hangs.
 
 Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
 is divided by the global token (or sequence) count, so the gradient equals that of one process

@@ -13,10 +13,14 @@ What each function guards:
   never overwritten), a resume onto a changed config or world size (refused unless the change is
   allowed and recorded), the newest complete checkpoint when later ones are truncated;
 - :func:`config_warnings`: settings that are accepted but ignored or adjusted;
-- :func:`check_prompts`: every prompt against ``data.max_prompt_tokens`` and the model's
-  positions, at load, naming ``file:line``;
-- :func:`check_same_tokenizer`: a reference (or critic) that tokenizes differently from the
-  policy.
+- :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
+  weights or no tokenizer; a model id not in the local cache;
+- :func:`check_tokenizers_and_prompts`: a reference (or critic) that tokenizes differently from
+  the policy (:func:`check_same_tokenizer`), and every prompt against ``data.max_prompt_tokens``
+  and the model's positions, at load, naming ``file:line`` (:func:`check_prompts`).
+
+:func:`klpo.train.loop.preflight` runs them in order, with the checks of the models' configs
+against each other (:func:`klpo.train.loop.check_models`) between the last two.
 """
 
 from __future__ import annotations
