@@ -151,7 +151,19 @@ def test_sigterm_before_the_first_checkpoint_saves_one_and_says_where(tiny_model
     assert [r["step"] for r in read_metrics(metrics)][-2:] == [step, step + 1]
 
 
-def test_a_signal_sets_a_flag_and_the_same_one_again_interrupts():
+@pytest.fixture
+def default_signals():
+    """SIGINT and SIGTERM as in a foreground terminal (a background job ignores SIGINT)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_signal_sets_a_flag_and_the_same_one_again_interrupts(default_signals):
+    before = signal.getsignal(signal.SIGINT)
     with StopOnSignal() as stop:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGINT)
@@ -166,7 +178,16 @@ def test_a_signal_sets_a_flag_and_the_same_one_again_interrupts():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) == before  # the handler in place before is back
+
+
+def test_an_ignored_signal_stays_ignored(default_signals):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup or a background job leaves it
+    with StopOnSignal() as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert not stop.requested
 
 
 @pytest.mark.slow
@@ -638,9 +659,10 @@ def test_torchrun_ctrl_c_saves_a_checkpoint(tiny_model, quick, tmp_path):
     args = sets(quick(tiny_model, out, **extra, **{"run.eval_every": 0}))
     cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "klpo", "train", *args]
     # A terminal's Ctrl-C: SIGINT to the whole process group (torchrun forwards it once more).
+    # (SIGINT back to its default first: a background test run hands its children SIG_IGN.)
     proc = subprocess.Popen(
         cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 150

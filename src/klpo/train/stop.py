@@ -70,6 +70,8 @@ class StopOnSignal:
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # ignored on purpose (nohup, a background job): leave it so
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
