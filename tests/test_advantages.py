@@ -184,6 +184,109 @@ def test_whiten_degenerate_cases_are_zero_not_nan():
     assert torch.equal(A.whiten(one, torch.zeros_like(single)), torch.zeros(2, 3))
 
 
+def _stats_close(got: A.WhitenStats, want: A.WhitenStats, rtol: float = 1e-12) -> None:
+    for field, g, w in zip(A.WhitenStats._fields, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=0.0, msg=field)
+
+
+def test_whiten_with_merged_halves_hand_case():
+    # Shard a: 1, 3 (n 2, mean 2, M2 1 + 1 = 2); shard b: 4, 8 (n 2, mean 6, M2 4 + 4 = 8).
+    # Whole: 1, 3, 4, 8: mean 4, deviations -3, -1, 0, 4, M2 9 + 1 + 0 + 16 = 26, var 26/3.
+    # Merge: delta 4, mean 2 + 4 · 2/4 = 4, M2 2 + 8 + 16 · 2 · 2/4 = 26.
+    xa, ma = torch.tensor([[1.0, 3.0]], dtype=F64), torch.tensor([[True, True]])
+    xb, mb = torch.tensor([[4.0, 8.0, math.nan]], dtype=F64), torch.tensor([[True, True, False]])
+    merged = A.merge_whiten_stats([A.whiten_stats(xa, ma), A.whiten_stats(xb, mb)])
+    assert [float(v) for v in merged] == [4.0, 4.0, 26.0, 8.0, 1.0]
+    s = math.sqrt(26 / 3)
+    got_a = A.whiten(xa, ma, eps=0.0, stats=merged)
+    got_b = A.whiten(xb, mb, eps=0.0, stats=merged)
+    torch.testing.assert_close(got_a, torch.tensor([[-3 / s, -1 / s]], dtype=F64))
+    torch.testing.assert_close(got_b, torch.tensor([[0.0, 4 / s, 0.0]], dtype=F64))
+    kept = A.whiten(xb, mb, eps=0.0, shift_mean=False, stats=merged)
+    torch.testing.assert_close(kept, torch.tensor([[4.0, 4 + 4 / s, 0.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_whiten_with_merged_shards_equals_the_whole_batch(seed):
+    x, _, mask = ragged(seed)
+    whole = A.whiten(x, mask)
+    cuts = [(0, 2), (2, 2), (2, 6)]  # the middle shard is empty
+    parts = [A.whiten_stats(x[a:b], mask[a:b]) for a, b in cuts]
+    merged = A.merge_whiten_stats(parts)
+    _stats_close(merged, A.whiten_stats(x, mask))
+    _stats_close(A.merge_whiten_stats(parts[::-1]), merged)
+    valid = x[mask].numpy()
+    assert float(merged.count) == valid.size
+    np.testing.assert_allclose(float(merged.m2), ((valid - valid.mean()) ** 2).sum(), rtol=1e-12)
+    for shift in (True, False):
+        shards = torch.cat(
+            [A.whiten(x[a:b], mask[a:b], shift_mean=shift, stats=merged) for a, b in cuts]
+        )
+        torch.testing.assert_close(
+            shards, A.whiten(x, mask, shift_mean=shift), rtol=1e-12, atol=1e-12
+        )
+    # ... and not the same as whitening each shard on its own (what the statistics fix).
+    alone = torch.cat([A.whiten(x[a:b], mask[a:b]) for a, b in cuts])
+    assert (alone - whole).abs().max() > 0.05
+
+
+def test_whiten_stats_given_are_the_same_bits_as_none():
+    x, _, mask = ragged(9)
+    for shift in (True, False):
+        own = A.whiten(x, mask, shift_mean=shift, stats=A.whiten_stats(x, mask))
+        assert torch.equal(own, A.whiten(x, mask, shift_mean=shift))
+    x32 = torch.where(mask, x, 0.0).float()
+    assert torch.equal(A.whiten(x32, mask, stats=A.whiten_stats(x32, mask)), A.whiten(x32, mask))
+
+
+def test_merge_keeps_two_pass_accuracy_where_sums_of_squares_cancel():
+    # Values near 1e9 with unit spread: sum x^2 ~ 5e19, so merging (n, sum x, sum x^2) loses M2
+    # (~ n) to rounding; the centred merge keeps it.
+    gen = torch.Generator().manual_seed(3)
+    x = 1e9 + torch.randn(2, 24, generator=gen, dtype=F64)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    valid = x.flatten().numpy()
+    exact = float(((valid - valid.mean()) ** 2).sum())
+    parts = [A.whiten_stats(x[i : i + 1], mask[i : i + 1]) for i in range(2)]
+    assert float(A.merge_whiten_stats(parts).m2) == pytest.approx(exact, rel=1e-6)
+    n = sum(float(p.count) for p in parts)
+    s = sum(float((x[i] ** 2).sum()) for i in range(2))
+    naive = s - float(x.sum()) ** 2 / n
+    assert abs(naive - exact) > 0.1 * exact  # the naive merge is wrong here
+
+
+def test_whiten_with_merged_stats_degenerate_cases():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    tenth = torch.full((1, 3), 0.1)
+    same = A.merge_whiten_stats([A.whiten_stats(tenth, mask)] * 2)
+    assert torch.equal(A.whiten(tenth, mask, stats=same), torch.zeros(1, 3))
+    # Constant within each shard but not across: a spread, the whole batch's.
+    fifth = torch.full((1, 3), 0.2)
+    two = A.merge_whiten_stats([A.whiten_stats(tenth, mask), A.whiten_stats(fifth, mask)])
+    both = A.whiten(torch.cat([tenth, fifth]), torch.ones(2, 3, dtype=torch.bool))
+    torch.testing.assert_close(A.whiten(tenth, mask, stats=two), both[:1])
+    assert (both[:1] < -0.5).all()
+    # One valid token in the whole batch, on the other shard: 0 here and there.
+    one = torch.tensor([[3.0, 0.0, 0.0]])
+    single = torch.tensor([[True, False, False]])
+    nothing = torch.zeros(1, 3, dtype=torch.bool)
+    lone = A.merge_whiten_stats([A.whiten_stats(one, nothing), A.whiten_stats(one, single)])
+    assert float(lone.count) == 1 and float(lone.vmax) == float(lone.vmin) == 3.0
+    assert torch.equal(A.whiten(one, single, stats=lone), torch.zeros(1, 3))
+    assert torch.equal(A.whiten(one, nothing, stats=lone), torch.zeros(1, 3))
+
+
+def test_whiten_stats_errors():
+    x, _, mask = ragged(4)
+    half = A.whiten_stats(x[:2], mask[:2])
+    with pytest.raises(ValueError, match=r"stats describe \d+ valid tokens but mask holds"):
+        A.whiten(x, mask, stats=half)
+    with pytest.raises(TypeError, match="stats must be WhitenStats"):
+        A.whiten(x, mask, stats=tuple(half))
+    with pytest.raises(TypeError, match="non-empty sequence of WhitenStats"):
+        A.merge_whiten_stats([])
+
+
 def test_reinforce_pp_is_whitened_returns():
     rewards, _, mask = ragged(5)
     got = A.reinforce_pp(rewards, mask, gamma=0.9)

@@ -21,20 +21,24 @@ outputs are float32 (float64 when an input is float64).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "WhitenStats",
     "broadcast_to_tokens",
     "gae",
     "group_relative",
     "group_std",
+    "merge_whiten_stats",
     "reinforce_pp",
     "returns_to_go",
     "rloo",
     "whiten",
+    "whiten_stats",
 ]
 
 StdMode = Literal["sample", "population", "none"]
@@ -176,38 +180,159 @@ def gae(
     return _out(adv, rewards, values), _out(ret, rewards, values)
 
 
-def whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+class WhitenStats(NamedTuple):
+    r"""What :func:`whiten` needs of a batch: its valid tokens' count, mean, centred sum of
+    squares ``M2 = sum (x - mean)^2``, largest and smallest value; each a 0-dim float64 tensor
+    (float32 on Apple's MPS).
+
+    :func:`whiten_stats` computes them for one shard of a batch; :func:`merge_whiten_stats`
+    combines shards, so data-parallel ranks whiten with the whole batch's statistics.
+    ``torch.stack(stats)`` is a ``[5]`` tensor to send between processes; ``WhitenStats(*row)``
+    reads one back.
+    """
+
+    count: Tensor
+    mean: Tensor
+    m2: Tensor
+    vmax: Tensor
+    vmin: Tensor
+
+
+def whiten_stats(x: Tensor, mask: Tensor) -> WhitenStats:
+    r""":class:`WhitenStats` of ``x`` over the tokens where ``mask`` is True, in two passes.
+
+    ``mean = sum x / n``, then ``M2 = sum (x - mean)^2`` (the two-pass form, no cancellation of
+    ``sum x^2 - n mean^2``). With no valid token: count 0, mean and M2 0, ``vmax = -inf``,
+    ``vmin = +inf``.
+
+    Args:
+        x: ``[B, T]``.
+        mask: ``[B, T]`` bool.
+
+    Returns:
+        :class:`WhitenStats`, detached.
+    """
+    _check_tokens(mask, x=x)
+    with torch.no_grad():
+        w = _wide(x)
+        n = mask.sum().to(w.dtype)
+        mean = torch.where(mask, w, 0.0).sum() / n.clamp_min(1)
+        centred = torch.where(mask, w - mean, 0.0)
+        inf = torch.full((1,), torch.inf, dtype=w.dtype, device=w.device)
+        return WhitenStats(
+            count=n,
+            mean=mean,
+            m2=(centred * centred).sum(),
+            vmax=torch.cat([torch.where(mask, w, -inf).flatten(), -inf]).max(),
+            vmin=torch.cat([torch.where(mask, w, inf).flatten(), inf]).min(),
+        )
+
+
+def merge_whiten_stats(parts: Sequence[WhitenStats]) -> WhitenStats:
+    r"""The :class:`WhitenStats` of the union of disjoint shards (Chan, Golub & LeVeque 1979).
+
+    Folding in shard ``b`` (count ``n_b``, mean ``m_b``, ``M2_b``) into ``a``, with
+    ``n = n_a + n_b`` and ``delta = m_b - m_a``:
+
+        mean = m_a + delta · n_b / n
+        M2   = M2_a + M2_b + delta^2 · n_a · n_b / n
+
+    the pairwise update of Chan et al., "Updating formulae and a pairwise algorithm for computing
+    sample variances" (1979): each shard's ``M2`` is already centred, so it keeps the two-pass
+    accuracy that a merge of ``(n, sum x, sum x^2)`` loses to cancellation. Shards with no valid
+    token are skipped; the maximum and minimum are those of the shards. The fold is in the given
+    order, so every rank that merges the same list gets the same bits.
+
+    Args:
+        parts: one :class:`WhitenStats` per shard (at least one).
+
+    Returns:
+        :class:`WhitenStats` of all the shards' valid tokens together.
+    """
+    parts = list(parts)
+    if not parts or not all(isinstance(p, WhitenStats) for p in parts):
+        raise TypeError(
+            "parts must be a non-empty sequence of WhitenStats (one per shard, from whiten_stats); "
+            f"got {[type(p).__name__ for p in parts]}"
+        )
+    out = parts[0]
+    for b in parts[1:]:
+        vmax, vmin = torch.maximum(out.vmax, b.vmax), torch.minimum(out.vmin, b.vmin)
+        if float(b.count) == 0:
+            out = out._replace(vmax=vmax, vmin=vmin)
+        elif float(out.count) == 0:
+            out = b._replace(vmax=vmax, vmin=vmin)
+        else:
+            n = out.count + b.count
+            delta = b.mean - out.mean
+            out = WhitenStats(
+                count=n,
+                mean=out.mean + delta * (b.count / n),
+                m2=out.m2 + b.m2 + delta * delta * (out.count * b.count / n),
+                vmax=vmax,
+                vmin=vmin,
+            )
+    return out
+
+
+def whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    stats: WhitenStats | None = None,
+) -> Tensor:
     r"""Normalise ``x`` over its valid tokens: ``(x - mean) / sqrt(var + eps)``.
 
-    ``mean`` and ``var`` are over the tokens where ``mask`` is True, ``var`` with Bessel's
-    correction (``n / (n - 1)``), ``eps`` inside the square root: the convention of verl's and
+    ``mean`` and ``var`` are over the tokens where ``mask`` is True, ``var = M2 / (n - 1)``
+    with Bessel's correction, ``eps`` inside the square root: the convention of verl's and
     TRL's ``masked_whiten``. With ``shift_mean=False`` the mean is added back (only the scale
     changes). Where every valid value is equal (or only one is valid) the centred values are
     exactly 0, so the output is 0 (``mean`` with ``shift_mean=False``), never NaN.
 
+    ``stats`` whitens ``x`` with another batch's statistics: under data parallelism each rank
+    holds a shard of the batch and passes the merge of every rank's :func:`whiten_stats`
+    (:func:`merge_whiten_stats`), so its shard is whitened exactly as by one process holding the
+    whole batch. Without it, ``stats = whiten_stats(x, mask)`` (the same bits as passing that).
+
     Args:
         x: ``[B, T]``.
         mask: ``[B, T]`` bool; the statistics are over this whole tensor (pass the whole rollout
-            batch, not a micro-batch).
+            batch, not a micro-batch), or over the batch ``stats`` describes.
         shift_mean: subtract the mean (True) or keep it.
         eps: added to the variance.
+        stats: statistics of the whole batch ``x`` is a shard of (its count at least ``x``'s).
 
     Returns:
         ``[B, T]``, 0 at masked tokens; detached.
     """
     _check_tokens(mask, x=x)
+    if stats is None:
+        stats = whiten_stats(x, mask)
+    elif not isinstance(stats, WhitenStats):
+        raise TypeError(
+            f"stats must be WhitenStats (from whiten_stats / merge_whiten_stats), got "
+            f"{type(stats).__name__}"
+        )
+    elif float(stats.count) < int(mask.sum()):
+        raise ValueError(
+            f"stats describe {int(stats.count)} valid tokens but mask holds {int(mask.sum())}: "
+            "stats must be those of a batch that contains x (merge every shard's whiten_stats, "
+            "this one's included)"
+        )
     with torch.no_grad():
         w = _wide(x)
-        n = mask.sum()
-        if int(n) == 0:
+        n = stats.count.to(w.device, w.dtype)
+        if float(n) == 0:
             return _out(torch.zeros_like(w), x)
-        mean = torch.where(mask, w, 0.0).sum() / n
+        mean = stats.mean.to(w.device, w.dtype)
         centred = torch.where(mask, w - mean, 0.0)
-        vmax = torch.where(mask, w, -torch.inf).max()
-        vmin = torch.where(mask, w, torch.inf).min()
-        if bool(vmax == vmin):
+        if bool(stats.vmax == stats.vmin):
             centred = torch.zeros_like(centred)
-        var = (centred * centred).sum() / (n - 1).clamp_min(1)
+            var = torch.zeros_like(mean)
+        else:
+            var = stats.m2.to(w.device, w.dtype) / (n - 1).clamp_min(1)
         out = centred * torch.rsqrt(var + eps)
         if not shift_mean:
             out = out + mean
@@ -221,7 +346,8 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: floa
     ``A_t = whiten(G)_t`` with ``G`` = :func:`returns_to_go` of the per-token rewards (task
     reward at the last valid token, the KL penalty of :func:`klpo.losses.kl_reward` on every
     token) and the mean and variance taken over all valid tokens of the batch. Matches verl's
-    ``compute_reinforce_plus_plus_outcome_advantage``.
+    ``compute_reinforce_plus_plus_outcome_advantage``. For a batch split over processes, whiten
+    the returns-to-go with the merged statistics of every shard (``whiten(..., stats=...)``).
 
     Args:
         rewards: ``[B, T]`` per-token rewards, KL shaping included.

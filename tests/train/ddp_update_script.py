@@ -1,12 +1,14 @@
 """Run by torchrun in test_resume_ddp.py: one `update` of a fixed batch, data-parallel.
 
-    torchrun --nproc_per_node N ddp_update_script.py MODEL OUT.safetensors [VARIANT]
+    torchrun --nproc_per_node N ddp_update_script.py MODEL OUT.safetensors [VARIANT[,VARIANT...]]
 
 Every rank builds the same rollout (same seed), keeps its share of the prompts (whole groups),
 scores it and takes one update; rank 0 saves the policy's parameters and the step's metrics
-(OUT.json). With N = 1 it is the single-process reference. VARIANT ``on-policy`` (default): one
+(OUT.json); with several variants, one after the other in the same processes, each writes
+OUT-VARIANT.safetensors and .json. With N = 1 it is the single-process reference. VARIANT ``on-policy`` (default): one
 epoch, the KL (k3) in the loss; ``off-policy``: two epochs, the KL in the reward and the loss, an
-entropy bonus.
+entropy bonus; ``ppo`` and ``reinforce++``: those algorithms, the KL in the reward, two epochs
+(their advantages are whitened over the whole batch, every rank's share).
 """
 
 from __future__ import annotations
@@ -26,11 +28,23 @@ from klpo.train.rollout import generate
 VARIANTS = {
     "on-policy": [],
     "off-policy": ["algo.epochs=2", "kl.placement=reward+loss", "algo.entropy_coef=0.01"],
+    "ppo": ["algo.name=ppo", "algo.epochs=2", "kl.placement=reward"],
+    "reinforce++": ["algo.name=reinforce++", "algo.epochs=2", "kl.placement=reward"],
 }
 
 
-def main(model: str, out: str, variant: str = "on-policy") -> None:
+def main(model: str, out: str, variants: str = "on-policy") -> None:
     dist = init_distributed(threads=1)
+    names = variants.split(",")
+    for variant in names:
+        path = Path(out)
+        if len(names) > 1:
+            path = path.with_name(f"{path.stem}-{variant}{path.suffix}")
+        one_update(dist, model, str(path), variant)
+    shutdown(dist)
+
+
+def one_update(dist, model: str, out: str, variant: str) -> None:
     cfg = build_config(
         overrides=[
             f"model.policy={model}",
@@ -56,15 +70,21 @@ def main(model: str, out: str, variant: str = "on-policy") -> None:
     share = len(full.prompts) // dist.world
     mine = full.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    scored = loop.score(cfg, m, mine, reward_fns, 0.5)
-    opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
+    scored = loop.score(cfg, m, mine, reward_fns, 0.5, dist)
+    critic = m.critic_core
+    opt = loop.Optimizers(
+        torch.optim.SGD(m.policy.parameters(), lr=0.1),
+        torch.optim.SGD(critic.parameters(), lr=0.1) if critic is not None else None,
+    )
     upd = loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
     metrics = loop.step_metrics(cfg, scored, upd, dist)
     if dist.is_main:
-        save_file({k: v.detach().clone() for k, v in m.policy.state_dict().items()}, out)
+        params = {k: v.detach().clone() for k, v in m.policy.state_dict().items()}
+        if critic is not None:
+            params |= {f"critic.{k}": v.detach().clone() for k, v in critic.state_dict().items()}
+        save_file(params, out)
         Path(out).with_suffix(".json").write_text(json.dumps(metrics))
     del m, opt, scored  # DDP's reducer must go before the process group it uses
-    shutdown(dist)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from klpo import kl, logprobs, losses, reduce
+from klpo import advantages, kl, logprobs, losses, reduce
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
 from klpo.train.dist import Dist
@@ -427,3 +427,12 @@ def test_preflight_fails_before_any_model_loads_or_file_is_written(
     with pytest.raises(ConfigError, match=r"model.policy '.*nowhere': no such directory"):
         loop.train(missing, log=print)
     assert not out.exists()
+
+
+def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
+    """One process: the same bits as klpo.advantages.whiten (the merge of one shard is itself).
+    Two processes are checked against one in tests/train/test_step_metrics.py."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 5, generator=gen)
+    mask = torch.rand(4, 5, generator=gen) > 0.3
+    assert torch.equal(loop.whiten_over_ranks(x, mask, Dist()), advantages.whiten(x, mask))

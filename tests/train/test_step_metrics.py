@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from klpo import losses
 from klpo.train import loop
@@ -154,24 +155,33 @@ def _env() -> dict[str, str]:
 @pytest.mark.slow
 def test_every_metric_is_the_same_for_one_and_two_processes(tiny_model, tmp_path):
     """torchrun with 1 and 2 processes, one fixed batch (each rank holds half the groups), two
-    epochs with the KL in the reward and the loss: every metric of the step agrees. The on-policy
-    variant is checked with the gradients in tests/train/test_resume_ddp.py."""
-    variant = "off-policy"
+    epochs: every metric of the step and every parameter after it agree. ``off-policy``: GRPO
+    with the KL in the reward and the loss; ``ppo`` and ``reinforce++`` whiten their advantages
+    over the whole batch (every rank's statistics merged), so their gradients are the whole
+    batch's too. The on-policy variant is checked in tests/train/test_resume_ddp.py."""
+    variants = ["off-policy", "ppo", "reinforce++"]
     script = str(HERE / "ddp_update_script.py")
-    got = {}
     for n in (1, 2):
-        out = tmp_path / f"world{n}.safetensors"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={n}", script, str(tiny_model), str(out), variant,
+            f"--nproc_per_node={n}", script, str(tiny_model),
+            str(tmp_path / f"world{n}.safetensors"), ",".join(variants),
         ]  # fmt: skip
         done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        got[n] = json.loads(out.with_suffix(".json").read_text())
-    assert set(got[1]) == set(got[2])
-    assert got[1]["loss/kl"] > 0 and got[1]["entropy"] > 0
-    for key, v in got[1].items():
-        assert got[2][key] == pytest.approx(v, rel=2e-5, abs=1e-6), key
+    before = load_file(str(tiny_model / "model.safetensors"))
+    for variant in variants:
+        out = {n: tmp_path / f"world{n}-{variant}.safetensors" for n in (1, 2)}
+        got = {n: json.loads(out[n].with_suffix(".json").read_text()) for n in (1, 2)}
+        assert set(got[1]) == set(got[2]), variant
+        assert got[1]["entropy"] > 0 and got[1]["kl/ref/k3"] > 0, variant
+        for key, v in got[1].items():
+            assert got[2][key] == pytest.approx(v, rel=2e-5, abs=1e-6), (variant, key)
+        one, two = load_file(str(out[1])), load_file(str(out[2]))
+        assert any(not torch.equal(one[k], before[k]) for k in before), variant
+        assert ("critic.value_head.weight" in one) == (variant == "ppo")
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6, msg=(variant, k))
 
 
 # Configurations that together emit every documented metric.

@@ -23,7 +23,8 @@ under ``torchrun`` a rank that fails leaves at once so that the group stops rath
 
 Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
 is divided by the global token (or sequence) count, so the gradient equals that of one process
-holding the whole batch; the metrics are ratios of sums over micro-batches and ranks
+holding the whole batch (PPO's and REINFORCE++'s batch-whitening merges every rank's statistics,
+:func:`whiten_over_ranks`); the metrics are ratios of sums over micro-batches and ranks
 (:class:`klpo.train.metrics.Tally`), so they too are the whole batch's at any split.
 """
 
@@ -188,6 +189,7 @@ class AdvantageInputs:
     mask: Tensor  # [B, C] bool
     group_size: int
     values: Tensor | None  # [B, C] V(s_t) of the critic (algorithms with a critic)
+    dist: Dist  # the ranks holding the rest of the step's batch (batch-whitening sums over them)
 
 
 AdvantageFn = Callable[[AlgoConfig, AdvantageInputs], tuple[Tensor, Tensor | None]]
@@ -210,9 +212,26 @@ def _rloo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, None]:
     return advantages.broadcast_to_tokens(advantages.rloo(totals, x.group_size), x.mask), None
 
 
+def whiten_over_ranks(x: Tensor, mask: Tensor, dist: Dist) -> Tensor:
+    """:func:`klpo.advantages.whiten` with the statistics of the whole step's batch.
+
+    Each rank's :func:`~klpo.advantages.whiten_stats` are gathered (a sum of rows that are zero
+    but for the rank's own) and merged in rank order, so every rank whitens its share with the
+    same mean and variance as one process holding the whole batch would (in a world of one, the
+    bits of plain ``whiten``)."""
+    local = torch.stack(advantages.whiten_stats(x, mask))
+    rows = torch.zeros(dist.world, local.numel(), dtype=local.dtype, device=local.device)
+    rows[dist.rank] = local
+    rows = dist.all_sum(rows)
+    stats = advantages.merge_whiten_stats([advantages.WhitenStats(*r) for r in rows])
+    return advantages.whiten(x, mask, stats=stats)
+
+
 def _reinforce_pp_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, None]:
-    """Per-token returns-to-go of the shaped reward, whitened over the batch."""
-    return advantages.reinforce_pp(x.token_rewards + x.kl_penalty, x.mask, gamma=a.gamma), None
+    """Per-token returns-to-go of the shaped reward, whitened over the batch (REINFORCE++,
+    :func:`klpo.advantages.reinforce_pp`, with the statistics of every rank's share)."""
+    returns = advantages.returns_to_go(x.token_rewards + x.kl_penalty, x.mask, gamma=a.gamma)
+    return whiten_over_ranks(returns, x.mask, x.dist), None
 
 
 def _ppo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -221,7 +240,7 @@ def _ppo_advantages(a: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     adv, returns = advantages.gae(
         x.token_rewards + x.kl_penalty, x.values, x.mask, gamma=a.gamma, lam=a.lam
     )
-    return advantages.whiten(adv, x.mask), returns
+    return whiten_over_ranks(adv, x.mask, x.dist), returns
 
 
 @dataclass(frozen=True)
@@ -390,7 +409,16 @@ def _values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
 
 
 @torch.no_grad()
-def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta: float) -> Scored:
+def score(
+    cfg: TrainConfig,
+    m: Models,
+    rollout: Rollout,
+    reward_fns: list,
+    beta: float,
+    dist: Dist | None = None,
+) -> Scored:
+    """Rewards, log-probs, values and advantages of this rank's share of the step's rollouts;
+    ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening."""
     mask = rollout.mask
     totals, per_fn = rewards_mod.combined_rewards(
         reward_fns, rollout.prompts, rollout.completions, rollout.answers
@@ -439,7 +467,8 @@ def score(cfg: TrainConfig, m: Models, rollout: Rollout, reward_fns: list, beta:
     values_old = torch.where(mask, _values(m.critic_core, rollout), 0.0) if spec.critic else None
     g = rollout.group_size
     adv, returns = spec.advantages(
-        cfg.algo, AdvantageInputs(scores, token_rewards, kl_penalty, mask, g, values_old)
+        cfg.algo,
+        AdvantageInputs(scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist()),
     )
     metrics = reward_metrics(scores, per_fn, rollout, g)
     return Scored(rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics)
@@ -990,7 +1019,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # 2. Score.
     beta = run.kl_ctl.value
-    scored = score(cfg, m, rollout, run.reward_fns, beta)
+    scored = score(cfg, m, rollout, run.reward_fns, beta, dist)
     t2 = time.perf_counter()
 
     # 3. Update.
