@@ -13,7 +13,7 @@ the samples it handles by the median wall time of ``--repeats`` runs after a war
   estimators): the lab shares each sample across estimators, the naive script samples again for
   each. adaptive_mix's naive reference is a Python loop over batches of 64 (its weight depends on
   past batches).
-  Goal (issue 3): >= 10^7 samples per second per estimator on 2 cores.
+  Goal: >= 10^7 samples per second per estimator on 2 cores.
 - Categorical rows (a Zipfian LM-like pair): ``klpo.lab.monte_carlo`` (values, and values with the
   mean and variance of the per-sample gradient) against sampling with ``torch.multinomial``,
   gathering log-probs and reducing (values), or per-sample gradients by autograd (gradients).

@@ -15,7 +15,7 @@ logits in the backward pass) in float32.
 
 Run it alone on the machine (it uses every core), with the peers' environment for the peers:
 
-    PYTHONPATH=$PWD/src /work/venv-peers/bin/python bench/logprobs.py [--quick]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/logprobs.py [--quick]
 
 ``--sweep`` times klpo alone over a grid of tile sizes (and with the entropy on), the measurement
 behind the defaults ``klpo.logprobs.TOKEN_CHUNK`` and ``default_vocab_chunk``.

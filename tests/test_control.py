@@ -28,7 +28,8 @@ def test_ziegler_adaptive_hand():
     for kl, expected in cases:
         c = C.AdaptiveKL(0.2, target=6.0, horizon=10000)
         assert c.update(kl=kl, n_steps=64) == pytest.approx(expected, rel=1e-12)
-    # frameworks-kl.md §5.7: KL = 2·target with n_steps = horizon multiplies by 1.2; KL = 0 by 0.8
+    # Ziegler et al. 2019 (arXiv:1909.08593) eq. 2, error clipped to ±0.2: KL = 2·target with
+    # n_steps = horizon multiplies by 1 + 0.2 = 1.2; KL = 0 by 1 - 0.2 = 0.8
     c = C.AdaptiveKL(1.0, target=0.1, horizon=100)
     assert c.update(kl=0.2, n_steps=100) == pytest.approx(1.2, rel=1e-12)
     assert c.update(kl=0.0, n_steps=100) == pytest.approx(1.2 * 0.8, rel=1e-12)

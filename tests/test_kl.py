@@ -162,8 +162,11 @@ def test_properties(xs, ys):
     logp = torch.tensor(xs[:n]).reshape(1, n).requires_grad_(True)
     logp_ref = torch.tensor(ys[:n]).reshape(1, n)
     values = {name: est(name, logp, logp_ref, logp.detach()) for name in LOG_NAMES}
-    for name in ("k2", "k3", "abs", "k2+", "k3+", "abs+", "kl_ref_theta", "k3_is", "low_var_kl"):
+    for name in ("k2", "k3", "abs", "k2+", "k3+", "abs+", "kl_ref_theta", "k3_is"):
         assert (values[name] >= 0).all(), name
+    # low_var_kl is verl's formula exp(kl) - kl - 1 verbatim (no expm1): near d = 0 it rounds to
+    # a few ulp below zero (d = -1e-16 gives -1.1e-16), never further
+    assert (values["low_var_kl"] >= -4 * torch.finfo(torch.float64).eps).all()
     assert torch.equal(values["k3"], values["k3+"])
     assert torch.equal(values["k1"], values["k1+"])
     assert torch.equal(values["abs"], values["abs+"])
@@ -247,8 +250,8 @@ def random_cases(seed: int, n: int):
     return out
 
 
-def test_research_note_oracle():
-    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): the numbers in research/literature-kl §10.2."""
+def test_hand_checked_categorical_oracle():
+    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): values and gradients checked by hand."""
     theta, ref = np.log([0.7, 0.2, 0.1]), np.log([0.5, 0.3, 0.2])
     t = targets(theta, ref)
     assert t["values"][kl.THETA_REF] == pytest.approx(0.085123, abs=1e-6)
@@ -523,3 +526,68 @@ def test_errors_name_the_problem():
         kl.explain("k3", "rewards")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         kl.full(torch.zeros(1, 1, 3), torch.zeros(1, 1, 3), temperature=0.0)
+
+
+def test_non_finite_input_is_named_and_counted():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.0]])
+    ref = logp - 0.25
+    # a reference that forbids a sampled token: k3 = exp(-d) + d - 1 with d = +inf is not a number
+    # worth training on; the error names the argument and counts the entries (2 of 6)
+    bad_ref = ref.clone()
+    bad_ref[0, 1] = bad_ref[1, 2] = -math.inf
+    with pytest.raises(ValueError, match=r"logp_ref has 2 non-finite entries.*out of 6"):
+        kl.estimate("k3", logp, bad_ref)
+    bad = logp.clone()
+    bad[1, 0] = math.nan
+    with pytest.raises(ValueError, match=r"logp has 1 non-finite entry"):
+        kl.estimate("k1", bad, ref)
+    with pytest.raises(ValueError, match=r"logp_old has 1 non-finite entry"):
+        kl.estimate("k3_is", logp, ref, logp_old=bad)
+    # losses route through estimate: kl_loss without a mask checks every position
+    from klpo import losses
+
+    with pytest.raises(ValueError, match=r"logp_ref has 2 non-finite"):
+        losses.kl_loss("k3", logp, bad_ref)
+
+    # masked positions may hold padding of any value: only unmasked ones are checked, and the
+    # unmasked estimates are those of the clean input
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+    got = kl.estimate("k3", logp, bad_ref, mask=mask)
+    want = kl.estimate("k3", logp, ref)
+    assert torch.equal(got[mask], want[mask])
+    rewards = torch.zeros(2, 3)
+    shaped = losses.kl_reward(rewards, logp, bad_ref, mask, beta=0.5, estimator="k3")
+    assert torch.isfinite(shaped).all() and (shaped[~mask] == 0).all()
+    torch.testing.assert_close(shaped[mask], -0.5 * want[mask])
+    term = losses.kl_loss("k3", logp, bad_ref, mask=mask)
+    torch.testing.assert_close(term[mask], want[mask])
+    metrics = losses.kl_metrics(logp, bad_ref, mask, estimators=("k1", "k3"))
+    assert math.isfinite(metrics["kl/ref/k3"])
+    wider = mask.clone()
+    wider[0, 1] = True
+    with pytest.raises(ValueError, match=r"logp_ref has 1 non-finite entry .* at unmasked"):
+        kl.estimate("k3", logp, bad_ref, mask=wider)
+
+    # asked not to check, the NaN the check exists for comes back without a word
+    raw = kl.estimate("k3", logp, bad_ref, check_finite=False)
+    assert torch.isnan(raw[0, 1]) and torch.isfinite(raw[0, 0])
+    assert torch.isnan(kl.estimate("k1", bad, ref, check_finite=False)[1, 0])
+
+
+def test_k2_bias_takes_either_sign():
+    """docs/choosing.md: k2's value is biased, not 'biased low': its sign depends on the pair."""
+    # categorical, exact: E_p[d²/2] - KL with p = (0.7, 0.2, 0.1), q = (0.5, 0.3, 0.2)
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    lp, lq = p.log()[None], q.log()[None]
+    bias = float((p * kl.k2(lp, lq)[0]).sum() - (p * kl.k1(lp, lq)[0]).sum())
+    assert bias == pytest.approx(-0.005035, abs=1e-6)  # below the KL (0.085123) by 6%
+    # equal-variance Gaussians, N(0, 1) against N(mu, 1): d = mu²/2 - mu x, so
+    # E[d²]/2 = (mu² + mu⁴/4)/2 = KL + mu⁴/8 > KL: above the KL (+25% at mu = 1), by quadrature
+    x, w = np.polynomial.hermite_e.hermegauss(40)
+    w = torch.tensor(w / w.sum())
+    mu = 1.0
+    lp = torch.tensor(-(x**2) / 2)[None]
+    lq = torch.tensor(-((x - mu) ** 2) / 2)[None]
+    e_k2 = float((w * kl.k2(lp, lq)[0]).sum())
+    assert e_k2 == pytest.approx(0.5 + 1 / 8, rel=1e-12)

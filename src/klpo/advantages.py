@@ -27,6 +27,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from klpo._tensor import check_mask, check_same_shape, to_out, wide_dtype
+
 __all__ = [
     "WhitenStats",
     "broadcast_to_tokens",
@@ -46,29 +48,17 @@ ScaleMode = Literal["group", "batch"]
 
 
 def _wide(x: Tensor) -> Tensor:
-    return x.detach().to(torch.float32 if x.device.type == "mps" else torch.float64)
-
-
-def _out(x: Tensor, *inputs: Tensor) -> Tensor:
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
-    return x.to(dtype)
+    return x.detach().to(wide_dtype(x))
 
 
 def _check_tokens(mask: Tensor, **tensors: Tensor) -> None:
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+    check_mask(mask)
+    if mask.dim() != 2:
         raise TypeError(
-            "mask must be a [B, T] bool tensor (True = the token takes part); got "
-            f"{getattr(mask, 'dtype', type(mask).__name__)} of shape "
-            f"{tuple(getattr(mask, 'shape', ()))}; convert with mask.bool()"
+            f"mask must be a [B, T] bool tensor (True = the token takes part); got shape "
+            f"{tuple(mask.shape)}"
         )
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t))}")
-        if t.shape != mask.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}; "
-                f"both must be [B, T]"
-            )
+    check_same_shape("mask", mask, hint="[B, T]", **tensors)
 
 
 def _check_unit(name: str, value: float) -> None:
@@ -132,7 +122,7 @@ def returns_to_go(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tenso
             m = mask[:, t]
             running = torch.where(m, r[:, t] + gamma * running, running)
             out[:, t] = torch.where(m, running, 0.0)
-    return _out(out, rewards)
+    return to_out(out, rewards)
 
 
 def gae(
@@ -177,7 +167,7 @@ def gae(
             next_value = torch.where(m, v[:, t], next_value)
             adv[:, t] = torch.where(m, running, 0.0)
         ret = torch.where(mask, adv + v, 0.0)
-    return _out(adv, rewards, values), _out(ret, rewards, values)
+    return to_out(adv, rewards, values), to_out(ret, rewards, values)
 
 
 class WhitenStats(NamedTuple):
@@ -325,7 +315,7 @@ def whiten(
         w = _wide(x)
         n = stats.count.to(w.device, w.dtype)
         if float(n) == 0:
-            return _out(torch.zeros_like(w), x)
+            return to_out(torch.zeros_like(w), x)
         mean = stats.mean.to(w.device, w.dtype)
         centred = torch.where(mask, w - mean, 0.0)
         if bool(stats.vmax == stats.vmin):
@@ -337,7 +327,7 @@ def whiten(
         if not shift_mean:
             out = out + mean
         out = torch.where(mask, out, 0.0)
-    return _out(out, x)
+    return to_out(out, x)
 
 
 def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8) -> Tensor:
@@ -429,7 +419,7 @@ def group_relative(
             else:
                 s = r.flatten().std(correction=ddof)
             adv = torch.where(centred == 0, 0.0, centred / (s + eps))
-    return _out(adv.flatten(), rewards)
+    return to_out(adv.flatten(), rewards)
 
 
 def rloo(rewards: Tensor, group_size: int) -> Tensor:
@@ -449,7 +439,7 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     with torch.no_grad():
         r = _wide(rewards).view(-1, group_size)
         adv = _centred(r) * (group_size / (group_size - 1))
-    return _out(adv.flatten(), rewards)
+    return to_out(adv.flatten(), rewards)
 
 
 def group_std(rewards: Tensor, group_size: int, *, ddof: int = 1) -> Tensor:
@@ -471,7 +461,7 @@ def group_std(rewards: Tensor, group_size: int, *, ddof: int = 1) -> Tensor:
         r = _wide(rewards).view(-1, group_size)
         c = _centred(r)
         s = ((c * c).sum(dim=1) / (group_size - ddof)).sqrt()
-    return _out(s, rewards)
+    return to_out(s, rewards)
 
 
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:

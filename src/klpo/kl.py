@@ -31,6 +31,9 @@ it runs in float32 chunks over the vocabulary (:func:`klpo.logprobs.exact_kl`; f
 float64 logits), since a float64 copy of ``[B, T, V]`` logits would dwarf everything else. Masking is the
 caller's job and must use ``torch.where`` (as :mod:`klpo.reduce` does), not multiplication: an
 estimate may be ``+inf`` where the true value exceeds the float32 range, and ``inf * 0`` is NaN.
+:func:`estimate` refuses non-finite log-probs (NaN, or a ``-inf`` from a reference that forbids a
+sampled token), naming the argument and the count; give it the ``mask`` and padding positions may
+hold anything. The per-estimator functions do not check.
 
 Range: for float32 inputs, values and gradients are finite for ``|d| <= 80`` (``exp(80)`` ≈ 5.5e34).
 Beyond about ``d < -88.7`` the values of ``k3``, ``k3+``, ``k3_is`` and ``kl_ref_theta`` exceed the
@@ -53,12 +56,22 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from klpo._tensor import (
+    capped,
+    check_float,
+    check_mask,
+    check_same_shape,
+    to_out,
+    wide_dtype,
+)
+from klpo._tensor import check_finite as _check_finite
 from klpo.logprobs import exact_kl
 
 __all__ = [
     "ESTIMATORS",
     "GRADIENTS",
     "PLACEMENTS",
+    "REF_SAMPLED",
     "Explanation",
     "Placement",
     "abs_",
@@ -79,6 +92,7 @@ __all__ = [
     "k3_plus",
     "kl_ref_theta",
     "low_var_kl",
+    "refusal",
 ]
 
 THETA_REF = "KL(pi_theta ‖ pi_ref)"
@@ -117,42 +131,22 @@ def _placement(placement: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Precision helpers.
-
-
-def _wide_dtype(x: Tensor) -> torch.dtype:
-    """float64 where the device has it (everything but Apple's MPS), else float32."""
-    return torch.float32 if x.device.type == "mps" else torch.float64
+# Precision helpers (the shared ones live in klpo._tensor).
 
 
 def _log_ratio(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """d = logp - logp_ref, upcast before the subtraction."""
     _check_pair(logp, logp_ref, "logp_ref")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     return logp.to(wide) - logp_ref.to(wide)
 
 
 def _check_pair(logp: Tensor, other: Tensor, other_name: str) -> None:
-    if not isinstance(logp, Tensor) or not isinstance(other, Tensor):
-        raise TypeError(
-            f"logp and {other_name} must be torch tensors, got "
-            f"{type(logp).__name__} and {type(other).__name__}"
-        )
     for name, t in (("logp", logp), (other_name, other)):
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor of log-probabilities, got {t.dtype}")
-    if logp.shape != other.shape:
-        raise ValueError(
-            f"logp has shape {tuple(logp.shape)} but {other_name} has shape "
-            f"{tuple(other.shape)}; both must be the per-token [B, T] log-probs of the same tokens"
-        )
-
-
-def _out(x: Tensor, *inputs: Tensor) -> Tensor:
-    """float32, or float64 when an input is float64 (so float64 oracles stay exact)."""
-    if any(t.dtype == torch.float64 for t in inputs):
-        return x.to(torch.float64)
-    return x.to(torch.float32)
+        check_float(name, t, "a float tensor of log-probabilities")
+    check_same_shape(
+        other_name, other, hint="the per-token [B, T] log-probs of the same tokens", logp=logp
+    )
 
 
 def _k2_straight_through(d: Tensor, value: Tensor) -> Tensor:
@@ -161,20 +155,9 @@ def _k2_straight_through(d: Tensor, value: Tensor) -> Tensor:
     return value.detach() + (k2_ - k2_.detach())
 
 
-def _capped(x: Tensor) -> Tensor:
-    """`x` capped to ±700 (±85 in float32) in the value only, for use as an exponent.
-
-    exp(±700) is finite in float64, so a product like w · k3 can never become 0 · inf = NaN; the
-    float32 result still overflows to inf where the true value exceeds the float32 range. The
-    gradient passes straight through the cap.
-    """
-    cap = 700.0 if x.dtype == torch.float64 else 85.0
-    return x + (x.clamp(-cap, cap) - x).detach()
-
-
 def _k3_wide(d: Tensor) -> Tensor:
     """exp(-d) + d - 1 = expm1(-d) + d, accurate near d = 0, never negative, NaN-free."""
-    return _nonneg(torch.expm1(-_capped(d)) + d)
+    return _nonneg(torch.expm1(-capped(d)) + d)
 
 
 def _with_gradient(value: Tensor, pairs: tuple[tuple[Tensor, Tensor], ...]) -> Tensor:
@@ -219,7 +202,7 @@ def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Returns:
         ``[B, T]`` float32.
     """
-    return _out(_log_ratio(logp, logp_ref), logp, logp_ref)
+    return to_out(_log_ratio(logp, logp_ref), logp, logp_ref)
 
 
 def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -236,7 +219,7 @@ def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(0.5 * d * d, logp, logp_ref)
+    return to_out(0.5 * d * d, logp, logp_ref)
 
 
 def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -255,7 +238,7 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf (see the module notes).
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k3_wide(d), logp, logp_ref)
+    return to_out(_k3_wide(d), logp, logp_ref)
 
 
 def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -267,7 +250,7 @@ def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     Args / Returns: as :func:`k1`.
     """
-    return _out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
+    return to_out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
 
 
 def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -280,7 +263,7 @@ def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, d), logp, logp_ref)
+    return to_out(_k2_straight_through(d, d), logp, logp_ref)
 
 
 def k2_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -297,7 +280,7 @@ def k3_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
+    return to_out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
 
 
 def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -309,7 +292,7 @@ def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`.
     """
     d = _log_ratio(logp, logp_ref)
-    return _out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
+    return to_out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
 
 
 def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
@@ -334,15 +317,15 @@ def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
     """
     _check_pair(logp, logp_ref, "logp_ref")
     _check_pair(logp, logp_old, "logp_old")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     lp, lp_ref = logp.to(wide), logp_ref.to(wide)
     with torch.no_grad():
         d = lp - lp_ref
-        w = torch.exp(_capped(lp - logp_old.to(wide)))
+        w = torch.exp(capped(lp - logp_old.to(wide)))
         value = w * _k3_wide(d)
         # d/dlogp (w k3) = w k3 + w (1 - exp(-d)) = w d;  d/dlogp_ref (w k3) = -w (1 - exp(-d))
-        coef, coef_ref = w * d, w * torch.expm1(-_capped(d))
-    return _out(_with_gradient(value, ((coef, lp), (coef_ref, lp_ref))), logp, logp_ref)
+        coef, coef_ref = w * d, w * torch.expm1(-capped(d))
+    return to_out(_with_gradient(value, ((coef, lp), (coef_ref, lp_ref))), logp, logp_ref)
 
 
 def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -350,8 +333,8 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     A **compatibility option**, matching verl's ``kl_penalty(..., "low_var_kl")`` exactly:
     ``kl = clamp(logp_ref - logp, -20, 20); value = clamp(exp(kl) - kl - 1, -10, 10)``.
-    Where the value clamp bites (k3 > 10, i.e. d < -2.35, pi_theta more than ~10x below pi_ref on
-    the sampled token) the gradient is **exactly zero**: the brake fails precisely where the policy
+    Where the value clamp bites (k3 > 10, i.e. d < -2.611, pi_theta below 7.3% of pi_ref on the
+    sampled token: exp(2.611) - 2.611 - 1 = 10) the gradient is **exactly zero**: the brake fails precisely where the policy
     has moved furthest below the reference. Elsewhere it equals k3, value and gradient. Prefer
     ``k3`` (or ``k3+``), which need no clamp.
 
@@ -359,7 +342,7 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """
     d = _log_ratio(logp, logp_ref)
     kl = torch.clamp(-d, min=-20.0, max=20.0)
-    return _out(torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0), logp, logp_ref)
+    return to_out(torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0), logp, logp_ref)
 
 
 def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -378,15 +361,15 @@ def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf.
     """
     _check_pair(logp, logp_ref, "logp_ref")
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     lp, lp_ref = logp.to(wide), logp_ref.to(wide)
     with torch.no_grad():
         d = lp - lp_ref
-        r = torch.exp(-_capped(d))
+        r = torch.exp(-capped(d))
         # r log r - (r - 1) = r * (-d) - expm1(-d); written with expm1 for accuracy near d = 0.
-        value = (-r * d - torch.expm1(-_capped(d))).clamp_min(0.0)
+        value = (-r * d - torch.expm1(-capped(d))).clamp_min(0.0)
         coef = r * d  # d/dd [r log r - r + 1] = (log r) dr/dd = (-d)(-r)
-    return _out(_with_gradient(value, ((coef, lp), (-coef, lp_ref))), logp, logp_ref)
+    return to_out(_with_gradient(value, ((coef, lp), (-coef, lp_ref))), logp, logp_ref)
 
 
 def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -475,6 +458,8 @@ def estimate(
     logp_old: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    mask: Tensor | None = None,
+    check_finite: bool = True,
 ) -> Tensor:
     """Per-token KL estimate by name: ``estimate("k3", logp, logp_ref)`` → ``[B, T]`` float32.
 
@@ -485,9 +470,22 @@ def estimate(
         logp_old: ``[B, T]`` log pi_old, the sampling policy; required by ``k3_is``
             (on-policy, pass ``logp.detach()``), ignored by the others.
         logits, logits_ref: ``[B, T, V]``; required by ``full`` (which ignores ``logp``).
+        mask: optional ``[B, T]`` bool, True where a token takes part. Only the finiteness check
+            uses it (positions where it is False may hold padding of any value, NaN included);
+            the estimate is still returned at every position, and reducing it with the mask
+            (:func:`klpo.reduce.reduce`) is the caller's job.
+        check_finite: raise on non-finite ``logp``, ``logp_ref`` or ``logp_old`` (where
+            ``mask``). A token sampled from pi_theta has a finite log-probability under pi_theta
+            and pi_old, and a ``-inf`` under pi_ref means the reference forbids it (an infinite
+            KL, whose gradient is NaN): either way the estimate would be NaN or inf with no word.
+            The check is one ``isfinite`` pass per input and one host sync; pass
+            False where infinite inputs are meant (a study of what each estimator does with an
+            infinite log-ratio). ``full``'s logits are not checked (that would be a second pass
+            over ``[B, T, V]``).
 
     Raises:
-        ValueError: for an unknown name (listing the valid ones) or a missing input.
+        ValueError: for an unknown name (listing the valid ones), a missing input, or a
+            non-finite log-prob (naming the argument and the count of non-finite entries).
     """
     spec = _spec(name)
     if spec.needs_logits:
@@ -500,6 +498,15 @@ def estimate(
         return spec.fn(logits, logits_ref)
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
+    if check_finite:
+        _check_pair(logp, logp_ref, "logp_ref")
+        if mask is not None:
+            check_mask(mask, logp.shape)
+        old = {}
+        if spec.needs_old and logp_old is not None:
+            _check_pair(logp, logp_old, "logp_old")
+            old = {"logp_old": logp_old}
+        _check_finite("logp", logp, mask, logp_ref=logp_ref, **old)
     if spec.needs_old:
         if logp_old is None:
             raise ValueError(
@@ -549,6 +556,10 @@ class Explanation:
     def text(self) -> str:
         """The explanation for people, a few lines."""
         sampling = "samples from pi_theta" if self.on_policy else "samples from pi_old ≠ pi_theta"
+        if self.estimator == "ref_is":
+            sampling = "samples from pi_ref"
+        elif self.estimator == "adaptive_mix":
+            sampling = "samples from pi_ref and pi_theta"
         value = (
             f"{'unbiased' if self.unbiased else 'biased'} estimate of {self.estimates}, "
             f"{'never negative' if self.nonnegative else 'can be negative'}"
@@ -591,19 +602,30 @@ def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Expla
 
     Args:
         name: one of :data:`ESTIMATORS`.
-        placement: one of :data:`PLACEMENTS` (``"none"`` is an error: it places no KL).
+        placement: one of :data:`PLACEMENTS` (``"none"`` is an error: it places no KL). The
+            estimators of :data:`REF_SAMPLED` have only ``"loss"``; other placements raise a
+            ValueError with the reason (:func:`refusal`).
         on_policy: False to ask about tokens sampled from an older policy pi_old, with no
             correction beyond what the estimator itself carries (``k3_is`` carries one).
 
     Returns:
         an :class:`Explanation`.
+
+    Raises:
+        ValueError: an unknown estimator or placement, or a placement that makes no sense for it.
     """
-    _spec(name)
+    if name not in REF_SAMPLED:
+        _spec(name)
     if _placement(placement) == "none":
         raise ValueError(
             "placement 'none' puts no KL in the reward or the loss, so there is no gradient to "
             f"explain; choose one of: {', '.join(PLACEMENTS)}"
         )
+    if name in REF_SAMPLED:
+        reason = refusal(name, placement)
+        if reason is not None:
+            raise ValueError(reason)
+        return _derive_ref_sampled(name)
     return _derive(name, placement, bool(on_policy))
 
 
@@ -746,3 +768,80 @@ def _never_negative(name: str) -> bool:
     logp_old = torch.stack([zeros, zeros + 5.0, zeros - 5.0])
     values = estimate(name, d.expand(3, -1), zeros.expand(3, -1), logp_old=logp_old.expand(3, -1))
     return bool((values >= 0).all())
+
+
+# --------------------------------------------------------------------------------------------
+# Estimators from samples of the reference (klpo.ref_kl): only in the loss.
+
+REF_SAMPLED: tuple[str, ...] = ("ref_is", "adaptive_mix")
+"""Estimators that also need completions sampled from pi_ref (:mod:`klpo.ref_kl`); not in
+:data:`ESTIMATORS`, which are per-token functions of the policy's own samples."""
+
+_REF_EQUATIONS = {
+    "ref_is": "w·log w over x ~ pi_ref, w = pi_theta(x)/pi_ref(x)",
+    "adaptive_mix": "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)); "
+    "its expected gradient is scaled by 1 - a",
+}
+
+
+def refusal(name: str, placement: str) -> str | None:
+    """Why ``name`` cannot go in ``placement``, or None if it can.
+
+    Only the estimators of :data:`REF_SAMPLED` refuse a placement: ``ref_is`` is computed on
+    completions the *reference* sampled, so as a detached per-token reward it would attach to
+    no token the policy sampled and carry no policy-gradient term for them; ``adaptive_mix``
+    inherits this through its ``ref_is`` part.
+    """
+    if name not in REF_SAMPLED or placement == "loss":
+        return None
+    why = (
+        f"{name} cannot go in the {placement}: it is computed on completions sampled from pi_ref, "
+        "not from the policy, so as a detached reward it sits on no token the policy sampled and "
+        "carries no policy-gradient term for the policy's own tokens. "
+    )
+    if name == "adaptive_mix":
+        why += "(Its k1 part could, but its ref_is part cannot, and the mix is one number.) "
+    return why + (
+        "Use kl.placement=loss: there, differentiating w·log w with the reference's samples held "
+        "fixed follows grad KL(pi_theta ‖ pi_ref) exactly (klpo explain -e ref_is -p loss)."
+    )
+
+
+@functools.cache
+def _derive_ref_sampled(name: str) -> Explanation:
+    """:func:`explain` for a :data:`REF_SAMPLED` estimator in the loss, by exact enumeration.
+
+    ``ref_is``: E_ref[w log w] and E_ref[grad (w log w)] summed over every outcome x with weight
+    pi_ref(x). ``adaptive_mix`` at a fixed weight a = 1/2: a·E_theta[k1] + (1 - a)·E_ref[w log w];
+    its expected gradient must then be (1 - a)·grad KL(pi_theta ‖ pi_ref) (k1's is zero).
+    """
+    a = 0.5 if name == "adaptive_mix" else 0.0
+    unbiased, labels = True, set()
+    for theta, ref, _ in _cases():
+        kl_tr, _, g_tr, _ = _exact_kls(theta, ref)
+        t = theta.detach().clone().requires_grad_(True)
+        logp, logp_ref = torch.log_softmax(t, -1), torch.log_softmax(ref, -1)
+        p, p_ref = logp.exp(), logp_ref.exp()
+        log_w = logp - logp_ref
+        ris = (p_ref * log_w.exp() * log_w).sum()
+        k1_loss = (p.detach() * k1(logp, logp_ref)).sum()  # samples of pi_theta held fixed
+        objective = a * k1_loss + (1 - a) * ris
+        value = a * float((p * log_w).sum().detach()) + (1 - a) * float(ris.detach())
+        (grad,) = torch.autograd.grad(objective, t)
+        unbiased &= math.isclose(value, kl_tr, rel_tol=_TOL, abs_tol=_TOL)
+        if _close(grad / (1 - a), g_tr):
+            labels.add(GRAD_THETA_REF)
+        else:
+            labels.add(GRAD_OTHER)
+    gradient = labels.pop() if len(labels) == 1 else GRAD_OTHER
+    return Explanation(
+        estimator=name,
+        placement="loss",
+        on_policy=True,
+        equation=_REF_EQUATIONS[name],
+        estimates=THETA_REF,
+        unbiased=unbiased,
+        nonnegative=False,  # w log w < 0 wherever w < 1, and k1 can be negative
+        gradient=gradient,
+        mismatch=gradient != GRAD_THETA_REF,
+    )

@@ -30,8 +30,7 @@ so that one backward pass serves any combination of the three outputs. The refer
 The gradient with respect to the logits is ``G / T``; with respect to hidden states, weight and bias
 it is ``(G / T) @ weight``, ``(G / T).T @ hidden`` and ``sum over tokens of G / T``.
 
-Algorithm of :func:`fused` (one ``torch.autograd.Function``; see
-``/work/shared/research/performance.md`` §11 and the peers it surveys: Liger-Kernel's chunked
+Algorithm of :func:`fused` (one ``torch.autograd.Function``; its peers: Liger-Kernel's chunked
 selective log-prob, TRL 1.16's ``ChunkedLogProbFunction`` and ``ChunkedDivergenceFunction``, Cut
 Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein, arXiv:1805.02867):
 

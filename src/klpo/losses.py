@@ -28,6 +28,15 @@ import torch
 from torch import Tensor
 
 from klpo import kl
+from klpo._tensor import (
+    capped,
+    capped_exp,
+    check_float,
+    check_mask,
+    check_same_shape,
+    to_out,
+    wide_dtype,
+)
 from klpo.reduce import masked_mean
 
 __all__ = [
@@ -49,53 +58,18 @@ OldKL = Literal["k1", "k3"]
 # Helpers.
 
 
-def _wide_dtype(x: Tensor) -> torch.dtype:
-    return torch.float32 if x.device.type == "mps" else torch.float64
-
-
-def _out(x: Tensor, *inputs: Tensor | None) -> Tensor:
-    f64 = any(t is not None and t.dtype == torch.float64 for t in inputs)
-    return x.to(torch.float64 if f64 else torch.float32)
-
-
 def _check(ref: Tensor, **tensors: Tensor) -> None:
     """Every tensor is a float tensor of ``ref``'s shape."""
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t))}")
-        if t.shape != ref.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} but logp/values have shape "
-                f"{tuple(ref.shape)}; all per-token inputs must be [B, T] over the same tokens"
-            )
-
-
-def _check_mask(ref: Tensor, mask: Tensor) -> None:
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        raise TypeError(
-            "mask must be a bool tensor (True = the token takes part); convert with mask.bool()"
-        )
-    if mask.shape != ref.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(ref.shape)}")
-
-
-def _capped(x: Tensor) -> Tensor:
-    """x capped to ±700 (±85 in float32) in the value only, for use as an exponent: exp of it is
-    finite, so ``0 · exp`` is 0, never NaN. The gradient passes straight through the cap."""
-    cap = 700.0 if x.dtype == torch.float64 else 85.0
-    return x + (x.clamp(-cap, cap) - x).detach()
-
-
-def _capped_exp(x: Tensor) -> Tensor:
-    return torch.exp(_capped(x))
+    check_same_shape(
+        "logp/values", ref, hint="per-token [B, T] inputs over the same tokens", **tensors
+    )
 
 
 def _log_ratio(logp: Tensor, logp_old: Tensor) -> Tensor:
     """u = logp - sg(logp_old), in the wide dtype; the gradient flows into logp only."""
-    if not isinstance(logp, Tensor) or not logp.is_floating_point():
-        raise TypeError(f"logp must be a float tensor, got {getattr(logp, 'dtype', type(logp))}")
+    check_float("logp", logp)
     _check(logp, logp_old=logp_old)
-    wide = _wide_dtype(logp)
+    wide = wide_dtype(logp)
     return logp.to(wide) - logp_old.detach().to(wide)
 
 
@@ -144,11 +118,11 @@ def ppo_clip(
     u = _log_ratio(logp, logp_old)
     _check(logp, adv=adv)
     a = adv.detach().to(u.dtype)
-    ratio = _capped_exp(u)
+    ratio = capped_exp(u)
     loss = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     if dual_clip is not None:
         loss = torch.where(a < 0, torch.minimum(loss, -a * dual_clip), loss)
-    return _out(loss, logp, logp_old, adv)
+    return to_out(loss, logp, logp_old, adv)
 
 
 def _kl_old(u: Tensor, estimator: str) -> Tensor:
@@ -157,7 +131,7 @@ def _kl_old(u: Tensor, estimator: str) -> Tensor:
         return -u
     if estimator == "k3":
         # (r - 1) - log r with r = pi_theta / pi_old = exp(u); expm1 keeps it accurate near u = 0.
-        return torch.expm1(_capped(u)) - u
+        return torch.expm1(capped(u)) - u
     raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
@@ -204,8 +178,8 @@ def ppo_kl_penalty(
     u = _log_ratio(logp, logp_old)
     _check(logp, adv=adv)
     a = adv.detach().to(u.dtype)
-    loss = -a * _capped_exp(u) + beta * _kl_old(u, estimator)
-    return _out(loss, logp, logp_old, adv)
+    loss = -a * capped_exp(u) + beta * _kl_old(u, estimator)
+    return to_out(loss, logp, logp_old, adv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,14 +213,14 @@ def value_loss(
     _check(values, values_old=values_old, returns=returns)
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip!r}")
-    wide = _wide_dtype(values)
+    wide = wide_dtype(values)
     v, ret = values.to(wide), returns.detach().to(wide)
     loss = (v - ret) ** 2
     if clip is not None:
         v_old = values_old.detach().to(wide)
         clipped = torch.clamp(v, v_old - clip, v_old + clip)
         loss = torch.maximum(loss, (clipped - ret) ** 2)
-    return _out(0.5 * loss, values, values_old, returns)
+    return to_out(0.5 * loss, values, values_old, returns)
 
 
 def entropy_bonus(entropy: Tensor) -> Tensor:
@@ -265,7 +239,7 @@ def entropy_bonus(entropy: Tensor) -> Tensor:
     """
     if not isinstance(entropy, Tensor) or not entropy.is_floating_point():
         raise TypeError("entropy must be a float tensor of per-token entropies [B, T]")
-    return _out(-entropy, entropy)
+    return to_out(-entropy, entropy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +262,7 @@ def kl_loss(
     logp_old: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     r"""The KL term of the loss, per token, corrected for tokens sampled from pi_old.
 
@@ -320,12 +295,15 @@ def kl_loss(
         logp_old: ``[B, T]`` log pi_old, the sampling policy (detached); None means on-policy
             (``logp.detach()``: w = 1).
         logits, logits_ref: ``[B, T, V]``, for ``full``.
+        mask: optional ``[B, T]`` bool, True where a token takes part: the inputs must be finite
+            there (:func:`klpo.kl.estimate` raises otherwise); elsewhere they may hold any
+            padding. Without it every position must be finite.
 
     Returns:
-        ``[B, T]``; multiply by beta and reduce like the policy loss.
+        ``[B, T]``; multiply by beta and reduce like the policy loss (with the mask).
     """
     if name in _TOKEN_FREE:
-        return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref)
+        return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref, mask=mask)
     if name not in _WEIGHTED | _CARRIES_WEIGHT:
         if name in kl.ESTIMATORS:
             raise NotImplementedError(
@@ -337,11 +315,11 @@ def kl_loss(
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
     if logp_old is None:
         logp_old = logp.detach()
-    est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach())
+    est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach(), mask=mask)
     if name in _CARRIES_WEIGHT:
         return est
     u = _log_ratio(logp, logp_old).detach()
-    return _out(_capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
+    return to_out(capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
 
 
 def kl_reward(
@@ -387,7 +365,7 @@ def kl_reward(
         raise ValueError(f"beta must be >= 0, got {beta!r}")
     if not isinstance(rewards, Tensor) or not rewards.is_floating_point():
         raise TypeError("rewards must be a float tensor [B, T]")
-    _check_mask(rewards, mask)
+    check_mask(mask, rewards.shape)
     with torch.no_grad():
         if logp_old is None and logp is not None:
             logp_old = logp
@@ -395,7 +373,13 @@ def kl_reward(
             est = estimate.detach()
         else:
             est = kl.estimate(
-                estimator, logp, logp_ref, logp_old=logp_old, logits=logits, logits_ref=logits_ref
+                estimator,
+                logp,
+                logp_ref,
+                logp_old=logp_old,
+                logits=logits,
+                logits_ref=logits_ref,
+                mask=mask,
             )
         if est.shape != rewards.shape:
             raise ValueError(
@@ -456,12 +440,12 @@ def policy_metrics(
     Returns:
         a dict of floats.
     """
-    _check_mask(logp, mask)
+    check_mask(mask, logp.shape)
     with torch.no_grad():
         u = _log_ratio(logp, logp_old)
         _check(logp, adv=adv)
         a = adv.detach().to(u.dtype)
-        ratio = _capped_exp(u)
+        ratio = capped_exp(u)
         high = (a > 0) & (ratio > 1.0 + clip_high)
         low = (a < 0) & (ratio < 1.0 - clip_low)
         dual = (a < 0) & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(mask)
@@ -504,7 +488,7 @@ def value_metrics(
     Returns:
         a dict of floats.
     """
-    _check_mask(values, mask)
+    check_mask(mask, values.shape)
     with torch.no_grad():
         _check(values, values_old=values_old, returns=returns)
         v, v_old, ret = (t.detach().to(torch.float64) for t in (values, values_old, returns))
@@ -555,8 +539,14 @@ def kl_metrics(
         out = {}
         for name in estimators:
             est = kl.estimate(
-                name, logp, logp_ref, logp_old=logp, logits=logits, logits_ref=logits_ref
+                name,
+                logp,
+                logp_ref,
+                logp_old=logp,
+                logits=logits,
+                logits_ref=logits_ref,
+                mask=mask,
             )
-            _check_mask(est, mask)
+            check_mask(mask, est.shape)
             out[f"kl/ref/{name}"] = masked_mean(est, mask)
     return _floats(out)

@@ -48,26 +48,19 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from klpo._tensor import check_mask
+
 __all__ = ["MODES", "Mode", "masked_mean", "masked_sum", "normaliser", "reduce"]
 
 Mode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 
-def _check_mask(x: Tensor, mask: Tensor, *, name: str = "x") -> None:
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise TypeError(
-            f"mask must be a bool tensor (True = the token takes part), got {got}; "
-            f"convert it with mask.bool() or mask > 0"
-        )
+def _check_mask(x: Tensor, mask: Tensor) -> None:
+    check_mask(mask)
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
-    if x.shape != mask.shape:
-        raise ValueError(
-            f"{name} has shape {tuple(x.shape)} but mask has shape {tuple(mask.shape)}; "
-            f"both must be [B, T] over the same tokens"
-        )
+        raise TypeError(f"x must be a torch tensor, got {type(x).__name__}")
+    check_mask(mask, x.shape)
 
 
 def _acc(x: Tensor) -> Tensor:

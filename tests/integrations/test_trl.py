@@ -6,7 +6,7 @@ per-token log-probs computed here from the model's logits, independently of TRL'
 k3 written out in float64. The model is a random 1-layer Llama (hidden 16) with a character
 tokenizer, built in the test; nothing is downloaded.
 
-Run with the peer environment: ``PYTHONPATH=$PWD/src /work/venv-peers/bin/python -m pytest
+Run with an environment that has TRL: ``PYTHONPATH=$PWD/src PEERS_VENV/bin/python -m pytest
 tests/integrations``.
 """
 

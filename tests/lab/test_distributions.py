@@ -57,7 +57,7 @@ def test_sequence_probabilities_by_hand():
         s(-0.5) * s(-1.0), rel=1e-12
     )  # (1, 0): after 1, logits (-0.4, 0.6)
     assert p.sum() == pytest.approx(1.0, rel=1e-14)
-    # research/literature-kl.md §10.3
+    # the hand-checked 2-step oracle (klpo.lab.report.SEQUENCE_ORACLE_SPEC)
     assert pair.kl_theta_ref == pytest.approx(0.140222, abs=1e-6)
     assert pair.kl_ref_theta == pytest.approx(0.158029, abs=1e-6)
 

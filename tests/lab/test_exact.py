@@ -1,6 +1,7 @@
 """Tests for klpo.lab.exact: Gaussian closed forms, and values and gradients by enumeration.
 
-Oracles: the hand-checked numbers of research/literature-kl.md §10.1-10.3; a worked 2-step example
+Oracles: Schulman's Gaussian table (2020) and two hand-checked examples (a categorical and a
+2-step sequence model); a worked 2-step example
 done by hand below; numpy Gauss-Hermite quadrature; ``klpo.kl.expected_value_and_gradient`` (the
 library's own one-step enumeration); finite differences of a numpy sequence KL; and a naive loop
 that differentiates each sequence's loss by autograd.
@@ -34,8 +35,8 @@ from klpo.lab.ref_is import AdaptiveMix
 # Gaussians.
 
 
-def test_gaussian_closed_forms_reproduce_the_research_note():
-    # research/literature-kl.md §10.1: sd/true and bias/true at mu = 0.1 (KL 0.005) and mu = 1 (0.5)
+def test_gaussian_closed_forms_reproduce_schulmans_table():
+    # sd/true and bias/true at mu = 0.1 (KL 0.005) and mu = 1 (0.5), Schulman (2020) to 3 digits
     for mu, kl_true, k2_bias, sds in (
         (0.1, 0.005, 0.0025, {"k1": 20.0, "k2": 1.417745, "k3": 1.416575}),
         (1.0, 0.5, 0.25, {"k1": 2.0, "k2": 1.732051, "k3": 1.695030}),
@@ -130,8 +131,8 @@ def test_categorical_agrees_with_the_librarys_own_enumeration():
                 )
 
 
-def test_research_note_categorical_oracle():
-    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): research/literature-kl.md §10.2."""
+def test_hand_checked_categorical_oracle():
+    """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): values and gradients checked by hand."""
     ex = analyse(SequencePair.from_probabilities([0.7, 0.2, 0.1], [0.5, 0.3, 0.2]))
     assert ex.kl_theta_ref == pytest.approx(0.085123, abs=1e-6)
     assert ex.kl_ref_theta == pytest.approx(0.092033, abs=1e-6)
@@ -205,8 +206,8 @@ SPEC_10_3 = {
 }
 
 
-def test_research_note_sequence_oracle():
-    """research/literature-kl.md §10.3, parameters [root0, root1, after0_0, after0_1, after1_0, after1_1]."""
+def test_hand_checked_sequence_oracle():
+    """The 2-step model; parameters [root0, root1, after0_0, after0_1, after1_0, after1_1]."""
     ex = analyse(SequencePair.from_spec(SPEC_10_3))
     g = {
         (n, p): ex.gradients[n][p].flatten().numpy() for n in ex.gradients for p in ex.gradients[n]

@@ -85,7 +85,7 @@ def test_sequence_json_contract(tmp_path):
     record = run_json("sequence", "--spec", str(spec), "--samples", "1000")
     assert list(record) == ["kl", "values", "gradients", "monte_carlo"]
     true = record["gradients"]["true"]["theta_ref"]
-    # rows "" then "0" then "1", two entries each (research/literature-kl.md §10.3)
+    # rows "" then "0" then "1", two entries each (the hand-checked 2-step oracle)
     expected = [[0.097785, -0.097785], [0.117024, -0.117024], [-0.089075, 0.089075]]
     np.testing.assert_allclose(true, expected, atol=1e-6)
     np.testing.assert_allclose(record["gradients"]["k1"]["reward"], true, rtol=1e-12)
@@ -136,7 +136,7 @@ def test_sequence_bad_spec_exits_non_zero(tmp_path, content, message):
     assert missing.exit_code == 2 and "cannot read" in missing.output
 
 
-def test_estimator_names_are_never_k2_k3_for_the_seed_estimators():
-    """Seed 000's "K2"/"K3" are ref_is/adaptive_mix; the lab must not call them k2/k3."""
+def test_estimator_names_are_never_k2_k3_for_ref_is_and_adaptive_mix():
+    """The "K2"/"K3" of docs/claims.md are ref_is/adaptive_mix; the lab must not call them k2/k3."""
     assert {"ref_is", "adaptive_mix"} <= set(LAB_ESTIMATORS)
     assert set(kl.ESTIMATORS) <= set(LAB_ESTIMATORS)

@@ -1,4 +1,4 @@
-"""Tests for klpo.lab.ref_is: ref_is (seed 000's "K2") and adaptive_mix (its "K3")."""
+"""Tests for klpo.lab.ref_is: ref_is (the "K2" of docs/claims.md) and adaptive_mix (its "K3")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""`klpo lab report --quick` end to end, and the seed-000 verdicts' logic."""
+"""`klpo lab report --quick` end to end, and the logic of the verdicts on "K2" and "K3"."""
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -31,14 +32,14 @@ def test_report_writes_every_file(quick_report):
     assert not [n for n in names if n.endswith(".tmp")]  # atomic writes leave nothing behind
     for png in ("mu_sweep.png", "drift.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Seed 000: which claims hold" in output and "report.md" in output
+    assert 'Claims about "K2" and "K3": which hold' in output and "report.md" in output
 
 
 @pytest.mark.slow
 def test_report_content(quick_report):
     out, _ = quick_report
     text = (out / "report.md").read_text()
-    for heading in ("Schulman's table", "Gradient table", "ref_is variants", "Drift", "Seed 000"):
+    for heading in ("Schulman's table", "Gradient table", "ref_is variants", "Drift", "which hold"):
         assert heading in text
     results = json.loads((out / "results.json").read_text())
     assert results["preset"]["name"] == "quick"
@@ -71,6 +72,34 @@ def test_verdicts_follow_the_numbers(quick_report):
     assert verdicts(altered)[9]["verdict"] == "holds"
 
 
+@pytest.mark.slow
+def test_claims_page_quotes_every_claim_judged(quick_report):
+    """docs/claims.md quotes the text of every claim the verdicts judge, in the report's order."""
+    out, _ = quick_report
+    results = json.loads((out / "results.json").read_text())
+    page = (Path(__file__).resolve().parents[2] / "docs" / "claims.md").read_text()
+    at = -1
+    for v in results["verdicts"]:
+        pieces = [p.strip() for p in v["quote"].split("…") if p.strip()]
+        for piece in pieces:
+            assert piece in page, f"docs/claims.md does not quote {piece!r} ({v['claim']})"
+        first = page.index(pieces[0], at + 1)  # numbered in the same order as the report
+        assert first > at, v["claim"]
+        at = first
+    assert f"{len(results['verdicts'])}. **" in page
+
+
 def test_presets_count_their_progress_units():
     p = PRESETS["quick"]
     assert p.units == 2 + 4 + 2 + 3 * 1 + 3 + 31 + 1 + 1
+
+
+@pytest.mark.slow
+def test_the_training_claim_is_judged_on_a_study_when_given(quick_report):
+    out, _ = quick_report
+    results = json.loads((out / "results.json").read_text())
+    last = verdicts(results)[-1]
+    assert last["verdict"] == "not testable here" and "--training" in last["evidence"]
+    results["training"] = {"verdict": "does not hold", "evidence": "ratio 22.52 at this scale."}
+    last = verdicts(results)[-1]
+    assert last["verdict"] == "does not hold" and "ratio 22.52 at this scale." in last["evidence"]

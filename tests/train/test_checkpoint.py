@@ -80,6 +80,30 @@ def test_atomic_and_keeps_the_last_two(tmp_path):
     assert ck.latest_checkpoint(tmp_path / "nothing") is None
 
 
+def test_a_save_that_fails_midway_changes_nothing(tmp_path, monkeypatch):
+    """Disk full while writing the optimizer state: the previous checkpoint and ``latest`` stay,
+    and no temporary directory is left behind (klpo._io.atomic_dir)."""
+    model = tiny_model()
+    opt = trained(model)
+    ck.save_checkpoint(tmp_path, 1, policy=model, optimizers={"policy": opt})
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real = ck.save_file
+
+    def full_disk(tensors, path, *args, **kwargs):
+        if path.endswith("optim.safetensors"):
+            real(tensors, path, *args, **kwargs)  # half written, then the error
+            raise OSError(28, "No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(ck, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ck.save_checkpoint(tmp_path, 2, policy=model, optimizers={"policy": opt})
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    assert ck.latest_checkpoint(tmp_path).name == "step_000001"
+
+
 def test_rng_of_another_world_size_is_refused(tmp_path):
     path = ck.save_checkpoint(tmp_path, 1, policy=tiny_model(), optimizers={})
     with pytest.raises(ValueError, match="same number of processes"):

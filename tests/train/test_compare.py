@@ -43,11 +43,15 @@ def test_default_grid_covers_the_issue_and_each_run_is_a_valid_config():
         "full loss",
         "full reward",
         "no KL",
+        "ref_is loss",
+        "ref_is (clip 0.1-10) loss",
+        "adaptive_mix (as written) loss",
+        "adaptive_mix (as described) loss",
     ]:
         assert ("grpo", choice) in labels
     assert ("ppo", "k1 reward") in labels and ("ppo", "full reward") in labels
-    # 7 KL choices × 2 betas × 3 seeds + no KL × 3 seeds for GRPO; 2 × 2 × 3 for PPO.
-    assert len(runs) == 7 * 2 * 3 + 3 + 2 * 2 * 3
+    # 11 KL choices × 2 betas × 3 seeds + no KL × 3 seeds for GRPO; 2 × 2 × 3 for PPO.
+    assert len(runs) == 11 * 2 * 3 + 3 + 2 * 2 * 3
     assert len({r.name for r in runs}) == len(runs)
     for r in runs:
         cfg = build_config(apply_overrides({}, list(r.overrides)))
@@ -55,6 +59,10 @@ def test_default_grid_covers_the_issue_and_each_run_is_a_valid_config():
         assert cfg.kl.placement == r.placement and cfg.kl.beta == r.beta
         assert cfg.run.seed == r.seed and cfg.run.threads == 1 and cfg.run.steps == study.steps
         assert cfg.kl.controller == "fixed"
+        if r.choice == "ref_is (clip 0.1-10) loss":
+            assert cfg.kl.ref_is_clip == (0.1, 10.0)
+        if r.estimator == "adaptive_mix":
+            assert cfg.kl.mix_sign == r.choice.split("(")[1].split(")")[0].replace(" ", "-")
         if r.algo == "ppo":
             assert cfg.rollout.group_size == 4 and cfg.algo.epochs == 2
 
@@ -128,6 +136,60 @@ def test_summarise_run_by_hand(tmp_path):
     assert row["kl_logged_final"] == pytest.approx(0.165)
     assert row["kl_gap_mean"] == pytest.approx(0.01)
     assert row["reward_final"] == 1.0 and row["wall_s"] == 12.3
+
+
+def test_summarise_run_noise_convergence_and_reference_time(tmp_path):
+    # 20 steps; exact KL 0.1; ref_is alternates 0.1 ± 0.02 (noise variance 0.02² · 20/19),
+    # k1 alternates 0.1 ± 0.01; the train accuracy is 0.3 until step 12, then 0.6: its 10-step
+    # running mean first reaches 0.4 at step 15 ((7 · 0.3 + 3 · 0.6) / 10 = 0.39 at step 14,
+    # (6 · 0.3 + 4 · 0.6) / 10 = 0.42 at step 15). Each step spends 0.5 + 0.25 s on the reference.
+    rows = [{"step": 0, "accuracy/heldout": 0.3}]
+    for s in range(1, 21):
+        sign = 1 if s % 2 else -1
+        rows.append(
+            {
+                "step": s,
+                "kl/ref/exact": 0.1,
+                "kl/ref/ref_is": 0.1 + 0.02 * sign,
+                "kl/ref/k1": 0.1 - 0.01 * sign,
+                "accuracy/train": 0.3 if s <= 11 else 0.6,
+                "reward/mean": 0.0,
+                "entropy": 0.5,
+                "time/ref_sample": 0.5,
+                "time/ref_update": 0.25,
+            }
+        )
+    rows[-1]["accuracy/heldout"] = 0.5
+    _write_metrics(tmp_path / "r", rows)
+    run = _run(estimator="ref_is", choice="ref_is loss")
+    row = summarise_run(
+        run,
+        tmp_path / "r",
+        returncode=0,
+        wall_s=1,
+        steps=20,
+        collapse_drop=0.1,
+        target_accuracy=0.4,
+    )
+    assert row["kl_noise_var"] == pytest.approx(0.02**2 * 20 / 19)
+    assert row["kl_est_var"] == pytest.approx(0.02**2 * 20 / 19)
+    assert row["kl_k1_noise_var"] == pytest.approx(0.01**2 * 20 / 19)
+    assert row["steps_to_target"] == 15 and row["ref_time_s"] == pytest.approx(15.0)
+    never = summarise_run(
+        run,
+        tmp_path / "r",
+        returncode=0,
+        wall_s=1,
+        steps=20,
+        collapse_drop=0.1,
+        target_accuracy=0.9,
+    )
+    assert math.isnan(never["steps_to_target"])
+    cells = summarise_cells([row, never])
+    assert cells[0]["reached"] == 1 and cells[0]["steps_to_target"] == 15
+    report = write_results([row, never], tmp_path, StudyConfig(seeds=[0]))
+    text = report.read_text()
+    assert "## Estimator noise and convergence" in text and "| 4.00 |" in text  # ratio 0.02²/0.01²
 
 
 def test_summarise_run_statuses(tmp_path):

@@ -120,6 +120,8 @@ SPLITS = {
         },
         8,
     ),
+    # the term on the reference's completions, once per optimizer step, and the mix's a·k1 part
+    "adaptive_mix": ({"kl.estimator": "adaptive_mix", "algo.minibatches": 2}, 8),
 }
 
 
@@ -193,6 +195,7 @@ COVERAGE = [
         "algo.policy_loss": "kl-penalty",
         "algo.penalty_target": 0.01,
     },
+    {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
 ]
 
 

@@ -70,6 +70,9 @@ def test_bad_task_arguments(kwargs, message):
 # Generation and accuracy on stubs.
 
 
+HF = "generate"  # the stub implements only transformers' `generate`
+
+
 class StubLM:
     """Answers ``a op b=`` right (or wrong by one, for prompts chosen by ``wrong``), then EOS,
     then junk that must be cut away; checks that prompts arrive left-padded with a right mask."""
@@ -123,27 +126,47 @@ def tokenizer():
 def test_accuracy_of_right_wrong_and_half_right_stubs(tokenizer):
     held = ArithmeticTask(max_operand=99, n_heldout=40, seed=1).heldout
     right = StubLM(tokenizer)
-    assert heldout_accuracy(right, tokenizer, held, max_new_tokens=6, batch_size=16) == 1.0
+    assert (
+        heldout_accuracy(right, tokenizer, held, max_new_tokens=6, batch_size=16, sampler=HF) == 1.0
+    )
     assert right.training  # restored after evaluation
     assert [c["batch"] for c in right.calls] == [16, 16, 8]
     assert right.calls[0]["do_sample"] is False
     wrong = StubLM(tokenizer, wrong=lambda p: True)
-    assert heldout_accuracy(wrong, tokenizer, held, max_new_tokens=6) == 0.0
+    assert heldout_accuracy(wrong, tokenizer, held, max_new_tokens=6, sampler=HF) == 0.0
     odd = {e.prompt for e in held[1::2]}
     half = StubLM(tokenizer, wrong=lambda p: p in odd)
-    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6) == 0.5  # 20 of 40
+    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6, sampler=HF) == 0.5  # 20 of 40
     # A name or a function scores the same way.
-    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6, reward="numeric") == 0.5
+    assert (
+        heldout_accuracy(half, tokenizer, held, max_new_tokens=6, reward="numeric", sampler=HF)
+        == 0.5
+    )
 
 
 def test_generate_cuts_at_eos_and_truncates(tokenizer):
     examples = [Example("9+9=", "18"), Example("10+5=", "15")]
     prompts = [e.prompt for e in examples]
-    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=6) == ["18", "15"]
+    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=6, sampler=HF) == [
+        "18",
+        "15",
+    ]
     # Two new tokens leave no room for EOS: the truncated text is returned, and it is wrong.
-    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=1) == ["1", "1"]
+    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=1, sampler=HF) == [
+        "1",
+        "1",
+    ]
     stub = StubLM(tokenizer)
-    generate(stub, tokenizer, prompts, max_new_tokens=3, do_sample=True, temperature=0.7, top_p=0.9)
+    generate(
+        stub,
+        tokenizer,
+        prompts,
+        max_new_tokens=3,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.9,
+        sampler=HF,
+    )
     assert stub.calls[0] == {
         "batch": 2,
         "do_sample": True,

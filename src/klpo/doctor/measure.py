@@ -142,7 +142,13 @@ def _estimate(name: str, t: Terms, *, detach: bool = False) -> Tensor:
     logp = t.logp.detach() if detach else t.logp
     logits = t.logits.detach() if detach else t.logits
     return kl.estimate(
-        name, logp, t.logp_ref, logp_old=t.logp.detach(), logits=logits, logits_ref=t.logits_ref
+        name,
+        logp,
+        t.logp_ref,
+        logp_old=t.logp.detach(),
+        logits=logits,
+        logits_ref=t.logits_ref,
+        mask=t.mask,
     )
 
 

@@ -345,6 +345,7 @@ class KLPOGRPOTrainer(GRPOTrainer):
                 logp if in_loss else logp.detach(),
                 inputs["ref_per_token_logps"],
                 logp_old=inputs.get("old_per_token_logps"),
+                mask=mask,
             )
         training = self.model.training
         self._log_kl(term, mask, "train" if training else "eval")

@@ -1,15 +1,20 @@
 """The estimator lab: exact and Monte Carlo statistics of every KL estimator, value and gradient.
 
-Imports only the library (``klpo.kl``), never the trainer or the CLI. Modules:
+Imports only the library (``klpo.kl``; files through the private ``klpo._io``), never the trainer
+or the CLI. Modules:
 
 - :mod:`klpo.lab.distributions`  Gaussians, categoricals, Zipfian LM-like pairs, tabular sequence models
-- :mod:`klpo.lab.ref_is`         ``ref_is`` and ``adaptive_mix`` (seed 000's "K2" and "K3")
+- :mod:`klpo.lab.ref_is`         ``ref_is`` and ``adaptive_mix`` (the "K2" and "K3" of docs/claims.md)
 - :mod:`klpo.lab.exact`          closed forms, quadrature, and enumeration of values and gradients
 - :mod:`klpo.lab.montecarlo`     Monte Carlo statistics, seeded
 - :mod:`klpo.lab.stats`          value statistics, cosines, streaming moments
 - :mod:`klpo.lab.summaries`      the JSON records of ``klpo lab gaussian|categorical|sequence``
 - :mod:`klpo.lab.experiments`    the experiments of the report
-- :mod:`klpo.lab.report`         ``klpo lab report``: report.md, results.json, plots
+- :mod:`klpo.lab.report`         ``klpo lab report``: the presets and the suite
+- :mod:`klpo.lab.sections`       report.md, one function per section
+- :mod:`klpo.lab.claims`         the verdicts on the claims quoted in docs/claims.md
+- :mod:`klpo.lab.markdown`       number and table formatting for report.md
+- :mod:`klpo.lab.files`          plain JSON data, atomic writes
 - :mod:`klpo.lab.plots`          the PNG figures (matplotlib, imported on first use)
 
 Every estimator of :data:`klpo.kl.ESTIMATORS` comes from :func:`klpo.kl.estimate`; ``ref_is`` and

@@ -1,6 +1,6 @@
 r"""The distributions the lab measures KL estimators on.
 
-Four kinds, all in float64 (DESIGN.md §4):
+Four kinds, all in float64:
 
 1. :class:`GaussianPair`: pi_theta = N(0, 1), pi_ref = N(mu, 1), Schulman's 2020 experiment
    ("Approximating KL Divergence"); KL(pi_theta ‖ pi_ref) = KL(pi_ref ‖ pi_theta) = mu² / 2.

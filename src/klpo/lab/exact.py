@@ -14,7 +14,7 @@ For a normal d, E[e^{-d}] = e^{-m + s²/2} = 1 and E[d e^{-d}] = e^{-m+s²/2} (m
 
 (k3: Var e^{-d} = e^{-2m+2s²} - 1 = e^{mu²} - 1 and Cov(e^{-d}, d) = -mu²/2 - mu²/2 = -mu².
 ref_is: E_ref[w² L²] = E_theta[e^d d²] = e^{m+s²/2} ((m+s²)² + s²) = e^{mu²}(9mu⁴/4 + mu²).)
-These reproduce Schulman's table (research/literature-kl.md §1, §10.1).
+These reproduce Schulman's table (J. Schulman, "Approximating KL Divergence", 2020).
 
 **Enumeration** (:class:`Tables`, :func:`analyse`). Every sequence y of a :class:`SequencePair`
 is enumerated with its probability. For each estimator the lab builds, per sequence, the value
@@ -24,7 +24,7 @@ a placement with respect to the ``[P, V]`` logits is, at row(y_<t),
 
     g_t(y) = alpha · h[row] + coef_t(y) · (e_{y_t} - pi[row])
 
-with, for samples y ~ pi_theta (the placements of research/literature-kl.md §3 and issue 3):
+with, for samples y ~ pi_theta (the placements of :mod:`klpo.kl` and docs/estimators.md):
 
 - ``"loss"``: coef = c_t (the per-token term summed over the sequence and differentiated with
   the samples held fixed); for ``full`` alpha = 1 and h[row] is the gradient of the exact KL at the

@@ -54,8 +54,8 @@ __all__ = [
 Tick = Callable[[], None]
 
 SCHULMAN_PUBLISHED: dict[float, dict[str, tuple[float, float]]] = {
-    # (bias / true KL, sd / true KL) as printed in "Approximating KL Divergence" (2020), copied in
-    # research/literature-kl.md §1. The 0.002 for k2 at mu = 0.1 is Monte Carlo noise around 0.0025.
+    # (bias / true KL, sd / true KL) as printed in J. Schulman, "Approximating KL Divergence"
+    # (2020). The 0.002 for k2 at mu = 0.1 is Monte Carlo noise around the exact 0.0025.
     0.1: {"k1": (0.0, 20.0), "k2": (0.002, 1.42), "k3": (0.0, 1.42)},
     1.0: {"k1": (0.0, 2.0), "k2": (0.25, 1.73), "k3": (0.0, 1.7)},
 }

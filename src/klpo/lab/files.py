@@ -1,17 +1,16 @@
-"""Writing the lab's outputs: plain JSON data, and files written atomically."""
+"""Writing the lab's outputs: plain JSON data, and files written atomically (:mod:`klpo._io`)."""
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["to_json", "umask", "write_atomic"]
+from klpo._io import write_atomic
+
+__all__ = ["to_json", "write_atomic"]
 
 
 def to_json(x: Any) -> Any:
@@ -29,24 +28,3 @@ def to_json(x: Any) -> Any:
     if isinstance(x, (float, np.floating)):
         return float(x) if math.isfinite(x) else None
     return x
-
-
-def umask() -> int:
-    """The process umask (read without changing it for longer than a moment)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -7,12 +7,10 @@ atomically (to a temporary file in the same folder, then renamed).
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from klpo.lab.files import umask
+from klpo._io import save_figure
 
 __all__ = ["plot_drift", "plot_gradient_cosines", "plot_mu_sweep", "plot_ref_is_variants"]
 
@@ -38,16 +36,8 @@ def _plt() -> Any:
 
 
 def _save(fig: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        save_figure(fig, path)
     finally:
         fig.clear()
         _plt().close(fig)

@@ -1,7 +1,7 @@
 r"""Two estimators that need samples of the reference: ``ref_is`` and ``adaptive_mix``.
 
-They come from an interview-prep text (the project's seed 000), where they are called "K2" and
-"K3". They are **not** Schulman's k2 and k3 (see :mod:`klpo.kl`); the lab implements them under
+They come from a widely shared interview-preparation answer, quoted in docs/claims.md, where they
+are called "K2" and "K3". They are **not** Schulman's k2 and k3 (see :mod:`klpo.kl`); the lab implements them under
 their own names and measures them.
 
 ``ref_is`` (importance sampling from the reference). With x ~ pi_ref and the weight
@@ -24,12 +24,15 @@ pi_ref)`` exactly: in the loss, plain ``ref_is`` follows the right gradient, eve
 sequences. ``grad(w log w) = w (1 + log w) grad log pi_theta(x)``; where a clip bites, w is a
 constant and only ``clamp(w) · grad log w`` remains.
 
-``adaptive_mix`` (the seed's "K3"): ``a · k1 + (1 - a) · ref_is`` with
+``adaptive_mix`` (the answer's "K3"): ``a · k1 + (1 - a) · ref_is`` with
 ``a = sigmoid(gamma · (KL_window - threshold))``, ``KL_window`` the mean of the last ``window``
 outputs of the mix itself (an empty window counts as KL = 0: the policy starts at the reference).
-With gamma > 0, as written, the weight on k1 *grows* with the KL, the opposite of the seed's prose
+With gamma > 0, as written, the weight on k1 *grows* with the KL, the opposite of the answer's prose
 ("favour K1 when the KL is small"); gamma < 0 gives the prose's behaviour. Both components are
 unbiased, and a depends only on past batches, so the plain mix is unbiased too.
+
+``ref_is`` is the library's (:mod:`klpo.ref_kl`, which the trainer uses too), re-exported here;
+this module adds the lab's settings of the mix and its stream over many runs.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from klpo import kl
+from klpo.ref_kl import ref_is, ref_is_terms
 
 __all__ = [
     "SEED_CLIP",
@@ -54,71 +57,6 @@ __all__ = [
 
 SEED_CLIP: tuple[float, float] = (0.1, 10.0)
 """The weight clip the seed text suggests."""
-
-
-def _check_clip(clip: tuple[float, float] | None) -> None:
-    if clip is not None and not (0.0 <= clip[0] < clip[1]):
-        raise ValueError(f"clip must be (lo, hi) with 0 <= lo < hi, got {clip}")
-
-
-def ref_is_terms(
-    logp: Tensor, logp_ref: Tensor, *, clip: tuple[float, float] | None = None
-) -> Tensor:
-    r"""Per-sample ``w · log w`` for samples x ~ pi_ref, ``w = pi_theta(x) / pi_ref(x)``.
-
-    Args:
-        logp: ``[...]`` log pi_theta(x) of samples drawn from **pi_ref** (for a sequence, the sum
-            of its token log-probs); differentiable.
-        logp_ref: ``[...]`` log pi_ref(x) of the same samples; treated as a constant.
-        clip: optional ``(lo, hi)``: the weight is clamped (``clamp(w, lo, hi) · log w``); the
-            gradient through w is zero where the clamp bites.
-
-    Returns:
-        ``[...]`` in float64 (or float32 for float32 inputs). Unclipped, the mean over x ~ pi_ref
-        is KL(pi_theta ‖ pi_ref) and its expected gradient is grad KL(pi_theta ‖ pi_ref).
-    """
-    _check_clip(clip)
-    log_w = kl.estimate("k1", logp, logp_ref)  # log w = logp - logp_ref (upcast by klpo.kl)
-    w = log_w.exp()
-    if clip is not None:
-        w = w.clamp(clip[0], clip[1])
-    return w * log_w
-
-
-def ref_is(
-    logp: Tensor,
-    logp_ref: Tensor,
-    *,
-    clip: tuple[float, float] | None = None,
-    dynamic_clip: bool = False,
-    self_normalised: bool = False,
-    dim: int = -1,
-) -> Tensor:
-    r"""The batch estimate of KL(pi_theta ‖ pi_ref) from samples of pi_ref, reduced over ``dim``.
-
-    ``mean_i clip(w_i) log w_i``, or with ``self_normalised`` ``sum_i w_i log w_i / sum_i w_i``;
-    ``dynamic_clip`` clamps each weight to the batch's ``mean ± 3 sd`` of the weights (after
-    ``clip``, if both are given).
-
-    Args:
-        logp, logp_ref: ``[..., n]`` as :func:`ref_is_terms`, a batch of n samples of pi_ref
-            along ``dim``.
-
-    Returns:
-        ``[...]`` one estimate per batch.
-    """
-    _check_clip(clip)
-    log_w = kl.estimate("k1", logp, logp_ref)
-    w = log_w.exp()
-    if clip is not None:
-        w = w.clamp(clip[0], clip[1])
-    if dynamic_clip:
-        mean = w.mean(dim, keepdim=True)
-        sd = w.std(dim, keepdim=True, correction=0)
-        w = torch.minimum(torch.maximum(w, mean - 3 * sd), mean + 3 * sd)
-    if self_normalised:
-        return (w * log_w).sum(dim) / w.sum(dim)
-    return (w * log_w).mean(dim)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ either the new checkpoint or the previous one, never half of one.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -26,26 +25,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
+from klpo._io import atomic_dir, write_text_atomic
+
 LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and an atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
@@ -127,14 +109,11 @@ def save_checkpoint(
     """
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
+        with atomic_dir(final) as tmp:
+            _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state)
+    except OSError as err:  # a full disk, a permission: atomic_dir removed the partial files
         previous = find_checkpoint(run_dir)[0]
         kept = (
             f"the previous checkpoint {previous.name} is intact"
@@ -146,11 +125,6 @@ def save_checkpoint(
             f"{err.strerror or err}; {kept} and the partial files were removed. Free space "
             f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
         ) from None
-
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
     write_text_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep]:
         if old != final:
@@ -183,11 +157,6 @@ def _write_checkpoint(
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
     write_text_atomic(tmp / "state.json", json.dumps(meta))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(tmp)
 
 
 class CheckpointError(OSError):
@@ -295,7 +264,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def remove_orphans(run_dir: str | Path) -> list[Path]:
     """Delete the temporary directories of saves that never finished; returns them."""
     root = Path(run_dir) / "checkpoints"
-    gone = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    gone = sorted([*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]) if root.is_dir() else []
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone

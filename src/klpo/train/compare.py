@@ -27,6 +27,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -41,7 +42,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from klpo import kl
-from klpo.train.checkpoint import write_text_atomic
+from klpo._io import write_text_atomic
 from klpo.train.config import ConfigError, build_config, dump_config, one_of
 from klpo.train.metrics import read_metrics
 from klpo.train.report import save_figure
@@ -57,15 +58,26 @@ class Choice(BaseModel):
     algos: list[Literal["grpo", "ppo", "rloo", "reinforce++"]] = Field(
         default_factory=lambda: ["grpo"], description="Algorithms that run this choice."
     )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further kl.* keys of this choice (e.g. ref_is_clip, mix_sign), without "
+        "the 'kl.' prefix.",
+    )
+    variant: str = Field(
+        "", description="A short name of the options, shown after the estimator in the label."
+    )
 
     @field_validator("estimator")
     @classmethod
     def _known(cls, v: str) -> str:
-        return one_of("estimator", v, kl.ESTIMATORS)
+        return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
 
     @property
     def label(self) -> str:
-        return "no KL" if self.placement == "none" else f"{self.estimator} {self.placement}"
+        if self.placement == "none":
+            return "no KL"
+        name = f"{self.estimator} ({self.variant})" if self.variant else self.estimator
+        return f"{name} {self.placement}"
 
 
 def _default_choices() -> list[Choice]:
@@ -79,6 +91,32 @@ def _default_choices() -> list[Choice]:
         Choice(estimator="full", placement="loss"),
         Choice(estimator="full", placement="reward", algos=both),
         Choice(estimator="k1", placement="none"),
+        *ref_sampled_choices(),
+    ]
+
+
+def ref_sampled_choices() -> list[Choice]:
+    """The estimators that also sample the reference (the interview text's "K2" and "K3")."""
+    return [
+        Choice(estimator="ref_is", placement="loss"),
+        Choice(
+            estimator="ref_is",
+            placement="loss",
+            options={"ref_is_clip": [0.1, 10.0]},
+            variant="clip 0.1-10",
+        ),
+        Choice(
+            estimator="adaptive_mix",
+            placement="loss",
+            options={"mix_sign": "as-written"},
+            variant="as written",
+        ),
+        Choice(
+            estimator="adaptive_mix",
+            placement="loss",
+            options={"mix_sign": "as-described"},
+            variant="as described",
+        ),
     ]
 
 
@@ -110,6 +148,13 @@ class StudyConfig(BaseModel):
     collapse_drop: float = Field(
         0.1, ge=0, description="A finished run whose accuracy fell this far below its start."
     )
+    target_accuracy: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="Convergence: the first step at which the 10-step running mean of the "
+        "train accuracy reaches this.",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -127,8 +172,12 @@ class StudyConfig(BaseModel):
 
 
 def quick_study() -> StudyConfig:
-    """The ``--quick`` preset: every default choice, one beta, two seeds, a few steps (~2 min)."""
+    """The ``--quick`` preset: one beta, two seeds, a few steps (~2 min); every default choice
+    but those that sample the reference (they double a step's cost; the trainer's tests run
+    them end to end)."""
+    skip = {c.label for c in ref_sampled_choices()}
     return StudyConfig(
+        choices=[c for c in _default_choices() if c.label not in skip],
         betas=[0.05],
         seeds=[0, 1],
         steps=12,
@@ -209,9 +258,11 @@ def study_grid(study: StudyConfig) -> list[Run]:
                         "kl.placement": choice.placement,
                         "kl.beta": beta,
                         "kl.controller": "fixed",
+                        **{f"kl.{k}": v for k, v in choice.options.items()},
                         "run.seed": seed,
                     }
-                    tag = choice.label.replace(" ", "-").replace("+", "plus")
+                    tag = choice.label.replace("+", "plus")
+                    tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag).strip("-")
                     runs.append(
                         Run(
                             name=f"{algo}_{tag}_b{_fmt(beta)}_s{seed}",
@@ -250,6 +301,11 @@ RESULT_FIELDS = [
     "kl_exact_peak",
     "kl_logged_final",
     "kl_gap_mean",
+    "kl_est_var",
+    "kl_noise_var",
+    "kl_k1_noise_var",
+    "steps_to_target",
+    "ref_time_s",
     "reward_final",
     "entropy_final",
     "wall_s",
@@ -285,6 +341,7 @@ def summarise_run(
     steps: int,
     collapse_drop: float,
     error: str = "",
+    target_accuracy: float = 0.4,
 ) -> dict[str, Any]:
     """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``."""
     path = run_dir / "metrics.jsonl"
@@ -313,6 +370,28 @@ def summarise_run(
         for i in range(max(1, len(kl_exact) - WINDOW + 1))
         if kl_exact
     ]
+    # The estimator's noise: the per-step logged estimate minus the exact KL of the same step,
+    # and the same for k1 (logged by every run, on the policy's own tokens) for comparison.
+    est = [_num(r[logged_key]) for r in steps_rows if logged_key in r]
+    noise = [_num(r[logged_key]) - _num(r["kl/ref/exact"]) for r in steps_rows if logged_key in r]
+    k1_noise = [
+        _num(r["kl/ref/k1"]) - _num(r["kl/ref/exact"]) for r in steps_rows if "kl/ref/k1" in r
+    ]
+    acc_train = [
+        (r["step"], _num(r["accuracy/train"])) for r in steps_rows if "accuracy/train" in r
+    ]
+    reached = next(
+        (
+            acc_train[i][0]
+            for i in range(WINDOW - 1, len(acc_train))
+            if statistics.fmean(a for _, a in acc_train[i - WINDOW + 1 : i + 1]) >= target_accuracy
+        ),
+        math.nan,
+    )
+    ref_time = math.fsum(
+        _num(r.get("time/ref_sample", 0.0)) + _num(r.get("time/ref_update", 0.0))
+        for r in steps_rows
+    )
     return {
         "name": run.name,
         "algo": run.algo,
@@ -330,11 +409,21 @@ def summarise_run(
         "kl_exact_peak": max(smooth) if kl_exact else math.nan,
         "kl_logged_final": _tail_mean(steps_rows, logged_key),
         "kl_gap_mean": sum(gaps) / len(gaps) if gaps else math.nan,
+        "kl_est_var": _var(est),
+        "kl_noise_var": _var(noise),
+        "kl_k1_noise_var": _var(k1_noise),
+        "steps_to_target": reached,
+        "ref_time_s": round(ref_time, 2),
         "reward_final": _tail_mean(steps_rows, "reward/mean"),
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+def _var(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return statistics.variance(xs) if len(xs) > 1 else math.nan
 
 
 # Keys that may differ between a finished run and the study re-run over it: how a run is shown
@@ -410,6 +499,7 @@ def _execute(
         steps=study.steps,
         collapse_drop=study.collapse_drop,
         error=error,
+        target_accuracy=study.target_accuracy,
     )
     write_text_atomic(done_marker, yaml.safe_dump(row, sort_keys=False))
     return row
@@ -510,6 +600,12 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reward_mean": reward_m,
                 "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
                 "wall_s": _stats([_num(r["wall_s"]) for r in rs])[0],
+                "ref_time_s": _stats([_num(r.get("ref_time_s")) for r in rs])[0],
+                "kl_est_var": _stats([_num(r.get("kl_est_var")) for r in rs])[0],
+                "kl_noise_var": _stats([_num(r.get("kl_noise_var")) for r in rs])[0],
+                "kl_k1_noise_var": _stats([_num(r.get("kl_k1_noise_var")) for r in rs])[0],
+                "steps_to_target": _stats([_num(r.get("steps_to_target")) for r in rs])[0],
+                "reached": sum(math.isfinite(_num(r.get("steps_to_target"))) for r in rs),
             }
         )
     return table
@@ -560,6 +656,32 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
             f"{_f(c['kl_peak'], 4)} | {_f(c['kl_gap'], 4)} | {_f(c['reward_var'], 5)} | "
             f"{failed} | {_f(c['wall_s'], 0)} |"
         )
+    lines += [
+        "",
+        "## Estimator noise and convergence",
+        "",
+        "Per step, the logged estimate `kl/ref/<est>` of the choice's estimator (per token; for "
+        "`ref_is` and `adaptive_mix` the reference-sampled estimate per completion divided by the "
+        "policy's mean completion length) and, in the same runs, `kl/ref/k1` on the policy's own "
+        "tokens. Columns: the variance of the estimate across steps (it includes the KL's drift), "
+        "the variance of estimate − exact KL across steps (the estimator's noise), the same for "
+        "k1 and their ratio, each the mean over seeds; the mean step at which the "
+        f"{WINDOW}-step running mean of the train accuracy reaches {study.target_accuracy:g} "
+        "(over the seeds that reach it, their count after the slash); mean wall time per run and "
+        "the part spent sampling and scoring the reference's completions.",
+        "",
+        "| algo | KL choice | beta | Var est | Var(est − exact) | Var(k1 − exact) | ratio | "
+        "steps to target | wall s | reference s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], c["beta"], c["choice"])):
+        ratio = c["kl_noise_var"] / c["kl_k1_noise_var"] if c["kl_k1_noise_var"] else math.nan
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | {_g(c['kl_est_var'])} | "
+            f"{_g(c['kl_noise_var'])} | {_g(c['kl_k1_noise_var'])} | {_f(ratio, 2)} | "
+            f"{_f(c['steps_to_target'], 0)} ({c['reached']}/{c['runs']}) | "
+            f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
+        )
     failures = [r for r in results if r["status"] != "ok"]
     if failures:
         lines += ["", "## Failed runs", "", "| run | status | steps | error |"]
@@ -571,6 +693,10 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
     report = out / "report.md"
     write_text_atomic(report, "\n".join(lines))
     return report
+
+
+def _g(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.3g}"
 
 
 def _nan_low(x: float) -> float:

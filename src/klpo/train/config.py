@@ -143,7 +143,9 @@ class AlgoConfig(_Section):
 
 class KLConfig(_Section):
     estimator: str = Field(
-        "full", description=f"Per-token KL estimator: one of {', '.join(kl.ESTIMATORS)}."
+        "full",
+        description=f"KL estimator: a per-token one ({', '.join(kl.ESTIMATORS)}) or one that also "
+        f"samples completions from the reference ({', '.join(kl.REF_SAMPLED)}; loss only).",
     )
     placement: Placement = Field(
         "loss",
@@ -159,10 +161,56 @@ class KLConfig(_Section):
         0.5, gt=0, description="spread-scaled controller: the group reward std that halves beta."
     )
 
+    ref_samples: int | None = Field(
+        None,
+        gt=0,
+        description="ref_is, adaptive_mix: completions sampled from the reference per prompt "
+        "each step, the extra cost (null: rollout.group_size, as many as the policy samples).",
+    )
+    ref_is_clip: tuple[float, float] | None = Field(
+        None,
+        description="ref_is (and adaptive_mix's ref_is part): clamp the importance weight to [lo, hi], e.g. [0.1, 10] (biased; "
+        "null: off).",
+    )
+    ref_is_dynamic_clip: bool = Field(
+        False,
+        description="ref_is, adaptive_mix: clamp the weights to the batch's mean ± 3 sd (biased).",
+    )
+    ref_is_self_normalised: bool = Field(
+        False,
+        description="ref_is, adaptive_mix: divide by the sum of the weights instead of n (biased).",
+    )
+    mix_gamma: float = Field(
+        30.0,
+        gt=0,
+        description="adaptive_mix: slope of a = sigmoid(±gamma (KL_window - threshold)).",
+    )
+    mix_threshold: float = Field(
+        0.1,
+        description="adaptive_mix: the KL per token (nats) at which a = 1/2. The source gives no "
+        "values; 0.1 and gamma 30 make a swing across the built-in task's range (0 to ~0.3).",
+    )
+    mix_window: int = Field(
+        10, gt=0, description="adaptive_mix: steps of its own past output that KL_window averages."
+    )
+    mix_sign: Literal["as-written", "as-described"] = Field(
+        "as-written",
+        description="adaptive_mix: 'as-written' (+gamma: the weight a on k1 grows with the KL, as "
+        "the formula reads) or 'as-described' (-gamma: more k1 while the KL is small, as its "
+        "prose says).",
+    )
+
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
-        return one_of("estimator", v, kl.ESTIMATORS)
+        return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
+
+    @field_validator("ref_is_clip")
+    @classmethod
+    def _clip_range(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not (0.0 <= v[0] < v[1]):
+            raise ValueError("must be [lo, hi] with 0 <= lo < hi, e.g. [0.1, 10]")
+        return v
 
     @field_validator("controller")
     @classmethod
@@ -222,6 +270,11 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"kl.target is required by the {self.kl.controller!r} controller "
                 "(the KL per token it steers towards), e.g. kl.target=0.05"
+            )
+        reason = kl.refusal(self.kl.estimator, self.kl.placement)
+        if self.kl.placement != "none" and reason is not None:
+            raise ValueError(
+                f"kl.estimator={self.kl.estimator} with kl.placement={self.kl.placement}: {reason}"
             )
         if self.data.source != "builtin" and not self.data.path:
             raise ValueError(f"data.path is required when data.source is {self.data.source!r}")

@@ -80,6 +80,26 @@ def estimators_page() -> str:
     ]
     for name, fn in fns.items():
         lines.append(f"- **`{name}`** (`klpo.kl.{fn.__name__}`): {_first_paragraph(fn)}")
+    lines += [
+        "",
+        "## Estimators that also sample the reference",
+        "",
+        "`kl.estimator: ref_is | adaptive_mix` (`klpo.ref_kl`, `klpo.train.ref_samples`): each step",
+        "also samples `kl.ref_samples` completions per prompt from pi_ref. Only the loss placement",
+        "makes sense; `klpo explain` gives the reason for the others, and the config refuses them.",
+        "",
+        "| estimator | value | estimates | unbiased | ≥ 0 | gradient in loss | reward, reward+loss |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in kl.REF_SAMPLED:
+        e = kl.explain(name, "loss")
+        lines.append(
+            f"| `{name}` | {e.equation} | {e.estimates} | {'yes' if e.unbiased else 'no'} | "
+            f"{'yes' if e.nonnegative else 'no'} | {e.gradient} | refused |"
+        )
+    lines.append("")
+    for name in kl.REF_SAMPLED:
+        lines.append(f"- **`{name}` in the reward**: {kl.refusal(name, 'reward')}")
     return HEADER + "\n".join(lines) + "\n"
 
 
@@ -156,7 +176,7 @@ PAGES = {"estimators.md": estimators_page, "metrics.md": metrics_page, "config.m
 
 def write_pages(out: str | Path) -> list[Path]:
     """Write every generated page into ``out``; returns their paths."""
-    from klpo.train.checkpoint import write_text_atomic
+    from klpo._io import write_text_atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

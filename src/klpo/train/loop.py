@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from klpo import advantages, control, kl, logprobs, losses, reduce
+from klpo import advantages, control, kl, logprobs, losses, reduce, ref_kl
 from klpo.train import checkpoint as ckpt_io
 from klpo.train import preflight as checks
+from klpo.train import ref_samples
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import (
     AlgoConfig,
@@ -344,7 +345,11 @@ def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask
         "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
     }
     est = cfg.kl.estimator
-    names = tuple(n for n in dict.fromkeys(("k1", "k3", est)) if not needs_exact_kl(n))
+    names = tuple(
+        n
+        for n in dict.fromkeys(("k1", "k3", est))
+        if not needs_exact_kl(n) and n not in kl.REF_SAMPLED  # those: ref_samples.ref_term
+    )
     means.update(losses.kl_metrics(old.logp, logp_ref, mask, estimators=names))
     if needs_exact_kl(est):
         means[f"kl/ref/{est}"] = means["kl/ref/exact"]
@@ -493,18 +498,25 @@ def update(
     beta_old: float,
     dist: Dist,
     gen: torch.Generator,
+    ref: ref_samples.RefBatch | None = None,
+    mix_weight: float = 0.0,
 ) -> Tally:
     """``epochs × minibatches`` optimizer steps on one scored rollout; returns their metrics.
 
     Losses are summed over an optimizer step's micro-batches and ranks (each is already divided
     by the minibatch's global normaliser) and averaged over the optimizer steps; token metrics
     pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
+
+    With ``ref`` (``ref_is``, ``adaptive_mix``) each optimizer step also carries the KL term on
+    the reference's completions (:func:`klpo.train.ref_samples.ref_term`); its metrics are those
+    of the first optimizer step, at the sampling policy's parameters, averaged over ranks.
     """
     a = cfg.algo
     mask = s.rollout.mask
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     tally = Tally()
+    ref_seconds, ref_logged = 0.0, False
     for _ in range(a.epochs):
         order = shuffle_rows(cfg, s.rollout, gen)
         for mb in order.chunk(a.minibatches):
@@ -514,11 +526,20 @@ def update(
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
+            if ref is not None:
+                head = _unwrap(m.backbone).head()
+                part = ref_samples.ref_term(
+                    cfg, m.backbone, head, ref, beta=beta, mix_weight=mix_weight
+                )
+                ref_seconds += part.pop("time/ref_update")
+                if not ref_logged:
+                    tally.add_means(part, 1.0)
+                    ref_logged = True
             micro = mb.split(a.micro_batch or len(mb))
             for i, rows in enumerate(micro):
                 part = _micro_step(
                     cfg, m, s, rows, beta, beta_old, n_global, dist,
-                    sync=i == len(micro) - 1, tally=tally,
+                    sync=i == len(micro) - 1, tally=tally, mix_weight=mix_weight,
                 )  # fmt: skip
                 for k, v in part.items():
                     step_losses[k] = step_losses.get(k, 0.0) + v
@@ -531,6 +552,8 @@ def update(
             if opt.critic is not None:
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
                 opt.critic.step()
+    if ref is not None:
+        tally.add("time/ref_update", ref_seconds, 1.0)
     return tally
 
 
@@ -567,6 +590,7 @@ def _micro_step(
     *,
     sync: bool,
     tally: Tally,
+    mix_weight: float = 0.0,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
@@ -578,9 +602,11 @@ def _micro_step(
     r = s.rollout.select(rows)
     mask = r.mask
     adv = s.adv[rows]
-    kl_in_loss = kl.in_loss(k.placement) and beta > 0
+    # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
+    kl_name, kl_coef = ref_samples.policy_term(cfg, mix_weight)
+    kl_in_loss = kl.in_loss(k.placement) and beta * kl_coef > 0
     recording = not bool(s.old.filled[rows].all())
-    need_ref = (kl_in_loss and needs_exact_kl(k.estimator)) or recording
+    need_ref = (kl_in_loss and needs_exact_kl(kl_name)) or recording
     max_len = cfg.rollout.max_new_tokens
 
     def red(x: Tensor) -> Tensor:
@@ -609,10 +635,10 @@ def _micro_step(
         if kl_in_loss:
             kl_tok = (
                 out.kl
-                if needs_exact_kl(k.estimator)
-                else losses.kl_loss(k.estimator, logp, s.logp_ref[rows], logp_old=logp_old)
+                if needs_exact_kl(kl_name)
+                else losses.kl_loss(kl_name, logp, s.logp_ref[rows], logp_old=logp_old)
             )
-            loss_kl = red(kl_tok)
+            loss_kl = kl_coef * red(kl_tok)
             total = total + beta * loss_kl
             metrics["loss/kl"] = loss_kl.item()
         if a.entropy_coef:
@@ -660,6 +686,7 @@ def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> flo
         heldout,
         max_new_tokens=cfg.rollout.max_new_tokens,
         reward=cfg.rewards[0].name,
+        sampler=cfg.rollout.sampler,
     )
 
 
@@ -844,6 +871,7 @@ class TrainRun:
     writer: MetricsWriter | None
     step0: int
     progress: Callable[[int | None, dict[str, float] | None], None]
+    mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
 
     @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
@@ -865,6 +893,11 @@ class TrainRun:
                     "kl_controller": self.kl_ctl.state_dict(),
                     "penalty_controller": self.pen_ctl.state_dict(),
                     "update_generator": self.update_gen.get_state().tolist(),
+                    **(
+                        {"mix_window": self.mix_window.state_dict()}
+                        if self.mix_window is not None
+                        else {}
+                    ),
                 },
             )
         self.dist.barrier()
@@ -898,6 +931,7 @@ def setup(
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = rewards_mod.resolve_rewards({t.name: t.weight for t in cfg.rewards})
     kl_ctl, pen_ctl = make_kl_controller(cfg), make_penalty_controller(cfg)
+    mix_window = ref_samples.make_window(cfg)
     opt = make_optimizers(cfg, m)
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     step0 = 0
@@ -910,6 +944,8 @@ def setup(
         )
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
+        if mix_window is not None and "mix_window" in meta:  # absent after an allowed change
+            mix_window.load_state_dict(meta["mix_window"])
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
         if plan.saved_world == dist.world:
@@ -935,7 +971,7 @@ def setup(
         writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
     run = TrainRun(
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
-        update_gen, writer, step0, _progress(cfg, dist, step0, log),
+        update_gen, writer, step0, _progress(cfg, dist, step0, log), mix_window,
     )  # fmt: skip
     if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
         writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
@@ -1017,6 +1053,21 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     m.policy.train()
     t1 = time.perf_counter()
 
+    # 1b. ref_is, adaptive_mix: the reference's own completions for the same prompts.
+    ref = None
+    if ref_samples.uses_reference_samples(cfg):
+        ref = ref_samples.sample_reference(
+            cfg,
+            m.reference,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            rollout,
+        )
+    window = run.mix_window
+    mix_weight = window.weight() if window is not None else 0.0
+    t1r = time.perf_counter()
+
     # 2. Score.
     beta = run.kl_ctl.value
     scored = score(cfg, m, rollout, run.reward_fns, beta, dist)
@@ -1024,11 +1075,20 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # 3. Update.
     beta_old = run.pen_ctl.value
-    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen)
+    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, ref, mix_weight)
     t3 = time.perf_counter()
 
     # 4. Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist)
+    if ref is not None:
+        metrics["ref/samples"] = dist.world * len(ref.logp_ref)
+        metrics["time/ref_sample"] = ref.seconds
+    if window is not None:  # the mix's output of this step joins its window
+        mix = mix_weight * metrics["kl/ref/k1"] + (1 - mix_weight) * metrics["kl/ref/ref_is"]
+        metrics["kl/ref/adaptive_mix"] = mix
+        metrics["ref/mix_weight"] = mix_weight
+        metrics["ref/kl_window"] = window.kl_window
+        window.push(mix)
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     run.kl_ctl.update(
         kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
@@ -1041,7 +1101,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
             "beta": beta,
             "lr": _lr(cfg, step),
             "time/generate": t1 - t0,
-            "time/score": t2 - t1,
+            "time/score": t2 - t1r,
             "time/update": t3 - t2,
         }
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from klpo.train.checkpoint import write_text_atomic
+from klpo._io import write_text_atomic
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
@@ -32,12 +32,29 @@ METRICS: dict[str, str] = {
     "kl/ref/k3": "k3 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, non-negative)",
     "kl/ref/exact": "the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token, mean over tokens",
     "kl/ref/seq": "exact KL(pi_theta ‖ pi_ref) summed over a completion, mean over completions",
+    "kl/ref/ref_is": "ref_is, adaptive_mix: the ref_is estimate (completions of pi_ref) of "
+    "KL(pi_theta ‖ pi_ref) per completion divided by the policy's mean completion length, at the "
+    "sampling policy (first optimizer step)",
+    "kl/ref/ref_is_seq": "ref_is, adaptive_mix: the ref_is estimate of KL(pi_theta ‖ pi_ref) per "
+    "completion (nats per sequence)",
+    "kl/ref/adaptive_mix": "adaptive_mix: its output a · kl/ref/k1 + (1 - a) · kl/ref/ref_is, per "
+    "token; the value its window averages",
+    "ref/samples": "ref_is, adaptive_mix: completions sampled from the reference this step (all ranks)",
+    "ref/max_weight": "ref_is, adaptive_mix: the largest importance weight pi_theta/pi_ref over "
+    "the reference's completions (first optimizer step)",
+    "ref/ess": "ref_is, adaptive_mix: Kish's effective sample size of those weights as a fraction "
+    "of their number, (sum w)² / (n sum w²), in (0, 1]",
+    "ref/mix_weight": "adaptive_mix: the weight a on k1 this step, from past steps only",
+    "ref/kl_window": "adaptive_mix: KL_window, the mean of its last kl.mix_window outputs (0 when empty)",
+    "loss/kl_ref": "ref_is, adaptive_mix: the beta-free ref_is term in the loss's units (before "
+    "the factor 1 - a), first optimizer step",
     "kl/old/k1": "k1 estimate of KL(pi_old ‖ pi_theta) per token over the update (PPO's approx KL)",
     "kl/old/k3": "k3 estimate of KL(pi_old ‖ pi_theta) per token over the update",
     "entropy": "mean per-token entropy of pi_theta on the sampled completions (exact, in nats)",
     "clip_frac": "fraction of the update's tokens whose PPO ratio was clipped (low or high)",
     "loss/policy": "policy surrogate loss (reduced), mean over the step's optimizer steps",
-    "loss/kl": "beta-free KL term of the loss (reduced), when the KL is in the loss",
+    "loss/kl": "beta-free KL term of the loss (reduced), when the KL is in the loss (adaptive_mix: "
+    "its a · k1 part; ref_is: absent, see loss/kl_ref)",
     "loss/value": "value loss (PPO), reduced",
     "loss/entropy": "entropy bonus term (reduced; minus the entropy, so lower is more entropy)",
     "loss/total": "the total loss that was differentiated (policy, beta·KL, entropy, vf_coef·value)",
@@ -56,6 +73,10 @@ METRICS: dict[str, str] = {
     "time/generate": "seconds spent sampling completions",
     "time/score": "seconds spent on rewards and the old/reference log-probs",
     "time/update": "seconds spent in forward, backward and optimizer steps",
+    "time/ref_sample": "ref_is, adaptive_mix: seconds spent sampling the reference's completions "
+    "and scoring them under pi_ref",
+    "time/ref_update": "ref_is, adaptive_mix: seconds spent on the forward and backward passes of "
+    "the policy over the reference's completions (all optimizer steps; inside time/update)",
     "time/step": "wall seconds of the whole step",
     "tokens_per_s": "completion tokens sampled and trained on per second of step time",
 }

@@ -20,15 +20,14 @@ import json
 import math
 import os
 import random
-import shutil
 import string
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from klpo._io import atomic_dir, write_text_atomic
 from klpo.train.task import ArithmeticTask, Example, heldout_accuracy
 
 __all__ = [
@@ -358,25 +357,14 @@ def make_reference(
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "reference.json").write_text(json.dumps(meta, indent=2) + "\n")
-        # mkdtemp makes a private (0700) directory; the result is ordinary package data.
+        write_text_atomic(tmp / "reference.json", json.dumps(meta, indent=2) + "\n")
+        # the result is ordinary package data, whatever the umask
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "previous")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ReferenceResult(
         out, accuracy, val_accuracy[-1], len(losses), num_parameters, seconds, losses
     )

@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from klpo.train.checkpoint import write_text_atomic
+from klpo import _io
+from klpo._io import write_text_atomic
 from klpo.train.metrics import read_metrics
 
 PLOTS = {
@@ -32,10 +33,8 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def save_figure(fig, path: Path) -> None:
-    """Save a matplotlib figure as PNG via a temporary file and an atomic rename."""
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(path)
+    """Save a matplotlib figure as PNG, atomically and durably (:func:`klpo._io.save_figure`)."""
+    _io.save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo train") -> Path:

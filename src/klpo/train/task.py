@@ -126,6 +126,7 @@ def generate(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    sampler: str = "lean",
 ) -> list[str]:
     """Completions of ``prompts`` by a decoder-only ``transformers`` model, cut at the first EOS.
 
@@ -178,6 +179,7 @@ def generate(
                 temperature=temperature,
                 top_p=top_p,
                 greedy=not do_sample,
+                sampler=sampler,
             )
             out.extend(rollout.completions)
     finally:
@@ -193,6 +195,7 @@ def heldout_accuracy(
     max_new_tokens: int,
     reward: str | Callable[..., Sequence[float]] = "exact_match",
     batch_size: int = 256,
+    sampler: str = "lean",
 ) -> float:
     """Fraction of ``examples`` that the model solves with greedy decoding.
 
@@ -213,7 +216,12 @@ def heldout_accuracy(
     name = reward if isinstance(reward, str) else getattr(reward, "__name__", "reward")
     prompts = [e.prompt for e in examples]
     completions = generate(
-        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        sampler=sampler,
     )
     scores = rewards.score(fn, name, prompts, completions, [e.answer for e in examples])
     total = math.fsum(scores)
