@@ -1,30 +1,32 @@
 """Time and peak memory of token log-probs and exact KL from hidden states + head, forward + backward.
 
-One table, each case in its own subprocess (so its peak RSS is its own): naive PyTorch (the full
-logits), klpo (:func:`klpo.logprobs.fused`), and the peers where they import — Liger-Kernel's
-chunked selective log-prob (``LigerFusedLinearPPOBase.chunk_forward``, the log-prob of
-``liger_kernel.chunked_loss``'s GRPO loss) and exact reverse KL (``LigerFusedLinearJSDLoss`` with
-``beta=1``), and TRL 1.16's ``trl.kernels.ChunkedLogProbFunction`` and
-``trl.kernels.chunked_divergence.ChunkedDivergenceFunction`` (``beta=1``: KL(student ‖ teacher)).
-``klpo (torch.mm)`` is klpo with its oneDNN GEMMs switched off, to separate the algorithm from the
-GEMM backend (shown for the first log-prob shape). Two floors, both the GEMMs alone, tile by tile
-with klpo's tile sizes: "bare GEMMs", those any method needs (the logits, and the reference's for
-KL; the gradients with respect to hidden and weight) in the inputs' dtype with the faster of
-torch.mm and oneDNN; and "klpo's GEMMs", the GEMMs klpo runs (the same plus the recompute of the
-logits in the backward pass) in float32.
+One table per run: naive PyTorch (the full logits), klpo (:func:`klpo.logprobs.fused`), and the
+peers where they import ("absent" otherwise) — Liger-Kernel's chunked selective log-prob
+(``LigerFusedLinearPPOBase.chunk_forward``, the log-prob of ``liger_kernel.chunked_loss``'s GRPO
+loss) and exact KL (``LigerFusedLinearJSDLoss`` with ``beta=1``), and TRL's
+``trl.kernels.ChunkedLogProbFunction`` and ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``
+(``beta=1``: KL(student ‖ teacher)). ``klpo (torch.mm)`` and ``klpo (oneDNN)`` force every GEMM to
+one backend (first log-prob shape), to show what the measured plan of :mod:`klpo.gemm` buys. Two
+floors, the GEMMs alone, tile by tile with klpo's tiles: "bare GEMMs", those any method needs (the
+logits, and the reference's for KL; the gradients with respect to hidden and weight) in the inputs'
+dtype on the faster backend; and "klpo's GEMMs", the GEMMs klpo runs (the same plus the recompute of
+the logits in the backward pass) in float32 with its plan.
 
-Run it alone on the machine (it uses every core), with the peers' environment for the peers:
+Timing: all methods of a case run in one process on the same inputs, each once to warm up, then
+``--reps`` rounds (default 5) interleaved A B C A B C ..., so that a shared machine's load falls on
+all of them alike; the table gives the median and [min, max]. Memory: each method once more in its
+own process (so its peak RSS is its own): ``/proc/self/clear_refs`` resets the high-water mark
+after the inputs exist, and ``peak`` is the high-water mark over that. ``err``: the largest |error|
+of the log-probs (the KL for KL cases) against float64 on the first 64 tokens. Ratios are to naive
+and to the fastest / leanest peer.
 
-    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/logprobs.py [--quick]
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=2 PEERS_VENV/bin/python bench/logprobs.py [--quick]
 
-``--sweep`` times klpo alone over a grid of tile sizes (and with the entropy on), the measurement
-behind the defaults ``klpo.logprobs.TOKEN_CHUNK`` and ``default_vocab_chunk``.
-
-Columns: ``time`` of one forward + backward after a warm-up call; ``peak`` is the peak RSS of the
-case's process over its RSS once the inputs exist (``/proc/self/clear_refs`` resets the
-high-water mark); ``err`` is the largest |error| of the log-probs (KL for KL cases) against a
-float64 reference on the first 64 tokens; ratios are to naive and to the best (fastest / leanest)
-peer.
+(the peers from an environment that has ``trl`` and ``liger-kernel``, the latter installed with
+``--no-deps``). To see a CPU without AVX-512 on one that has it:
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``. ``--sweep`` times klpo alone over a grid of
+tile sizes (and with the entropy on), the measurement behind ``klpo.logprobs.TOKEN_CHUNK`` and
+``default_vocab_chunk``.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-FULL_SHAPES = [(1024, 896, 151936), (4096, 896, 32000)]
+# A Qwen2.5-0.5B head (H = 896, V = 151936); the default run fits in 10 minutes on 2 idle cores.
+FULL_SHAPES = [(512, 896, 151936)]
 FULL_KL_SHAPES = [(256, 896, 151936)]
 QUICK_SHAPES = [(256, 896, 32000)]
-QUICK_KL_SHAPES = [(256, 896, 32000)]
+QUICK_KL_SHAPES = [(128, 896, 32000)]
 DTYPES = ["float32", "bfloat16"]
-LOGP_METHODS = ["naive", "klpo", "klpo (torch.mm)", "liger", "trl"]
-KL_METHODS = ["naive", "klpo", "klpo (torch.mm)", "liger jsd", "trl"]
+LOGP_METHODS = ["naive", "klpo", "klpo (torch.mm)", "klpo (oneDNN)", "liger", "trl"]
+KL_METHODS = ["naive", "klpo", "liger jsd", "trl"]
+ABLATIONS = {"klpo (torch.mm)": "mm", "klpo (oneDNN)": "onednn"}
 PEERS = {"liger", "trl", "liger jsd"}
 CHECK_TOKENS = 64
 
@@ -105,13 +109,22 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
     """A closure running forward + backward, and a function giving the output to check."""
     import torch
 
-    if case.method in ("klpo", "klpo (torch.mm)"):
+    if case.method.startswith("klpo"):
         import klpo.logprobs as lp
+        from klpo import gemm
 
-        if case.method == "klpo (torch.mm)":
-            lp._ONEDNN = False
+        forced = ABLATIONS.get(case.method)
 
         def forward():
+            plan = lp._plan
+            if forced:  # this method only: every GEMM on one backend
+                lp._plan = lambda *args: gemm.Plan(forced, forced, forced, forced == "onednn")
+            try:
+                return _klpo_forward(lp)
+            finally:
+                lp._plan = plan
+
+        def _klpo_forward(lp):
             out = lp.fused(
                 hidden,
                 weight,
@@ -183,48 +196,59 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
     return run, True
 
 
-def _floor(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
-    """Seconds of the GEMMs alone, tile by tile with klpo's tile sizes, best backend.
+def _floors(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
+    """The two GEMM floors as closures, tile by tile with klpo's tiles ([vocab, tokens], as klpo).
 
-    ``time``: the GEMMs any method needs (logits, and the reference's for KL; grad hidden; grad
-    weight) in the inputs' dtype. ``klpo_gemms``: the GEMMs klpo runs (the same plus the recompute
-    of every tile in the backward pass), in float32.
+    "floor: bare GEMMs": the GEMMs any method needs (logits, and the reference's for KL; grad
+    hidden; grad weight) in the inputs' dtype on the faster of torch.mm and oneDNN (the faster is
+    picked by timing both once, here). "floor: klpo's GEMMs": the GEMMs klpo runs (the same plus the
+    recompute of every tile in the backward pass), float32, with klpo's plan for this machine.
     """
     import torch
 
     import klpo.logprobs as lp
+    from klpo import gemm
 
     n, vocab = case.n, case.v
     tc = min(n, lp.TOKEN_CHUNK)
     vc = lp.default_vocab_chunk(tc)
-    lin = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    backends = ["torch.mm"] + (["onednn"] if lin is not None else [])
+    h32 = hidden.detach().float()
+    plan = lp._plan(h32, weight.detach(), torch.float32)
 
-    def seconds(dtype, backend, recompute):
-        def mm(a, b):  # a @ b.T
-            return lin(a, b, None, "none", [], "") if backend == "onednn" else a @ b.t()
-
+    def gemms(dtype, roles, recompute):
         heads = [(hidden, weight)] + ([(hidden_ref, weight_ref)] if hidden_ref is not None else [])
         heads = [(h.detach().to(dtype), w.detach().to(dtype)) for h, w in heads]
-        g = torch.randn(tc, vc).to(dtype)
-        g_t = g.t().contiguous()
-        t0 = time.perf_counter()
-        for v0 in range(0, vocab, vc):
-            v1 = min(v0 + vc, vocab)
-            for t_0 in range(0, n, tc):
-                t = slice(t_0, min(t_0 + tc, n))
-                for _ in range(2 if recompute else 1):
-                    for h, w in heads:
-                        mm(h[t], w[v0:v1])
-                h, w = heads[0]
-                mm(g[: t.stop - t.start, : v1 - v0], w[v0:v1].t())
-                mm(g_t[: v1 - v0, : t.stop - t.start], h[t].t())
-        return time.perf_counter() - t0
+        g = torch.randn(vc, tc).to(dtype)
+        dh = torch.zeros(tc, case.h, dtype=dtype)
+        dw = torch.empty(vc, case.h, dtype=dtype)
+
+        def run():
+            for v0 in range(0, vocab, vc):
+                v1 = min(v0 + vc, vocab)
+                for t_0 in range(0, n, tc):
+                    t = slice(t_0, min(t_0 + tc, n))
+                    k = t.stop - t.start
+                    for _ in range(2 if recompute else 1):
+                        for h, w in heads:
+                            gemm.logits(w[v0:v1], h[t], None, roles.logits)
+                    h, w = heads[0]
+                    gemm.grad_hidden(dh[:k], g[: v1 - v0, :k], w[v0:v1], roles.grad_hidden)
+                    gemm.grad_weight(
+                        dw[: v1 - v0], g[: v1 - v0, :k], h[t], roles.grad_weight, False
+                    )
+
+        return run
 
     dtype = getattr(torch, case.dtype)
-    bare = min(seconds(dtype, b, False) for b in backends)
-    ours = seconds(torch.float32, "onednn" if lin is not None else "torch.mm", True)
-    return {"time": bare, "klpo_gemms": ours}
+    bare = {
+        b: gemms(dtype, gemm.Plan(b, b, b, False), False)
+        for b in (["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+    }
+    faster = min(bare, key=lambda b: _timed(bare[b])[0]) if len(bare) > 1 else "mm"
+    return {
+        "floor: bare GEMMs": bare[faster],
+        "floor: klpo's GEMMs": gemms(torch.float32, plan, True),
+    }
 
 
 def _reference(case: Case, hidden, weight, tokens, hidden_ref, weight_ref):
@@ -244,17 +268,15 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
-def child(case: Case) -> dict:
+def _peak(case: Case) -> dict:
+    """One run of ``case`` in this process: its peak RSS over the inputs' and its error."""
     import torch
 
     hidden, weight, tokens, coef, hidden_ref, weight_ref = _inputs(case)
     _reset_peak()
     base = _rss_kib("VmRSS")
-    if case.kind.startswith("floor"):
-        return _floor(case, hidden, weight, hidden_ref, weight_ref)
     run, has_output = _method(case, hidden, weight, tokens, coef, hidden_ref, weight_ref)
-    _timed(run)  # the warm-up: allocator, oneDNN primitives
-    elapsed, out = _timed(run)
+    out = run()
     peak = _rss_kib("VmHWM") - base
     err = None
     if has_output:
@@ -262,15 +284,50 @@ def child(case: Case) -> dict:
             k = min(CHECK_TOKENS, case.n)
             ref = _reference(case, hidden, weight, tokens, hidden_ref, weight_ref)
             err = float((out[:k].double() - ref).abs().max())
-    return {"time": elapsed, "peak_mib": peak / 1024, "base_mib": base / 1024, "err": err}
+    return {"peak_mib": peak / 1024, "err": err}
+
+
+def _times(case: Case, methods: list[str], reps: int) -> dict:
+    """Seconds of each method (and the floors) on the same inputs: one warm-up each, then ``reps``
+    interleaved rounds. ImportError (a peer not installed): "absent"."""
+    import dataclasses
+
+    hidden, weight, tokens, coef, hidden_ref, weight_ref = _inputs(case)
+    runs, out = {}, {}
+    for m in methods:
+        if m == "floor":
+            runs.update(_floors(case, hidden, weight, hidden_ref, weight_ref))
+            continue
+        try:
+            c = dataclasses.replace(case, method=m)
+            runs[m] = _method(c, hidden, weight, tokens, coef, hidden_ref, weight_ref)[0]
+        except ImportError:
+            out[m] = {"error": "absent"}
+    for run in runs.values():
+        run()
+    secs = {m: [] for m in runs}
+    for _ in range(reps):
+        for m, run in runs.items():
+            secs[m].append(_timed(run)[0])
+    for m, ts in secs.items():
+        ts.sort()
+        out[m] = {"time": ts[len(ts) // 2], "min": ts[0], "max": ts[-1], "reps": len(ts)}
+    return out
+
+
+def child(request: dict) -> dict:
+    case = Case(**request["case"])
+    if request["what"] == "peak":
+        return _peak(case)
+    return _times(case, request["methods"], request["reps"])
 
 
 # ---------------------------------------------------------------------------------------------
-# The parent: every case in its own process, then one table.
+# The parent: the timing process and one process per method for memory, then one table.
 
 
-def run_case(case: Case, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(asdict(case))]
+def run_child(request: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(request)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -282,55 +339,96 @@ def run_case(case: Case, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def measure_group(case: Case, methods: list[str], reps: int, timeout: float) -> dict:
+    """Times (one process, interleaved) and peaks (one process each) of ``methods`` on ``case``."""
+    times = run_child(
+        {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}, timeout
+    )
+    if "error" in times:
+        return {m: dict(times) for m in methods}
+    for m in methods:
+        if m == "floor" or "error" in times.get(m, {}):
+            continue
+        c = Case(case.kind, m, case.n, case.h, case.v, case.dtype)
+        times[m].update(run_child({"what": "peak", "case": asdict(c)}, timeout))
+    return times
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(groups: list[tuple[str, list[tuple[Case, dict]]]]) -> str:
+PEERS_ORDER = ("liger", "liger jsd", "trl")
+
+
+def table(groups: list[tuple[str, dict]]) -> str:
     head = (
-        "| case | method | time s | ×naive | ×best peer | peak MiB | ×naive | ×leanest peer | err |\n"
+        "| case | method | time s, median [min, max] | ×naive | ×fastest peer | peak MiB "
+        "| ×naive | ×leanest peer | err |\n"
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     rows = [head]
     for title, results in groups:
-        ok = {c.method: r for c, r in results if "time" in r and not c.kind.startswith("floor")}
+        ok = {m: r for m, r in results.items() if "time" in r}
         naive = ok.get("naive")
         peers = [r for m, r in ok.items() if m in PEERS]
         fastest = min((r["time"] for r in peers), default=None)
-        leanest = min((r["peak_mib"] for r in peers), default=None)
-        for case, r in results:
-            if "error" in r:
-                rows.append(f"| {title} | {case.method} | {r['error']} | | | | | | |")
+        leanest = min((r["peak_mib"] for r in peers if "peak_mib" in r), default=None)
+        for m, r in sorted(results.items(), key=lambda mr: "time" not in mr[1]):
+            if "time" not in r:
+                rows.append(f"| {title} | {m} | {r.get('error', '?')} | | | | | | |")
                 continue
-            if case.kind.startswith("floor"):
-                for label, t in (
-                    ("floor: bare GEMMs", r["time"]),
-                    ("floor: klpo's GEMMs", r["klpo_gemms"]),
-                ):
-                    vs_naive = _fmt(naive and t / naive["time"], ".2f")
-                    vs_peer = _fmt(fastest and t / fastest, ".2f")
-                    rows.append(f"| {title} | {label} | {t:.2f} | {vs_naive} | {vs_peer} | | | | |")
-                continue
-            t = r["time"]
-            peak = r.get("peak_mib")
-            rows.append(
-                "| "
-                + " | ".join(
-                    [
-                        title,
-                        case.method,
-                        f"{t:.2f}",
-                        _fmt(naive and t / naive["time"], ".2f"),
-                        _fmt(fastest and t / fastest, ".2f"),
-                        _fmt(peak, ".0f"),
-                        _fmt(naive and peak is not None and peak / naive["peak_mib"], ".2f"),
-                        _fmt(leanest and peak is not None and peak / leanest, ".2f"),
-                        _fmt(r.get("err"), ".1e"),
-                    ]
-                )
-                + " |"
-            )
+            t, peak = r["time"], r.get("peak_mib")
+            cells = [
+                title,
+                m,
+                f"{t:.2f} [{r['min']:.2f}, {r['max']:.2f}]",
+                _fmt(naive and t / naive["time"], ".2f"),
+                _fmt(fastest and t / fastest, ".2f"),
+                _fmt(peak, ".0f"),
+                _fmt(None if naive is None or peak is None else peak / naive["peak_mib"], ".2f"),
+                _fmt(None if leanest is None or peak is None else peak / leanest, ".2f"),
+                _fmt(r.get("err"), ".1e"),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def machine() -> str:
+    """The CPU model, its vector flags, torch's build and capability, the ISA caps and threads."""
+    import platform
+
+    import torch
+
+    from klpo import gemm
+
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    vector = sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "sse4")))
+    env = {
+        k: os.environ[k]
+        for k in (
+            "ATEN_CPU_CAPABILITY",
+            "ONEDNN_MAX_CPU_ISA",
+            "MKL_ENABLE_INSTRUCTIONS",
+            "KLPO_GEMM",
+        )
+        if k in os.environ
+    }
+    return (
+        f"CPU: {gemm._cpu_fingerprint().split(' [')[0]} ({platform.machine()}, {os.cpu_count()} "
+        f"logical CPUs)\nvector flags: {' '.join(vector) or '?'}\ntorch {torch.__version__}, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+        f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, threads {torch.get_num_threads()}; "
+        f"environment {env or '{}'}"
+    )
 
 
 SWEEP = [
@@ -339,94 +437,87 @@ SWEEP = [
 ]
 
 
-def sweep(timeout: float, dtypes: list[str]) -> None:
-    """klpo's log-prob forward + backward over a grid of tiles, and the cost of the entropy."""
-    print("| shape | dtype | token_chunk | vocab_chunk | time s | peak MiB |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+def sweep(timeout: float, dtypes: list[str], reps: int) -> None:
+    """klpo's log-prob forward + backward over a grid of tiles (interleaved), and the entropy."""
+    print("| shape | dtype | token_chunk | vocab_chunk | time s, median [min, max] |")
+    print("| --- | --- | ---: | ---: | ---: |")
     for (n, h, v), tiles in SWEEP:
         for dtype in dtypes:
             for tc, vc in tiles:
-                r = run_case(Case("logp", "klpo", n, h, v, dtype, tc, vc), timeout)
-                cells = (
-                    [f"{r['time']:.2f}", f"{r['peak_mib']:.0f}"]
+                case = Case("logp", "klpo", n, h, v, dtype, tc, vc)
+                r = run_child(
+                    {"what": "times", "case": asdict(case), "methods": ["klpo"], "reps": reps},
+                    timeout,
+                )
+                r = r.get("klpo", r)
+                cell = (
+                    f"{r['time']:.2f} [{r['min']:.2f}, {r['max']:.2f}]"
                     if "time" in r
-                    else [r["error"], ""]
+                    else r["error"]
                 )
-                print(
-                    f"| N={n} H={h} V={v} | {dtype} | {tc} | {vc} | {' | '.join(cells)} |",
-                    flush=True,
-                )
-            r = run_case(Case("logp", "klpo", n, h, v, dtype, with_entropy=True), timeout)
-            cells = (
-                [f"{r['time']:.2f}", f"{r['peak_mib']:.0f}"] if "time" in r else [r["error"], ""]
-            )
-            print(
-                f"| N={n} H={h} V={v} | {dtype} | default, with entropy | | {' | '.join(cells)} |"
-            )
+                print(f"| N={n} H={h} V={v} | {dtype} | {tc} | {vc} | {cell} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, about a minute")
+    parser.add_argument("--quick", action="store_true", help="small shapes, under 2 minutes")
     parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds per case (default 5)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per process")
     parser.add_argument("--only", default="", help="run the groups whose title contains this")
+    parser.add_argument(
+        "--dtypes", default="float32", help="comma-separated: float32,bfloat16 (default float32)"
+    )
     parser.add_argument(
         "--methods", default="", help="comma-separated methods to run (default all)"
     )
-    parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes (a few minutes)")
+    parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(child(Case(**json.loads(args.case)))))
+        print(json.dumps(child(json.loads(args.case))))
         return
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or args.reps < 1:
+        parser.error(
+            f"--dtypes takes {','.join(DTYPES)} and --reps ≥ 1; got {args.dtypes}, {args.reps}"
+        )
+    print(machine(), flush=True)
     if args.sweep:
-        sweep(args.timeout, [d for d in DTYPES if args.only in d])
+        sweep(args.timeout, dtypes, args.reps)
         return
 
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     kl_shapes = QUICK_KL_SHAPES if args.quick else FULL_KL_SHAPES
-    plan = []
+    start = time.perf_counter()
+    groups = []
     for kind, shape_list, methods in (
         ("logp", shapes, LOGP_METHODS),
         ("kl", kl_shapes, KL_METHODS),
     ):
         for n, h, v in shape_list:
-            for dtype in DTYPES:
+            for dtype in dtypes:
                 title = f"{kind} N={n} H={h} V={v} {dtype}"
-                ablate = (n, h, v) == shape_list[0] and kind == "logp"
-                cases = [
-                    Case(kind, m, n, h, v, dtype)
-                    for m in methods
-                    if m != "klpo (torch.mm)" or ablate
-                ]
-                cases.append(Case(f"floor-{kind}", "floor", n, h, v, dtype))
+                first = (n, h, v) == shape_list[0] and kind == "logp"
+                chosen = [m for m in methods if m not in ABLATIONS or first] + ["floor"]
                 if args.methods:
-                    cases = [c for c in cases if c.method in args.methods.split(",")]
-                if args.only in title:
-                    plan.append((title, cases))
-    start = time.perf_counter()
-    groups = []
-    for title, cases in plan:
-        results = []
-        for case in cases:
-            r = run_case(case, args.timeout)
-            print(f"  {title} | {case.method}: {r}", file=sys.stderr, flush=True)
-            results.append((case, r))
-        groups.append((title, results))
+                    chosen = [m for m in chosen if m in args.methods.split(",")]
+                if args.only not in title or not chosen:
+                    continue
+                results = measure_group(
+                    Case(kind, "", n, h, v, dtype), chosen, args.reps, args.timeout
+                )
+                print(f"  {title}: {json.dumps(results)}", file=sys.stderr, flush=True)
+                groups.append((title, results))
     print(table(groups))
     print(
-        f"\ntorch threads: {_threads()}; total wall time {time.perf_counter() - start:.0f} s. time: one "
-        "forward + backward after a warm-up; peak: peak RSS over the inputs' RSS; err: max |error| "
-        "of logp (KL) on the first 64 tokens against float64. Floors: the bare GEMMs of any method "
-        "(logits, grad hidden, grad weight, in the inputs' dtype) and the GEMMs klpo runs (plus the "
-        "recompute, in float32), tile by tile, fastest backend."
+        f"\nTotal wall time {time.perf_counter() - start:.0f} s. time: one forward + backward, "
+        f"median [min, max] of {args.reps} interleaved rounds after a warm-up; peak: peak RSS over "
+        "the inputs' RSS, own process; err: max |error| of logp (KL) on the first 64 tokens "
+        "against float64. Floors: the bare GEMMs of any method (logits, grad hidden, grad weight, "
+        "in the inputs' dtype, faster backend) and the GEMMs klpo runs (plus the recompute, "
+        "float32, its plan), tile by tile."
     )
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 if __name__ == "__main__":

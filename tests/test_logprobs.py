@@ -21,6 +21,7 @@ differentiated by autograd. Tolerances are derived from the dtypes, never tuned:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from klpo import gemm
 from klpo import logprobs as lp
 
 U32 = 2.0**-24
@@ -69,13 +71,14 @@ def test_hand_values_from_logits_and_from_hidden_states():
 
 
 def test_default_vocab_chunk():
-    # 2^20 / tokens, rounded down to a power of 2 and clamped to [512, 2048]
-    assert lp.default_vocab_chunk(1024) == 1024
-    assert lp.default_vocab_chunk(512) == 2048
-    assert lp.default_vocab_chunk(700) == 1024  # 2^20 / 700 = 1497 -> 1024
-    assert lp.default_vocab_chunk(4096) == 512  # 256, clamped
-    assert lp.default_vocab_chunk(1) == 2048
-    assert lp.default_vocab_chunk(0) == 2048
+    # 2^21 / tokens, rounded down to a power of 2 and clamped to [512, 8192]
+    assert lp.default_vocab_chunk(1024) == 2048
+    assert lp.default_vocab_chunk(512) == 4096
+    assert lp.default_vocab_chunk(256) == 8192
+    assert lp.default_vocab_chunk(700) == 2048  # 2^21 / 700 = 2995 -> 2048
+    assert lp.default_vocab_chunk(8192) == 512  # 256, clamped
+    assert lp.default_vocab_chunk(1) == 8192
+    assert lp.default_vocab_chunk(0) == 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,6 +381,85 @@ def test_onednn_and_torch_mm_agree(monkeypatch):
     bound = grad_bound(p, ref, tol, False)
     for name in grads:
         assert_within(name, grads[name], grads_mm[name].double(), 2 * bound[name])
+
+
+PLANS = [
+    gemm.Plan(*roles, False)
+    for roles in itertools.product(["mm", "onednn"] if gemm._ONEDNN else ["mm"], repeat=3)
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(p[:3]))
+def test_fused_matches_float64_naive_on_every_gemm_plan(plan, monkeypatch):
+    """Whichever backends the measured plan picks on a machine, the results are the same: each mix
+    against float64 naive, with one and with several token chunks (the written and the accumulated
+    weight gradient) and several vocabulary chunks."""
+    monkeypatch.setattr(lp, "_plan", lambda *args: plan)
+    p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True)
+    ref = naive(p)
+    tol = value_tol(p, ref)
+    bound = grad_bound(p, ref, tol, False)
+    for token_chunk in (8, 4096):
+        out, grads = run_fused(p, token_chunk=token_chunk, vocab_chunk=64)
+        for name in ("logp", "entropy", "kl"):
+            assert_within(name, getattr(out, name), ref[name], tol)
+        for name, got in grads.items():
+            assert_within(name, got, ref[name], bound[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("temperature", "bias"), [(1.0, False), (0.7, True)])
+@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+def test_fused_logp_only_gradient_matches_float64_naive(dtype, shape, temperature, bias, backend):
+    """Only logp has a gradient (the policy-gradient loss): the backward that takes the per-token
+    coefficient out of the tiles, on both backends, against float64 naive."""
+    n, h, v, token_chunk, vocab_chunk = shape
+    p = make_problem(n, h, v, dtype=dtype, temperature=temperature, bias=bias, ref=False)
+    p.upstream = (p.upstream[0], torch.zeros(n, dtype=torch.float64), p.upstream[2])
+    ref = naive(p)  # d loss / d entropy = 0: the gradients of sum a * logp alone
+    leaves = [
+        t.detach().requires_grad_(True) for t in (p.hidden, p.weight, p.bias) if t is not None
+    ]
+    plan = lp._plan
+    try:
+        lp._plan = lambda *args: gemm.Plan(backend, backend, backend, False)
+        out = lp.fused(
+            leaves[0],
+            leaves[1],
+            p.tokens,
+            bias=leaves[2] if bias else None,
+            temperature=temperature,
+            with_entropy=False,
+            token_chunk=token_chunk,
+            vocab_chunk=vocab_chunk,
+        )
+    finally:
+        lp._plan = plan
+    assert out.entropy is None and out.kl is None
+    a = p.upstream[0].to(out.logp.dtype)
+    grads = torch.autograd.grad((a * out.logp).sum(), leaves)
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, ref["logp"], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in zip(["grad_hidden", "grad_weight", "grad_bias"], grads, strict=False):
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_logp_only_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(23, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(23, dtype=torch.float64, generator=gen, requires_grad=True)
+    tokens = torch.tensor([0, 22, 5, 5, 11, 3, 22])
+
+    def f(h, w, b):
+        return lp.fused(
+            h, w, tokens, bias=b, temperature=0.8, with_entropy=False, token_chunk=3, vocab_chunk=6
+        ).logp
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
 
 
 def test_tied_embedding_gradient():

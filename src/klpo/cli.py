@@ -138,9 +138,10 @@ def train(
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
 
-    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel.
-    Ctrl-C or SIGTERM stops it after the current step with a checkpoint. Models and datasets
-    are read from local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
+    Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
+    with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md). Ctrl-C or
+    SIGTERM stops it after the current step with a checkpoint. Models and datasets are read from
+    local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
     """
     from klpo.train.config import ConfigError, load_config
     from klpo.train.preflight import empty_config_warning
@@ -192,6 +193,30 @@ def train(
     except (ConfigError, RewardError, OSError, ValueError) as err:
         typer.echo(f"{who}error: {err}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="A klpo train run directory."),
+    out: Path = typer.Option(..., "--out", help="New directory for the model."),
+    merge: bool = typer.Option(
+        False, "--merge", help="LoRA runs: fold the adapters into the weights (a plain model)."
+    ),
+) -> None:
+    """Write a run's latest policy as a Hugging Face model directory (weights + tokenizer).
+
+    Full fine-tunes and FSDP-sharded runs give a plain model; LoRA runs give their adapters, or
+    with --merge a plain model with the adapters merged in.
+    """
+    from klpo.train.config import ConfigError
+    from klpo.train.export import export_run
+
+    try:
+        path = export_run(run_dir, out, merge=merge)
+    except (ConfigError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path}")
 
 
 @app.command()

@@ -34,9 +34,12 @@ Algorithm of :func:`fused` (one ``torch.autograd.Function``; its peers: Liger-Ke
 selective log-prob, TRL 1.16's ``ChunkedLogProbFunction`` and ``ChunkedDivergenceFunction``, Cut
 Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein, arXiv:1805.02867):
 
-* Forward: for each ``[token_chunk, vocab_chunk]`` tile, one GEMM
-  ``(hidden / T) @ weight_chunk.T + bias / T`` (the bias in the GEMM's epilogue), minus a per-token
-  reference ``m``, one ``exp``, and row sums; per token it keeps only ``s = sum exp(x - m)``,
+* Tiles are transposed, ``[vocab_chunk, token_chunk]``: vocabulary rows by token columns, so a
+  per-token offset is the GEMM's bias (added in its epilogue, no pass over the tile) and the weight
+  gradient's GEMM reads its operand contiguously. The three products and their backends are in
+  :mod:`klpo.gemm`.
+* Forward: for each tile, one GEMM ``weight_chunk @ (hidden / T).T - m`` (plus ``bias / T``),
+  one ``exp``, and column sums; per token it keeps only ``s = sum exp(x - m)``,
   ``sum exp(x - m)(x - m)`` (entropy), ``sum exp(x - m)(x - m - x_ref + m_ref)`` and
   ``sum exp(x_ref - m_ref)`` (KL), from which ``L = m + log s``, ``logp = x_y - L``,
   ``entropy = log s - sum e (x - m) / s`` and ``kl = sum e (x - m - x_ref + m_ref) / s + log s_ref
@@ -45,9 +48,13 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   float32 keeps small KLs accurate); a token whose sums overflow (a logit more than ~88 above its
   target's) is recomputed with ``m = max_v x_v`` (found by one more pass over its tiles), so the
   result is exact either way.
-* Backward: each tile is recomputed as ``log pi = x - L``, turned into ``G / T`` in place (``a``
-  is added at each target: no dense one-hot), and multiplied into the gradients. Only the inputs
-  and a few floats per token are saved for the backward pass; no tile outlives its iteration.
+* Backward: each tile is recomputed as ``log pi = x - L`` (``-L`` in the GEMM's epilogue), turned
+  into ``G / T`` in place (``a`` is added at each target: no dense one-hot), and multiplied into
+  the gradients. When only ``logp`` has a gradient (the policy-gradient loss), ``G / T = alpha pi
+  + delta 1[v = y]`` and the per-token ``alpha`` is taken out of the tile: ``grad_hidden = alpha
+  (pi @ weight) + delta weight[y]`` and ``grad_weight = pi.T @ (alpha hidden) + delta hidden`` at
+  the targets' rows, so a tile costs one ``exp`` and its GEMMs. Only the inputs and a few floats
+  per token are saved for the backward pass; no tile outlives its iteration.
 * Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
   float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
   float32 ``[V, H]`` accumulator beside the gradient itself).
@@ -64,12 +71,13 @@ clamped to their ranges (``logp ≤ 0``, ``entropy ≥ 0``, ``kl ≥ 0``) in the
 rounding.
 
 Speed on CPU: the GEMMs dominate (four per tile for log-probs: forward, recompute, and the two
-gradients; six for KL), and on CPU they go through oneDNN (``torch.ops.mkldnn._linear_pointwise``)
-where torch has it: on the AMD EPYC (AVX-512) this was tuned on, oneDNN's float32 GEMM runs at
-~430-510 GFLOP/s against ~170-210 for ``torch.mm`` (MKL). Elsewhere (other devices, float64) the
-GEMMs use ``torch.mm``. ``exp`` is the only elementwise pass that costs (~0.3 ns per logit against
-~4 ns for each GEMM), so the passes are kept to one ``exp`` per tile and model. The tile sizes are
-measured defaults, see ``bench/logprobs.py``.
+gradients; six for KL), so the floor of this recomputing kernel is 4/3 (log-probs) or 6/4 (KL) of
+the GEMMs a method that keeps the logits needs. Each of the three GEMM roles runs on the backend
+measured fastest on the machine, oneDNN or torch.mm, once and cached (:mod:`klpo.gemm`): on an
+AVX-512 CPU oneDNN's float32 GEMM is the faster, on one without AVX-512 (or with oneDNN capped at
+AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the passes are kept to one
+``exp`` per tile and model. The tile sizes and the measurements are in docs/performance.md
+(``bench/logprobs.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from klpo import gemm
 
 __all__ = [
     "TILE_ELEMENTS",
@@ -93,21 +103,23 @@ __all__ = [
 ]
 
 # Tile of the fused path: up to TOKEN_CHUNK tokens by TILE_ELEMENTS / tokens vocabulary entries
-# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). Measured on a 2-core AVX-512 CPU
-# (``bench/logprobs.py --sweep``): forward + backward time is flat (within the ±7% run-to-run
-# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096, and ~12% slower at 8192,
-# while peak memory grows with the tile (oneDNN's copies of it and the [vocab_chunk, H]
-# temporaries), so these are the smallest tiles at full speed. Up to 4096 tokens make one token
-# chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (see the module notes).
+# (rounded down to a power of two in [512, VOCAB_CHUNK_MAX]). On a 2-core AVX-512 CPU
+# (``bench/logprobs.py --sweep``) forward + backward time was flat (within the ±7% run-to-run
+# noise) for token chunks of 512-4096 and vocabulary chunks of 512-4096 at 1024 tokens; with few
+# tokens a narrow tile starves the GEMM: at 256 tokens, H = 896, V = 32000 and both backends
+# capped at AVX2, the logits' GEMMs took 1.6-1.8x longer (torch.mm) and 1.3x (oneDNN) in
+# vocabulary chunks of 2048 than of 8192 (docs/performance.md). So the tile holds 2^21 logits
+# (8 MiB in float32) and grows to 8192 vocabulary entries for short inputs. Up to 4096 tokens make
+# one token chunk, which also lets a bf16 head take the bf16 weight-gradient GEMM (module notes).
 TOKEN_CHUNK = 4096
-TILE_ELEMENTS = 1 << 20
-VOCAB_CHUNK_MAX = 2048
+TILE_ELEMENTS = 1 << 21
+VOCAB_CHUNK_MAX = 8192
 
 # Rows of the logits path hold about this many logits per chunk (16 MiB in float32).
 _ROW_ELEMENTS = 1 << 22
 
-# float32 GEMMs on CPU through oneDNN when torch has it (see the module notes); a switch for tests
-# and benchmarks.
+# oneDNN's linear is available (torch built with it); a switch for tests and benchmarks: False
+# sends every GEMM to torch.mm / addmm.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -141,14 +153,6 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
-
-
-def _mm_t(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``a @ b.T + bias``: ``[M, K] x [N, K] -> [M, N]``, the bias broadcast over rows."""
-    if _ONEDNN and a.dtype == torch.float32 and a.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
-    out = a @ b.t()
-    return out if bias is None else out.add_(bias)
 
 
 def _inv_temperature(temperature: float) -> float:
@@ -229,12 +233,12 @@ def _coefficients(
 
 
 def _add_at_targets(g: Tensor, tokens: Tensor, v0: int, delta: Tensor) -> None:
-    """``g[i, tokens[i] - v0] += delta[i]`` for the targets inside the tile ``g [n, vc]``."""
-    cols = tokens - v0
-    inside = (cols >= 0) & (cols < g.shape[1])
+    """``g[tokens[i] - v0, i] += delta[i]`` for the targets inside the tile ``g [vc, n]``."""
+    rows = tokens - v0
+    inside = (rows >= 0) & (rows < g.shape[0])
     if bool(inside.any()):
-        rows = torch.arange(g.shape[0], device=g.device)[inside]
-        g.index_put_((rows, cols[inside]), delta[inside], accumulate=True)
+        cols = torch.arange(g.shape[1], device=g.device)[inside]
+        g.index_put_((rows[inside], cols), delta[inside], accumulate=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,13 +413,20 @@ class _Head:
     """One model's head in the compute dtype: ``x = (hidden @ weight.T + bias) / T``, by tiles."""
 
     def __init__(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_t: float, cd: torch.dtype
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        inv_t: float,
+        cd: torch.dtype,
+        plan: gemm.Plan,
     ) -> None:
         self.hidden = hidden.to(cd)  # [N, H], unscaled, for the weight gradient
         self.hidden_t = self.hidden if inv_t == 1.0 else self.hidden * inv_t  # [N, H] = h / T
         self.weight = weight  # [V, H], chunks converted on use
         self.bias_t = None if bias is None else bias.to(cd) * inv_t  # [V] = b / T
         self.cd = cd
+        self.plan = plan
         self._buffer: Tensor | None = None
 
     def chunk(self, v0: int, v1: int) -> Tensor:
@@ -431,10 +442,16 @@ class _Head:
         return self._buffer[: v1 - v0].copy_(w)
 
     def tile(self, w_chunk: Tensor, v0: int, t: slice, offset: Tensor | None) -> Tensor:
-        """``x[t, v0:v0+vc] - offset[t]``: ``[n, vc]``, the bias in the GEMM."""
-        bias = None if self.bias_t is None else self.bias_t[v0 : v0 + w_chunk.shape[0]]
-        x = _mm_t(self.hidden_t[t], w_chunk, bias)
-        return x if offset is None else x.sub_(offset[t, None])
+        """``(x[t, v0:v0+vc] - offset[t]).T``: ``[vc, n]``, vocabulary rows by token columns.
+
+        Transposed so that the per-token ``-offset`` is the GEMM's bias (added in its epilogue,
+        no pass over the tile); a head's own bias (per vocabulary row) is one more pass.
+        """
+        neg = None if offset is None else -offset[t]
+        x = gemm.logits(w_chunk, self.hidden_t[t], neg, self.plan.logits)
+        if self.bias_t is not None:
+            x.add_(self.bias_t[v0 : v0 + w_chunk.shape[0], None])
+        return x
 
     def target_logits(self, tokens: Tensor) -> Tensor:
         """``x_y`` for each token, by a gathered dot product: ``[N]``."""
@@ -449,13 +466,13 @@ class _Head:
             w = self.chunk(v0, min(v0 + vocab_chunk, vocab))
             for t0 in range(0, n, token_chunk):
                 t = slice(t0, min(t0 + token_chunk, n))
-                m[t] = torch.maximum(m[t], self.tile(w, v0, t, None).amax(1))
+                m[t] = torch.maximum(m[t], self.tile(w, v0, t, None).amax(0))
         return m
 
     def subset(self, idx: Tensor) -> _Head:
         head = object.__new__(_Head)
         head.hidden, head.hidden_t = self.hidden[idx], self.hidden_t[idx]
-        head.weight, head.bias_t, head.cd = self.weight, self.bias_t, self.cd
+        head.weight, head.bias_t, head.cd, head.plan = self.weight, self.bias_t, self.cd, self.plan
         head._buffer = None
         return head
 
@@ -484,22 +501,24 @@ def _sums(
     s_d = None if ref is None else zeros()
     s_ref = None if ref is None else zeros()
     keep_x = with_entropy or ref is not None
+    ones = torch.ones(min(vocab_chunk, vocab), dtype=pol.cd, device=m.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
         w_ref = None if ref is None else ref.chunk(v0, v1)
-        ones = torch.ones(v1 - v0, dtype=pol.cd, device=m.device)
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            x = pol.tile(w, v0, t, m)  # [n, vc]
+            x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            s[t] += e @ ones
+            if e.shape[0] < ones.shape[0]:
+                ones = ones[: e.shape[0]]
+            s[t] += ones @ e
             if s_x is not None:
-                s_x[t] += torch.linalg.vecdot(e, x)
+                s_x[t] += torch.linalg.vecdot(e, x, dim=0)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref))
-                s_ref[t] += x_ref.exp_() @ ones
+                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref), dim=0)
+                s_ref[t] += x_ref.exp_().sum(0)
     return s, s_x, s_d, s_ref
 
 
@@ -517,16 +536,82 @@ def _finish(
     return logp, m + log_s, ent, kl
 
 
-def _bf16_weight_grad(hidden: Tensor, weight: Tensor, n: int, token_chunk: int) -> bool:
-    """Whether the weight gradient's GEMM may take ``G`` in bf16 (see :func:`fused`)."""
-    return (
-        _ONEDNN
-        and weight.dtype == torch.bfloat16
-        and hidden.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and n <= token_chunk
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+def _plan(hidden: Tensor, weight: Tensor, cd: torch.dtype) -> gemm.Plan:
+    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for calls
+    big enough to gain from it, the static default for small ones, torch.mm where ``_ONEDNN`` is
+    off."""
+    if not _ONEDNN:
+        return gemm.Plan("mm", "mm", "mm", False)
+    low = hidden.dtype == weight.dtype == torch.bfloat16
+    dtype = torch.bfloat16 if low else cd
+    n, (vocab, h) = hidden.shape[0], weight.shape
+    if 2.0 * n * vocab * h < gemm.MIN_FLOPS:
+        return gemm.default_plan(dtype, hidden.device)
+    return gemm.plan(h, dtype, hidden.device)
+
+
+def _backward_logp(
+    pol: _Head,
+    tokens: Tensor,
+    log_z: Tensor,
+    alpha: Tensor,
+    delta: Tensor | None,
+    grad_h: Tensor | None,
+    grad_w: Tensor | None,
+    grad_b: Tensor | None,
+    ctx,
+) -> None:
+    """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
+
+    The per-token ``alpha`` is taken out of the tiles: ``grad_hidden = alpha * (pi @ W) + delta
+    W[y]`` (one row scaling at the end) and ``grad_weight = pi.T @ (alpha * hidden) + the targets'
+    rows delta * hidden`` (``alpha * hidden`` formed once), so a tile is one GEMM, one ``exp`` and
+    two GEMMs: no pass to scale it or to add at the targets. Fills ``grad_h`` (float32 ``[N, H]``,
+    zeros), ``grad_w`` and ``grad_b`` in place.
+    """
+    cd, plan = pol.cd, pol.plan
+    token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
+    n, hs = pol.hidden.shape
+    vocab = pol.weight.shape[0]
+    device = pol.hidden.device
+    ha = None if grad_w is None else pol.hidden * alpha[:, None]  # [N, H]
+    direct = grad_w is not None and n <= token_chunk and grad_w.dtype == cd
+    gb = None if grad_b is None else torch.zeros(vocab, dtype=cd, device=device)
+    dw_buffer = None
+    if grad_w is not None and not direct:
+        dw_buffer = torch.empty(min(vocab_chunk, vocab), hs, dtype=cd, device=device)
+    for v0 in range(0, vocab, vocab_chunk):
+        v1 = min(v0 + vocab_chunk, vocab)
+        w = pol.chunk(v0, v1)
+        dw = None
+        if grad_w is not None:
+            dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
+        for t0 in range(0, n, token_chunk):
+            t = slice(t0, min(t0 + token_chunk, n))
+            pi = pol.tile(w, v0, t, log_z).exp_()  # pi.T: [vc, n]
+            if grad_h is not None:
+                gemm.grad_hidden(grad_h[t], pi, w, plan.grad_hidden)
+            if dw is not None:
+                gemm.grad_weight(dw, pi, ha[t], plan.grad_weight, t0 > 0)
+            if gb is not None:
+                gb[v0:v1] += pi @ alpha[t]
+        if delta is not None and dw is not None:
+            rows = tokens - v0
+            inside = (rows >= 0) & (rows < v1 - v0)
+            if bool(inside.any()):
+                # index_put_ (accumulate): index_add_ takes ~0.3 s here whatever the row count.
+                src = pol.hidden[inside] * delta[inside, None]
+                dw.index_put_((rows[inside],), src, accumulate=True)
+        if dw is not None and not direct:
+            grad_w[v0:v1] = dw
+    if grad_h is not None:
+        grad_h.mul_(alpha[:, None])
+        if delta is not None:
+            grad_h.add_(pol.weight[tokens].to(cd) * delta[:, None])
+    if gb is not None:
+        if delta is not None:
+            gb.index_put_((tokens,), delta, accumulate=True)
+        grad_b.copy_(gb)
 
 
 class _Fused(torch.autograd.Function):
@@ -544,11 +629,14 @@ class _Fused(torch.autograd.Function):
         with_entropy: bool,
         token_chunk: int,
         vocab_chunk: int,
+        plan: gemm.Plan,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         ctx.set_materialize_grads(False)
         cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
-        pol = _Head(hidden, weight, bias, inv_t, cd)
-        ref = None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        ref = (
+            None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+        )
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
@@ -593,7 +681,7 @@ class _Fused(torch.autograd.Function):
             kl,
         )
         ctx.inv_t, ctx.cd = inv_t, cd
-        ctx.token_chunk, ctx.vocab_chunk = token_chunk, vocab_chunk
+        ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
 
     @staticmethod
@@ -612,7 +700,7 @@ class _Fused(torch.autograd.Function):
             kl,
         ) = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 11
+        none = (None,) * 12
         if grad_logp is None and grad_entropy is None and grad_kl is None:
             return none
         if not (need_h or need_w or need_b):
@@ -622,19 +710,30 @@ class _Fused(torch.autograd.Function):
         alpha, beta, gamma, delta = _coefficients(
             grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
         )
-        alpha = alpha.expand(log_z.shape)[:, None]
-        beta = None if beta is None else beta[:, None]
-        gamma = None if gamma is None else gamma[:, None]
-        pol = _Head(hidden, weight, bias, inv_t, cd)
-        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd)
+        # Row vectors: the tiles are [vc, n], vocabulary by tokens.
+        alpha = alpha.expand(log_z.shape)[None, :]
+        beta = None if beta is None else beta[None, :]
+        gamma = None if gamma is None else gamma[None, :]
+        plan = ctx.plan
+        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
         n, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
         grad_h = torch.zeros(hidden.shape, dtype=cd, device=device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
         one_token_chunk = n <= token_chunk
-        bf16_w = need_w and _bf16_weight_grad(hidden, weight, n, token_chunk)
+        bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
+        if beta is None and not bf16_w:
+            _backward_logp(pol, tokens, log_z, alpha[0], delta, grad_h, grad_w, grad_b, ctx)
+            return (
+                None if grad_h is None else grad_h.to(hidden.dtype),
+                grad_w,
+                grad_b,
+                *(None,) * 9,
+            )
         g_low = None  # G.T in bf16, reused across vocabulary chunks
+        col = slice(None)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             w = pol.chunk(v0, v1)
@@ -645,33 +744,33 @@ class _Fused(torch.autograd.Function):
             grad_b_chunk = torch.zeros(v1 - v0, dtype=cd, device=device) if need_b else None
             for t0 in range(0, n, token_chunk):
                 t = slice(t0, min(t0 + token_chunk, n))
-                log_pi = pol.tile(w, v0, t, log_z)  # [n, vc]
+                tc = (col, t)
+                log_pi = pol.tile(w, v0, t, log_z)  # [vc, n]
                 if beta is None:
-                    g = log_pi.exp_().mul_(alpha[t])
+                    g = log_pi.exp_().mul_(alpha[tc])
                 else:
                     pi = torch.exp(log_pi)
-                    inner = torch.addcmul(alpha[t], log_pi, beta[t], out=log_pi)
+                    inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
                     if gamma is not None:
-                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[t])
+                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[tc])
                     g = pi.mul_(inner)
                 if delta is not None:
                     _add_at_targets(g, tokens[t], v0, delta[t])
+                # g is (G / T).T for this tile: [vc, n].
                 if need_h:
-                    grad_h[t] += _mm_t(g, w.t())
+                    gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
                 if need_w and bf16_w:
                     # bf16 G (rounded once), float32 accumulation inside the GEMM, one rounding.
                     if g_low is None:
-                        g_low = torch.empty(
-                            g.shape[1], g.shape[0], dtype=weight.dtype, device=device
-                        )
-                    g_t = g_low[: g.shape[1]].copy_(g.t())
-                    grad_w[v0:v1] = _mm_t(g_t, hidden[t].t())
+                        g_low = torch.empty(g.shape, dtype=weight.dtype, device=device)
+                    g_t = g_low[: g.shape[0]].copy_(g)
+                    gemm.grad_weight(grad_w[v0:v1], g_t, hidden[t], "onednn", False)
                 elif need_w and one_token_chunk:
-                    grad_w[v0:v1] = _mm_t(g.t(), pol.hidden[t].t())
+                    gemm.grad_weight(grad_w[v0:v1], g, pol.hidden[t], plan.grad_weight, False)
                 elif need_w:
-                    grad_w_chunk += _mm_t(g.t(), pol.hidden[t].t())
+                    gemm.grad_weight(grad_w_chunk, g, pol.hidden[t], plan.grad_weight, True)
                 if need_b:
-                    grad_b_chunk += g.sum(0)
+                    grad_b_chunk += g.sum(1)
             if grad_w_chunk is not None:
                 grad_w[v0:v1] = grad_w_chunk
             if need_b:
@@ -680,7 +779,7 @@ class _Fused(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
             grad_b,
-            *(None,) * 8,
+            *(None,) * 9,
         )
 
 
@@ -729,7 +828,7 @@ def fused(
         token_chunk: tokens per tile (default :data:`TOKEN_CHUNK` = 4096).
         vocab_chunk: vocabulary entries per tile (default
             ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
-            4 MiB in float32). Both defaults were measured with ``bench/logprobs.py --sweep``.
+            8 MiB in float32). Both defaults are justified in docs/performance.md.
 
     Returns:
         :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
@@ -806,6 +905,7 @@ def fused(
         bool(with_entropy),
         token_chunk,
         vocab_chunk,
+        _plan(flat(hidden), weight, _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)),
     )
     return FusedOutput(
         logp.view(lead),

@@ -36,6 +36,32 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scale numerator: updates are alpha/r · BA.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="Module names that get adapters (peft's target_modules); 'all-linear' is "
+        "every linear layer but the output head.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _not_the_head(cls, v: list[str] | str) -> list[str] | str:
+        names = [v] if isinstance(v, str) else v
+        bad = [n for n in names if n in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ValueError(
+                f"{bad[0]!r} cannot take an adapter: the log-probs and the exact KL read the "
+                "output head's weight directly, and the reference shares it; list the "
+                "attention/MLP projections (or 'all-linear') instead"
+            )
+        if not names:
+            raise ValueError("must name at least one module, e.g. all-linear")
+        return v
+
+
 class ModelConfig(_Section):
     policy: str = Field(
         "builtin",
@@ -50,7 +76,22 @@ class ModelConfig(_Section):
         description="PPO's critic backbone (a value head is added); defaults to the reference.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter dtype of all models. float32 on CPU."
+        "float32",
+        description="Compute dtype of the models' forward passes. bfloat16 is mixed precision: "
+        "the parameters (the optimizer's master weights) stay float32 and every transformer "
+        "forward runs under torch.autocast in bfloat16; the log-probs and KL are float32 "
+        "(docs/real-models.md).",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass "
+        "(transformers' gradient checkpointing) instead of keeping them: less memory, ~1/3 more "
+        "compute.",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters (peft) instead of all weights; with no model.reference "
+        "the reference is the same module with its adapters disabled.",
     )
 
 
@@ -107,6 +148,13 @@ class AlgoConfig(_Section):
     minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch.")
     micro_batch: int = Field(
         0, ge=0, description="Sequences per forward/backward (0: the whole minibatch)."
+    )
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="Token budget of one forward/backward: a micro-batch holds at most this many "
+        "(padded) tokens, prompt and completion, so long completions mean fewer sequences per "
+        "pass (0: off). Combined with micro_batch, the smaller wins.",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above (DAPO clip-higher).")
@@ -243,8 +291,17 @@ class RunConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar on the terminal.")
 
 
+class DistConfig(_Section):
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How torchrun's processes share the models: ddp replicates them; fsdp "
+        "shards parameters, gradients and optimizer state over all processes (FSDP2 "
+        "fully_shard), the reference too.",
+    )
+
+
 class TrainConfig(_Section):
-    """Everything `klpo train` needs. Sections: model, data, rewards, rollout, algo, kl, optim, run."""
+    """Everything `klpo train` needs. Sections: model, data, rewards, rollout, algo, kl, optim, run, dist."""
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -257,6 +314,7 @@ class TrainConfig(_Section):
     kl: KLConfig = KLConfig()
     optim: OptimConfig = OptimConfig()
     run: RunConfig = RunConfig()
+    dist: DistConfig = DistConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -280,6 +338,23 @@ class TrainConfig(_Section):
             raise ValueError(f"data.path is required when data.source is {self.data.source!r}")
         if not self.rewards:
             raise ValueError("rewards must list at least one reward function")
+        if self.dist.strategy == "fsdp" and self.algo.name == "ppo":
+            raise ValueError(
+                "dist.strategy=fsdp does not shard PPO's critic yet; use dist.strategy=ddp for "
+                "ppo, or a critic-free algorithm (grpo, rloo, reinforce++) with fsdp"
+            )
+        ref_sampled = self.kl.estimator in kl.REF_SAMPLED and self.kl.placement != "none"
+        if ref_sampled and (self.dist.strategy == "fsdp" or self.model.lora is not None):
+            raise ValueError(
+                f"kl.estimator={self.kl.estimator} samples completions from the reference, which "
+                "is not supported yet with dist.strategy=fsdp or model.lora; use another "
+                "estimator there, or ddp without LoRA for this one"
+            )
+        if self.dist.strategy == "fsdp" and self.model.lora is not None:
+            raise ValueError(
+                "model.lora with dist.strategy=fsdp is not supported yet (LoRA's frozen base "
+                "and adapter-free reference are not sharded); use dist.strategy=ddp with LoRA"
+            )
         return self
 
 

@@ -164,6 +164,14 @@ def config_page() -> str:
                     f"| `{section}.{key}` | {_type_name(f.annotation)} | `{default!r}` | "
                     f"{f.description or ''} |"
                 )
+                # An optional sub-section (model.lora): its own keys, with their defaults.
+                sub = [a for a in get_args(f.annotation) if isinstance(a, type)]
+                for model in (a for a in sub if issubclass(a, BaseModel)):
+                    for k2, f2 in model.model_fields.items():
+                        lines.append(
+                            f"| `{section}.{key}.{k2}` | {_type_name(f2.annotation)} | "
+                            f"`{f2.default!r}` | {f2.description or ''} |"
+                        )
         else:
             shown = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
             lines.append(f"{field.description} Default: `{shown!r}`.")

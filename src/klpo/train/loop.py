@@ -44,8 +44,8 @@ from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, reduce, ref_kl
 from klpo.train import checkpoint as ckpt_io
+from klpo.train import fsdp, microbatch, ref_samples
 from klpo.train import preflight as checks
-from klpo.train import ref_samples
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import (
     AlgoConfig,
@@ -57,10 +57,14 @@ from klpo.train.config import (
 )
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
 from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
+from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
 from klpo.train.metrics import MetricsWriter, Tally
 from klpo.train.models import (
+    DTYPES,
     Backbone,
     Critic,
+    autocast,
+    enable_checkpointing,
     freeze,
     load_causal_lm,
     load_tokenizer,
@@ -139,7 +143,7 @@ class Models:
     tokenizer: Any
     policy: Any  # the transformers model: generate, save_pretrained
     backbone: torch.nn.Module  # Backbone(policy), DDP-wrapped under torchrun
-    reference: Backbone  # frozen
+    reference: torch.nn.Module  # frozen: a Backbone, or the LoRA policy with adapters off
     critic: torch.nn.Module | None  # Critic, DDP-wrapped under torchrun (PPO only)
     critic_core: Critic | None
 
@@ -152,27 +156,52 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
     tokenizer = load_tokenizer(policy_path, "model.policy")
-    policy = load_causal_lm(
-        str(start / "policy") if start else policy_path, cfg.model.dtype, "model.policy"
-    )
+    # Parameters are float32 (the master weights); model.dtype is the compute dtype (autocast).
+    compute = DTYPES[cfg.model.dtype]
+    # --- real models hook: LoRA (klpo.train.lora), checkpointing, FSDP (klpo.train.fsdp) ---
+    lora_cfg = cfg.model.lora
+    if lora_cfg is not None:
+        policy = load_causal_lm(policy_path, key="model.policy")
+        policy = (
+            load_adapters(policy, start / "policy")
+            if start
+            else apply_lora(policy, **lora_cfg.model_dump())
+        )
+    elif start is not None and fsdp.is_sharded_checkpoint(start):
+        policy = load_causal_lm(
+            policy_path, key="model.policy"
+        )  # the sharded weights are loaded after sharding
+    else:
+        policy = load_causal_lm(str(start / "policy") if start else policy_path, key="model.policy")
+    if cfg.model.gradient_checkpointing:
+        enable_checkpointing(policy)
     policy.to(dist.device).train()
-    reference = Backbone(
-        freeze(load_causal_lm(ref_path, cfg.model.dtype, "model.reference").to(dist.device))
-    )
+    backbone: torch.nn.Module = Backbone(policy, compute)
+    reference: torch.nn.Module
+    if lora_cfg is not None and cfg.model.reference is None:
+        reference = AdapterFreeReference(backbone)  # no second copy of the weights
+    else:
+        reference = Backbone(
+            freeze(load_causal_lm(ref_path, key="model.reference").to(dist.device)), compute
+        )
     critic_core = None
     if ALGORITHMS[cfg.algo.name].critic:
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
-        critic_core = Critic(load_causal_lm(critic_path, cfg.model.dtype, "model.critic"))
-        critic_core.to(dist.device)
+        critic_core = Critic(load_causal_lm(critic_path, key="model.critic"), compute).to(
+            dist.device
+        )
         if start is not None and (start / "critic.safetensors").is_file():
             ckpt_io.restore_critic(start, critic_core)
-    backbone: torch.nn.Module = Backbone(policy)
     critic: torch.nn.Module | None = critic_core
-    if dist.enabled:
+    if dist.enabled and cfg.dist.strategy == "fsdp":
+        backbone = fsdp.shard(backbone, dist)
+        reference = fsdp.shard(reference, dist)
+    elif dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         backbone = DDP(backbone)
         critic = DDP(critic_core) if critic_core is not None else None
+    # --- end of the real models hook ---
     return Models(tokenizer, policy, backbone, reference, critic, critic_core)
 
 
@@ -535,7 +564,10 @@ def update(
                 if not ref_logged:
                     tally.add_means(part, 1.0)
                     ref_logged = True
-            micro = mb.split(a.micro_batch or len(mb))
+            width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
+            micro = microbatch.split(
+                mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
+            )
             for i, rows in enumerate(micro):
                 part = _micro_step(
                     cfg, m, s, rows, beta, beta_old, n_global, dist,
@@ -547,7 +579,8 @@ def update(
             for k, v in step_losses.items():
                 tally.add(k, v, 1.0 / dist.world)
             policy_params = [p for p in m.policy.parameters() if p.requires_grad]
-            tally.add("grad_norm", float(torch.nn.utils.clip_grad_norm_(policy_params, clip)), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(policy_params, clip)
+            tally.add("grad_norm", fsdp.to_float(norm), 1.0)  # a DTensor under FSDP
             opt.policy.step()
             if opt.critic is not None:
                 torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
@@ -680,6 +713,7 @@ def _micro_step(
 def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
     from klpo.train.task import heldout_accuracy as accuracy
 
+    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
     return accuracy(
         m.policy,
         m.tokenizer,
@@ -793,6 +827,13 @@ def preflight(
     checks.check_model_sources(cfg, **names)
     check_models(cfg)
     checks.check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    start = plan.start
+    sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
+    if start is not None and fsdp.is_sharded_checkpoint(start) and not sharded_run:
+        raise ConfigError(
+            f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
+            "with dist.strategy=fsdp, or klpo export it to a plain model"
+        )
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
@@ -874,17 +915,30 @@ class TrainRun:
     mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
 
     @property
+    def sharded(self) -> bool:
+        """FSDP: the policy and its optimizer state are saved as shards (klpo.train.fsdp)."""
+        return fsdp.is_sharded(self.models.backbone)
+
+    @property
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizers whose state goes to optim.safetensors (a sharded policy's does not)."""
         o = self.opt
-        return {"policy": o.policy} | ({"critic": o.critic} if o.critic else {})
+        policy = {} if self.sharded else {"policy": o.policy}
+        return policy | ({"critic": o.critic} if o.critic else {})
 
     def save(self, step: int) -> None:
         rngs = self.dist.gather_objects(ckpt_io.rng_state())
+        policy = self.models.policy
+        if self.sharded:  # every rank writes its shards; the main rank moves them into place
+            staged = self.dir / "checkpoints" / f".shards-step_{step:06d}"
+            fsdp.save_sharded(self.models.backbone, self.opt.policy, staged)
+            self.dist.barrier()
+            policy = fsdp.StagedShards(staged, self.models.policy.config)
         if self.dist.is_main:
             ckpt_io.save_checkpoint(
                 self.dir,
                 step,
-                policy=self.models.policy,
+                policy=policy,
                 critic=self.models.critic_core,
                 optimizers=self.optimizers,
                 rng=rngs,
@@ -938,6 +992,9 @@ def setup(
     if start is not None:
         step0 = meta["step"]
         optimizers = {"policy": opt.policy} | ({"critic": opt.critic} if opt.critic else {})
+        if fsdp.is_sharded_checkpoint(start):  # (preflight checked that this run is sharded)
+            fsdp.load_sharded(m.backbone, opt.policy, start / "policy")
+            del optimizers["policy"]
         # After an allowed change of algorithm, an optimizer the checkpoint lacks starts fresh.
         ckpt_io.restore_optimizers(
             start, {k: o for k, o in optimizers.items() if k in meta["optimizers"]}, meta
@@ -973,9 +1030,18 @@ def setup(
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
         update_gen, writer, step0, _progress(cfg, dist, step0, log), mix_window,
     )  # fmt: skip
-    if step0 == 0 and heldout and cfg.run.eval_every and writer is not None:
-        writer.write(0, {"accuracy/heldout": heldout_accuracy(cfg, m, heldout)})
+    if step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
+        acc = heldout_accuracy(cfg, m, heldout)
+        if writer is not None:
+            writer.write(0, {"accuracy/heldout": acc})
     return run
+
+
+def evaluates(run: TrainRun) -> bool:
+    """Whether this rank runs the held-out evaluation: the main rank; under FSDP every rank, since
+    a sharded forward is collective (greedy decoding of the same problems with the same weights,
+    so all ranks take the same number of forwards)."""
+    return run.dist.is_main or run.sharded
 
 
 def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
@@ -990,8 +1056,10 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
         if run.heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
-            if run.dist.is_main:
-                metrics["accuracy/heldout"] = heldout_accuracy(cfg, run.models, run.heldout)
+            if evaluates(run):
+                acc = heldout_accuracy(cfg, run.models, run.heldout)
+                if run.dist.is_main:
+                    metrics["accuracy/heldout"] = acc
             run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
@@ -1038,18 +1106,21 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # 1. Sample.
     m.policy.eval()
-    rollout = generate(
-        m.policy,
-        m.tokenizer,
-        [e.prompt for e in mine],
-        [e.answer for e in mine],
-        group_size=cfg.rollout.group_size,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        sampler=cfg.rollout.sampler,
-    )
+    fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
+    with autocast(DTYPES[cfg.model.dtype], dist.device):
+        rollout = generate(
+            m.policy,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            group_size=cfg.rollout.group_size,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            sampler=cfg.rollout.sampler,
+            synced=dist.enabled and cfg.dist.strategy == "fsdp",
+        )
     m.policy.train()
     t1 = time.perf_counter()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -157,6 +158,23 @@ def load_tokenizer(name_or_path: str, key: str = "model"):
     return tok
 
 
+def autocast(dtype: torch.dtype | None, device: torch.device):
+    """Mixed precision: ``torch.autocast`` in ``dtype`` (None or float32: no autocast).
+
+    The parameters stay float32 (the master weights the optimizer updates); matmuls run in bf16
+    on bf16 copies of them, reductions and norms in float32 (autocast's op lists)."""
+    if dtype is None or dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def transformer(model: nn.Module) -> nn.Module:
+    """The decoder stack under a causal LM's head (through a peft wrapper if there is one)."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model.base_model
+
+
 class Backbone(nn.Module):
     """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
 
@@ -167,11 +185,16 @@ class Backbone(nn.Module):
     the completion columns attend to them through the cache. The hidden states and parameter
     gradients are those of the unshared forward (tested in float64); the prompt's compute drops by
     the factor ``group``.
+
+    ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
+    FSDP this module is the root of the sharding, so its own parameter group holds the
+    embeddings, the final norm and the head (:mod:`klpo.train.fsdp`).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
+        self.compute_dtype = compute_dtype
 
     def forward(
         self,
@@ -182,8 +205,25 @@ class Backbone(nn.Module):
         prefix: int = 0,
         group: int = 1,
     ) -> Tensor:
-        base = self.model.base_model
-        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1]:
+        with autocast(self.compute_dtype, input_ids.device):
+            return self._hidden(input_ids, attention_mask, position_ids, prefix, group)
+
+    def _hidden(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        prefix: int,
+        group: int,
+    ) -> Tensor:
+        base = transformer(self.model)
+        # Checkpointed layers keep no cache, so a shared prompt could not reach the completions.
+        checkpointed = (
+            getattr(base, "gradient_checkpointing", False)
+            and base.training
+            and torch.is_grad_enabled()
+        )
+        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1] or checkpointed:
             out = base(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -200,7 +240,7 @@ class Backbone(nn.Module):
         )
         cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
         if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
-            return self.forward(input_ids, attention_mask, position_ids)
+            return self._hidden(input_ids, attention_mask, position_ids, 0, 1)
         cache.batch_repeat_interleave(group)
         tail = base(
             input_ids=input_ids[:, prefix:],
@@ -213,7 +253,15 @@ class Backbone(nn.Module):
         return torch.cat([shared, tail.last_hidden_state], dim=1)
 
     def head(self) -> tuple[Tensor, Tensor | None]:
-        """The output head's (weight [V, H], bias [V] or None)."""
+        """The output head's (weight [V, H], bias [V] or None), whole.
+
+        Under FSDP the head is unsharded for the pass (:func:`klpo.train.fsdp.unshard_root`):
+        the fused log-prob/KL pass reads it tile by tile many times, so one all-gather per pass
+        beats one per tile, and its gradient reaches the shards through FSDP's reduce-scatter.
+        """
+        from klpo.train.fsdp import unshard_root
+
+        unshard_root(self)
         lm_head = self.model.get_output_embeddings()
         return lm_head.weight, getattr(lm_head, "bias", None)
 
@@ -225,9 +273,9 @@ class Critic(nn.Module):
     head, so the first value predictions are 0 everywhere.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
-        self.backbone = Backbone(model)
+        self.backbone = Backbone(model, compute_dtype)
         hidden = model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
@@ -244,7 +292,19 @@ class Critic(nn.Module):
         group: int = 1,
     ) -> Tensor:
         h = self.backbone(input_ids, attention_mask, position_ids, prefix=prefix, group=group)
-        return self.value_head(h).squeeze(-1).float()
+        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in the backward pass (transformers' checkpointing).
+
+    Non-reentrant ``torch.utils.checkpoint``: it needs no input that requires grad (LoRA's frozen
+    embeddings) and composes with FSDP's hooks."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name in transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -104,6 +104,7 @@ def sample_lean(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
+    synced: bool = False,
 ) -> Tensor:
     """``[N*G, C]`` completion tokens: ``group_size`` samples for each of ``N`` left-padded prompts.
 
@@ -115,6 +116,8 @@ def sample_lean(
     ``greedy``), with the model's logits in float32. Rows stop at their first EOS (later columns
     hold ``pad_token_id``) and the loop stops when every row has stopped. The distribution is the
     one ``generate`` samples with ``top_k`` off; the draws for a given seed are not the same.
+    With ``synced`` (a sharded model, whose forward is collective) the loop stops only when every
+    rank's rows have stopped.
     """
     eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
     device = next(model.parameters()).device
@@ -142,7 +145,7 @@ def sample_lean(
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
         done = done | torch.isin(token, eos)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if t == max_new_tokens - 1 or _all_ranks(bool(done.all()), synced, device):
             break
         att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
         out = model(
@@ -156,6 +159,17 @@ def sample_lean(
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     return torch.stack(tokens, dim=1).cpu()
+
+
+def _all_ranks(flag: bool, synced: bool, device: torch.device) -> bool:
+    """``flag`` on this rank, or (``synced``) whether it holds on every rank."""
+    if not synced:
+        return flag
+    import torch.distributed as tdist
+
+    not_yet = torch.tensor([0.0 if flag else 1.0], device=device)
+    tdist.all_reduce(not_yet)
+    return float(not_yet) == 0.0
 
 
 @torch.no_grad()
@@ -172,12 +186,15 @@ def generate(
     greedy: bool = False,
     max_prompt_tokens: int | None = None,
     sampler: str = "lean",
+    synced: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt: :func:`sample_lean` or ``model.generate``.
 
     Sampling is from softmax(logits / temperature) restricted by ``top_p`` only: ``top_k`` is
     switched off (transformers' default of 50 would silently sample from a distribution other
     than the policy's, biasing every estimator), and no repetition penalty applies.
+    ``synced`` keeps every rank decoding until all are done (``generate``'s ``synced_gpus``): a
+    sharded model's forward is collective, so no rank may stop early.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {sampler!r}")
@@ -207,11 +224,12 @@ def generate(
             temperature=temperature,
             top_p=top_p,
             greedy=greedy,
+            synced=synced,
         )
         enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}
     else:
         completion_ids = _hf_generate(
-            model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy
+            model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy, synced
         )
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((len(texts), 1), tokenizer.pad_token_id)
@@ -270,7 +288,9 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
     return hidden[:, p - 1 : p - 1 + c]
 
 
-def _hf_generate(model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy) -> Tensor:
+def _hf_generate(
+    model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy, synced=False
+) -> Tensor:
     """``[B, C]`` completion tokens from ``model.generate`` (top-k off, no repetition penalty)."""
     gen_cfg = GenerationConfig(
         do_sample=not greedy,
@@ -287,5 +307,6 @@ def _hf_generate(model, tokenizer, enc, max_new_tokens, temperature, top_p, gree
         input_ids=enc["input_ids"].to(device),
         attention_mask=enc["attention_mask"].to(device),
         generation_config=gen_cfg,
+        **({"synced_gpus": True} if synced else {}),  # (only when asked: stub models lack it)
     )
     return out[:, enc["input_ids"].shape[1] :].cpu()

@@ -1,0 +1,61 @@
+"""``klpo export RUN_DIR --out DIR [--merge]``: a run's latest policy as a plain model directory.
+
+What the checkpoint holds decides what is read (:mod:`klpo.train.checkpoint`):
+
+* a whole model (full fine-tuning, one process or DDP): copied through ``save_pretrained``;
+* LoRA adapters (:mod:`klpo.train.lora`): with ``merge`` the adapters are folded into the base
+  weights, ``W + (alpha / r) · B A``, and the result is a plain transformers model; without it the
+  adapter directory is written (load it with ``peft`` over the base model);
+* FSDP shards (:mod:`klpo.train.fsdp`): read in one process by ``torch.distributed.checkpoint``
+  into the base model's architecture.
+
+The tokenizer is copied beside the weights, so ``AutoModelForCausalLM.from_pretrained(DIR)`` and
+``AutoTokenizer.from_pretrained(DIR)`` need nothing from klpo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from klpo.train import checkpoint as ckpt_io
+from klpo.train import fsdp
+from klpo.train.config import ConfigError, load_config
+from klpo.train.lora import is_adapter_dir
+from klpo.train.models import load_causal_lm, load_tokenizer
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> Path:
+    """Write the run's latest policy to ``out``; returns ``out``.
+
+    Raises:
+        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty.
+    """
+    from klpo.train.loop import resolve_model_path
+
+    run_dir, out = Path(run_dir), Path(out)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} holds no run (no config.yaml); give a klpo train run_dir")
+    ckpt = ckpt_io.latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"{run_dir} has no checkpoint yet; export needs one (run.save_every)")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; choose a new directory")
+    cfg = load_config(saved)
+    base = resolve_model_path(cfg.model.policy)
+    policy_dir = ckpt / "policy"
+    if is_adapter_dir(policy_dir):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_causal_lm(base), str(policy_dir))
+        if merge:
+            model = model.merge_and_unload()
+    elif fsdp.is_sharded_checkpoint(ckpt):
+        model = load_causal_lm(base)
+        fsdp.load_unsharded(model, policy_dir)
+    else:
+        model = load_causal_lm(str(policy_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(base).save_pretrained(out)
+    return out

@@ -1,0 +1,97 @@
+"""FSDP2 under torchrun on CPU (gloo): the one-process parameters, exact resume, sharded export."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from klpo.train import loop
+from klpo.train.config import ConfigError, build_config
+from klpo.train.export import export_run
+from klpo.train.metrics import read_metrics
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+
+def torchrun(script: str, *args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(HERE / script), *args,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_give_the_one_process_parameters_and_resume_exactly(
+    tiny_model, tmp_path
+):
+    import fsdp_update_script
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    threads = torch.get_num_threads()
+    try:
+        fsdp_update_script.main(str(tiny_model), str(one))  # a plain single process
+    finally:
+        torch.set_num_threads(threads)
+    torchrun("fsdp_update_script.py", str(tiny_model), str(two))
+    start = load_file(str(tiny_model / "model.safetensors"))
+    a = load_file(str(one / "final.safetensors"))
+    b = load_file(str(two / "final.safetensors"))
+    resumed = load_file(str(two / "resumed.safetensors"))
+    assert (two / "shards" / ".metadata").is_file()
+    assert sorted(a) == sorted(b) == sorted(start)
+    assert all((a[k] - start[k]).abs().max() > 1e-4 for k in a)  # three AdamW steps moved all
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert torch.equal(resumed[k], b[k]), k  # the sharded checkpoint resumes bit for bit
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick, tmp_path):
+    run = tmp_path / "run"
+    torchrun("fsdp_train_script.py", str(tiny_model), str(run))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # (every rank evaluates: collective)
+    assert "accuracy/heldout" in rows[0] and "accuracy/heldout" in rows[2]
+    ckpt = run / "checkpoints" / "step_000003" / "policy"
+    assert (ckpt / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
+
+    out = export_run(run, tmp_path / "plain")
+    model = AutoModelForCausalLM.from_pretrained(out)  # transformers alone
+    start = load_file(str(tiny_model / "model.safetensors"))
+    for name, p in model.state_dict().items():
+        if name in start:
+            assert torch.isfinite(p).all() and (p - start[name]).abs().max() > 0, name
+
+    # A sharded run cannot continue as a single unsharded process; the error says so.
+    cfg = build_config(
+        overrides=quick(tiny_model, run, **{"dist.strategy": "fsdp", "run.steps": 4})
+    )
+    with pytest.raises(ConfigError, match="holds sharded weights"):
+        loop.train(cfg, resume=True, log=lambda *_: None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["dist.strategy=fsdp", "algo.name=ppo"], "critic"),
+        (["dist.strategy=fsdp", "model.lora={r: 2}"], "LoRA"),
+        (["dist.strategy=fsdp", "kl.estimator=ref_is"], "samples completions from the reference"),
+        (["model.lora={r: 2}", "kl.estimator=ref_is"], "samples completions from the reference"),
+    ],
+)
+def test_fsdp_and_lora_refuse_what_they_do_not_support_yet(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(overrides=extra)
