@@ -218,9 +218,15 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         meta["step"], meta["rng"], meta["optimizers"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"state.json is missing or unreadable ({type(err).__name__})"
-    problem = model_dir_problem(ckpt / "policy")
+    policy = ckpt / "policy"
+    if (policy / "adapter_config.json").is_file():  # LoRA: the adapters only (klpo.train.lora)
+        problem = safetensors_problem(policy / "adapter_model.safetensors")
+    elif (policy / ".metadata").is_file():  # FSDP shards (torch.distributed.checkpoint)
+        problem = None
+    else:
+        problem = model_dir_problem(policy)
     if problem:
-        return problem
+        return f"policy/{problem}" if not problem.startswith("policy/") else problem
     has_tensors = any(
         "tensor" in v
         for o in meta["optimizers"].values()
