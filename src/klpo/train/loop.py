@@ -812,6 +812,13 @@ def preflight(
             f"rollout.prompts_per_step={ro.prompts_per_step} must be divisible by the number of "
             f"processes ({dist.world}): each process samples whole groups of an equal share"
         )
+    start = ckpt_io.latest_checkpoint(cfg.run.out_dir) if resume else None
+    sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
+    if start is not None and fsdp.is_sharded_checkpoint(start) and not sharded_run:
+        raise ConfigError(
+            f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
+            "with dist.strategy=fsdp, or klpo export it to a plain model"
+        )
     plan = checks.plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
@@ -827,13 +834,6 @@ def preflight(
     checks.check_model_sources(cfg, **names)
     check_models(cfg)
     checks.check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
-    start = plan.start
-    sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
-    if start is not None and fsdp.is_sharded_checkpoint(start) and not sharded_run:
-        raise ConfigError(
-            f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
-            "with dist.strategy=fsdp, or klpo export it to a plain model"
-        )
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
