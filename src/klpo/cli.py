@@ -129,13 +129,22 @@ def train(
     resume: Path | None = typer.Option(
         None, "--resume", help="Continue the run in this directory from its last checkpoint."
     ),
+    allow_config_change: bool = typer.Option(
+        False,
+        "--allow-config-change",
+        help="With --resume: continue even though the config or the number of processes "
+        "changed (recorded in the run's config-changes.jsonl).",
+    ),
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
 
     Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
-    with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md).
+    with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md). Ctrl-C or
+    SIGTERM stops it after the current step with a checkpoint. Models and datasets are read from
+    local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
     """
     from klpo.train.config import ConfigError, load_config
+    from klpo.train.preflight import empty_config_warning
 
     try:
         if resume is not None:
@@ -148,18 +157,41 @@ def train(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    if allow_config_change and resume is None:
+        typer.echo("error: --allow-config-change only applies with --resume DIR", err=True)
+        raise typer.Exit(2)
+    empty = empty_config_warning(config)
+    if empty:
+        typer.echo(f"warning: {empty}", err=True)
 
+    import os
+
+    from klpo.train.dist import PeerFailed
     from klpo.train.loop import TrainingDiverged
     from klpo.train.loop import train as run_training
     from klpo.train.rewards import RewardError
+    from klpo.train.stop import Interrupted
 
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    who = f"rank {rank}: " if rank is not None else ""
     try:
-        run_training(cfg, resume=resume is not None, log=lambda msg: typer.echo(msg, err=True))
+        run_training(
+            cfg,
+            resume=resume is not None,
+            log=lambda msg: typer.echo(msg, err=True),
+            allow_config_change=allow_config_change,
+        )
+    except Interrupted as err:
+        typer.echo(f"{who}{err}", err=True)
+        raise typer.Exit(err.exit_code) from None
     except TrainingDiverged as err:
-        typer.echo(f"diverged: {err}", err=True)
+        typer.echo(f"{who}diverged: {err}", err=True)
         raise typer.Exit(3) from None
-    except (ConfigError, RewardError, FileNotFoundError, ValueError) as err:
-        typer.echo(f"error: {err}", err=True)
+    except PeerFailed as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+    except (ConfigError, RewardError, OSError, ValueError) as err:
+        typer.echo(f"{who}error: {err}", err=True)
         raise typer.Exit(1) from None
 
 
@@ -192,8 +224,15 @@ def docs(
     out: Path = typer.Option(Path("docs"), "--out", help="Directory for the generated pages."),
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
+    from klpo.train.config import ConfigError
     from klpo.train.docs import write_pages
+    from klpo.train.preflight import check_writable_dir
 
+    try:
+        check_writable_dir(out, "--out")
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     for path in write_pages(out):
         typer.echo(f"wrote {path}")
 
@@ -218,6 +257,20 @@ def _lab_probabilities(text: str, option: str) -> list[float]:
             f"{text!r} is not a comma-separated list of numbers, e.g. 0.7,0.2,0.1",
             param_hint=option,
         ) from None
+
+
+def _plain_progress(total: int):
+    """``progress(done, what)`` printing a line when the part of the work changes."""
+    import time
+
+    t0, last = time.perf_counter(), [""]
+
+    def report(done: int, what: str) -> None:
+        if what != last[0] or done == total:
+            last[0] = what
+            typer.echo(f"[{done}/{total}] {what} ({time.perf_counter() - t0:.0f} s)", err=True)
+
+    return report
 
 
 def _lab_print_json(record: dict) -> None:
@@ -406,23 +459,41 @@ def lab_report(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
+    from klpo.train.config import ConfigError
+    from klpo.train.preflight import check_writable_dir
 
+    try:
+        check_writable_dir(out_dir, "--out")
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     preset = PRESETS["quick" if quick else "default"]
     out = console()
-    with Progress(
-        TextColumn("[bold]klpo lab report[/bold] {task.description:<20}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("starting", total=preset.units)
+    err_console = Console(stderr=True)
+    if err_console.is_terminal:
+        with Progress(
+            TextColumn("[bold]klpo lab report[/bold] {task.description:<20}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        ) as progress:
+            task = progress.add_task("starting", total=preset.units)
+            results = run_report(
+                Path(out_dir),
+                preset,
+                seed=seed,
+                progress=lambda done, what: progress.update(task, completed=done, description=what),
+                training=Path(training) if training else None,
+            )
+    else:  # a log file, CI or a scheduler: plain lines, one per part of the suite
+        typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
         results = run_report(
             Path(out_dir),
             preset,
             seed=seed,
-            progress=lambda done, what: progress.update(task, completed=done, description=what),
+            progress=_plain_progress(preset.units),
             training=Path(training) if training else None,
         )
     verdicts = Table(title='Claims about "K2" and "K3": which hold (report.md, docs/claims.md)')
@@ -586,6 +657,19 @@ def make_reward_model_cmd(
 # klpo compare: the estimator stability study on real training.
 
 
+def _numbers(text: str, kind: type, option: str, example: str) -> list:
+    """A comma-separated list of ``kind`` values, or a ConfigError naming ``option``."""
+    from klpo.train.config import ConfigError
+
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise ConfigError(
+            f"{option} {text!r} is not a comma-separated list of {what}; e.g. {option} {example}"
+        ) from None
+
+
 @app.command()
 def compare(
     out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
@@ -624,9 +708,9 @@ def compare(
         if steps is not None:
             study.steps = steps
         if seeds is not None:
-            study.seeds = [int(s) for s in seeds.split(",")]
+            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
         if betas is not None:
-            study.betas = [float(b) for b in betas.split(",")]
+            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
         grid = study_grid(study)
     except (ConfigError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
@@ -638,6 +722,9 @@ def compare(
         return
     typer.echo(f"{len(grid)} runs, {study.workers} at a time, into {out}", err=True)
 
+    def on_start(name: str, log_path: Path) -> None:
+        typer.echo(f"start {name} (log: {log_path})", err=True)
+
     def on_result(row: dict, n: int, total: int) -> None:
         typer.echo(
             f"[{n}/{total}] {row['name']}: {row['status']}, held-out {row['acc_final']:.3f}, "
@@ -646,7 +733,7 @@ def compare(
         )
 
     try:
-        run_study(study, out, on_result=on_result)
+        run_study(study, out, on_result=on_result, on_start=on_start)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

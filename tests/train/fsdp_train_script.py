@@ -22,7 +22,7 @@ def main(model: str, run_dir: str) -> None:
     extra = {"dist.strategy": "fsdp", "run.save_every": 1, "run.eval_every": 2, "data.eval_size": 4}
     dist = init_distributed(threads=1)
     leave = loop.shutdown
-    loop.shutdown = lambda _: None  # one process group for both runs; left at the end
+    loop.shutdown = lambda *_, **__: None  # one process group for both runs; left at the end
     for steps, resume in ((2, False), (3, True)):
         cfg = build_config(
             overrides=quick_overrides(Path(model), Path(run_dir), **extra, **{"run.steps": steps})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 
@@ -19,3 +20,10 @@ def slow_digits(prompts: list[str], completions: list[str], answers: list[str]) 
 
 def nan_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     return [math.nan for _ in completions]
+
+
+def fails_on_rank_0(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """Raises on rank 0 only (as a reward service down for one process): the group must stop."""
+    if os.environ.get("RANK", "0") == "0":
+        raise RuntimeError("the reward service is down")
+    return digits(prompts, completions, answers)

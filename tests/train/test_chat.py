@@ -98,13 +98,15 @@ def test_train_with_chat_prompts(chat_model, quick, tmp_path, monkeypatch):
         )
     )  # fmt: skip
     seen = []
-    real = loop.generate
+    from klpo.train import engines
+
+    real = engines.generate
 
     def spy(model, tokenizer, prompts, *args, **kwargs):
         seen.extend(prompts)
         return real(model, tokenizer, prompts, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "generate", spy)
+    monkeypatch.setattr(engines, "generate", spy)  # what the hf engine samples with
     loop.train(cfg, log=lambda *_: None)
     assert seen and all(p.startswith("<s>system: add\n<s>user: ") for p in seen)
     assert all(p.endswith("\n<s>assistant: ") for p in seen)

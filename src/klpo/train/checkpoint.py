@@ -112,26 +112,22 @@ def save_checkpoint(
     """
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
-    # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
-    with atomic_dir(final) as tmp:
-        policy.save_pretrained(tmp / "policy", safe_serialization=True)
-        if critic is not None:
-            save_model(critic, str(tmp / "critic.safetensors"))
-        if reference is not None:
-            save_model(reference, str(tmp / "reference.safetensors"))
-        optim_tensors, optim_structure = {}, {}
-        for name, opt in optimizers.items():
-            t, s = _flatten_optimizer(opt, name)
-            optim_tensors.update(t)
-            optim_structure[name] = s
-        if optim_tensors:
-            save_file(optim_tensors, str(tmp / "optim.safetensors"))
-        rng = rng if rng is not None else [rng_state()]
-        rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
-        rng_plain = [plain for _, plain in rng]
-        save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
-        write_text_atomic(tmp / "state.json", json.dumps(meta))
+    try:
+        # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
+        with atomic_dir(final) as tmp:
+            _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state, reference)
+    except OSError as err:  # a full disk, a permission: atomic_dir removed the partial files
+        previous = find_checkpoint(run_dir)[0]
+        kept = (
+            f"the previous checkpoint {previous.name} is intact"
+            if previous is not None
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} in {root}: "
+            f"{err.strerror or err}; {kept} and the partial files were removed. Free space "
+            f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
+        ) from None
     write_text_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep]:
         if old != final:
@@ -139,18 +135,151 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` points at, or None if the run has none."""
+def _write_checkpoint(
+    tmp: Path,
+    step: int,
+    policy: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None,
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
+    state: dict[str, Any] | None,
+    reference: torch.nn.Module | None = None,
+) -> None:
+    policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if critic is not None:
+        save_model(critic, str(tmp / "critic.safetensors"))
+    if reference is not None:  # kl.reference_reset moved it: the run resumes with it
+        save_model(reference, str(tmp / "reference.safetensors"))
+    optim_tensors, optim_structure = {}, {}
+    for name, opt in optimizers.items():
+        t, s = _flatten_optimizer(opt, name)
+        optim_tensors.update(t)
+        optim_structure[name] = s
+    if optim_tensors:
+        save_file(optim_tensors, str(tmp / "optim.safetensors"))
+    rng = rng if rng is not None else [rng_state()]
+    rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
+    rng_plain = [plain for _, plain in rng]
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
+    write_text_atomic(tmp / "state.json", json.dumps(meta))
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the message says what is intact and how to go on."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file, or None if it is.
+
+    The format is an 8-byte little-endian header length N, N bytes of JSON giving each tensor's
+    ``data_offsets``, then the data: a complete file is exactly 8 + N + the largest end offset
+    bytes long. Reads the header only, so it is cheap on any model size.
+    """
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is truncated ({size} bytes)"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated ({size} bytes, header says more)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as err:
+        return f"{path.name} cannot be read ({err})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
+    return None
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """Why the ``save_pretrained`` directory ``path`` cannot be a model, or None if it can."""
+    if not (path / "config.json").is_file():
+        return f"{path.name}/config.json is missing"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as err:
+            return f"{index.name} cannot be read ({err})"
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return f"{path.name} holds no model.safetensors"
+    for shard in shards:
+        problem = safetensors_problem(path / shard)
+        if problem:
+            return f"{path.name}/{problem}"
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (a missing or truncated file), or None if it can."""
+    try:
+        meta = json.loads((ckpt / "state.json").read_text())
+        meta["step"], meta["rng"], meta["optimizers"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"state.json is missing or unreadable ({type(err).__name__})"
+    policy = ckpt / "policy"
+    if (policy / "adapter_config.json").is_file():  # LoRA: the adapters only (klpo.train.lora)
+        problem = safetensors_problem(policy / "adapter_model.safetensors")
+    elif (policy / ".metadata").is_file():  # FSDP shards (torch.distributed.checkpoint)
+        problem = None
+    else:
+        problem = model_dir_problem(policy)
+    if problem:
+        return f"policy/{problem}" if not problem.startswith("policy/") else problem
+    has_tensors = any(
+        "tensor" in v
+        for o in meta["optimizers"].values()
+        for e in o["state"].values()
+        for v in e.values()
+    )
+    names = ["rng.safetensors"] + (["optim.safetensors"] if has_tensors else [])
+    names += [n for n in ("critic.safetensors", "reference.safetensors") if (ckpt / n).exists()]
+    for name in names:
+        problem = safetensors_problem(ckpt / name)
+        if problem:
+            return problem
+    return None
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of a run, and a line for each newer one that is not.
+
+    ``latest`` is only a hint: a checkpoint whose files are missing or truncated (a disk that
+    filled up, a copy cut short) is skipped for the one before it, and a removed or stale
+    ``latest`` does not hide the checkpoints that are there.
+    """
     root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(
-            f"{pointer} points at {path.name}, which is incomplete; remove {pointer} to start over"
-        )
-    return path
+    if not root.is_dir():
+        return None, []
+    notes = []
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    for path in steps:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"checkpoint {path} is incomplete ({problem}); skipped")
+    return None, notes
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run (see :func:`find_checkpoint`), or None."""
+    return find_checkpoint(run_dir)[0]
+
+
+def remove_orphans(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories of saves that never finished; returns them."""
+    root = Path(run_dir) / "checkpoints"
+    gone = sorted([*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]) if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

@@ -251,7 +251,12 @@ def load_study(
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"study file {str(p)!r} is not valid UTF-8 YAML: {str(err).splitlines()[0]}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"study file {str(p)!r} must hold a mapping of StudyConfig keys")
     try:
@@ -290,7 +295,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
         "run.eval_every": study.eval_every,
         "run.save_every": 0,
         "run.threads": 1,
-        "run.progress": False,
+        "run.progress": True,  # plain lines in each run's log.txt (it is not a terminal)
         "run.tensorboard": False,
         "data.eval_size": study.eval_size,
         **({"data.source": "builtin-overopt"} if study.task == "overopt" else {}),
@@ -511,7 +516,44 @@ def _var(xs: list[float]) -> float:
     return statistics.variance(xs) if len(xs) > 1 else math.nan
 
 
-def _execute(run: Run, out: Path, study: StudyConfig) -> dict[str, Any]:
+# Keys that may differ between a finished run and the study re-run over it: how a run is shown
+# and scheduled, not what it computes.
+PRESENTATION_KEYS = frozenset({"run.progress", "run.threads", "run.tensorboard", "run.out_dir"})
+
+
+def changed_runs(runs: list[Run], out: Path) -> list[str]:
+    """A line per finished run in ``out`` whose saved config is not the one it would run now.
+
+    Re-running a study directory reuses its finished runs; this catches a re-run with other
+    settings (steps, base keys, ...), which would otherwise report old runs under new labels.
+    """
+    from klpo.train.preflight import flat
+
+    lines = []
+    for run in runs:
+        run_dir = out / "runs" / run.name
+        saved_path = run_dir / "config.yaml"
+        if not (run_dir / "result.yaml").exists() or not saved_path.exists():
+            continue
+        try:
+            saved = flat(build_config(yaml.safe_load(saved_path.read_text()) or {}))
+        except (ConfigError, yaml.YAMLError):
+            lines.append(f"{run.name}: its config.yaml cannot be read")
+            continue
+        now = flat(build_config(overrides=[*run.overrides, f"run.out_dir={run_dir}"]))
+        diff = [
+            f"{k} {saved.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(saved) | set(now))
+            if k not in PRESENTATION_KEYS and saved.get(k) != now.get(k)
+        ]
+        if diff:
+            lines.append(f"{run.name}: {', '.join(diff)}")
+    return lines
+
+
+def _execute(
+    run: Run, out: Path, study: StudyConfig, on_start: Callable[[str, Path], None] | None = None
+) -> dict[str, Any]:
     run_dir = out / "runs" / run.name
     done_marker = run_dir / "result.yaml"
     if done_marker.exists():  # finished in an earlier invocation of the same study
@@ -519,6 +561,8 @@ def _execute(run: Run, out: Path, study: StudyConfig) -> dict[str, Any]:
     if run_dir.exists():  # a run interrupted mid-way: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if on_start is not None:
+        on_start(run.name, run_dir / "log.txt")
     cmd = [sys.executable, "-m", "klpo", "train", "--set", f"run.out_dir={run_dir}"]
     for o in run.overrides:
         cmd += ["--set", o]
@@ -556,11 +600,29 @@ def run_study(
     out: str | Path,
     *,
     on_result: Callable[[dict[str, Any], int, int], None] | None = None,
+    on_start: Callable[[str, Path], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots."""
+    """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots.
+
+    A finished run found in ``out`` is reused only if its config is the one it would run with
+    now; otherwise the study is refused (:func:`changed_runs`) before anything starts.
+    """
+    from klpo.train.preflight import check_writable_dir
+
     out = Path(out)
+    check_writable_dir(out, "--out")
     runs = study_grid(study)
     configs = [build_config(overrides=r.overrides) for r in runs]  # fail before any run starts
+    changed = changed_runs(runs, out)
+    if changed:
+        shown = "; ".join(changed[:3]) + (
+            f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        raise ConfigError(
+            f"--out {out} holds finished runs of a study with other settings ({shown}). They "
+            "would be reported under the new settings; use another --out, or the settings they "
+            "were run with"
+        )
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
     write_text_atomic(
@@ -570,7 +632,7 @@ def run_study(
     )
     rows: list[dict[str, Any] | None] = [None] * len(runs)
     with ThreadPoolExecutor(max_workers=study.workers) as pool:
-        futures = {pool.submit(_execute, r, out, study): i for i, r in enumerate(runs)}
+        futures = {pool.submit(_execute, r, out, study, on_start): i for i, r in enumerate(runs)}
         for n, fut in enumerate(as_completed(futures), start=1):
             i = futures[fut]
             try:

@@ -588,7 +588,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                f"at offset {exc.start}); save it as UTF-8"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):

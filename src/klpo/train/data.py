@@ -7,7 +7,7 @@ names the file and line (JSONL) or the sample index (datasets) and says what is 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ class Example:
     prompt: str
     answer: str
     messages: tuple[tuple[str, str], ...] | None = None
+    where: str = field(default="", compare=False)  # "file:line" or "name[i]", for errors
 
 
 def read_jsonl(
@@ -34,8 +35,15 @@ def read_jsonl(
     if not path.is_file():
         raise FileNotFoundError(f"JSONL file {str(path)!r} does not exist")
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -63,13 +71,15 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
             )
     prompt, answer = row[prompt_field], row[answer_field]
     if isinstance(prompt, list):
-        return Example(prompt="", answer=str(answer), messages=_messages(prompt, where))
+        return Example(
+            prompt="", answer=str(answer), messages=_messages(prompt, where), where=where
+        )
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
             f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat "
             f"messages, got {prompt!r}"
         )
-    return Example(prompt=prompt, answer=str(answer))
+    return Example(prompt=prompt, answer=str(answer), where=where)
 
 
 def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
@@ -135,7 +145,7 @@ def render_chat(
         if system_prompt and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system_prompt})
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        out.append(Example(prompt=text, answer=e.answer))
+        out.append(Example(prompt=text, answer=e.answer, where=e.where))
     return out
 
 
@@ -146,6 +156,9 @@ def read_dataset(
     directory, or a name already in the local cache (nothing is downloaded here)."""
     import datasets
 
+    from klpo.train.models import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
+
+    offline_unless_allowed()
     path = Path(name_or_path)
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         ds = datasets.load_from_disk(str(path))
@@ -159,9 +172,31 @@ def read_dataset(
         )
         if kind is None:
             raise ValueError(f"cannot read {name_or_path!r}: use .jsonl, .json, .csv or .parquet")
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as err:  # datasets wraps parser errors in its own types
+            cause = err.__cause__ or err
+            raise ValueError(
+                f"cannot read {name_or_path!r} as {kind}: {type(cause).__name__}: "
+                f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; for line-by-line "
+                "errors use data.source=jsonl"
+            ) from None
+    elif name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"data.path {name_or_path!r}: no such file or directory")
     else:
-        ds = datasets.load_dataset(name_or_path, split=split)
+        try:
+            ds = datasets.load_dataset(name_or_path, split=split)
+        except (ConnectionError, FileNotFoundError) as err:
+            if downloads_allowed():
+                raise FileNotFoundError(
+                    f"data.path {name_or_path!r}: could not load the dataset ({err})"
+                ) from None
+            raise FileNotFoundError(
+                f"data.path {name_or_path!r}: no such file or directory, and dataset "
+                f"{name_or_path!r} not found locally (not in the datasets cache). Give a local "
+                f"file or save_to_disk directory, or set {ALLOW_DOWNLOADS}=1 to let it be "
+                "downloaded"
+            ) from None
     missing = [k for k in (prompt_field, answer_field) if k not in ds.column_names]
     if missing:
         raise ValueError(

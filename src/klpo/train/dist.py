@@ -44,6 +44,14 @@ class Dist:
         tdist.all_gather_object(out, obj)
         return out
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank (a collective: every rank must call it)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return bool(t.item())
+
     def barrier(self) -> None:
         if self.enabled:
             tdist.barrier()
@@ -66,9 +74,34 @@ def init_distributed(threads: int = 0) -> Dist:
     return Dist(rank=rank, world=world, device=device)
 
 
-def shutdown(dist: Dist) -> None:
+class PeerFailed(RuntimeError):
+    """Another rank of the run failed; this one stopped with it (the cause is in that rank's
+    output)."""
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that broke because another rank left the group."""
+    kinds = tuple(
+        getattr(tdist, name) for name in ("DistError", "DistBackendError") if hasattr(tdist, name)
+    )
+    if kinds and isinstance(err, kinds):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("connection closed by peer", "connection reset by peer")
+    )
+
+
+def shutdown(dist: Dist, *, failed: bool = False) -> None:
     """Leave the process group together: a rank tearing gloo down while another still talks to it
-    can abort ("terminate called without an active exception")."""
-    if dist.enabled and tdist.is_initialized():
-        tdist.barrier()
-        tdist.destroy_process_group()
+    can abort ("terminate called without an active exception").
+
+    A rank that ``failed`` leaves at once instead: the others may be waiting in a different
+    collective, so a barrier would hang both. Its non-zero exit makes torchrun stop the others.
+    """
+    if not (dist.enabled and tdist.is_initialized()):
+        return
+    if failed:
+        return
+    tdist.barrier()
+    tdist.destroy_process_group()

@@ -20,7 +20,9 @@ Every piece of math is a library function; this file only wires them. The varian
 :data:`ALGORITHMS` (advantages, critic), :data:`POLICY_LOSSES`, :func:`needs_exact_kl`, and the
 placement predicates :func:`klpo.kl.in_reward` / :func:`klpo.kl.in_loss`. A run is
 :func:`preflight` (every check that can fail, before any model loads or file is written),
-:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`.
+:func:`setup`, :func:`run_steps` (one :func:`train_step` each) and :func:`teardown`. A run is
+never lost: SIGINT/SIGTERM end it after the current step with a checkpoint (:mod:`.stop`), and
+under ``torchrun`` a rank that fails leaves at once so that the group stops rather than hangs.
 
 Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
 is divided by the global token (or sequence) count, so the gradient equals that of one process
@@ -32,6 +34,7 @@ holding the whole batch (PPO's and REINFORCE++'s batch-whitening merges every ra
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -45,6 +48,7 @@ from torch import Tensor
 from klpo import advantages, control, kl, logprobs, losses, mismatch, reduce, ref_kl
 from klpo.train import checkpoint as ckpt_io
 from klpo.train import fsdp, microbatch, ref_samples
+from klpo.train import preflight as checks
 from klpo.train import rewards as rewards_mod
 from klpo.train.config import (
     AlgoConfig,
@@ -55,7 +59,7 @@ from klpo.train.config import (
     dump_config,
 )
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, render_chat
-from klpo.train.dist import Dist, init_distributed, shutdown
+from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.engines import RolloutEngine, check_engine, make_engine
 from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
 from klpo.train.metrics import MetricsWriter, Tally
@@ -67,11 +71,13 @@ from klpo.train.models import (
     freeze,
     load_causal_lm,
     load_tokenizer,
+    offline_unless_allowed,
 )
 from klpo.train.overopt import eval_reward, gold_metrics
 from klpo.train.refreset import reset_due, update_reference
 from klpo.train.reward_model import build_rewards
 from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids  # noqa: F401 (generate: loop.generate for callers)
+from klpo.train.stop import Interrupted, StopOnSignal
 
 # ---------------------------------------------------------------------------------------------
 # Setup: models, data, rewards, controllers.
@@ -155,22 +161,24 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     policy_path = resolve_model_path(cfg.model.policy)
     ref_path = resolve_model_path(cfg.model.reference or cfg.model.policy)
-    tokenizer = load_tokenizer(policy_path)
+    tokenizer = load_tokenizer(policy_path, "model.policy")
     # Parameters are float32 (the master weights); model.dtype is the compute dtype (autocast).
     compute = DTYPES[cfg.model.dtype]
     # --- real models hook: LoRA (klpo.train.lora), checkpointing, FSDP (klpo.train.fsdp) ---
     lora_cfg = cfg.model.lora
     if lora_cfg is not None:
-        policy = load_causal_lm(policy_path)
+        policy = load_causal_lm(policy_path, key="model.policy")
         policy = (
             load_adapters(policy, start / "policy")
             if start
             else apply_lora(policy, **lora_cfg.model_dump())
         )
     elif start is not None and fsdp.is_sharded_checkpoint(start):
-        policy = load_causal_lm(policy_path)  # the sharded weights are loaded after sharding
+        policy = load_causal_lm(
+            policy_path, key="model.policy"
+        )  # the sharded weights are loaded after sharding
     else:
-        policy = load_causal_lm(str(start / "policy") if start else policy_path)
+        policy = load_causal_lm(str(start / "policy") if start else policy_path, key="model.policy")
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(policy)
     policy.to(dist.device).train()
@@ -179,12 +187,16 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     if lora_cfg is not None and cfg.model.reference is None:
         reference = AdapterFreeReference(backbone)  # no second copy of the weights
     else:
-        reference = Backbone(freeze(load_causal_lm(ref_path).to(dist.device)), compute)
+        reference = Backbone(
+            freeze(load_causal_lm(ref_path, key="model.reference").to(dist.device)), compute
+        )
     critic_core = None
     if ALGORITHMS[cfg.algo.name].critic:
         critic_path = resolve_model_path(cfg.model.critic or ref_path)
-        critic_core = Critic(load_causal_lm(critic_path), compute).to(dist.device)
-        if start is not None:
+        critic_core = Critic(load_causal_lm(critic_path, key="model.critic"), compute).to(
+            dist.device
+        )
+        if start is not None and (start / "critic.safetensors").is_file():
             ckpt_io.restore_critic(start, critic_core)
     critic: torch.nn.Module | None = critic_core
     if dist.enabled and cfg.dist.strategy == "fsdp":
@@ -752,13 +764,40 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became non-finite; the run stopped at that step."""
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, log=print) -> Path:
-    """Run (or resume) training; returns the run directory."""
+def train(
+    cfg: TrainConfig, *, resume: bool = False, log=print, allow_config_change: bool = False
+) -> Path:
+    """Run (or resume) training; returns the run directory.
+
+    ``allow_config_change`` lets a resume continue with a changed config or number of processes
+    (recorded in the run's ``config-changes.jsonl``); without it such a resume is refused.
+    SIGINT/SIGTERM stop the run after the current step with a checkpoint (:mod:`.stop`).
+    """
+    offline_unless_allowed()
     dist = init_distributed(cfg.run.threads)
+    failed = True
     try:
-        return _train(cfg, dist, resume, log if dist.is_main else (lambda *_: None))
+        with StopOnSignal() as stopper:
+            out = _train(
+                cfg,
+                dist,
+                resume,
+                log if dist.is_main else (lambda *_: None),
+                allow_config_change=allow_config_change,
+                stopper=stopper,
+            )
+        failed = False
+        return out
+    except Exception as err:
+        if dist.enabled and is_peer_failure(err):
+            raise PeerFailed(
+                f"rank {dist.rank}: stopped because another process of the run failed (its "
+                "error is printed above by that rank)"
+            ) from None
+        raise
     finally:
-        shutdown(dist)
+        # A failed rank leaves without a barrier: the others may wait in another collective.
+        shutdown(dist, failed=failed)
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -766,12 +805,22 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.optim.lr * (min(1.0, step / w) if w else 1.0)
 
 
-def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
-    start = preflight(cfg, dist, resume=resume)
-    run = setup(cfg, dist, start, log)
+def _train(
+    cfg: TrainConfig,
+    dist: Dist,
+    resume: bool,
+    log,
+    *,
+    allow_config_change: bool = False,
+    stopper: StopOnSignal | None = None,
+) -> Path:
+    plan, examples = preflight(
+        cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change
+    )
+    run = setup(cfg, dist, plan, examples, log)
     finished = False
     try:
-        run_steps(run)
+        run_steps(run, stopper)
         finished = True
     finally:
         teardown(run, finished=finished)
@@ -782,38 +831,52 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, log) -> Path:
 # Preflight: every check that can fail, before any model loads or any file is written.
 
 
-def preflight(cfg: TrainConfig, dist: Dist, *, resume: bool) -> Path | None:
-    """Check the config against the launch, the run directory and the models; returns the
-    checkpoint to resume from (None for a fresh run). Reads only small files (model configs,
-    checkpoint pointers); raises :class:`ConfigError` naming the key and the fix."""
+def preflight(
+    cfg: TrainConfig, dist: Dist, *, resume: bool, log=print, allow_config_change: bool = False
+) -> tuple[checks.RunPlan, tuple[list[Example], list[Example]]]:
+    """Check the config against the launch, the run directory, the models and the data; returns
+    where the run starts (:func:`klpo.train.preflight.plan_run_dir`) and the (train, held-out)
+    examples. Reads only small files (model configs, tokenizers, checkpoint headers) and the
+    data; raises :class:`ConfigError` naming the key, file or line and the fix."""
     ro = cfg.rollout
     if ro.prompts_per_step % dist.world:
         raise ConfigError(
             f"rollout.prompts_per_step={ro.prompts_per_step} must be divisible by the number of "
             f"processes ({dist.world}): each process samples whole groups of an equal share"
         )
-    run_dir = Path(cfg.run.out_dir)
-    start = ckpt_io.latest_checkpoint(run_dir) if resume else None
-    if resume and start is None:
-        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not resume and (run_dir / "checkpoints").exists():
-        raise ConfigError(
-            f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
-            f"{run_dir}, or choose another run.out_dir"
-        )
-    check_models(cfg)
+    start = ckpt_io.latest_checkpoint(cfg.run.out_dir) if resume else None
     sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
     if start is not None and fsdp.is_sharded_checkpoint(start) and not sharded_run:
         raise ConfigError(
             f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
             "with dist.strategy=fsdp, or klpo export it to a plain model"
         )
+    plan = checks.plan_run_dir(
+        cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
+    )
+    train_set, heldout = load_examples(cfg)
+    policy = resolve_model_path(cfg.model.policy)
+    reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
+    critic = resolve_model_path(cfg.model.critic or reference)
+    names = dict(
+        policy=policy,
+        reference=reference,
+        critic=critic if ALGORITHMS[cfg.algo.name].critic else None,
+    )
+    checks.check_model_sources(cfg, **names)
+    check_models(cfg)
     check_engine(cfg, dist.world)
     if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
         from klpo.train.data import check_chat_template
 
-        check_chat_template(load_tokenizer(resolve_model_path(cfg.model.policy)))
-    return start
+        check_chat_template(load_tokenizer(policy))
+    checks.check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    log(f"run directory: {cfg.run.out_dir}")
+    for line in plan.notes:
+        log(f"note: {line}")
+    for line in checks.config_warnings(cfg, dist.world):
+        log(f"warning: {line}")
+    return plan, (train_set, heldout)
 
 
 def _model_config(key: str, name: str):
@@ -946,16 +1009,22 @@ def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
     return Optimizers(policy, critic)
 
 
-def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
-    """Load the models and data, build the optimizers and controllers, restore a checkpoint,
-    write the run's config and open its metrics."""
+def setup(
+    cfg: TrainConfig,
+    dist: Dist,
+    plan: checks.RunPlan,
+    examples: tuple[list[Example], list[Example]],
+    log,
+) -> TrainRun:
+    """Load the models, build the optimizers and controllers, restore a checkpoint, write the
+    run's config (and any allowed change of it) and open its metrics."""
     run_dir = Path(cfg.run.out_dir)
-    meta = ckpt_io.load_state(start) if start else {}
+    start, meta = plan.start, plan.meta
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
     m = build_models(cfg, dist, start)
     train_set, heldout = (
         render_chat(x, m.tokenizer, chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
-        for x in load_examples(cfg)
+        for x in examples
     )
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = build_rewards(cfg.rewards, device=dist.device)
@@ -970,14 +1039,20 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         if fsdp.is_sharded_checkpoint(start):  # (preflight checked that this run is sharded)
             fsdp.load_sharded(m.backbone, opt.policy, start / "policy")
             del optimizers["policy"]
-        ckpt_io.restore_optimizers(start, optimizers, meta)
+        # After an allowed change of algorithm, an optimizer the checkpoint lacks starts fresh.
+        ckpt_io.restore_optimizers(
+            start, {k: o for k, o in optimizers.items() if k in meta["optimizers"]}, meta
+        )
         kl_ctl.load_state_dict(meta["kl_controller"])
         pen_ctl.load_state_dict(meta["penalty_controller"])
-        if mix_window is not None:
+        if mix_window is not None and "mix_window" in meta:  # absent after an allowed change
             mix_window.load_state_dict(meta["mix_window"])
         stream.load_state_dict(meta["data"])
         update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
-        ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        if plan.saved_world == dist.world:
+            ckpt_io.restore_rng(start, meta, rank=dist.rank)
+        else:  # an allowed change of world size: each rank's sampling stream starts anew
+            torch.manual_seed(cfg.run.seed * 1000 + dist.rank + 7919 * step0)
         if cfg.kl.reference_reset is not None:
             ckpt_io.restore_reference(start, m.reference.model)
         log(f"resuming {run_dir} from step {step0}")
@@ -985,6 +1060,13 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
     writer = None
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for orphan in ckpt_io.remove_orphans(run_dir):
+            log(f"note: removed {orphan}, the remains of a checkpoint save that did not finish")
+        if plan.restart and (kept := checks.keep_old_metrics(run_dir)) is not None:
+            log(f"note: the earlier metrics of this run are kept in {kept}")
+        if plan.changes:
+            checks.record_config_change(run_dir, step0, plan.changes)
+            log(f"note: config change recorded in {run_dir / checks.CHANGES_FILE}")
         ckpt_io.write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
         note = announce(cfg)
         if note:
@@ -992,7 +1074,7 @@ def setup(cfg: TrainConfig, dist: Dist, start: Path | None, log) -> TrainRun:
         writer = MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=step0)
     run = TrainRun(
         cfg, dist, run_dir, log, m, stream, heldout, reward_fns, kl_ctl, pen_ctl, opt,
-        update_gen, writer, step0, _progress(cfg, dist, step0),
+        update_gen, writer, step0, _progress(cfg, dist, step0, log),
         make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy)), mix_window,
         ref_updates=int(meta.get("reference_updates", 0)),
     )  # fmt: skip
@@ -1010,8 +1092,9 @@ def evaluates(run: TrainRun) -> bool:
     return run.dist.is_main or run.sharded
 
 
-def run_steps(run: TrainRun) -> None:
-    """Steps ``step0 + 1 ..`` until ``run.steps`` or the time limit; checkpoint as configured."""
+def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
+    """Steps ``step0 + 1 ..`` until ``run.steps`` or the time limit; checkpoint as configured,
+    and after a step in which ``stopper`` caught SIGINT/SIGTERM on any rank (then stop)."""
     cfg = run.cfg
     t_start = time.perf_counter()
     for step in range(run.step0 + 1, cfg.run.steps + 1):
@@ -1038,10 +1121,24 @@ def run_steps(run: TrainRun) -> None:
                 "no longer finite, so training stopped (metrics up to this step are in "
                 f"{run.dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
             )
-        if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
+        stop = run.dist.any(stopper is not None and stopper.requested) and not last
+        if last or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
             run.save(step)
+        if stop:
+            raise _interrupted(run.dir, step, stopper)
         if last:
             break
+
+
+def _interrupted(run_dir: Path, step: int, stopper: StopOnSignal | None) -> Interrupted:
+    """The end of a run stopped by a signal after the checkpoint of ``step``: say where it is."""
+    mine = stopper is not None and stopper.requested
+    return Interrupted(
+        f"stopped by {stopper.name if mine else 'a signal to another rank'} after step {step}; "
+        f"the checkpoint is {run_dir / 'checkpoints' / f'step_{step:06d}'} and the metrics up "
+        f"to it are in {run_dir / 'metrics.jsonl'}. Continue with: klpo train --resume {run_dir}",
+        stopper.signum if mine else signal.SIGTERM,
+    )
 
 
 def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
@@ -1160,11 +1257,29 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
         run.log(f"wrote {report}")
 
 
-def _progress(cfg: TrainConfig, dist: Dist, step0: int):
-    """A rich progress bar on the main rank's terminal; a no-op elsewhere."""
+def _progress(cfg: TrainConfig, dist: Dist, step0: int, log=print):
+    """Progress on the main rank: a rich bar on a terminal; elsewhere (a log file, CI, a job
+    scheduler) a plain line every ``max(1, steps // 20)`` steps and at the last step."""
     if not (cfg.run.progress and dist.is_main):
         return lambda step, metrics: None
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def info(metrics: dict[str, float]) -> str:
+        acc = metrics.get("accuracy/heldout")
+        return f"reward {metrics['reward/mean']:.3f}  kl {metrics['kl/ref/exact']:.4f}" + (
+            f"  heldout {acc:.3f}" if acc is not None else ""
+        )
+
+    if not Console().is_terminal:
+        every, t0 = max(1, cfg.run.steps // 20), time.perf_counter()
+
+        def line(step: int | None, metrics: dict[str, float] | None) -> None:
+            if step is not None and (step % every == 0 or step == cfg.run.steps):
+                elapsed = time.perf_counter() - t0
+                log(f"step {step}/{cfg.run.steps}  {info(metrics)}  {elapsed:.0f} s")
+
+        return line
 
     bar = Progress(
         TextColumn("[bold]train"),
@@ -1181,10 +1296,6 @@ def _progress(cfg: TrainConfig, dist: Dist, step0: int):
         if step is None:
             bar.stop()
             return
-        acc = metrics.get("accuracy/heldout")
-        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics['kl/ref/exact']:.4f}" + (
-            f"  heldout {acc:.3f}" if acc is not None else ""
-        )
-        bar.update(task, completed=step, info=info)
+        bar.update(task, completed=step, info=info(metrics))
 
     return advance

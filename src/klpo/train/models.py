@@ -8,6 +8,8 @@ hidden states, and the log-probs, entropy and exact KL come from the output head
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -52,31 +54,133 @@ def output_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "float32"):
+ALLOW_DOWNLOADS = "KLPO_ALLOW_DOWNLOADS"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def downloads_allowed() -> bool:
+    """Whether models and datasets may be fetched from the Hub: only if ``KLPO_ALLOW_DOWNLOADS=1``.
+
+    Off by default, so a name missing from the local cache is an immediate "not found locally"
+    rather than tens of seconds of network retries on a machine without access.
+    """
+    return os.environ.get(ALLOW_DOWNLOADS, "") == "1"
+
+
+def offline_unless_allowed() -> None:
+    """Put transformers, huggingface_hub and datasets in offline mode unless downloads are allowed.
+
+    Sets ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` for modules not yet imported, and the
+    constants of those already imported (they read the variables at import time).
+    """
+    if downloads_allowed():
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for name in ("huggingface_hub.constants", "datasets.config"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "HF_HUB_OFFLINE"):
+            module.HF_HUB_OFFLINE = True
+    module = sys.modules.get("datasets.config")
+    if module is not None and hasattr(module, "HF_DATASETS_OFFLINE"):
+        module.HF_DATASETS_OFFLINE = True
+
+
+def _looks_like_path(name: str) -> bool:
+    """A directory name (not a Hub id, which is ``name`` or ``owner/name``)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str | None:
+    """Why ``name`` (a directory or model id given as config key ``key``) cannot be loaded.
+
+    Checks files only (config, weights complete, tokenizer when asked), never the network: a
+    model id must already be in the local cache unless ``KLPO_ALLOW_DOWNLOADS=1``.
+    """
+    from klpo.train.checkpoint import model_dir_problem
+
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{key} {name!r} is a file; give the directory written by save_pretrained"
+        problem = model_dir_problem(path)
+        if problem:
+            return (
+                f"{key} {name!r} is not a complete model directory ({problem}); give a "
+                "directory written by save_pretrained (config.json and complete "
+                "model.safetensors), or model.policy=builtin for the shipped model"
+            )
+        if tokenizer and not any((path / f).is_file() for f in TOKENIZER_FILES):
+            return (
+                f"{key} {name!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+                "the tokenizer into it too (tokenizer.save_pretrained(DIR))"
+            )
+        return None
+    if _looks_like_path(name):
+        return f"{key} {name!r}: no such directory; check the path"
+    if downloads_allowed():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError:
+        return f"{key} {name!r}: no such directory, and not a valid model id; check the name"
+    if not isinstance(cached, str):
+        return (
+            f"{key} {name!r}: no such directory, and model id {name!r} not found locally (not "
+            "in the Hugging Face cache). Give a local directory, or set KLPO_ALLOW_DOWNLOADS=1 "
+            "to let it be downloaded"
+        )
+    return None
+
+
+def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"):
     """A transformers causal LM from a local directory or a model id already in the local cache."""
+    problem = model_source_problem(name_or_path, key)
+    if problem:
+        raise FileNotFoundError(problem)
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
-    except OSError as err:
-        where = "directory" if Path(name_or_path).exists() else "model id"
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=DTYPES[dtype], local_files_only=not downloads_allowed()
+        )
+    except (OSError, ValueError) as err:
         raise FileNotFoundError(
-            f"could not load a causal LM from {where} {name_or_path!r}: {err}. Give a local "
-            "directory written by save_pretrained (models cannot be downloaded here), or "
+            f"could not load a causal LM from {key} {name_or_path!r}: "
+            f"{str(err).splitlines()[0]}. Give a directory written by save_pretrained, or "
             "model.policy=builtin for the shipped arithmetic model."
         ) from None
     model.generation_config.pad_token_id = model.config.pad_token_id
     return model
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, key: str = "model"):
+    """The tokenizer saved with a model (left padding; EOS as pad if there is no pad token)."""
+    problem = model_source_problem(name_or_path, key, tokenizer=True)
+    if problem:
+        raise FileNotFoundError(problem)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    quiet_transformers()
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=not downloads_allowed())
+    except (OSError, ValueError, ImportError, TypeError) as err:
+        raise FileNotFoundError(
+            f"could not load the tokenizer of {key} {name_or_path!r}: "
+            f"{str(err).splitlines()[0][:200]}. Save the model's tokenizer into that directory "
+            "(tokenizer.save_pretrained(DIR)); tokenizer.json is the format that needs no "
+            "extra package"
+        ) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an EOS token")
+            raise ValueError(
+                f"tokenizer of {key} {name_or_path!r} has neither a pad nor an EOS token; set "
+                "one (tokenizer.pad_token = ...) and save it again"
+            )
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok

@@ -1,0 +1,407 @@
+"""Checks that run before a training run loads a model or writes a file.
+
+Every check here either passes, or raises :class:`~klpo.train.config.ConfigError` with one
+paragraph that names the key, file, line or value and says how to fix it; the CLI prints it and
+exits non-zero. A run that would fail late (a prompt too long on line 9,000, an output directory
+that cannot be written, a resume onto a changed config) fails here instead, before the minutes of
+loading, and before anything already on disk is touched.
+
+What each function guards:
+
+- :func:`check_writable_dir`: an output directory under a file, or not writable;
+- :func:`plan_run_dir`: a fresh run into a directory holding another run's metrics (refused,
+  never overwritten), a resume onto a changed config or world size (refused unless the change is
+  allowed and recorded), the newest complete checkpoint when later ones are truncated;
+- :func:`config_warnings`: settings that are accepted but ignored or adjusted;
+- :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
+  weights or no tokenizer; a model id not in the local cache;
+- :func:`check_tokenizers_and_prompts`: a reference (or critic) that tokenizes differently from
+  the policy (:func:`check_same_tokenizer`), and every prompt against ``data.max_prompt_tokens``
+  and the model's positions, at load, naming ``file:line`` (:func:`check_prompts`).
+
+:func:`klpo.train.loop.preflight` runs them in order, with the checks of the models' configs
+against each other (:func:`klpo.train.loop.check_models`) between the last two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from klpo.train import checkpoint as ckpt_io
+from klpo.train.config import ConfigError, TrainConfig, build_config
+
+# Keys a resume may change without --allow-config-change: they decide how long the run goes on,
+# how it is shown and where, not what any step computes.
+RESUMABLE_KEYS = frozenset(
+    {
+        "run.steps",
+        "run.time_limit",
+        "run.progress",
+        "run.threads",
+        "run.save_every",
+        "run.tensorboard",
+        "run.out_dir",
+    }
+)
+CHANGES_FILE = "config-changes.jsonl"
+
+
+def check_writable_dir(path: str | Path, what: str) -> None:
+    """Raise ConfigError unless ``path`` is, or can be created as, a writable directory.
+
+    Args:
+        path: the directory a command will write into.
+        what: how the user named it, e.g. ``"run.out_dir"`` or ``"--out"``.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == path else f"is under {str(probe)!r}, which is a file"
+        raise ConfigError(
+            f"{what} {str(path)!r} {where}, so no directory can be made there; choose a "
+            f"directory path for {what}"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        which = "is" if probe == path else f"would be created in {str(probe)!r}, which is"
+        raise ConfigError(
+            f"{what} {str(path)!r} {which} not writable; choose a directory you can write to "
+            f"for {what}, or fix its permissions"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run directory: fresh start or resume.
+
+
+@dataclass
+class RunPlan:
+    """What :func:`plan_run_dir` found: where a run starts and what it must say or record."""
+
+    start: Path | None = None  # the checkpoint to resume from, if any
+    meta: dict[str, Any] = field(default_factory=dict)  # its state.json
+    notes: list[str] = field(default_factory=list)  # lines for the user
+    changes: dict[str, list[Any]] = field(default_factory=dict)  # key -> [saved, now]
+    saved_world: int | None = None  # processes that wrote the checkpoint
+    restart: bool = False  # --resume of a run that never reached a checkpoint
+
+
+def has_metrics(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
+def flat(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as ``{"section.key": value}`` (lists and mappings kept whole)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                out[f"{section}.{k}"] = v
+        else:
+            out[section] = values
+    return out
+
+
+def config_diff(saved: TrainConfig, now: TrainConfig) -> dict[str, list[Any]]:
+    """``{key: [saved, now]}`` for every key that differs, outside :data:`RESUMABLE_KEYS`."""
+    a, b = flat(saved), flat(now)
+    return {
+        k: [a.get(k), b.get(k)]
+        for k in sorted(set(a) | set(b))
+        if k not in RESUMABLE_KEYS and a.get(k) != b.get(k)
+    }
+
+
+def _saved_config(run_dir: Path) -> TrainConfig:
+    path = run_dir / "config.yaml"
+    try:
+        return build_config(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError) as err:
+        raise ConfigError(
+            f"--resume {run_dir}: its config.yaml cannot be read ({str(err).splitlines()[0]}); "
+            "restore it, or start a new run in another run.out_dir"
+        ) from None
+
+
+def plan_run_dir(
+    cfg: TrainConfig, *, resume: bool, world: int, allow_config_change: bool = False
+) -> RunPlan:
+    """Decide where the run starts, refusing anything that would lose or misfile work.
+
+    A fresh run never replaces a directory that holds metrics or checkpoints. A resume starts
+    from the newest complete checkpoint (truncated later ones are skipped, and said so), or from
+    step 0 if the run never reached one; its config must equal the saved one outside
+    :data:`RESUMABLE_KEYS`, and its number of processes that of the checkpoint, unless
+    ``allow_config_change`` is set (the change is then recorded in the run directory).
+    """
+    run_dir = Path(cfg.run.out_dir)
+    check_writable_dir(run_dir, "run.out_dir")
+    plan = RunPlan()
+    if not resume:
+        found = has_metrics(run_dir) or any((run_dir / "checkpoints").glob("step_*"))
+        if found:
+            raise ConfigError(
+                f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
+                f"{run_dir}, or choose another run.out_dir (a new run never overwrites another "
+                "run's metrics or checkpoints)"
+            )
+        return plan
+
+    saved = _saved_config(run_dir)
+    plan.changes = config_diff(saved, cfg)
+    plan.start, plan.notes = ckpt_io.find_checkpoint(run_dir)
+    if plan.start is None:
+        plan.restart = True
+        plan.notes.append(
+            f"{run_dir} has no complete checkpoint: the run starts again from step 0"
+            + (" (its earlier metrics are kept, see below)" if has_metrics(run_dir) else "")
+        )
+    else:
+        plan.meta = ckpt_io.load_state(plan.start)
+        plan.saved_world = len(plan.meta["rng"])
+        if plan.saved_world != world:
+            plan.changes["processes"] = [plan.saved_world, world]
+        if cfg.algo.name == "ppo" != saved.algo.name and allow_config_change:
+            plan.notes.append(
+                "the checkpoint has no critic (it was a run of "
+                f"{saved.algo.name}): PPO's critic starts from model.critic, untrained"
+            )
+    if plan.changes and not allow_config_change:
+        lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan.changes.items())
+        raise ConfigError(
+            f"--resume {run_dir}: the config differs from the run's saved config.yaml ({lines}). "
+            "A resumed run continues the same experiment; drop the changed --set/--config, start "
+            "a new run in another run.out_dir, or pass --allow-config-change to continue with "
+            f"the change recorded in {run_dir / CHANGES_FILE}"
+        )
+    return plan
+
+
+def record_config_change(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> None:
+    """Append ``{"step", "changes"}`` to the run's ``config-changes.jsonl``."""
+    line = json.dumps({"step": step, "changes": changes}) + "\n"
+    with (run_dir / CHANGES_FILE).open("a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def keep_old_metrics(run_dir: Path) -> Path | None:
+    """Move a restarted run's ``metrics.jsonl`` aside (never deleted); returns where to."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    n = 1
+    while (dest := run_dir / f"metrics.before-restart-{n}.jsonl").exists():
+        n += 1
+    os.replace(path, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that are accepted but ignored or adjusted.
+
+
+def config_warnings(cfg: TrainConfig, world: int = 1) -> list[str]:
+    """One line per setting that has no effect, or is adjusted, in this config."""
+    out = []
+    k, d, a, r = cfg.kl, cfg.data, cfg.algo, cfg.rollout
+    defaults = TrainConfig()
+    if k.placement == "none" and k.beta != 0:
+        out.append(f"kl.beta={k.beta:g} is ignored: kl.placement is none (no KL term anywhere)")
+    if k.placement == "none" and k.controller != "fixed":
+        out.append(f"kl.controller={k.controller} is ignored: kl.placement is none")
+    if d.source == "builtin":
+        ignored = [
+            f"data.{key}"
+            for key in ("path", "eval_path", "eval_split", "prompt_field", "answer_field")
+            if getattr(d, key) != getattr(defaults.data, key)
+        ]
+        if ignored:
+            out.append(
+                f"{', '.join(ignored)} ignored: data.source is builtin (the arithmetic task); "
+                "set data.source=jsonl or datasets to read your data"
+            )
+    if d.source == "jsonl" and d.eval_split is not None:
+        out.append("data.eval_split is ignored: data.source is jsonl (use data.eval_path)")
+    if d.source == "datasets" and d.eval_path is not None:
+        out.append("data.eval_path is ignored: data.source is datasets (use data.eval_split)")
+    n_seq = r.prompts_per_step * r.group_size // max(1, world)
+    if a.minibatches > n_seq:
+        out.append(
+            f"algo.minibatches={a.minibatches} is more than the {n_seq} sequences each process "
+            f"has per step; it acts as {n_seq} (one sequence per optimizer step)"
+        )
+    size = -(-n_seq // min(a.minibatches, n_seq))
+    if a.micro_batch > size:
+        out.append(
+            f"algo.micro_batch={a.micro_batch} is more than a minibatch ({size} sequences); "
+            "each minibatch is one micro-batch"
+        )
+    if a.name != "ppo":
+        ppo_only = [
+            key
+            for key in ("vf_coef", "value_clip", "lam")
+            if getattr(a, key) != getattr(defaults.algo, key)
+        ]
+        if cfg.model.critic is not None:
+            ppo_only.insert(0, "model.critic")
+        if ppo_only:
+            out.append(
+                f"{', '.join(ppo_only)} ignored: only PPO has a critic (algo.name is {a.name})"
+            )
+    return out
+
+
+def empty_config_warning(path: str | Path | None) -> str | None:
+    """A line when the YAML file ``path`` holds nothing, so every value is the default."""
+    if path is None:
+        return None
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # load_config reports these
+    if data is None or data == {}:
+        return f"config file {str(path)!r} is empty: every setting is the built-in default"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data against the model.
+
+
+def check_prompts(
+    examples: list,
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    max_positions: int | None,
+    max_new_tokens: int,
+    what: str = "prompt",
+) -> None:
+    """Every prompt fits ``data.max_prompt_tokens`` and, with its completion, the model.
+
+    Raises ConfigError naming the first prompt that does not (``file:line`` for JSONL,
+    ``name[i]`` for datasets, the index for the built-in task) and how many others fail too.
+    """
+    if not examples:
+        return
+    lengths = [
+        len(ids)
+        for ids in tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"]
+    ]
+    limit, key = max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
+    if max_positions is not None and max_positions - max_new_tokens < limit:
+        limit = max_positions - max_new_tokens
+        key = f"the model's {max_positions} positions less rollout.max_new_tokens={max_new_tokens}"
+    bad = [i for i, n in enumerate(lengths) if n > limit]
+    if not bad:
+        return
+    i = bad[0]
+    where = getattr(examples[i], "where", "") or f"{what} {i}"
+    more = f" ({len(bad) - 1} more prompts are too long too)" if len(bad) > 1 else ""
+    fix = (
+        "raise data.max_prompt_tokens, or shorten or drop these prompts"
+        if key.startswith("data.")
+        else "lower rollout.max_new_tokens, or shorten or drop these prompts (the model "
+        "cannot attend further)"
+    )
+    raise ConfigError(
+        f"{where}: the prompt is {lengths[i]} tokens long, more than {key} allows "
+        f"({limit}){more}: {examples[i].prompt[:60]!r}; {fix}"
+    )
+
+
+def check_same_tokenizer(policy_tok: Any, policy: str, other_tok: Any, other: str, role: str):
+    """Raise ConfigError if ``other_tok`` maps any token to another id than ``policy_tok``.
+
+    The KL to the reference compares the two models' probabilities token id by token id; with
+    different vocabularies the ids name different strings and the KL is meaningless, even when
+    the sizes agree.
+    """
+    a, b = policy_tok.get_vocab(), other_tok.get_vocab()
+    if a == b:
+        return
+    differ = sorted(
+        (t for t in set(a) | set(b) if a.get(t) != b.get(t)), key=lambda t: a.get(t, -1)
+    )
+    token = differ[0]
+    raise ConfigError(
+        f"model.{role} {other!r} has another tokenizer than model.policy {policy!r}: "
+        f"{len(a)} and {len(b)} tokens, and token {token!r} has id {a.get(token)} in the policy's "
+        f"but {b.get(token)} in the {role}'s ({len(differ)} tokens differ). The KL "
+        f"compares the models id by id, so they must share the tokenizer; give a {role} trained "
+        "with the policy's tokenizer"
+    )
+
+
+def model_keys(cfg: TrainConfig, policy: str, reference: str, critic: str | None) -> dict:
+    """``{config key: resolved name}`` of the run's models (a default named by its source)."""
+    keys = {"model.policy": policy}
+    keys["model.reference" if cfg.model.reference else "model.policy"] = reference
+    if critic is not None:
+        keys["model.critic" if cfg.model.critic else "model.reference"] = critic
+    return keys
+
+
+def check_model_sources(
+    cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
+) -> None:
+    """Every model is a complete local directory (the policy's with a tokenizer) or a model id
+    in the local cache (:func:`klpo.train.models.model_source_problem`); files only."""
+    from klpo.train.models import model_source_problem
+
+    for key, name in model_keys(cfg, policy, reference, critic).items():
+        problem = model_source_problem(name, key, tokenizer=key == "model.policy")
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_tokenizers_and_prompts(
+    cfg: TrainConfig,
+    train: list,
+    heldout: list,
+    *,
+    policy: str,
+    reference: str,
+    critic: str | None,
+) -> None:
+    """The reference's and critic's tokenizers equal the policy's (where they have one), and
+    every prompt fits (:func:`check_prompts`). Run after the models' configs agree on the
+    vocabulary size and positions.
+
+    Args:
+        cfg: the run's config.
+        train, heldout: the examples (:class:`klpo.train.data.Example`).
+        policy, reference, critic: resolved model directories or ids (critic None unless PPO).
+    """
+    from transformers import AutoConfig
+
+    from klpo.train.models import downloads_allowed, load_tokenizer, model_source_problem
+
+    tokenizer = load_tokenizer(policy, "model.policy")
+    for key, name in model_keys(cfg, policy, reference, critic).items():
+        if name != policy and model_source_problem(name, key, tokenizer=True) is None:
+            other = load_tokenizer(name, key)
+            check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[1])
+    config = AutoConfig.from_pretrained(policy, local_files_only=not downloads_allowed())
+    positions = getattr(config, "max_position_embeddings", None)
+    for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
+        check_prompts(
+            examples,
+            tokenizer,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            max_positions=positions,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            what=what,
+        )

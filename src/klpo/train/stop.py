@@ -1,0 +1,79 @@
+"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM (a job scheduler, ``kill``) without losing it.
+
+The first signal only raises a flag; the loop finishes the step it is in, saves a checkpoint and
+stops with :class:`Interrupted`, whose message says where the checkpoint is and how to resume. A
+second signal of the same kind, a second or more later, interrupts at once (Python's default:
+``KeyboardInterrupt``), for a step that takes too long; the previous checkpoint is then the one to
+resume from.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal:
+    """Context manager: while inside, SIGINT and SIGTERM set :attr:`signum` instead of killing.
+
+    Outside the main thread (where Python cannot install handlers) it does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 1.0  # a signal repeated within this many seconds is the same request
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._since = 0.0
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.signum is not None:
+            # The same request arriving twice is not a second one: a Ctrl-C reaches torchrun's
+            # workers from the terminal and again, forwarded (as SIGINT or SIGTERM), from torchrun.
+            if signum == self.signum and now - self._since > self.REPEAT_S:
+                self._restore()
+                raise KeyboardInterrupt
+            return
+        self.signum, self._since = signum, now
+        sys.stderr.write(
+            f"{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+            "(send it again to stop at once)\n"
+        )
+        sys.stderr.flush()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # ignored on purpose (nohup, a background job): leave it so
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
