@@ -1,5 +1,6 @@
 """The over-optimisation task: its proxy by hand, its config defaults, gold/proxy metrics in a
-run, the study's gold columns by hand, and `klpo compare --task overopt --quick` end to end."""
+run, the study's gold columns, default grid, KL-budget columns and gold-reward convergence by
+hand, and `klpo compare --task overopt --quick` end to end."""
 
 from __future__ import annotations
 
