@@ -1,9 +1,11 @@
 """The over-optimisation task: its proxy by hand, its config defaults, gold/proxy metrics in a
-run, the study's gold columns by hand, and `klpo compare --task overopt --quick` end to end."""
+run, the study's gold columns, default grid, KL-budget columns and gold-reward convergence by
+hand, and `klpo compare --task overopt --quick` end to end."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -13,10 +15,19 @@ import pytest
 
 from klpo.train import loop
 from klpo.train.compare import (
+    KL_BUDGET,
+    Run,
+    StudyConfig,
     _gold_summary,
+    kl_budget_summary,
     load_study,
     quick_overopt_study,
+    quick_study,
+    steps_to_reach,
     study_grid,
+    summarise_cells,
+    summarise_run,
+    write_results,
 )
 from klpo.train.config import build_config
 from klpo.train.metrics import read_metrics
@@ -94,6 +105,188 @@ def test_overopt_grid_uses_the_task():
     assert {"no KL", "full reward+loss", "k3 reward+loss"} <= labels
     with pytest.raises(ValueError, match="unknown task"):
         load_study(task="nope")
+
+
+def test_overopt_default_grid_rows_and_their_config_keys():
+    study = load_study(task="overopt")
+    runs = study_grid(study)
+    by_choice: dict[tuple[str, str], list] = {}
+    for r in runs:
+        by_choice.setdefault((r.algo, r.choice), []).append(r)
+    betas, seeds = study.betas, study.seeds
+    assert len(betas) >= 4 and len(seeds) >= 3
+    # label -> (estimator, placement, algos, expected kl.*/algo.* keys, betas)
+    off = {"algo.epochs": 2, "algo.minibatches": 2}
+    expect = {
+        "no KL": ("k1", "none", ["grpo"], {}, [0.0]),
+        "k1 reward": ("k1", "reward", ["grpo", "ppo"], {}, betas),
+        "k3 loss": ("k3", "loss", ["grpo"], {}, betas),
+        "k3+ loss": ("k3+", "loss", ["grpo"], {}, betas),
+        "full loss": ("full", "loss", ["grpo"], {}, betas),
+        "full reward+loss": ("full", "reward+loss", ["grpo", "ppo"], {}, betas),
+        "k3 reward+loss": ("k3", "reward+loss", ["grpo", "ppo"], {}, betas),
+        "ref_is loss": ("ref_is", "loss", ["grpo"], {"kl.ref_is_clip": None}, betas),
+        "ref_is (clip 0.1-10) loss": (
+            "ref_is", "loss", ["grpo"], {"kl.ref_is_clip": (0.1, 10.0)}, betas
+        ),
+        "adaptive_mix (as written) loss": (
+            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-written"}, betas
+        ),
+        "adaptive_mix (as described) loss": (
+            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-described"}, betas
+        ),
+        "full (clip, 2 epochs x 2 minibatches) loss": (
+            "full", "loss", ["grpo"], {"algo.policy_loss": "clip", **off}, betas
+        ),
+        "full (gspo, 2 epochs x 2 minibatches) loss": (
+            "full", "loss", ["grpo"],
+            {"algo.policy_loss": "gspo", "algo.loss_reduction": "seq-mean-token-mean", **off},
+            betas,
+        ),
+        "full (cispo, 2 epochs x 2 minibatches) loss": (
+            "full", "loss", ["grpo"], {"algo.policy_loss": "cispo", **off}, betas
+        ),
+        "full (reset every 50) loss": (
+            "full", "loss", ["grpo"],
+            {"kl.reference_reset.every": 50, "kl.reference_reset.alpha": 1.0}, betas,
+        ),
+        f"full (adaptive, target {KL_BUDGET:g}) loss": (
+            "full", "loss", ["grpo"],
+            {"kl.controller": "adaptive", "kl.target": KL_BUDGET, "kl.horizon": 1000}, [0.1],
+        ),
+        f"full (ppo-adaptive, target {KL_BUDGET:g}) loss": (
+            "full", "loss", ["grpo"],
+            {"kl.controller": "ppo-adaptive", "kl.target": KL_BUDGET}, [0.1],
+        ),
+    }  # fmt: skip
+    want = {(a, label) for label, (_, _, algos, _, _) in expect.items() for a in algos}
+    assert set(by_choice) == want
+    for (algo, label), rs in by_choice.items():
+        est, placement, _, keys, choice_betas = expect[label]
+        assert sorted((r.beta, r.seed) for r in rs) == sorted(
+            (b, s) for b in choice_betas for s in seeds
+        )
+        for r in rs:
+            cfg = build_config(overrides=r.overrides)  # the study's own overrides
+            dumped = cfg.model_dump()
+            assert cfg.data.source == "builtin-overopt" and cfg.algo.name == algo
+            assert (cfg.kl.estimator, cfg.kl.placement, cfg.kl.beta) == (est, placement, r.beta)
+            if "kl.controller" not in keys:
+                assert cfg.kl.controller == "fixed"
+            if not any(k.startswith("algo.") for k in keys) and algo == "grpo":
+                assert (cfg.algo.policy_loss, cfg.algo.epochs) == ("clip", 1)
+            if "reset" not in label:
+                assert cfg.kl.reference_reset is None
+            for key, value in keys.items():
+                node = dumped
+                for part in key.split("."):
+                    node = node[part]
+                assert node == value, (label, key, node)
+            # every run is judged against the study's KL budget, a controller row against its own
+            assert r.kl_target == KL_BUDGET
+    # the quick preset is unchanged: two runs
+    assert [r.choice for r in study_grid(quick_overopt_study())] == ["no KL", "full loss"]
+
+
+def test_choice_betas_override_the_study_and_must_be_positive():
+    from klpo.train.compare import Choice
+
+    study = StudyConfig(
+        choices=[
+            Choice(estimator="full", placement="loss"),
+            Choice(
+                estimator="full",
+                placement="loss",
+                options={"controller": "ppo-adaptive", "target": 0.05},
+                betas=[0.2],
+                variant="ctl",
+            ),
+        ],
+        betas=[0.01, 0.1],
+        seeds=[0],
+    )
+    runs = study_grid(study)
+    assert [(r.choice, r.beta, r.kl_target) for r in runs] == [
+        ("full loss", 0.01, None),
+        ("full loss", 0.1, None),
+        ("full (ctl) loss", 0.2, 0.05),
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        Choice(estimator="full", placement="loss", betas=[0.0])
+
+
+def test_kl_budget_summary_by_hand():
+    # 20 steps, target 0.1 (band [0.08, 0.12]); the second half is steps 11-20.
+    # KL 0.1 up to step 15, then 0.25: trailing 10-step means at steps 11-15 are 0.1, at 16
+    # (9 · 0.1 + 0.25) / 10 = 0.115 (inside), at 17 (8 · 0.1 + 2 · 0.25) / 10 = 0.13 (outside),
+    # then 0.145, 0.16, 0.175: 6 of 10 steps inside. Mean raw KL over steps 11-20:
+    # (5 · 0.1 + 5 · 0.25) / 10 = 0.175, ratio 1.75.
+    rows = [{"step": s, "kl/ref/exact": 0.1 if s <= 15 else 0.25} for s in range(1, 21)]
+    got = kl_budget_summary(rows, 0.1, steps=20)
+    assert got["kl_target"] == 0.1
+    assert got["kl_budget_frac"] == pytest.approx(0.6)
+    assert got["kl_budget_ratio"] == pytest.approx(1.75)
+    assert got["kl_budget_held"] == 0.0
+    # 0.09 in the first half, 0.11 in the second: every trailing mean lies in [0.09, 0.11].
+    rows = [{"step": s, "kl/ref/exact": 0.09 if s <= 10 else 0.11} for s in range(1, 21)]
+    got = kl_budget_summary(rows, 0.1, steps=20)
+    assert (got["kl_budget_frac"], got["kl_budget_held"]) == (1.0, 1.0)
+    assert got["kl_budget_ratio"] == pytest.approx(1.1)
+    # One non-finite step in the second half is outside, and so is every window holding it.
+    rows[14]["kl/ref/exact"] = "nan"  # step 15: windows ending at 15..20 hold it
+    got = kl_budget_summary(rows, 0.1, steps=20)
+    assert got["kl_budget_frac"] == pytest.approx(4 / 10) and got["kl_budget_held"] == 0.0
+    # No target, or a run that stopped in the first half: NaN.
+    assert all(math.isnan(v) for v in kl_budget_summary(rows, None, steps=20).values())
+    early = kl_budget_summary(rows[:8], 0.1, steps=20)
+    assert early["kl_target"] == 0.1 and math.isnan(early["kl_budget_frac"])
+
+
+def test_steps_to_gold_target_by_hand(tmp_path):
+    # Gold 0.2 up to step 11, then 0.5: the 10-step running mean at step s >= 12 is
+    # 0.2 + 0.3 · (s - 11) / 10, 0.29 at step 14 and 0.32 at step 15, the first >= 0.3.
+    # The proxy pass rate (accuracy/train) is 1 from the start: on the overopt task it must not
+    # be what convergence reads.
+    rows = [{"step": 0, "accuracy/heldout": 0.3}]
+    for s in range(1, 21):
+        rows.append(
+            {
+                "step": s,
+                "kl/ref/exact": 0.1,
+                "kl/ref/full": 0.1,
+                "accuracy/train": 1.0,
+                "reward/gold": 0.2 if s <= 11 else 0.5,
+            }
+        )
+    rows[-1]["accuracy/heldout"] = 0.3
+    assert steps_to_reach(rows, "reward/gold", 0.3) == 15
+    assert steps_to_reach(rows, "accuracy/train", 0.3) == 10
+    assert math.isnan(steps_to_reach(rows, "reward/gold", 0.6))
+    study = load_study(task="overopt")
+    assert study.convergence_target() == ("reward/gold", study.target_gold)
+    assert quick_study().convergence_target() == ("accuracy/train", 0.4)
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = Run(
+        name="r", algo="grpo", choice="full loss", estimator="full", placement="loss",
+        beta=0.1, seed=0, overrides=[], kl_target=0.1,
+    )  # fmt: skip
+    key, value = StudyConfig(task="overopt", target_gold=0.3).convergence_target()
+    row = summarise_run(
+        run, run_dir, returncode=0, wall_s=1.0, steps=20, collapse_drop=0.1,
+        target_accuracy=value, target_metric=key,
+    )  # fmt: skip
+    assert row["steps_to_target"] == 15
+    assert (row["kl_budget_frac"], row["kl_budget_held"], row["kl_budget_ratio"]) == (1, 1, 1)
+    cells = summarise_cells([row])
+    assert cells[0]["kl_budget_held"] == 1 and cells[0]["steps_to_target"] == 15
+    text = write_results([row], tmp_path, StudyConfig(task="overopt", seeds=[0])).read_text()
+    assert "running mean of the gold reward (`reward/gold`) reaches 0.3" in text
+    assert "## Holding a KL budget" in text
+    assert "| grpo | full loss | 0.1 | 0.1 | 1.00 | 1.00 | 1/1 |" in text
+    with (tmp_path / "results.csv").open() as f:
+        assert float(next(csv.DictReader(f))["kl_budget_held"]) == 1.0
 
 
 @pytest.mark.slow

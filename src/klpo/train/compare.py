@@ -16,8 +16,13 @@ A study directory can be re-run: finished runs are read back, not repeated.
 Written to the output directory, atomically: ``results.csv`` (one row per run), ``report.md``
 (one row per choice: final held-out accuracy mean ± sd over seeds, the exact KL to the reference
 at the end and at its peak, the gap between the logged estimate and the exact KL, the variance of
-the final reward across seeds, failures, wall time) and PNG plots (accuracy and exact-KL curves
-with seed bands, final accuracy against final KL).
+the final reward across seeds, failures, wall time; the estimator's noise and the steps to a
+target accuracy, or gold reward on the over-optimisation task; whether a KL budget was held) and
+PNG plots (accuracy and exact-KL curves with seed bands, final accuracy against final KL).
+
+A choice may carry further ``kl.*`` keys (``options``: a controller and its target, a reference
+reset, ``ref_is`` clipping) and ``algo.*`` keys (``algo_options``: GSPO, CISPO, epochs), and its
+own betas (a controller row: one, the initial coefficient).
 """
 
 from __future__ import annotations
@@ -63,6 +68,16 @@ class Choice(BaseModel):
         description="Further kl.* keys of this choice (e.g. ref_is_clip, mix_sign), without "
         "the 'kl.' prefix.",
     )
+    algo_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further algo.* keys of this choice (e.g. policy_loss, epochs), without the "
+        "'algo.' prefix.",
+    )
+    betas: list[float] | None = Field(
+        None,
+        description="This choice's own KL coefficients instead of the study's (a row with a "
+        "KL controller has one: its initial beta); null: the study's betas.",
+    )
     variant: str = Field(
         "", description="A short name of the options, shown after the estimator in the label."
     )
@@ -71,6 +86,19 @@ class Choice(BaseModel):
     @classmethod
     def _known(cls, v: str) -> str:
         return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
+
+    @field_validator("betas")
+    @classmethod
+    def _positive_betas(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(b <= 0 for b in v)):
+            raise ValueError(f"betas must be null or a non-empty list of positive numbers, got {v}")
+        return v
+
+    @property
+    def kl_target(self) -> float | None:
+        """The KL budget this choice's controller steers to (``options['target']``), if any."""
+        t = self.options.get("target")
+        return float(t) if t is not None else None
 
     @property
     def label(self) -> str:
@@ -158,9 +186,30 @@ class StudyConfig(BaseModel):
         0.4,
         gt=0,
         le=1,
-        description="Convergence: the first step at which the 10-step running mean of the "
-        "train accuracy reaches this.",
+        description="Convergence (task builtin): the first step at which the 10-step running "
+        "mean of the train accuracy reaches this.",
     )
+    target_gold: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Convergence (task overopt): the first step at which the 10-step running "
+        "mean of the gold reward (reward/gold, on the step's sampled completions) reaches this.",
+    )
+    kl_budget: float | None = Field(
+        None,
+        gt=0,
+        description="A per-token exact KL budget: every run reports whether the 10-step running "
+        "mean of kl/ref/exact stayed within ±20% of it over the second half of training (a "
+        "choice with a KL controller is held to its own kl.target instead); null: only such "
+        "choices report it.",
+    )
+
+    def convergence_target(self) -> tuple[str, float]:
+        """The metric whose running mean defines "steps to target", and its threshold."""
+        if self.task == "overopt":
+            return "reward/gold", self.target_gold
+        return "accuracy/train", self.target_accuracy
 
     @field_validator("betas")
     @classmethod
@@ -212,11 +261,27 @@ def quick_overopt_study() -> StudyConfig:
     )
 
 
+KL_BUDGET = 0.1  # nats per token: the over-optimisation study's KL budget (docs/overopt.md)
+
+
 def overopt_study() -> StudyConfig:
-    """The over-optimisation study's default grid (``--task overopt``): the KL choices of the
-    default study, the two sequence-exact ones (``full`` and ``k3`` in reward+loss), GSPO and
-    CISPO with the default KL, betas 0.01-0.3, 3 seeds, 250 steps."""
+    """The over-optimisation study's default grid (``--task overopt``), betas 0.01-0.3, 3 seeds,
+    250 steps:
+
+    - no KL; ``k1`` in the reward (GRPO and PPO); ``k3``, ``k3+``, ``full`` in the loss; the two
+      sequence-exact choices, ``full`` and ``k3`` in reward+loss (GRPO and PPO);
+    - the reference-sampled estimators, as in the accuracy study: ``ref_is`` plain and clipped to
+      [0.1, 10], ``adaptive_mix`` as written and as described;
+    - the default KL (``full`` in the loss) under off-policy updates (2 epochs × 2 minibatches,
+      where the importance ratios differ from 1) with PPO's clip, GSPO (reduced per sequence, the
+      paper's objective) and CISPO;
+    - the default KL with a hard reset of the reference every 50 steps;
+    - the default KL held to a budget of ``KL_BUDGET`` nats per token by each adaptive controller
+      (one initial beta, 0.1; the Ziegler controller with a horizon of 1000 samples, as the
+      default 10000 moves beta at most ×1.9 in 250 steps of 128 completions).
+    """
     both = ["grpo", "ppo"]
+    off_policy = {"epochs": 2, "minibatches": 2}
     return StudyConfig(
         task="overopt",
         choices=[
@@ -225,14 +290,49 @@ def overopt_study() -> StudyConfig:
             Choice(estimator="k3", placement="loss"),
             Choice(estimator="k3+", placement="loss"),
             Choice(estimator="full", placement="loss"),
-            Choice(estimator="full", placement="reward+loss"),
-            Choice(estimator="k3", placement="reward+loss"),
+            Choice(estimator="full", placement="reward+loss", algos=both),
+            Choice(estimator="k3", placement="reward+loss", algos=both),
+            *ref_sampled_choices(),
+            *(
+                Choice(
+                    estimator="full",
+                    placement="loss",
+                    algo_options={"policy_loss": loss, **off_policy, **extra},
+                    variant=f"{loss}, 2 epochs x 2 minibatches",
+                )
+                for loss, extra in (
+                    ("clip", {}),
+                    ("gspo", {"loss_reduction": "seq-mean-token-mean"}),
+                    ("cispo", {}),
+                )
+            ),
+            Choice(
+                estimator="full",
+                placement="loss",
+                options={"reference_reset": {"every": 50, "alpha": 1.0}},
+                variant="reset every 50",
+            ),
+            Choice(
+                estimator="full",
+                placement="loss",
+                options={"controller": "adaptive", "target": KL_BUDGET, "horizon": 1000},
+                betas=[0.1],
+                variant=f"adaptive, target {KL_BUDGET:g}",
+            ),
+            Choice(
+                estimator="full",
+                placement="loss",
+                options={"controller": "ppo-adaptive", "target": KL_BUDGET},
+                betas=[0.1],
+                variant=f"ppo-adaptive, target {KL_BUDGET:g}",
+            ),
         ],
         betas=[0.01, 0.03, 0.1, 0.3],
         seeds=[0, 1, 2],
         steps=250,
         eval_every=50,
         eval_size=200,
+        kl_budget=KL_BUDGET,
     )
 
 
@@ -281,6 +381,7 @@ class Run(BaseModel):
     beta: float
     seed: int
     overrides: list[str]
+    kl_target: float | None = None  # the per-token KL budget its kl_budget_* columns judge
 
 
 def _fmt(v: float) -> str:
@@ -302,7 +403,8 @@ def study_grid(study: StudyConfig) -> list[Run]:
         **study.base,
     }
     for choice in study.choices:
-        betas = [0.0] if choice.placement == "none" else study.betas
+        betas = [0.0] if choice.placement == "none" else (choice.betas or study.betas)
+        target = choice.kl_target if choice.kl_target is not None else study.kl_budget
         for algo in choice.algos:
             for beta in betas:
                 for seed in study.seeds:
@@ -310,6 +412,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
                         **common,
                         **(study.ppo if algo == "ppo" else {}),
                         "algo.name": algo,
+                        **{f"algo.{k}": v for k, v in choice.algo_options.items()},
                         "kl.estimator": choice.estimator,
                         "kl.placement": choice.placement,
                         "kl.beta": beta,
@@ -329,6 +432,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
                             beta=beta,
                             seed=seed,
                             overrides=[f"{k}={json.dumps(v)}" for k, v in keys.items()],
+                            kl_target=target,
                         )
                     )
     names = [r.name for r in runs]
@@ -362,6 +466,10 @@ RESULT_FIELDS = [
     "kl_k1_noise_var",
     "steps_to_target",
     "ref_time_s",
+    "kl_target",
+    "kl_budget_ratio",
+    "kl_budget_frac",
+    "kl_budget_held",
     "reward_final",
     "gold_final",
     "gold_peak",
@@ -403,8 +511,14 @@ def summarise_run(
     collapse_drop: float,
     error: str = "",
     target_accuracy: float = 0.4,
+    target_metric: str = "accuracy/train",
 ) -> dict[str, Any]:
-    """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``."""
+    """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``.
+
+    ``steps_to_target`` is the first step at which the WINDOW-step running mean of
+    ``target_metric`` (``accuracy/train``, or ``reward/gold`` on the over-optimisation task)
+    reaches ``target_accuracy`` (NaN if never); the ``kl_budget_*`` columns judge the run's exact
+    KL against ``run.kl_target`` (:func:`kl_budget_summary`)."""
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "kl/ref/exact" in r]
@@ -438,17 +552,7 @@ def summarise_run(
     k1_noise = [
         _num(r["kl/ref/k1"]) - _num(r["kl/ref/exact"]) for r in steps_rows if "kl/ref/k1" in r
     ]
-    acc_train = [
-        (r["step"], _num(r["accuracy/train"])) for r in steps_rows if "accuracy/train" in r
-    ]
-    reached = next(
-        (
-            acc_train[i][0]
-            for i in range(WINDOW - 1, len(acc_train))
-            if statistics.fmean(a for _, a in acc_train[i - WINDOW + 1 : i + 1]) >= target_accuracy
-        ),
-        math.nan,
-    )
+    reached = steps_to_reach(steps_rows, target_metric, target_accuracy)
     ref_time = math.fsum(
         _num(r.get("time/ref_sample", 0.0)) + _num(r.get("time/ref_update", 0.0))
         for r in steps_rows
@@ -477,12 +581,62 @@ def summarise_run(
         "kl_k1_noise_var": _var(k1_noise),
         "steps_to_target": reached,
         "ref_time_s": round(ref_time, 2),
+        **kl_budget_summary(steps_rows, run.kl_target, steps),
         "reward_final": _tail_mean(steps_rows, "reward/mean"),
         **gold,
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+def steps_to_reach(rows: list[dict[str, Any]], key: str, threshold: float) -> float:
+    """The first step at which the WINDOW-step running mean of ``key`` (over the rows that log
+    it, the first full window onwards) is >= ``threshold``; NaN if it never is."""
+    pts = [(r["step"], _num(r[key])) for r in rows if key in r]
+    for i in range(WINDOW - 1, len(pts)):
+        if statistics.fmean(v for _, v in pts[i - WINDOW + 1 : i + 1]) >= threshold:
+            return pts[i][0]
+    return math.nan
+
+
+BUDGET_TOLERANCE = 0.2  # a KL budget is held if the KL stays within ±20% of it
+
+
+def kl_budget_summary(
+    rows: list[dict[str, Any]], target: float | None, steps: int
+) -> dict[str, float]:
+    """Did the exact per-token KL stay within ±20% of ``target`` over the second half of training?
+
+    For each logged step ``s > steps / 2`` (``steps``: the run's configured length), the trailing
+    WINDOW-step running mean ``m_s`` of ``kl/ref/exact`` (the steps ``s - WINDOW + 1 .. s`` that
+    were logged; the window may reach back into the first half). Returns ``kl_target``;
+    ``kl_budget_ratio``, the plain mean of ``kl/ref/exact`` over those steps divided by the target
+    (> 1: overshoot, < 1: undershoot); ``kl_budget_frac``, the fraction of those steps with
+    ``0.8 · target <= m_s <= 1.2 · target``; ``kl_budget_held``, 1 if that fraction is 1, else 0.
+    All NaN without a target or without a logged step in the second half (a run that stopped
+    early); a non-finite KL counts as outside.
+    """
+    out = {
+        "kl_target": math.nan if target is None else float(target),
+        "kl_budget_ratio": math.nan,
+        "kl_budget_frac": math.nan,
+        "kl_budget_held": math.nan,
+    }
+    pts = [(r["step"], _num(r["kl/ref/exact"])) for r in rows if "kl/ref/exact" in r]
+    late = [i for i, (s, _) in enumerate(pts) if s > steps / 2]
+    if target is None or not late:
+        return out
+    kls = [k for _, k in pts]
+    lo, hi = (1 - BUDGET_TOLERANCE) * target, (1 + BUDGET_TOLERANCE) * target
+    inside = [lo <= statistics.fmean(kls[max(0, i - WINDOW + 1) : i + 1]) <= hi for i in late]
+    frac = sum(inside) / len(inside)
+    out.update(
+        kl_budget_ratio=statistics.fmean(kls[i] for i in late) / target,
+        kl_budget_frac=frac,
+        kl_budget_held=1.0 if frac == 1.0 else 0.0,
+    )
+    return out
 
 
 def _gold_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -589,7 +743,8 @@ def _execute(
         steps=study.steps,
         collapse_drop=study.collapse_drop,
         error=error,
-        target_accuracy=study.target_accuracy,
+        target_accuracy=study.convergence_target()[1],
+        target_metric=study.convergence_target()[0],
     )
     write_text_atomic(done_marker, yaml.safe_dump(row, sort_keys=False))
     return row
@@ -702,6 +857,10 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kl_k1_noise_var": _stats([_num(r.get("kl_k1_noise_var")) for r in rs])[0],
                 "steps_to_target": _stats([_num(r.get("steps_to_target")) for r in rs])[0],
                 "reached": sum(math.isfinite(_num(r.get("steps_to_target"))) for r in rs),
+                "kl_target": _stats([_num(r.get("kl_target")) for r in rs])[0],
+                "kl_budget_ratio": _stats([_num(r.get("kl_budget_ratio")) for r in rs])[0],
+                "kl_budget_frac": _stats([_num(r.get("kl_budget_frac")) for r in rs])[0],
+                "kl_budget_held": sum(_num(r.get("kl_budget_held")) == 1.0 for r in rs),
             }
         )
     return table
@@ -723,6 +882,11 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
     cells = summarise_cells(results)
     plots = _plot(results, cells, out)
 
+    target_key, target_value = study.convergence_target()
+    target_name = {
+        "accuracy/train": "train accuracy",
+        "reward/gold": "gold reward (`reward/gold`)",
+    }[target_key]
     n_fail = sum(r["status"] != "ok" for r in results)
     run_s = math.fsum(x for r in results if math.isfinite(x := _num(r.get("wall_s"))))
     lines = [
@@ -762,7 +926,7 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
         "tokens. Columns: the variance of the estimate across steps (it includes the KL's drift), "
         "the variance of estimate − exact KL across steps (the estimator's noise), the same for "
         "k1 and their ratio, each the mean over seeds; the mean step at which the "
-        f"{WINDOW}-step running mean of the train accuracy reaches {study.target_accuracy:g} "
+        f"{WINDOW}-step running mean of the {target_name} reaches {target_value:g} "
         "(over the seeds that reach it, their count after the slash); mean wall time per run and "
         "the part spent sampling and scoring the reference's completions.",
         "",
@@ -780,6 +944,7 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
         )
     if study.task == "overopt":
         lines += _overopt_table(cells)
+    lines += _budget_table(cells)
     failures = [r for r in results if r["status"] != "ok"]
     if failures:
         lines += ["", "## Failed runs", "", "| run | status | steps | error |"]
@@ -814,6 +979,33 @@ def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
             f"{_f(c['gold_sd'])} | {_f(c['gold_peak'])} | {_f(c['gold_peak_kl_seq'])} | "
             f"{_f(c['proxy_final'])} | {_f(c['proxy_final'] - c['gold_final'])} | "
             f"{_f(c['kl_seq_final'])} |"
+        )
+    return lines
+
+
+def _budget_table(cells: list[dict[str, Any]]) -> list[str]:
+    """Holding a KL budget, one row per cell that has one (none: no section)."""
+    cells = [c for c in cells if math.isfinite(c["kl_target"])]
+    if not cells:
+        return []
+    lines = [
+        "",
+        "## Holding a KL budget",
+        "",
+        "Over the second half of training (steps after half the budget): the mean exact KL per "
+        "token divided by the target (> 1: overshoot), the fraction of steps whose "
+        f"{WINDOW}-step running mean of the exact KL is within ±{BUDGET_TOLERANCE:.0%} of the "
+        "target (mean over seeds), and the seeds whose every such step is (`held`). The target "
+        "is the KL controller's `kl.target`, or the study's `kl_budget` for a fixed beta.",
+        "",
+        f"| algo | KL choice | beta | target | KL / target | steps within ±{BUDGET_TOLERANCE:.0%} | held |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], c["choice"], c["beta"])):
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | {_g(c['kl_target'])} | "
+            f"{_f(c['kl_budget_ratio'], 2)} | {_f(c['kl_budget_frac'], 2)} | "
+            f"{c['kl_budget_held']}/{c['runs']} |"
         )
     return lines
 
