@@ -591,3 +591,50 @@ def test_k2_bias_takes_either_sign():
     lq = torch.tensor(-((x - mu) ** 2) / 2)[None]
     e_k2 = float((w * kl.k2(lp, lq)[0]).sum())
     assert e_k2 == pytest.approx(0.5 + 1 / 8, rel=1e-12)
+
+
+def test_full_with_a_masked_vocabulary_is_the_kl_over_the_support():
+    # -inf logits (padded or constrained vocabulary) at the same entries in both models: the KL
+    # over the remaining entries (oracle: drop them, float64 softmax), with its gradient; estimate's
+    # finiteness check lets it through.
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64)
+    logits_ref = torch.randn(2, 3, 9, generator=gen, dtype=torch.float64)
+    keep = torch.ones(9, dtype=torch.bool)
+    keep[[2, 7, 8]] = False
+    x = logits.clone().requires_grad_(True)
+    xm = x.masked_fill(~keep, -math.inf)
+    value = kl.estimate(
+        "full", None, None, logits=xm, logits_ref=logits_ref.masked_fill(~keep, -math.inf)
+    )
+    (grad,) = torch.autograd.grad(value.sum(), x)
+    for b in range(2):
+        for t in range(3):
+            pi = softmax(logits[b, t, keep].numpy())
+            pr = softmax(logits_ref[b, t, keep].numpy())
+            kl_ = np.sum(pi * np.log(pi / pr))
+            assert value[b, t].item() == pytest.approx(kl_, rel=1e-12)
+            np.testing.assert_allclose(
+                grad[b, t, keep].numpy(), pi * (np.log(pi / pr) - kl_), rtol=1e-10, atol=1e-14
+            )
+    assert torch.equal(grad[..., ~keep], torch.zeros(2, 3, 3, dtype=torch.float64))
+    # Masked in the policy only: still finite (pi = 0 there adds 0).
+    only_pi = kl.estimate("full", None, None, logits=xm.detach(), logits_ref=logits_ref)
+    assert torch.isfinite(only_pi).all()
+
+
+def test_full_where_the_reference_forbids_the_policy_support_is_refused_or_inf():
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(2, 3, 5, generator=gen)
+    logits_ref = torch.randn(2, 3, 5, generator=gen)
+    logits_ref[0, 1, 3] = -math.inf  # pi_theta > 0 there: KL(pi_theta ‖ pi_ref) = +inf
+    with pytest.raises(ValueError, match=r"'full' is non-finite at 1 position.*1 \+inf, 0 NaN"):
+        kl.estimate("full", None, None, logits=logits, logits_ref=logits_ref)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[0, 1] = False  # masked out: no complaint
+    value = kl.estimate("full", None, None, logits=logits, logits_ref=logits_ref, mask=mask)
+    assert torch.isposinf(value[0, 1]) and torch.isfinite(value[mask]).all()
+    value = kl.estimate(
+        "full", None, None, logits=logits, logits_ref=logits_ref, check_finite=False
+    )
+    assert torch.isposinf(value[0, 1])

@@ -737,3 +737,167 @@ def test_agrees_with_trl_chunked_functions():
     tol = value_tol(p, naive(p))
     for got, want in ((out.logp, logp), (out.entropy, ent), (out.kl, kl)):
         assert_within("peer", got, want.double(), 2 * tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# -inf logits (a masked vocabulary): KL and entropy over the support, by 0 log 0 = 0.
+
+INF = float("inf")
+
+
+def support_oracle(x: torch.Tensor, x_ref: torch.Tensor | None):
+    """Naive float64 entropy and KL row by row over pi's support only (the -inf entries are
+    dropped before any arithmetic); KL = +inf where pi_ref = 0 on pi's support. Differentiable
+    in ``x`` through the kept entries, so the masked entries' gradient is 0 by construction."""
+    ents, kls = [], []
+    for i in range(x.shape[0]):
+        keep = ~torch.isneginf(x[i].detach())
+        log_pi = torch.log_softmax(x[i][keep].double(), 0)
+        ents.append(-(log_pi.exp() * log_pi).sum())
+        if x_ref is not None:
+            r = x_ref[i].double()
+            log_z_ref = torch.logsumexp(r[~torch.isneginf(r)], 0)
+            r_keep = r[keep]
+            if bool(torch.isneginf(r_keep).any()):
+                kls.append(torch.full((), INF, dtype=torch.float64))
+            else:
+                kls.append((log_pi.exp() * (log_pi - (r_keep - log_z_ref))).sum())
+    return torch.stack(ents), (torch.stack(kls) if kls else None)
+
+
+def masked_case(case: str, n: int = 5, v: int = 11, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    r = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    m = torch.rand(n, v, generator=g) < 0.3
+    m[:, 0] = False  # every row keeps an entry
+    m[1] = False  # and one row has no mask at all
+    pi_mask = m if case in ("pi", "both") else torch.zeros_like(m)
+    ref_mask = m if case in ("ref", "both") else torch.zeros_like(m)
+    return x, r, pi_mask, ref_mask
+
+
+@pytest.mark.parametrize("case", ["pi", "both"])
+@pytest.mark.parametrize("rows_per_chunk", [None, 2])
+def test_exact_kl_and_entropy_with_inf_logits_match_support_oracle(
+    case, rows_per_chunk, monkeypatch
+):
+    if rows_per_chunk is not None:  # several chunks, only some holding masked rows
+        monkeypatch.setattr(lp, "_ROW_ELEMENTS", rows_per_chunk * 11)
+    x0, r, pm, rm = masked_case(case)
+    r = r.masked_fill(rm, -INF)
+    for dtype in (torch.float64, torch.float32):
+        x = x0.to(dtype).clone().requires_grad_()
+        xm = x.masked_fill(pm, -INF)
+        kl = lp.exact_kl(xm, r.to(dtype))
+        ent = lp.entropy(xm)
+        xo = x0.clone().requires_grad_()
+        ent_o, kl_o = support_oracle(xo.masked_fill(pm, -INF), r)
+        tol = 1e-12 if dtype == torch.float64 else 2e-6
+        assert torch.isfinite(kl).all() and torch.isfinite(ent).all()
+        torch.testing.assert_close(kl.double(), kl_o.detach(), rtol=0, atol=tol)
+        torch.testing.assert_close(ent.double(), ent_o.detach(), rtol=0, atol=tol)
+        # Gradients of a weighted sum of both (every row different weights).
+        wk = torch.linspace(0.5, 1.5, x0.shape[0], dtype=torch.float64)
+        we = torch.linspace(-1.0, 1.0, x0.shape[0], dtype=torch.float64)
+        ((kl.double() * wk).sum() + (ent.double() * we).sum()).backward()
+        ((kl_o * wk).sum() + (ent_o * we).sum()).backward()
+        assert torch.isfinite(x.grad).all()
+        assert (x.grad[pm] == 0).all()  # masked entries: exactly zero gradient
+        torch.testing.assert_close(x.grad.double(), xo.grad, rtol=0, atol=10 * tol)
+
+
+def test_inf_logits_token_logprobs():
+    x = torch.tensor([[0.0, -INF, 1.0], [2.0, -INF, -INF]], dtype=torch.float64, requires_grad=True)
+    logp = lp.token_logprobs(x, torch.tensor([1, 0]))
+    # Hand values: row 0 takes the masked token, row 1 the only one left.
+    assert logp[0] == -INF and logp[1] == 0.0
+    logp[1].backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))  # pi = (1, 0, 0): 1[v = y] - pi = 0
+    x.grad = None
+    lp.token_logprobs(x, torch.tensor([1, 0]))[0].backward()
+    # d log pi(y) / dx = 1[v = y] - pi: finite even though log pi(y) = -inf.
+    p = torch.softmax(torch.tensor([0.0, 1.0], dtype=torch.float64), 0)
+    torch.testing.assert_close(x.grad[0], torch.stack([-p[0], torch.tensor(1.0).double(), -p[1]]))
+
+
+def test_exact_kl_is_inf_where_ref_forbids_pi_support_and_the_gradient_is_documented():
+    x0, r, _, rm = masked_case("ref")
+    r = r.masked_fill(rm, -INF)
+    forbidden = rm.any(1)  # every row but row 1 has a masked reference entry, pi > 0 there
+    assert forbidden.sum() == x0.shape[0] - 1
+    x = x0.clone().requires_grad_()
+    kl = lp.exact_kl(x, r)
+    _, kl_o = support_oracle(x0, r)
+    assert torch.isposinf(kl[forbidden]).all() and torch.isposinf(kl_o[forbidden]).all()
+    torch.testing.assert_close(kl[~forbidden], kl_o[~forbidden], rtol=0, atol=1e-12)
+    # A nonzero upstream gradient at an infinite-KL row: NaN on that whole row (no gradient
+    # exists); the other rows keep their exact gradient.
+    kl.sum().backward()
+    assert torch.isnan(x.grad[forbidden]).all()
+    xo = x0.clone().requires_grad_()
+    support_oracle(xo, r)[1][~forbidden].sum().backward()
+    torch.testing.assert_close(x.grad[~forbidden], xo.grad[~forbidden], rtol=0, atol=1e-12)
+    # Masked out with torch.where (upstream gradient 0 there): exactly zero gradient, no NaN.
+    x.grad = None
+    kl = lp.exact_kl(x, r)
+    torch.where(forbidden, 0.0, kl).sum().backward()
+    assert torch.equal(x.grad[forbidden], torch.zeros_like(x.grad[forbidden]))
+    torch.testing.assert_close(x.grad[~forbidden], xo.grad[~forbidden], rtol=0, atol=1e-12)
+
+
+def test_exact_kl_is_inf_where_pi_underflows_on_a_forbidden_entry():
+    # pi(v) = exp(-1000) underflows to 0, but it is > 0: KL(pi ‖ pi_ref) = +inf all the same.
+    x = torch.tensor([[0.0, -1000.0, 1.0]])
+    r = torch.tensor([[0.0, -INF, 0.0]])
+    assert torch.isposinf(lp.exact_kl(x, r)).all()
+    assert torch.isposinf(lp.exact_kl(x.double(), r.double())).all()
+
+
+def test_inf_logits_bf16_and_temperature():
+    x0, r, pm, rm = masked_case("both", n=6, v=40, seed=3)
+    xb = x0.to(torch.bfloat16).masked_fill(pm, -INF).requires_grad_()
+    rb = r.to(torch.bfloat16).masked_fill(rm, -INF)
+    t = 0.7
+    kl = lp.exact_kl(xb, rb, temperature=t)
+    ent = lp.entropy(xb, temperature=t)
+    assert kl.dtype == torch.float32
+    # Oracle on the exactly upcast bf16 values; float32 arithmetic error ~ λ √V u (|x| / T + |L|).
+    xo = (xb.detach().double() / t).requires_grad_()
+    ent_o, kl_o = support_oracle(xo, rb.double() / t)
+    scale = 2 * x0.abs().max() / t + 1
+    tol = float(LAMBDA * math.sqrt(40) * U32 * 4 * scale)
+    torch.testing.assert_close(kl.double(), kl_o.detach(), rtol=0, atol=tol)
+    torch.testing.assert_close(ent.double(), ent_o.detach(), rtol=0, atol=tol)
+    (kl.sum() + ent.sum()).backward()
+    (kl_o.sum() + ent_o.sum()).backward()
+    want = xo.grad / t  # d/dlogits = d/dx / T
+    assert xb.grad.dtype == torch.bfloat16 and (xb.grad[pm] == 0).all()
+    torch.testing.assert_close(
+        xb.grad.double(), want, rtol=0, atol=tol + float(U_BF16 * want.abs().max())
+    )
+
+
+def test_inf_logits_gradcheck_float64():
+    x0, r, pm, rm = masked_case("both", n=4, v=7, seed=5)
+    r = r.masked_fill(rm, -INF)
+    x = x0.clone().requires_grad_()
+
+    def f(x):
+        xm = x.masked_fill(pm, -INF)
+        return lp.exact_kl(xm, r), lp.entropy(xm, temperature=1.3)
+
+    assert torch.autograd.gradcheck(f, (x,))
+    x2 = x0.clone().masked_fill(pm | rm, 0.0).requires_grad_()  # pi masked, ref not
+    r2 = torch.randn(4, 7, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: lp.exact_kl(x.masked_fill(pm, -INF), r2), (x2,))
+
+
+def test_a_row_of_only_inf_logits_is_refused():
+    x = torch.zeros(3, 4)
+    x[2] = -INF
+    for fn in (lambda: lp.entropy(x), lambda: lp.token_logprobs(x, torch.zeros(3, dtype=int))):
+        with pytest.raises(ValueError, match=r"logits is -inf at every vocabulary entry.*row 2"):
+            fn()
+    with pytest.raises(ValueError, match=r"logits_ref is -inf at every vocabulary entry"):
+        lp.exact_kl(torch.zeros(3, 4), x)

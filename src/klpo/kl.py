@@ -390,6 +390,14 @@ def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Ten
         logits_ref: ``[B, T, V]`` reference logits (detached: it gets no gradient).
         temperature: the sampling temperature the logits are divided by.
 
+    Masked vocabulary: ``-inf`` logits are allowed (padding entries of the vocabulary, a
+    constrained decoder). By the convention of Cover & Thomas (Elements of Information Theory,
+    2.3), an entry with pi_theta(v) = 0 adds 0 to the KL and 0 to its gradient, so masking the
+    same entries in both models gives the KL over the remaining support. An entry with
+    pi_theta(v) > 0 and pi_ref(v) = 0 (``-inf`` only in ``logits_ref``) makes the KL ``+inf``; its
+    gradient at that position is NaN (KL is ``+inf`` on a whole neighbourhood of the logits), or
+    exactly 0 where the upstream gradient is 0 (a position masked out with ``torch.where``).
+
     Returns:
         ``[B, T]`` float32 (float64 when an input is float64).
     """
@@ -450,6 +458,27 @@ def function(name: str) -> Callable[..., Tensor]:
     return _spec(name).fn
 
 
+def _check_full(value: Tensor, mask: Tensor | None) -> None:
+    """ValueError if ``full``'s result is non-finite where ``mask`` (one pass over [B, T])."""
+    if mask is not None:
+        check_mask(mask, value.shape)
+    bad = ~torch.isfinite(value.detach())
+    if mask is not None:
+        bad &= mask
+    if not bool(bad.any()):
+        return
+    inf = int((torch.isposinf(value.detach()) & bad).sum())
+    where = " at unmasked positions" if mask is not None else ""
+    raise ValueError(
+        f"estimator 'full' is non-finite at {int(bad.sum())} position(s){where} out of "
+        f"{value.numel()} ({inf} +inf, {int(bad.sum()) - inf} NaN): +inf where logits_ref is -inf "
+        f"at a vocabulary entry where logits is not (the reference gives probability 0 to a token "
+        f"the policy can sample: an infinite KL with no gradient), NaN from NaN or +inf logits; "
+        f"mask the vocabulary of both models alike (-inf in logits wherever it is in logits_ref), "
+        f"or mask those positions out"
+    )
+
+
 def estimate(
     name: str,
     logp: Tensor | None,
@@ -480,12 +509,17 @@ def estimate(
             KL, whose gradient is NaN): either way the estimate would be NaN or inf with no word.
             The check is one ``isfinite`` pass per input and one host sync; pass
             False where infinite inputs are meant (a study of what each estimator does with an
-            infinite log-ratio). ``full``'s logits are not checked (that would be a second pass
+            infinite log-ratio). For ``full`` its result is checked instead (one pass over
+            ``[B, T]``, where ``mask``): ``-inf`` logits are a masked vocabulary and supported
+            (an entry with pi_theta = 0 adds 0), but a ``-inf`` in ``logits_ref`` where
+            ``logits`` is finite makes the KL ``+inf`` (and its gradient NaN), and NaN or ``+inf``
+            logits make it NaN; the logits themselves are not scanned (that would be a second pass
             over ``[B, T, V]``).
 
     Raises:
-        ValueError: for an unknown name (listing the valid ones), a missing input, or a
-            non-finite log-prob (naming the argument and the count of non-finite entries).
+        ValueError: for an unknown name (listing the valid ones), a missing input, a
+            non-finite log-prob (naming the argument and the count of non-finite entries), or a
+            non-finite ``full`` (the count of +inf and NaN positions).
     """
     spec = _spec(name)
     if spec.needs_logits:
@@ -495,7 +529,10 @@ def estimate(
                 f"logits_ref= ([B, T, V]); estimators that work from token log-probs alone: "
                 f"{', '.join(n for n in ESTIMATORS if not _REGISTRY[n].needs_logits)}"
             )
-        return spec.fn(logits, logits_ref)
+        value = spec.fn(logits, logits_ref)
+        if check_finite:
+            _check_full(value, mask)
+        return value
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
     if check_finite:

@@ -59,6 +59,17 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
   float32 ``[V, H]`` accumulator beside the gradient itself).
 
+Masked vocabularies (the logits path): ``-inf`` logits are allowed (padding entries of the
+vocabulary, a constrained decoder), by the convention ``0 log 0 = 0`` and ``p log(p / 0) = +inf``
+for ``p > 0`` (Cover & Thomas, Elements of Information Theory, 2.3): an entry with ``pi(v) = 0``
+adds 0 to the entropy and the KL and gets 0 gradient; where ``pi(v) > 0`` and ``pi_ref(v) = 0``
+the KL is ``+inf`` and its gradient NaN at that position (exactly 0 where the upstream gradient is
+0). The plain chunk loop computes ``0 * -inf = NaN`` at such entries; rows whose entropy or KL comes
+out non-finite are found after the loop (one pass over ``[N]``, one host sync) and only their
+chunks are redone, forward and backward, with the masked formula, so finite logits take the same
+path as before. A row that is ``-inf`` everywhere is refused. The fused path from hidden states
+cannot produce ``-inf`` from a finite head.
+
 Precision: all arithmetic is float32 (float64 when an input is float64, so float64 oracles stay
 exact). bf16/fp16 inputs are upcast exactly, so their logits are as accurate as float32 ones (the
 peers' bf16 paths round the logits to bf16: errors of ~0.02 nats at V = 152k). Gradients are
@@ -220,7 +231,9 @@ def _coefficients(
         alpha = alpha - b * ent
         beta = -b
     if c is not None:
-        alpha = alpha - c * kl
+        # kl may be +inf (pi_ref = 0 on pi's support): 0 * inf would be NaN where the upstream
+        # gradient is 0, and a masked-out position must get exactly zero gradient.
+        alpha = alpha - torch.where(c == 0, 0.0, c * kl)
         beta = c if beta is None else beta + c
     gamma = None if c is None else -c * inv_t
     delta = None if a is None else a * inv_t
@@ -282,11 +295,39 @@ class _FromLogits(torch.autograd.Function):
                 x_ref = logits_ref[r].to(cd).mul(inv_t)
                 log_z_ref[r] = torch.logsumexp(x_ref, dim=-1)
                 kl[r] = torch.linalg.vecdot(pi, log_pi.sub_(x_ref.sub_(log_z_ref[r, None])))
+        _check_rows("logits", log_z)
+        if log_z_ref is not None:
+            _check_rows("logits_ref", log_z_ref)
+        # A -inf logit (pi = 0) makes 0 * -inf = NaN above, and a -inf reference logit on pi's
+        # support makes kl = +inf: only then are the chunks holding such rows redone with the
+        # masked formula (the check is one pass over [N] and one host sync).
+        masked: list[int] = []
+        if ent is not None or kl is not None:
+            odd = torch.zeros(n, dtype=torch.bool, device=logits.device)
+            for t in (ent, kl):
+                if t is not None:
+                    odd |= ~torch.isfinite(t)
+            if bool(odd.any()):
+                masked = torch.unique(odd.nonzero()[:, 0] // rows).tolist()
+        for k in masked:
+            r = slice(k * rows, min((k + 1) * rows, n))
+            x_ref = None if kl is None else logits_ref[r].to(cd).mul(inv_t)
+            e_r, kl_r = _masked_sums(
+                logits[r].to(cd).mul(inv_t),
+                log_z[r],
+                x_ref,
+                log_z_ref[r] if kl is not None else None,
+                ent is not None,
+            )
+            if ent is not None:
+                ent[r] = e_r
+            if kl is not None:
+                kl[r] = kl_r
         out_logp = None if logp is None else logp.clamp_max(0.0)
         out_ent = None if ent is None else ent.clamp_min(0.0)
         out_kl = None if kl is None else kl.clamp_min(0.0)
         ctx.save_for_backward(logits, tokens, logits_ref, log_z, log_z_ref, out_ent, out_kl)
-        ctx.inv_t, ctx.rows, ctx.cd = inv_t, rows, cd
+        ctx.inv_t, ctx.rows, ctx.cd, ctx.masked = inv_t, rows, cd, frozenset(masked)
         return out_logp, out_ent, out_kl
 
     @staticmethod
@@ -306,6 +347,22 @@ class _FromLogits(torch.autograd.Function):
         for r0 in range(0, n, rows):
             r = slice(r0, min(r0 + rows, n))
             log_pi = logits[r].to(cd).mul(inv_t).sub_(log_z[r, None])
+            if r0 // rows in ctx.masked:
+                log_pi_ref = None
+                if gamma is not None:
+                    log_pi_ref = logits_ref[r].to(cd).mul(inv_t).sub_(log_z_ref[r, None])
+                g = _masked_grad(
+                    log_pi,
+                    log_pi_ref,
+                    alpha[r],
+                    None if beta is None else beta[r],
+                    None if gamma is None else gamma[r],
+                    None if gamma is None else kl[r],
+                )
+                if delta is not None:
+                    g.scatter_add_(1, tokens[r, None], delta[r, None])
+                grad[r] = g
+                continue
             pi = torch.exp(log_pi)
             if beta is None:
                 g = pi.mul_(alpha[r, None])
@@ -319,6 +376,69 @@ class _FromLogits(torch.autograd.Function):
                 g.scatter_add_(1, tokens[r, None], delta[r, None])
             grad[r] = g
         return grad, None, None, None, None
+
+
+def _check_rows(name: str, log_z: Tensor) -> None:
+    """ValueError if a row of ``name`` is ``-inf`` everywhere (``log_z = -inf``): no distribution."""
+    empty = torch.isneginf(log_z)
+    if bool(empty.any()):
+        idx = empty.nonzero()[:, 0]
+        raise ValueError(
+            f"{name} is -inf at every vocabulary entry in {idx.numel()} row(s) (first: flattened "
+            f"row {int(idx[0])}), so softmax({name}) is no distribution there; leave at least one "
+            f"entry finite in every row (at padding positions too: mask them afterwards with "
+            f"torch.where)"
+        )
+
+
+def _masked_sums(
+    x: Tensor, log_z: Tensor, x_ref: Tensor | None, log_z_ref: Tensor | None, with_entropy: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Entropy and KL of rows ``x [r, V]`` (scaled logits) that may hold ``-inf``, by the convention
+    ``0 log 0 = 0`` and ``p log(p / 0) = +inf`` for ``p > 0`` (Cover & Thomas, Elements of
+    Information Theory, 2.3): entries with ``x = -inf`` (pi = 0) add 0; a row where ``x_ref = -inf``
+    at an entry with ``x > -inf`` has KL ``+inf``, even if pi underflowed to 0 there."""
+    log_pi = x.sub_(log_z[:, None])
+    off = torch.isneginf(log_pi)
+    log_pi.masked_fill_(off, 0.0)  # pi * log pi = 0 there
+    pi = torch.exp(log_pi).masked_fill_(off, 0.0)
+    ent = -torch.linalg.vecdot(pi, log_pi) if with_entropy else None
+    kl = None
+    if x_ref is not None:
+        log_pi_ref = x_ref.sub_(log_z_ref[:, None])
+        forbidden = torch.isneginf(log_pi_ref) & ~off
+        log_pi_ref.masked_fill_(off | forbidden, 0.0)
+        kl = torch.linalg.vecdot(pi, log_pi.sub_(log_pi_ref))
+        kl = torch.where(forbidden.any(1), torch.inf, kl)
+    return ent, kl
+
+
+def _masked_grad(
+    log_pi: Tensor,
+    log_pi_ref: Tensor | None,
+    alpha: Tensor,
+    beta: Tensor | None,
+    gamma: Tensor | None,
+    kl: Tensor | None,
+) -> Tensor:
+    """``G / T`` of rows that may hold ``-inf`` (see :func:`_masked_sums`), without ``delta``:
+    exactly 0 where pi = 0; a row with ``kl = +inf`` and a nonzero KL gradient is NaN (KL is +inf
+    on a neighbourhood of such logits, so it has no gradient); with a zero KL gradient that row
+    gets the entropy's and log-prob's gradient only."""
+    off = torch.isneginf(log_pi)
+    log_pi.masked_fill_(off, 0.0)
+    pi = torch.exp(log_pi).masked_fill_(off, 0.0)
+    inner = alpha[:, None].expand(log_pi.shape).clone()
+    if beta is not None:
+        inner.addcmul_(log_pi, beta[:, None])
+    if gamma is not None:
+        ref_term = log_pi_ref.masked_fill(off, 0.0).mul_(gamma[:, None])
+        inner.add_(torch.where((gamma == 0)[:, None], 0.0, ref_term))
+    g = pi.mul_(inner).masked_fill_(off, 0.0)
+    if gamma is not None:
+        undefined = torch.isposinf(kl) & (gamma != 0)
+        g.masked_fill_(undefined[:, None], torch.nan)
+    return g
 
 
 def _from_logits(
@@ -373,8 +493,11 @@ def entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
 
     Gradient with respect to the logits: ``-pi_v (log pi_v + entropy) / temperature``.
 
+    ``-inf`` logits (a masked vocabulary) are allowed: entries with ``pi(v) = 0`` add 0 (``0 log 0
+    = 0``) and get 0 gradient, so the result is the entropy over the remaining support.
+
     Args:
-        logits: ``[..., V]``, any float dtype.
+        logits: ``[..., V]``, any float dtype; no row may be ``-inf`` everywhere.
         temperature: the sampling temperature the logits are divided by.
 
     Returns:
@@ -393,9 +516,17 @@ def exact_kl(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) ->
     Gradient with respect to ``logits``: ``pi_v (log pi_v - log pi_ref(v) - kl) / temperature``,
     the gradient of KL(pi_theta ‖ pi_ref) at the position. ``logits_ref`` is detached.
 
+    ``-inf`` logits (a masked vocabulary) follow Cover & Thomas (Elements of Information Theory,
+    2.3): an entry with ``pi(v) = 0`` adds 0 to the KL and gets 0 gradient, whatever
+    ``pi_ref(v)``; an entry with ``pi(v) > 0`` (even if it underflows) and ``pi_ref(v) = 0`` makes
+    the KL ``+inf``, and the gradient of that position NaN on its whole row (KL is ``+inf`` on a
+    neighbourhood of the logits, so no gradient exists), or exactly 0 where the upstream gradient
+    is 0 (a position masked out with ``torch.where``). Finite logits run at full speed; rows with
+    ``-inf`` entries cost about one more pass.
+
     Args:
-        logits: ``[..., V]`` policy logits, any float dtype.
-        logits_ref: ``[..., V]`` reference logits at the same positions (detached).
+        logits: ``[..., V]`` policy logits, any float dtype; no row may be ``-inf`` everywhere.
+        logits_ref: ``[..., V]`` reference logits at the same positions (detached); likewise.
         temperature: the sampling temperature both are divided by.
 
     Returns:
