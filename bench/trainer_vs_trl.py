@@ -1,5 +1,12 @@
 """klpo train against TRL's GRPOTrainer: the same GRPO run, side by side, in one table.
 
+Two workloads (``--workload a|b|both``): (a), described below, and (b), compute-bound: the
+~23.5M-parameter Llama that ``compute_workload.py`` builds locally, 4 prompts of 64 tokens × 8
+completions of 128 tokens per step, its ``lexical_reward``, otherwise the same settings. Each
+side runs ``--runs`` times (3), interleaved A B A B A B; the table gives the median of the per-run
+median step times with their min–max, and the floor: the model alone on the same step's tokens
+(:func:`floor_worker`). For workload (a):
+
 Both trainers run the same job, one after the other, each in its own subprocess with 2 torch
 threads: the shipped tiny reference model (1M-parameter Llama) as policy and reference, the
 built-in arithmetic task, the same prompts in the same order, 16 prompts × 8 completions = 128
