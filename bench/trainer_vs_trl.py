@@ -457,19 +457,16 @@ def trl_worker(s: Settings, out_path: str) -> None:
     )
 
 
+def run_json_worker(s: Settings, work: Path, worker: str, what: str) -> tuple[dict, dict]:
+    """This script's ``--worker WORKER`` in a subprocess: (its JSON output, :func:`run_worker`'s)."""
+    out = work / f"{worker}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--out", str(out)]
+    run = run_worker([*cmd, *_cli(s)], s.threads, what)
+    return json.loads(out.read_text()), run
+
+
 def run_trl(s: Settings, work: Path) -> dict:
-    out = work / "trl.json"
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "trl",
-        "--out",
-        str(out),
-        *_cli(s),
-    ]
-    run = run_worker(cmd, s.threads, "the TRL run")
-    raw = json.loads(out.read_text())
+    raw, run = run_json_worker(s, work, "trl", "the TRL run")
     if "unavailable" in raw:
         return raw
     result = summarize(raw["step_s"], raw["tokens"], raw["rewards"])
@@ -598,18 +595,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
 
 
 def run_loss_check(s: Settings, work: Path) -> dict:
-    out = work / "loss.json"
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "loss",
-        "--out",
-        str(out),
-        *_cli(s),
-    ]
-    run_worker(cmd, s.threads, "the loss check")
-    return json.loads(out.read_text())
+    return run_json_worker(s, work, "loss", "the loss check")[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -733,18 +719,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
 
 
 def run_floor(s: Settings, work: Path) -> dict:
-    out = work / "floor.json"
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "floor",
-        "--out",
-        str(out),
-        *_cli(s),
-    ]
-    run_worker(cmd, s.threads, "the floor")
-    return json.loads(out.read_text())
+    return run_json_worker(s, work, "floor", "the floor")[0]
 
 
 def combine(runs: list[dict]) -> dict:
