@@ -16,6 +16,7 @@ import pytest
 from klpo.train import loop
 from klpo.train.compare import (
     KL_BUDGET,
+    KL_BUDGET_SEQ,
     Run,
     StudyConfig,
     _gold_summary,
@@ -117,6 +118,7 @@ def test_overopt_default_grid_rows_and_their_config_keys():
     assert len(betas) >= 4 and len(seeds) >= 3
     # label -> (estimator, placement, algos, expected kl.*/algo.* keys, betas)
     off = {"algo.epochs": 2, "algo.minibatches": 2}
+    off_betas, one = [0.1, 0.3], [0.1]  # the off-policy rows; the reference-sampled rows
     expect = {
         "no KL": ("k1", "none", ["grpo"], {}, [0.0]),
         "k1 reward": ("k1", "reward", ["grpo", "ppo"], {}, betas),
@@ -125,26 +127,35 @@ def test_overopt_default_grid_rows_and_their_config_keys():
         "full loss": ("full", "loss", ["grpo"], {}, betas),
         "full reward+loss": ("full", "reward+loss", ["grpo", "ppo"], {}, betas),
         "k3 reward+loss": ("k3", "reward+loss", ["grpo", "ppo"], {}, betas),
-        "ref_is loss": ("ref_is", "loss", ["grpo"], {"kl.ref_is_clip": None}, betas),
+        "ref_is loss": ("ref_is", "loss", ["grpo"], {"kl.ref_is_clip": None}, one),
         "ref_is (clip 0.1-10) loss": (
-            "ref_is", "loss", ["grpo"], {"kl.ref_is_clip": (0.1, 10.0)}, betas
+            "ref_is", "loss", ["grpo"], {"kl.ref_is_clip": (0.1, 10.0)}, one
         ),
         "adaptive_mix (as written) loss": (
-            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-written"}, betas
+            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-written"}, one
         ),
         "adaptive_mix (as described) loss": (
-            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-described"}, betas
+            "adaptive_mix", "loss", ["grpo"], {"kl.mix_sign": "as-described"}, one
         ),
         "full (clip, 2 epochs x 2 minibatches) loss": (
-            "full", "loss", ["grpo"], {"algo.policy_loss": "clip", **off}, betas
+            "full", "loss", ["grpo"], {"algo.policy_loss": "clip", **off}, off_betas
         ),
         "full (gspo, 2 epochs x 2 minibatches) loss": (
             "full", "loss", ["grpo"],
             {"algo.policy_loss": "gspo", "algo.loss_reduction": "seq-mean-token-mean", **off},
-            betas,
+            off_betas,
         ),
         "full (cispo, 2 epochs x 2 minibatches) loss": (
-            "full", "loss", ["grpo"], {"algo.policy_loss": "cispo", **off}, betas
+            "full", "loss", ["grpo"], {"algo.policy_loss": "cispo", **off}, off_betas
+        ),
+        "k3 (corrected, 2 epochs x 2 minibatches) loss": (
+            "k3", "loss", ["grpo"], {"kl.off_policy_correction": True, **off}, off_betas
+        ),
+        "k3 (uncorrected, 2 epochs x 2 minibatches) loss": (
+            "k3", "loss", ["grpo"], {"kl.off_policy_correction": False, **off}, off_betas
+        ),
+        "k3_is (own weight, 2 epochs x 2 minibatches) loss": (
+            "k3_is", "loss", ["grpo"], {"kl.off_policy_correction": True, **off}, off_betas
         ),
         "full (reset every 50) loss": (
             "full", "loss", ["grpo"],
@@ -153,6 +164,12 @@ def test_overopt_default_grid_rows_and_their_config_keys():
         f"full (adaptive, target {KL_BUDGET:g}) loss": (
             "full", "loss", ["grpo"],
             {"kl.controller": "adaptive", "kl.target": KL_BUDGET, "kl.horizon": 1000}, [0.1],
+        ),
+        f"full (adaptive, target {KL_BUDGET_SEQ:g} per sequence) loss": (
+            "full", "loss", ["grpo"],
+            {"kl.controller": "adaptive", "kl.target": KL_BUDGET_SEQ,
+             "kl.target_unit": "sequence", "kl.horizon": 1000},
+            [0.1],
         ),
         f"full (ppo-adaptive, target {KL_BUDGET:g}) loss": (
             "full", "loss", ["grpo"],
@@ -183,7 +200,8 @@ def test_overopt_default_grid_rows_and_their_config_keys():
                     node = node[part]
                 assert node == value, (label, key, node)
             # every run is judged against the study's KL budget, a controller row against its own
-            assert r.kl_target == KL_BUDGET
+            unit = keys.get("kl.target_unit", "token")
+            assert (r.kl_target, r.kl_unit) == (keys.get("kl.target", KL_BUDGET), unit)
     # the quick preset is unchanged: two runs
     assert [r.choice for r in study_grid(quick_overopt_study())] == ["no KL", "full loss"]
 
@@ -227,6 +245,12 @@ def test_kl_budget_summary_by_hand():
     assert got["kl_budget_frac"] == pytest.approx(0.6)
     assert got["kl_budget_ratio"] == pytest.approx(1.75)
     assert got["kl_budget_held"] == 0.0
+    # a per-sequence budget judges kl/ref/seq: the same numbers, 4x, against 4x the target give
+    # the same verdict; the per-token key (0.1 throughout) against 0.4 gives ratio 0.25
+    seq_rows = [{**r, "kl/ref/seq": 4 * r["kl/ref/exact"], "kl/ref/exact": 0.1} for r in rows]
+    got = kl_budget_summary(seq_rows, 0.4, steps=20, key="kl/ref/seq")
+    assert (got["kl_budget_frac"], got["kl_budget_ratio"]) == pytest.approx((0.6, 1.75))
+    assert kl_budget_summary(seq_rows, 0.4, steps=20)["kl_budget_ratio"] == pytest.approx(0.25)
     # 0.09 in the first half, 0.11 in the second: every trailing mean lies in [0.09, 0.11].
     rows = [{"step": s, "kl/ref/exact": 0.09 if s <= 10 else 0.11} for s in range(1, 21)]
     got = kl_budget_summary(rows, 0.1, steps=20)
@@ -284,7 +308,7 @@ def test_steps_to_gold_target_by_hand(tmp_path):
     text = write_results([row], tmp_path, StudyConfig(task="overopt", seeds=[0])).read_text()
     assert "running mean of the gold reward (`reward/gold`) reaches 0.3" in text
     assert "## Holding a KL budget" in text
-    assert "| grpo | full loss | 0.1 | 0.1 | 1.00 | 1.00 | 1/1 |" in text
+    assert "| grpo | full loss | 0.1 | 0.1 per token | 1.00 | 1.00 | 1/1 |" in text
     with (tmp_path / "results.csv").open() as f:
         assert float(next(csv.DictReader(f))["kl_budget_held"]) == 1.0
 

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from klpo import kl
 from klpo._io import write_text_atomic
 from klpo.train.config import ConfigError, build_config, dump_config, one_of
-from klpo.train.metrics import read_metrics
+from klpo.train.metrics import CONTROLLED_KL, read_metrics
 from klpo.train.report import save_figure
 
 
@@ -262,26 +262,32 @@ def quick_overopt_study() -> StudyConfig:
 
 
 KL_BUDGET = 0.1  # nats per token: the over-optimisation study's KL budget (docs/overopt.md)
+KL_BUDGET_SEQ = 0.4  # nats per completion: the same budget per sequence (~4 tokens a completion)
 
 
 def overopt_study() -> StudyConfig:
-    """The over-optimisation study's default grid (``--task overopt``), betas 0.01-0.3, 3 seeds,
-    250 steps:
+    """The over-optimisation study's default grid (``--task overopt``): betas 0.01-0.3, 3 seeds,
+    200 steps (the no-KL run's gold reward has collapsed by then):
 
     - no KL; ``k1`` in the reward (GRPO and PPO); ``k3``, ``k3+``, ``full`` in the loss; the two
       sequence-exact choices, ``full`` and ``k3`` in reward+loss (GRPO and PPO);
-    - the reference-sampled estimators, as in the accuracy study: ``ref_is`` plain and clipped to
-      [0.1, 10], ``adaptive_mix`` as written and as described;
-    - the default KL (``full`` in the loss) under off-policy updates (2 epochs × 2 minibatches,
-      where the importance ratios differ from 1) with PPO's clip, GSPO (reduced per sequence, the
-      paper's objective) and CISPO;
+    - the reference-sampled estimators, as in the accuracy study, at beta 0.1 only (each
+      samples the reference too): ``ref_is`` plain and clipped to [0.1, 10], ``adaptive_mix`` as
+      written and as described;
+    - off-policy updates (2 epochs × 2 minibatches, where the importance ratios differ from 1),
+      at betas 0.1 and 0.3: the default KL (``full`` in the loss) with PPO's clip, GSPO (reduced
+      per sequence, the paper's objective) and CISPO; ``k3`` in the loss with and without its
+      off-policy correction, and ``k3_is``;
     - the default KL with a hard reset of the reference every 50 steps;
-    - the default KL held to a budget of ``KL_BUDGET`` nats per token by each adaptive controller
-      (one initial beta, 0.1; the Ziegler controller with a horizon of 1000 samples, as the
-      default 10000 moves beta at most ×1.9 in 250 steps of 128 completions).
+    - the default KL held to a budget by each adaptive controller (one initial beta, 0.1):
+      ``KL_BUDGET`` nats per token, and for the Ziegler controller also ``KL_BUDGET_SEQ`` nats
+      per sequence (its horizon 1000 samples, as the default 10000 moves beta at most ×1.7 in
+      200 steps of 128 completions).
     """
     both = ["grpo", "ppo"]
     off_policy = {"epochs": 2, "minibatches": 2}
+    off_betas = [0.1, 0.3]
+    variant = "2 epochs x 2 minibatches"
     return StudyConfig(
         task="overopt",
         choices=[
@@ -292,18 +298,34 @@ def overopt_study() -> StudyConfig:
             Choice(estimator="full", placement="loss"),
             Choice(estimator="full", placement="reward+loss", algos=both),
             Choice(estimator="k3", placement="reward+loss", algos=both),
-            *ref_sampled_choices(),
+            *(c.model_copy(update={"betas": [0.1]}) for c in ref_sampled_choices()),
             *(
                 Choice(
                     estimator="full",
                     placement="loss",
                     algo_options={"policy_loss": loss, **off_policy, **extra},
-                    variant=f"{loss}, 2 epochs x 2 minibatches",
+                    betas=off_betas,
+                    variant=f"{loss}, {variant}",
                 )
                 for loss, extra in (
                     ("clip", {}),
                     ("gspo", {"loss_reduction": "seq-mean-token-mean"}),
                     ("cispo", {}),
+                )
+            ),
+            *(
+                Choice(
+                    estimator=est,
+                    placement="loss",
+                    options=options,
+                    algo_options=off_policy,
+                    betas=off_betas,
+                    variant=f"{name}, {variant}",
+                )
+                for est, options, name in (
+                    ("k3", {}, "corrected"),
+                    ("k3", {"off_policy_correction": False}, "uncorrected"),
+                    ("k3_is", {}, "own weight"),
                 )
             ),
             Choice(
@@ -322,6 +344,18 @@ def overopt_study() -> StudyConfig:
             Choice(
                 estimator="full",
                 placement="loss",
+                options={
+                    "controller": "adaptive",
+                    "target": KL_BUDGET_SEQ,
+                    "target_unit": "sequence",
+                    "horizon": 1000,
+                },
+                betas=[0.1],
+                variant=f"adaptive, target {KL_BUDGET_SEQ:g} per sequence",
+            ),
+            Choice(
+                estimator="full",
+                placement="loss",
                 options={"controller": "ppo-adaptive", "target": KL_BUDGET},
                 betas=[0.1],
                 variant=f"ppo-adaptive, target {KL_BUDGET:g}",
@@ -329,7 +363,7 @@ def overopt_study() -> StudyConfig:
         ],
         betas=[0.01, 0.03, 0.1, 0.3],
         seeds=[0, 1, 2],
-        steps=250,
+        steps=200,
         eval_every=50,
         eval_size=200,
         kl_budget=KL_BUDGET,
@@ -381,7 +415,8 @@ class Run(BaseModel):
     beta: float
     seed: int
     overrides: list[str]
-    kl_target: float | None = None  # the per-token KL budget its kl_budget_* columns judge
+    kl_target: float | None = None  # the KL budget its kl_budget_* columns judge
+    kl_unit: str = "token"  # that budget's kl.target_unit: token or sequence
 
 
 def _fmt(v: float) -> str:
@@ -433,6 +468,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
                             seed=seed,
                             overrides=[f"{k}={json.dumps(v)}" for k, v in keys.items()],
                             kl_target=target,
+                            kl_unit=choice.options.get("target_unit", "token"),
                         )
                     )
     names = [r.name for r in runs]
@@ -467,6 +503,7 @@ RESULT_FIELDS = [
     "steps_to_target",
     "ref_time_s",
     "kl_target",
+    "kl_unit",
     "kl_budget_ratio",
     "kl_budget_frac",
     "kl_budget_held",
@@ -581,7 +618,8 @@ def summarise_run(
         "kl_k1_noise_var": _var(k1_noise),
         "steps_to_target": reached,
         "ref_time_s": round(ref_time, 2),
-        **kl_budget_summary(steps_rows, run.kl_target, steps),
+        "kl_unit": run.kl_unit,
+        **kl_budget_summary(steps_rows, run.kl_target, steps, key=CONTROLLED_KL[run.kl_unit]),
         "reward_final": _tail_mean(steps_rows, "reward/mean"),
         **gold,
         "entropy_final": _tail_mean(steps_rows, "entropy"),
@@ -604,14 +642,16 @@ BUDGET_TOLERANCE = 0.2  # a KL budget is held if the KL stays within ±20% of it
 
 
 def kl_budget_summary(
-    rows: list[dict[str, Any]], target: float | None, steps: int
+    rows: list[dict[str, Any]], target: float | None, steps: int, *, key: str = "kl/ref/exact"
 ) -> dict[str, float]:
-    """Did the exact per-token KL stay within ±20% of ``target`` over the second half of training?
+    """Did the exact KL stay within ±20% of ``target`` over the second half of training?
 
-    For each logged step ``s > steps / 2`` (``steps``: the run's configured length), the trailing
-    WINDOW-step running mean ``m_s`` of ``kl/ref/exact`` (the steps ``s - WINDOW + 1 .. s`` that
+    ``key`` is the logged KL judged: ``kl/ref/exact`` (per token) or ``kl/ref/seq`` (per
+    sequence, :data:`klpo.train.metrics.CONTROLLED_KL`). For each logged step ``s > steps / 2``
+    (``steps``: the run's configured length), the trailing WINDOW-step running mean ``m_s`` of
+    ``key`` (the steps ``s - WINDOW + 1 .. s`` that
     were logged; the window may reach back into the first half). Returns ``kl_target``;
-    ``kl_budget_ratio``, the plain mean of ``kl/ref/exact`` over those steps divided by the target
+    ``kl_budget_ratio``, the plain mean of ``key`` over those steps divided by the target
     (> 1: overshoot, < 1: undershoot); ``kl_budget_frac``, the fraction of those steps with
     ``0.8 · target <= m_s <= 1.2 · target``; ``kl_budget_held``, 1 if that fraction is 1, else 0.
     All NaN without a target or without a logged step in the second half (a run that stopped
@@ -623,7 +663,7 @@ def kl_budget_summary(
         "kl_budget_frac": math.nan,
         "kl_budget_held": math.nan,
     }
-    pts = [(r["step"], _num(r["kl/ref/exact"])) for r in rows if "kl/ref/exact" in r]
+    pts = [(r["step"], _num(r[key])) for r in rows if key in r]
     late = [i for i, (s, _) in enumerate(pts) if s > steps / 2]
     if target is None or not late:
         return out
@@ -858,6 +898,7 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "steps_to_target": _stats([_num(r.get("steps_to_target")) for r in rs])[0],
                 "reached": sum(math.isfinite(_num(r.get("steps_to_target"))) for r in rs),
                 "kl_target": _stats([_num(r.get("kl_target")) for r in rs])[0],
+                "kl_unit": rs[0].get("kl_unit") or "token",
                 "kl_budget_ratio": _stats([_num(r.get("kl_budget_ratio")) for r in rs])[0],
                 "kl_budget_frac": _stats([_num(r.get("kl_budget_frac")) for r in rs])[0],
                 "kl_budget_held": sum(_num(r.get("kl_budget_held")) == 1.0 for r in rs),
@@ -992,8 +1033,9 @@ def _budget_table(cells: list[dict[str, Any]]) -> list[str]:
         "",
         "## Holding a KL budget",
         "",
-        "Over the second half of training (steps after half the budget): the mean exact KL per "
-        "token divided by the target (> 1: overshoot), the fraction of steps whose "
+        "Over the second half of training (steps after half the budget): the mean exact KL (per "
+        "token, or per sequence for a `kl.target_unit: sequence` target) divided by the target "
+        "(> 1: overshoot), the fraction of steps whose "
         f"{WINDOW}-step running mean of the exact KL is within ±{BUDGET_TOLERANCE:.0%} of the "
         "target (mean over seeds), and the seeds whose every such step is (`held`). The target "
         "is the KL controller's `kl.target`, or the study's `kl_budget` for a fixed beta.",
@@ -1003,7 +1045,8 @@ def _budget_table(cells: list[dict[str, Any]]) -> list[str]:
     ]
     for c in sorted(cells, key=lambda c: (c["algo"], c["choice"], c["beta"])):
         lines.append(
-            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | {_g(c['kl_target'])} | "
+            f"| {c['algo']} | {c['choice']} | {_fmt(c['beta'])} | "
+            f"{_g(c['kl_target'])} per {c['kl_unit']} | "
             f"{_f(c['kl_budget_ratio'], 2)} | {_f(c['kl_budget_frac'], 2)} | "
             f"{c['kl_budget_held']}/{c['runs']} |"
         )

@@ -281,10 +281,24 @@ class KLConfig(_Section):
     controller: str = Field(
         "fixed", description=f"KL coefficient controller: one of {', '.join(control.CONTROLLERS)}."
     )
-    target: float | None = Field(None, gt=0, description="Target KL for adaptive controllers.")
+    target: float | None = Field(
+        None, gt=0, description="Target KL for adaptive controllers, in kl.target_unit."
+    )
+    target_unit: Literal["token", "sequence"] = Field(
+        "token",
+        description="What kl.target measures: the exact KL(pi_theta ‖ pi_ref) per token "
+        "(kl/ref/exact) or summed over a completion, mean over completions (kl/ref/seq).",
+    )
     horizon: float = Field(10000, gt=0, description="Ziegler controller horizon (in samples).")
     scale: float = Field(
         0.5, gt=0, description="spread-scaled controller: the group reward std that halves beta."
+    )
+    off_policy_correction: bool = Field(
+        True,
+        description="KL in the loss after the first minibatch (epochs or minibatches > 1): "
+        "weight each token's estimator term by sg(pi_theta/pi_old), which keeps its on-policy "
+        "expected gradient (klpo.losses.kl_loss). false: the uncorrected term, as most trainers "
+        "compute it (for comparison; k3_is carries its own weight and refuses it).",
     )
     reference_reset: ReferenceReset | None = Field(
         None,
@@ -435,7 +449,7 @@ class TrainConfig(_Section):
         if self.kl.controller in ("adaptive", "ppo-adaptive") and self.kl.target is None:
             raise ValueError(
                 f"kl.target is required by the {self.kl.controller!r} controller "
-                "(the KL per token it steers towards), e.g. kl.target=0.05"
+                "(the KL it steers towards, per kl.target_unit), e.g. kl.target=0.05"
             )
         if self.kl.reference_reset is not None and self.model.reference is not None:
             raise ValueError(
@@ -451,6 +465,12 @@ class TrainConfig(_Section):
             raise ValueError(
                 "kl.reference_reset with dist.strategy=fsdp is not supported yet (the update of "
                 "a sharded reference is untested); use dist.strategy=ddp"
+            )
+        if not self.kl.off_policy_correction and self.kl.estimator == "k3_is":
+            raise ValueError(
+                "kl.off_policy_correction=false with kl.estimator=k3_is: k3_is is k3 weighted by "
+                "pi_theta/pi_old with the gradient through the weight, so it has no uncorrected "
+                "form; use kl.estimator=k3 for the uncorrected term"
             )
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:

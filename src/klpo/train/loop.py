@@ -62,7 +62,7 @@ from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, ren
 from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.engines import RolloutEngine, check_engine, make_engine
 from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
-from klpo.train.metrics import MetricsWriter, Tally
+from klpo.train.metrics import CONTROLLED_KL, MetricsWriter, Tally
 from klpo.train.models import (
     DTYPES,
     Backbone,
@@ -696,7 +696,12 @@ def _micro_step(
             kl_tok = (
                 out.kl
                 if needs_exact_kl(kl_name)
-                else losses.kl_loss(kl_name, logp, s.logp_ref[rows], logp_old=logp_old)
+                else losses.kl_loss(
+                    kl_name,
+                    logp,
+                    s.logp_ref[rows],
+                    logp_old=logp_old if cfg.kl.off_policy_correction else None,
+                )
             )
             loss_kl = kl_coef * red(kl_tok)
             total = total + beta * loss_kl
@@ -1195,7 +1200,9 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
         window.push(mix)
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     run.kl_ctl.update(
-        kl=metrics["kl/ref/exact"], n_steps=n_seq, reward_std=metrics["reward/group_std"]
+        kl=metrics[CONTROLLED_KL[cfg.kl.target_unit]],
+        n_steps=n_seq,
+        reward_std=metrics["reward/group_std"],
     )
     if cfg.algo.policy_loss in USES_BETA_OLD:
         metrics["beta_old"] = beta_old

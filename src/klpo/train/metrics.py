@@ -16,6 +16,9 @@ import torch
 
 from klpo._io import write_text_atomic
 
+CONTROLLED_KL = {"token": "kl/ref/exact", "sequence": "kl/ref/seq"}
+"""The logged exact KL that a controller steers to ``kl.target``, by ``kl.target_unit``."""
+
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
     "reward/mean": "mean total (weighted) task reward over the step's completions",
