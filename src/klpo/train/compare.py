@@ -119,8 +119,19 @@ def _default_choices() -> list[Choice]:
         Choice(estimator="k3_is", placement="loss"),
         Choice(estimator="full", placement="loss"),
         Choice(estimator="full", placement="reward", algos=both),
+        *sequence_exact_choices(),
         Choice(estimator="k1", placement="none"),
         *ref_sampled_choices(),
+    ]
+
+
+def sequence_exact_choices() -> list[Choice]:
+    """The two choices whose expected gradient is that of the whole sequence's
+    KL(pi_theta ‖ pi_ref) (``klpo explain``'s sequence table): ``full`` and ``k3`` in the reward
+    and the loss, GRPO and PPO."""
+    return [
+        Choice(estimator=est, placement="reward+loss", algos=["grpo", "ppo"])
+        for est in ("full", "k3")
     ]
 
 
@@ -229,9 +240,9 @@ class StudyConfig(BaseModel):
 
 def quick_study() -> StudyConfig:
     """The ``--quick`` preset: one beta, two seeds, a few steps (~2 min); every default choice
-    but those that sample the reference (they double a step's cost; the trainer's tests run
-    them end to end)."""
-    skip = {c.label for c in ref_sampled_choices()}
+    but those that sample the reference (they double a step's cost) and the two sequence-exact
+    ones (the trainer's tests run both kinds end to end)."""
+    skip = {c.label for c in (*ref_sampled_choices(), *sequence_exact_choices())}
     return StudyConfig(
         choices=[c for c in _default_choices() if c.label not in skip],
         betas=[0.05],
