@@ -638,7 +638,8 @@ def floor_worker(s: Settings, out_path: str) -> None:
     """The model's own time for the tokens a step must compute, with no trainer around it.
 
     On the step's batch (sampled once): generation = each prompt's prefill once plus one cached
-    single-token forward per new token for every row (argmax, no sampling machinery); the
+    single-token forward per new token for every row (argmax, no sampling machinery, the cache
+    allocated once); the
     reference = one no-grad forward over each prompt once and every completion token, with the
     head's log-softmax at the completion tokens; the policy = the same forward with its backward.
     Each the median of 3 timings; the floor is their sum.
@@ -650,7 +651,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.dist import Dist
     from klpo.train.models import Backbone
-    from klpo.train.rollout import completion_hidden, generate
+    from klpo.train.rollout import completion_hidden, generate, preallocate
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
@@ -679,6 +680,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
             )
             cache = out.past_key_values
             cache.batch_repeat_interleave(g)
+            preallocate(cache, c)  # writes each new position in place (no cache copies)
             token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
             att = unique[1].repeat_interleave(g, dim=0)
             for _ in range(c - 1):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from transformers import GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from klpo.train.models import cache_kwargs, output_cache
 
@@ -97,6 +98,64 @@ def nucleus_logits(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def draw(logits: Tensor) -> Tensor:
+    r"""One token per row of ``logits [R, V]`` from softmax(logits), by the Gumbel-max trick.
+
+    With ``U_i ~ Uniform(0, 1)`` i.i.d., ``E_i = -log U_i ~ Exp(1)`` and ``argmax_i (logits_i -
+    log E_i) = argmax_i p_i / E_i`` is ``i`` with probability exactly ``p_i`` (``E_i / p_i`` are
+    independent exponentials with rates ``p_i``; the smallest is ``i`` with probability ``p_i /
+    sum_j p_j``); ``-log E_i`` is a standard Gumbel variable. The same law as
+    ``torch.multinomial(logits.softmax(-1), 1)``, without the softmax, its normalisation and the
+    search: about 4× faster on a [32, 8k] batch on one CPU thread (and ``exponential_`` is as slow
+    as ``multinomial`` there, hence ``-log U``). ``-inf`` logits are never drawn (a row must have
+    a finite one); so is a ``U_i`` of exactly 0 (probability 2^-24 per entry in float32). Uses
+    torch's global generator.
+    """
+    log_e = torch.rand_like(logits, dtype=torch.float32).log_().neg_().log_()
+    return (logits.float() - log_e).argmax(-1)
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A :class:`transformers.cache_utils.DynamicLayer` whose keys and values are views of
+    buffers allocated for the whole decode: :meth:`update` writes the new positions in place
+    instead of concatenating (which copies the whole cache at every token, about a fifth of a
+    cached decode step of a small model on a CPU). Anything that replaced the tensors (a select,
+    a crop past the buffer) falls back to the concatenating update."""
+
+    _k: Tensor
+    _v: Tensor
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        n = self.keys.shape[-2]
+        end = n + key_states.shape[-2]
+        aliased = self.keys.data_ptr() == self._k.data_ptr() and self.keys.shape[0] == len(self._k)
+        if not aliased or end > self._k.shape[-2]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._k[..., n:end, :].copy_(key_states)
+        self._v[..., n:end, :].copy_(value_states)
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+
+def preallocate(cache, extra: int) -> None:
+    """Give each plain dynamic layer of ``cache`` room for ``extra`` more positions, in place.
+
+    Only layers that are exactly ``DynamicLayer`` (not sliding-window or other kinds) and hold
+    states are converted; any other cache is left as it is. The values are unchanged.
+    """
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is not DynamicLayer or layer.get_seq_length() == 0:
+            continue
+        k, v = layer.keys, layer.values
+        n = k.shape[-2]
+        layer._k = k.new_empty(*k.shape[:-2], n + extra, k.shape[-1])
+        layer._v = v.new_empty(*v.shape[:-2], n + extra, v.shape[-1])
+        layer._k[..., :n, :].copy_(k)
+        layer._v[..., :n, :].copy_(v)
+        layer.keys, layer.values = layer._k[..., :n, :], layer._v[..., :n, :]
+        layer.__class__ = _InPlaceLayer
+
+
 @torch.no_grad()
 def sample_lean(
     model,
@@ -117,9 +176,10 @@ def sample_lean(
     A plain sampling loop over the model's forward with a key/value cache, in place of
     ``generate``'s general machinery (logits processors, stopping criteria, cache bookkeeping)
     whose per-token overhead dominates short completions of small models. Each prompt is run
-    once, its cache repeated ``group_size`` times; then each new token is drawn from
-    softmax(logits / temperature) restricted to the ``top_p`` nucleus (or the argmax if
-    ``greedy``), with the model's logits in float32. Rows stop at their first EOS (later columns
+    once, its cache repeated ``group_size`` times and given room for the completions
+    (:func:`preallocate`); then each new token is drawn from softmax(logits / temperature)
+    restricted to the ``top_p`` nucleus (:func:`draw`; or the argmax if ``greedy``), with the
+    model's logits in float32. Rows stop at their first EOS (later columns
     hold ``pad_token_id``) and the loop stops when every row has stopped. The distribution is the
     one ``generate`` samples with ``top_k`` off; the draws for a given seed are not the same.
     With ``synced`` (a sharded model, whose forward is collective) the loop stops only when every
@@ -135,6 +195,7 @@ def sample_lean(
     )
     cache = output_cache(out)
     cache.batch_repeat_interleave(group_size)
+    preallocate(cache, max_new_tokens)
     logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
     att = att.repeat_interleave(group_size, dim=0)
     next_pos = pos[:, -1:].repeat_interleave(group_size, dim=0) + 1
@@ -146,8 +207,7 @@ def sample_lean(
         if greedy:
             token = logits.argmax(-1)
         else:
-            probs = nucleus_logits(logits / temperature, top_p).softmax(-1)
-            token = torch.multinomial(probs, 1).squeeze(-1)
+            token = draw(nucleus_logits(logits / temperature, top_p))
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
         done = done | torch.isin(token, eos)
