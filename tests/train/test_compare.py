@@ -49,9 +49,11 @@ def test_default_grid_covers_the_issue_and_each_run_is_a_valid_config():
         "adaptive_mix (as described) loss",
     ]:
         assert ("grpo", choice) in labels
-    assert ("ppo", "k1 reward") in labels and ("ppo", "full reward") in labels
-    # 11 KL choices × 2 betas × 3 seeds + no KL × 3 seeds for GRPO; 2 × 2 × 3 for PPO.
-    assert len(runs) == 11 * 2 * 3 + 3 + 2 * 2 * 3
+    for algo in ("grpo", "ppo"):
+        for choice in ("k1 reward", "full reward", "full reward+loss", "k3 reward+loss"):
+            assert (algo, choice) in labels
+    # 13 KL choices × 2 betas × 3 seeds + no KL × 3 seeds for GRPO; 4 × 2 × 3 for PPO.
+    assert len(runs) == 13 * 2 * 3 + 3 + 4 * 2 * 3
     assert len({r.name for r in runs}) == len(runs)
     for r in runs:
         cfg = build_config(apply_overrides({}, list(r.overrides)))

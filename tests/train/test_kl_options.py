@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -38,7 +40,7 @@ def test_adaptive_controller_steers_on_the_kl_of_its_unit(tiny_model, quick, tmp
     )
     rows = [r for r in rows if "beta" in r]
     assert rows[0]["beta"] == pytest.approx(beta0)
-    for prev, nxt in zip(rows, rows[1:], strict=False):
+    for prev, nxt in itertools.pairwise(rows):
         err = min(max(prev[key] / target - 1.0, -0.2), 0.2)
         assert nxt["beta"] == pytest.approx(prev["beta"] * (1 + err * 16 / horizon), rel=1e-9)
     # the two units differ here (completions are several tokens long), so the test tells them apart
@@ -86,5 +88,5 @@ def test_off_policy_correction_changes_nothing_on_policy_and_something_off_polic
 
 
 def test_k3_is_refuses_to_be_uncorrected():
-    with pytest.raises(ConfigError, match="k3_is has no uncorrected form|use kl.estimator=k3"):
+    with pytest.raises(ConfigError, match="has no uncorrected form"):
         build_config(overrides=["kl.estimator=k3_is", "kl.off_policy_correction=false"])

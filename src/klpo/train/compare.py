@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from klpo import kl
 from klpo._io import write_text_atomic
 from klpo.train.config import ConfigError, build_config, dump_config, one_of
+from klpo.train.frontier import ChoiceFrontier, Curve, frontier_plots, frontier_table
 from klpo.train.metrics import CONTROLLED_KL, read_metrics
 from klpo.train.report import save_figure
 
@@ -118,8 +119,19 @@ def _default_choices() -> list[Choice]:
         Choice(estimator="k3_is", placement="loss"),
         Choice(estimator="full", placement="loss"),
         Choice(estimator="full", placement="reward", algos=both),
+        *sequence_exact_choices(),
         Choice(estimator="k1", placement="none"),
         *ref_sampled_choices(),
+    ]
+
+
+def sequence_exact_choices() -> list[Choice]:
+    """The two choices whose expected gradient is that of the whole sequence's
+    KL(pi_theta ‖ pi_ref) (``klpo explain``'s sequence table): ``full`` and ``k3`` in the reward
+    and the loss, GRPO and PPO."""
+    return [
+        Choice(estimator=est, placement="reward+loss", algos=["grpo", "ppo"])
+        for est in ("full", "k3")
     ]
 
 
@@ -228,9 +240,9 @@ class StudyConfig(BaseModel):
 
 def quick_study() -> StudyConfig:
     """The ``--quick`` preset: one beta, two seeds, a few steps (~2 min); every default choice
-    but those that sample the reference (they double a step's cost; the trainer's tests run
-    them end to end)."""
-    skip = {c.label for c in ref_sampled_choices()}
+    but those that sample the reference (they double a step's cost) and the two sequence-exact
+    ones (the trainer's tests run both kinds end to end)."""
+    skip = {c.label for c in (*ref_sampled_choices(), *sequence_exact_choices())}
     return StudyConfig(
         choices=[c for c in _default_choices() if c.label not in skip],
         betas=[0.05],
@@ -922,6 +934,8 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
     write_text_atomic(out / "results.csv", buf.getvalue())
     cells = summarise_cells(results)
     plots = _plot(results, cells, out)
+    fronts = _frontiers(results, cells, out) if study.task == "overopt" else []
+    plots += frontier_plots(fronts, out, WINDOW) if fronts else []
 
     target_key, target_value = study.convergence_target()
     target_name = {
@@ -984,6 +998,7 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
             f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
         )
     if study.task == "overopt":
+        lines += frontier_table(fronts, WINDOW)
         lines += _overopt_table(cells)
     lines += _budget_table(cells)
     failures = [r for r in results if r["status"] != "ok"]
@@ -997,6 +1012,35 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
     report = out / "report.md"
     write_text_atomic(report, "\n".join(lines))
     return report
+
+
+def _frontiers(
+    results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path
+) -> list[ChoiceFrontier]:
+    """One :class:`~klpo.train.frontier.ChoiceFrontier` per (algo, choice): its cells and, per
+    beta, the seed means of the WINDOW-step running gold, proxy and sequence-KL curves."""
+    runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in results:
+        runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    by_choice: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        by_choice.setdefault((c["algo"], c["choice"]), []).append(c)
+    keys = ("reward/gold", "reward/proxy", "kl/ref/seq")
+    fronts = []
+    for (algo, choice), cs in by_choice.items():
+        cs = sorted(cs, key=lambda c: c["beta"])
+        curves = []
+        for c in cs:
+            rs = runs[(algo, choice, c["beta"])]
+            bands = [
+                _band([_curves(out / "runs" / r["name"], k) for r in rs], WINDOW) for k in keys
+            ]
+            steps = bands[0][0]
+            if steps and all(b[0] == steps for b in bands):
+                gold, proxy, seq = (b[1] for b in bands)
+                curves.append(Curve(c["beta"], steps, gold, proxy, seq))
+        fronts.append(ChoiceFrontier(algo, choice, cs, curves))
+    return fronts
 
 
 def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
