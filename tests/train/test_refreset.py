@@ -81,9 +81,9 @@ def test_reset_due():
 def test_config_errors(quick, tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="needs a trigger"):
         build_config(overrides=quick(tiny_model, tmp_path, **{"kl.reference_reset": "{alpha: 1}"}))
-    with pytest.raises(ConfigError, match=r"model\.lora is not supported yet"):
+    with pytest.raises(ConfigError, match=r"reference_reset\.alpha=0\.5 with model\.lora"):
         build_config(overrides=quick(tiny_model, tmp_path, **{
-            "kl.reference_reset": "{every: 2}", "model.lora": "{r: 4}"}))  # fmt: skip
+            "kl.reference_reset": "{every: 2, alpha: 0.5}", "model.lora": "{r: 4}"}))  # fmt: skip
     with pytest.raises(ConfigError, match=r"dist\.strategy=fsdp is not supported yet"):
         build_config(overrides=quick(tiny_model, tmp_path, **{
             "kl.reference_reset": "{every: 2}", "dist.strategy": "fsdp"}))  # fmt: skip

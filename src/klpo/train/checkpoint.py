@@ -7,6 +7,8 @@ Layout of ``RUN/checkpoints/step_000050/``::
     optim.safetensors  every optimizer's state tensors; the structure is in state.json
     rng.safetensors    every rank's torch generator states (CPU, and CUDA's where present)
     state.json         step, data position, controllers, optimizer structure, python/numpy RNG
+    reference.safetensors  the moved reference (kl.reference_reset only): a whole model, or with
+                       LoRA the merged base weights the adapters sit on (klpo.train.lora)
 
 A checkpoint is built in a temporary directory beside its final place and renamed into it, and
 ``RUN/checkpoints/latest`` is replaced atomically afterwards, so a run killed at any moment leaves
@@ -28,6 +30,7 @@ from safetensors.torch import load_file, save_file, save_model
 from klpo._io import atomic_dir, write_text_atomic
 
 LATEST = "latest"
+REFERENCE = "reference.safetensors"
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
@@ -88,7 +91,7 @@ def save_checkpoint(
     policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
     critic: torch.nn.Module | None = None,
-    reference: torch.nn.Module | None = None,
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
     keep: int = 2,
@@ -102,7 +105,8 @@ def save_checkpoint(
         optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
         critic: PPO's critic module, or None.
         reference: the reference model when it moves during training (kl.reference_reset),
-            saved as ``reference.safetensors``; None when it is frozen.
+            saved as ``reference.safetensors``; with LoRA the base weights by name
+            (:func:`klpo.train.lora.base_weights`); None when it is frozen.
         rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
@@ -143,13 +147,15 @@ def _write_checkpoint(
     critic: torch.nn.Module | None,
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
     state: dict[str, Any] | None,
-    reference: torch.nn.Module | None = None,
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
 ) -> None:
     policy.save_pretrained(tmp / "policy", safe_serialization=True)
     if critic is not None:
         save_model(critic, str(tmp / "critic.safetensors"))
-    if reference is not None:  # kl.reference_reset moved it: the run resumes with it
-        save_model(reference, str(tmp / "reference.safetensors"))
+    if isinstance(reference, dict):  # LoRA's merged base (kl.reference_reset)
+        save_file(reference, str(tmp / REFERENCE))
+    elif reference is not None:  # kl.reference_reset moved it: the run resumes with it
+        save_model(reference, str(tmp / REFERENCE))
     optim_tensors, optim_structure = {}, {}
     for name, opt in optimizers.items():
         t, s = _flatten_optimizer(opt, name)
@@ -319,14 +325,23 @@ def restore_critic(ckpt: Path, critic: torch.nn.Module) -> None:
     load_model(critic, str(ckpt / "critic.safetensors"))
 
 
+def _reference_path(ckpt: Path) -> Path:
+    path = ckpt / REFERENCE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{ckpt} has no {REFERENCE}; it was saved by a run without "
+            "kl.reference_reset, so it cannot be resumed with it"
+        )
+    return path
+
+
 def restore_reference(ckpt: Path, reference: torch.nn.Module) -> None:
     """Load a moved reference (``reference.safetensors``) saved by :func:`save_checkpoint`."""
     from safetensors.torch import load_model
 
-    path = ckpt / "reference.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{ckpt} has no reference.safetensors; it was saved by a run without "
-            "kl.reference_reset, so it cannot be resumed with it"
-        )
-    load_model(reference, str(path))
+    load_model(reference, str(_reference_path(ckpt)))
+
+
+def reference_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``reference.safetensors`` by name (LoRA: the merged base weights)."""
+    return load_file(str(_reference_path(ckpt)))

@@ -251,11 +251,14 @@ class ReferenceReset(_Section):
         1.0,
         gt=0,
         le=1,
-        description="ref <- alpha·policy + (1 - alpha)·ref: 1 is a hard reset (ProRL), < 1 a "
-        "soft update (TR-DPO).",
+        description="ref <- alpha·policy + (1 - alpha)·ref: 1 is a hard reset (ProRL; with "
+        "model.lora a merge of the adapters into the base and fresh adapters), < 1 a soft "
+        "update (TR-DPO; not with model.lora).",
     )
     reset_optimizer: bool = Field(
-        False, description="Also clear the policy optimizer's state at each update (ProRL)."
+        False,
+        description="Also clear the policy optimizer's state at each update (ProRL); with "
+        "model.lora it is always cleared (the adapters restart).",
     )
 
     @model_validator(mode="after")
@@ -456,10 +459,14 @@ class TrainConfig(_Section):
                 "kl.reference_reset moves the reference towards the policy, so the two must be "
                 "the same model: leave model.reference unset"
             )
-        if self.kl.reference_reset is not None and self.model.lora is not None:
+        reset = self.kl.reference_reset
+        if reset is not None and self.model.lora is not None and reset.alpha < 1:
             raise ValueError(
-                "kl.reference_reset with model.lora is not supported yet (it needs "
-                "merge-and-restart of the adapters, docs/overopt.md); use full fine-tuning"
+                f"kl.reference_reset.alpha={reset.alpha:g} with model.lora: a soft update "
+                "ref <- alpha·policy + (1 - alpha)·ref has no adapter-only form (with LoRA the "
+                "reference is the base model, and a hard reset merges the adapters into it, "
+                "docs/overopt.md); use kl.reference_reset.alpha=1, or full fine-tuning "
+                "(model.lora unset) for a soft update"
             )
         if self.kl.reference_reset is not None and self.dist.strategy == "fsdp":
             raise ValueError(

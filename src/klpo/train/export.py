@@ -5,7 +5,10 @@ What the checkpoint holds decides what is read (:mod:`klpo.train.checkpoint`):
 * a whole model (full fine-tuning, one process or DDP): copied through ``save_pretrained``;
 * LoRA adapters (:mod:`klpo.train.lora`): with ``merge`` the adapters are folded into the base
   weights, ``W + (alpha / r) · B A``, and the result is a plain transformers model; without it the
-  adapter directory is written (load it with ``peft`` over the base model);
+  adapter directory is written (load it with ``peft`` over the base model). A run whose
+  ``kl.reference_reset`` merged adapters into the base saved that base (``reference.safetensors``)
+  and is exported over it; its adapters alone would not fit ``model.policy``, so such a run
+  exports with ``merge`` only;
 * FSDP shards (:mod:`klpo.train.fsdp`): read in one process by ``torch.distributed.checkpoint``
   into the base model's architecture.
 
@@ -20,7 +23,7 @@ from pathlib import Path
 from klpo.train import checkpoint as ckpt_io
 from klpo.train import fsdp
 from klpo.train.config import ConfigError, load_config
-from klpo.train.lora import is_adapter_dir
+from klpo.train.lora import is_adapter_dir, load_base_weights
 from klpo.train.models import load_causal_lm, load_tokenizer
 
 
@@ -28,7 +31,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
     """Write the run's latest policy to ``out``; returns ``out``.
 
     Raises:
-        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty.
+        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty; a LoRA
+            run whose adapters were merged by ``kl.reference_reset``, without ``merge``.
     """
     from klpo.train.loop import resolve_model_path
 
@@ -48,6 +52,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(load_causal_lm(base), str(policy_dir))
+        if (ckpt / ckpt_io.REFERENCE).is_file():  # kl.reference_reset: the merged base
+            merges = ckpt_io.load_state(ckpt).get("reference_updates", 0)
+            if merges and not merge:
+                raise ConfigError(
+                    f"{run_dir}: kl.reference_reset merged the adapters into the base weights "
+                    f"{merges} time(s), so the latest adapters sit on a base that differs from "
+                    f"model.policy ({cfg.model.policy}); export with --merge"
+                )
+            load_base_weights(model, ckpt_io.reference_tensors(ckpt), str(ckpt / ckpt_io.REFERENCE))
         if merge:
             model = model.merge_and_unload()
     elif fsdp.is_sharded_checkpoint(ckpt):

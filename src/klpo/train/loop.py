@@ -61,7 +61,15 @@ from klpo.train.config import (
 from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, render_chat
 from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.engines import RolloutEngine, check_engine, make_engine
-from klpo.train.lora import AdapterFreeReference, apply_lora, load_adapters
+from klpo.train.lora import (
+    AdapterFreeReference,
+    apply_lora,
+    base_weights,
+    load_adapters,
+    load_base_weights,
+    merge_and_restart,
+    restart_generator,
+)
 from klpo.train.metrics import CONTROLLED_KL, MetricsWriter, Tally
 from klpo.train.models import (
     DTYPES,
@@ -970,6 +978,15 @@ class TrainRun:
         policy = {} if self.sharded else {"policy": o.policy}
         return policy | ({"critic": o.critic} if o.critic else {})
 
+    def moved_reference(self) -> torch.nn.Module | dict[str, Tensor] | None:
+        """What a checkpoint saves of a reference that kl.reference_reset moves: the reference
+        model, or with LoRA the merged base weights (klpo.train.lora); None when it is frozen."""
+        if self.cfg.kl.reference_reset is None:
+            return None
+        if isinstance(self.models.reference, AdapterFreeReference):
+            return base_weights(self.models.policy)
+        return self.models.reference.model
+
     def save(self, step: int) -> None:
         rngs = self.dist.gather_objects(ckpt_io.rng_state())
         policy = self.models.policy
@@ -984,7 +1001,7 @@ class TrainRun:
                 step,
                 policy=policy,
                 critic=self.models.critic_core,
-                reference=self.models.reference.model if self.cfg.kl.reference_reset else None,
+                reference=self.moved_reference(),
                 optimizers=self.optimizers,
                 rng=rngs,
                 state={
@@ -1058,7 +1075,13 @@ def setup(
             ckpt_io.restore_rng(start, meta, rank=dist.rank)
         else:  # an allowed change of world size: each rank's sampling stream starts anew
             torch.manual_seed(cfg.run.seed * 1000 + dist.rank + 7919 * step0)
-        if cfg.kl.reference_reset is not None:
+        if isinstance(m.reference, AdapterFreeReference):
+            # LoRA: after a merge-and-restart the base is part of the policy, so it is loaded
+            # whenever the checkpoint holds it (the adapters were loaded by build_models).
+            if cfg.kl.reference_reset is not None or (start / ckpt_io.REFERENCE).is_file():
+                tensors = ckpt_io.reference_tensors(start)
+                load_base_weights(m.policy, tensors, str(start / ckpt_io.REFERENCE))
+        elif cfg.kl.reference_reset is not None:
             ckpt_io.restore_reference(start, m.reference.model)
         log(f"resuming {run_dir} from step {step0}")
 
@@ -1210,9 +1233,13 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     resets = cfg.kl.reference_reset
     if resets is not None:  # move the reference (docs/overopt.md); the step's KL is before it
         if reset_due(resets, step, metrics["kl/ref/exact"]):
-            update_reference(m.reference.model, m.policy, resets.alpha)
-            if resets.reset_optimizer:
-                run.opt.policy.state.clear()
+            if isinstance(m.reference, AdapterFreeReference):  # LoRA: merge-and-restart
+                merge_and_restart(m.policy, restart_generator(cfg.run.seed, run.ref_updates))
+                run.opt.policy.state.clear()  # fresh adapters: the old moments do not apply
+            else:
+                update_reference(m.reference.model, m.policy, resets.alpha)
+                if resets.reset_optimizer:
+                    run.opt.policy.state.clear()
             run.ref_updates += 1
         metrics["reference/updates"] = run.ref_updates
     metrics.update(

@@ -17,10 +17,17 @@ count so far); the step's own KL metrics are those before it. The reference's we
 in every checkpoint of such a run (``reference.safetensors``) so that a resumed run continues
 with the moved reference.
 
-With LoRA, where the reference is the policy with its adapters disabled, a hard reset means
-merge-and-restart: merge the adapters into the base weights (which then are both the policy and
-the reference) and start fresh adapters; a soft update has no adapter-only form. klpo refuses
-``kl.reference_reset`` with ``model.lora`` until that path exists.
+With LoRA, where the reference is the policy with its adapters disabled
+(:class:`klpo.train.lora.AdapterFreeReference`), a hard reset is merge-and-restart
+(:func:`klpo.train.lora.merge_and_restart`): ``W ← W + (alpha_lora / r) · B A`` in every adapted
+layer, then fresh adapters (``B = 0``); the policy's function is unchanged and the base, the
+reference, becomes it. Merge-and-restart rather than a copied adapter as the reference: one set of
+weights, a reference forward that stays the plain base, and a policy that may move more than rank
+r from its start over several resets. The adapters' optimizer state is always cleared (Adam
+moments of the old adapters do not fit fresh ones), the fresh ``A`` is drawn from a generator
+seeded by the run seed and the update count (every DDP rank, and a resumed run, draw the same),
+and the merged base is what ``reference.safetensors`` holds. A soft update has no adapter-only
+form: ``alpha < 1`` with ``model.lora`` is refused at config time.
 """
 
 from __future__ import annotations
