@@ -204,10 +204,7 @@ def sample_lean(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
     for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token = draw(nucleus_logits(logits / temperature, top_p))
+        token = logits.argmax(-1) if greedy else draw(nucleus_logits(logits / temperature, top_p))
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
         done = done | torch.isin(token, eos)
