@@ -45,8 +45,8 @@ FULL_KL_SHAPES = [(256, 896, 151936)]
 QUICK_SHAPES = [(256, 896, 32000)]
 QUICK_KL_SHAPES = [(128, 896, 32000)]
 DTYPES = ["float32", "bfloat16"]
-LOGP_METHODS = ["naive", "klpo", "klpo (torch.mm)", "klpo (oneDNN)", "liger", "trl"]
-KL_METHODS = ["naive", "klpo", "liger jsd", "trl"]
+LOGP_METHODS = ["naive", "klpo", "klpo loss", "klpo (torch.mm)", "klpo (oneDNN)", "liger", "trl"]
+KL_METHODS = ["naive", "klpo", "klpo loss", "liger jsd", "trl"]
 ABLATIONS = {"klpo (torch.mm)": "mm", "klpo (oneDNN)": "onednn"}
 PEERS = {"liger", "trl", "liger jsd"}
 CHECK_TOKENS = 64
@@ -108,6 +108,26 @@ def _inputs(case: Case):
 def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
     """A closure running forward + backward, and a function giving the output to check."""
     import torch
+
+    if case.method == "klpo loss":
+        import klpo.logprobs as lp
+
+        def run_loss():  # the same weighted sum, its gradient taken in the forward pass
+            out = lp.fused_loss(
+                hidden,
+                weight,
+                tokens,
+                hidden_ref=hidden_ref,
+                weight_ref=weight_ref,
+                logp_weight=coef if case.kind == "logp" else None,
+                kl_weight=coef if case.kind == "kl" else None,
+                token_chunk=case.token_chunk,
+            )
+            out.loss.backward()
+            hidden.grad = weight.grad = None
+            return out.logp if case.kind == "logp" else out.kl
+
+        return run_loss, True
 
     if case.method.startswith("klpo"):
         import klpo.logprobs as lp

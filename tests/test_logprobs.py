@@ -901,3 +901,189 @@ def test_a_row_of_only_inf_logits_is_refused():
             fn()
     with pytest.raises(ValueError, match=r"logits_ref is -inf at every vocabulary entry"):
         lp.exact_kl(torch.zeros(3, 4), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_loss: the weighted sum as one scalar, its gradient taken in the forward pass.
+
+# Which outputs carry a weight: log-probs only (the policy-gradient / cross-entropy case, whose
+# per-token factor is taken out of the tile), with the entropy, the KL alone, all three.
+LOSS_TERMS = [("logp",), ("logp", "entropy"), ("kl",), ("logp", "entropy", "kl")]
+
+
+def weighted(p: Problem, terms) -> Problem:
+    """``p`` with the upstream gradients of the outputs not in ``terms`` set to 0."""
+    names = ("logp", "entropy", "kl")
+    up = tuple(
+        u if n in terms else torch.zeros_like(u) for n, u in zip(names, p.upstream, strict=True)
+    )
+    return Problem(**{**p.__dict__, "upstream": up})
+
+
+def run_fused_loss(p: Problem, terms, scale: float = 1.0, **kw):
+    leaves = [p.hidden, p.weight] + ([p.bias] if p.bias is not None else [])
+    leaves = [t.detach().requires_grad_(True) for t in leaves]
+    a, c, d = p.upstream
+    out = lp.fused_loss(
+        leaves[0],
+        leaves[1],
+        p.tokens,
+        bias=leaves[2] if p.bias is not None else None,
+        temperature=p.temperature,
+        hidden_ref=p.hidden_ref if "kl" in terms else None,
+        weight_ref=p.weight_ref if "kl" in terms else None,
+        bias_ref=p.bias_ref if "kl" in terms else None,
+        logp_weight=a if "logp" in terms else None,
+        entropy_weight=c if "entropy" in terms else None,
+        kl_weight=d if "kl" in terms else None,
+        with_entropy=True,
+        **kw,
+    )
+    grads = torch.autograd.grad(out.loss * scale, leaves)
+    names = ["grad_hidden", "grad_weight", "grad_bias"]
+    return out, {k: g / scale for k, g in zip(names, grads, strict=False)}
+
+
+def test_default_loss_token_chunk():
+    assert lp.default_loss_token_chunk(151936) == 256  # 2^26 / 151936 = 441 -> 256
+    assert lp.default_loss_token_chunk(32000) == 2048  # 2097 -> 2048
+    assert lp.default_loss_token_chunk(1 << 26) == 64  # 1, raised to the minimum
+    assert lp.default_loss_token_chunk(50) == 1 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [s[:4] for s in SHAPES[:3]])
+@pytest.mark.parametrize(("temperature", "bias"), [(1.0, False), (0.7, True)])
+@pytest.mark.parametrize("terms", LOSS_TERMS)
+def test_fused_loss_matches_float64_naive(dtype, shape, temperature, bias, terms):
+    n, h, v, token_chunk = shape
+    p = weighted(make_problem(n, h, v, dtype=dtype, temperature=temperature, bias=bias), terms)
+    out, grads = run_fused_loss(p, terms, token_chunk=token_chunk)
+    ref = naive(p)  # the same loss: the upstream gradients of the unweighted terms are 0
+    tol = value_tol(p, ref)
+    for name in ("logp", "entropy") + (("kl",) if "kl" in terms else ()):
+        got = getattr(out, name)
+        assert got.dtype == torch.float32 and got.shape == (n,) and not got.requires_grad
+        assert_within(name, got, ref[name], tol)
+    assert out.kl is None or "kl" in terms
+    names = ("logp", "entropy", "kl")
+    want = sum((u * ref[k]).sum() for u, k in zip(p.upstream, names, strict=True) if k in terms)
+    loss_tol = sum((u.abs() * tol).sum() for u in p.upstream)
+    assert abs(out.loss.item() - float(want)) <= float(loss_tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in grads.items():
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_loss_gradcheck_float64():
+    gen = torch.Generator().manual_seed(5)
+    n, h, v = 7, 3, 13
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, generator=gen, requires_grad=True)
+    hidden_ref = torch.randn(n, 2, dtype=torch.float64, generator=gen)
+    weight_ref = torch.randn(v, 2, dtype=torch.float64, generator=gen)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+    a, b, c = (torch.randn(n, dtype=torch.float64, generator=gen) for _ in range(3))
+
+    def f(hidden, weight, bias):
+        return lp.fused_loss(
+            hidden, weight, tokens, bias=bias, temperature=0.9, hidden_ref=hidden_ref,
+            weight_ref=weight_ref, logp_weight=a, entropy_weight=b, kl_weight=c, token_chunk=3,
+        ).loss  # fmt: skip
+
+    def g(hidden, weight, bias):  # log-probs only: the path that takes the factor out of the tile
+        return lp.fused_loss(hidden, weight, tokens, bias=bias, logp_weight=a, token_chunk=2).loss
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias))
+    assert torch.autograd.gradcheck(g, (hidden, weight, bias))
+
+
+def test_fused_loss_equals_fused_and_scales_with_the_upstream_gradient():
+    # float64, so the algorithms agree to rounding: fused's outputs, naive's gradients, whatever
+    # the upstream gradient of the loss.
+    p = make_problem(23, 8, 157, dtype=torch.float64, temperature=1.3, bias=True)
+    terms = ("logp", "entropy", "kl")
+    out, grads = run_fused_loss(p, terms, scale=-3.5, token_chunk=4)
+    ref_out, _ = run_fused(p, vocab_chunk=40, token_chunk=6)
+    ref = naive(p)
+    for name in ("logp", "entropy", "kl"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref_out, name), rtol=1e-12, atol=0)
+    for name, got in grads.items():
+        torch.testing.assert_close(got, ref[name], rtol=1e-10, atol=1e-12)
+
+
+def test_fused_loss_3d_inputs_and_no_grad():
+    p = make_problem(12, 16, 97, dtype=torch.float32)
+    a = p.upstream[0].float()
+    flat = lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=a)
+    out = lp.fused_loss(
+        p.hidden.view(3, 4, 16), p.weight, p.tokens.view(3, 4), logp_weight=a.view(3, 4)
+    )
+    assert out.logp.shape == (3, 4) and out.entropy is None and out.kl is None
+    torch.testing.assert_close(out.logp.reshape(-1), flat.logp, rtol=0, atol=0)
+    hidden = p.hidden.clone().requires_grad_(True)
+    with torch.no_grad():
+        quiet = lp.fused_loss(hidden, p.weight, p.tokens, logp_weight=a)
+    assert not quiet.loss.requires_grad
+    torch.testing.assert_close(quiet.loss, flat.loss, rtol=0, atol=0)
+
+
+def test_fused_loss_overflow_falls_back_to_the_max():
+    # The overflow problem of test_overflow_falls_back_to_the_max: exp(x - x_y) = exp(150)
+    # overflows float32 in one token chunk of the policy and of the reference.
+    v = 300
+    weight = torch.zeros(v, 1)
+    weight[0], weight[250] = -100.0, 50.0
+    weight[1:250, 0] = torch.linspace(-3, 3, 249)
+    tokens = torch.tensor([0, 250, 7, 0])
+    hidden = torch.ones(4, 1)
+    p = Problem(hidden, weight, None, tokens, hidden, weight.flip(0).clone(), None, 1.0,
+                (torch.ones(4, dtype=torch.float64),) * 3)  # fmt: skip
+    terms = ("logp", "entropy", "kl")
+    out, grads = run_fused_loss(p, terms, token_chunk=2)
+    ref = naive(p)
+    assert out.logp[0].item() == pytest.approx(-150.0, rel=1e-6)
+    tol = value_tol(p, ref)
+    for name in terms:
+        assert torch.isfinite(getattr(out, name)).all()
+        assert_within(name, getattr(out, name), ref[name], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in grads.items():
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_loss_saves_only_the_gradients():
+    n, h, v = 256, 16, 4000
+    p = make_problem(n, h, v, dtype=torch.float32, bias=True)
+    hidden = p.hidden.clone().requires_grad_(True)
+    weight = p.weight.clone().requires_grad_(True)
+    bias = p.bias.clone().requires_grad_(True)
+    out, saved = saved_bytes(
+        lambda: lp.fused_loss(
+            hidden, weight, p.tokens, bias=bias, hidden_ref=p.hidden_ref,
+            weight_ref=p.weight_ref, bias_ref=p.bias_ref, kl_weight=p.upstream[2].float(),
+            token_chunk=64,
+        )
+    )  # fmt: skip
+    grads = sum(t.numel() * t.element_size() for t in (hidden, weight, bias))
+    assert sum(b for _, b in saved) == grads  # the three gradients, no tile
+    out.loss.backward()
+
+
+def test_fused_loss_errors_name_the_problem():
+    p = make_problem(4, 3, 10, dtype=torch.float32)
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match="at least one of logp_weight"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens)
+    with pytest.raises(ValueError, match="kl_weight was given without a reference"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens, kl_weight=w)
+    with pytest.raises(ValueError, match=r"logp_weight has shape \(3,\)"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=w[:3])
+    with pytest.raises(TypeError, match="entropy_weight must be a float tensor"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens, entropy_weight=w.long())
+    with pytest.raises(ValueError, match="token_chunk must be a positive int"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=w, token_chunk=0)
+    with pytest.raises(ValueError, match="tokens must lie in"):
+        lp.fused_loss(p.hidden, p.weight, p.tokens + 10, logp_weight=w)

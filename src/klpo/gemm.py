@@ -54,6 +54,7 @@ __all__ = [
     "default_plan",
     "grad_hidden",
     "grad_weight",
+    "grad_weight_new",
     "logits",
     "machine_key",
     "plan",
@@ -135,6 +136,13 @@ def grad_weight(out: Tensor, g_t: Tensor, h: Tensor, backend: Backend, accumulat
         out.addmm_(g_t, h)
     else:
         torch.mm(g_t, h, out=out)
+
+
+def grad_weight_new(g_t: Tensor, h: Tensor, backend: Backend) -> Tensor:
+    """``g_t @ h`` as a new tensor: ``[vc, n] x [n, H] -> [vc, H]`` (no output to copy into)."""
+    if backend == "onednn" and _onednn_can(g_t):
+        return torch.ops.mkldnn._linear_pointwise(g_t, h.t(), None, "none", [], "")
+    return g_t @ h
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,14 +102,19 @@ from torch import Tensor
 from klpo import gemm
 
 __all__ = [
+    "LOSS_TILE_ELEMENTS",
+    "LOSS_TOKEN_CHUNK_MIN",
     "TILE_ELEMENTS",
     "TOKEN_CHUNK",
     "VOCAB_CHUNK_MAX",
+    "FusedLoss",
     "FusedOutput",
+    "default_loss_token_chunk",
     "default_vocab_chunk",
     "entropy",
     "exact_kl",
     "fused",
+    "fused_loss",
     "token_logprobs",
 ]
 
@@ -914,6 +919,60 @@ class _Fused(torch.autograd.Function):
         )
 
 
+def _validate(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    bias: Tensor | None,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    bias_ref: Tensor | None,
+) -> None:
+    """The argument checks of :func:`fused` and :func:`fused_loss`."""
+    _check_float("hidden", hidden)
+    _check_float("weight", weight)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's last dimension), got "
+            f"shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    lead = hidden.shape[:-1]
+    _check_tokens(tokens, lead, vocab, "hidden", hidden.shape)
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
+    if (hidden_ref is None) != (weight_ref is None):
+        raise ValueError(
+            "the exact KL needs both hidden_ref and weight_ref (the reference model's hidden "
+            "states and head); pass both or neither"
+        )
+    if bias_ref is not None and weight_ref is None:
+        raise ValueError("bias_ref was given without hidden_ref and weight_ref")
+    if hidden_ref is not None:
+        _check_float("hidden_ref", hidden_ref)
+        _check_float("weight_ref", weight_ref)
+        if hidden_ref.shape[:-1] != lead or hidden_ref.dim() != hidden.dim():
+            raise ValueError(
+                f"hidden_ref has shape {tuple(hidden_ref.shape)} but hidden has shape "
+                f"{tuple(hidden.shape)}; they must agree in every dimension but the last"
+            )
+        if weight_ref.dim() != 2 or weight_ref.shape != (vocab, hidden_ref.shape[-1]):
+            raise ValueError(
+                f"weight_ref must be [V, H_ref] = [{vocab}, {hidden_ref.shape[-1]}], got shape "
+                f"{tuple(weight_ref.shape)}; policy and reference must share the vocabulary"
+            )
+        if bias_ref is not None:
+            _check_float("bias_ref", bias_ref)
+            if bias_ref.shape != (vocab,):
+                raise ValueError(
+                    f"bias_ref must be [V] = [{vocab}], got shape {tuple(bias_ref.shape)}"
+                )
+
+
 def fused(
     hidden: Tensor,
     weight: Tensor,
@@ -969,48 +1028,8 @@ def fused(
         ValueError / TypeError: naming the argument, for a wrong shape, dtype, token id, chunk size
         or temperature, or for half a reference.
     """
-    _check_float("hidden", hidden)
-    _check_float("weight", weight)
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's last dimension), got "
-            f"shape {tuple(weight.shape)}"
-        )
-    vocab = weight.shape[0]
+    _validate(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
     lead = hidden.shape[:-1]
-    _check_tokens(tokens, lead, vocab, "hidden", hidden.shape)
-    if bias is not None:
-        _check_float("bias", bias)
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
-    if (hidden_ref is None) != (weight_ref is None):
-        raise ValueError(
-            "the exact KL needs both hidden_ref and weight_ref (the reference model's hidden "
-            "states and head); pass both or neither"
-        )
-    if bias_ref is not None and weight_ref is None:
-        raise ValueError("bias_ref was given without hidden_ref and weight_ref")
-    if hidden_ref is not None:
-        _check_float("hidden_ref", hidden_ref)
-        _check_float("weight_ref", weight_ref)
-        if hidden_ref.shape[:-1] != lead or hidden_ref.dim() != hidden.dim():
-            raise ValueError(
-                f"hidden_ref has shape {tuple(hidden_ref.shape)} but hidden has shape "
-                f"{tuple(hidden.shape)}; they must agree in every dimension but the last"
-            )
-        if weight_ref.dim() != 2 or weight_ref.shape != (vocab, hidden_ref.shape[-1]):
-            raise ValueError(
-                f"weight_ref must be [V, H_ref] = [{vocab}, {hidden_ref.shape[-1]}], got shape "
-                f"{tuple(weight_ref.shape)}; policy and reference must share the vocabulary"
-            )
-        if bias_ref is not None:
-            _check_float("bias_ref", bias_ref)
-            if bias_ref.shape != (vocab,):
-                raise ValueError(
-                    f"bias_ref must be [V] = [{vocab}], got shape {tuple(bias_ref.shape)}"
-                )
     if vocab_chunk is None:
         vocab_chunk = default_vocab_chunk(min(math.prod(lead), token_chunk))
     for name, size in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
@@ -1039,6 +1058,351 @@ def fused(
         _plan(flat(hidden), weight, _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)),
     )
     return FusedOutput(
+        logp.view(lead),
+        None if ent is None else ent.view(lead),
+        None if kl is None else kl.view(lead),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A weighted sum of the outputs as one scalar loss, its gradient taken in the forward pass.
+
+# Tile of :func:`fused_loss`: every vocabulary entry by up to ``LOSS_TILE_ELEMENTS / V`` tokens
+# (rounded down to a power of two, at least LOSS_TOKEN_CHUNK_MIN). The weight gradient is
+# accumulated over token chunks, so each chunk reads and writes the whole ``[V, H]`` gradient: wide
+# chunks amortise that traffic, narrow ones save memory (docs/performance.md, ``bench/logprobs.py
+# --sweep-loss``).
+LOSS_TILE_ELEMENTS = 1 << 26
+LOSS_TOKEN_CHUNK_MIN = 64
+
+
+class FusedLoss(NamedTuple):
+    """What :func:`fused_loss` returns.
+
+    Attributes:
+        loss: the scalar ``sum_i (logp_weight_i logp_i + entropy_weight_i entropy_i + kl_weight_i
+            kl_i)``, differentiable with respect to ``hidden``, ``weight`` and ``bias``.
+        logp: ``log pi_theta(y)`` of each token (detached), the shape of ``tokens``.
+        entropy: the entropy at each position (detached; None unless asked for or weighted).
+        kl: KL(pi_theta ‖ pi_ref) at each position (detached; None without a reference).
+    """
+
+    loss: Tensor
+    logp: Tensor
+    entropy: Tensor | None
+    kl: Tensor | None
+
+
+def default_loss_token_chunk(vocab: int) -> int:
+    """Tokens per chunk of :func:`fused_loss`: ``LOSS_TILE_ELEMENTS / vocab`` rounded down to a
+    power of two, at least :data:`LOSS_TOKEN_CHUNK_MIN`."""
+    width = LOSS_TILE_ELEMENTS // max(vocab, 1)
+    return max(LOSS_TOKEN_CHUNK_MIN, 1 << max(width.bit_length() - 1, 0))
+
+
+def _shifted_tile(
+    head: _Head, w: Tensor, t: slice, m: Tensor, keep_x: bool
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """``x = x[t] - m[t]`` as a ``[V, k]`` tile, ``e = exp(x)`` and ``s = sum_v e`` per column.
+
+    ``m[t]`` is raised to the column's max (in place) where ``s`` overflows (a logit ~88 above
+    ``m``), so the result is exact either way. Without ``keep_x`` the exp is taken in place and
+    ``x`` is not returned (None).
+    """
+    x = head.tile(w, 0, t, m)
+    e = torch.exp(x) if keep_x else x.exp_()
+    s = e.sum(0)
+    if not bool(torch.isfinite(s).all()):
+        if not keep_x:
+            x = head.tile(w, 0, t, m)
+        shift = x.amax(0).clamp_min(0.0)  # 0 where the column was fine: the same result there
+        x.sub_(shift)
+        m[t] += shift
+        e = torch.exp(x) if keep_x else x.exp_()
+        s = e.sum(0)
+    return (x if keep_x else None), e, s
+
+
+def _add_grad_weight(grad_w: Tensor | None, g: Tensor, h: Tensor, plan: gemm.Plan) -> Tensor:
+    """``grad_w + g @ h``: the first product is the new gradient (no zeros to add it to, no copy),
+    later ones are added in place by ``addmm_``, which needs no temporary ``[V, H]``."""
+    if grad_w is None:
+        return gemm.grad_weight_new(g, h, plan.grad_weight)
+    gemm.grad_weight(grad_w, g, h, "mm", True)
+    return grad_w
+
+
+class _FusedLoss(torch.autograd.Function):
+    """``sum_i a_i logp_i + b_i entropy_i + c_i kl_i`` from hidden states and the head; the
+    gradient is computed in the forward pass, token chunk by token chunk, and scaled by the
+    loss's upstream gradient in the backward pass."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        hidden_ref: Tensor | None,
+        weight_ref: Tensor | None,
+        bias_ref: Tensor | None,
+        a: Tensor | None,
+        b: Tensor | None,
+        c: Tensor | None,
+        inv_t: float,
+        with_entropy: bool,
+        token_chunk: int,
+        plan: gemm.Plan,
+        want: tuple[bool, bool, bool],
+    ):
+        cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
+        need_h, need_w, need_b = want
+        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        ref = (
+            None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+        )
+        n, hs = pol.hidden.shape
+        vocab = weight.shape[0]
+        device = hidden.device
+        w = pol.chunk(0, vocab)
+        if ref is not None:  # its own buffer: pol.chunk may reuse one
+            w_ref = weight_ref if weight_ref.dtype == cd else weight_ref.to(cd)
+        x_y = pol.target_logits(tokens)
+        m = x_y.clone()
+        m_ref = None if ref is None else ref.target_logits(tokens)
+        logp = torch.empty(n, dtype=cd, device=device)
+        ent = torch.empty_like(logp) if with_entropy else None
+        kl = None if ref is None else torch.empty_like(logp)
+        a = None if a is None else a.to(cd)
+        b = None if b is None else b.to(cd)
+        c = None if c is None else c.to(cd)
+        grad_h = torch.zeros(n, hs, dtype=cd, device=device) if need_h else None
+        grad_w = None  # [V, H], the first chunk's product, then accumulated into
+        grad_b = torch.zeros(vocab, dtype=cd, device=device) if need_b else None
+        need_any = need_h or need_w or need_b
+        # The tile x itself is needed for the entropy, the KL and the gradient of either.
+        keep_x = with_entropy or ref is not None
+        for t0 in range(0, n, token_chunk):
+            t = slice(t0, min(t0 + token_chunk, n))
+            x, e, s = _shifted_tile(pol, w, t, m, keep_x)  # [V, k], relative to m[t]
+            log_s = torch.log(s)
+            logp[t] = (x_y[t] - m[t]) - log_s
+            s_x = None
+            if ent is not None or ref is not None:
+                s_x = torch.linalg.vecdot(e, x, dim=0)
+            if ent is not None:
+                ent[t] = log_s - s_x / s
+            x_ref = log_s_ref = None
+            if ref is not None:
+                x_ref, e_ref, s_ref = _shifted_tile(ref, w_ref, t, m_ref, True)
+                log_s_ref = torch.log(s_ref)
+                del e_ref
+                # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers.
+                kl[t] = (s_x - torch.linalg.vecdot(e, x_ref, dim=0)) / s + (log_s_ref - log_s)
+            if not need_any:
+                continue
+            alpha, beta, gamma, delta = _coefficients(
+                None if a is None else a[t],
+                None if b is None else b[t],
+                None if c is None else c[t],
+                None if ent is None else ent[t],
+                None if kl is None else kl[t],
+                inv_t,
+                cd,
+            )
+            # G / T = pi (alpha + beta log pi + gamma log pi_ref) + delta 1[v = y], with
+            # pi = e / s, log pi = x - log s, log pi_ref = x_ref - log s_ref.
+            alpha = alpha.expand(log_s.shape) / s
+            if beta is None and gamma is None:
+                # Only logp: G / T = (alpha / s) e + delta 1[v = y]; alpha / s is taken out of the
+                # tile (scaling the [k, H] operands), so the tile costs only its exp.
+                g = e
+                if need_h:
+                    gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
+                    grad_h[t] *= alpha[:, None]
+                if need_w:
+                    grad_w = _add_grad_weight(grad_w, g, pol.hidden[t] * alpha[:, None], plan)
+                if need_b:
+                    grad_b += g @ alpha
+            else:
+                const = alpha.clone()
+                if beta is not None:
+                    const -= beta * log_s / s
+                if gamma is not None:
+                    const -= gamma * log_s_ref / s
+                if beta is not None:
+                    inner = torch.addcmul(const[None, :], x, (beta / s)[None, :], out=x)
+                else:
+                    inner = x.copy_(const[None, :].expand_as(x))
+                if gamma is not None:
+                    inner.addcmul_(x_ref, (gamma / s)[None, :])
+                g = e.mul_(inner)
+                if need_h:
+                    gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
+                if need_w:
+                    grad_w = _add_grad_weight(grad_w, g, pol.hidden[t], plan)
+                if need_b:
+                    grad_b += g.sum(1)
+            del x, e, x_ref
+            if delta is not None:
+                # The targets' part, delta 1[v = y], without a pass over the tile.
+                d = delta
+                if need_h:
+                    grad_h[t] += w[tokens[t]] * d[:, None]
+                if need_w:
+                    grad_w.index_put_((tokens[t],), pol.hidden[t] * d[:, None], accumulate=True)
+                if need_b:
+                    grad_b.index_put_((tokens[t],), d, accumulate=True)
+
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros(vocab, hs, dtype=cd, device=device)
+        logp = logp.clamp_max(0.0)
+        ent = None if ent is None else ent.clamp_min(0.0)
+        kl = None if kl is None else kl.clamp_min(0.0)
+        loss = torch.zeros((), dtype=cd, device=device)
+        for coef, value in ((a, logp), (b, ent), (c, kl)):
+            if coef is not None:
+                # 0 * inf = nan: a position weighted 0 adds exactly 0.
+                loss = loss + torch.where(coef == 0, 0.0, coef * value).sum()
+        ctx.save_for_backward(
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+        )
+        ctx.mark_non_differentiable(logp, *(o for o in (ent, kl) if o is not None))
+        return loss, logp, ent, kl
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grads = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 15
+        scaled = [
+            None if g is None else (g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype))
+            for g in grads
+        ]
+        return (*scaled, *(None,) * 12)
+
+
+def fused_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    logp_weight: Tensor | None = None,
+    entropy_weight: Tensor | None = None,
+    kl_weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    bias_ref: Tensor | None = None,
+    with_entropy: bool = False,
+    token_chunk: int | None = None,
+) -> FusedLoss:
+    r"""A per-token weighted sum of log-probs, entropy and exact KL as one scalar loss, with its
+    gradient computed in the forward pass (no recompute of the logits).
+
+    ``loss = sum_i (logp_weight_i logp_i + entropy_weight_i entropy_i + kl_weight_i kl_i)`` with
+    ``logp``, ``entropy`` and ``kl`` as in :func:`fused` (from ``x = (hidden @ weight.T + bias) /
+    temperature``, and the reference's ``x_ref`` for the KL). Use it when the loss's per-token
+    weights are known before the forward pass: cross-entropy and distillation (``logp_weight =
+    -1 / N``), REINFORCE/GRPO on-policy with fixed advantages (``logp_weight = -A_i w_i``), an
+    exact-KL penalty (``kl_weight = beta w_i``). Where the weights depend on ``logp`` itself (a
+    clipped PPO ratio off-policy) or the outputs feed anything else, use :func:`fused`, whose
+    backward takes any upstream gradient.
+
+    Algorithm (the weights known, as in Liger-Kernel's fused linear losses): token chunks outside,
+    each chunk's logits over the whole vocabulary as one ``[V, k]`` tile (``k`` tokens; the
+    target's logit subtracted in the GEMM's epilogue, as in :func:`fused`); from the tile the
+    outputs and ``G / T`` (the gradient formula of the module notes with the weights as upstream
+    gradients) and at once the chunk's gradients, ``grad_hidden = (G / T).T @ weight``,
+    ``grad_weight += (G / T) @ hidden``. Three GEMMs per tile for log-probs, four for the KL,
+    against :func:`fused`'s four and six; the price is memory: one ``V x k`` float32 tile for
+    log-probs, two with the entropy, three with the KL (``k`` from
+    :func:`default_loss_token_chunk`, at most 2^26 floats, 256 MiB, per tile), a float32 copy of a
+    bf16/fp16 head, and the weight gradient read and written once per chunk. With only
+    ``logp_weight`` the per-token factor is taken out of the tile, which then costs one ``exp``
+    and a column sum. The gradients are held (float32, cast to the inputs' dtypes) from the
+    forward to the backward pass, which multiplies them by the loss's upstream gradient. Measured
+    against naive PyTorch and the peers in docs/performance.md.
+
+    Args:
+        hidden, weight, tokens, bias, temperature, hidden_ref, weight_ref, bias_ref: as in
+            :func:`fused`.
+        logp_weight: ``[N]`` or ``tokens``' shape, the weight of each token's ``logp`` (detached).
+        entropy_weight: likewise for the entropy (turns on the entropy).
+        kl_weight: likewise for the exact KL (needs the reference).
+        with_entropy: return the entropy even without a weight on it.
+        token_chunk: tokens per tile (default :func:`default_loss_token_chunk` of ``V``).
+
+    Returns:
+        :class:`FusedLoss` ``(loss, logp, entropy, kl)``: ``loss`` a float32 scalar (float64 for
+        float64 inputs), the others detached, with the shape of ``tokens``.
+
+    Raises:
+        ValueError / TypeError: naming the argument, as :func:`fused`; no weight given; a weight
+        whose shape is not ``tokens``'; ``kl_weight`` without a reference.
+    """
+    if logp_weight is None and entropy_weight is None and kl_weight is None:
+        raise ValueError(
+            "fused_loss needs at least one of logp_weight, entropy_weight, kl_weight (the "
+            "per-token weights of the loss); for the outputs alone use klpo.logprobs.fused"
+        )
+    if kl_weight is not None and hidden_ref is None:
+        raise ValueError(
+            "kl_weight was given without a reference: pass hidden_ref and weight_ref (the "
+            "reference model's hidden states and head)"
+        )
+    # The same argument checks as fused, on the same arguments.
+    _validate(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
+    lead = hidden.shape[:-1]
+    weights = []
+    for name, wt in (
+        ("logp_weight", logp_weight),
+        ("entropy_weight", entropy_weight),
+        ("kl_weight", kl_weight),
+    ):
+        if wt is not None:
+            _check_float(name, wt)
+            if wt.shape != lead:
+                raise ValueError(
+                    f"{name} has shape {tuple(wt.shape)} but tokens has shape {tuple(lead)}; "
+                    f"give one weight per token (0 at positions to leave out)"
+                )
+            wt = wt.detach().reshape(-1).to(hidden.device)
+        weights.append(wt)
+    vocab = weight.shape[0]
+    if token_chunk is None:
+        token_chunk = default_loss_token_chunk(vocab)
+    if not isinstance(token_chunk, int) or isinstance(token_chunk, bool) or token_chunk < 1:
+        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+    inv_t = _inv_temperature(temperature)
+    grad_on = torch.is_grad_enabled()
+    want = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    loss, logp, ent, kl = _FusedLoss.apply(
+        flat_h,
+        weight,
+        bias,
+        tokens.reshape(-1).to(device=hidden.device, dtype=torch.long),
+        None if hidden_ref is None else hidden_ref.detach().reshape(-1, hidden_ref.shape[-1]),
+        None if weight_ref is None else weight_ref.detach(),
+        None if bias_ref is None else bias_ref.detach(),
+        *weights,
+        inv_t,
+        bool(with_entropy or entropy_weight is not None),
+        token_chunk,
+        _plan(flat_h, weight, _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)),
+        want,
+    )
+    return FusedLoss(
+        loss,
         logp.view(lead),
         None if ent is None else ent.view(lead),
         None if kl is None else kl.view(lead),
