@@ -119,9 +119,10 @@ def grad_terms(
 # (a) fused: from hidden states and the head, several vocabulary chunks.
 
 
+@pytest.mark.parametrize("method", ["fused", "fused_loss"])
 @pytest.mark.parametrize("grads", ["logp", "all"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_fused_values_and_gradients_match_float64(dtype_name, grads):
+def test_fused_values_and_gradients_match_float64(dtype_name, grads, method):
     dtype = DTYPES[dtype_name]
     n, h, v, temperature, chunk = 64, 32, 1000, 0.7, 256  # 4 vocabulary chunks, the last partial
     g = torch.Generator().manual_seed(0)
@@ -134,22 +135,27 @@ def test_fused_values_and_gradients_match_float64(dtype_name, grads):
     a, b, c = (torch.randn(n, generator=g, dtype=torch.float64).float().double() for _ in range(3))
 
     hd, wd, bd = (on_device(t.requires_grad_(True), dtype) for t in (hidden, weight, bias))
-    out = lp.fused(
-        hd,
-        wd,
-        tokens.to(DEVICE),
+    up = [x.to(DEVICE, torch.float32) for x in (a, b, c)]
+    common = dict(
         bias=bd,
         temperature=temperature,
         hidden_ref=on_device(hidden_ref, dtype),
         weight_ref=on_device(weight_ref, dtype),
-        vocab_chunk=chunk,
     )
-    assert out.logp.device.type == torch.device(DEVICE).type and out.logp.dtype == torch.float32
-    up = [x.to(DEVICE, torch.float32) for x in (a, b, c)]
-    if grads == "logp":  # the policy-gradient loss: the kernel's logp-only backward
-        loss = (up[0] * out.logp).sum()
+    if method == "fused_loss":  # the gradient taken in the forward pass, 4 token chunks of 16
+        out = lp.fused_loss(
+            hd, wd, tokens.to(DEVICE), **common, logp_weight=up[0], with_entropy=True,
+            entropy_weight=None if grads == "logp" else up[1],
+            kl_weight=None if grads == "logp" else up[2], token_chunk=16,
+        )  # fmt: skip
+        loss = out.loss
     else:
-        loss = (up[0] * out.logp + up[1] * out.entropy + up[2] * out.kl).sum()
+        out = lp.fused(hd, wd, tokens.to(DEVICE), **common, vocab_chunk=chunk)
+        if grads == "logp":  # the policy-gradient loss: the kernel's logp-only backward
+            loss = (up[0] * out.logp).sum()
+        else:
+            loss = (up[0] * out.logp + up[1] * out.entropy + up[2] * out.kl).sum()
+    assert out.logp.device.type == torch.device(DEVICE).type and out.logp.dtype == torch.float32
     loss.backward()
 
     h64, w64, b64 = (rounded64(t, dtype) for t in (hidden, weight, bias))
@@ -173,7 +179,7 @@ def test_fused_values_and_gradients_match_float64(dtype_name, grads):
         "grad weight": (wd.grad, w64.grad, terms.T @ h64.detach().abs()),
         "grad bias": (bd.grad, b64.grad, terms.sum(0)),
     }
-    if dtype == torch.bfloat16 and torch.device(DEVICE).type == "cpu":
+    if dtype == torch.bfloat16 and torch.device(DEVICE).type == "cpu" and method == "fused":
         # On the CPU only (klpo.logprobs' notes): with a bf16 head and one token chunk the weight
         # gradient's GEMM takes G rounded to bf16, one more 2^-8 |G|^T |hidden|.
         g_abs = x.grad.abs() / temperature
