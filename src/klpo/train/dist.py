@@ -32,8 +32,10 @@ class Dist:
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks (``x`` itself in a world of one)."""
         if self.enabled:
-            x = x.clone()
-            tdist.all_reduce(x, op=tdist.ReduceOp.SUM)
+            # On this rank's device (NCCL reduces only CUDA tensors), back on x's own after.
+            y = x.to(self.device, copy=True)
+            tdist.all_reduce(y, op=tdist.ReduceOp.SUM)
+            x = y.to(x.device)
         return x
 
     def gather_objects(self, obj: object) -> list[object]:

@@ -383,7 +383,10 @@ class SamplingPass:
     def empty(cls, like: Tensor) -> SamplingPass:
         zeros = torch.zeros_like(like)
         return cls(
-            zeros, zeros.clone(), zeros.clone(), torch.zeros(like.shape[0], dtype=torch.bool)
+            zeros,
+            zeros.clone(),
+            zeros.clone(),
+            torch.zeros(like.shape[0], dtype=torch.bool, device=like.device),
         )
 
     def record(self, rows: Tensor, out: logprobs.FusedOutput) -> None:
@@ -481,11 +484,13 @@ def score(
 ) -> Scored:
     """Rewards, log-probs, values and advantages of this rank's share of the step's rollouts;
     ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening."""
+    # The sampler returns the rollout on the CPU; from here on it lives with the models.
+    rollout = rollout.to(next(m.reference.parameters()).device)
     mask = rollout.mask
     totals, per_fn = rewards_mod.combined_rewards(
         reward_fns, rollout.prompts, rollout.completions, rollout.answers
     )
-    scores = torch.tensor(totals, dtype=torch.float32)
+    scores = torch.tensor(totals, dtype=torch.float32, device=mask.device)
     tokens = rollout.completion_ids
     weight_ref, bias_ref = m.reference.head()
     hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)

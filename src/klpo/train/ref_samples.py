@@ -120,7 +120,10 @@ def sample_reference(
     mask = policy.mask
     mean_len = float(mask.sum()) / mask.shape[0]
     ones = reduce.reduce(
-        torch.ones(mask.shape), mask, cfg.algo.loss_reduction, max_len=cfg.rollout.max_new_tokens
+        torch.ones(mask.shape, device=mask.device),
+        mask,
+        cfg.algo.loss_reduction,
+        max_len=cfg.rollout.max_new_tokens,
     )
     return RefBatch(r, logp_ref, mean_len, float(ones) / mean_len, time.perf_counter() - t0)
 

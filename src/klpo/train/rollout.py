@@ -11,6 +11,7 @@ Shapes: B sequences (prompts × group size), P prompt columns, C completion colu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,25 @@ class Rollout:
     @property
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.mask], dim=1)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """The rollout with its tensors on ``device`` (itself if they are there already)."""
+        device = torch.device(device)
+        if self.mask.device == device:
+            return self
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return dataclasses.replace(
+            self,
+            prompt_ids=move(self.prompt_ids),
+            prompt_mask=move(self.prompt_mask),
+            completion_ids=move(self.completion_ids),
+            mask=move(self.mask),
+            truncated=move(self.truncated),
+            engine_logp=move(self.engine_logp),
+        )
 
     def select(self, rows: Tensor | list[int]) -> Rollout:
         """The rollout restricted to some rows (a micro-batch, or one rank's share)."""
