@@ -46,8 +46,8 @@ How each TRL setting matches klpo's (TRL 1.16.0; docs/frameworks.md has the full
 
 Known differences that remain: TRL divides the group std by ``std + 1e-4``, klpo by
 ``std + 1e-6`` (a relative change below 3e-4 of the advantages with 0/1 rewards in groups of 8);
-TRL's optimizer is its default ``adamw_torch_fused``, klpo's ``torch.optim.AdamW`` (the same
-update). With one update per batch both take pi_old to be the update's own detached log-probs
+both optimizers are torch's fused AdamW (TRL's default ``adamw_torch_fused``; klpo's
+``torch.optim.AdamW(fused=True)`` on plain tensors). With one update per batch both take pi_old to be the update's own detached log-probs
 (TRL skips the old log-probs when ``num_iterations=1``; klpo when
 ``klpo.train.loop.update_gives_logp_old``), so the ratio is exactly 1 and klpo's k3 weight
 pi_theta / pi_old too; klpo also logs the entropy and the exact KL from that pass.

@@ -1025,11 +1025,30 @@ class TrainRun:
         self.dist.barrier()
 
 
+def _fusable(params: list[torch.nn.Parameter]) -> bool | None:
+    """True where torch's fused AdamW applies (plain float tensors on one CPU or CUDA device), else
+    None (torch's default). Fused, the step is one kernel over every parameter: on the CPU,
+    torch's default is a loop of per-tensor operations, ~4.5 ms against ~0.3 ms for the 1M
+    parameters of the shipped model (the same update, in another order of roundings)."""
+    from torch.distributed.tensor import DTensor
+
+    devices = {p.device for p in params}
+    ok = (
+        len(devices) == 1
+        and next(iter(devices)).type in ("cpu", "cuda")
+        and all(p.is_floating_point() and not isinstance(p, DTensor) for p in params)
+    )
+    return True if ok else None
+
+
 def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
     o = cfg.optim
 
     def adamw(params, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+        params = list(params)
+        return torch.optim.AdamW(
+            params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=_fusable(params)
+        )
 
     policy = adamw([p for p in m.policy.parameters() if p.requires_grad], o.lr)
     critic = adamw(m.critic_core.parameters(), o.critic_lr or o.lr) if m.critic_core else None
