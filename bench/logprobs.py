@@ -1,6 +1,8 @@
 """Time and peak memory of token log-probs and exact KL from hidden states + head, forward + backward.
 
-One table per run: naive PyTorch (the full logits), klpo (:func:`klpo.logprobs.fused`), and the
+One table per run: naive PyTorch (the full logits), klpo (:func:`klpo.logprobs.fused`, per-token
+outputs with a backward for any upstream gradient), ``klpo loss`` (:func:`klpo.logprobs.fused_loss`:
+the same weighted sum as one loss, its gradient taken in the forward pass), and the
 peers where they import ("absent" otherwise) — Liger-Kernel's chunked selective log-prob
 (``LigerFusedLinearPPOBase.chunk_forward``, the log-prob of ``liger_kernel.chunked_loss``'s GRPO
 loss) and exact KL (``LigerFusedLinearJSDLoss`` with ``beta=1``), and TRL's
@@ -26,7 +28,8 @@ and to the fastest / leanest peer.
 ``--no-deps``). To see a CPU without AVX-512 on one that has it:
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``. ``--sweep`` times klpo alone over a grid of
 tile sizes (and with the entropy on), the measurement behind ``klpo.logprobs.TOKEN_CHUNK`` and
-``default_vocab_chunk``.
+``default_vocab_chunk``; ``--sweep-loss`` times ``klpo loss`` (``fused_loss``) over its token
+chunks, with peak memory, the measurement behind ``LOSS_TILE_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -478,6 +481,30 @@ def sweep(timeout: float, dtypes: list[str], reps: int) -> None:
                 print(f"| N={n} H={h} V={v} | {dtype} | {tc} | {vc} | {cell} |", flush=True)
 
 
+SWEEP_LOSS = [("logp", 512, (64, 128, 256)), ("kl", 256, (64, 128, 256))]
+
+
+def sweep_loss(timeout: float, reps: int) -> None:
+    """``klpo loss`` (:func:`klpo.logprobs.fused_loss`) over token chunks at V = 151936: time and
+    peak memory, the measurement behind ``klpo.logprobs.LOSS_TILE_ELEMENTS``."""
+    print("| case | token_chunk | time s, median [min, max] | peak MiB |")
+    print("| --- | ---: | ---: | ---: |")
+    for kind, n, chunks in SWEEP_LOSS:
+        for tc in chunks:
+            case = Case(kind, "klpo loss", n, 896, 151936, "float32", tc)
+            peak = run_child({"what": "peak", "case": asdict(case)}, timeout)
+            r = run_child(
+                {"what": "times", "case": asdict(case), "methods": ["klpo loss"], "reps": reps},
+                timeout,
+            )
+            r = r.get("klpo loss", r)
+            cell = (
+                f"{r['time']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" if "time" in r else r["error"]
+            )
+            mib = f"{peak['peak_mib']:.0f}" if "peak_mib" in peak else peak.get("error", "?")
+            print(f"| {kind} N={n} H=896 V=151936 | {tc} | {cell} | {mib} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, under 2 minutes")
@@ -492,6 +519,9 @@ def main() -> None:
         "--methods", default="", help="comma-separated methods to run (default all)"
     )
     parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
+    parser.add_argument(
+        "--sweep-loss", action="store_true", help="the token chunks of klpo's fused loss"
+    )
     args = parser.parse_args()
     if args.case:
         print(json.dumps(child(json.loads(args.case))))
@@ -505,6 +535,9 @@ def main() -> None:
     print(machine(), flush=True)
     if args.sweep:
         sweep(args.timeout, dtypes, args.reps)
+        return
+    if args.sweep_loss:
+        sweep_loss(args.timeout, args.reps)
         return
 
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES

@@ -945,10 +945,10 @@ def run_fused_loss(p: Problem, terms, scale: float = 1.0, **kw):
 
 
 def test_default_loss_token_chunk():
-    assert lp.default_loss_token_chunk(151936) == 256  # 2^26 / 151936 = 441 -> 256
-    assert lp.default_loss_token_chunk(32000) == 2048  # 2097 -> 2048
-    assert lp.default_loss_token_chunk(1 << 26) == 64  # 1, raised to the minimum
-    assert lp.default_loss_token_chunk(50) == 1 << 20
+    assert lp.default_loss_token_chunk(151936) == 128  # 2^25 / 151936 = 220 -> 128
+    assert lp.default_loss_token_chunk(32000) == 1024  # 1048 -> 1024
+    assert lp.default_loss_token_chunk(1 << 25) == 64  # 1, raised to the minimum
+    assert lp.default_loss_token_chunk(50) == 1 << 19
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1070,9 +1070,11 @@ def fused(
 # Tile of :func:`fused_loss`: every vocabulary entry by up to ``LOSS_TILE_ELEMENTS / V`` tokens
 # (rounded down to a power of two, at least LOSS_TOKEN_CHUNK_MIN). The weight gradient is
 # accumulated over token chunks, so each chunk reads and writes the whole ``[V, H]`` gradient: wide
-# chunks amortise that traffic, narrow ones save memory (docs/performance.md, ``bench/logprobs.py
-# --sweep-loss``).
-LOSS_TILE_ELEMENTS = 1 << 26
+# chunks amortise that traffic, narrow ones save memory. On a 2-core AVX-512 CPU at V = 151936
+# (``bench/logprobs.py --sweep-loss``) log-probs of 512 tokens took 2.92 / 2.55 / 2.38 s in chunks
+# of 64 / 128 / 256 tokens at a peak of 578 / 617 / 691 MiB (Liger-Kernel's: 696): 2^25 logits
+# (128 MiB, 128 tokens there) keeps the peak clear of the leanest peer's (docs/performance.md).
+LOSS_TILE_ELEMENTS = 1 << 25
 LOSS_TOKEN_CHUNK_MIN = 64
 
 
@@ -1201,6 +1203,7 @@ class _FusedLoss(torch.autograd.Function):
                 # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers.
                 kl[t] = (s_x - torch.linalg.vecdot(e, x_ref, dim=0)) / s + (log_s_ref - log_s)
             if not need_any:
+                del x, e, x_ref
                 continue
             alpha, beta, gamma, delta = _coefficients(
                 None if a is None else a[t],
@@ -1244,7 +1247,7 @@ class _FusedLoss(torch.autograd.Function):
                     grad_w = _add_grad_weight(grad_w, g, pol.hidden[t], plan)
                 if need_b:
                     grad_b += g.sum(1)
-            del x, e, x_ref
+            del x, e, x_ref, g  # before the next tile is allocated: one tile alive at a time
             if delta is not None:
                 # The targets' part, delta 1[v = y], without a pass over the tile.
                 d = delta
@@ -1321,7 +1324,7 @@ def fused_loss(
     ``grad_weight += (G / T) @ hidden``. Three GEMMs per tile for log-probs, four for the KL,
     against :func:`fused`'s four and six; the price is memory: one ``V x k`` float32 tile for
     log-probs, two with the entropy, three with the KL (``k`` from
-    :func:`default_loss_token_chunk`, at most 2^26 floats, 256 MiB, per tile), a float32 copy of a
+    :func:`default_loss_token_chunk`, at most 2^25 floats, 128 MiB, per tile), a float32 copy of a
     bf16/fp16 head, and the weight gradient read and written once per chunk. With only
     ``logp_weight`` the per-token factor is taken out of the tile, which then costs one ``exp``
     and a column sum. The gradients are held (float32, cast to the inputs' dtypes) from the
