@@ -1071,9 +1071,10 @@ def fused(
 # (rounded down to a power of two, at least LOSS_TOKEN_CHUNK_MIN). The weight gradient is
 # accumulated over token chunks, so each chunk reads and writes the whole ``[V, H]`` gradient: wide
 # chunks amortise that traffic, narrow ones save memory. On a 2-core AVX-512 CPU at V = 151936
-# (``bench/logprobs.py --sweep-loss``) log-probs of 512 tokens took 2.92 / 2.55 / 2.38 s in chunks
-# of 64 / 128 / 256 tokens at a peak of 578 / 617 / 691 MiB (Liger-Kernel's: 696): 2^25 logits
-# (128 MiB, 128 tokens there) keeps the peak clear of the leanest peer's (docs/performance.md).
+# (``bench/logprobs.py --sweep-loss``) log-probs of 512 tokens took 2.85 / 2.53 / 2.52 s in chunks
+# of 64 / 128 / 256 tokens at a peak of 578 / 617 / 690 MiB (Liger-Kernel's: 704), the KL of 256
+# tokens 2.30 / 2.10 / 1.96 s at 723 / 908 / 983 MiB (TRL's: 1100): 2^25 logits (128 MiB, 128
+# tokens there) keeps the peak clear of the leanest peer's (docs/performance.md).
 LOSS_TILE_ELEMENTS = 1 << 25
 LOSS_TOKEN_CHUNK_MIN = 64
 
