@@ -1,0 +1,153 @@
+"""klpo's training step on workload (a), part by part, against the model alone, in one process.
+
+``bench/trainer_vs_trl.py`` times whole runs in their own processes, so its klpo / floor ratio
+carries the run-to-run spread of a shared machine. This script builds klpo's models and one
+step's batch exactly as that benchmark's workload (a) does, then times, interleaved on the same
+batch: the floor's three parts (the bare cached argmax decode, the reference's no-grad forward
+with the log-softmax at the completion tokens, the policy's forward + backward of the same) and
+klpo's (``generate`` with the lean sampler, ``klpo.train.loop.score``, the update's
+``_micro_step`` alone and the whole ``update`` with the optimizer step and the gradient clip).
+Median of ``--reps`` rounds (20) after two warm-ups, milliseconds::
+
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trainer_vs_trl as bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20, help="timed rounds (default 20)")
+    args = parser.parse_args()
+
+    from klpo import reduce
+    from klpo.train import loop
+    from klpo.train.config import load_config
+    from klpo.train.dist import Dist
+    from klpo.train.models import Backbone
+    from klpo.train.reward_model import build_rewards
+    from klpo.train.rollout import completion_hidden, generate, preallocate
+
+    s = bench.Settings()
+    torch.set_num_threads(s.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, bench.klpo_overrides(s, tmp))
+        torch.manual_seed(s.seed)
+        m = loop.build_models(cfg, Dist(), None)
+    order = bench.prompt_order(bench.Settings(**{**s.__dict__, "steps": 1}))
+    prompts, answers = [p for p, _ in order], [a for _, a in order]
+    model, g = m.policy, s.group_size
+    model.eval()
+    ro = generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=4)
+    model.train()
+    c = ro.completion_ids.shape[1]
+    unique = ro.prompt_ids[::g], ro.prompt_mask[::g].long()
+    backbone, weight = Backbone(model), model.get_output_embeddings().weight
+    reward_fns = build_rewards(cfg.rewards)
+    opt = loop.make_optimizers(cfg, m)
+    gen = torch.Generator().manual_seed(s.seed)
+    scored = loop.score(cfg, m, ro, reward_fns, s.beta)
+    rows = torch.arange(len(ro.prompts))
+    n_tokens = reduce.normaliser(ro.mask, cfg.algo.loss_reduction, max_len=s.max_new_tokens)
+
+    def floor_generate():
+        with torch.no_grad():
+            out = model(
+                input_ids=unique[0], attention_mask=unique[1], use_cache=True, logits_to_keep=1
+            )
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(g)
+            preallocate(cache, c)
+            token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
+            att = unique[1].repeat_interleave(g, dim=0)
+            for _ in range(c - 1):
+                att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+                out = model(
+                    input_ids=token[:, None],
+                    attention_mask=att,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                token = out.logits[:, -1].argmax(-1)
+
+    def logp(net, head):
+        h = completion_hidden(net, ro)
+        return (h @ head.T).float().log_softmax(-1).gather(-1, ro.completion_ids[..., None])
+
+    def floor_reference():
+        with torch.no_grad():
+            logp(m.reference, m.reference.head()[0])
+
+    def floor_policy():
+        model.zero_grad(set_to_none=True)
+        (logp(backbone, weight).squeeze(-1) * ro.mask).sum().backward()
+
+    def klpo_generate():
+        model.eval()
+        with torch.no_grad():
+            generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=4)
+        model.train()
+
+    def klpo_score():
+        loop.score(cfg, m, ro, reward_fns, s.beta)
+
+    def fresh():  # the update records pi_old from its own forward: start from an empty record
+        sc = copy.copy(scored)
+        sc.old = loop.SamplingPass.empty(scored.logp_ref)
+        return sc
+
+    def klpo_micro_step():
+        model.zero_grad(set_to_none=True)
+        loop._micro_step(
+            cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=loop.Tally()
+        )
+
+    def klpo_update():
+        loop.update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
+
+    cases = {
+        "floor: generate": floor_generate,
+        "klpo: generate": klpo_generate,
+        "floor: reference": floor_reference,
+        "klpo: score": klpo_score,
+        "floor: policy": floor_policy,
+        "klpo: _micro_step": klpo_micro_step,
+        "klpo: update": klpo_update,
+    }
+    for fn in cases.values():
+        fn()
+        fn()
+    ms = {k: [] for k in cases}
+    for _ in range(args.reps):
+        for k, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            ms[k].append(1e3 * (time.perf_counter() - t0))
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    print(bench.cpu_info())
+    print("| part | ms, median (min–max) |\n| --- | ---: |")
+    for k, v in ms.items():
+        print(f"| {k} | {med[k]:.1f} ({min(v):.1f}–{max(v):.1f}) |")
+    floor = med["floor: generate"] + med["floor: reference"] + med["floor: policy"]
+    step = med["klpo: generate"] + med["klpo: score"] + med["klpo: update"]
+    print(
+        f"\nklpo generate + score + update {step:.1f} ms, floor {floor:.1f} ms: {step / floor:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
