@@ -1087,3 +1087,25 @@ def test_fused_loss_errors_name_the_problem():
         lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=w, token_chunk=0)
     with pytest.raises(ValueError, match="tokens must lie in"):
         lp.fused_loss(p.hidden, p.weight, p.tokens + 10, logp_weight=w)
+
+
+def test_fused_loss_agrees_with_liger_kernel_jsd():
+    # A peer with the gradient in the forward pass: LigerFusedLinearJSDLoss at beta = 1 is the
+    # mean KL(student ‖ teacher), fused_loss with kl_weight = 1 / N. Float64 inputs: the gradients
+    # agree to rounding; the value to float32's (Liger computes parts of its loss in float32).
+    chunked = pytest.importorskip("liger_kernel.chunked_loss")
+    p = make_problem(40, 16, 300, dtype=torch.float64)
+    hidden, weight = (t.clone().requires_grad_(True) for t in (p.hidden, p.weight))
+    loss_fn = chunked.LigerFusedLinearJSDLoss(
+        weight_hard_loss=0.0, weight_soft_loss=1.0, beta=1.0, compiled=False
+    )
+    want = loss_fn(hidden, weight, p.hidden_ref, p.weight_ref, p.tokens)
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    out = lp.fused_loss(
+        hidden, weight, p.tokens, hidden_ref=p.hidden_ref, weight_ref=p.weight_ref,
+        kl_weight=torch.full((40,), 1 / 40, dtype=torch.float64),
+    )  # fmt: skip
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    for got, ref in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-13)
