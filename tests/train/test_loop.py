@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -436,3 +437,81 @@ def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
     x = torch.randn(4, 5, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.3
     assert torch.equal(loop.whiten_over_ranks(x, mask, Dist()), advantages.whiten(x, mask))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # the default: clip, the exact KL in the loss
+        {"algo.policy_loss": "gspo"},
+        {"algo.policy_loss": "cispo"},
+        {"algo.policy_loss": "kl-penalty"},
+        {"algo.entropy_coef": 0.05, "algo.loss_reduction": "seq-mean-token-mean"},
+        {"kl.beta": 0.0},
+        {"kl.estimator": "k3"},  # a sampled KL in the loss: the per-token path
+    ],
+    ids=["default", "gspo", "cispo", "kl-penalty", "entropy-seq-mean", "no-kl", "k3"],
+)
+def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
+    tiny_model, quick, tmp_path, monkeypatch, extra
+):
+    """On-policy micro-steps whose loss weights are known up front take their gradient in the
+    forward pass (klpo.logprobs.fused_loss): the same parameter gradients, metrics and recorded
+    pi_old as the per-token path (FUSED_LOSS off), to float32 rounding, over several
+    micro-batches; a sampled KL in the loss keeps the per-token path."""
+    base = {"kl.beta": 0.5, "algo.micro_batch": 5}
+    cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{**base, **extra}))
+    assert loop.update_gives_logp_old(cfg)
+    dist = Dist()
+    train, _ = loop.load_examples(cfg)
+    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    m = loop.build_models(cfg, dist, None)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a policy away from the reference: KL and entropy not trivial
+        for p in m.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rollout = generate(
+        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
+        group_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    beta = cfg.kl.beta
+    s = loop.score(cfg, m, rollout, reward_fns, beta)
+    assert s.adv.abs().max() > 0
+    calls = []
+    fused_loss = logprobs.fused_loss
+    monkeypatch.setattr(
+        logprobs, "fused_loss", lambda *a, **k: calls.append(1) or fused_loss(*a, **k)
+    )
+    n = reduce.normaliser(rollout.mask, cfg.algo.loss_reduction, max_len=cfg.rollout.max_new_tokens)
+    micro = [torch.arange(0, 8), torch.arange(8, 16)]
+
+    def step(fast: bool):
+        monkeypatch.setattr(loop, "FUSED_LOSS", fast)
+        sc = copy.copy(s)
+        sc.old = loop.SamplingPass.empty(s.logp_ref)
+        m.policy.zero_grad()
+        tally, metrics = Tally(), []
+        for rows in micro:
+            metrics.append(loop._micro_step(cfg, m, sc, rows, beta, 1.0, n, dist, sync=True,
+                                            tally=tally))  # fmt: skip
+        grads = {k: p.grad.clone() for k, p in m.policy.named_parameters() if p.grad is not None}
+        return grads, metrics, tally.result(lambda t: t), sc.old
+
+    fast_grads, fast_metrics, fast_tally, fast_old = step(True)
+    assert len(calls) == (0 if extra.get("kl.estimator") == "k3" else 2)
+    slow_grads, slow_metrics, slow_tally, slow_old = step(False)
+    assert len(calls) in (0, 2)  # the per-token path never calls it
+    assert sorted(fast_grads) == sorted(slow_grads)
+    for k in slow_grads:
+        torch.testing.assert_close(fast_grads[k], slow_grads[k], rtol=1e-4, atol=1e-7, msg=k)
+    assert any(g.abs().max() > 0 for g in slow_grads.values())
+    for a_, b_ in zip(fast_metrics, slow_metrics, strict=True):
+        assert a_.keys() == b_.keys()
+        for k in a_:
+            assert a_[k] == pytest.approx(b_[k], rel=1e-5, abs=1e-7), k
+    assert fast_tally.keys() == slow_tally.keys()
+    for k in slow_tally:
+        assert fast_tally[k][0] == pytest.approx(slow_tally[k][0], rel=1e-5, abs=1e-7), k
+    for name in ("logp", "entropy", "kl"):
+        torch.testing.assert_close(getattr(fast_old, name), getattr(slow_old, name), rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip

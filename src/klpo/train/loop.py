@@ -334,6 +334,47 @@ The KL to the reference is not part of it: under every choice it keeps its own p
 off-policy weight (:func:`klpo.losses.kl_loss`), never GSPO's sequence ratio."""
 
 USES_BETA_OLD: frozenset[PolicyLoss] = frozenset({"kl-penalty"})
+
+# The update's on-policy pass takes its gradient in the forward pass (klpo.logprobs.fused_loss)
+# where it can (:func:`on_policy_weights`); False always takes the per-token path (for tests).
+FUSED_LOSS = True
+
+
+def on_policy_weights(
+    cfg: TrainConfig,
+    adv: Tensor,
+    mask: Tensor,
+    red: Callable[[Tensor], Tensor],
+    kl_weight: float,
+    beta_old: float,
+    world: int,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The weights of a micro-batch's loss on each token's log-prob, entropy and exact KL, on
+    the policy that sampled it: ``[B, C]`` each (None where the loss has no such term).
+
+    The loss is ``red(pg(logp, logp_old)) + kl_weight red(kl) + entropy_coef red(-entropy)``
+    (:func:`_micro_step`), times ``world`` (undoing DDP's mean). Where the forward pass is also the
+    sampling policy's (``logp_old`` is its detached ``logp``), every policy loss is a function of
+    the ratio ``exp(logp - logp_old) = 1`` (CISPO also of ``logp``, linearly), so its gradient
+    with respect to ``logp`` does not depend on ``logp``'s value, and the KL and entropy terms are
+    linear: the weights are the gradients of the loss at any point with ``logp = logp_old``, here
+    0, taken by autograd through the same functions the per-token path calls.
+    """
+    a = cfg.algo
+    z = [
+        torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+        for _ in range(3)
+    ]
+    adv64 = adv.detach().to(torch.float64)
+    total = red(POLICY_LOSSES[a.policy_loss](a, z[0], z[0].detach(), adv64, mask, beta_old))
+    if kl_weight:
+        total = total + kl_weight * red(z[2])
+    if a.entropy_coef:
+        total = total + a.entropy_coef * red(losses.entropy_bonus(z[1]))
+    grads = torch.autograd.grad(total * world, z, allow_unused=True)
+    return tuple(grads)  # type: ignore[return-value]
+
+
 """Surrogates with PPO's penalty coefficient beta_old (its controller runs, ``beta_old`` logged)."""
 
 
@@ -680,19 +721,38 @@ def _micro_step(
     def red(x: Tensor) -> Tensor:
         return reduce.reduce(x, mask, a.loss_reduction, normaliser=n_global, max_len=max_len)
 
+    # On-policy, with a KL term that is exact or absent and no engine weights, the loss's weight
+    # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
+    # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path.
+    weights = None
+    if (
+        FUSED_LOSS
+        and recording
+        and r.engine_logp is None
+        and (not kl_in_loss or needs_exact_kl(kl_name))
+    ):
+        weights = on_policy_weights(cfg, adv, mask, red, beta * kl_coef if kl_in_loss else 0.0,
+                                    beta_old, dist.world)  # fmt: skip
+
     with _no_sync(m.backbone, sync):
         weight, bias = _unwrap(m.backbone).head()
         weight_ref, bias_ref = m.reference.head()
-        out = logprobs.fused(
-            completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt),
-            weight,
-            r.completion_ids,
+        head_args = dict(
             bias=bias,
             temperature=cfg.rollout.temperature,
             hidden_ref=s.hidden_ref[rows] if need_ref else None,
             weight_ref=weight_ref if need_ref else None,
             bias_ref=bias_ref if need_ref else None,
         )
+        hidden = completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt)
+        if weights is not None:
+            fl = logprobs.fused_loss(
+                hidden, weight, r.completion_ids, **head_args, with_entropy=True,
+                logp_weight=weights[0], entropy_weight=weights[1], kl_weight=weights[2],
+            )  # fmt: skip
+            out = logprobs.FusedOutput(fl.logp, fl.entropy, fl.kl)
+        else:
+            out = logprobs.fused(hidden, weight, r.completion_ids, **head_args)
         logp = out.logp
         if recording:
             s.old.record(rows, out)
@@ -723,8 +783,12 @@ def _micro_step(
             loss_ent = red(losses.entropy_bonus(out.entropy))
             total = total + a.entropy_coef * loss_ent
             metrics["loss/entropy"] = loss_ent.item()
-        # DDP averages gradients over ranks; the normaliser is already global, so undo the mean.
-        (total * dist.world).backward()
+        # DDP averages gradients over ranks; the normaliser is already global, so undo the mean
+        # (on_policy_weights carries the factor already).
+        if weights is not None:
+            fl.loss.backward()  # total's gradient; total itself is the value, for the logs
+        else:
+            (total * dist.world).backward()
     n_tok = float(mask.sum())
     if m.critic is not None:
         with _no_sync(m.critic, sync):
