@@ -1,4 +1,4 @@
-"""klpo's training step on workload (a), part by part, against the model alone, in one process.
+"""klpo's training step, part by part, against the model alone, in one process.
 
 ``bench/trainer_vs_trl.py`` times whole runs in their own processes, so its klpo / floor ratio
 carries the run-to-run spread of a shared machine. This script builds klpo's models and one
@@ -6,16 +6,24 @@ step's batch exactly as that benchmark's workload (a) does, then times, interlea
 batch: the floor's three parts (the bare cached argmax decode, the reference's no-grad forward
 with the log-softmax at the completion tokens, the policy's forward + backward of the same) and
 klpo's (``generate`` with the lean sampler, ``klpo.train.loop.score``, the update's
-``_micro_step`` alone and the whole ``update`` with the optimizer step and the gradient clip).
-Median of ``--reps`` rounds (20) after two warm-ups, milliseconds::
+``_micro_step`` alone, again with the per-token path forced (``klpo.train.loop.FUSED_LOSS``
+off: the log-probs' gradient taken in the backward pass, not the forward), and the whole
+``update`` with the optimizer step and the gradient clip). ``--workload b`` builds that
+benchmark's 23.5M-parameter model; ``--set`` adds klpo overrides (``kl.estimator=full``: the
+default exact KL in the loss, where the update's on-policy pass takes the forward-pass gradient;
+the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after two warm-ups,
+milliseconds::
 
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
+        --workload b --reps 3 --set kl.estimator=full
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,8 +40,19 @@ import trainer_vs_trl as bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (default 20)")
+    parser.add_argument("--workload", choices=bench.WORKLOADS, default="a", help="a or b")
+    parser.add_argument("--set", action="append", default=[], help="a klpo override, k=v")
     args = parser.parse_args()
+    s = bench.Settings.for_workload(args.workload)
+    torch.set_num_threads(s.threads)
+    tmp = tempfile.mkdtemp()  # the model and prompts of workload b; removed at the end
+    try:
+        run(args, s, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo import reduce
     from klpo.train import loop
     from klpo.train.config import load_config
@@ -42,17 +61,21 @@ def main() -> None:
     from klpo.train.reward_model import build_rewards
     from klpo.train.rollout import completion_hidden, generate, preallocate
 
-    s = bench.Settings()
-    torch.set_num_threads(s.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, bench.klpo_overrides(s, tmp))
-        torch.manual_seed(s.seed)
-        m = loop.build_models(cfg, Dist(), None)
+    if args.workload == "b":
+        import compute_workload
+
+        model_dir = compute_workload.build_model(Path(tmp) / "model-b")
+        data = compute_workload.write_prompts(Path(tmp) / "prompts-b.jsonl", 4 * 64, s.seed)
+        s = bench.Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
+    cfg = load_config(None, [*bench.klpo_overrides(s, tmp), *args.set])
+    torch.manual_seed(s.seed)
+    m = loop.build_models(cfg, Dist(), None)
     order = bench.prompt_order(bench.Settings(**{**s.__dict__, "steps": 1}))
     prompts, answers = [p for p, _ in order], [a for _, a in order]
     model, g = m.policy, s.group_size
     model.eval()
-    ro = generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=4)
+    new = s.max_new_tokens
+    ro = generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new)
     model.train()
     c = ro.completion_ids.shape[1]
     unique = ro.prompt_ids[::g], ro.prompt_mask[::g].long()
@@ -62,7 +85,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(s.seed)
     scored = loop.score(cfg, m, ro, reward_fns, s.beta)
     rows = torch.arange(len(ro.prompts))
-    n_tokens = reduce.normaliser(ro.mask, cfg.algo.loss_reduction, max_len=s.max_new_tokens)
+    n_tokens = reduce.normaliser(ro.mask, cfg.algo.loss_reduction, max_len=new)
 
     def floor_generate():
         with torch.no_grad():
@@ -99,7 +122,7 @@ def main() -> None:
     def klpo_generate():
         model.eval()
         with torch.no_grad():
-            generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=4)
+            generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new)
         model.train()
 
     def klpo_score():
@@ -116,6 +139,13 @@ def main() -> None:
             cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=loop.Tally()
         )
 
+    def klpo_micro_step_per_token():
+        loop.FUSED_LOSS = False
+        try:
+            klpo_micro_step()
+        finally:
+            loop.FUSED_LOSS = True
+
     def klpo_update():
         loop.update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
 
@@ -126,6 +156,7 @@ def main() -> None:
         "klpo: score": klpo_score,
         "floor: policy": floor_policy,
         "klpo: _micro_step": klpo_micro_step,
+        "klpo: _micro_step, per-token path": klpo_micro_step_per_token,
         "klpo: update": klpo_update,
     }
     for fn in cases.values():

@@ -456,9 +456,10 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     tiny_model, quick, tmp_path, monkeypatch, extra
 ):
     """On-policy micro-steps whose loss weights are known up front take their gradient in the
-    forward pass (klpo.logprobs.fused_loss): the same parameter gradients, metrics and recorded
-    pi_old as the per-token path (FUSED_LOSS off), to float32 rounding, over several
-    micro-batches; a sampled KL in the loss keeps the per-token path."""
+    forward pass (klpo.logprobs.fused_loss; by default only with a vocabulary of 32768 or more,
+    here forced): the same parameter gradients, metrics and recorded pi_old as the per-token path
+    (FUSED_LOSS off), to float32 rounding, over several micro-batches; a sampled KL in the loss
+    keeps the per-token path."""
     base = {"kl.beta": 0.5, "algo.micro_batch": 5}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{**base, **extra}))
     assert loop.update_gives_logp_old(cfg)
@@ -484,6 +485,8 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     )
     n = reduce.normaliser(rollout.mask, cfg.algo.loss_reduction, max_len=cfg.rollout.max_new_tokens)
     micro = [torch.arange(0, 8), torch.arange(8, 16)]
+
+    monkeypatch.setattr(loop, "FUSED_LOSS_MIN_VOCAB", 0)  # the tiny model's vocabulary too
 
     def step(fast: bool):
         monkeypatch.setattr(loop, "FUSED_LOSS", fast)
@@ -515,3 +518,33 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     for name in ("logp", "entropy", "kl"):
         torch.testing.assert_close(getattr(fast_old, name), getattr(slow_old, name), rtol=1e-5,
                                    atol=1e-6)  # fmt: skip
+
+
+def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path, monkeypatch):
+    """The forward-pass gradient pays only where the head is a large share of the step: below
+    FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update keeps the per-token path,
+    and at or above it takes fused_loss."""
+    cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
+    m = loop.build_models(cfg, Dist(), None)
+    train, _ = loop.load_examples(cfg)
+    rollout = generate(
+        m.policy, m.tokenizer, [e.prompt for e in train[:2]], [e.answer for e in train[:2]],
+        group_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+    calls = []
+    fused_loss = logprobs.fused_loss
+    monkeypatch.setattr(
+        logprobs, "fused_loss", lambda *a, **k: calls.append(1) or fused_loss(*a, **k)
+    )
+    rows = torch.arange(len(rollout.prompts))
+    n = reduce.normaliser(rollout.mask, "token-mean")
+    vocab = m.policy.get_output_embeddings().weight.shape[0]
+    assert vocab < loop.FUSED_LOSS_MIN_VOCAB
+    for threshold, want in ((loop.FUSED_LOSS_MIN_VOCAB, 0), (vocab, 1)):
+        monkeypatch.setattr(loop, "FUSED_LOSS_MIN_VOCAB", threshold)
+        sc = copy.copy(s)
+        sc.old = loop.SamplingPass.empty(s.logp_ref)
+        loop._micro_step(cfg, m, sc, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+        assert len(calls) == want

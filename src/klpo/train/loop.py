@@ -336,8 +336,14 @@ off-policy weight (:func:`klpo.losses.kl_loss`), never GSPO's sequence ratio."""
 USES_BETA_OLD: frozenset[PolicyLoss] = frozenset({"kl-penalty"})
 
 # The update's on-policy pass takes its gradient in the forward pass (klpo.logprobs.fused_loss)
-# where it can (:func:`on_policy_weights`); False always takes the per-token path (for tests).
+# where it can (:func:`on_policy_weights`) and the vocabulary has at least FUSED_LOSS_MIN_VOCAB
+# entries; False always takes the per-token path. Where the head is a large share of the step it
+# pays: at V = 32000 (H = 896) fused_loss took 0.27 s against fused's 0.36 for log-probs and 0.22
+# against 0.30-0.32 for the exact KL (docs/performance.md); with small vocabularies it does not:
+# the micro-step took 4.50 s against 4.55 at V = 8195 (the compute-bound benchmark's model, within
+# noise) and 65.7 ms against 61.9 at V = 101 (the shipped model), ``bench/trainer_parts.py``.
 FUSED_LOSS = True
+FUSED_LOSS_MIN_VOCAB = 32768
 
 
 def on_policy_weights(
@@ -724,19 +730,19 @@ def _micro_step(
     # On-policy, with a KL term that is exact or absent and no engine weights, the loss's weight
     # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
     # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path.
-    weights = None
-    if (
-        FUSED_LOSS
-        and recording
-        and r.engine_logp is None
-        and (not kl_in_loss or needs_exact_kl(kl_name))
-    ):
-        weights = on_policy_weights(cfg, adv, mask, red, beta * kl_coef if kl_in_loss else 0.0,
-                                    beta_old, dist.world)  # fmt: skip
-
     with _no_sync(m.backbone, sync):
         weight, bias = _unwrap(m.backbone).head()
         weight_ref, bias_ref = m.reference.head()
+        weights = None
+        if (
+            FUSED_LOSS
+            and weight.shape[0] >= FUSED_LOSS_MIN_VOCAB
+            and recording
+            and r.engine_logp is None
+            and (not kl_in_loss or needs_exact_kl(kl_name))
+        ):
+            weights = on_policy_weights(cfg, adv, mask, red, beta * kl_coef if kl_in_loss else 0.0,
+                                        beta_old, dist.world)  # fmt: skip
         head_args = dict(
             bias=bias,
             temperature=cfg.rollout.temperature,
