@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.dist import Dist
     from klpo.train.models import Backbone
     from klpo.train.reward_model import build_rewards
-    from klpo.train.rollout import completion_hidden, generate, preallocate
+    from klpo.train.rollout import completion_hidden, generate
 
     if args.workload == "b":
         import compute_workload
@@ -77,8 +77,6 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     new = s.max_new_tokens
     ro = generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new)
     model.train()
-    c = ro.completion_ids.shape[1]
-    unique = ro.prompt_ids[::g], ro.prompt_mask[::g].long()
     backbone, weight = Backbone(model), model.get_output_embeddings().weight
     reward_fns = build_rewards(cfg.rewards)
     opt = loop.make_optimizers(cfg, m)
@@ -88,24 +86,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     n_tokens = reduce.normaliser(ro.mask, cfg.algo.loss_reduction, max_len=new)
 
     def floor_generate():
-        with torch.no_grad():
-            out = model(
-                input_ids=unique[0], attention_mask=unique[1], use_cache=True, logits_to_keep=1
-            )
-            cache = out.past_key_values
-            cache.batch_repeat_interleave(g)
-            preallocate(cache, c)
-            token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
-            att = unique[1].repeat_interleave(g, dim=0)
-            for _ in range(c - 1):
-                att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
-                out = model(
-                    input_ids=token[:, None],
-                    attention_mask=att,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                token = out.logits[:, -1].argmax(-1)
+        bench.floor_decode(model, ro, g)
 
     def logp(net, head):
         h = completion_hidden(net, ro)

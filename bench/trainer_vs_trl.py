@@ -634,6 +634,31 @@ def cpu_info() -> str:
     return f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(shown) or 'n/a'}"
 
 
+def floor_decode(model, rollout, group_size: int) -> None:
+    """The floor's generation: each prompt's prefill once, then one cached single-token forward
+    per new token for every row (argmax, no sampling machinery, the cache allocated once), as
+    many tokens as ``rollout``'s completions hold."""
+    import torch
+
+    from klpo.train.rollout import preallocate
+
+    g, c = group_size, rollout.completion_ids.shape[1]
+    ids, att = rollout.prompt_ids[::g], rollout.prompt_mask[::g].long()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=att, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(g)
+        preallocate(cache, c)  # writes each new position in place (no cache copies)
+        token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
+        att = att.repeat_interleave(g, dim=0)
+        for _ in range(c - 1):
+            att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
+            out = model(
+                input_ids=token[:, None], attention_mask=att, past_key_values=cache, use_cache=True
+            )
+            token = out.logits[:, -1].argmax(-1)
+
+
 def floor_worker(s: Settings, out_path: str) -> None:
     """The model's own time for the tokens a step must compute, with no trainer around it.
 
@@ -651,7 +676,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.dist import Dist
     from klpo.train.models import Backbone
-    from klpo.train.rollout import completion_hidden, generate, preallocate
+    from klpo.train.rollout import completion_hidden, generate
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
@@ -668,30 +693,12 @@ def floor_worker(s: Settings, out_path: str) -> None:
         group_size=s.group_size,
         max_new_tokens=s.max_new_tokens,
     )
-    g, c = s.group_size, rollout.completion_ids.shape[1]
-    unique = rollout.prompt_ids[::g], rollout.prompt_mask[::g].long()
+    g = s.group_size
     backbone = Backbone(model)
     weight = model.get_output_embeddings().weight
 
     def decode():
-        with torch.no_grad():
-            out = model(
-                input_ids=unique[0], attention_mask=unique[1], use_cache=True, logits_to_keep=1
-            )
-            cache = out.past_key_values
-            cache.batch_repeat_interleave(g)
-            preallocate(cache, c)  # writes each new position in place (no cache copies)
-            token = out.logits[:, -1].argmax(-1).repeat_interleave(g)
-            att = unique[1].repeat_interleave(g, dim=0)
-            for _ in range(c - 1):
-                att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
-                out = model(
-                    input_ids=token[:, None],
-                    attention_mask=att,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                token = out.logits[:, -1].argmax(-1)
+        floor_decode(model, rollout, g)
 
     def logp():
         h = completion_hidden(backbone, rollout)

@@ -147,6 +147,21 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     assert any(g.abs().max() > 0 for g in got.values())
 
 
+def moved_policy_and_rollout(cfg, dist: Dist, train) -> tuple:
+    """Fresh models with the policy moved away from the reference (so the KL and the entropy are
+    not trivial), and 4 groups of 4 completions of the first 4 prompts sampled from it."""
+    m = loop.build_models(cfg, dist, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in m.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rollout = generate(
+        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
+        group_size=4, max_new_tokens=4,
+    )  # fmt: skip
+    return m, rollout
+
+
 def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, monkeypatch):
     """One epoch, one minibatch: the update's forward pass gives log pi_old, the entropy and the
     exact KL. The step, parameters and metrics, equals the one with the score's separate policy
@@ -164,15 +179,7 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
 
     def one_step(separate_pass: bool):
         monkeypatch.setattr(loop, "update_gives_logp_old", lambda _: not separate_pass)
-        m = loop.build_models(cfg, dist, None)
-        torch.manual_seed(0)
-        with torch.no_grad():  # a policy away from the reference: KL and entropy not trivial
-            for p in m.policy.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        rollout = generate(
-            m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-            group_size=4, max_new_tokens=4,
-        )  # fmt: skip
+        m, rollout = moved_policy_and_rollout(cfg, dist, train)
         s = loop.score(cfg, m, rollout, reward_fns, 0.5)
         assert bool(s.old.filled.all()) == separate_pass
         opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
@@ -466,15 +473,7 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     dist = Dist()
     train, _ = loop.load_examples(cfg)
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    m = loop.build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():  # a policy away from the reference: KL and entropy not trivial
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
+    m, rollout = moved_policy_and_rollout(cfg, dist, train)
     beta = cfg.kl.beta
     s = loop.score(cfg, m, rollout, reward_fns, beta)
     assert s.adv.abs().max() > 0
