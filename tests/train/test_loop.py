@@ -524,12 +524,8 @@ def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path,
     FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update keeps the per-token path,
     and at or above it takes fused_loss."""
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
-    m = loop.build_models(cfg, Dist(), None)
     train, _ = loop.load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:2]], [e.answer for e in train[:2]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
+    m, rollout = moved_policy_and_rollout(cfg, Dist(), train)
     reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = loop.score(cfg, m, rollout, reward_fns, 0.5)
     calls = []
