@@ -122,11 +122,13 @@ def test_at_the_reference_the_estimate_and_its_expected_gradient_are_zero(tiny_m
     roll = _one_token_rollout(list(range(vocab)), prompt)
     with torch.no_grad():
         logp_ref = ref_samples.sequence_logp(reference, reference.head(), roll, 1.0)
-    # The sampled batch: estimate exactly 0, every weight 1.
+    # The sampled batch: estimate 0, every weight 1, up to float32 rounding (the two batches'
+    # forwards have other shapes, so their GEMMs may round differently: ~1 ulp of a log-prob).
     picks = [3, 5, 5, 7]
     batch = ref_samples.RefBatch(_one_token_rollout(picks, prompt), logp_ref[picks], 1, 1, 0)
     m = ref_samples.ref_term(cfg, policy, policy.head(), batch, beta=0.0, mix_weight=0.0)
-    assert m["kl/ref/ref_is"] == 0.0 and m["ref/max_weight"] == pytest.approx(1.0, abs=1e-6)
+    assert m["kl/ref/ref_is"] == pytest.approx(0.0, abs=1e-6)
+    assert m["ref/max_weight"] == pytest.approx(1.0, abs=1e-6)
     assert m["ref/ess"] == pytest.approx(1.0, abs=1e-6)
     # The expectation over x ~ pi_ref of the trainer's per-completion term: 0, with gradient 0.
     logp = ref_samples.sequence_logp(policy, policy.head(), roll, 1.0)
