@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from klpo.doctor import klpo_config, openrlhf, trl, verl
-from klpo.doctor.reading import DoctorError, Reading, load_mapping
+from klpo.doctor.reading import DoctorError, Reading, load_mapping, read_text
 from klpo.doctor.report import diagnosis, render
 
 __all__ = ["FRAMEWORKS", "DoctorError", "detect", "diagnose", "read", "render"]
@@ -35,7 +35,7 @@ _TEXT_SUFFIXES = (".sh", ".txt", ".args", ".cmd", "")
 
 def detect(path: Path) -> str:
     """The framework a config file belongs to, from its contents."""
-    text = path.read_text()
+    text = read_text(path)
     if path.suffix in _TEXT_SUFFIXES:
         if "openrlhf" in text or "--init_kl_coef" in text or "--algo.kl." in text:
             return "openrlhf"
@@ -67,22 +67,31 @@ def detect(path: Path) -> str:
     )
 
 
-def read(path: str | Path, framework: str | None = None, version: str | None = None) -> Reading:
-    """Read a config file into a :class:`~klpo.doctor.reading.Reading`."""
+def read(
+    path: str | Path,
+    framework: str | None = None,
+    version: str | None = None,
+    variables: dict[str, str] | None = None,
+) -> Reading:
+    """Read a config file into a :class:`~klpo.doctor.reading.Reading`.
+
+    ``variables`` gives values to names a launch script uses but does not define (its
+    environment, ``$1``): ``klpo doctor --var NAME=VALUE``.
+    """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise DoctorError(f"config file {str(p)!r} does not exist")
     fw = framework or detect(p)
     if fw not in FRAMEWORKS:
         raise DoctorError(f"unknown framework {fw!r}; choose one of: {', '.join(FRAMEWORKS)}")
     src = str(path)
     if fw == "openrlhf":
-        return openrlhf.read(openrlhf.parse_args(p.read_text(), src), src, version)
+        return openrlhf.read_script(read_text(p), src, version, variables)
     if fw == "verl":
-        data: dict[str, Any] = (
-            verl.read_text(p.read_text(), src) if p.suffix in _TEXT_SUFFIXES else load_mapping(p)
-        )
-        return verl.read(data, src, version)
+        if p.suffix in _TEXT_SUFFIXES:
+            data, script = verl.overrides(read_text(p), src, variables)
+            return verl.read(data, src, version, script)
+        return verl.read(load_mapping(p), src, version)
     data = load_mapping(p)
     if fw == "trl-grpo":
         return trl.read_grpo(data, src, version)
@@ -92,7 +101,10 @@ def read(path: str | Path, framework: str | None = None, version: str | None = N
 
 
 def diagnose(
-    path: str | Path, framework: str | None = None, version: str | None = None
+    path: str | Path,
+    framework: str | None = None,
+    version: str | None = None,
+    variables: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole diagnosis of a config file as JSON-ready data (``klpo doctor --json``)."""
-    return diagnosis(read(path, framework, version))
+    return diagnosis(read(path, framework, version, variables))
