@@ -98,7 +98,8 @@ EXPECTED: dict[str, tuple] = {
     "trl_gspo_paper_index.yaml": ("trl-grpo", "1.16.0", "grpo", [], 8, 4, []),
     # DAPO (beta 0, 16 generations, one step per generation).
     "trl_dapo_paper_index.yaml": ("trl-grpo", "1.16.0", "grpo", [], 16, 1, []),
-    # Dr. GRPO (beta 0).
+    # Dr. GRPO (beta 0); 1 completion per process per generation, groups of 8: TRL refuses it on
+    # one process (GRPOConfig.__post_init__), a warning.
     "trl_drgrpo_paper_index.yaml": ("trl-grpo", "1.16.0", "grpo", [], 8, 1, []),
     # Lite PPO: 8 micro-steps per generation, 32 per optimiser step: under one step each.
     "trl_lite_ppo_paper_index.yaml": ("trl-grpo", "1.16.0", "grpo", [], 8, 1, []),

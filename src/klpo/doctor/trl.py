@@ -10,6 +10,7 @@ leave-one-out baseline). The GRPO facts are tested against TRL 1.16 itself by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from klpo.doctor import tables
@@ -142,7 +143,18 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
     per_device = s.int("per_device_train_batch_size") or 1
     spg = s.int("steps_per_generation") or s.int("gradient_accumulation_steps") or 1
     gbs = s.int("generation_batch_size") or per_device * spg
-    rollout["prompts_per_step"] = max(1, gbs // max(1, rollout["group_size"]))
+    g = max(1, rollout["group_size"])
+    processes = g // math.gcd(gbs, g)
+    if processes > 1:
+        # GRPOConfig.__post_init__: the generation batch must hold whole groups.
+        r.warn(
+            "warning",
+            ["per_device_train_batch_size", "num_generations"],
+            f"one generation holds {gbs} completions per process, not a multiple of "
+            f"num_generations={g}: TRL refuses this config on one process; it runs on a multiple "
+            f"of {processes} processes, and the klpo config is shown for {processes}",
+        )
+    rollout["prompts_per_step"] = gbs * processes // g
     if not s.bool("use_peft"):
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     eps_high = s.float("epsilon_high")
