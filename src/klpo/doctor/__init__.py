@@ -1,9 +1,11 @@
 r"""``klpo doctor``: what a training framework's KL settings really do, and the klpo config for it.
 
-Reads one configuration of verl (its Hydra YAML, or a ``main_ppo`` command line with ``key=value``
-overrides), TRL (``GRPOConfig`` / ``RLOOConfig`` fields as YAML or JSON), OpenRLHF
-(``train_ppo_ray`` command-line arguments) or klpo itself, fills in the framework's defaults for the
-version the doctor knows (verl 0.9, TRL 1.16, OpenRLHF 0.11), and says, per KL term in effect: the
+Reads one configuration of verl (its Hydra YAML, or a launch script running ``main_ppo`` with
+``key=value`` overrides), TRL (``GRPOConfig`` / ``RLOOConfig`` fields as YAML or JSON), OpenRLHF (a
+launch script running ``train_ppo_ray``) or klpo itself; scripts are read as bash reads them
+(:mod:`klpo.doctor.shell`). It fills in the framework's own defaults for the version, from tables
+read from the frameworks themselves (:mod:`klpo.doctor.tables`: verl 0.9.1, TRL 1.16.0, OpenRLHF
+0.8.11 to 0.11.2), names every key the version does not have, and says, per KL term in effect: the
 klpo estimator and placement it is, what value it logs and which gradient it follows on- and
 off-policy (:func:`klpo.kl.explain`), where clamps zero that gradient, which settings are ignored or
 applied twice, how a group normalisation rescales a KL in the reward, and two klpo configs: the one
@@ -37,7 +39,7 @@ def detect(path: Path) -> str:
     """The framework a config file belongs to, from its contents."""
     text = read_text(path)
     if path.suffix in _TEXT_SUFFIXES:
-        if "openrlhf" in text or "--init_kl_coef" in text or "--algo.kl." in text:
+        if "openrlhf.cli" in text or "--init_kl_coef" in text or "--algo.kl." in text:
             return "openrlhf"
         if "verl.trainer" in text or "actor_rollout_ref." in text or "algorithm." in text:
             return "verl"
