@@ -774,6 +774,11 @@ def doctor(
     samples: int = typer.Option(8, "--samples", help="Completions sampled per prompt."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Longest completion."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    variables: list[str] | None = typer.Option(
+        None,
+        "--var",
+        help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
+    ),
 ) -> None:
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     from klpo.doctor.command import run
@@ -791,6 +796,7 @@ def doctor(
         samples=samples,
         max_new_tokens=max_new_tokens,
         seed=seed,
+        variables=variables,
     )
     if code:
         raise typer.Exit(code)

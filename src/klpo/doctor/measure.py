@@ -282,6 +282,24 @@ def gradient_cosines(
     }
 
 
+def _check_same_tokenizer(tok: Any, model: str, reference: str) -> None:
+    """The trainer's check (``klpo.train.preflight.check_same_tokenizer``) on the doctor's pair:
+    a reference with its own tokenizer must map every token to the policy's id."""
+    from klpo.train.config import ConfigError
+    from klpo.train.models import load_tokenizer
+    from klpo.train.preflight import check_same_tokenizer
+
+    try:
+        other = load_tokenizer(reference, "--reference")
+    except (FileNotFoundError, OSError, ValueError):
+        return  # no tokenizer files beside the reference: its ids are the policy's
+    try:
+        check_same_tokenizer(tok, model, other, reference, "reference")
+    except ConfigError as err:
+        text = str(err).replace("model.reference", "--reference").replace("model.policy", "--model")
+        raise DoctorError(text.replace("give a reference", "give a --reference")) from None
+
+
 def measure(
     model: str,
     reference: str,
@@ -318,6 +336,7 @@ def measure(
             f"{ref.config.vocab_size}: the KL needs the same tokenizer; give the reference the "
             "policy was trained from"
         )
+    _check_same_tokenizer(tok, model, reference)
     policy.eval()
     ref.eval()
     torch.manual_seed(seed)
