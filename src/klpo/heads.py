@@ -66,11 +66,41 @@ FALLBACK = (
 
 
 class UnsupportedHead(ValueError):
-    """klpo cannot compute this model's logits from its last hidden states and output head."""
+    """klpo cannot compute this model's logits from its last hidden states and output head.
+
+    Attributes:
+        architecture: ``ClassName (model_type)``.
+        reason: why, in a few words (the message adds the architecture and :data:`FALLBACK`).
+    """
+
+    def __init__(self, message: str, architecture: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.architecture, self.reason = architecture, reason
 
 
 class HeadMismatch(UnsupportedHead):
-    """The fused head's log-probs disagree with the model's own beyond its dtype's rounding."""
+    """The fused head's log-probs disagree with the model's own beyond its dtype's rounding.
+
+    Attributes (besides :class:`UnsupportedHead`'s):
+        gap: the largest log-prob difference on the probe, in nats.
+        tolerance: the rounding bound at that token.
+    """
+
+    def __init__(
+        self, message: str, architecture: str, reason: str, gap: float, tolerance: float
+    ) -> None:
+        super().__init__(message, architecture, reason)
+        self.gap, self.tolerance = gap, tolerance
+
+
+def _unsupported(model: Any, reason: str) -> UnsupportedHead:
+    """The refusal of :func:`read_head`: the architecture, the reason, the fallback."""
+    return UnsupportedHead(
+        f"{_name(model)}: klpo cannot compute its log-probs from the last hidden states and the "
+        f"output head: {reason}; {FALLBACK}",
+        _name(model),
+        reason,
+    )
 
 
 class Head(NamedTuple):
@@ -226,19 +256,18 @@ def _name(model: Any) -> str:
 
 
 def backbone(model: Any) -> nn.Module:
-    """The backbone under a causal LM's head (``model.base_model``, through a peft wrapper).
+    """The backbone under a causal LM's head: ``model.base_model`` (through a peft wrapper), or
+    where that is the model itself (a ``base_model_prefix`` naming no attribute, as Mllama's
+    text model has), ``model.model``. :func:`check_head` proves the choice on the model.
 
     Raises:
         UnsupportedHead: the model has no backbone distinct from itself.
     """
     inner = _unwrap(model)
-    base = getattr(inner, "base_model", None)
-    if not isinstance(base, nn.Module) or base is inner:
-        raise UnsupportedHead(
-            f"{_name(model)} has no backbone (`base_model`) apart from its head, so klpo cannot "
-            f"take its last hidden states; {FALLBACK}"
-        )
-    return base
+    for base in (getattr(inner, "base_model", None), getattr(inner, "model", None)):
+        if isinstance(base, nn.Module) and base is not inner:
+            return base
+    raise _unsupported(model, "it has no backbone (`base_model`) apart from its head")
 
 
 def read_head(model: Any) -> Head:
@@ -265,10 +294,7 @@ def read_head(model: Any) -> Head:
     config = getattr(inner, "config", None)
     kind = getattr(config, "model_type", None)
     if kind in REFUSED:
-        raise UnsupportedHead(
-            f"{_name(model)}: klpo cannot compute its log-probs from the last hidden states and "
-            f"the output head: {REFUSED[kind]}; {FALLBACK}"
-        )
+        raise _unsupported(model, REFUSED[kind])
     weight, bias = _linear_head(model, inner)
     if kind in TRANSFORMS:
         transform = TRANSFORMS[kind](inner, config)
@@ -280,9 +306,8 @@ def read_head(model: Any) -> Head:
         if rows is not None and rows < weight.shape[0]:
             weight, bias = weight[:rows], None if bias is None else bias[:rows]
     if kind in ("minicpm3", "inkling_text") and bias is not None:
-        raise UnsupportedHead(
-            f"{_name(model)} divides its hidden states before a head with a bias, which is no "
-            f"transform of the head's output; {FALLBACK}"
+        raise _unsupported(
+            model, "it divides its hidden states before a head with a bias (no logit transform)"
         )
     if transform is not None and transform.is_identity:
         transform = None
@@ -295,14 +320,20 @@ def _linear_head(model: Any, inner: Any) -> tuple[Tensor, Tensor | None]:
     emb = get() if callable(get) else None
     weight = getattr(emb, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise UnsupportedHead(
-            f"{_name(model)}: its output embeddings (get_output_embeddings() = "
-            f"{type(emb).__name__}) are not one linear layer with a [V, H] weight; {FALLBACK}"
+        raise _unsupported(
+            model,
+            f"its output embeddings (get_output_embeddings() = {type(emb).__name__}) are not "
+            f"one linear layer with a [V, H] weight",
         )
     bias = getattr(emb, "bias", None)
     if bias is not None and (not isinstance(bias, Tensor) or bias.shape != weight.shape[:1]):
-        raise UnsupportedHead(
-            f"{_name(model)}: its output embeddings' bias is not a [V] vector; {FALLBACK}"
+        raise _unsupported(model, "its output embeddings' bias is not a [V] vector")
+    extra = [name for name, _ in emb.named_parameters() if name not in ("weight", "bias")]
+    if extra:  # a learned scale per vocabulary entry, say: the head is more than its matrix
+        raise _unsupported(
+            model,
+            f"its output head has parameters besides its weight and bias ({', '.join(extra)}), "
+            f"which klpo does not know the use of",
         )
     return weight, bias
 
@@ -317,10 +348,10 @@ def _refuse_unknown_transform(model: Any, config: Any) -> None:
         for field in _TRANSFORM_FIELDS:
             value = getattr(cfg, field, None)
             if value is not None and value != 1.0:
-                raise UnsupportedHead(
-                    f"{_name(model)}: its config sets {field} = {value!r}, a logit transform, but "
-                    f"klpo has no recipe for how this architecture applies it (klpo does not "
-                    f"guess); {FALLBACK}"
+                raise _unsupported(
+                    model,
+                    f"its config sets {field} = {value!r}, a logit transform, but klpo has no "
+                    f"recipe for how this architecture applies it (klpo does not guess)",
                 )
 
 
@@ -429,14 +460,14 @@ def check_head(
             with_entropy=False,
         ).logp  # fmt: skip
         if logits.shape[-1] != head.weight.shape[0]:
-            raise HeadMismatch(_mismatch(model, head, math.inf, 0.0, seen, hidden, logits))
+            raise _mismatch(model, head, math.inf, 0.0, seen, hidden, logits)
         theirs = torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
         tol = _tolerance(hidden[0, :-1], head, logits[0, :-1])
     excess = (ours.double() - theirs).abs() / tol
     worst = int(excess.argmax())
     gap, bound = float((ours.double() - theirs).abs()[worst]), float(tol[worst])
     if not float(excess[worst]) <= 1.0:
-        raise HeadMismatch(_mismatch(model, head, gap, bound, seen, hidden, logits))
+        raise _mismatch(model, head, gap, bound, seen, hidden, logits)
     return HeadCheck(_name(model), head, gap, bound, int(ids.shape[1]) - 1, head.weight.dtype)
 
 
@@ -446,6 +477,9 @@ def _probe_ids(model: Any, head: Head, length: int) -> Tensor:
     if length < 2:
         raise ValueError(f"length must be at least 2 (one token to predict), got {length}")
     vocab = head.weight.shape[0]
+    inputs = getattr(_unwrap(model), "get_input_embeddings", lambda: None)()
+    if isinstance(getattr(inputs, "weight", None), Tensor):  # a head wider than the input table
+        vocab = min(vocab, inputs.weight.shape[0])
     special = set()
     for cfg in _configs(_unwrap(model).config):
         for key, value in vars(cfg).items():
@@ -509,10 +543,11 @@ def _tolerance(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
 
     The model's logit ``x_v`` has error at most ``k u_d s |z|_max + λ √H u_acc s A_max`` with ``z =
     h·w_v + b_v``, ``A = |h|·|w_v| + |b_v|``, ``s`` the transform's scale, ``u_d`` the unit
-    roundoff of the head's dtype, ``u_acc`` that of the GEMM's accumulation (float32 for half
-    precision; TF32 where CUDA allows it for float32) and ``k`` the roundings after the GEMM (its
-    output, the bias, the scale, the cap's three, two more for a split reduction); the log-prob
-    moves by at most twice that. The fused head adds ``λ √(H + V) u_c (2 S + |L| + 1)``.
+    roundoff of the head's dtype or of the logits' own, the coarser, ``u_acc`` that of the GEMM's
+    accumulation (float32 for half precision; TF32 where CUDA allows it for float32) and ``k`` the
+    roundings after the GEMM (its output, the bias, the scale, the cap's three, two more for a
+    split reduction, one for a cast of the logits); the log-prob moves by at most twice that. The
+    fused head adds ``λ √(H + V) u_c (2 S + |L| + 1)``.
     """
     cd = torch.float64 if head.weight.dtype == torch.float64 else torch.float32
     h, w = hidden.to(cd), head.weight.to(cd)
@@ -521,12 +556,15 @@ def _tolerance(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
     size = h.abs() @ w.abs().t() + (0 if b is None else b.abs())
     tr = head.transform or LogitTransform()
     dtype = head.weight.dtype
-    u_d = torch.finfo(dtype).eps / 2
+    # The logits carry the coarser of the head's rounding and their own dtype's (a float64 model
+    # whose forward takes `.float()` of its logits rounds them to float32).
+    u_d = max(torch.finfo(dtype).eps, torch.finfo(logits.dtype).eps) / 2
     u_acc = 2.0**-53 if dtype == torch.float64 else 2.0**-24
     if dtype == torch.float32 and head.weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         u_acc = 2.0**-11
     k = 1 + (b is not None) + (tr.scale != 1.0) + 3 * (tr.softcap is not None)
     k += 2 if dtype in (torch.float16, torch.bfloat16) else 0
+    k += 1 if logits.dtype != dtype else 0  # the cast
     n_h, vocab = h.shape[-1], w.shape[0]
     big_z = tr.scale * z.abs().amax(-1).double()
     big_a = tr.scale * size.amax(-1).double()
@@ -545,17 +583,18 @@ def _mismatch(
     seen: dict[str, Tensor],
     hidden: Tensor,
     logits: Tensor,
-) -> str:
-    """The message of a HeadMismatch: the architecture, the gap, what differs, the fallback."""
+) -> HeadMismatch:
+    """The HeadMismatch: the architecture, the gap, what differs, the fallback."""
     tr = head.transform
     what = "no transform" if tr is None else f"transform {tr}"
-    return (
+    reason = _diagnosis(head, seen, hidden, logits)
+    message = (
         f"{_name(model)}: klpo's log-probs from the last hidden states and the output head "
         f"({what}) differ from the model's own by up to {gap:.3g} nats on a short probe, beyond "
         f"the {bound:.2g} its {str(head.weight.dtype).removeprefix('torch.')} rounding explains: "
-        f"{_diagnosis(head, seen, hidden, logits)}. klpo does not guess how a model computes its "
-        f"logits; {FALLBACK}"
+        f"{reason}. klpo does not guess how a model computes its logits; {FALLBACK}"
     )
+    return HeadMismatch(message, _name(model), reason, gap, bound)
 
 
 def _same(a: Tensor | None, b: Tensor | None) -> bool:
