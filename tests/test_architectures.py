@@ -64,6 +64,7 @@ FAST = [
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gemma3",  # its text config's cap is set, and the multimodal model does not apply it
     "cohere",
     "granite",
     "hyperclovax",
@@ -141,6 +142,8 @@ TIMEOUT_S = 120  # per architecture in the whole-mapping run (build and every co
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "gemma4_unified_assistant": {"hidden_size_per_layer_input": 0},

@@ -171,8 +171,10 @@ TRANSFORMS: dict[str, Callable[[Any, Any], LogitTransform | None]] = {
     "gemma3n": _GEMMA_TEXT_CAP,
     "gemma4": _GEMMA_TEXT_CAP,
     "gemma4_unified": _GEMMA_TEXT_CAP,
-    # Gemma3ForConditionalGeneration applies no cap (its text config's field is not read).
+    # Gemma3ForConditionalGeneration applies no cap (its text config's field is not read), nor
+    # does MptForCausalLM apply its config's logit_scale.
     "gemma3": _none,
+    "mpt": _none,
     "recurrent_gemma": _softcap("logits_soft_cap"),
     "xlstm": _softcap("output_logit_soft_cap"),
     "cohere": _COHERE,
