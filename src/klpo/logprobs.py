@@ -1705,17 +1705,9 @@ def model_logprobs(
     read = heads.checked_head if check else heads.read_head
     head = read(model)
     hidden = heads.last_hidden(model, input_ids, attention_mask, position_ids)[:, :-1]
-    ref: dict = {}
+    ref = {}
     if reference is not None:
-        head_ref = read(reference)
-        with torch.no_grad():
-            hidden_ref = heads.last_hidden(reference, input_ids, attention_mask, position_ids)
-        ref = dict(
-            hidden_ref=hidden_ref[:, :-1],
-            weight_ref=head_ref.weight,
-            bias_ref=head_ref.bias,
-            transform_ref=head_ref.transform,
-        )
+        ref = _reference_head(reference, read, input_ids, attention_mask, position_ids)
     out = fused(
         hidden, head.weight, input_ids[:, 1:], bias=head.bias, temperature=temperature,
         with_entropy=with_entropy, transform=head.transform, **ref,
@@ -1724,6 +1716,24 @@ def model_logprobs(
         return out
     keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     return FusedOutput(*(None if o is None else torch.where(keep, o, 0.0) for o in out))
+
+
+def _reference_head(
+    reference: torch.nn.Module,
+    read,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> dict:
+    """:func:`fused`'s reference arguments from a reference model, its forward without gradients."""
+    from klpo import heads
+
+    head = read(reference)
+    with torch.no_grad():
+        hidden = heads.last_hidden(reference, input_ids, attention_mask, position_ids)[:, :-1]
+    return dict(
+        hidden_ref=hidden, weight_ref=head.weight, bias_ref=head.bias, transform_ref=head.transform
+    )
 
 
 def _check_model_inputs(
