@@ -56,10 +56,10 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo import reduce
     from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.models import Backbone
-    from klpo.train.reward_model import build_rewards
-    from klpo.train.rollout import completion_hidden, generate
+    from klpo.train.models.backbone import Backbone
+    from klpo.train.rewards.model import build_rewards
+    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.runtime.dist import Dist
 
     if args.workload == "b":
         import compute_workload

@@ -229,8 +229,8 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict:
 
 def prompt_order(s: Settings) -> list[tuple[str, str]]:
     """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``."""
-    from klpo.train.data import Example, PromptStream, read_jsonl
-    from klpo.train.task import ArithmeticTask
+    from klpo.train.data.sources import Example, PromptStream, read_jsonl
+    from klpo.train.data.task import ArithmeticTask
 
     if s.workload == "b":
         train = read_jsonl(s.data_path)
@@ -341,7 +341,7 @@ def _env(threads: int) -> dict[str, str]:
 
 def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
     """``python -m klpo train`` in a subprocess; its ``metrics.jsonl``, summarised."""
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     out = work / "klpo"
     cmd = [
@@ -378,8 +378,8 @@ def trl_worker(s: Settings, out_path: str) -> None:
         Path(out_path).write_text(json.dumps({"unavailable": f"TRL is not importable ({err})"}))
         return
 
-    from klpo.train.reference import default_reference_path
-    from klpo.train.rewards import exact_match
+    from klpo.train.models.load import default_reference_path
+    from klpo.train.rewards.functions import exact_match
 
     if s.workload == "b":
         from compute_workload import lexical_reward as task_reward
@@ -507,11 +507,11 @@ def loss_worker(s: Settings, out_path: str) -> None:
 
     from klpo import reduce
     from klpo.train import loop
-    from klpo.train import rewards as rewards_mod
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.metrics import Tally
-    from klpo.train.rollout import generate
+    from klpo.train.rewards import functions as rewards_mod
+    from klpo.train.rollout.samplers import generate
+    from klpo.train.runtime.dist import Dist
+    from klpo.train.runtime.metrics import Tally
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
@@ -640,7 +640,7 @@ def floor_decode(model, rollout, group_size: int) -> None:
     many tokens as ``rollout``'s completions hold."""
     import torch
 
-    from klpo.train.rollout import preallocate
+    from klpo.train.rollout.samplers import preallocate
 
     g, c = group_size, rollout.completion_ids.shape[1]
     ids, att = rollout.prompt_ids[::g], rollout.prompt_mask[::g].long()
@@ -674,9 +674,9 @@ def floor_worker(s: Settings, out_path: str) -> None:
     torch.set_num_threads(s.threads)
     from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.models import Backbone
-    from klpo.train.rollout import completion_hidden, generate
+    from klpo.train.models.backbone import Backbone
+    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.runtime.dist import Dist
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))

@@ -322,7 +322,7 @@ def test_kl_estimators_match_the_cpu_in_float64(name):
 def test_two_grpo_steps_run_on_the_device(tmp_path, monkeypatch, extra):
     from klpo.train import loop
     from klpo.train.config import build_config
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     if torch.device(DEVICE).type == "cpu":  # the trainer takes CUDA whenever it is there
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -50,7 +50,7 @@ def test_summaries_by_hand(bench):
 def test_klpo_config_is_the_job_with_overhead_off(bench, tmp_path):
     from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.data import PromptStream
+    from klpo.train.data.sources import PromptStream
 
     s = bench.Settings(steps=3)
     cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path)))
@@ -101,8 +101,8 @@ def test_workload_b_is_the_compute_bound_job(bench, tmp_path):
         sys.path.remove(str(BENCH.parent))
     from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.data import PromptStream
-    from klpo.train.models import load_tokenizer
+    from klpo.train.data.sources import PromptStream
+    from klpo.train.models.load import load_tokenizer
 
     data = cw.write_prompts(tmp_path / "p.jsonl", 12, seed=0)
     s = bench.Settings.for_workload(

@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import init_distributed, shutdown
-from klpo.train.rollout import generate
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import init_distributed, shutdown
 
 VARIANTS = {
     "on-policy": [],

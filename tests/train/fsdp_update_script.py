@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from klpo.train import fsdp, loop
+from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist, init_distributed, shutdown
-from klpo.train.models import load_causal_lm, load_tokenizer
-from klpo.train.rollout import generate
+from klpo.train.models import fsdp
+from klpo.train.models.backbone import is_sharded
+from klpo.train.models.load import load_causal_lm, load_tokenizer
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import Dist, init_distributed, shutdown
 
 STEPS = 3
 
@@ -90,7 +92,7 @@ def main(model: str, out_dir: str) -> None:
     cfg = config(model)
     batches = rollouts(cfg, model)
     m, opt = build(cfg, dist)
-    assert fsdp.is_sharded(m.backbone) == dist.enabled
+    assert is_sharded(m.backbone) == dist.enabled
     gen = torch.Generator().manual_seed(0)
     for i, rollout in enumerate(batches):
         if i == STEPS - 1:

@@ -15,11 +15,12 @@ import math
 import pytest
 import torch
 
-from klpo.train import engines, loop
+from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import read_metrics
-from klpo.train.rollout import generate
+from klpo.train.rollout import engines
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import read_metrics
 
 
 def _fake():
@@ -158,7 +159,7 @@ def test_a_lora_policy_is_sent_merged_and_left_unmerged(tiny_model):
     peft = pytest.importorskip("peft")
     import copy
 
-    from klpo.train.models import load_causal_lm
+    from klpo.train.models.load import load_causal_lm
 
     torch.manual_seed(0)
     base = load_causal_lm(str(tiny_model), "float32")

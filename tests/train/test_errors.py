@@ -21,12 +21,12 @@ import pytest
 from typer.testing import CliRunner
 
 from klpo.cli import app
-from klpo.train import checkpoint as ck
 from klpo.train import loop, preflight
 from klpo.train.config import ConfigError, build_config
-from klpo.train.data import Example, read_jsonl
-from klpo.train.metrics import read_metrics
-from klpo.train.stop import StopOnSignal
+from klpo.train.data.sources import Example, read_jsonl
+from klpo.train.runtime import checkpoint as ck
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.stop import StopOnSignal
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -479,7 +479,7 @@ def test_every_prompt_is_checked_at_load_against_both_limits(
 
 
 def test_check_prompts_counts_the_others(tiny_model):
-    from klpo.train.models import load_tokenizer
+    from klpo.train.models.load import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model))
     examples = [Example("12345", "1", where="f:1"), Example("1", "1"), Example("123456", "1")]

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from klpo import advantages, kl, logprobs, losses, reduce
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import Tally, is_timing, read_metrics
-from klpo.train.rollout import completion_hidden, generate, position_ids
+from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from klpo import logprobs
 from klpo.cli import app
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.lora import AdapterFreeReference, apply_lora
-from klpo.train.metrics import is_timing, read_metrics
-from klpo.train.models import Backbone
-from klpo.train.rollout import position_ids
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.lora import AdapterFreeReference, apply_lora
+from klpo.train.rollout.samplers import position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import is_timing, read_metrics
 
 pytest.importorskip("peft")
 

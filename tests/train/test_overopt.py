@@ -31,8 +31,9 @@ from klpo.train.compare import (
     write_results,
 )
 from klpo.train.config import build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.overopt import eval_reward, overopt_proxy
+from klpo.train.rewards.gold import eval_reward
+from klpo.train.rewards.overopt import overopt_proxy
+from klpo.train.runtime.metrics import read_metrics
 
 
 def test_proxy_hand():

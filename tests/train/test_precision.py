@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from klpo import logprobs
-from klpo.train import loop, microbatch
+from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.rollout import completion_hidden, generate
+from klpo.train.rollout.samplers import completion_hidden, generate
+from klpo.train.runtime.dist import Dist
+from klpo.train.step import microbatch
 
 # bf16 keeps 8 significant bits: each rounding is off by at most 2^-9 relative. On the test model
 # the log-probs move by at most 1.2e-3 nats and the exact KL by 2.3e-5 (of 0.039); the documented
@@ -142,7 +143,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny_model):
 
 
 def test_bf16_lora_checkpointing_and_a_token_budget_train_together(tiny_model, quick, tmp_path):
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     out = tmp_path / "run"
     extra = {

@@ -16,11 +16,13 @@ from klpo.lab.distributions import SequencePair
 from klpo.lab.exact import analyse
 from klpo.lab.ref_is import SEED_CLIP, AdaptiveMix
 from klpo.ref_kl import ref_is_terms
-from klpo.train import loop, ref_samples
+from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.models import Backbone, load_causal_lm, load_tokenizer
-from klpo.train.rollout import Rollout
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.load import load_causal_lm, load_tokenizer
+from klpo.train.rollout import ref_samples
+from klpo.train.rollout.samplers import Rollout
+from klpo.train.runtime.metrics import read_metrics
 
 # pi_ref with probabilities (1/2, 1/4, 1/8, 1/8): a batch of 8 one-token completions holding
 # token x 8·pi_ref(x) times is an exact stratified sample, so the trainer's batch mean over it

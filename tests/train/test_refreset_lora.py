@@ -14,14 +14,14 @@ from typer.testing import CliRunner
 from klpo.cli import app
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.lora import (
+from klpo.train.models.lora import (
     apply_lora,
     base_weights,
     load_base_weights,
     merge_and_restart,
     restart_generator,
 )
-from klpo.train.metrics import is_timing, read_metrics
+from klpo.train.runtime.metrics import is_timing, read_metrics
 
 pytest.importorskip("peft")
 

@@ -1,4 +1,4 @@
-"""Tests for klpo.train.rewards: hand cases for every built-in, loading by name, the weighted sum,
+"""Tests for klpo.train.rewards.functions: hand cases for every built-in, loading by name, the weighted sum,
 and the errors a misbehaving reward function must raise (never a silent NaN)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from klpo.train import rewards
-from klpo.train.rewards import RewardError
+from klpo.train.rewards import functions as rewards
+from klpo.train.rewards.functions import RewardError
 
 
 @pytest.mark.parametrize(

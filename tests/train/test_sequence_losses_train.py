@@ -11,9 +11,9 @@ import torch
 from klpo import losses, reduce
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import Tally, read_metrics
-from klpo.train.rollout import generate, position_ids
+from klpo.train.rollout.samplers import generate, position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally, read_metrics
 
 
 @pytest.mark.parametrize(

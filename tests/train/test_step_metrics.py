@@ -1,8 +1,8 @@
 """The step's metrics do not depend on how the batch is split, and each is documented and emitted.
 
-Every logged metric is a ratio of sums over micro-batches and ranks (:class:`klpo.train.metrics.Tally`),
+Every logged metric is a ratio of sums over micro-batches and ranks (:class:`klpo.train.runtime.metrics.Tally`),
 so ``algo.micro_batch`` and the number of ``torchrun`` processes change none of them; the
-documentation table (``klpo.train.metrics.METRICS``, rendered as docs/metrics.md) lists exactly the
+documentation table (``klpo.train.runtime.metrics.METRICS``, rendered as docs/metrics.md) lists exactly the
 keys some configuration emits.
 """
 
@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from klpo import losses
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import METRICS, Tally, is_timing, read_metrics
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import METRICS, Tally, is_timing, read_metrics
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -220,7 +220,7 @@ def _entry(key: str) -> str:
 def test_every_documented_metric_is_emitted_and_none_undocumented(
     tiny_model, quick, tmp_path, monkeypatch
 ):
-    from klpo.train import engines
+    from klpo.train.rollout import engines
 
     fake = importlib.import_module("klpo_fake_engine")
     monkeypatch.setitem(engines.ENGINES, "vllm", fake.spec(0.1))

@@ -50,8 +50,8 @@ from klpo import kl
 from klpo._io import write_text_atomic
 from klpo.train.config import ConfigError, build_config, dump_config, one_of
 from klpo.train.frontier import ChoiceFrontier, Curve, frontier_plots, frontier_table
-from klpo.train.metrics import CONTROLLED_KL, read_metrics
-from klpo.train.report import save_figure
+from klpo.train.runtime.metrics import CONTROLLED_KL, read_metrics
+from klpo.train.runtime.report import save_figure
 
 
 class Choice(BaseModel):
@@ -659,7 +659,7 @@ def kl_budget_summary(
     """Did the exact KL stay within ±20% of ``target`` over the second half of training?
 
     ``key`` is the logged KL judged: ``kl/ref/exact`` (per token) or ``kl/ref/seq`` (per
-    sequence, :data:`klpo.train.metrics.CONTROLLED_KL`). For each logged step ``s > steps / 2``
+    sequence, :data:`klpo.train.runtime.metrics.CONTROLLED_KL`). For each logged step ``s > steps / 2``
     (``steps``: the run's configured length), the trailing WINDOW-step running mean ``m_s`` of
     ``key`` (the steps ``s - WINDOW + 1 .. s`` that
     were logged; the window may reach back into the first half). Returns ``kl_target``;

@@ -197,7 +197,7 @@ def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from klpo.train.report import save_figure
+    from klpo.train.runtime.report import save_figure
 
     cmap = plt.get_cmap("tab20")
     fig, (ax_end, ax_ck) = plt.subplots(1, 2, figsize=(15, 6.5), sharey=True)

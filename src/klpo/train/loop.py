@@ -28,7 +28,7 @@ Under ``torchrun`` each rank samples its share of the step's prompts (whole grou
 is divided by the global token (or sequence) count, so the gradient equals that of one process
 holding the whole batch (PPO's and REINFORCE++'s batch-whitening merges every rank's statistics,
 :func:`whiten_over_ranks`); the metrics are ratios of sums over micro-batches and ranks
-(:class:`klpo.train.metrics.Tally`), so they too are the whole batch's at any split.
+(:class:`klpo.train.runtime.metrics.Tally`), so they too are the whole batch's at any split.
 """
 
 from __future__ import annotations
@@ -46,10 +46,7 @@ import torch
 from torch import Tensor
 
 from klpo import advantages, control, kl, logprobs, losses, mismatch, reduce, ref_kl
-from klpo.train import checkpoint as ckpt_io
-from klpo.train import fsdp, microbatch, ref_samples
 from klpo.train import preflight as checks
-from klpo.train import rewards as rewards_mod
 from klpo.train.config import (
     AlgoConfig,
     Algorithm,
@@ -58,10 +55,19 @@ from klpo.train.config import (
     TrainConfig,
     dump_config,
 )
-from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl, render_chat
-from klpo.train.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
-from klpo.train.engines import RolloutEngine, check_engine, make_engine
-from klpo.train.lora import (
+from klpo.train.data.sources import Example, PromptStream, read_dataset, read_jsonl, render_chat
+from klpo.train.models import fsdp
+from klpo.train.models.backbone import Backbone, Critic
+from klpo.train.models.load import (
+    DTYPES,
+    enable_checkpointing,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    offline_unless_allowed,
+    resolve_model_path,
+)
+from klpo.train.models.lora import (
     AdapterFreeReference,
     apply_lora,
     base_weights,
@@ -70,41 +76,28 @@ from klpo.train.lora import (
     merge_and_restart,
     restart_generator,
 )
-from klpo.train.metrics import CONTROLLED_KL, MetricsWriter, Tally
-from klpo.train.models import (
-    DTYPES,
-    Backbone,
-    Critic,
-    enable_checkpointing,
-    freeze,
-    load_causal_lm,
-    load_tokenizer,
-    offline_unless_allowed,
-)
-from klpo.train.overopt import eval_reward, gold_metrics
-from klpo.train.refreset import reset_due, update_reference
-from klpo.train.reward_model import build_rewards
-from klpo.train.rollout import Rollout, completion_hidden, generate, position_ids  # noqa: F401 (generate: loop.generate for callers)
-from klpo.train.stop import Interrupted, StopOnSignal
+from klpo.train.models.reference import reset_due, update_reference
+from klpo.train.rewards import functions as rewards_mod
+from klpo.train.rewards.gold import eval_reward, gold_metrics
+from klpo.train.rewards.model import build_rewards
+from klpo.train.rollout import ref_samples
+from klpo.train.rollout.engines import RolloutEngine, check_engine, make_engine
+from klpo.train.rollout.samplers import Rollout, completion_hidden, generate, position_ids  # noqa: F401 (generate: loop.generate for callers)
+from klpo.train.runtime import checkpoint as ckpt_io
+from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
+from klpo.train.runtime.metrics import CONTROLLED_KL, MetricsWriter, Tally
+from klpo.train.runtime.stop import Interrupted, StopOnSignal
+from klpo.train.step import microbatch
 
 # ---------------------------------------------------------------------------------------------
 # Setup: models, data, rewards, controllers.
-
-
-def resolve_model_path(name: str) -> str:
-    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model."""
-    if name == "builtin":
-        from klpo.train.reference import default_reference_path
-
-        return str(default_reference_path())
-    return name
 
 
 def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples of the configured source."""
     d = cfg.data
     if d.source in ("builtin", "builtin-overopt"):
-        from klpo.train.task import ArithmeticTask
+        from klpo.train.data.task import ArithmeticTask
 
         train, heldout = ArithmeticTask().splits()
         return list(train), list(heldout[: d.eval_size])
@@ -172,7 +165,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     tokenizer = load_tokenizer(policy_path, "model.policy")
     # Parameters are float32 (the master weights); model.dtype is the compute dtype (autocast).
     compute = DTYPES[cfg.model.dtype]
-    # --- real models hook: LoRA (klpo.train.lora), checkpointing, FSDP (klpo.train.fsdp) ---
+    # --- real models hook: LoRA (klpo.train.models.lora), checkpointing, FSDP (klpo.train.models.fsdp) ---
     lora_cfg = cfg.model.lora
     if lora_cfg is not None:
         policy = load_causal_lm(policy_path, key="model.policy")
@@ -619,7 +612,7 @@ def update(
     pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
 
     With ``ref`` (``ref_is``, ``adaptive_mix``) each optimizer step also carries the KL term on
-    the reference's completions (:func:`klpo.train.ref_samples.ref_term`); its metrics are those
+    the reference's completions (:func:`klpo.train.rollout.ref_samples.ref_term`); its metrics are those
     of the first optimizer step, at the sampling policy's parameters, averaged over ranks.
     """
     a = cfg.algo
@@ -677,7 +670,7 @@ def shuffle_rows(cfg: TrainConfig, rollout: Rollout, gen: torch.Generator) -> Te
 
     With ``rollout.share_prompt`` the minibatches (and micro-batches of a multiple of the group
     size) hold whole groups in order, so each prompt is computed once per group in the update's
-    forward pass too (:func:`klpo.train.rollout.shared_groups`).
+    forward pass too (:func:`klpo.train.rollout.samplers.shared_groups`).
     """
     g = rollout.group_size
     b = rollout.mask.shape[0]
@@ -831,7 +824,7 @@ def _micro_step(
 
 
 def heldout_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
-    from klpo.train.task import heldout_accuracy as accuracy
+    from klpo.train.evaluate import heldout_accuracy as accuracy
 
     fsdp.unshard_root(m.backbone)  # generate calls the model outside the root's forward
     return accuracy(
@@ -955,7 +948,7 @@ def preflight(
     check_models(cfg)
     check_engine(cfg, dist.world)
     if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
-        from klpo.train.data import check_chat_template
+        from klpo.train.data.sources import check_chat_template
 
         check_chat_template(load_tokenizer(policy))
     checks.check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
@@ -970,7 +963,7 @@ def preflight(
 def _model_config(key: str, name: str):
     from transformers import AutoConfig
 
-    from klpo.train.models import quiet_transformers
+    from klpo.train.models.load import quiet_transformers
 
     quiet_transformers()
     path = resolve_model_path(name)
@@ -1037,13 +1030,13 @@ class TrainRun:
     writer: MetricsWriter | None
     step0: int
     progress: Callable[[int | None, dict[str, float] | None], None]
-    engine: RolloutEngine  # samples the completions (klpo.train.engines)
+    engine: RolloutEngine  # samples the completions (klpo.train.rollout.engines)
     mix_window: ref_kl.MixWindow | None = None  # adaptive_mix's past outputs
     ref_updates: int = 0  # kl.reference_reset: reference updates so far
 
     @property
     def sharded(self) -> bool:
-        """FSDP: the policy and its optimizer state are saved as shards (klpo.train.fsdp)."""
+        """FSDP: the policy and its optimizer state are saved as shards (klpo.train.models.fsdp)."""
         return fsdp.is_sharded(self.models.backbone)
 
     @property
@@ -1055,7 +1048,7 @@ class TrainRun:
 
     def moved_reference(self) -> torch.nn.Module | dict[str, Tensor] | None:
         """What a checkpoint saves of a reference that kl.reference_reset moves: the reference
-        model, or with LoRA the merged base weights (klpo.train.lora); None when it is frozen."""
+        model, or with LoRA the merged base weights (klpo.train.models.lora); None when it is frozen."""
         if self.cfg.kl.reference_reset is None:
             return None
         if isinstance(self.models.reference, AdapterFreeReference):
@@ -1377,7 +1370,7 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
         return
     run.writer.close()
     if finished:
-        from klpo.train.report import write_report
+        from klpo.train.runtime.report import write_report
 
         report = write_report(
             run.dir, estimator=run.cfg.kl.estimator, title=f"klpo train: {run.cfg.algo.name}"

@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
-from klpo.train import checkpoint as ckpt_io
 from klpo.train.config import ConfigError, TrainConfig, build_config
+from klpo.train.runtime import checkpoint as ckpt_io
 
 # Keys a resume may change without --allow-config-change: they decide how long the run goes on,
 # how it is shown and where, not what any step computes.
@@ -358,8 +358,8 @@ def check_model_sources(
     cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
 ) -> None:
     """Every model is a complete local directory (the policy's with a tokenizer) or a model id
-    in the local cache (:func:`klpo.train.models.model_source_problem`); files only."""
-    from klpo.train.models import model_source_problem
+    in the local cache (:func:`klpo.train.models.load.model_source_problem`); files only."""
+    from klpo.train.models.load import model_source_problem
 
     for key, name in model_keys(cfg, policy, reference, critic).items():
         problem = model_source_problem(name, key, tokenizer=key == "model.policy")
@@ -382,12 +382,12 @@ def check_tokenizers_and_prompts(
 
     Args:
         cfg: the run's config.
-        train, heldout: the examples (:class:`klpo.train.data.Example`).
+        train, heldout: the examples (:class:`klpo.train.data.sources.Example`).
         policy, reference, critic: resolved model directories or ids (critic None unless PPO).
     """
     from transformers import AutoConfig
 
-    from klpo.train.models import downloads_allowed, load_tokenizer, model_source_problem
+    from klpo.train.models.load import downloads_allowed, load_tokenizer, model_source_problem
 
     tokenizer = load_tokenizer(policy, "model.policy")
     for key, name in model_keys(cfg, policy, reference, critic).items():

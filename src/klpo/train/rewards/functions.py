@@ -30,7 +30,7 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
   A completion with no ``\boxed{}``, or an unclosed one, scores 0 (the convention of
   MATH-style graders, Hendrycks et al. 2021, arXiv:2103.03874).
 - ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
-  (:func:`klpo.train.overopt.overopt_proxy`).
+  (:func:`klpo.train.rewards.overopt.overopt_proxy`).
 
 Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
 (:func:`combined_rewards`). Every value is checked: a function that raises, returns a value that
@@ -47,6 +47,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+
+from klpo.train.rewards.overopt import overopt_proxy
 
 __all__ = [
     "BUILTIN",
@@ -192,16 +194,8 @@ BUILTIN: dict[str, RewardFn] = {
     "numeric": numeric,
     "format": format_reward,
     "boxed": boxed,
+    "overopt_proxy": overopt_proxy,
 }
-
-
-def _overopt_proxy(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-    from klpo.train.overopt import overopt_proxy
-
-    return overopt_proxy(prompts, completions, answers)
-
-
-BUILTIN["overopt_proxy"] = _overopt_proxy
 
 
 def get_reward(name: str) -> RewardFn:

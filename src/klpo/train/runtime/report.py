@@ -8,7 +8,7 @@ from typing import Any
 
 from klpo import _io
 from klpo._io import write_text_atomic
-from klpo.train.metrics import read_metrics
+from klpo.train.runtime.metrics import read_metrics
 
 PLOTS = {
     "reward.png": ("reward", [("reward/mean", "mean reward")]),

@@ -1,8 +1,8 @@
-"""Policy, reference and critic: transformers causal LMs loaded by path or id, and thin wrappers.
+"""Policy, reference and critic: transformers causal LMs and tokenizers loaded by path or id.
 
-The update never asks the model for its ``[B, L, V]`` logits. :class:`Backbone` returns the last
-hidden states, and the log-probs, entropy and exact KL come from the output head chunk by chunk
-(:func:`klpo.logprobs.fused`). Going through a module's ``forward`` keeps DDP's hooks in place.
+Models and tokenizers are read from local directories and the local cache only, unless
+``KLPO_ALLOW_DOWNLOADS=1``; ``builtin`` names the tiny arithmetic model shipped in the package
+(:func:`resolve_model_path`). The wrappers the step calls are in :mod:`klpo.train.models.backbone`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -97,7 +97,7 @@ def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str
     Checks files only (config, weights complete, tokenizer when asked), never the network: a
     model id must already be in the local cache unless ``KLPO_ALLOW_DOWNLOADS=1``.
     """
-    from klpo.train.checkpoint import model_dir_problem
+    from klpo.train.runtime.checkpoint import model_dir_problem
 
     path = Path(name).expanduser()
     if path.exists():
@@ -203,126 +203,6 @@ def transformer(model: nn.Module) -> nn.Module:
     return model.base_model
 
 
-class Backbone(nn.Module):
-    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
-
-    With ``group > 1`` and ``prefix = P``, rows ``g*group .. g*group + group - 1`` share their first
-    ``P`` columns (one prompt, ``group`` completions, as GRPO samples them): the prompt is run once
-    per group, its keys and values are repeated ``group`` times (autograd flows back through the
-    repeat, so every completion's gradient reaches the shared prompt's activations, summed), and
-    the completion columns attend to them through the cache. The hidden states and parameter
-    gradients are those of the unshared forward (tested in float64); the prompt's compute drops by
-    the factor ``group``.
-
-    ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
-    FSDP this module is the root of the sharding, so its own parameter group holds the
-    embeddings, the final norm and the head (:mod:`klpo.train.fsdp`).
-    """
-
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.model = model
-        self.compute_dtype = compute_dtype
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        *,
-        prefix: int = 0,
-        group: int = 1,
-    ) -> Tensor:
-        with autocast(self.compute_dtype, input_ids.device):
-            return self._hidden(input_ids, attention_mask, position_ids, prefix, group)
-
-    def _hidden(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        prefix: int,
-        group: int,
-    ) -> Tensor:
-        base = transformer(self.model)
-        # Checkpointed layers keep no cache, so a shared prompt could not reach the completions.
-        checkpointed = (
-            getattr(base, "gradient_checkpointing", False)
-            and base.training
-            and torch.is_grad_enabled()
-        )
-        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1] or checkpointed:
-            out = base(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            )
-            return out.last_hidden_state
-        first = slice(None, None, group)  # one row per group
-        head = base(
-            input_ids=input_ids[first, :prefix],
-            attention_mask=attention_mask[first, :prefix],
-            position_ids=position_ids[first, :prefix],
-            use_cache=True,
-        )
-        cache = output_cache(head)
-        if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
-            return self._hidden(input_ids, attention_mask, position_ids, 0, 1)
-        cache.batch_repeat_interleave(group)
-        tail = base(
-            input_ids=input_ids[:, prefix:],
-            attention_mask=attention_mask,
-            position_ids=position_ids[:, prefix:],
-            **cache_kwargs(base, cache),
-            use_cache=True,
-        )
-        shared = head.last_hidden_state.repeat_interleave(group, dim=0)
-        return torch.cat([shared, tail.last_hidden_state], dim=1)
-
-    def head(self) -> tuple[Tensor, Tensor | None]:
-        """The output head's (weight [V, H], bias [V] or None), whole.
-
-        Under FSDP the head is unsharded for the pass (:func:`klpo.train.fsdp.unshard_root`):
-        the fused log-prob/KL pass reads it tile by tile many times, so one all-gather per pass
-        beats one per tile, and its gradient reaches the shards through FSDP's reduce-scatter.
-        """
-        from klpo.train.fsdp import unshard_root
-
-        unshard_root(self)
-        lm_head = self.model.get_output_embeddings()
-        return lm_head.weight, getattr(lm_head, "bias", None)
-
-
-class Critic(nn.Module):
-    """PPO's critic: a causal-LM backbone and a linear value head, ``[B, L]`` values.
-
-    Initialised from the reference's backbone (its own copy, trained separately) and a zero value
-    head, so the first value predictions are 0 everywhere.
-    """
-
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
-        super().__init__()
-        self.backbone = Backbone(model, compute_dtype)
-        hidden = model.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-        self.value_head.to(next(model.parameters()).dtype)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        *,
-        prefix: int = 0,
-        group: int = 1,
-    ) -> Tensor:
-        h = self.backbone(input_ids, attention_mask, position_ids, prefix=prefix, group=group)
-        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
-
-
 def enable_checkpointing(model: nn.Module) -> None:
     """Recompute every decoder layer in the backward pass (transformers' checkpointing).
 
@@ -340,3 +220,26 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def default_reference_path() -> Path:
+    """Where the shipped reference model of the built-in task is (inside the package).
+
+    Raises:
+        FileNotFoundError: the package was installed without its assets; ``klpo make-reference
+            DIR`` rebuilds the same model.
+    """
+    path = Path(__file__).resolve().parents[2] / "assets" / "reference"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the reference model is missing from {path}; rebuild it with "
+            f"'klpo make-reference {path}' (or pass a model directory explicitly)"
+        )
+    return path
+
+
+def resolve_model_path(name: str) -> str:
+    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model."""
+    if name == "builtin":
+        return str(default_reference_path())
+    return name

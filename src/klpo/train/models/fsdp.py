@@ -1,6 +1,6 @@
 """FSDP2 under ``torchrun``: ``dist.strategy: fsdp`` shards the policy and the reference.
 
-Each decoder layer is one ``fully_shard`` unit and the :class:`klpo.train.models.Backbone` is the
+Each decoder layer is one ``fully_shard`` unit and the :class:`klpo.train.models.backbone.Backbone` is the
 root unit (embeddings, final norm, output head), over a 1-D device mesh of all processes
 (Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277; FSDP2 is its per-parameter DTensor
 rewrite). Parameters, gradients and AdamW's state live as ``[1/world]`` shards; a unit's
@@ -18,32 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.load import transformer
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from klpo.train.dist import Dist
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 unit."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def unshard_root(module: nn.Module) -> None:
-    """All-gather the root unit's parameters (a no-op when not sharded or already whole).
-
-    The fused log-prob / exact-KL pass (:func:`klpo.logprobs.fused`) reads the output head
-    outside the module's forward, tile by tile. We unshard the head for the whole pass rather
-    than gather it per tile: the pass visits every tile in the forward and again in the
-    backward, so per-tile gathers would move the head over the network ~2·V/vocab_chunk times
-    instead of once, and the whole head ([V, H], 0.5 GB in bf16 for a 128k × 2k model) is small
-    beside the activations it saves. The gradient the pass puts on the unsharded head is
-    reduce-scattered into the shards by FSDP's post-backward, like the root's other gradients.
-    """
-    if is_sharded(module):
-        module.unshard()
+    from klpo.train.runtime.dist import Dist
 
 
 def to_float(x: torch.Tensor) -> float:
@@ -64,8 +45,6 @@ def shard(module: nn.Module, dist: Dist) -> nn.Module:
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from klpo.train.models import transformer
 
     mesh = init_device_mesh(dist.device.type, (dist.world,))
     compute = getattr(module, "compute_dtype", None)
@@ -124,15 +103,13 @@ def load_unsharded(model: nn.Module, path: Path) -> None:
     (one process, no process group): what ``klpo export`` does with a sharded run."""
     import torch.distributed.checkpoint as dcp
 
-    from klpo.train.models import Backbone
-
     sd = Backbone(model).state_dict()
     dcp.load({"model": sd}, checkpoint_id=str(path))
     Backbone(model).load_state_dict(sd)
 
 
 class StagedShards:
-    """Stands in for the policy in :func:`klpo.train.checkpoint.save_checkpoint`: its
+    """Stands in for the policy in :func:`klpo.train.runtime.checkpoint.save_checkpoint`: its
     ``save_pretrained`` moves the shards every rank already wrote into the checkpoint being
     built, with the model's config.json beside them."""
 

@@ -1,15 +1,15 @@
 """``klpo export RUN_DIR --out DIR [--merge]``: a run's latest policy as a plain model directory.
 
-What the checkpoint holds decides what is read (:mod:`klpo.train.checkpoint`):
+What the checkpoint holds decides what is read (:mod:`klpo.train.runtime.checkpoint`):
 
 * a whole model (full fine-tuning, one process or DDP): copied through ``save_pretrained``;
-* LoRA adapters (:mod:`klpo.train.lora`): with ``merge`` the adapters are folded into the base
+* LoRA adapters (:mod:`klpo.train.models.lora`): with ``merge`` the adapters are folded into the base
   weights, ``W + (alpha / r) · B A``, and the result is a plain transformers model; without it the
   adapter directory is written (load it with ``peft`` over the base model). A run whose
   ``kl.reference_reset`` merged adapters into the base saved that base (``reference.safetensors``)
   and is exported over it; its adapters alone would not fit ``model.policy``, so such a run
   exports with ``merge`` only;
-* FSDP shards (:mod:`klpo.train.fsdp`): read in one process by ``torch.distributed.checkpoint``
+* FSDP shards (:mod:`klpo.train.models.fsdp`): read in one process by ``torch.distributed.checkpoint``
   into the base model's architecture.
 
 The tokenizer is copied beside the weights, so ``AutoModelForCausalLM.from_pretrained(DIR)`` and
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from klpo.train import checkpoint as ckpt_io
-from klpo.train import fsdp
 from klpo.train.config import ConfigError, load_config
-from klpo.train.lora import is_adapter_dir, load_base_weights
-from klpo.train.models import load_causal_lm, load_tokenizer
+from klpo.train.models import fsdp
+from klpo.train.models.load import load_causal_lm, load_tokenizer, resolve_model_path
+from klpo.train.models.lora import is_adapter_dir, load_base_weights
+from klpo.train.runtime import checkpoint as ckpt_io
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> Path:
@@ -34,7 +34,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
         ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty; a LoRA
             run whose adapters were merged by ``kl.reference_reset``, without ``merge``.
     """
-    from klpo.train.loop import resolve_model_path
 
     run_dir, out = Path(run_dir), Path(out)
     saved = run_dir / "config.yaml"

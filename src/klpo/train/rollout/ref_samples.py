@@ -34,7 +34,7 @@ from torch import Tensor
 
 from klpo import kl, logprobs, reduce, ref_kl
 from klpo.train.config import TrainConfig
-from klpo.train.rollout import Rollout, completion_hidden, generate
+from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 
 
 def uses_reference_samples(cfg: TrainConfig) -> bool:

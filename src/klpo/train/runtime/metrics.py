@@ -110,7 +110,9 @@ def describe(key: str) -> str:
     for k, text in METRICS.items():
         if k.endswith(">") and k.rsplit("/", 1)[0] == head:
             return text
-    raise KeyError(f"undocumented metric {key!r}; document it in klpo.train.metrics.METRICS")
+    raise KeyError(
+        f"undocumented metric {key!r}; document it in klpo.train.runtime.metrics.METRICS"
+    )
 
 
 def is_timing(key: str) -> bool:

@@ -2,13 +2,13 @@ r"""The tiny reference model of the built-in task, made by the project's own see
 
 :func:`make_reference` builds a character-level tokenizer (:func:`build_tokenizer`) and a small
 ``transformers`` causal LM from a config (:func:`build_model`, Llama or Qwen2 architecture),
-trains it by supervised fine-tuning on the train split of :class:`klpo.train.task.ArithmeticTask`
+trains it by supervised fine-tuning on the train split of :class:`klpo.train.data.task.ArithmeticTask`
 (:func:`supervised_finetune`: cross-entropy on the answer tokens and the EOS token only), stops
 early on purpose so that it solves only part of the held-out problems (room for RL), and saves the
 model (``save_pretrained``, safetensors) and tokenizer, plus ``reference.json`` with the config,
 the held-out accuracy and the versions that made it. ``klpo make-reference`` runs it.
 
-The default reference ships inside the package (:func:`default_reference_path`); the defaults of
+The default reference ships inside the package (:func:`klpo.train.models.load.default_reference_path`); the defaults of
 :class:`ReferenceConfig` reproduce it. The run is seeded (model initialisation, data order) and
 deterministic for a fixed torch version and thread count; different thread counts may change
 float32 reduction orders and so the last bits of the weights.
@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from klpo._io import atomic_dir, write_text_atomic
-from klpo.train.task import ArithmeticTask, Example, heldout_accuracy
+from klpo.train.data.task import ArithmeticTask, Example
+from klpo.train.evaluate import heldout_accuracy
+from klpo.train.models.load import default_reference_path
 
 __all__ = [
     "ReferenceConfig",
     "ReferenceResult",
     "build_model",
     "build_tokenizer",
-    "default_reference_path",
     "load_reference",
     "make_reference",
     "same_weights",
@@ -368,22 +369,6 @@ def make_reference(
     return ReferenceResult(
         out, accuracy, val_accuracy[-1], len(losses), num_parameters, seconds, losses
     )
-
-
-def default_reference_path() -> Path:
-    """Where the shipped reference model of the built-in task is (inside the package).
-
-    Raises:
-        FileNotFoundError: the package was installed without its assets; ``klpo make-reference
-            DIR`` rebuilds the same model.
-    """
-    path = Path(__file__).resolve().parent.parent / "assets" / "reference"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"the reference model is missing from {path}; rebuild it with "
-            f"'klpo make-reference {path}' (or pass a model directory explicitly)"
-        )
-    return path
 
 
 def same_weights(path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]) -> bool:

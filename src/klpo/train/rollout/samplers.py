@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from klpo.train.models import cache_kwargs, output_cache
+from klpo.train.models.load import cache_kwargs, output_cache
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Rollout:
     group_size: int
     truncated: Tensor = field(default=None)  # [B] bool: no EOS within max_new_tokens
     # [B, C] log-probs of the sampled tokens as an inference engine reported them (0 where
-    # mask is False); None when the trainer's own model sampled (see klpo.train.engines).
+    # mask is False); None when the trainer's own model sampled (see klpo.train.rollout.engines).
     engine_logp: Tensor | None = None
 
     @property
@@ -353,7 +353,7 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
     """``[B, C, H]`` last hidden states at the positions that predict each completion token.
 
     ``backbone`` maps (input_ids, attention_mask, position_ids) to hidden states ``[B, L, H]``
-    (see :class:`klpo.train.models.Backbone`); the state at column P - 1 + t predicts token t.
+    (see :class:`klpo.train.models.backbone.Backbone`); the state at column P - 1 + t predicts token t.
     With ``share_prompt`` and whole groups (:func:`shared_groups`), each prompt is computed once
     per group (``Backbone``'s ``prefix``/``group``), with the same values and gradients.
     """

@@ -18,8 +18,8 @@ in every checkpoint of such a run (``reference.safetensors``) so that a resumed 
 with the moved reference.
 
 With LoRA, where the reference is the policy with its adapters disabled
-(:class:`klpo.train.lora.AdapterFreeReference`), a hard reset is merge-and-restart
-(:func:`klpo.train.lora.merge_and_restart`): ``W ← W + (alpha_lora / r) · B A`` in every adapted
+(:class:`klpo.train.models.lora.AdapterFreeReference`), a hard reset is merge-and-restart
+(:func:`klpo.train.models.lora.merge_and_restart`): ``W ← W + (alpha_lora / r) · B A`` in every adapted
 layer, then fresh adapters (``B = 0``); the policy's function is unchanged and the base, the
 reference, becomes it. Merge-and-restart rather than a copied adapter as the reference: one set of
 weights, a reference forward that stays the plain base, and a policy that may move more than rank

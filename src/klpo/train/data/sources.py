@@ -156,7 +156,7 @@ def read_dataset(
     directory, or a name already in the local cache (nothing is downloaded here)."""
     import datasets
 
-    from klpo.train.models import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
+    from klpo.train.models.load import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
 
     offline_unless_allowed()
     path = Path(name_or_path)

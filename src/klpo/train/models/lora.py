@@ -11,7 +11,7 @@ under ``peft``'s ``disable_adapter()``: no second copy of the weights exists.
 Checkpoints hold the adapters only (``save_pretrained`` of a ``PeftModel``:
 ``adapter_config.json`` + ``adapter_model.safetensors``) and the optimizer state of the adapters;
 ``klpo export --merge`` folds ``B A`` into ``W`` and writes a plain transformers model
-(:func:`klpo.train.export.export_run`).
+(:func:`klpo.train.tools.export.export_run`).
 
 ``kl.reference_reset`` (a hard reset) with LoRA is :func:`merge_and_restart`: the adapters are
 folded into the base weights, which thereby become both the reference and the policy's frozen
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from klpo.train.models import Backbone
+from klpo.train.models.backbone import Backbone
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -79,7 +79,7 @@ def is_adapter_dir(path: str | Path) -> bool:
 class AdapterFreeReference(nn.Module):
     """pi_ref as the policy's own module with its LoRA adapters disabled.
 
-    ``forward`` and ``head`` have :class:`klpo.train.models.Backbone`'s signatures. The forward
+    ``forward`` and ``head`` have :class:`klpo.train.models.backbone.Backbone`'s signatures. The forward
     runs under ``disable_adapter()``, which makes every adapted layer return its base ``W x``
     alone; the output head carries no adapter (``model.lora`` refuses ``lm_head``), so the head
     is the base model's. Used without gradient (scoring), its outputs equal those of a separately
@@ -122,7 +122,7 @@ class AdapterFreeReference(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Merge-and-restart (kl.reference_reset with LoRA, klpo.train.refreset).
+# Merge-and-restart (kl.reference_reset with LoRA, klpo.train.models.reference).
 
 
 def _lora_layers(peft_model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:

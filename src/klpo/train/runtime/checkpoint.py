@@ -8,7 +8,7 @@ Layout of ``RUN/checkpoints/step_000050/``::
     rng.safetensors    every rank's torch generator states (CPU, and CUDA's where present)
     state.json         step, data position, controllers, optimizer structure, python/numpy RNG
     reference.safetensors  the moved reference (kl.reference_reset only): a whole model, or with
-                       LoRA the merged base weights the adapters sit on (klpo.train.lora)
+                       LoRA the merged base weights the adapters sit on (klpo.train.models.lora)
 
 A checkpoint is built in a temporary directory beside its final place and renamed into it, and
 ``RUN/checkpoints/latest`` is replaced atomically afterwards, so a run killed at any moment leaves
@@ -106,7 +106,7 @@ def save_checkpoint(
         critic: PPO's critic module, or None.
         reference: the reference model when it moves during training (kl.reference_reset),
             saved as ``reference.safetensors``; with LoRA the base weights by name
-            (:func:`klpo.train.lora.base_weights`); None when it is frozen.
+            (:func:`klpo.train.models.lora.base_weights`); None when it is frozen.
         rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
@@ -231,7 +231,9 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"state.json is missing or unreadable ({type(err).__name__})"
     policy = ckpt / "policy"
-    if (policy / "adapter_config.json").is_file():  # LoRA: the adapters only (klpo.train.lora)
+    if (
+        policy / "adapter_config.json"
+    ).is_file():  # LoRA: the adapters only (klpo.train.models.lora)
         problem = safetensors_problem(policy / "adapter_model.safetensors")
     elif (policy / ".metadata").is_file():  # FSDP shards (torch.distributed.checkpoint)
         problem = None

@@ -1,12 +1,12 @@
 """Rollout engines: what samples the completions, behind one small interface.
 
 The update never knows which engine sampled. An engine turns the step's prompts into a
-:class:`~klpo.train.rollout.Rollout` laid out exactly as :func:`klpo.train.rollout.generate`
+:class:`~klpo.train.rollout.samplers.Rollout` laid out exactly as :func:`klpo.train.rollout.samplers.generate`
 lays it out (prompts left-padded by the policy's tokenizer, completions right-padded after their
 first EOS), and, when it is not the trainer's own model, also reports the log-probs of the tokens
 it sampled (``Rollout.engine_logp``). Two engines:
 
-- ``hf`` (:class:`HFEngine`): the policy's own model through :func:`klpo.train.rollout.generate`
+- ``hf`` (:class:`HFEngine`): the policy's own model through :func:`klpo.train.rollout.samplers.generate`
   (``rollout.sampler``: the lean cached loop or transformers' ``generate``); it *is* the policy,
   so there is no weight to sync and no gap to measure (``engine_logp`` is None).
 - ``vllm`` (:class:`VLLMEngine`): a vLLM ``LLM`` in the same process. Before each step's sampling
@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from klpo.train import fsdp
 from klpo.train.config import ConfigError, TrainConfig
-from klpo.train.models import DTYPES, autocast
-from klpo.train.rollout import Rollout, completion_mask, generate
+from klpo.train.models.backbone import unshard_root
+from klpo.train.models.load import DTYPES, autocast
+from klpo.train.rollout.samplers import Rollout, completion_mask, generate
 
 
 class RolloutEngine(Protocol):
@@ -68,7 +68,7 @@ class Sampling:
     temperature: float
     top_p: float
     max_prompt_tokens: int | None
-    sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout)
+    sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout.samplers)
     synced: bool = False  # hf under FSDP: every rank steps generate until all are done
 
     @classmethod
@@ -86,7 +86,7 @@ class Sampling:
 
 
 class HFEngine:
-    """The policy's own model through :func:`klpo.train.rollout.generate`, in eval mode.
+    """The policy's own model through :func:`klpo.train.rollout.samplers.generate`, in eval mode.
 
     Under FSDP the root unit of ``backbone`` is gathered first (generate calls the model outside
     the root's forward); with a bf16 ``dtype`` it samples under autocast, as the update computes.
@@ -115,7 +115,7 @@ class HFEngine:
         s = self.sampling
         self.policy.eval()
         if self.backbone is not None:
-            fsdp.unshard_root(self.backbone)
+            unshard_root(self.backbone)
         try:
             with autocast(self.dtype, self.device):
                 return generate(
@@ -310,7 +310,7 @@ class VLLMEngine:
 EngineFactory = Callable[[TrainConfig, Any, Any, str], RolloutEngine]
 """``(cfg, models, dist, policy_path) -> RolloutEngine``; ``models`` is the run's
 :class:`klpo.train.loop.Models` (tokenizer, policy, backbone), ``dist`` its
-:class:`klpo.train.dist.Dist`."""
+:class:`klpo.train.runtime.dist.Dist`."""
 
 
 @dataclass(frozen=True)
@@ -378,5 +378,5 @@ def check_engine(cfg: TrainConfig, world: int) -> None:
 
 def make_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
     """The engine ``rollout.engine`` names, for the run's models (:class:`klpo.train.loop.Models`)
-    and processes (:class:`klpo.train.dist.Dist`)."""
+    and processes (:class:`klpo.train.runtime.dist.Dist`)."""
     return ENGINES[cfg.rollout.engine].make(cfg, m, dist, policy_path)

@@ -1,8 +1,9 @@
 r"""The over-optimisation task: train on a proxy reward, watch the gold reward.
 
-``data.source: builtin-overopt`` poses the built-in arithmetic problems (:mod:`klpo.train.task`)
+``data.source: builtin-overopt`` poses the built-in arithmetic problems (:mod:`klpo.train.data.task`)
 and, unless the config says otherwise, trains on the proxy reward ``overopt_proxy`` while logging
-the gold reward, exact correctness (``exact_match``), every step (:func:`gold_metrics`):
+the gold reward, exact correctness (``exact_match``), every step
+(:func:`klpo.train.rewards.gold.gold_metrics`):
 
 - ``reward/proxy``: the mean of the trained-on total reward of the step's completions;
 - ``reward/gold``: the mean of the gold reward of the same completions.
@@ -20,13 +21,7 @@ the policy where the proxy is still right. A learned proxy works the same way: g
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from klpo.train import rewards as rewards_mod
-
-__all__ = ["LENGTH_BONUS", "LENGTH_CAP", "eval_reward", "gold_metrics", "overopt_proxy"]
+__all__ = ["LENGTH_BONUS", "LENGTH_CAP", "overopt_proxy"]
 
 LENGTH_BONUS = 0.5  # the most the length bonus pays, in units of a right answer
 LENGTH_CAP = 8  # characters at which the bonus is full
@@ -45,22 +40,3 @@ def overopt_proxy(prompts: list[str], completions: list[str], answers: list[str]
         c, a = c.strip(), a.strip()
         out.append(float(c.startswith(a)) + LENGTH_BONUS * min(len(c), LENGTH_CAP) / LENGTH_CAP)
     return out
-
-
-def gold_metrics(gold: str, rollout: Any, scores: torch.Tensor) -> dict[str, float]:
-    """``reward/gold`` (the gold reward's mean over the rollout's completions) and
-    ``reward/proxy`` (the mean of ``scores``, the trained-on total)."""
-    fn = rewards_mod.get_reward(gold)
-    values = rewards_mod.score(fn, gold, rollout.prompts, rollout.completions, rollout.answers)
-    return {
-        "reward/gold": sum(values) / len(values),
-        "reward/proxy": float(scores.float().mean()),
-    }
-
-
-def eval_reward(cfg: Any) -> str:
-    """The reward that held-out accuracy is scored with: the gold reward if there is one, else
-    the first reward that is not a reward model, else ``exact_match``."""
-    if cfg.gold_reward:
-        return cfg.gold_reward
-    return next((t.name for t in cfg.rewards if t.name != "model"), "exact_match")
