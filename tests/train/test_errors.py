@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from klpo.cli import app
 from klpo.train import loop, preflight
+from klpo.train import setup as train_setup
 from klpo.train.config import ConfigError, build_config
 from klpo.train.data.sources import Example, read_jsonl
 from klpo.train.runtime import checkpoint as ck
@@ -65,7 +66,7 @@ def no_models(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a model was loaded before the check")
 
-    monkeypatch.setattr(loop, "build_models", fail)
+    monkeypatch.setattr(train_setup, "build_models", fail)
 
 
 def train(cfg, **kw):

@@ -20,6 +20,7 @@ from klpo import logprobs
 from klpo.train import loop
 from klpo.train.config import build_config
 from klpo.train.models.backbone import Backbone
+from klpo.train.models.build import build_models
 from klpo.train.rollout import engines
 from klpo.train.rollout.samplers import completion_hidden, completion_mask
 from klpo.train.runtime.dist import Dist
@@ -68,7 +69,7 @@ def test_vllm_samples_the_synced_policy_and_reports_its_log_probs(vllm_model, qu
     over = {"rollout.engine": "vllm", "rollout.max_new_tokens": 6, "rollout.temperature": 0.7}
     over |= PLAIN
     cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **over))
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     engine = engines.make_engine(cfg, m, Dist(), str(vllm_model))
     assert isinstance(engine, engines.VLLMEngine)
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from klpo.doctor.reading import (
     scalar,
     shell_words,
 )
+from klpo.train.algorithms import ALGORITHMS
 
 __all__ = ["DEFAULTS", "FLAGS", "VERSION", "parse_args", "read"]
 
@@ -208,7 +209,7 @@ def read(args: dict[str, Any], source: str, version: str | None = None) -> Readi
             else "same credit as klpo's grpo: the KL's returns-to-go added after the group "
             "normalisation"
         )
-    rollout = {"group_size": max(n, 2) if algo["name"] in ("grpo", "rloo") else n}
+    rollout = {"group_size": max(n, 2) if ALGORITHMS[algo["name"]].group else n}
     controller: dict[str, Any] = {}
     if target is not None and coef > 0:
         controller = {"controller": "adaptive", "target": target, "horizon": horizon}

@@ -4,7 +4,8 @@
 (so the last prompt token sits next to the first new token), an attention mask over the padding,
 position ids counted from the first real token (``generate`` derives them from the mask as
 ``cumsum(mask) - 1``), generation stopped at the EOS token, and each completion cut at its first
-EOS before decoding. :func:`heldout_accuracy` is the greedy version, scored with a reward function.
+EOS before decoding. :func:`heldout_accuracy` is the greedy version, scored with a reward function;
+:func:`policy_accuracy` that of a run's policy, during training.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
+from klpo.train.models.backbone import unshard_root
+from klpo.train.models.build import Models
 from klpo.train.rewards import functions as rewards
+from klpo.train.rewards.gold import eval_reward
 from klpo.train.rollout.samplers import generate as rollout_generate
 
-__all__ = ["generate", "heldout_accuracy"]
+__all__ = ["generate", "heldout_accuracy", "policy_accuracy"]
 
 
 def generate(
@@ -126,3 +131,17 @@ def heldout_accuracy(
     scores = rewards.score(fn, name, prompts, completions, [e.answer for e in examples])
     total = math.fsum(scores)
     return total / len(examples)
+
+
+def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
+    """The run's policy's held-out accuracy, greedy, scored with the gold reward if there is
+    one (:func:`klpo.train.rewards.gold.eval_reward`)."""
+    unshard_root(m.backbone)  # generate calls the model outside the root's forward
+    return heldout_accuracy(
+        m.policy,
+        m.tokenizer,
+        heldout,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        reward=eval_reward(cfg),
+        sampler=cfg.rollout.sampler,
+    )

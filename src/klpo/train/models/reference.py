@@ -32,12 +32,15 @@ form: ``alpha < 1`` with ``model.lora`` is refused at config time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["reset_due", "update_reference"]
+from klpo.train.models.lora import merge_and_restart, restart_generator
+
+__all__ = ["ResetFn", "merge_reset", "reset_due", "update_reference", "weight_reset"]
 
 
 @torch.no_grad()
@@ -75,3 +78,36 @@ def reset_due(reset: Any, step: int, kl_exact: float) -> bool:
     by_count = bool(reset.every) and step % reset.every == 0
     by_kl = reset.kl_above is not None and kl_exact > reset.kl_above
     return by_count or by_kl
+
+
+ResetFn = Callable[[int], None]
+"""Move the reference to the policy, given the number of updates made so far."""
+
+
+def weight_reset(
+    reference: nn.Module,
+    policy: nn.Module,
+    alpha: float,
+    clear_optimizer: Callable[[], None] | None,
+) -> ResetFn:
+    """The reset of a reference that is a model of its own: :func:`update_reference` (``alpha``),
+    then ``clear_optimizer`` if given (``reset_optimizer``, ProRL)."""
+
+    def reset(updates: int) -> None:
+        update_reference(reference, policy, alpha)
+        if clear_optimizer is not None:
+            clear_optimizer()
+
+    return reset
+
+
+def merge_reset(policy: nn.Module, seed: int, clear_optimizer: Callable[[], None]) -> ResetFn:
+    """The reset of a LoRA policy's reference, its base: merge-and-restart
+    (:func:`klpo.train.models.lora.merge_and_restart`), the fresh adapters drawn from the run's
+    seed and the update count, and the optimizer cleared (the old moments do not apply)."""
+
+    def reset(updates: int) -> None:
+        merge_and_restart(policy, restart_generator(seed, updates))
+        clear_optimizer()
+
+    return reset

@@ -309,7 +309,7 @@ class VLLMEngine:
 
 EngineFactory = Callable[[TrainConfig, Any, Any, str], RolloutEngine]
 """``(cfg, models, dist, policy_path) -> RolloutEngine``; ``models`` is the run's
-:class:`klpo.train.loop.Models` (tokenizer, policy, backbone), ``dist`` its
+:class:`klpo.train.models.build.Models` (tokenizer, policy, backbone), ``dist`` its
 :class:`klpo.train.runtime.dist.Dist`."""
 
 
@@ -377,6 +377,6 @@ def check_engine(cfg: TrainConfig, world: int) -> None:
 
 
 def make_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, for the run's models (:class:`klpo.train.loop.Models`)
+    """The engine ``rollout.engine`` names, for the run's models (:class:`klpo.train.models.build.Models`)
     and processes (:class:`klpo.train.runtime.dist.Dist`)."""
     return ENGINES[cfg.rollout.engine].make(cfg, m, dist, policy_path)

@@ -38,6 +38,11 @@ class Dist:
             x = y.to(x.device)
         return x
 
+    def share(self, items: list) -> list:
+        """This rank's equal, consecutive share of ``items`` (a step's prompts: whole groups)."""
+        n = len(items) // self.world
+        return items[self.rank * n : (self.rank + 1) * n]
+
     def gather_objects(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (``[obj]`` in a world of one)."""
         if not self.enabled:
