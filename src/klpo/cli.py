@@ -698,7 +698,9 @@ def compare(
     Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
     interrupted study without repeating finished runs.
     """
-    from klpo.train.compare import load_study, run_study, study_grid
+    from klpo.study.grid import study_grid
+    from klpo.study.runner import run_study
+    from klpo.study.spec import load_study
     from klpo.train.config import ConfigError
 
     try:

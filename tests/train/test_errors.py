@@ -563,7 +563,9 @@ def test_cli_resume_with_a_changed_setting_exits_cleanly(tiny_model, quick, tmp_
 def test_compare_refuses_finished_runs_of_other_settings(tmp_path):
     import yaml
 
-    from klpo.train.compare import Choice, StudyConfig, run_study, study_grid
+    from klpo.study.grid import study_grid
+    from klpo.study.runner import run_study
+    from klpo.study.spec import Choice, StudyConfig
 
     study = StudyConfig(
         choices=[Choice(estimator="k3", placement="loss")], betas=[0.1], seeds=[0], steps=2
@@ -637,7 +639,7 @@ def test_plain_progress_lines_when_not_a_terminal(tiny_model, quick, tmp_path):
 
 
 def test_config_and_study_files_that_cannot_be_read(tmp_path):
-    from klpo.train.compare import load_study
+    from klpo.study.spec import load_study
     from klpo.train.config import load_config
 
     bad = tmp_path / "c.yaml"

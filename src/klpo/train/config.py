@@ -638,3 +638,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def dump_config(cfg: TrainConfig) -> str:
     """The resolved config as YAML, sections in their natural order."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def flat(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as ``{"section.key": value}`` (lists and mappings kept whole)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                out[f"{section}.{k}"] = v
+        else:
+            out[section] = values
+    return out

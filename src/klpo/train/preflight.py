@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from klpo.train.algorithms import ALGORITHMS
-from klpo.train.config import ConfigError, TrainConfig, build_config
+from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, check_chat_template
 from klpo.train.models.fsdp import is_sharded_checkpoint
@@ -111,18 +111,6 @@ class RunPlan:
 def has_metrics(run_dir: Path) -> bool:
     path = run_dir / "metrics.jsonl"
     return path.is_file() and path.stat().st_size > 0
-
-
-def flat(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as ``{"section.key": value}`` (lists and mappings kept whole)."""
-    out: dict[str, Any] = {}
-    for section, values in cfg.model_dump(mode="json").items():
-        if isinstance(values, dict):
-            for k, v in values.items():
-                out[f"{section}.{k}"] = v
-        else:
-            out[section] = values
-    return out
 
 
 def config_diff(saved: TrainConfig, now: TrainConfig) -> dict[str, list[Any]]:

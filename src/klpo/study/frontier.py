@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from klpo.train.runtime.report import save_figure
+
 __all__ = [
     "BUDGETS",
     "ChoiceFrontier",
@@ -196,8 +198,6 @@ def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from klpo.train.runtime.report import save_figure
 
     cmap = plt.get_cmap("tab20")
     fig, (ax_end, ax_ck) = plt.subplots(1, 2, figsize=(15, 6.5), sharey=True)

@@ -14,17 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from klpo.train.compare import (
-    Choice,
-    Run,
-    StudyConfig,
-    load_study,
-    quick_study,
-    study_grid,
-    summarise_cells,
-    summarise_run,
-    write_results,
-)
+from klpo.study.grid import Run, study_grid
+from klpo.study.report import write_results
+from klpo.study.spec import Choice, StudyConfig, load_study, quick_study
+from klpo.study.summary import summarise_cells, summarise_run
 from klpo.train.config import ConfigError, apply_overrides, build_config
 
 HERE = Path(__file__).resolve().parent

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-from klpo.train.compare import Run, StudyConfig, summarise_cells, summarise_run, write_results
-from klpo.train.frontier import ChoiceFrontier, Curve, best_within, frontier_table, pareto
+from klpo.study.frontier import ChoiceFrontier, Curve, best_within, frontier_table, pareto
+from klpo.study.grid import Run
+from klpo.study.report import write_results
+from klpo.study.spec import StudyConfig
+from klpo.study.summary import summarise_cells, summarise_run
 
 NAN = math.nan
 
