@@ -32,7 +32,8 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
 - ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
   (:func:`klpo.train.rewards.overopt.overopt_proxy`).
 
-Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
+Rewards are chosen by name from the registry :data:`REWARDS` (the built-ins, and whatever
+:func:`register_reward` adds), or as ``module:function``. Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
 (:func:`combined_rewards`). Every value is checked: a function that raises, returns a value that
 is not a real number, NaN or ±inf, or the wrong number of values stops the run with a
 :class:`RewardError` naming the function and the sample index, never a silent NaN in the loss.
@@ -52,6 +53,7 @@ from klpo.train.rewards.overopt import overopt_proxy
 
 __all__ = [
     "BUILTIN",
+    "REWARDS",
     "RewardError",
     "RewardFn",
     "WeightedReward",
@@ -63,6 +65,7 @@ __all__ = [
     "format_reward",
     "get_reward",
     "numeric",
+    "register_reward",
     "resolve_rewards",
     "score",
 ]
@@ -197,9 +200,38 @@ BUILTIN: dict[str, RewardFn] = {
     "overopt_proxy": overopt_proxy,
 }
 
+REWARDS: dict[str, RewardFn] = dict(BUILTIN)
+"""The reward registry: every reward a config (``rewards``, ``gold_reward``) may name. It starts as
+:data:`BUILTIN`; :func:`register_reward` adds to it."""
+
+
+def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> RewardFn:
+    """Add ``fn`` to :data:`REWARDS` under ``name`` and return it (usable as a decorator's body).
+
+    Raises:
+        ValueError: ``name`` is empty, holds a ``:`` (kept for ``module:function``), is ``model``
+            (the reward model's), or is taken and ``replace`` is False; ``fn`` is not callable.
+    """
+    if not isinstance(name, str) or not name or ":" in name or name == "model":
+        raise ValueError(
+            f"a registered reward needs a plain name (no ':', not 'model'), got {name!r}"
+        )
+    if not callable(fn):
+        raise ValueError(f"reward {name!r}: {fn!r} is not a function")
+    if name in REWARDS and not replace and REWARDS[name] is not fn:
+        raise ValueError(f"reward {name!r} is already registered; pass replace=True to replace it")
+    REWARDS[name] = fn
+    return fn
+
+
+def _known() -> str:
+    """The names a reward may be chosen by, for error messages."""
+    extra = [n for n in REWARDS if n not in BUILTIN]
+    return ", ".join(BUILTIN) + (f"; registered: {', '.join(extra)}" if extra else "")
+
 
 def get_reward(name: str) -> RewardFn:
-    """A reward function by name: a built-in (:data:`BUILTIN`) or ``"package.module:function"``.
+    """A reward function by name: a registered one (:data:`REWARDS`) or ``"package.module:function"``.
 
     Raises:
         ValueError: an unknown built-in name, or a ``module:function`` that cannot be imported,
@@ -207,11 +239,11 @@ def get_reward(name: str) -> RewardFn:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a reward is named by a non-empty string, got {name!r}")
-    if name in BUILTIN:
-        return BUILTIN[name]
+    if name in REWARDS:
+        return REWARDS[name]
     if ":" not in name:
         raise ValueError(
-            f"unknown reward {name!r}; built-in rewards: {', '.join(BUILTIN)}, or give your own "
+            f"unknown reward {name!r}; built-in rewards: {_known()}, or give your own "
             f"as 'package.module:function'"
         )
     module_name, _, attr = name.partition(":")
@@ -340,7 +372,7 @@ def resolve_rewards(spec: str | Sequence[str] | Mapping[str, float]) -> list[Wei
         else [(n, 1.0) for n in spec]
     )
     if not items:
-        raise ValueError(f"at least one reward is needed; built-in rewards: {', '.join(BUILTIN)}")
+        raise ValueError(f"at least one reward is needed; built-in rewards: {_known()}")
     out: list[WeightedReward] = []
     for name, weight in items:
         if any(r.name == name for r in out):

@@ -358,17 +358,22 @@ def make_reference(
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
     }
+    _save(out, model, tokenizer, meta)
+    return ReferenceResult(
+        out, accuracy, val_accuracy[-1], len(losses), num_parameters, seconds, losses
+    )
+
+
+def _save(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
+    """The model, its tokenizer and ``reference.json``, into ``out`` atomically, as package data
+    (readable whatever the umask)."""
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_text_atomic(tmp / "reference.json", json.dumps(meta, indent=2) + "\n")
-        # the result is ordinary package data, whatever the umask
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-    return ReferenceResult(
-        out, accuracy, val_accuracy[-1], len(losses), num_parameters, seconds, losses
-    )
 
 
 def same_weights(path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]) -> bool:
