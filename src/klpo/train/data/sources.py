@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from klpo.train.models.load import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
+
 
 @dataclass(frozen=True)
 class Example:
@@ -155,8 +157,6 @@ def read_dataset(
     """Examples from a ``datasets`` dataset: a ``save_to_disk`` directory, a local data file or
     directory, or a name already in the local cache (nothing is downloaded here)."""
     import datasets
-
-    from klpo.train.models.load import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
 
     offline_unless_allowed()
     path = Path(name_or_path)

@@ -20,11 +20,10 @@ from torch import nn
 
 from klpo.train.models.backbone import Backbone
 from klpo.train.models.load import transformer
+from klpo.train.runtime.dist import Dist
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from klpo.train.runtime.dist import Dist
 
 
 def to_float(x: torch.Tensor) -> float:

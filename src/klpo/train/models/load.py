@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from klpo.train.runtime.checkpoint import model_dir_problem
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -97,8 +99,6 @@ def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str
     Checks files only (config, weights complete, tokenizer when asked), never the network: a
     model id must already be in the local cache unless ``KLPO_ALLOW_DOWNLOADS=1``.
     """
-    from klpo.train.runtime.checkpoint import model_dir_problem
-
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():

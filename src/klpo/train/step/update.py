@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ from klpo.train.step.score import values
 from klpo.train.step.types import Optimizers, Scored
 
 __all__ = [
+    "MicroBatch",
     "critic_step",
     "forward",
     "micro_metrics",
@@ -55,6 +57,26 @@ __all__ = [
 
 Reduce = Callable[[Tensor], Tensor]
 """A per-token ``[B, C]`` tensor reduced with the minibatch's global normaliser."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows ``rows`` of the scored rollout ``s``: their rollout ``r`` and ``red``, the reduction
+    of a per-token loss with the minibatch's global normaliser."""
+
+    s: Scored
+    rows: Tensor
+    r: Rollout
+    red: Reduce
+
+    @property
+    def adv(self) -> Tensor:
+        return self.s.adv[self.rows]
+
+    @property
+    def logp_old(self) -> Tensor:
+        """log pi_old of the rows (read after the forward that may fill it)."""
+        return self.s.old.logp[self.rows]
 
 
 def update(
@@ -186,13 +208,10 @@ def micro_step(
 
     # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
     kl_weight = term.weight if kl.in_loss(cfg.kl.placement) and beta * term.weight > 0 else 0.0
+    mb = MicroBatch(s, rows, r, red)
     with _no_sync(m.backbone, sync):
-        out, fused = forward(
-            cfg, m, s, rows, r, red, term.estimator, beta * kl_weight, beta_old, dist
-        )
-        total, metrics = policy_loss(
-            cfg, s, rows, r, out, red, term.estimator, kl_weight, beta, beta_old
-        )
+        out, fused = forward(cfg, m, mb, term.estimator, beta * kl_weight, beta_old, dist)
+        total, metrics = policy_loss(cfg, mb, out, term.estimator, kl_weight, beta, beta_old)
         # DDP averages gradients over ranks; the normaliser is already global, so undo the mean
         # (on_policy_weights carries the factor already).
         if fused is not None:
@@ -200,34 +219,31 @@ def micro_step(
         else:
             (total * dist.world).backward()
     if m.critic is not None:
-        loss_v = critic_step(cfg, m, s, rows, r, red, dist, sync=sync, tally=tally)
+        loss_v = critic_step(cfg, m, mb, dist, sync=sync, tally=tally)
         metrics["loss/value"] = loss_v.item()
         total = total.detach() + cfg.algo.vf_coef * loss_v.detach()
     metrics["loss/total"] = total.item()
-    micro_metrics(cfg, out.logp, s.old.logp[rows], s.adv[rows], mask, tally)
+    micro_metrics(cfg, out.logp, mb.logp_old, mb.adv, mask, tally)
     return metrics
 
 
 def forward(
     cfg: TrainConfig,
     m: Models,
-    s: Scored,
-    rows: Tensor,
-    r: Rollout,
-    red: Reduce,
+    mb: MicroBatch,
     kl_estimator: str,
     kl_coef: float,
     beta_old: float,
     dist: Dist,
 ) -> tuple[logprobs.FusedOutput, Tensor | None]:
-    """The policy's log-probs, entropy and exact KL on the micro-batch ``r`` (rows ``rows`` of
-    ``s``), and the loss whose gradient the pass took (:func:`klpo.logprobs.fused_loss`, where
+    """The policy's log-probs, entropy and exact KL on the micro-batch, and the loss whose
+    gradient the pass took (:func:`klpo.logprobs.fused_loss`, where
     ``algo.fused_loss`` allows it) or None (the per-token path: the caller's backward).
 
     ``kl_coef`` is the loss's weight on the per-token KL term ``kl_estimator`` (0: none). The
     first forward of a row at the sampling parameters records it as pi_old.
     """
-    adv, mask = s.adv[rows], r.mask
+    s, rows, r, mask = mb.s, mb.rows, mb.r, mb.r.mask
     recording = not bool(s.old.filled[rows].all())
     exact = needs_exact_kl(kl_estimator)
     need_ref = (kl_coef > 0 and exact) or recording
@@ -239,7 +255,7 @@ def forward(
     applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
     weights = None
     if takes_fused_loss(cfg, weight.shape[0], applies=applies):
-        weights = on_policy_weights(cfg, adv, mask, red, kl_coef, beta_old, dist.world)
+        weights = on_policy_weights(cfg, mb.adv, mask, mb.red, kl_coef, beta_old, dist.world)
     head_args = dict(
         bias=bias,
         temperature=cfg.rollout.temperature,
@@ -264,11 +280,8 @@ def forward(
 
 def policy_loss(
     cfg: TrainConfig,
-    s: Scored,
-    rows: Tensor,
-    r: Rollout,
+    mb: MicroBatch,
     out: logprobs.FusedOutput,
-    red: Reduce,
     kl_estimator: str,
     kl_weight: float,
     beta: float,
@@ -281,9 +294,8 @@ def policy_loss(
     KL in the loss); a non-exact estimator carries the off-policy weight of
     :func:`klpo.losses.kl_loss` unless ``kl.off_policy_correction`` is false.
     """
-    a = cfg.algo
-    adv, mask, logp = s.adv[rows], r.mask, out.logp
-    logp_old = s.old.logp[rows]
+    a, r, red = cfg.algo, mb.r, mb.red
+    adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
     pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, beta_old)
     if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
         # Tokens sampled by an inference engine: truncated importance sampling against the
@@ -299,7 +311,7 @@ def policy_loss(
             else losses.kl_loss(
                 kl_estimator,
                 logp,
-                s.logp_ref[rows],
+                mb.s.logp_ref[mb.rows],
                 logp_old=logp_old if cfg.kl.off_policy_correction else None,
             )
         )
@@ -314,25 +326,16 @@ def policy_loss(
 
 
 def critic_step(
-    cfg: TrainConfig,
-    m: Models,
-    s: Scored,
-    rows: Tensor,
-    r: Rollout,
-    red: Reduce,
-    dist: Dist,
-    *,
-    sync: bool,
-    tally: Tally,
+    cfg: TrainConfig, m: Models, mb: MicroBatch, dist: Dist, *, sync: bool, tally: Tally
 ) -> Tensor:
     """The critic's clipped value loss on the micro-batch and its backward (weighted by
     ``vf_coef``, times ``world`` as the policy's); its value metrics go into ``tally``."""
-    a, mask = cfg.algo, r.mask
+    a, mask = cfg.algo, mb.r.mask
     n_tok = float(mask.sum())
     with _no_sync(m.critic, sync):
-        v = values(m.critic, r)
-        values_old, returns = s.values_old[rows], s.returns[rows]
-        loss_v = red(losses.value_loss(v, values_old, returns, clip=a.value_clip))
+        v = values(m.critic, mb.r)
+        values_old, returns = mb.s.values_old[mb.rows], mb.s.returns[mb.rows]
+        loss_v = mb.red(losses.value_loss(v, values_old, returns, clip=a.value_clip))
         (a.vf_coef * loss_v * dist.world).backward()
     vm = losses.value_metrics(v, values_old, returns, mask, clip=a.value_clip)
     tally.add_means({key: vm[key] for key in ("value/clip_frac", "value/mean", "value/mse")}, n_tok)

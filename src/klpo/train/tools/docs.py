@@ -19,6 +19,7 @@ from typing import Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from klpo import kl
+from klpo._io import write_text_atomic
 from klpo.train.config import TrainConfig
 from klpo.train.runtime.metrics import METRICS
 
@@ -188,8 +189,6 @@ PAGES = {"estimators.md": estimators_page, "metrics.md": metrics_page, "config.m
 
 def write_pages(out: str | Path) -> list[Path]:
     """Write every generated page into ``out``; returns their paths."""
-    from klpo._io import write_text_atomic
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
