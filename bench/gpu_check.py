@@ -21,7 +21,7 @@ from pathlib import Path
 def build(path: str) -> None:
     import torch
 
-    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+    from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()
     cfg = ReferenceConfig(
@@ -46,7 +46,7 @@ def run(model: str, out: str, overrides: list[str]) -> None:
 
     from klpo.train import loop
     from klpo.train.config import build_config
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     base = [
         f"model.policy={model}",

@@ -36,6 +36,8 @@ import torch
 
 from klpo import kl
 from klpo import logprobs as lp
+from klpo.train import setup as train_setup
+from klpo.train.models.build import build_models
 
 DEVICE = os.environ.get("KLPO_TEST_DEVICE", "cuda")
 
@@ -335,19 +337,19 @@ def test_kl_estimators_match_the_cpu_in_float64(name):
 def test_two_grpo_steps_run_on_the_device(tmp_path, monkeypatch, extra):
     from klpo.train import loop
     from klpo.train.config import build_config
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     if torch.device(DEVICE).type == "cpu":  # the trainer takes CUDA whenever it is there
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     seen: list[torch.device] = []
-    build = loop.build_models
+    build = build_models
 
     def recording(*args, **kwargs):
         m = build(*args, **kwargs)
         seen.append(next(m.policy.parameters()).device)
         return m
 
-    monkeypatch.setattr(loop, "build_models", recording)
+    monkeypatch.setattr(train_setup, "build_models", recording)
     overrides = {
         "algo.name": "grpo",
         "run.out_dir": str(tmp_path / "run"),

@@ -206,7 +206,7 @@ def test_var_option_needs_name_equals_value():
 
 def test_mismatched_tokenizers_are_refused(tmp_path):
     """The trainer's check on the doctor's pair: same vocabulary size, two ids swapped."""
-    from klpo.train.reference import default_reference_path
+    from klpo.train.models.load import default_reference_path
 
     ref = Path(default_reference_path())
     other = tmp_path / "swapped"

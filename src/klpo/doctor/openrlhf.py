@@ -28,6 +28,7 @@ from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, nearest, scalar
 from klpo.doctor.shell import Script
 from klpo.doctor.shell import read_script as read_shell
+from klpo.train.algorithms import ALGORITHMS
 
 __all__ = [
     "FLAT",
@@ -485,7 +486,7 @@ def _equivalent(
             else "same credit as klpo's grpo: the KL's returns-to-go added after the group "
             "normalisation"
         )
-    rollout = {"group_size": max(n, 2) if algo["name"] in ("grpo", "rloo") else n}
+    rollout = {"group_size": max(n, 2) if ALGORITHMS[algo["name"]].group else n}
     controller: dict[str, Any] = {}
     if target is not None and coef > 0:
         controller = {"controller": "adaptive", "target": target, "horizon": horizon}

@@ -29,6 +29,7 @@ from klpo.doctor.reading import (
     scalar,
 )
 from klpo.doctor.shell import Script, read_script
+from klpo.train.algorithms import ALGORITHMS
 
 __all__ = ["ESTIMATOR_NAMES", "VERSION", "overrides", "read"]
 
@@ -433,8 +434,9 @@ def _equivalent(
             "klpo's grpo keeps a reward-side KL out of the group normalisation (per-token "
             "returns-to-go); verl sums it into the group-normalised score"
         )
-    rollout = {"group_size": max(n, 2) if algo["name"] in ("grpo", "rloo") else n}
-    if n < 2 and algo["name"] in ("grpo", "rloo"):
+    group = ALGORITHMS[algo["name"]].group
+    rollout = {"group_size": max(n, 2) if group else n}
+    if n < 2 and group:
         r.equivalent_differences.append(
             f"actor_rollout_ref.rollout.n={n}: klpo needs a group of at least 2 for {algo['name']}"
         )
