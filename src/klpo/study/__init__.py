@@ -1,0 +1,1 @@
+"""Studies of KL choices on real training: grids of runs, their reports and the fits read from them."""
