@@ -265,12 +265,31 @@ def test_fit_table_z_scores_and_offsets() -> None:
     assert rl["grpo other"]["z_alpha"] > 10  # alpha 0.4 against 0.3, sd about 0.003
     assert rl["grpo other"]["alpha"] == pytest.approx(0.4, abs=0.01)
     ref = gao.Fit("rl", rl["grpo ref"]["alpha"], rl["grpo ref"]["beta"], 0, 0, 0, 0, 0)
-    off = {o["choice"]: o for o in gao.offsets(rows, 0.2, ref, after_step=20)}
-    assert off["grpo same"]["offset"] == pytest.approx(0, abs=0.01)
+    runs = gao.matched_baseline(rows, 0.2, "grpo ref", min_points=5)  # 5 runs, one grid of KLs
+    bases = {"fit": gao.fit_baseline(ref), "runs": runs}
+    off = {o["choice"]: o for o in gao.offsets(rows, 0.2, bases, after_step=20)}
     # alpha 0.1 higher: the gold is 0.1 d higher; mean d over steps 21-40 of the linspace.
     mean_d = float(np.sqrt(np.linspace(0, 9, 40)[20:]).mean())
-    assert off["grpo other"]["offset"] == pytest.approx(0.1 * mean_d, abs=0.01)
+    for k in bases:
+        assert off["grpo same"][f"offset_{k}"] == pytest.approx(0, abs=0.01)
+        assert off["grpo other"][f"offset_{k}"] == pytest.approx(0.1 * mean_d, abs=0.01)
+        assert off["grpo other"][f"covered_{k}"] == 1.0
+    md = gao.offsets_markdown(list(off.values()), {"fit": "vs fit", "runs": "vs runs"})
+    assert "| grpo other | 0.1 | 5 |" in md and "vs runs" in md
     assert "| grpo other | d(α − β log d) |" in gao.fit_markdown(table)
+
+
+def test_matched_baseline_averages_the_points_near_d() -> None:
+    rows = [
+        {"run": "a", "algo": "grpo", "choice": "no KL", "kl_seq": d * d, "gold": 0.2 + g}
+        for d, g in ((0.50, 0.10), (0.52, 0.14), (0.56, 0.30), (1.0, 0.0))
+    ]
+    at = gao.matched_baseline(rows, 0.2, "grpo no KL", width=0.03, min_points=2)
+    # Within 0.03 of 0.51: d = 0.50 and 0.52, R = 0.10 and 0.14 -> 0.12; near 0.8 nothing.
+    assert at(0.51) == pytest.approx(0.12) and math.isnan(at(0.8))
+    assert math.isnan(gao.matched_baseline(rows, 0.2, "grpo no KL", width=0.03, min_points=3)(0.51))
+    with pytest.raises(ValueError, match="no points of 'grpo other'"):
+        gao.matched_baseline(rows, 0.2, "grpo other")
 
 
 def test_command_writes_table_and_plot(tmp_path: Path) -> None:
@@ -284,7 +303,7 @@ def test_command_writes_table_and_plot(tmp_path: Path) -> None:
     traj = tmp_path / "traj.csv"
     assert gao.main([str(traj), "--runs", str(study), "--out", str(out), "--boot", "50"]) == 0
     text = (out / "fits.md").read_text()
-    assert "| grpo full loss | d(α − β log d) |" in text and "gold − no-KL curve" in text
+    assert "| grpo full loss | d(α − β log d) |" in text and "grpo no KL runs at d ± 0.05" in text
     with (out / "fits.csv").open() as f:
         fits = {(r["choice"], r["form"]): r for r in csv.DictReader(f)}
     assert float(fits["grpo full loss", "rl"]["alpha"]) == pytest.approx(0.35, abs=0.02)

@@ -33,7 +33,7 @@ import csv
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -327,7 +327,13 @@ def fit_table(
         d, r = _pooled(gs)
         for form in FORMS:
             f = fit(d, r, form)
-            boots[label, form] = b = bootstrap(gs, form, n_boot=n_boot, seed=seed)
+            # One group (one run or seed) has no spread to resample: its sd is NaN.
+            b = (
+                bootstrap(gs, form, n_boot=n_boot, seed=seed)
+                if len(gs) > 1
+                else np.full((2, 2), np.nan)
+            )
+            boots[label, form] = b
             d_peak, r_peak = f.peak()
             chi2, nbins = lack_of_fit(d, r, f)
             rows.append(
@@ -364,43 +370,84 @@ def fit_table(
     return rows
 
 
+Baseline = Callable[[float], float]
+
+
+def fit_baseline(f: Fit) -> Baseline:
+    """``R(d)`` of a fit, as a baseline for :func:`offsets`."""
+    return lambda d: float(predict(np.array([d]), f.alpha, f.beta, f.form)[0])
+
+
+def matched_baseline(
+    rows: Sequence[dict[str, Any]],
+    gold0: float,
+    label: str,
+    *,
+    width: float = 0.05,
+    min_points: int = 20,
+) -> Baseline:
+    """The mean ``R`` of choice ``label``'s points (``"algo choice"``, every step) with
+    ``|d' - d| <= width``; NaN where fewer than ``min_points`` lie there. No form assumed."""
+    pts = sorted(
+        (math.sqrt(max(r["kl_seq"], 0.0)), r["gold"] - gold0)
+        for r in rows
+        if f"{r['algo']} {r['choice']}" == label and math.isfinite(r["kl_seq"])
+    )
+    if not pts:
+        raise ValueError(f"no points of {label!r} to match against")
+    ds = np.array([p[0] for p in pts])
+    rs = np.array([p[1] for p in pts])
+
+    def at(d: float) -> float:
+        lo, hi = np.searchsorted(ds, d - width), np.searchsorted(ds, d + width, side="right")
+        return float(rs[lo:hi].mean()) if hi - lo >= min_points else math.nan
+
+    return at
+
+
 def offsets(
-    rows: Sequence[dict[str, Any]], gold0: float, ref: Fit, *, after_step: int = 100
+    rows: Sequence[dict[str, Any]],
+    gold0: float,
+    baselines: dict[str, Baseline],
+    *,
+    after_step: int = 100,
 ) -> list[dict[str, Any]]:
-    """Per KL choice and beta: the mean residual of its points after ``after_step`` against the
-    curve ``ref`` (e.g. the no-KL runs' RL fit), mean ± sd over seeds of each run's mean, and the
-    mean KL there. Positive: more gold at that KL than the reference curve predicts; Gao et al.
-    found a KL penalty leaves the points on the unpenalised curve (it acts as early stopping)."""
+    """Per KL choice and beta: the mean residual of its points after ``after_step`` against each
+    baseline (``R`` expected at the point's ``d``; points where a baseline is NaN are left out),
+    mean ± sd over seeds of each run's mean, the share of points a baseline covered, and the
+    mean KL there. Positive: more gold at that KL than the baseline. Gao et al. found a KL
+    penalty leaves the points on the unpenalised runs' curve (it acts as early stopping)."""
     per_run: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["step"] <= after_step or not math.isfinite(r["kl_seq"]):
             continue
         d = math.sqrt(max(r["kl_seq"], 0.0))
-        res = r["gold"] - gold0 - float(predict(np.array([d]), ref.alpha, ref.beta, ref.form)[0])
         run = per_run.setdefault(
             r["run"],
-            {"choice": f"{r['algo']} {r['choice']}", "beta": r["beta"], "res": [], "kl": []},
-        )
-        run["res"].append(res)
-        run["kl"].append(r["kl_seq"])
-    cells: dict[tuple[str, float], list[tuple[float, float]]] = {}
-    for run in per_run.values():
-        cells.setdefault((run["choice"], run["beta"]), []).append(
-            (float(np.mean(run["res"])), float(np.mean(run["kl"])))
-        )
-    out = []
-    for (choice, beta), vals in sorted(cells.items()):
-        res = np.array([v[0] for v in vals])
-        out.append(
             {
-                "choice": choice,
-                "beta": beta,
-                "seeds": res.size,
-                "offset": float(res.mean()),
-                "sd": float(res.std(ddof=1)) if res.size > 1 else math.nan,
-                "kl_seq": float(np.mean([v[1] for v in vals])),
-            }
+                "choice": f"{r['algo']} {r['choice']}",
+                "beta": r["beta"],
+                "kl": [],
+                **{k: [] for k in baselines},
+            },
         )
+        run["kl"].append(r["kl_seq"])
+        for k, base in baselines.items():
+            run[k].append(r["gold"] - gold0 - base(d))
+    cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for run in per_run.values():
+        cells.setdefault((run["choice"], run["beta"]), []).append(run)
+    out = []
+    for (choice, beta), runs in sorted(cells.items()):
+        row: dict[str, Any] = {"choice": choice, "beta": beta, "seeds": len(runs)}
+        row["kl_seq"] = float(np.mean([np.mean(run["kl"]) for run in runs]))
+        for k in baselines:
+            res = [np.array(run[k]) for run in runs]
+            means = np.array([x[np.isfinite(x)].mean() for x in res if np.isfinite(x).any()])
+            row[f"offset_{k}"] = float(means.mean()) if means.size else math.nan
+            row[f"sd_{k}"] = float(means.std(ddof=1)) if means.size > 1 else math.nan
+            row[f"covered_{k}"] = float(np.mean([np.isfinite(x).mean() for x in res]))
+        out.append(row)
     return out
 
 
@@ -433,16 +480,24 @@ def fit_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def offsets_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The :func:`offsets` rows as a markdown table."""
+def offsets_markdown(rows: Sequence[dict[str, Any]], names: dict[str, str]) -> str:
+    """The :func:`offsets` rows as a markdown table, one column per baseline (``names``: baseline
+    key to column title); a cell covering under half its points says so."""
     lines = [
-        "| KL choice | beta | seeds | mean seq KL | gold − no-KL curve |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| KL choice | beta | seeds | mean seq KL | " + " | ".join(names.values()) + " |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " |",
     ]
     for r in rows:
+        cells = []
+        for k in names:
+            cell = _pm(r[f"offset_{k}"], r[f"sd_{k}"])
+            if r[f"covered_{k}"] < 0.5 and math.isfinite(r[f"offset_{k}"]):
+                cell += f" ({r[f'covered_{k}']:.0%} of points)"
+            cells.append(cell)
         lines.append(
-            f"| {r['choice']} | {r['beta']:g} | {r['seeds']} | {r['kl_seq']:.2f} "
-            f"| {_pm(r['offset'], r['sd'])} |"
+            f"| {r['choice']} | {r['beta']:g} | {r['seeds']} | {r['kl_seq']:.2f} | "
+            + " | ".join(cells)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -563,10 +618,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     ref = next((r for r in table if r["choice"] == a.reference and r["form"] == "rl"), None)
     if ref is not None:
-        ref_fit = Fit("rl", ref["alpha"], ref["beta"], ref["se_alpha"], ref["se_beta"], 0.0, 0.0, 0)
+        ref_fit = Fit("rl", ref["alpha"], ref["beta"], ref["se_alpha"], ref["se_beta"], 0, 0, 0)
+        bases = {"fit": fit_baseline(ref_fit), "runs": matched_baseline(rows, gold0, a.reference)}
+        names = {
+            "fit": f"gold − {a.reference} RL fit",
+            "runs": f"gold − {a.reference} runs at d ± 0.05",
+        }
         text += [
-            "\nAfter step 100, against the reference's RL fit:\n",
-            offsets_markdown(offsets(rows, gold0, ref_fit)),
+            f"\nAfter step 100, against {a.reference}: its RL fit, and its own points at the same d:\n",
+            offsets_markdown(offsets(rows, gold0, bases), names),
         ]
     if a.endpoints:
         ends = endpoint_groups(a.endpoints, gold0, min_betas=a.min_betas)
