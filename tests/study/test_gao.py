@@ -179,7 +179,7 @@ def _fake_run(
 def test_runs_to_points_round_trip(tmp_path: Path) -> None:
     study = tmp_path / "study"
     _fake_run(study, "a", "no KL", 0.0, 0, [(0.2, 0.0), (0.3, 0.25), (0.1, 4.0)])
-    _fake_run(study, "b", "full loss", 0.1, 0, [(0.18, 0.0), (0.32, 0.36)])
+    _fake_run(study, "b", "full loss", 0.1, 1, [(0.18, 0.0), (0.32, 0.36)])
     (study / "runs" / "unfinished").mkdir()  # no result.yaml: skipped
     rows = gao.collect_trajectories([study])
     assert [(r["run"], r["step"], r["gold"], r["kl_seq"]) for r in rows] == [
@@ -192,9 +192,12 @@ def test_runs_to_points_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     gao.write_csv(rows, path, gao.TRAJECTORY_FIELDS)
     assert gao.read_trajectories(path) == rows
-    # Step 1 of each run: (0.2 + 0.18) / 2 = 0.19; sd of {0.2, 0.18} = 0.0141421, / sqrt 2 = 0.01.
+    # Step 1 of each seed: (0.2 + 0.18) / 2 = 0.19; sd of {0.2, 0.18} = 0.0141421, / sqrt 2 = 0.01.
     g0, se, n = gao.initial_gold(rows)
     assert (g0, se, n) == (pytest.approx(0.19), pytest.approx(0.01), 2)
+    # A third run of seed 0 samples step 1 as run "a" did: it adds no seed.
+    _fake_run(study, "c", "k1 reward", 0.1, 0, [(0.2, 0.0), (0.25, 0.3)])
+    assert gao.initial_gold(gao.collect_trajectories([study]))[2] == 2
     groups = gao.trajectory_groups(rows, g0)
     d, r = groups["grpo no KL"][0]
     np.testing.assert_allclose(d, [0.0, 0.5, 2.0])  # sqrt of 0, 0.25, 4
@@ -202,6 +205,20 @@ def test_runs_to_points_round_trip(tmp_path: Path) -> None:
     np.testing.assert_allclose(groups["grpo full loss"][0][0], [0.0, 0.6])
     with pytest.raises(ValueError, match="holds no runs"):
         gao.collect_trajectories([tmp_path / "empty"])
+    # The first-step rows are those of run "a" (0.2) and run "b" (0.18); the rest are later.
+    assert {r["gold"] for r in rows if r["step"] == 1} == {0.2, 0.18}
+
+
+def test_reference_gold_from_a_run_that_never_moved(tmp_path: Path) -> None:
+    _fake_run(tmp_path, "ref", "no KL", 0.0, 7, [(0.2, 0.0), (0.25, 1e-9), (0.15, 0.0)])
+    run = tmp_path / "runs" / "ref"
+    # mean 0.2; sd of {0.2, 0.25, 0.15} = 0.05, / sqrt 3 = 0.0288675.
+    assert gao.reference_gold(run) == (pytest.approx(0.2), pytest.approx(0.05 / math.sqrt(3)), 3)
+    _fake_run(tmp_path, "moved", "no KL", 0.0, 7, [(0.2, 0.0), (0.3, 0.5)])
+    with pytest.raises(ValueError, match="the policy moved"):
+        gao.reference_gold(tmp_path / "runs" / "moved")
+    with pytest.raises(ValueError, match="does not exist"):
+        gao.reference_gold(tmp_path / "nowhere")
 
 
 def test_endpoint_groups_leave_out_resets_and_single_betas(tmp_path: Path) -> None:

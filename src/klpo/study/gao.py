@@ -48,12 +48,23 @@ __all__ = [
     "bootstrap",
     "collect_trajectories",
     "design",
+    "endpoint_groups",
     "fit",
+    "fit_baseline",
+    "fit_markdown",
     "fit_table",
     "initial_gold",
     "lack_of_fit",
     "main",
+    "matched_baseline",
+    "offsets",
+    "offsets_markdown",
+    "plot_fits",
     "predict",
+    "read_trajectories",
+    "reference_gold",
+    "trajectory_groups",
+    "write_csv",
 ]
 
 Form = Literal["rl", "bon"]
@@ -256,15 +267,41 @@ def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
 
 
 def initial_gold(rows: Sequence[dict[str, Any]]) -> tuple[float, float, int]:
-    """``(mean, standard error, runs)`` of the gold reward at each run's first logged step, where
-    the policy is still the reference: the ``R = 0`` of the fits."""
-    first: dict[str, tuple[int, float]] = {}
+    """``(mean, standard error, seeds)`` of the gold reward at the first logged step, where the
+    policy is still the reference: the ``R = 0`` of the fits. Runs of one seed sample that step
+    alike (same reference, same prompts, same generator), so each seed counts once."""
+    first: dict[int, tuple[int, float]] = {}
     for r in rows:
-        if r["run"] not in first or r["step"] < first[r["run"]][0]:
-            first[r["run"]] = (r["step"], r["gold"])
+        if r["seed"] not in first or r["step"] < first[r["seed"]][0]:
+            first[r["seed"]] = (r["step"], r["gold"])
     g = np.array([v for _, v in first.values()])
     if g.size < 2:
-        raise ValueError(f"the reference's gold reward needs two or more runs, got {g.size}")
+        raise ValueError(f"the reference's gold reward needs two or more seeds, got {g.size}")
+    return float(g.mean()), float(g.std(ddof=1) / math.sqrt(g.size)), int(g.size)
+
+
+def reference_gold(run_dir: str | Path, *, max_kl: float = 1e-4) -> tuple[float, float, int]:
+    """``(mean, standard error, steps)`` of ``reward/gold`` over a ``klpo train`` run whose policy
+    never left the reference (e.g. ``optim.lr=1e-12``): every step a fresh batch of the
+    reference's own completions. Refused if its exact sequence KL ever exceeds ``max_kl`` (in
+    float32 a policy equal to its reference reads about 1e-6 nats per completion)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} does not exist: give a klpo train output directory")
+    gold, kls = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = json.loads(line) if line.strip() else {}
+        if "reward/gold" in m:
+            gold.append(float(m["reward/gold"]))
+            kls.append(float(m.get("kl/ref/seq", math.nan)))
+    if len(gold) < 2:
+        raise ValueError(f"{str(path)!r} has {len(gold)} steps with reward/gold; need two or more")
+    if not max(kls) <= max_kl:
+        raise ValueError(
+            f"{str(path)!r}: the policy moved (sequence KL up to {max(kls):.3g} > {max_kl:g}); "
+            "run it with optim.lr=1e-12 so every step samples the reference"
+        )
+    g = np.array(gold)
     return float(g.mean()), float(g.std(ddof=1) / math.sqrt(g.size)), int(g.size)
 
 
@@ -589,6 +626,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="klpo compare output directories: collect their runs' points into TRAJECTORIES first.",
     )
     p.add_argument("--endpoints", type=Path, help="A results.csv: also fit its runs' end points.")
+    p.add_argument(
+        "--reference-run",
+        type=Path,
+        help="A klpo train directory that never left the reference (optim.lr=1e-12): its mean "
+        "gold reward is R = 0 (default: the runs' first steps, one per seed).",
+    )
     p.add_argument("--reference", default="grpo no KL", help="The choice z-scores compare with.")
     p.add_argument(
         "--endpoint-reference",
@@ -604,7 +647,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.runs:
         write_csv(collect_trajectories(a.runs), a.trajectories, TRAJECTORY_FIELDS)
     rows = read_trajectories(a.trajectories)
-    gold0, se0, n0 = initial_gold(rows)
+    if a.reference_run:
+        gold0, se0, n0 = reference_gold(a.reference_run)
+        origin = f"{n0} steps of {a.reference_run.name}, a run that never left the reference"
+    else:
+        gold0, se0, n0 = initial_gold(rows)
+        origin = f"the first step of {n0} seeds"
     groups = trajectory_groups(rows, gold0)
     if a.reference in groups:  # the reference first: its panel, its grey curve elsewhere
         groups = {a.reference: groups[a.reference], **groups}
@@ -612,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     write_csv(table, a.out / "fits.csv", list(table[0]))
     text = [
-        f"Reference's gold reward (step 1 of {n0} runs): {gold0:.4f} ± {se0:.4f}.\n",
+        f"The reference's gold reward, R = 0 ({origin}): {gold0:.4f} ± {se0:.4f}.\n",
         "Per-step points, all betas of a choice pooled; ± is the bootstrap sd over runs.\n",
         fit_markdown(table),
     ]
