@@ -69,6 +69,7 @@ __all__ = [
 
 Form = Literal["rl", "bon"]
 FORMS: tuple[Form, ...] = ("rl", "bon")
+WINDOW = 10  # steps of the running means the plot draws each run's path with
 FORM_NAMES = {"rl": "d(α − β log d)", "bon": "d(α − β d)"}
 TRAJECTORY_FIELDS = ("run", "algo", "choice", "beta", "seed", "step", "gold", "kl_seq")
 
@@ -562,8 +563,9 @@ def plot_fits(
     *,
     bins: int = 30,
 ) -> None:
-    """One panel per KL choice: its points binned by ``d`` (mean ± se of equal-count bins), the
-    RL and best-of-n fits, and the first choice's RL fit in grey for comparison."""
+    """One panel per KL choice: each run's path (10-step running means of d and gold, thin), its
+    points binned by ``d`` (mean ± se of equal-count bins), the RL and best-of-n fits, and the
+    first choice's RL fit in grey for comparison."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -577,6 +579,16 @@ def plot_fits(
     grid = np.linspace(0, d_max * 1.02, 300)
     first = {r["form"]: r for r in rows if r["choice"] == labels[0]}
     for ax, label in zip(axes.flat, labels, strict=False):
+        for run_d, run_r in groups[label]:
+            if run_d.size >= WINDOW:
+                k = np.ones(WINDOW) / WINDOW
+                ax.plot(
+                    np.convolve(run_d, k, "valid"),
+                    np.convolve(run_r, k, "valid") + gold0,
+                    color="tab:green",
+                    lw=0.5,
+                    alpha=0.35,
+                )
         d, r = _pooled(groups[label])
         x, y, se = _binned(d, r, min(bins, d.size // 2))
         ax.errorbar(x, y + gold0, yerr=se, fmt="o", ms=3, color="k", lw=0.8, label="binned runs")
