@@ -31,7 +31,7 @@ from klpo.lab.distributions import lm_pair
 from klpo.lab.exact import analyse, gaussian_moments
 from klpo.lab.report import sequence_oracle_pair
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64  # every tensor here is float64 (the global default is left alone)
 
 
 def true_gradients(theta: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,13 +65,14 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def part_one() -> None:
-    theta, ref = torch.tensor([0.7, 0.2, 0.1]).log(), torch.tensor([0.5, 0.3, 0.2]).log()
+    theta = torch.tensor([0.7, 0.2, 0.1], dtype=F64).log()
+    ref = torch.tensor([0.5, 0.3, 0.2], dtype=F64).log()
     g_tr, g_rt = true_gradients(theta, ref)
     print("1. pi_theta = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2)")
     print(f"   grad KL(pi_theta ‖ pi_ref) = {g_tr.numpy().round(6)}")
     print(f"   grad KL(pi_ref ‖ pi_theta) = {g_rt.numpy().round(6)}")
     expect = {
-        ("k1", "loss"): torch.zeros(3),
+        ("k1", "loss"): torch.zeros(3, dtype=F64),
         ("k2", "loss"): g_tr,
         ("k1", "reward"): g_tr,
         ("k3", "loss"): g_rt,
@@ -116,7 +117,7 @@ def part_two() -> None:
                     float((-torch.expm1(-d[seen])).abs().max()),
                 )
             )
-        m = torch.tensor(rows).mean(0).tolist()
+        m = torch.tensor(rows, dtype=F64).mean(0).tolist()
         print(
             f"   KL {kl:<4}: cos {m[0]:.3f} (k3 loss {m[2]:.3f}), norm ×{m[1]:.2f}; "
             f"largest coefficient {m[4]:.1f} (k2 {m[3]:.1f}, k3 {m[5]:.1f})"
@@ -133,7 +134,7 @@ def part_three() -> None:
         for _ in range(4):
             pair = lm_pair(32768, 0.3, generator=gen)
             theta, ref = pair.logits[0], pair.logits_ref[0]
-            old = theta + scale * torch.randn(theta.numel(), generator=gen)
+            old = theta + scale * torch.randn(theta.numel(), generator=gen, dtype=F64)
             p, p_old = theta.log_softmax(-1), old.log_softmax(-1)
             kl_old.append(float((p.exp() * (p - p_old)).sum()))
             g_tr, _ = true_gradients(theta, ref)
@@ -143,7 +144,7 @@ def part_three() -> None:
             _, g_is = expected_value_and_gradient("k3_is", "loss", theta, ref, old)
             assert torch.allclose(g_is, g_tr, atol=1e-10)  # k3_is: exact off-policy too
         cells = ", ".join(
-            f"{n} {torch.tensor(v).mean(0)[0]:.3f} / {torch.tensor(v).mean(0)[1]:.3f}"
+            f"{n} {torch.tensor(v, dtype=F64).mean(0)[0]:.3f} / {torch.tensor(v, dtype=F64).mean(0)[1]:.3f}"
             for n, v in acc.items()
         )
         print(f"   KL(pi_theta ‖ pi_old) {sum(kl_old) / 4:.3f}: {cells}")
