@@ -218,7 +218,7 @@ def _run_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "seed": int(result["seed"]),
                 "step": int(m["step"]),
                 "gold": float(m["reward/gold"]),
-                "kl_seq": float(m["kl/ref/seq"]),
+                "kl_seq": float(f"{float(m['kl/ref/seq']):.6g}"),  # 6 digits: a smaller CSV
             }
         )
     return rows
