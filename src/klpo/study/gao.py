@@ -661,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = read_trajectories(a.trajectories)
     if a.reference_run:
         gold0, se0, n0 = reference_gold(a.reference_run)
-        origin = f"{n0} steps of {a.reference_run.name}, a run that never left the reference"
+        origin = f"{n0} steps of the run in {a.reference_run}, which never left the reference"
     else:
         gold0, se0, n0 = initial_gold(rows)
         origin = f"the first step of {n0} seeds"
