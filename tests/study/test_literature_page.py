@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from klpo.train.compare import load_study, study_grid
+try:  # the study package in rooms
+    from klpo.study.grid import study_grid
+    from klpo.study.spec import load_study
+except ImportError:  # the study in one module
+    from klpo.train.compare import load_study, study_grid
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGE = DOCS / "literature.md"
