@@ -4,5 +4,6 @@ A study is a grid of ordinary ``klpo train`` runs (each its own process) that di
 KL choice, its coefficient and the seed; its rooms: the spec and presets (:mod:`.spec`), the grid
 (:mod:`.grid`), the runner (:mod:`.runner`), the per-run and per-cell summaries (:mod:`.summary`),
 the report (:mod:`.report`), the plots (:mod:`.plots`) and the over-optimisation frontiers
-(:mod:`.frontier`).
+(:mod:`.frontier`). Read from the runs: Gao et al.'s over-optimisation fits (:mod:`.gao`) and
+head-to-head Pareto counts (:mod:`.pareto`).
 """
