@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -546,6 +546,39 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model
 
 
+def key_paths(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """Every key of the config as ``section.key`` (sub-sections' keys too: ``model.lora.r``;
+    a list of sections as ``rewards[].name``)."""
+    out = []
+    for name, f in model.model_fields.items():
+        path = f"{prefix}{name}"
+        out.append(path)
+        for arg in (f.annotation, *get_args(f.annotation)):
+            for inner in get_args(arg) or (arg,):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    listed = get_args(arg) and get_origin(arg) is list
+                    out += key_paths(inner, f"{path}[]." if listed else f"{path}.")
+    return list(dict.fromkeys(out))
+
+
+def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:
+    """What an unknown key was meant to be: the same name in another section (``lr`` or
+    ``kl.lr``: ``optim.lr``), else a close name in its own section (``kl.betta``: ``beta``),
+    else a close full path (``optim.lerning_rate``...)."""
+    name = str(loc[-1])
+    paths = [p for p in key_paths() if "[]" not in p]
+    elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == name and "." in p]
+    if elsewhere:
+        return elsewhere[0]
+    close = difflib.get_close_matches(name, allowed, n=1)
+    if close:
+        return close[0]
+    dotted = ".".join(str(p) for p in loc if not isinstance(p, int))
+    tails = {p.rsplit(".", 1)[-1]: p for p in paths if "." in p}
+    near = difflib.get_close_matches(name, list(tails), n=1, cutoff=0.8)
+    return tails[near[0]] if near and tails[near[0]] != dotted else None
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -554,8 +587,8 @@ def _format_errors(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             parent = _section_model(loc[:-1])
             allowed = _allowed_keys(parent) if parent else []
-            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            guess = _guess_key(loc, allowed)
+            hint = f" (did you mean {guess!r}?)" if guess else ""
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
             lines.append(
                 f"unknown key {key!r}{hint}; allowed keys in {where}: {', '.join(allowed)}"

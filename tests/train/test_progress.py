@@ -1,0 +1,125 @@
+"""Progress of long commands: plain lines at a log's rate with the elapsed time and an ETA, a
+rich bar on a terminal, the same helper in every command."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from klpo.train.runtime.progress import Progress, fmt_duration, progress, train_info
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def plain(total: int, **kw) -> tuple[Progress, list[str], Clock]:
+    lines: list[str] = []
+    clock = Clock()
+    bar = Progress("work", total, terminal=False, log=lines.append, clock=clock, **kw)
+    return bar, lines, clock
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0 s"), (42.4, "42 s"), (59.6, "1 min 00 s"), (185, "3 min 05 s"),
+     (3725, "1 h 02 min"), (math.inf, "?")],
+)  # fmt: skip
+def test_durations(seconds, text):
+    assert fmt_duration(seconds) == text
+
+
+def test_the_eta_is_the_mean_time_per_unit_times_the_units_left():
+    bar, lines, clock = plain(10, lines=1)
+    clock.t += 8.0
+    bar.update(4)  # 4 units in 8 s: 2 s a unit, 6 left
+    assert bar.eta() == pytest.approx(12.0)
+    assert bar.line() == "work 4/10 (40%)  8 s elapsed, ETA 12 s"
+    assert lines == []  # no part, no mark (one line per whole), no heartbeat yet
+
+
+def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
+    bar, lines, clock = plain(4, weights=[1.0, 1.0, 6.0, 2.0], lines=1)
+    clock.t += 4.0
+    bar.update(2)  # cost 2 of 10 in 4 s: 2 s per unit of cost, 8 left
+    assert bar.eta() == pytest.approx(16.0) and bar.fraction() == pytest.approx(0.2)
+    assert bar.line() == "work 2/4 (20%)  4 s elapsed, ETA 16 s"
+    clock.t += 12.0
+    bar.update(3)  # cost 8 in 16 s: 2 left at 2 s each
+    assert bar.eta() == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="3 weights for 4 units"):
+        Progress("work", 4, weights=[1.0, 1.0, 1.0], show=False)
+
+
+def test_a_resumed_count_times_only_the_units_done_here():
+    bar, _, clock = plain(100, done=90)
+    assert bar.eta() == math.inf and "ETA ?" in bar.line()
+    clock.t += 5.0
+    bar.update(95)  # 5 units in 5 s here (the first 90 were done before): 5 s left
+    assert bar.eta() == pytest.approx(5.0)
+
+
+def test_plain_lines_at_marks_parts_heartbeats_and_the_end():
+    bar, lines, clock = plain(100, lines=4, heartbeat_s=30.0)
+    for done in range(1, 101):
+        clock.t += 0.1
+        part = "first" if done <= 10 else "second"
+        bar.update(done, part=part, info=f"n {done}")
+        if done == 60:
+            clock.t += 45.0  # a slow unit: the next update is a heartbeat
+    shown = [line.split("  ")[0] for line in lines]
+    # part "first" at 1, mark 25 (every 100 // 4), part "second" at 11, marks 50, 75,
+    # a heartbeat at 61 (45 s after the line at 50), the end at 100
+    assert shown == [
+        "work 1/100 (1%)", "work 11/100 (11%)", "work 25/100 (25%)", "work 50/100 (50%)",
+        "work 61/100 (61%)", "work 75/100 (75%)", "work 100/100 (100%)",
+    ]  # fmt: skip
+    assert "second  n 61  " in lines[4] and "ETA" in lines[4]
+    assert lines[-1].endswith("done in 55 s")  # 100 · 0.1 + 45
+
+
+def test_nothing_is_shown_when_not_asked():
+    bar, lines, _ = plain(3, show=False)
+    for done in (1, 2, 3):
+        bar.update(done, part="x")
+    assert lines == []
+
+
+def test_a_terminal_gets_a_rich_bar_with_eta(capsys):
+    with Progress("work", 4, terminal=True) as bar:
+        for done in range(1, 5):
+            bar.update(done, part="part", info="loss 1.0")
+    err = capsys.readouterr().err
+    assert "work" in err and "4/4" in err and "ETA" in err and "part  loss 1.0" in err
+
+
+def test_training_lines_carry_the_gold_reward_on_the_overoptimisation_task():
+    base = {"reward/mean": 1.25, "kl/ref/exact": 0.01234}
+    assert train_info(base) == "reward 1.250  kl 0.0123"
+    over = {**base, "reward/gold": 0.375, "accuracy/heldout": 0.5}
+    assert train_info(over) == "reward 1.250  gold 0.375  kl 0.0123  heldout 0.500"
+    lines: list[str] = []
+    report = progress(2, 0, show=True, log=lines.append, terminal=False)
+    report(1, over)
+    report(2, base)
+    report(None, None)
+    assert [x.split("  ")[0] for x in lines] == ["step 1/2 (50%)", "step 2/2 (100%)"]
+    assert "gold 0.375" in lines[0] and "ETA" in lines[0]
+
+
+def test_the_runs_of_a_study_under_way_are_read_from_their_metrics_tail(tmp_path):
+    from klpo.study.runner import last_step
+
+    assert last_step(tmp_path / "none") == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "pad": "x" * 30_000} for s in range(5)]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "torn'
+    (run / "metrics.jsonl").write_text(text)
+    assert last_step(run) == 4  # the torn line of a run being written is skipped
