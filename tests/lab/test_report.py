@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_each_unit_weighs_what_its_part_costs(name):
     cost = UNIT_SECONDS[name]
     parts = [*PARTS, "plots", "report.md"]
     assert list(cost) == parts
-    runs = [w[0]] + [b for a, b in zip(w, w[1:], strict=False) if a != b]
+    runs = [w[0]] + [b for a, b in itertools.pairwise(w) if a != b]
     assert runs == [cost[k] for k in parts]
     assert w.count(cost["drift"]) == p.drift_steps + 1
 

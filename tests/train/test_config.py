@@ -114,6 +114,10 @@ def test_key_paths_are_every_key_of_the_config():
 
     paths = key_paths()
     assert {"optim.lr", "kl.beta", "model.lora.r", "rewards[].name", "gold_reward"} <= set(paths)
+    assert "rewards.name" not in paths  # a list's items are only under rewards[]
+    assert [p for p in paths if p.startswith("rewards")] == [
+        "rewards", "rewards[].name", "rewards[].weight", "rewards[].path"
+    ]  # fmt: skip
     flat = dump_config(TrainConfig())
     for section in TrainConfig.model_fields:
         assert section in paths and f"{section}:" in flat

@@ -45,7 +45,7 @@ def test_the_eta_is_the_mean_time_per_unit_times_the_units_left():
 
 
 def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
-    bar, lines, clock = plain(4, weights=[1.0, 1.0, 6.0, 2.0], lines=1)
+    bar, _, clock = plain(4, weights=[1.0, 1.0, 6.0, 2.0], lines=1)
     clock.t += 4.0
     bar.update(2)  # cost 2 of 10 in 4 s: 2 s per unit of cost, 8 left
     assert bar.eta() == pytest.approx(16.0) and bar.fraction() == pytest.approx(0.2)
@@ -55,6 +55,19 @@ def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
     assert bar.eta() == pytest.approx(4.0)
     with pytest.raises(ValueError, match="3 weights for 4 units"):
         Progress("work", 4, weights=[1.0, 1.0, 1.0], show=False)
+
+
+def test_the_wait_before_the_first_update_is_not_in_the_rate():
+    """A command that loads for 60 s and then does a unit a second: after the first update the
+    rate is of the units since it (1 s each), not of the loading."""
+    bar, _, clock = plain(100)
+    clock.t += 60.0  # loading a model
+    bar.update(1)
+    assert bar.eta() == pytest.approx(60.0 / 1 * 99)  # all there is to go on yet
+    clock.t += 10.0
+    bar.update(11)  # 10 units in the 10 s since the first update: 89 left at 1 s
+    assert bar.eta() == pytest.approx(89.0)
+    assert bar.line().endswith("1 min 10 s elapsed, ETA 1 min 29 s")
 
 
 def test_a_resumed_count_times_only_the_units_done_here():
@@ -123,3 +136,18 @@ def test_the_runs_of_a_study_under_way_are_read_from_their_metrics_tail(tmp_path
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "torn'
     (run / "metrics.jsonl").write_text(text)
     assert last_step(run) == 4  # the torn line of a run being written is skipped
+
+
+def test_a_run_says_so_before_and_after_its_step_zero_evaluation(tiny_model, quick, tmp_path):
+    """On a real model the starting policy's evaluation is the first long wait: it is announced
+    before it starts and its result is said when it ends (then the step lines follow)."""
+    from klpo.train.config import build_config
+    from klpo.train.loop import train
+
+    said: list[str] = []
+    overrides = quick(tiny_model, tmp_path / "run", **{"run.steps": 1, "run.progress": True})
+    train(build_config(overrides=overrides), log=said.append)
+    start = next(i for i, x in enumerate(said) if x.startswith("evaluating the starting policy"))
+    assert said[start] == "evaluating the starting policy on 8 held-out problems (greedy)"
+    assert said[start + 1].startswith("held-out accuracy at step 0: ")
+    assert said[start + 2].startswith("step 1/1 (100%)  reward ")

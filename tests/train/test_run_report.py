@@ -3,6 +3,7 @@ no accuracy plot that repeats the reward's, and a report at every checkpoint."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -46,7 +47,7 @@ def test_seventy_series_each_look_different():
     pairs = [(s["color"], s["marker"]) for s in styles(70)]
     assert len(set(pairs)) == 70
     # neighbours differ in both colour and marker (the eye follows one into the next)
-    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(pairs, pairs[1:], strict=False))
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in itertools.pairwise(pairs))
 
 
 def test_a_long_series_is_its_running_mean_over_faint_raw_values():
@@ -57,7 +58,7 @@ def test_a_long_series_is_its_running_mean_over_faint_raw_values():
 
     xs = list(range(1, 101))
     ys = [math.sin(x / 7) + (x % 3) for x in xs]
-    fig, ax = plt.subplots()
+    _, ax = plt.subplots()
     plot_series(ax, xs, ys, "reward")
     raw, smooth = ax.lines
     assert raw.get_alpha() == 0.25 and list(raw.get_ydata()) == ys

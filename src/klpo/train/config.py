@@ -551,14 +551,19 @@ def key_paths(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[st
     a list of sections as ``rewards[].name``)."""
     out = []
     for name, f in model.model_fields.items():
-        path = f"{prefix}{name}"
-        out.append(path)
-        for arg in (f.annotation, *get_args(f.annotation)):
-            for inner in get_args(arg) or (arg,):
-                if isinstance(inner, type) and issubclass(inner, BaseModel):
-                    listed = get_args(arg) and get_origin(arg) is list
-                    out += key_paths(inner, f"{path}[]." if listed else f"{path}.")
+        out.append(f"{prefix}{name}")
+        for sub, listed in _sub_models(f.annotation):
+            out += key_paths(sub, f"{prefix}{name}[]." if listed else f"{prefix}{name}.")
     return list(dict.fromkeys(out))
+
+
+def _sub_models(annotation: Any, listed: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The sections inside a key's type (through ``| None`` and ``list[...]``), each with
+    whether it sits in a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, listed)]
+    inner = listed or get_origin(annotation) is list
+    return [m for arg in get_args(annotation) for m in _sub_models(arg, inner)]
 
 
 def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:

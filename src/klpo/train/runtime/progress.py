@@ -10,8 +10,10 @@ file, CI, a job scheduler, a study's ``log.txt``) it writes plain lines::
 
 at a rate that suits a log: when a new part of the work starts, at every ``1/lines`` of the
 work, at the end, and at least every ``heartbeat_s`` seconds while work goes on. The ETA is the
-time per unit of cost so far (in this process) times the cost left, where each unit costs the
-same unless ``weights`` says otherwise (the lab's experiments differ a hundredfold per unit).
+time per unit of cost so far (in this process, from the first update on: the loading before it
+is not work the units do, and a command whose first unit comes after a long load says
+``update(0)`` when the work starts) times the cost left, where each unit costs the same unless ``weights``
+says otherwise (the lab's experiments differ a hundredfold per unit).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Progress:
         self.lines = max(1, lines)
         self.start, self.start_done = clock(), self.done
         self.part, self.info = "", ""
+        self._first: tuple[float, int] | None = None  # (time, units done) at the first update
         self._last_line, self._mark = self.start, self._next_mark()
         self._log = log or _stderr_print
         self._bar = self._task = None
@@ -121,9 +124,13 @@ class Progress:
         return self._cost[self.done] / self._cost[-1] if self._cost[-1] > 0 else 1.0
 
     def eta(self) -> float:
-        """Seconds left at the time per unit of cost so far (inf before the first unit)."""
-        done = self._cost[self.done] - self._cost[self.start_done]
+        """Seconds left at the time per unit of cost since the first update (since the start
+        while only the first has come; inf before any unit is done)."""
         left = self._cost[-1] - self._cost[self.done]
+        if self._first is not None and self.done > self._first[1]:
+            t1, done1 = self._first
+            return (self.clock() - t1) / (self._cost[self.done] - self._cost[done1]) * left
+        done = self._cost[self.done] - self._cost[self.start_done]
         return self.elapsed / done * left if done > 0 else math.inf
 
     def _next_mark(self) -> int:
@@ -149,6 +156,8 @@ class Progress:
             return
         new_part = part is not None and part != self.part
         self.done = min(done, self.total)
+        if self._first is None:
+            self._first = (self.clock(), self.done)
         self.part = self.part if part is None else part
         self.info = self.info if info is None else info
         if self._bar is not None:

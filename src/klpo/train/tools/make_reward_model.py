@@ -149,6 +149,7 @@ def make_reward_model(
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model.train()
+    bar.update(0, part="training")  # the model is loaded: the ETA counts from here
     for step in range(config.steps):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(config.batch_size)]
         enc = tokenizer(
