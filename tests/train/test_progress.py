@@ -41,7 +41,10 @@ def test_the_eta_is_the_mean_time_per_unit_times_the_units_left():
     bar.update(4)  # 4 units in 8 s: 2 s a unit, 6 left
     assert bar.eta() == pytest.approx(12.0)
     assert bar.line() == "work 4/10 (40%)  8 s elapsed, ETA 12 s"
-    assert lines == []  # no part, no mark (one line per whole), no heartbeat yet
+    assert lines == [bar.line()]  # the first update (no part, mark or heartbeat needed)
+    clock.t += 2.0
+    bar.update(5)  # no part, no mark (one line per whole), no heartbeat: no line
+    assert len(lines) == 1
 
 
 def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
@@ -60,10 +63,11 @@ def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
 def test_the_wait_before_the_first_update_is_not_in_the_rate():
     """A command that loads for 60 s and then does a unit a second: after the first update the
     rate is of the units since it (1 s each), not of the loading."""
-    bar, _, clock = plain(100)
+    bar, lines, clock = plain(100)
     clock.t += 60.0  # loading a model
     bar.update(1)
     assert bar.eta() == pytest.approx(60.0 / 1 * 99)  # all there is to go on yet
+    assert lines == [bar.line()]  # the first update is shown at once: the work has started
     clock.t += 10.0
     bar.update(11)  # 10 units in the 10 s since the first update: 89 left at 1 s
     assert bar.eta() == pytest.approx(89.0)
@@ -151,3 +155,32 @@ def test_a_run_says_so_before_and_after_its_step_zero_evaluation(tiny_model, qui
     assert said[start] == "evaluating the starting policy on 8 held-out problems (greedy)"
     assert said[start + 1].startswith("held-out accuracy at step 0: ")
     assert said[start + 2].startswith("step 1/1 (100%)  reward ")
+
+
+def test_compare_shows_its_progress_over_every_runs_steps(tmp_path, monkeypatch, capsys):
+    """`klpo compare`'s bar counts the steps of all its runs (a finished run's at once) and the
+    runs finished; each run here is faked (it writes its metrics and a row)."""
+    from klpo.study import runner
+    from klpo.study.grid import study_grid
+    from klpo.study.spec import quick_study
+
+    study = quick_study()
+    runs = study_grid(study)
+
+    def fake(run, out, study, on_start=None):
+        run_dir = out / "runs" / run.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        steps = range(1, study.steps + 1)
+        (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in steps))
+        return {"name": run.name}
+
+    monkeypatch.setattr(runner, "_execute", fake)
+    monkeypatch.setattr(runner, "write_results", lambda *a: None)
+    assert len(runner.run_study(study, tmp_path, show_progress=True)) == len(runs)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("compare ")]
+    total = len(runs) * study.steps
+    assert lines and all(" runs finished" in x for x in lines)
+    assert lines[-1].startswith(f"compare {total}/{total} (100%)  {len(runs)}/{len(runs)} runs")
+    assert "done in" in lines[-1]
+    runner.run_study(study, tmp_path / "quiet", show_progress=False)
+    assert "compare " not in capsys.readouterr().err

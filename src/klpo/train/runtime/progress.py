@@ -8,12 +8,13 @@ file, CI, a job scheduler, a study's ``log.txt``) it writes plain lines::
 
     lab report 120/295 (41%)  gradient cosines  1 min 12 s elapsed, ETA 1 min 44 s
 
-at a rate that suits a log: when a new part of the work starts, at every ``1/lines`` of the
-work, at the end, and at least every ``heartbeat_s`` seconds while work goes on. The ETA is the
-time per unit of cost so far (in this process, from the first update on: the loading before it
-is not work the units do, and a command whose first unit comes after a long load says
-``update(0)`` when the work starts) times the cost left, where each unit costs the same unless ``weights``
-says otherwise (the lab's experiments differ a hundredfold per unit).
+at a rate that suits a log: at the first update (the work has started), when a new part of the
+work starts, at every ``1/lines`` of the work, at the end, and at least every ``heartbeat_s``
+seconds while work goes on. The ETA is the time per unit of cost so far (in this process, from
+the first update on: the loading before it is not work the units do, and a command whose first
+unit comes after a long load says ``update(0)`` when the work starts) times the cost left, where
+each unit costs the same unless ``weights`` says otherwise (the lab's experiments differ a
+hundredfold per unit).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class Progress:
             return
         new_part = part is not None and part != self.part
         self.done = min(done, self.total)
-        if self._first is None:
+        first = self._first is None  # shown at once: the work has started
+        if first:
             self._first = (self.clock(), self.done)
         self.part = self.part if part is None else part
         self.info = self.info if info is None else info
@@ -166,7 +168,8 @@ class Progress:
             return
         now = self.clock()
         due = (
-            new_part
+            first
+            or new_part
             or self.done >= self.total
             or self._cost[self.done] * self.lines >= self._mark * self._cost[-1]
             or now - self._last_line >= self.heartbeat_s
