@@ -118,6 +118,11 @@ def test_the_report_names_the_plots_it_wrote_and_removes_stale_ones(tmp_path):
         assert f"![{name}]({name})" in report
     assert "![beta.png]" not in report and "beta fixed at 0.1 (no plot)." in report
     assert "metrics (steps 1–40)" in report and "| at step 40 (latest) | 0.650 |" in report
+    assert "| `kl/ref/k1` | 0.05 |" in report  # the configured estimate at step 40
+    rows = [{**r, "kl/ref/full": r["kl/ref/exact"]} for r in rows_of(40) if r["step"]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full = write_report(tmp_path, estimator="full").read_text()
+    assert "| `kl/ref/exact` | 0.04 |" in full and "kl/ref/full" not in full  # one row, not two
 
 
 def test_an_interrupted_run_has_its_report_and_plots(tiny_model, quick, tmp_path, monkeypatch):

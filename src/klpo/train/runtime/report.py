@@ -117,6 +117,7 @@ def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], l
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     content, notes = plot_content(rows, estimator)
     written = []
@@ -128,6 +129,7 @@ def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], l
         for _, legend, xs, ys in series:
             plot_series(ax, xs, ys, legend)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5
         ax.set_ylabel(PLOTS[name][0])
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=8)
@@ -183,7 +185,8 @@ SUMMARY_KEYS = (
 
 def last_step_section(r: RunReport) -> list[str]:
     last = r.rows[-1] if r.rows else {}
-    keys = dict.fromkeys(f"kl/ref/{r.estimator}" if k == "<est>" else k for k in SUMMARY_KEYS)
+    est = f"kl/ref/{r.estimator}" if r.estimator != "full" else "kl/ref/exact"  # (the same)
+    keys = dict.fromkeys(est if k == "<est>" else k for k in SUMMARY_KEYS)
     lines = ["| last step's metric | value |", "| --- | --- |"]
     for k in keys:
         if k in last:
