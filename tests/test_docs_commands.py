@@ -128,3 +128,25 @@ def test_every_study_in_the_docs_index_with_its_number_of_runs():
         runs = len(study.read_text(encoding="utf-8").strip().splitlines()) - 1
         stated = re.findall(r"(\d+) runs", row)
         assert all(int(n) == runs for n in stated), (name, stated, runs)
+
+
+def _written(command: str) -> str | None:
+    """The directory a documented command writes into, if it writes one."""
+    words = command.split()
+    if "--out" in words:
+        return words[words.index("--out") + 1]
+    if words[1] in ("make-reference", "make-reward-model"):
+        return words[2]
+    return None
+
+
+def test_what_the_documented_commands_write_git_ignores():
+    """A documented command writes under a folder .gitignore names (runs/), or into docs/ where
+    the repository keeps its outputs on purpose (the studies' reports): nothing lands in a
+    folder git would offer to commit by accident."""
+    ignored = {x.strip() for x in (ROOT / ".gitignore").read_text().splitlines()}
+    written = {c: _written(c) for c in DOCUMENTED if _written(c)}
+    assert any(c.split()[1] == "make-reward-model" for c in written)  # the check sees them
+    for command, path in written.items():
+        top = path.split("/")[0] + "/"
+        assert top in ignored or top == "docs/", command
