@@ -650,7 +650,6 @@ def make_reference_cmd(
         config = dataclasses.replace(reference.ReferenceConfig(), **overrides)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    out_console = console()
     val = ["not yet measured"]
 
     def on_step(step: int, loss: float, val_accuracy: float | None) -> None:
@@ -663,6 +662,15 @@ def make_reference_cmd(
             result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
     except FileExistsError as err:
         raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    _print_reference(result, config, defaults=not overrides)
+
+
+def _print_reference(result, config, *, defaults: bool) -> None:
+    """What ``make-reference`` wrote: where, its size and accuracy, an early stop, and (built
+    on the defaults) whether it is bit-identical to the shipped reference."""
+    from klpo.train.tools import make_reference as reference
+
+    out_console = console()
     if result.steps < config.steps:
         out_console.print(
             f"stopped after {result.steps} of {config.steps} SFT steps: validation accuracy "
@@ -680,7 +688,7 @@ def make_reference_cmd(
         shipped = reference.default_reference_path()
     except FileNotFoundError:
         return
-    if not overrides and result.path.resolve() != shipped.resolve():
+    if defaults and result.path.resolve() != shipped.resolve():
         same = reference.same_weights(result.path, shipped)
         out_console.print(
             f"bit-identical to the shipped reference: {'yes' if same else 'no'}", highlight=False
@@ -767,6 +775,28 @@ def _numbers(text: str, kind: type, option: str, example: str) -> list:
         ) from None
 
 
+def _compare_study(study_file, quick, task, workers, steps, seeds, betas):
+    """``klpo compare``'s study and its grid from its options, or exit 2 naming the bad one."""
+    from klpo.study.grid import study_grid
+    from klpo.study.spec import load_study
+    from klpo.train.config import ConfigError
+
+    try:
+        study = load_study(study_file, quick=quick, task=task)
+        if workers is not None:
+            study.workers = workers
+        if steps is not None:
+            study.steps = steps
+        if seeds is not None:
+            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
+        if betas is not None:
+            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
+        return study, study_grid(study)
+    except (ConfigError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def compare(
     out: Path = typer.Option(
@@ -810,26 +840,11 @@ def compare(
     Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
     interrupted study without repeating finished runs.
     """
-    from klpo.study.grid import study_grid
     from klpo.study.runner import run_study
-    from klpo.study.spec import load_study
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
 
-    try:
-        study = load_study(study_file, quick=quick, task=task)
-        if workers is not None:
-            study.workers = workers
-        if steps is not None:
-            study.steps = steps
-        if seeds is not None:
-            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
-        if betas is not None:
-            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
-        grid = study_grid(study)
-    except (ConfigError, ValueError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+    study, grid = _compare_study(study_file, quick, task, workers, steps, seeds, betas)
     if dry_run:
         for r in grid:
             typer.echo(r.name)
