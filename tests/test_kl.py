@@ -639,3 +639,21 @@ def test_full_where_the_reference_forbids_the_policy_support_is_refused_or_inf()
         "full", None, None, logits=logits, logits_ref=logits_ref, check_finite=False
     )
     assert torch.isposinf(value[0, 1])
+
+
+def test_the_error_of_full_lists_what_works_from_logp_and_logp_ref_alone():
+    """The estimators the message names as needing only logp and logp_ref each run on them,
+    and every other one (k3_is: logp_old; full: logits) refuses them."""
+    logp, logp_ref = torch.tensor([[-0.5, -1.0]]), torch.tensor([[-0.7, -0.9]])
+    with pytest.raises(ValueError) as err:
+        kl.estimate("full", logp, logp_ref)
+    text = str(err.value)
+    alone = text.split("from logp and logp_ref alone: ")[1].split(" (and with")[0].split(", ")
+    assert "k3_is" not in alone and "full" not in alone
+    for name in kl.ESTIMATORS:
+        if name in alone:
+            assert kl.estimate(name, logp, logp_ref).shape == (1, 2)
+        else:
+            with pytest.raises(ValueError):
+                kl.estimate(name, logp, logp_ref)
+    assert "with logp_old, the sampling policy's log-probs: k3_is)" in text

@@ -24,6 +24,35 @@ app = typer.Typer(
 )
 
 
+class Command(typer.core.TyperCommand):
+    """A command whose help reads in click's own notation: positional arguments by their
+    metavar (``klpo doctor [OPTIONS] CONFIG``, ``[OUT]`` when optional), without typer's
+    ``{name}`` braces and ``<type>`` labels (every option with a value names its metavar)."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar or param.name.upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def format_options(self, ctx: typer.Context, formatter) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or param.name.upper(), record[1]))
+            else:
+                opts.append(record)
+        for title, records in (("Arguments", args), ("Options", opts)):
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
 @app.callback()
 def _root() -> None:
     """KL-regularised policy optimisation for language models: estimators, lab, trainer."""
@@ -38,10 +67,14 @@ def console() -> Console:
 @app.command()
 def explain(
     estimator: str | None = typer.Option(
-        None, "--estimator", "-e", help="A KL estimator (see --all for the list)."
+        None, "--estimator", "-e", metavar="NAME", help="A KL estimator (see --all for the list)."
     ),
     placement: str | None = typer.Option(
-        None, "--placement", "-p", help="reward, loss or reward+loss; all three if omitted."
+        None,
+        "--placement",
+        "-p",
+        metavar="PLACEMENT",
+        help="reward, loss or reward+loss; all three if omitted.",
     ),
     all_: bool = typer.Option(False, "--all", help="Explain every estimator in every placement."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
@@ -121,13 +154,25 @@ def _table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool
 @app.command()
 def train(
     config: Path | None = typer.Option(
-        None, "--config", "-c", help="YAML config (see configs/); built-in defaults if omitted."
+        None,
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML config (see configs/ and docs/config.md); built-in defaults if omitted.",
     ),
     overrides: list[str] = typer.Option(
-        [], "--set", "-s", help="Override a config key, e.g. --set kl.beta=0.02 (repeatable)."
+        [],
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override a config key, e.g. --set kl.beta=0.02 or --set optim.lr=1e-6 "
+        "(repeatable; the value is YAML).",
     ),
     resume: Path | None = typer.Option(
-        None, "--resume", help="Continue the run in this directory from its last checkpoint."
+        None,
+        "--resume",
+        metavar="RUN_DIR",
+        help="Continue the run in this directory from its last checkpoint.",
     ),
     allow_config_change: bool = typer.Option(
         False,
@@ -135,14 +180,46 @@ def train(
         help="With --resume: continue even though the config or the number of processes "
         "changed (recorded in the run's config-changes.jsonl).",
     ),
+    print_config: bool = typer.Option(
+        False,
+        "--print-config",
+        help="Print the resolved config (the defaults, then --config, then --set) as YAML and "
+        "exit.",
+    ),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="Run every check a run makes before it loads a model or writes a file (config, run "
+        "directory, model and tokenizer files, prompts, reward functions), then exit: 0 when "
+        "the run would start.",
+    ),
 ) -> None:
     """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
+
+    The config has the sections model, data, rewards, gold_reward, rollout, algo, kl, optim,
+    run and dist: every key, its default and meaning is in docs/config.md, and --print-config
+    shows them all as this run would use them. A run writes into run.out_dir (default
+    runs/train; a new run never reuses a directory that holds another run: give each its own
+    with --set run.out_dir=DIR, as `make run` does, or continue one with --resume).
 
     Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
     with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md). Ctrl-C or
     SIGTERM stops it after the current step with a checkpoint. Models and datasets are read from
     local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
     """
+    cfg = _train_config(config, overrides, resume, allow_config_change)
+    if print_config:
+        from klpo.train.config import dump_config
+
+        typer.echo(dump_config(cfg), nl=False)
+        return
+    _train_or_check(cfg, resume is not None, allow_config_change, check)
+
+
+def _train_config(
+    config: Path | None, overrides: list[str], resume: Path | None, allow_config_change: bool
+):
+    """The config of ``klpo train``'s options (a resume's saved one by default), or exit 2."""
     from klpo.train.config import ConfigError, load_config
     from klpo.train.preflight import empty_config_warning
 
@@ -163,10 +240,15 @@ def train(
     empty = empty_config_warning(config)
     if empty:
         typer.echo(f"warning: {empty}", err=True)
+    return cfg
 
+
+def _train_or_check(cfg, resume: bool, allow_config_change: bool, check: bool) -> None:
+    """Run the training (or with ``check`` only its checks), its errors as exit codes."""
     import os
 
-    from klpo.train.loop import TrainingDiverged
+    from klpo.train.config import ConfigError
+    from klpo.train.loop import TrainingDiverged, check_run
     from klpo.train.loop import train as run_training
     from klpo.train.rewards.functions import RewardError
     from klpo.train.runtime.dist import PeerFailed
@@ -174,13 +256,17 @@ def train(
 
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     who = f"rank {rank}: " if rank is not None else ""
+    log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
     try:
-        run_training(
-            cfg,
-            resume=resume is not None,
-            log=lambda msg: typer.echo(msg, err=True),
-            allow_config_change=allow_config_change,
-        )
+        if check:
+            check_run(cfg, resume=resume, log=log, allow_config_change=allow_config_change)
+            typer.echo(
+                f"check passed: {cfg.algo.name} for {cfg.run.steps} steps into "
+                f"{cfg.run.out_dir} would start",
+                err=True,
+            )
+            return
+        run_training(cfg, resume=resume, log=log, allow_config_change=allow_config_change)
     except Interrupted as err:
         typer.echo(f"{who}{err}", err=True)
         raise typer.Exit(err.exit_code) from None
@@ -195,10 +281,10 @@ def train(
         raise typer.Exit(1) from None
 
 
-@app.command()
+@app.command(cls=Command)
 def export(
-    run_dir: Path = typer.Argument(..., help="A klpo train run directory."),
-    out: Path = typer.Option(..., "--out", help="New directory for the model."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A klpo train run directory."),
+    out: Path = typer.Option(..., "--out", metavar="DIR", help="New directory for the model."),
     merge: bool = typer.Option(
         False, "--merge", help="LoRA runs: fold the adapters into the weights (a plain model)."
     ),
@@ -221,7 +307,9 @@ def export(
 
 @app.command()
 def docs(
-    out: Path = typer.Option(Path("docs"), "--out", help="Directory for the generated pages."),
+    out: Path = typer.Option(
+        Path("docs"), "--out", metavar="DIR", help="Directory for the generated pages."
+    ),
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
     from klpo.train.config import ConfigError
@@ -257,20 +345,6 @@ def _lab_probabilities(text: str, option: str) -> list[float]:
             f"{text!r} is not a comma-separated list of numbers, e.g. 0.7,0.2,0.1",
             param_hint=option,
         ) from None
-
-
-def _plain_progress(total: int):
-    """``progress(done, what)`` printing a line when the part of the work changes."""
-    import time
-
-    t0, last = time.perf_counter(), [""]
-
-    def report(done: int, what: str) -> None:
-        if what != last[0] or done == total:
-            last[0] = what
-            typer.echo(f"[{done}/{total}] {what} ({time.perf_counter() - t0:.0f} s)", err=True)
-
-    return report
 
 
 def _lab_print_json(record: dict) -> None:
@@ -329,9 +403,13 @@ def _lab_pair_tables(record: dict, title: str) -> list[Table]:
 
 @lab_app.command("gaussian")
 def lab_gaussian(
-    mu: float = typer.Option(1.0, "--mu", help="pi_ref = N(mu, 1); pi_theta = N(0, 1)."),
-    samples: int = typer.Option(1_000_000, "--samples", "-n", min=1, help="Monte Carlo samples."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    mu: float = typer.Option(
+        1.0, "--mu", metavar="MU", help="pi_ref = N(mu, 1); pi_theta = N(0, 1)."
+    ),
+    samples: int = typer.Option(
+        1_000_000, "--samples", "-n", metavar="N", min=1, help="Monte Carlo samples."
+    ),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Schulman's experiment: every estimator on N(0, 1) vs N(mu, 1), true KL mu²/2."""
@@ -360,12 +438,21 @@ def lab_gaussian(
 
 @lab_app.command("categorical")
 def lab_categorical(
-    pi: str = typer.Option(..., "--pi", help="pi_theta's probabilities, e.g. 0.7,0.2,0.1."),
-    ref: str = typer.Option(..., "--ref", help="pi_ref's probabilities, same outcomes and order."),
-    samples: int | None = typer.Option(
-        None, "--samples", "-n", min=1, help="Add a Monte Carlo section with this many samples."
+    pi: str = typer.Option(
+        ..., "--pi", metavar="P1,P2,...", help="pi_theta's probabilities, e.g. 0.7,0.2,0.1."
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    ref: str = typer.Option(
+        ..., "--ref", metavar="P1,P2,...", help="pi_ref's probabilities, same outcomes and order."
+    ),
+    samples: int | None = typer.Option(
+        None,
+        "--samples",
+        "-n",
+        metavar="N",
+        min=1,
+        help="Add a Monte Carlo section with this many samples.",
+    ),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Every estimator on one categorical step: exact values and expected gradients."""
@@ -391,13 +478,19 @@ def lab_sequence(
     spec: str = typer.Option(
         ...,
         "--spec",
+        metavar="FILE",
         help='A JSON file: {"vocab": V, "length": T, "policy": {prefix: [V logits]}, '
         '"reference": {...}}, prefixes as space-separated token ids ("" for the root).',
     ),
     samples: int | None = typer.Option(
-        None, "--samples", "-n", min=1, help="Add a Monte Carlo section with this many samples."
+        None,
+        "--samples",
+        "-n",
+        metavar="N",
+        min=1,
+        help="Add a Monte Carlo section with this many samples.",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Every estimator on a tabular autoregressive model, enumerated: exact values and gradients.
@@ -443,12 +536,15 @@ def lab_sequence(
 
 @lab_app.command("report")
 def lab_report(
-    out_dir: str = typer.Option(..., "--out", help="Folder for report.md, results.json and plots."),
+    out_dir: str = typer.Option(
+        ..., "--out", metavar="DIR", help="Folder for report.md, results.json and plots."
+    ),
     quick: bool = typer.Option(False, "--quick", help="A small preset for smoke tests (seconds)."),
-    seed: int = typer.Option(0, "--seed", help="Base seed of every experiment."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Base seed of every experiment."),
     training: str | None = typer.Option(
         None,
         "--training",
+        metavar="RESULTS_CSV",
         help="A klpo compare study's results.csv with ref_is and adaptive_mix runs: judge the "
         "training claim on it.",
     ),
@@ -456,11 +552,10 @@ def lab_report(
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
     from pathlib import Path
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from klpo.lab.report import PLOTS, PRESETS, run_report
     from klpo.train.config import ConfigError
     from klpo.train.preflight import check_writable_dir
+    from klpo.train.runtime.progress import Progress
 
     try:
         check_writable_dir(out_dir, "--out")
@@ -469,31 +564,13 @@ def lab_report(
         raise typer.Exit(2) from None
     preset = PRESETS["quick" if quick else "default"]
     out = console()
-    err_console = Console(stderr=True)
-    if err_console.is_terminal:
-        with Progress(
-            TextColumn("[bold]klpo lab report[/bold] {task.description:<20}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=False,
-        ) as progress:
-            task = progress.add_task("starting", total=preset.units)
-            results = run_report(
-                Path(out_dir),
-                preset,
-                seed=seed,
-                progress=lambda done, what: progress.update(task, completed=done, description=what),
-                training=Path(training) if training else None,
-            )
-    else:  # a log file, CI or a scheduler: plain lines, one per part of the suite
-        typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
+    typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
+    with Progress("lab report", preset.units, weights=preset.unit_weights()) as bar:
         results = run_report(
             Path(out_dir),
             preset,
             seed=seed,
-            progress=_plain_progress(preset.units),
+            progress=lambda done, what: bar.update(done, part=what),
             training=Path(training) if training else None,
         )
     verdicts = Table(title='Claims about "K2" and "K3": which hold (report.md, docs/claims.md)')
@@ -514,25 +591,32 @@ def lab_report(
 # klpo make-reference: the tiny reference model of the built-in task.
 
 
-@app.command("make-reference")
+@app.command("make-reference", cls=Command)
 def make_reference_cmd(
     out: str = typer.Argument(
-        "klpo-reference",
+        "runs/reference",
+        metavar="OUT",
         help="Directory to write the model, tokenizer and reference.json into.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
-    steps: int | None = typer.Option(None, help="The most SFT steps."),
-    seed: int | None = typer.Option(None, help="Seed of initialisation and data order."),
-    arch: str | None = typer.Option(None, help="llama or qwen2."),
-    hidden_size: int | None = typer.Option(None, help="Model width."),
-    num_layers: int | None = typer.Option(None, help="Number of transformer blocks."),
-    intermediate_size: int | None = typer.Option(None, help="MLP width."),
-    batch_size: int | None = typer.Option(None, help="Problems per SFT step."),
-    lr: float | None = typer.Option(None, help="Peak SFT learning rate."),
-    stop_at_accuracy: float | None = typer.Option(
-        None, help="Stop SFT once the validation accuracy reaches this (0 = never stop early)."
+    steps: int | None = typer.Option(None, metavar="N", help="The most SFT steps."),
+    seed: int | None = typer.Option(
+        None, metavar="N", help="Seed of initialisation and data order."
     ),
-    save_dtype: str | None = typer.Option(None, help="float32, bfloat16 or float16."),
+    arch: str | None = typer.Option(None, metavar="ARCH", help="llama or qwen2."),
+    hidden_size: int | None = typer.Option(None, metavar="N", help="Model width."),
+    num_layers: int | None = typer.Option(None, metavar="N", help="Number of transformer blocks."),
+    intermediate_size: int | None = typer.Option(None, metavar="N", help="MLP width."),
+    batch_size: int | None = typer.Option(None, metavar="N", help="Problems per SFT step."),
+    lr: float | None = typer.Option(None, metavar="LR", help="Peak SFT learning rate."),
+    stop_at_accuracy: float | None = typer.Option(
+        None,
+        metavar="ACC",
+        help="Stop SFT once the validation accuracy reaches this (0 = never stop early).",
+    ),
+    save_dtype: str | None = typer.Option(
+        None, metavar="DTYPE", help="float32, bfloat16 or float16."
+    ),
 ) -> None:
     """Train the tiny reference model of the built-in arithmetic task by seeded SFT and save it.
 
@@ -541,6 +625,7 @@ def make_reference_cmd(
     """
     import dataclasses
 
+    from klpo.train.runtime.progress import Progress
     from klpo.train.tools import make_reference as reference
 
     overrides = {
@@ -565,23 +650,33 @@ def make_reference_cmd(
         config = dataclasses.replace(reference.ReferenceConfig(), **overrides)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    out_console = console()
+    val = ["not yet measured"]
 
     def on_step(step: int, loss: float, val_accuracy: float | None) -> None:
-        if val_accuracy is not None and (
-            (step + 1) % (4 * config.eval_every) == 0
-            or (config.stop_at_accuracy is not None and val_accuracy >= config.stop_at_accuracy)
-            or step + 1 == config.steps
-        ):
-            out_console.print(
-                f"step {step + 1:>5}  loss {loss:.4f}  validation accuracy {val_accuracy:.3f}",
-                highlight=False,
-            )
+        if val_accuracy is not None:
+            val[0] = f"{val_accuracy:.3f} at step {step + 1}"
+        bar.update(step + 1, info=f"loss {loss:.4f}  validation accuracy {val[0]}")
 
     try:
-        result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
+        with Progress("make-reference", config.steps) as bar:
+            result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
     except FileExistsError as err:
         raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    _print_reference(result, config, defaults=not overrides)
+
+
+def _print_reference(result, config, *, defaults: bool) -> None:
+    """What ``make-reference`` wrote: where, its size and accuracy, an early stop, and (built
+    on the defaults) whether it is bit-identical to the shipped reference."""
+    from klpo.train.tools import make_reference as reference
+
+    out_console = console()
+    if result.steps < config.steps:
+        out_console.print(
+            f"stopped after {result.steps} of {config.steps} SFT steps: validation accuracy "
+            f"{result.val_accuracy:.3f} reached stop_at_accuracy {config.stop_at_accuracy}",
+            highlight=False,
+        )
     size = sum(f.stat().st_size for f in result.path.iterdir() if f.is_file())
     out_console.print(
         f"wrote {result.path} ({size / 1e6:.2f} MB): {result.num_parameters:,} parameters, "
@@ -593,7 +688,7 @@ def make_reference_cmd(
         shipped = reference.default_reference_path()
     except FileNotFoundError:
         return
-    if not overrides and result.path.resolve() != shipped.resolve():
+    if defaults and result.path.resolve() != shipped.resolve():
         same = reference.same_weights(result.path, shipped)
         out_console.print(
             f"bit-identical to the shipped reference: {'yes' if same else 'no'}", highlight=False
@@ -604,24 +699,33 @@ def make_reference_cmd(
 # klpo make-reward-model: a small learned proxy reward for the built-in task.
 
 
-@app.command("make-reward-model")
+@app.command("make-reward-model", cls=Command)
 def make_reward_model_cmd(
-    out: str = typer.Argument(..., help="Directory to write the reward model into."),
+    out: str = typer.Argument(..., metavar="OUT", help="Directory to write the reward model into."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     init: str | None = typer.Option(
-        None, help="Causal-LM directory to start from (default: builtin, the shipped reference)."
+        None,
+        metavar="DIR",
+        help="Causal-LM directory to start from (default: builtin, the shipped reference).",
     ),
-    n_pairs: int | None = typer.Option(None, help="Labelled (right, wrong) pairs to train on."),
-    max_offset: int | None = typer.Option(None, help="Wrong answers: right one ± up to this."),
-    steps: int | None = typer.Option(None, help="Training steps."),
-    lr: float | None = typer.Option(None, help="AdamW learning rate."),
-    seed: int | None = typer.Option(None, help="Seed of the pairs, batches and head."),
-    n_eval: int | None = typer.Option(None, help="Held-out pairs the result is measured on."),
+    n_pairs: int | None = typer.Option(
+        None, metavar="N", help="Labelled (right, wrong) pairs to train on."
+    ),
+    max_offset: int | None = typer.Option(
+        None, metavar="N", help="Wrong answers: right one ± up to this."
+    ),
+    steps: int | None = typer.Option(None, metavar="N", help="Training steps."),
+    lr: float | None = typer.Option(None, metavar="LR", help="AdamW learning rate."),
+    seed: int | None = typer.Option(None, metavar="N", help="Seed of the pairs, batches and head."),
+    n_eval: int | None = typer.Option(
+        None, metavar="N", help="Held-out pairs the result is measured on."
+    ),
 ) -> None:
     """Train a small reward model (a sequence classifier) on the built-in task from a limited
     labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
     import dataclasses
 
+    from klpo.train.runtime.progress import Progress
     from klpo.train.tools import make_reward_model as reward_model
 
     overrides = {
@@ -642,7 +746,8 @@ def make_reward_model_cmd(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:
-        result = reward_model.make_reward_model(out, config, overwrite=overwrite)
+        with Progress("make-reward-model", reward_model.units(config)) as bar:
+            result = reward_model.make_reward_model(out, config, overwrite=overwrite, progress=bar)
     except FileExistsError as err:
         raise typer.BadParameter(str(err), param_hint="--overwrite") from None
     console().print(
@@ -670,36 +775,9 @@ def _numbers(text: str, kind: type, option: str, example: str) -> list:
         ) from None
 
 
-@app.command()
-def compare(
-    out: Path = typer.Option(Path("runs/compare"), "--out", "-o", help="Study output directory."),
-    quick: bool = typer.Option(
-        False,
-        "--quick",
-        help="The smoke-test preset: every choice but ref_is and adaptive_mix, one beta, 2 seeds, 12 steps.",
-    ),
-    study_file: Path | None = typer.Option(
-        None, "--config", "-c", help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...)."
-    ),
-    workers: int | None = typer.Option(None, help="Runs in parallel (one torch thread each)."),
-    steps: int | None = typer.Option(None, help="Training steps per run (the fixed budget)."),
-    seeds: str | None = typer.Option(None, help="Comma-separated seeds, e.g. 0,1,2."),
-    betas: str | None = typer.Option(None, help="Comma-separated KL coefficients, e.g. 0.01,0.1."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
-    task: str = typer.Option(
-        "builtin",
-        "--task",
-        help="builtin (the arithmetic task) or overopt (train on a flawed proxy reward, watch "
-        "the gold reward).",
-    ),
-) -> None:
-    """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
-
-    Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
-    interrupted study without repeating finished runs.
-    """
+def _compare_study(study_file, quick, task, workers, steps, seeds, betas):
+    """``klpo compare``'s study and its grid from its options, or exit 2 naming the bad one."""
     from klpo.study.grid import study_grid
-    from klpo.study.runner import run_study
     from klpo.study.spec import load_study
     from klpo.train.config import ConfigError
 
@@ -713,10 +791,60 @@ def compare(
             study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
         if betas is not None:
             study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
-        grid = study_grid(study)
+        return study, study_grid(study)
     except (ConfigError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+
+
+@app.command()
+def compare(
+    out: Path = typer.Option(
+        Path("runs/compare"), "--out", "-o", metavar="DIR", help="Study output directory."
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="The smoke-test preset: every choice but ref_is and adaptive_mix, one beta, 2 seeds, 12 steps.",
+    ),
+    study_file: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...).",
+    ),
+    workers: int | None = typer.Option(
+        None, metavar="N", help="Runs in parallel (one torch thread each)."
+    ),
+    steps: int | None = typer.Option(
+        None, metavar="N", help="Training steps per run (the fixed budget)."
+    ),
+    seeds: str | None = typer.Option(
+        None, metavar="S1,S2,...", help="Comma-separated seeds, e.g. 0,1,2."
+    ),
+    betas: str | None = typer.Option(
+        None, metavar="B1,B2,...", help="Comma-separated KL coefficients, e.g. 0.01,0.1."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+    task: str = typer.Option(
+        "builtin",
+        "--task",
+        metavar="TASK",
+        help="builtin (the arithmetic task) or overopt (train on a flawed proxy reward, watch "
+        "the gold reward).",
+    ),
+) -> None:
+    """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
+
+    Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
+    interrupted study without repeating finished runs.
+    """
+    from klpo.study.runner import run_study
+    from klpo.study.summary import num
+    from klpo.train.config import ConfigError
+
+    study, grid = _compare_study(study_file, quick, task, workers, steps, seeds, betas)
     if dry_run:
         for r in grid:
             typer.echo(r.name)
@@ -728,14 +856,16 @@ def compare(
         typer.echo(f"start {name} (log: {log_path})", err=True)
 
     def on_result(row: dict, n: int, total: int) -> None:
+        gold = f"gold {num(row.get('gold_final')):.3f}, " if study.task == "overopt" else ""
         typer.echo(
-            f"[{n}/{total}] {row['name']}: {row['status']}, held-out {row['acc_final']:.3f}, "
-            f"exact KL {row['kl_exact_final']:.4f}, {row['wall_s']:.0f} s",
+            f"[{n}/{total}] {row['name']}: {row['status']}, {gold}held-out "
+            f"{num(row.get('acc_final')):.3f}, exact KL {num(row.get('kl_exact_final')):.4f}, "
+            f"{num(row.get('wall_s')):.0f} s",
             err=True,
         )
 
     try:
-        run_study(study, out, on_result=on_result, on_start=on_start)
+        run_study(study, out, on_result=on_result, on_start=on_start, show_progress=True)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -746,39 +876,54 @@ def compare(
 # klpo doctor: what a framework's KL settings really do (klpo.doctor).
 
 
-@app.command()
+@app.command(cls=Command)
 def doctor(
     config: str = typer.Argument(
         ...,
+        metavar="CONFIG",
         help="verl YAML or main_ppo command line, TRL GRPOConfig/"
         "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config.",
     ),
     framework: str | None = typer.Option(
-        None, "--framework", help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected)."
+        None,
+        "--framework",
+        metavar="NAME",
+        help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected).",
     ),
     framework_version: str | None = typer.Option(
         None,
         "--framework-version",
+        metavar="VERSION",
         help="The framework version the config is for (warns if the doctor knows another).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
-    model: str | None = typer.Option(None, "--model", help="Policy model directory to measure on."),
-    reference: str | None = typer.Option(None, "--reference", help="Reference model directory."),
+    model: str | None = typer.Option(
+        None, "--model", metavar="DIR", help="Policy model directory to measure on."
+    ),
+    reference: str | None = typer.Option(
+        None, "--reference", metavar="DIR", help="Reference model directory."
+    ),
     data: str | None = typer.Option(
-        None, "--data", help="Prompts: JSONL with a 'prompt' field, or text lines."
+        None, "--data", metavar="FILE", help="Prompts: JSONL with a 'prompt' field, or text lines."
     ),
     layer: str | None = typer.Option(
         None,
         "--layer",
+        metavar="PREFIX",
         help="Measure gradients on the parameters whose name starts with this (default: all).",
     ),
-    prompts: int = typer.Option(8, "--prompts", help="Prompts taken from --data."),
-    samples: int = typer.Option(8, "--samples", help="Completions sampled per prompt."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Longest completion."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    prompts: int = typer.Option(8, "--prompts", metavar="N", help="Prompts taken from --data."),
+    samples: int = typer.Option(
+        8, "--samples", metavar="N", help="Completions sampled per prompt."
+    ),
+    max_new_tokens: int = typer.Option(
+        16, "--max-new-tokens", metavar="N", help="Longest completion."
+    ),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Sampling seed."),
     variables: list[str] | None = typer.Option(
         None,
         "--var",
+        metavar="NAME=VALUE",
         help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
     ),
 ) -> None:

@@ -479,6 +479,12 @@ def _check_full(value: Tensor, mask: Tensor | None) -> None:
     )
 
 
+def _needs_more(name: str) -> bool:
+    """Whether an estimator needs more than ``logp`` and ``logp_ref`` (logits or logp_old)."""
+    spec = _REGISTRY[name]
+    return spec.needs_logits or spec.needs_old
+
+
 def estimate(
     name: str,
     logp: Tensor | None,
@@ -526,8 +532,10 @@ def estimate(
         if logits is None or logits_ref is None:
             raise ValueError(
                 f"estimator {name!r} is the exact KL over the vocabulary and needs logits= and "
-                f"logits_ref= ([B, T, V]); estimators that work from token log-probs alone: "
-                f"{', '.join(n for n in ESTIMATORS if not _REGISTRY[n].needs_logits)}"
+                f"logits_ref= ([B, T, V]); estimators that work from logp and logp_ref alone: "
+                f"{', '.join(n for n in ESTIMATORS if not _needs_more(n))} (and with "
+                f"logp_old, the sampling policy's log-probs: "
+                f"{', '.join(n for n in ESTIMATORS if _REGISTRY[n].needs_old)})"
             )
         value = spec.fn(logits, logits_ref)
         if check_finite:

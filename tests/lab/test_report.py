@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 
@@ -33,6 +34,23 @@ def test_report_writes_every_file(quick_report):
     for png in ("mu_sweep.png", "drift.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert 'Claims about "K2" and "K3": which hold' in output and "report.md" in output
+
+
+@pytest.mark.slow
+def test_report_progress_is_plain_lines_without_a_terminal(quick_report):
+    """Piped, the progress is plain lines: one as each experiment starts (so a long one is seen
+    to start), with the elapsed time and an ETA, and one at the end."""
+    _, output = quick_report
+    lines = [x for x in output.splitlines() if x.startswith("lab report ")]
+    units = PRESETS["quick"].units
+    parts = [x.split("  ")[1] for x in lines]
+    assert list(dict.fromkeys(parts)) == [
+        "Schulman's table", "mu sweep", "categorical oracle", "sequence oracle",
+        "gradient cosines", "ref_is variants", "drift", "plots", "report.md",
+    ]  # fmt: skip
+    assert all(" elapsed, ETA " in x for x in lines[:-1])
+    assert lines[-1].startswith(f"lab report {units}/{units} (100%)") and "done in" in lines[-1]
+    assert len(lines) < units  # a log's rate, not a line per unit
 
 
 @pytest.mark.slow
@@ -92,6 +110,23 @@ def test_claims_page_quotes_every_claim_judged(quick_report):
 def test_presets_count_their_progress_units():
     p = PRESETS["quick"]
     assert p.units == 2 + 4 + 2 + 3 * 1 + 3 + 31 + 1 + 1
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_unit_weighs_what_its_part_costs(name):
+    """One weight per unit, in the order the suite reports them: each part's cost per unit
+    repeated over its units."""
+    from klpo.lab.report import PARTS, UNIT_SECONDS
+
+    p = PRESETS[name]
+    w = p.unit_weights()
+    assert len(w) == p.units
+    cost = UNIT_SECONDS[name]
+    parts = [*PARTS, "plots", "report.md"]
+    assert list(cost) == parts
+    runs = [w[0]] + [b for a, b in itertools.pairwise(w) if a != b]
+    assert runs == [cost[k] for k in parts]
+    assert w.count(cost["drift"]) == p.drift_steps + 1
 
 
 @pytest.mark.slow

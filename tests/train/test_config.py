@@ -83,3 +83,41 @@ def test_shipped_configs_load():
 def test_example_configs_load(path):
     cfg = load_config(path)
     assert cfg.model.policy == "builtin"
+
+
+@pytest.mark.parametrize(
+    ("override", "guess"),
+    [
+        ("lr=1e-6", "optim.lr"),  # a key at the top level that lives in a section
+        ("kl.lr=1e-6", "optim.lr"),  # ... or in another section
+        ("optim.steps=10", "run.steps"),
+        ("algo.estimator=k3", "kl.estimator"),
+        ("model.r=8", "model.lora.r"),  # a sub-section's key
+        ("kl.betta=0.1", "beta"),  # a misspelling in its own section
+        ("optim.learning_rat=1e-6", None),  # nothing near: no guess
+    ],
+)
+def test_a_key_in_the_wrong_section_names_the_right_one(override, guess):
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[override])
+    text = str(err.value)
+    key = override.split("=")[0]
+    assert f"unknown key {key!r}" in text
+    if guess is None:
+        assert "did you mean" not in text
+    else:
+        assert f"(did you mean {guess!r}?)" in text
+
+
+def test_key_paths_are_every_key_of_the_config():
+    from klpo.train.config import TrainConfig, key_paths
+
+    paths = key_paths()
+    assert {"optim.lr", "kl.beta", "model.lora.r", "rewards[].name", "gold_reward"} <= set(paths)
+    assert "rewards.name" not in paths  # a list's items are only under rewards[]
+    assert [p for p in paths if p.startswith("rewards")] == [
+        "rewards", "rewards[].name", "rewards[].weight", "rewards[].path"
+    ]  # fmt: skip
+    flat = dump_config(TrainConfig())
+    for section in TrainConfig.model_fields:
+        assert section in paths and f"{section}:" in flat

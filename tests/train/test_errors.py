@@ -681,17 +681,3 @@ def test_torchrun_ctrl_c_saves_a_checkpoint(tiny_model, quick, tmp_path):
         assert f"rank {rank}: stopped by SIGINT after step {step}; the checkpoint is {ckpt}" in text
     assert ck.checkpoint_problem(ckpt) is None
     assert "klpo/train/" not in text
-
-
-def test_lab_report_progress_is_plain_lines_without_a_terminal(capsys):
-    from klpo.cli import _plain_progress
-
-    report = _plain_progress(4)
-    for done, what in [(1, "gaussian"), (2, "gaussian"), (3, "sequence"), (4, "sequence")]:
-        report(done, what)
-    lines = capsys.readouterr().err.splitlines()
-    assert [x.split(" (")[0] for x in lines] == [
-        "[1/4] gaussian",
-        "[3/4] sequence",
-        "[4/4] sequence",
-    ]

@@ -220,7 +220,10 @@ def test_cli_make_reference(tmp_path):
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "step     2  loss" in result.output and "validation accuracy" in result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("make-reference 1/2 (50%)  loss ") and " ETA " in lines[0]
+    assert lines[1].startswith("make-reference 2/2 (100%)  loss ") and "done in" in lines[1]
+    assert "validation accuracy" in lines[1]
     assert f"wrote {out}" in result.output and "held-out accuracy" in result.output
     assert json.loads((out / "reference.json").read_text())["config"]["steps"] == 2
     again = CliRunner().invoke(app, args)

@@ -123,3 +123,31 @@ def test_make_reward_model_cli_errors(tmp_path):
     assert again.exit_code != 0 and "--overwrite" in again.output
     bad = CliRunner().invoke(app, ["make-reward-model", str(tmp_path / "x"), "--steps", "0"])
     assert bad.exit_code != 0 and "steps must be >= 1" in bad.output
+
+
+def test_make_reward_model_reports_its_progress(tmp_path):
+    """Each training step with its loss, then each of the two measurements as it starts, as
+    plain lines with an ETA (a long command that says nothing looks hung)."""
+    from klpo.train.runtime.progress import Progress
+    from klpo.train.tools.make_reward_model import (
+        RewardModelConfig,
+        make_reward_model,
+        units,
+    )
+
+    config = RewardModelConfig(n_pairs=8, batch_size=4, steps=3, n_eval=4)
+    lines: list[str] = []
+    bar = Progress("make-reward-model", units(config), terminal=False, log=lines.append, lines=100)
+    make_reward_model(tmp_path / "rm", config, progress=bar)
+    shown = [line.split("  ")[:2] for line in lines]
+    assert shown == [
+        ["make-reward-model 0/5 (0%)", "training"],  # loaded: the ETA counts from here
+        ["make-reward-model 1/5 (20%)", "training"],
+        ["make-reward-model 2/5 (40%)", "training"],
+        ["make-reward-model 3/5 (60%)", "training"],
+        ["make-reward-model 3/5 (60%)", "measuring on its 8 training pairs"],
+        ["make-reward-model 4/5 (80%)", "measuring on 4 held-out pairs"],
+        ["make-reward-model 5/5 (100%)", "measuring on 4 held-out pairs"],
+    ]
+    assert all("loss " in x and " elapsed, ETA " in x for x in lines[1:4])
+    assert "held-out pairwise accuracy" in lines[-1] and "done in" in lines[-1]

@@ -69,7 +69,7 @@ def _noop() -> None:
 # Gaussians.
 
 
-def schulman_table(samples: int, seed: int) -> list[dict]:
+def schulman_table(samples: int, seed: int, tick: Tick = _noop) -> list[dict]:
     """Schulman's table for mu = 0.1 and 1: published, exact closed form and Monte Carlo.
 
     Each row: ``mu, estimator, published_bias_rel, published_sd_rel, exact_bias_rel,
@@ -108,6 +108,7 @@ def schulman_table(samples: int, seed: int) -> list[dict]:
                     "within_4se": abs(z_mean) <= 4 and abs(z_sd) <= 4,
                 }
             )
+        tick()
     return rows
 
 

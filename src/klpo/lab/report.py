@@ -89,6 +89,53 @@ class Preset:
             + report_md
         )
 
+    def unit_weights(self) -> list[float]:
+        """Each progress unit's expected cost, in order (:data:`UNIT_SECONDS`; equal for a
+        preset not measured there): the ETA of a suite whose units differ a hundredfold."""
+        cost = UNIT_SECONDS.get(self.name)
+        if cost is None:
+            return [1.0] * self.units
+        counts = {
+            "schulman": 2,
+            "mu_sweep": len(self.sweep_mus),
+            "categorical_oracle": 1,
+            "sequence_oracle": 1,
+            "gradient_cosines": len(self.cosine_kls) * self.cosine_draws,
+            "ref_is_variants": len(self.variant_kls),
+            "drift": self.drift_steps + 1,
+            "plots": 1,
+            "report.md": 1,
+        }
+        return [cost[part] for part, n in counts.items() for _ in range(n)]
+
+
+UNIT_SECONDS: dict[str, dict[str, float]] = {
+    "default": {
+        "schulman": 2.06,
+        "mu_sweep": 1.47,
+        "categorical_oracle": 0.27,
+        "sequence_oracle": 0.20,
+        "gradient_cosines": 0.18,
+        "ref_is_variants": 0.62,
+        "drift": 0.018,
+        "plots": 6.0,
+        "report.md": 0.1,
+    },
+    "quick": {
+        "schulman": 0.049,
+        "mu_sweep": 0.19,
+        "categorical_oracle": 0.10,
+        "sequence_oracle": 0.069,
+        "gradient_cosines": 0.030,
+        "ref_is_variants": 0.0077,
+        "drift": 0.0008,
+        "plots": 6.0,
+        "report.md": 0.1,
+    },
+}
+"""CPU seconds per progress unit of each part of the suite, by preset: measured with one torch
+thread (``time.process_time``), the plots with matplotlib's import. Only their ratios matter
+(the ETA scales them by the time the units done so far took)."""
 
 _KLS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 2.0, 3.0)
 
@@ -134,6 +181,18 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+PARTS = {
+    "schulman": "Schulman's table",
+    "mu_sweep": "mu sweep",
+    "categorical_oracle": "categorical oracle",
+    "sequence_oracle": "sequence oracle",
+    "gradient_cosines": "gradient cosines",
+    "ref_is_variants": "ref_is variants",
+    "drift": "drift",
+}
+"""The experiments of the suite, in order, as its progress names them."""
+
+
 def categorical_oracle_pair() -> SequencePair:
     """pi = (0.7, 0.2, 0.1), pi_ref = (0.5, 0.3, 0.2): a categorical small enough to check by hand."""
     return SequencePair.from_probabilities([0.7, 0.2, 0.1], [0.5, 0.3, 0.2])
@@ -171,8 +230,8 @@ def run_report(
         out: the output folder (created).
         preset: experiment sizes (:data:`PRESETS`).
         seed: the base seed; every experiment derives its own from it.
-        progress: called as ``progress(units_done, description)`` after each unit of work;
-            ``preset.units`` units in all.
+        progress: called as ``progress(units_done, description)`` as each part of the work
+            starts and after each of its units; ``preset.units`` units in all.
         training: a ``klpo compare`` study's ``results.csv`` with ``ref_is`` and
             ``adaptive_mix`` runs; the training claim is then judged on it
             (:func:`klpo.lab.training.judge_training_claim`).
@@ -194,6 +253,7 @@ def run_report(
     timings: dict[str, float] = {}
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
+        step(PARTS[key], 0)  # says that the experiment starts (a long one is seen to run)
         t0 = time.perf_counter()
         value = fn()
         timings[key] = time.perf_counter() - t0
@@ -211,6 +271,7 @@ def run_report(
         rows = read_results(training)
         results["training"] = judge_training_claim(rows, scale=study_scale(rows))
     results["verdicts"] = verdicts(results)
+    step("plots", 0)
     t0 = time.perf_counter()
     plots.plot_mu_sweep(results["mu_sweep"], out / PLOTS["mu_sweep"])
     plots.plot_gradient_cosines(results["gradient_cosines"], out / PLOTS["gradient_cosines"])
@@ -225,6 +286,7 @@ def run_report(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+    step("report.md", 0)
     write_atomic(out / "results.json", json.dumps(to_json(results), indent=1) + "\n")
     write_atomic(out / "report.md", render(results))
     step("report.md")
@@ -241,9 +303,9 @@ def _run_experiments(
     """The suite's experiments, in order, into ``results`` (each timed by ``timed``, its progress
     reported by ``step``); every experiment's seed is derived from ``seed``."""
     results["schulman"] = timed(
-        "schulman", lambda: ex.schulman_table(preset.schulman_samples, seed)
+        "schulman",
+        lambda: ex.schulman_table(preset.schulman_samples, seed, lambda: step("Schulman's table")),
     )
-    step("Schulman's table", 2)
     results["mu_sweep"] = timed(
         "mu_sweep",
         lambda: ex.mu_sweep(

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from klpo.train.runtime.report import save_figure
+from klpo.train.runtime.plots import save_figure, styles
 
 __all__ = [
     "BUDGETS",
     "ChoiceFrontier",
     "Curve",
     "best_within",
+    "frontier_figure",
     "frontier_plots",
     "frontier_table",
     "pareto",
@@ -191,19 +192,19 @@ def _low(x: float) -> float:
     return x if math.isfinite(x) else -math.inf
 
 
-def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) -> list[str]:
-    """``frontier.png`` (every choice's final points and its checkpoint staircase on one pair of
-    axes) and ``gold_proxy.png`` (gold and proxy curves per choice, one colour per beta)."""
+def frontier_figure(frontiers: Sequence[ChoiceFrontier], window: int):
+    """Every choice's final points (left) and its checkpoint staircase (right) on shared axes,
+    each choice in its own colour and marker, the legend outside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    cmap = plt.get_cmap("tab20")
     fig, (ax_end, ax_ck) = plt.subplots(1, 2, figsize=(15, 6.5), sharey=True)
-    for i, f in enumerate(frontiers):
-        color = cmap(i % 20)
-        marker = "o" if f.algo == "grpo" else "s"
+    handles = []
+    for f, style in zip(frontiers, styles(len(frontiers)), strict=True):
+        color, marker = style["color"], style["marker"]
         label = f.choice if f.algo == "grpo" else f"{f.algo}: {f.choice}"
         pts = sorted(
             (c["kl_seq_final"], c["gold_final"], c["gold_sd"])
@@ -221,12 +222,22 @@ def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) 
                 ms=4,
                 lw=1,
                 capsize=2,
-                label=label,
             )
         stair = pareto(f.checkpoint_points(skip=window))
         if stair:
             xs, ys = zip(*stair, strict=True)
-            ax_ck.step(xs, ys, where="post", color=color, lw=1.2, label=label)
+            ax_ck.plot(
+                xs,
+                ys,
+                drawstyle="steps-post",
+                color=color,
+                lw=1.2,
+                marker=marker,
+                ms=4,
+                markevery=max(1, len(xs) // 5),
+            )
+        if pts or stair:
+            handles.append(Line2D([], [], color=color, marker=marker, ms=4, lw=1, label=label))
     for ax, title in (
         (ax_end, "end of training: one point per beta (mean ± sd over seeds)"),
         (ax_ck, "best checkpoint within the KL (staircase over all betas and steps)"),
@@ -236,9 +247,29 @@ def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) 
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")
     ax_end.set_ylabel(f"gold reward ({window}-step running mean)")
-    ax_ck.legend(frameon=False, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.legend(
+        handles=handles,
+        frameon=False,
+        fontsize=7,
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        title="KL choice",
+    )
+    fig.tight_layout()
+    return fig
+
+
+def frontier_plots(frontiers: Sequence[ChoiceFrontier], out: Path, window: int) -> list[str]:
+    """``frontier.png`` (:func:`frontier_figure`) and ``gold_proxy.png`` (gold and proxy curves
+    per choice, one colour per beta); returns the names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = []
-    if any(ax.lines for ax in (ax_end, ax_ck)):
+    fig = frontier_figure(frontiers, window)
+    if any(ax.lines for ax in fig.axes):
         save_figure(fig, out / "frontier.png")
         names.append("frontier.png")
     plt.close(fig)

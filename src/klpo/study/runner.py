@@ -9,13 +9,14 @@ run with now (:func:`changed_runs`).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,12 @@ from klpo.study.spec import StudyConfig
 from klpo.study.summary import RESULT_FIELDS, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
 from klpo.train.preflight import check_writable_dir
+from klpo.train.runtime.progress import Progress
 
-__all__ = ["PRESENTATION_KEYS", "changed_runs", "run_study"]
+__all__ = ["POLL_S", "PRESENTATION_KEYS", "changed_runs", "last_step", "run_study"]
 
+POLL_S = 2.0
+"""Seconds between two looks at the runs under way (their progress)."""
 
 PRESENTATION_KEYS = frozenset({"run.progress", "run.threads", "run.tensorboard", "run.out_dir"})
 
@@ -108,17 +112,54 @@ def _execute(
     return row
 
 
+def _result(fut: Future, run: Run) -> dict[str, Any]:
+    """A finished run's row; a run whose execution raised is recorded as crashed (the study
+    goes on)."""
+    try:
+        return fut.result()
+    except Exception as err:
+        return {
+            **{k: "" for k in RESULT_FIELDS},
+            **run.model_dump(include={"name", "algo", "choice", "estimator"}),
+            **run.model_dump(include={"placement", "beta", "seed"}),
+            "status": "crashed",
+            "steps_done": 0,
+            "error": f"{type(err).__name__}: {err}"[:300],
+        }
+
+
+def last_step(run_dir: Path) -> int:
+    """The step of the last complete line of a run's ``metrics.jsonl`` (0 when there is none),
+    read from the file's tail only: the progress of a run under way."""
+    try:
+        with (run_dir / "metrics.jsonl").open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read()
+    except OSError:
+        return 0
+    for line in reversed(tail.splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
 def run_study(
     study: StudyConfig,
     out: str | Path,
     *,
     on_result: Callable[[dict[str, Any], int, int], None] | None = None,
     on_start: Callable[[str, Path], None] | None = None,
+    show_progress: bool = False,
 ) -> list[dict[str, Any]]:
     """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots.
 
     A finished run found in ``out`` is reused only if its config is the one it would run with
-    now; otherwise the study is refused (:func:`changed_runs`) before anything starts.
+    now; otherwise the study is refused (:func:`changed_runs`) before anything starts. With
+    ``show_progress``, a :class:`~klpo.train.runtime.progress.Progress` over every run's steps
+    (those under way read from their ``metrics.jsonl`` every :data:`POLL_S` seconds).
     """
     out = Path(out)
     check_writable_dir(out, "--out")
@@ -142,23 +183,26 @@ def run_study(
         + dump_config(configs[0]),
     )
     rows: list[dict[str, Any] | None] = [None] * len(runs)
-    with ThreadPoolExecutor(max_workers=study.workers) as pool:
+    finished = sum((out / "runs" / r.name / "result.yaml").exists() for r in runs)
+    units = len(runs) * study.steps
+    with (
+        Progress("compare", units, done=finished * study.steps, show=show_progress) as bar,
+        ThreadPoolExecutor(max_workers=study.workers) as pool,
+    ):
         futures = {pool.submit(_execute, r, out, study, on_start): i for i, r in enumerate(runs)}
-        for n, fut in enumerate(as_completed(futures), start=1):
-            i = futures[fut]
-            try:
-                rows[i] = fut.result()
-            except Exception as err:  # the study goes on; the run is recorded as crashed
-                rows[i] = {
-                    **{k: "" for k in RESULT_FIELDS},
-                    **runs[i].model_dump(include={"name", "algo", "choice", "estimator"}),
-                    **runs[i].model_dump(include={"placement", "beta", "seed"}),
-                    "status": "crashed",
-                    "steps_done": 0,
-                    "error": f"{type(err).__name__}: {err}"[:300],
-                }
-            if on_result is not None:
-                on_result(rows[i], n, len(runs))
+        pending, n = set(futures), 0
+        while pending:
+            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i, n = futures[fut], n + 1
+                rows[i] = _result(fut, runs[i])
+                if on_result is not None:
+                    on_result(rows[i], n, len(runs))
+            steps = sum(
+                study.steps if rows[i] is not None else last_step(out / "runs" / r.name)
+                for i, r in enumerate(runs)
+            )
+            bar.update(steps, info=f"{n}/{len(runs)} runs finished")
     results = [r for r in rows if r is not None]
     write_results(results, out, study)
     return results

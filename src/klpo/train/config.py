@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -546,6 +546,44 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model
 
 
+def key_paths(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """Every key of the config as ``section.key`` (sub-sections' keys too: ``model.lora.r``;
+    a list of sections as ``rewards[].name``)."""
+    out = []
+    for name, f in model.model_fields.items():
+        out.append(f"{prefix}{name}")
+        for sub, listed in _sub_models(f.annotation):
+            out += key_paths(sub, f"{prefix}{name}[]." if listed else f"{prefix}{name}.")
+    return list(dict.fromkeys(out))
+
+
+def _sub_models(annotation: Any, listed: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The sections inside a key's type (through ``| None`` and ``list[...]``), each with
+    whether it sits in a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, listed)]
+    inner = listed or get_origin(annotation) is list
+    return [m for arg in get_args(annotation) for m in _sub_models(arg, inner)]
+
+
+def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:
+    """What an unknown key was meant to be: the same name in another section (``lr`` or
+    ``kl.lr``: ``optim.lr``), else a close name in its own section (``kl.betta``: ``beta``),
+    else a close full path (``optim.lerning_rate``...)."""
+    name = str(loc[-1])
+    paths = [p for p in key_paths() if "[]" not in p]
+    elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == name and "." in p]
+    if elsewhere:
+        return elsewhere[0]
+    close = difflib.get_close_matches(name, allowed, n=1)
+    if close:
+        return close[0]
+    dotted = ".".join(str(p) for p in loc if not isinstance(p, int))
+    tails = {p.rsplit(".", 1)[-1]: p for p in paths if "." in p}
+    near = difflib.get_close_matches(name, list(tails), n=1, cutoff=0.8)
+    return tails[near[0]] if near and tails[near[0]] != dotted else None
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -554,8 +592,8 @@ def _format_errors(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             parent = _section_model(loc[:-1])
             allowed = _allowed_keys(parent) if parent else []
-            guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            guess = _guess_key(loc, allowed)
+            hint = f" (did you mean {guess!r}?)" if guess else ""
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
             lines.append(
                 f"unknown key {key!r}{hint}; allowed keys in {where}: {', '.join(allowed)}"

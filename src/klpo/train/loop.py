@@ -27,6 +27,7 @@ batch's at any split.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -35,15 +36,16 @@ from klpo.train.config import TrainConfig
 from klpo.train.evaluate import policy_accuracy
 from klpo.train.models.load import offline_unless_allowed
 from klpo.train.preflight import preflight
+from klpo.train.rewards.functions import get_reward
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal
-from klpo.train.setup import TrainRun, evaluates, save, setup, teardown
+from klpo.train.setup import TrainRun, evaluates, save, setup, teardown, write_run_report
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
 from klpo.train.step.update import update
 
-__all__ = ["TrainingDiverged", "run_steps", "train", "train_step"]
+__all__ = ["TrainingDiverged", "check_run", "run_steps", "train", "train_step"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -84,6 +86,20 @@ def train(
     finally:
         # A failed rank leaves without a barrier: the others may wait in another collective.
         shutdown(dist, failed=failed)
+
+
+def check_run(
+    cfg: TrainConfig, *, resume: bool = False, log=print, allow_config_change: bool = False
+) -> None:
+    """``klpo train --check``: every check of :func:`~klpo.train.preflight.preflight` (for the
+    number of processes in ``WORLD_SIZE``, one by default) and the reward functions looked up,
+    without loading a model or writing a file; raises what a run would raise before it starts."""
+    offline_unless_allowed()
+    dist = Dist(world=int(os.environ.get("WORLD_SIZE", "1")))
+    preflight(cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change)
+    names = [t.name for t in cfg.rewards if t.name != "model"] + [cfg.gold_reward or "exact_match"]
+    for name in names:
+        get_reward(name)
 
 
 def _train(
@@ -178,6 +194,8 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
         stop = run.dist.any(stopper is not None and stopper.requested) and not last
         if last or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
             save(run, step)
+            if not last:  # (teardown writes the finished run's)
+                write_run_report(run)
         if stop:
             raise _interrupted(run.dir, step, stopper)
         if last:

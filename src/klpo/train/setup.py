@@ -11,6 +11,7 @@ window (:mod:`klpo.train.runtime.checkpoint`). :func:`teardown` ends the run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from klpo.train.rollout.engines import RolloutEngine, make_engine
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
-from klpo.train.runtime.progress import ProgressFn, progress
+from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
 from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
@@ -49,6 +50,7 @@ __all__ = [
     "save",
     "setup",
     "teardown",
+    "write_run_report",
 ]
 
 
@@ -104,15 +106,24 @@ def setup(
         restore(run, plan)
     control.reset = reference_reset(cfg, m, opt)
     run.writer = _open_run_dir(run, plan)
+    run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
+    if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
+        _evaluate_start(run)
     run.progress = progress(
         cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log
     )
-    run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
-    if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
-        acc = policy_accuracy(cfg, m, heldout)
-        if run.writer is not None:
-            run.writer.write(0, {"accuracy/heldout": acc})
     return run
+
+
+def _evaluate_start(run: TrainRun) -> None:
+    """The starting policy's held-out accuracy (step 0), said before and after: on a real model
+    it is the run's first long wait."""
+    t0 = time.perf_counter()
+    run.log(f"evaluating the starting policy on {len(run.heldout)} held-out problems (greedy)")
+    acc = policy_accuracy(run.cfg, run.models, run.heldout)
+    run.log(f"held-out accuracy at step 0: {acc:.3f} ({fmt_duration(time.perf_counter() - t0)})")
+    if run.writer is not None:
+        run.writer.write(0, {"accuracy/heldout": acc})
 
 
 def save(run: TrainRun, step: int) -> None:
@@ -297,7 +308,13 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
         return
     run.writer.close()
     if finished:
-        report = write_report(
-            run.dir, estimator=run.cfg.kl.estimator, title=f"klpo train: {run.cfg.algo.name}"
-        )
-        run.log(f"wrote {report}")
+        run.log(f"wrote {write_run_report(run)}")
+
+
+def write_run_report(run: TrainRun) -> Path | None:
+    """On the main rank, the run's ``report.md`` and plots from its metrics so far (at every
+    checkpoint and at the end, so an interrupted run has them); None on other ranks."""
+    if run.writer is None:
+        return None
+    cfg = run.cfg
+    return write_report(run.dir, estimator=cfg.kl.estimator, title=f"klpo train: {cfg.algo.name}")

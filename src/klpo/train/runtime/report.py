@@ -1,17 +1,45 @@
-"""The end-of-run report: PNG plots and a short ``report.md`` beside the metrics and config."""
+"""A run's report: PNG plots and a short ``report.md`` beside the metrics and config.
+
+Written at every checkpoint and at the end (so an interrupted run has one). The plots follow
+:mod:`klpo.train.runtime.plots`: smoothed curves over faint raw ones, and no plot of what did not
+change; ``report.md`` says such values instead ("beta fixed at 0.1"), and draws the train
+accuracy only where it differs from the mean reward (under a 0/1 reward such as the default
+``exact_match`` the two are the same number, and ``reward.png`` has it).
+
+``report.md`` is a list of sections (:data:`SECTIONS`), each a function of a
+:class:`RunReport`; a new section is one more entry.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from klpo import _io
 from klpo._io import write_text_atomic
 from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.plots import constant_value, plot_series, save_figure
 
-PLOTS = {
-    "reward.png": ("reward", [("reward/mean", "mean reward")]),
+__all__ = [
+    "PLOTS",
+    "SECTIONS",
+    "RunReport",
+    "plot_content",
+    "save_figure",
+    "write_plots",
+    "write_report",
+]
+
+PLOTS: dict[str, tuple[str, list[tuple[str, str]] | None]] = {
+    "reward.png": (
+        "reward",
+        [
+            ("reward/mean", "mean reward (trained on)"),
+            ("reward/gold", "gold reward (never trained on)"),
+        ],
+    ),
     "accuracy.png": (
         "accuracy",
         [("accuracy/train", "train (sampled)"), ("accuracy/heldout", "held-out (greedy)")],
@@ -20,9 +48,13 @@ PLOTS = {
     "entropy.png": ("entropy per token (nats)", [("entropy", "entropy")]),
     "beta.png": ("KL coefficient beta", [("beta", "beta")]),
 }
+"""The plots: file name -> (y label, [(metric key, legend)]); None: the KL keys of the run."""
+
+Series = tuple[str, str, list[int], list[float]]  # key, legend, steps, values
+Rows = list[dict[str, Any]]
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
@@ -32,84 +64,169 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return xs, ys
 
 
-def save_figure(fig, path: Path) -> None:
-    """Save a matplotlib figure as PNG, atomically and durably (:func:`klpo._io.save_figure`)."""
-    _io.save_figure(fig, path, dpi=110, bbox_inches="tight")
+def _kl_keys(estimator: str) -> list[tuple[str, str]]:
+    """The exact KL beside the configured estimate and k1, k3 (always logged)."""
+    shown = dict.fromkeys(n for n in (estimator, "k1", "k3") if n != "full")
+    return [("kl/ref/exact", "exact (full vocabulary)")] + [
+        (f"kl/ref/{n}", f"estimate: {n}" + (" (configured)" if n == estimator else ""))
+        for n in shown
+    ]
 
 
-def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo train") -> Path:
-    """Plot the run's metrics and write ``report.md``; returns the report's path."""
+def _same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> bool:
+    return a[0] == b[0] and all(abs(x - y) <= 1e-9 for x, y in zip(a[1], b[1], strict=True))
+
+
+def plot_content(rows: Rows, estimator: str) -> tuple[dict[str, list[Series]], list[str]]:
+    """What each plot draws, and a note for each series left out: a constant one (its value
+    instead), the train accuracy where it equals the mean reward."""
+    content: dict[str, list[Series]] = {}
+    notes: list[str] = []
+    for name, (_, keys) in PLOTS.items():
+        drawn = []
+        for key, legend in keys if keys is not None else _kl_keys(estimator):
+            xs, ys = _series(rows, key)
+            if not xs:
+                continue
+            if key == "accuracy/train" and _same((xs, ys), _series(rows, "reward/mean")):
+                notes.append(
+                    "The train accuracy equals the mean reward at every step (a 0/1 reward): "
+                    "`reward.png` shows it."
+                )
+                continue
+            value = constant_value(ys)
+            if value is not None:
+                notes.append(_constant_note(key, legend, value, xs))
+                continue
+            drawn.append((key, legend, xs, ys))
+        content[name] = drawn
+    return content, notes
+
+
+def _constant_note(key: str, legend: str, value: float, xs: list[int]) -> str:
+    if key == "beta":
+        return f"beta fixed at {value:g} (no plot)."
+    where = f"at step {xs[0]} only" if len(xs) == 1 else f"at every step from {xs[0]} to {xs[-1]}"
+    return f"`{key}` ({legend}) was {value:.4g} {where} (no plot)."
+
+
+def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], list[str]]:
+    """Draw :data:`PLOTS` into ``run_dir`` (removing one left with nothing to draw); returns the
+    names written and the notes of :func:`plot_content`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    est_key = f"kl/ref/{estimator}"
-    for name, (label, keys) in PLOTS.items():
-        if keys is None:  # the exact KL beside the configured estimate and k1, k3 (always logged)
-            shown = dict.fromkeys(n for n in (estimator, "k1", "k3") if n != "full")
-            keys = [("kl/ref/exact", "exact (full vocabulary)")] + [
-                (f"kl/ref/{n}", f"estimate: {n}" + (" (configured)" if n == estimator else ""))
-                for n in shown
-            ]
-        fig, ax = plt.subplots(figsize=(6, 3.4))
-        drawn = False
-        for key, legend in keys:
-            xs, ys = _series(rows, key)
-            if len(xs) > 100:  # per-step values are noisy: draw a running mean
-                ys = [
-                    sum(ys[max(0, i - 19) : i + 1]) / (i + 1 - max(0, i - 19))
-                    for i in range(len(ys))
-                ]
-                legend += " (20-step mean)"
-            if xs:
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=legend)
-                drawn = True
+    content, notes = plot_content(rows, estimator)
+    written = []
+    for name, series in content.items():
+        if not series:
+            (run_dir / name).unlink(missing_ok=True)  # an earlier report's, now stale
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for _, legend, xs, ys in series:
+            plot_series(ax, xs, ys, legend)
         ax.set_xlabel("step")
-        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5
+        ax.set_ylabel(PLOTS[name][0])
         ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(frameon=False)
+        ax.legend(frameon=False, fontsize=8)
         save_figure(fig, run_dir / name)
         plt.close(fig)
+        written.append(name)
+    return written, notes
 
-    last = rows[-1] if rows else {}
-    evals = _series(rows, "accuracy/heldout")
-    lines = [f"# {title}", "", f"Run directory: `{run_dir}`; resolved config: `config.yaml`.", ""]
-    if evals[0]:
-        first, final = evals[1][0], evals[1][-1]
-        best = max(evals[1])
-        lines += [
-            "| held-out accuracy (greedy) | value |",
-            "| --- | --- |",
-            f"| at step {evals[0][0]} | {first:.3f} |",
-            f"| at step {evals[0][-1]} (final) | {final:.3f} |",
-            f"| best | {best:.3f} |",
-            f"| change | {final - first:+.3f} |",
-            "",
-        ]
-    summary_keys = [
-        "reward/mean",
-        "kl/ref/exact",
-        est_key,
-        "entropy",
-        "beta",
-        "time/generate",
-        "time/score",
-        "time/update",
-        "time/step",
-        "tokens_per_s",
+
+@dataclass
+class RunReport:
+    """What the sections of ``report.md`` read: the run's directory and metrics rows, its
+    estimator, the plots written and the notes on what was not drawn."""
+
+    run_dir: Path
+    rows: Rows
+    estimator: str
+    plots: list[str]
+    notes: list[str]
+
+
+def heldout_section(r: RunReport) -> list[str]:
+    steps, accs = _series(r.rows, "accuracy/heldout")
+    if not steps:
+        return []
+    first, latest, best = accs[0], accs[-1], max(accs)
+    return [
+        "| held-out accuracy (greedy) | value |",
+        "| --- | --- |",
+        f"| at step {steps[0]} | {first:.3f} |",
+        f"| at step {steps[-1]} (latest) | {latest:.3f} |",
+        f"| best | {best:.3f} |",
+        f"| change | {latest - first:+.3f} |",
+        "",
     ]
-    lines += ["| last step's metric | value |", "| --- | --- |"]
-    for k in summary_keys:
+
+
+SUMMARY_KEYS = (
+    "reward/mean",
+    "reward/gold",
+    "kl/ref/exact",
+    "<est>",
+    "entropy",
+    "beta",
+    "time/generate",
+    "time/score",
+    "time/update",
+    "time/step",
+    "tokens_per_s",
+)
+"""The last step's metrics in ``report.md`` (``<est>``: the configured estimator's)."""
+
+
+def last_step_section(r: RunReport) -> list[str]:
+    last = r.rows[-1] if r.rows else {}
+    est = f"kl/ref/{r.estimator}" if r.estimator != "full" else "kl/ref/exact"  # (the same)
+    keys = dict.fromkeys(est if k == "<est>" else k for k in SUMMARY_KEYS)
+    lines = ["| last step's metric | value |", "| --- | --- |"]
+    for k in keys:
         if k in last:
             v = last[k]
             lines.append(
                 f"| `{k}` | {v:.4g} |" if isinstance(v, int | float) else f"| `{k}` | {v} |"
             )
-    lines += [""] + [f"![{n}]({n})" for n in PLOTS] + [""]
+    return [*lines, ""]
+
+
+def plots_section(r: RunReport) -> list[str]:
+    notes = [*r.notes, ""] if r.notes else []
+    return ["## Plots", "", *notes, *(f"![{n}]({n})" for n in r.plots), ""]
+
+
+SECTIONS: list[Callable[[RunReport], list[str]]] = [
+    heldout_section,
+    last_step_section,
+    plots_section,
+]
+"""The sections of ``report.md``, in order; a new section is one more function here."""
+
+
+def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo train") -> Path:
+    """Plot the run's metrics so far and write ``report.md``; returns the report's path."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    plots, notes = write_plots(run_dir, rows, estimator)
+    steps = [r["step"] for r in rows if r.get("step", 0) > 0]
+    upto = f"steps 1–{steps[-1]}" if steps else "no steps yet"
+    lines = [
+        f"# {title}",
+        "",
+        f"Run directory: `{run_dir}`; resolved config: `config.yaml`; metrics ({upto}): "
+        "`metrics.jsonl`.",
+        "",
+    ]
+    report = RunReport(run_dir, rows, estimator, plots, notes)
+    for section in SECTIONS:
+        lines += section(report)
     path = run_dir / "report.md"
     write_text_atomic(path, "\n".join(lines))
     return path

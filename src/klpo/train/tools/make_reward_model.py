@@ -23,7 +23,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 from klpo.train.data.task import ArithmeticTask
 from klpo.train.models.load import quiet_transformers, resolve_model_path
 from klpo.train.rewards.model import RewardModel
+from klpo.train.runtime.progress import Progress
 
 __all__ = [
     "RewardModelConfig",
@@ -104,23 +105,32 @@ class RewardModelResult:
     seconds: float
 
 
+def units(config: RewardModelConfig) -> int:
+    """The units of :func:`make_reward_model`'s progress: its training steps and two
+    measurements."""
+    return config.steps + 2
+
+
 def make_reward_model(
     out_dir: str | os.PathLike[str],
     config: RewardModelConfig | None = None,
     *,
     overwrite: bool = False,
-    on_step: Callable[[int, float], None] | None = None,
+    progress: Progress | None = None,
 ) -> RewardModelResult:
     """Train a small reward model on the built-in task and save it into ``out_dir`` (atomically).
 
     The directory holds the model (``save_pretrained``), the tokenizer and
     ``reward_model.json`` (the config and the pairwise accuracies on the training pairs and on
     ``n_eval`` held-out pairs). Seeded: model head initialisation, pairs and batches.
+    ``progress`` (of ``config.steps + 2`` units: the steps, then the two measurements) is
+    told of each.
     """
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     config = config or RewardModelConfig()
+    bar = progress or Progress("make-reward-model", units(config), show=False)
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
@@ -139,6 +149,7 @@ def make_reward_model(
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     model.train()
+    bar.update(0, part="training")  # the model is loaded: the ETA counts from here
     for step in range(config.steps):
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(config.batch_size)]
         enc = tokenizer(
@@ -153,8 +164,7 @@ def make_reward_model(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if on_step is not None:
-            on_step(step, loss.item())
+        bar.update(step + 1, info=f"loss {loss.item():.4f}", part="training")
     model.eval()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -162,8 +172,11 @@ def make_reward_model(
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         rm = RewardModel(tmp)
+        bar.update(config.steps, part=f"measuring on its {len(pairs)} training pairs")
         acc_train = pairwise_accuracy(rm, pairs)
+        bar.update(config.steps + 1, part=f"measuring on {len(eval_pairs)} held-out pairs")
         acc_heldout = pairwise_accuracy(rm, eval_pairs)
+        bar.update(config.steps + 2, info=f"held-out pairwise accuracy {acc_heldout:.3f}")
         seconds = time.perf_counter() - t0
         meta = {
             "config": asdict(config),

@@ -1,0 +1,144 @@
+"""A run's report and plots: smoothed curves over faint raw ones, nothing drawn for a constant,
+no accuracy plot that repeats the reward's, and a report at every checkpoint."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from klpo.train import loop
+from klpo.train.config import build_config
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.plots import (
+    SMOOTH_FROM,
+    constant_value,
+    plot_series,
+    running_mean,
+    smoothing_window,
+    styles,
+)
+from klpo.train.runtime.report import plot_content, write_report
+
+
+def test_running_mean_against_a_convolution():
+    rng = np.random.default_rng(0)
+    ys = rng.normal(size=57).tolist()
+    for w in (1, 5, 20):
+        # naive: mean of the window ending at i, shorter at the start
+        naive = [float(np.mean(ys[max(0, i - w + 1) : i + 1])) for i in range(len(ys))]
+        full = np.convolve(ys, np.ones(w) / w, mode="valid")  # the complete windows
+        got = running_mean(ys, w)
+        assert got == pytest.approx(naive, abs=1e-12)
+        assert got[w - 1 :] == pytest.approx(full.tolist(), abs=1e-12)
+    assert running_mean([1.0, math.nan, 3.0], 2) == [1.0, 1.0, 3.0]  # NaN skipped
+
+
+def test_smoothing_window_and_constants():
+    assert [smoothing_window(n) for n in (3, 19, 20, 100, 400, 1500)] == [1, 1, 5, 5, 20, 50]
+    assert constant_value([0.1] * 5) == 0.1 and constant_value([0.1, 0.1000001]) is None
+    assert constant_value([2.5]) == 2.5 and constant_value([]) is None
+
+
+def test_seventy_series_each_look_different():
+    pairs = [(s["color"], s["marker"]) for s in styles(70)]
+    assert len(set(pairs)) == 70
+    # neighbours differ in both colour and marker (the eye follows one into the next)
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in itertools.pairwise(pairs))
+
+
+def test_a_long_series_is_its_running_mean_over_faint_raw_values():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(1, 101))
+    ys = [math.sin(x / 7) + (x % 3) for x in xs]
+    _, ax = plt.subplots()
+    plot_series(ax, xs, ys, "reward")
+    raw, smooth = ax.lines
+    assert raw.get_alpha() == 0.25 and list(raw.get_ydata()) == ys
+    assert list(smooth.get_ydata()) == pytest.approx(running_mean(ys, 5))
+    assert smooth.get_label() == "reward (5-step running mean)"
+    short = plt.subplots()[1]
+    plot_series(short, xs[: SMOOTH_FROM - 1], ys[: SMOOTH_FROM - 1], "reward")
+    assert len(short.lines) == 1 and short.lines[0].get_label() == "reward"
+    plt.close("all")
+
+
+def rows_of(steps: int, *, beta: float | None = 0.1, acc_is_reward: bool = True) -> list[dict]:
+    rows = [{"step": 0, "accuracy/heldout": 0.25}]
+    for s in range(1, steps + 1):
+        reward = (s % 4) / 4
+        rows.append(
+            {
+                "step": s,
+                "reward/mean": reward,
+                "accuracy/train": reward if acc_is_reward else reward / 2,
+                "kl/ref/exact": 0.001 * s,
+                "kl/ref/k1": 0.001 * s + 0.01 * (-1) ** s,
+                "kl/ref/k3": 0.001 * s,
+                "entropy": 1.0 / s,
+                "beta": beta if beta is not None else 0.1 + 0.001 * s,
+                **({"accuracy/heldout": 0.25 + 0.01 * s} if s % 10 == 0 else {}),
+            }
+        )
+    return rows
+
+
+def test_what_each_plot_draws_and_what_the_report_says_instead():
+    content, notes = plot_content(rows_of(30), "k1")
+    drawn = {name: [key for key, *_ in series] for name, series in content.items()}
+    assert drawn == {
+        "reward.png": ["reward/mean"],
+        "accuracy.png": ["accuracy/heldout"],  # the train accuracy is the mean reward here
+        "kl.png": ["kl/ref/exact", "kl/ref/k1", "kl/ref/k3"],
+        "entropy.png": ["entropy"],
+        "beta.png": [],  # a fixed beta: no flat line on a ±4% axis
+    }
+    assert "beta fixed at 0.1 (no plot)." in notes
+    assert any("train accuracy equals the mean reward" in n for n in notes)
+    # Where they differ (a reward that is not 0/1) and beta moves, both are drawn.
+    content, notes = plot_content(rows_of(30, beta=None, acc_is_reward=False), "k3")
+    assert [k for k, *_ in content["accuracy.png"]] == ["accuracy/train", "accuracy/heldout"]
+    assert [k for k, *_ in content["beta.png"]] == ["beta"] and notes == []
+
+
+def test_the_report_names_the_plots_it_wrote_and_removes_stale_ones(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_of(40)))
+    (tmp_path / "beta.png").write_bytes(b"stale")  # an earlier report's, of a moving beta
+    report = write_report(tmp_path, estimator="k1").read_text()
+    written = {p.name for p in tmp_path.glob("*.png")}
+    assert written == {"reward.png", "accuracy.png", "kl.png", "entropy.png"}
+    for name in written:
+        assert f"![{name}]({name})" in report
+    assert "![beta.png]" not in report and "beta fixed at 0.1 (no plot)." in report
+    assert "metrics (steps 1–40)" in report and "| at step 40 (latest) | 0.650 |" in report
+    assert "| `kl/ref/k1` | 0.05 |" in report  # the configured estimate at step 40
+    rows = [{**r, "kl/ref/full": r["kl/ref/exact"]} for r in rows_of(40) if r["step"]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full = write_report(tmp_path, estimator="full").read_text()
+    assert "| `kl/ref/exact` | 0.04 |" in full and "kl/ref/full" not in full  # one row, not two
+
+
+def test_an_interrupted_run_has_its_report_and_plots(tiny_model, quick, tmp_path, monkeypatch):
+    """A run killed after its checkpoint of step 2 (of 4) has report.md and plots of steps 1-2."""
+    out = tmp_path / "run"
+    cfg = build_config(overrides=quick(tiny_model, out, **{"run.steps": 4, "run.save_every": 2}))
+    real = loop.train_step
+
+    def dies_at_three(run, step):
+        if step == 3:
+            raise KeyboardInterrupt  # a kill the run cannot catch
+        return real(run, step)
+
+    monkeypatch.setattr(loop, "train_step", dies_at_three)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(cfg, log=lambda *_: None)
+    assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 2
+    report = (out / "report.md").read_text()
+    assert "metrics (steps 1–2)" in report and (out / "kl.png").is_file()
