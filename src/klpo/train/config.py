@@ -16,16 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from klpo import control, kl, reduce
 from klpo.kl import Placement
@@ -199,7 +190,7 @@ class RolloutConfig(_Section):
         "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
         "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
     )
-    stop: list[StrictInt | StrictStr] = Field(
+    stop: list[int | str] = Field(
         default_factory=list,
         description="What else ends a completion, besides the tokenizer's EOS and the policy's "
         "generation_config.eos_token_id (always in the stop set): token ids, or strings of the "
@@ -232,10 +223,12 @@ class RolloutConfig(_Section):
         "and KV cache), beside the trainer's models.",
     )
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stops(cls, v: list[int | str]) -> list[int | str]:
-        bad = [e for e in v if e == "" or (isinstance(e, int) and e < 0)]
+    def _stops(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v  # pydantic names the type
+        bad = [e for e in v if not ((isinstance(e, str) and e) or (type(e) is int and e >= 0))]
         if bad:
             raise ValueError(
                 f"{bad[0]!r} cannot end a completion: give token ids >= 0 or non-empty strings"
