@@ -322,11 +322,11 @@ class KLPOGRPOTrainer(GRPOTrainer):
         no special token added, a string gets the tokenizer's own once."""
         from klpo.train.models.tokens import Codec, StopSet, check_single_bos
 
-        data = self.train_dataset
-        if data is None or not hasattr(data, "__getitem__") or len(data) == 0:
+        try:  # a map-style dataset of rows with a prompt (others are not checked)
+            prompt = self.train_dataset[0]["prompt"]
+        except (TypeError, IndexError, KeyError, NotImplementedError):
             return
-        prompt = data[0].get("prompt")
-        if prompt is None:
+        if not isinstance(prompt, str | list):
             return
         prompt_ids, _, _ = self._tokenize_prompts([prompt])
         tok = self._tokenizer
