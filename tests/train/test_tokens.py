@@ -319,7 +319,7 @@ def test_a_stop_string_stops_both_samplers_at_the_same_token(sampler, emitting):
 
 
 # ---------------------------------------------------------------------------------------------
-# A run: the tokenizer and model, end to end.
+# A run: a Llama-3-style tokenizer and a model that ends its turn with its second EOS, end to end.
 
 
 def _chat_data(path: Path, n: int) -> Path:
