@@ -19,8 +19,8 @@ from klpo.train.rollout.samplers import Rollout, completion_hidden
 class PerturbedEngine:
     name = "perturbed"
 
-    def __init__(self, cfg, policy, tokenizer, delta: float) -> None:
-        self.hf = HFEngine(policy, tokenizer, Sampling.from_config(cfg))
+    def __init__(self, cfg, policy, tokenizer, delta: float, codec=None) -> None:
+        self.hf = HFEngine(policy, tokenizer, Sampling.from_config(cfg), codec=codec)
         self.policy, self.delta, self.temperature = policy, delta, cfg.rollout.temperature
         self.synced = 0
         self.closed = False
@@ -52,7 +52,7 @@ def spec(delta: float, made: list | None = None) -> EngineSpec:
     """An :class:`EngineSpec` making :class:`PerturbedEngine` (each one appended to ``made``)."""
 
     def make(cfg, m, dist, policy_path):
-        engine = PerturbedEngine(cfg, m.policy, m.tokenizer, delta)
+        engine = PerturbedEngine(cfg, m.policy, m.tokenizer, delta, codec=m.codec)
         if made is not None:
             made.append(engine)
         return engine

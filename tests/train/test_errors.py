@@ -481,8 +481,9 @@ def test_every_prompt_is_checked_at_load_against_both_limits(
 
 def test_check_prompts_counts_the_others(tiny_model):
     from klpo.train.models.load import load_tokenizer
+    from klpo.train.models.tokens import Codec
 
-    tok = load_tokenizer(str(tiny_model))
+    tok = Codec.plain(load_tokenizer(str(tiny_model)))
     examples = [Example("12345", "1", where="f:1"), Example("1", "1"), Example("123456", "1")]
     with pytest.raises(ConfigError, match=r"f:1: the prompt is \d+ tokens .* \(1 more prompts"):
         preflight.check_prompts(

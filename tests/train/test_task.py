@@ -103,6 +103,8 @@ class StubLM:
             g.eos_token_id,
             g.pad_token_id,
         )
+        if isinstance(eos_token_id, list):  # the stop set, as generate takes it
+            eos_token_id = eos_token_id[0]
         sampling = {k: getattr(g, k) for k in ("do_sample", "temperature", "top_p", "top_k")}
         self.calls.append({"batch": input_ids.shape[0], **sampling})
         pad = pad_token_id

@@ -300,6 +300,23 @@ def _check_same_tokenizer(tok: Any, model: str, reference: str) -> None:
         raise DoctorError(text.replace("give a reference", "give a --reference")) from None
 
 
+def _prompt_codec(tok: Any, policy: Any, texts: list[str], data: str) -> Any:
+    """The trainer's rule for plain prompts (the tokenizer's special tokens once; the stop set of
+    the tokenizer and the model's generation config), with every prompt checked for a doubled
+    BOS (:mod:`klpo.train.models.tokens`)."""
+    from klpo.train.config import ConfigError
+    from klpo.train.models.tokens import Codec, check_single_bos
+
+    try:
+        codec = Codec.plain(tok, policy)
+        for i, (text, ids) in enumerate(zip(texts, codec.ids(texts), strict=True)):
+            where = f"--data {data}, prompt {i + 1}"
+            check_single_bos(codec, ids, where, text, fix="remove it from the start of the text")
+    except ConfigError as err:
+        raise DoctorError(str(err)) from None
+    return codec
+
+
 def measure(
     model: str,
     reference: str,
@@ -337,11 +354,18 @@ def measure(
             "policy was trained from"
         )
     _check_same_tokenizer(tok, model, reference)
+    codec = _prompt_codec(tok, policy, texts, data)
     policy.eval()
     ref.eval()
     torch.manual_seed(seed)
     rollout = generate(
-        policy, tok, texts, [""] * len(texts), group_size=samples, max_new_tokens=max_new_tokens
+        policy,
+        tok,
+        texts,
+        [""] * len(texts),
+        group_size=samples,
+        max_new_tokens=max_new_tokens,
+        codec=codec,
     )
     if int(rollout.mask.sum()) == 0:
         raise DoctorError("the sampled completions hold no tokens; raise --max-new-tokens")

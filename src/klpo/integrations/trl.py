@@ -302,6 +302,7 @@ class KLPOGRPOTrainer(GRPOTrainer):
             kl_estimator = "k3_is" if self.args.use_bias_correction_kl else "k3"
         self.kl_estimator = kl_estimator
         self.kl_placement = kl_placement
+        self._check_first_prompt()
         if self.beta != 0.0 and "reward" in kl_placement:
             if self.tools:
                 _no_tools(kl_placement)
@@ -312,6 +313,34 @@ class KLPOGRPOTrainer(GRPOTrainer):
             self.reward_weights = torch.cat(
                 [self.reward_weights, torch.tensor([self.beta], dtype=self.reward_weights.dtype)]
             )
+
+    def _check_first_prompt(self) -> None:
+        """Refuse a train dataset whose first prompt, tokenized by TRL's own
+        ``_tokenize_prompts``, begins with the BOS twice: a prompt rendered by a chat template
+        and given as a string, to which the tokenizer adds its BOS again. klpo's rule
+        (:mod:`klpo.train.models.tokens`) is TRL's: a conversational prompt's rendered text gets
+        no special token added, a string gets the tokenizer's own once."""
+        from klpo.train.models.tokens import Codec, StopSet, check_single_bos
+
+        try:  # a map-style dataset of rows with a prompt (others are not checked)
+            prompt = self.train_dataset[0]["prompt"]
+        except (TypeError, IndexError, KeyError, NotImplementedError):
+            return
+        if not isinstance(prompt, str | list):
+            return
+        prompt_ids, _, _ = self._tokenize_prompts([prompt])
+        tok = self._tokenizer
+        codec = Codec(tok, StopSet(()), chat=not isinstance(prompt, str))  # (stops unused)
+        text = prompt if isinstance(prompt, str) else str(prompt)
+        check_single_bos(
+            codec,
+            list(prompt_ids[0]),
+            "train_dataset[0]",
+            text,
+            fix="give the prompt as conversational messages ([{'role': 'user', 'content': "
+            "...}]), which TRL renders with the chat template and tokenizes without adding "
+            f"special tokens; or remove {tok.bos_token!r} from the start of the text",
+        )
 
     # ----------------------------------------------------------------------------------------
     # The loss.

@@ -93,6 +93,14 @@ class ModelConfig(_Section):
     )
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "chat_template", "tools", "documents", "return_dict", "return_tensors", "padding",
+     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+"""Arguments of ``apply_chat_template`` that ``data.chat_template_kwargs`` may not set."""
+
+
 class DataConfig(_Section):
     source: Literal["builtin", "builtin-overopt", "jsonl", "datasets"] = Field(
         "builtin",
@@ -122,6 +130,31 @@ class DataConfig(_Section):
     system_prompt: str | None = Field(
         None, description="With chat: a system message put before each prompt's messages."
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="With chat: extra variables the chat template reads, passed to "
+        "apply_chat_template (e.g. {enable_thinking: false} for Qwen3); each must be a variable "
+        "of the template.",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(v) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(
+                f"{taken[0]!r} is set by klpo itself when it renders a prompt; give only the "
+                "template's own variables (e.g. enable_thinking)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _kwargs_need_chat(self) -> DataConfig:
+        if self.chat_template_kwargs and not self.chat:
+            raise ValueError(
+                "chat_template_kwargs is only used with data.chat=true; set both, or drop it"
+            )
+        return self
 
 
 class RewardTerm(_Section):
@@ -157,6 +190,13 @@ class RolloutConfig(_Section):
         "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
         "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
     )
+    stop: list[int | str] = Field(
+        default_factory=list,
+        description="What else ends a completion, besides the tokenizer's EOS and the policy's "
+        "generation_config.eos_token_id (always in the stop set): token ids, or strings of the "
+        "decoded text (as generate's stop_strings; a string that is one added token, such as "
+        "'<|im_end|>', is that token). The run's first lines print the whole set.",
+    )
     share_prompt: bool = Field(
         True,
         description="Compute each prompt once per group in the reference, scoring and update "
@@ -182,6 +222,18 @@ class RolloutConfig(_Section):
         description="vllm on a GPU: the fraction of GPU memory the engine may take (weights "
         "and KV cache), beside the trainer's models.",
     )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v  # pydantic names the type
+        bad = [e for e in v if not ((isinstance(e, str) and e) or (type(e) is int and e >= 0))]
+        if bad:
+            raise ValueError(
+                f"{bad[0]!r} cannot end a completion: give token ids >= 0 or non-empty strings"
+            )
+        return v
 
 
 class AlgoConfig(_Section):

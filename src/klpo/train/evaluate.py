@@ -3,8 +3,9 @@
 :func:`generate` samples completions the way every decoder-only trainer must: prompts left-padded
 (so the last prompt token sits next to the first new token), an attention mask over the padding,
 position ids counted from the first real token (``generate`` derives them from the mask as
-``cumsum(mask) - 1``), generation stopped at the EOS token, and each completion cut at its first
-EOS before decoding. :func:`heldout_accuracy` is the greedy version, scored with a reward function;
+``cumsum(mask) - 1``), generation stopped at the stop set (the tokenizer's EOS and the model's
+end-of-turn ids; :mod:`klpo.train.models.tokens`), and each completion decoded up to its first
+stop, the stop left out. :func:`heldout_accuracy` is the greedy version, scored with a reward function;
 :func:`policy_accuracy` that of a run's policy, during training.
 """
 
@@ -18,6 +19,7 @@ from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.build import Models
+from klpo.train.models.tokens import Codec
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import eval_reward
 from klpo.train.rollout.samplers import generate as rollout_generate
@@ -36,12 +38,15 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     sampler: str = "lean",
+    codec: Codec | None = None,
 ) -> list[str]:
-    """Completions of ``prompts`` by a decoder-only ``transformers`` model, cut at the first EOS.
+    """Completions of ``prompts`` by a decoder-only ``transformers`` model, cut at the first stop.
 
-    Prompts are tokenized without special tokens and left-padded in batches of ``batch_size``
-    (``generate`` then derives position ids from the attention mask, so padding changes nothing);
-    generation stops at ``tokenizer.eos_token_id`` and the decoded completion excludes it and any
+    Prompts are tokenized by ``codec`` (default: plain prompts, the tokenizer's special tokens
+    added once; a run's codec knows its chat-rendered prompts) and left-padded in batches of
+    ``batch_size`` (position ids come from the attention mask, so padding changes nothing);
+    generation stops at the codec's stop set (default: the tokenizer's EOS and the model's
+    ``generation_config.eos_token_id``) and the decoded completion excludes the stop and any
     padding. The model is put in eval mode for the call and restored afterwards; gradients are off.
 
     Args:
@@ -87,6 +92,7 @@ def generate(
                 top_p=top_p,
                 greedy=not do_sample,
                 sampler=sampler,
+                codec=codec,
             )
             out.extend(rollout.completions)
     finally:
@@ -103,8 +109,10 @@ def heldout_accuracy(
     reward: str | Callable[..., Sequence[float]] = "exact_match",
     batch_size: int = 256,
     sampler: str = "lean",
+    codec: Codec | None = None,
 ) -> float:
-    """Fraction of ``examples`` that the model solves with greedy decoding.
+    """Fraction of ``examples`` that the model solves with greedy decoding (prompts tokenized and
+    completions cut by ``codec``, as :func:`generate` says).
 
     ``accuracy = (1/N) sum_i reward(prompt_i, greedy completion_i, answer_i)``, with a reward in
     ``{0, 1}`` (``exact_match`` by default; any name or function of :mod:`klpo.train.rewards.functions`).
@@ -127,6 +135,7 @@ def heldout_accuracy(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         sampler=sampler,
+        codec=codec,
     )
     scores = rewards.score(fn, name, prompts, completions, [e.answer for e in examples])
     total = math.fsum(scores)
@@ -144,4 +153,5 @@ def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> floa
         max_new_tokens=cfg.rollout.max_new_tokens,
         reward=eval_reward(cfg),
         sampler=cfg.rollout.sampler,
+        codec=m.codec,
     )

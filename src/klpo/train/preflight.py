@@ -16,8 +16,9 @@ What each function guards:
 - :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
   weights or no tokenizer; a model id not in the local cache;
 - :func:`check_tokenizers_and_prompts`: a reference (or critic) that tokenizes differently from
-  the policy (:func:`check_same_tokenizer`), and every prompt against ``data.max_prompt_tokens``
-  and the model's positions, at load, naming ``file:line`` (:func:`check_prompts`).
+  the policy (:func:`check_same_tokenizer`); a bad ``rollout.stop``; chat prompts the template
+  cannot render; and every prompt, as the policy will see it, against ``data.max_prompt_tokens``
+  and the model's positions and for a doubled BOS, naming ``file:line`` (:func:`check_prompts`).
 
 :func:`preflight` runs them in order, with the checks of the models' configs against each other
 (:func:`check_models`) between the last two.
@@ -36,7 +37,7 @@ import yaml
 from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
-from klpo.train.data.sources import Example, check_chat_template
+from klpo.train.data.sources import Example, render_chat
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
     downloads_allowed,
@@ -45,6 +46,7 @@ from klpo.train.models.load import (
     quiet_transformers,
     resolve_model_path,
 )
+from klpo.train.models.tokens import Codec, check_single_bos, run_codec
 from klpo.train.rollout.engines import check_engine
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
@@ -283,24 +285,27 @@ def empty_config_warning(path: str | Path | None) -> str | None:
 
 def check_prompts(
     examples: list,
-    tokenizer: Any,
+    codec: Codec,
     *,
     max_prompt_tokens: int,
     max_positions: int | None,
     max_new_tokens: int,
     what: str = "prompt",
 ) -> None:
-    """Every prompt fits ``data.max_prompt_tokens`` and, with its completion, the model.
+    """Every prompt, tokenized as the policy will see it (``codec``: the run's rule for special
+    tokens), begins with at most one BOS (:func:`klpo.train.models.tokens.check_single_bos`)
+    and fits ``data.max_prompt_tokens`` and, with its completion, the model.
 
     Raises ConfigError naming the first prompt that does not (``file:line`` for JSONL,
     ``name[i]`` for datasets, the index for the built-in task) and how many others fail too.
     """
     if not examples:
         return
-    lengths = [
-        len(ids)
-        for ids in tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"]
-    ]
+    ids = codec.ids([e.prompt for e in examples])
+    for i, row in enumerate(ids):
+        where = getattr(examples[i], "where", "") or f"{what} {i}"
+        check_single_bos(codec, row, where, examples[i].prompt)
+    lengths = [len(row) for row in ids]
     limit, key = max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
     if max_positions is not None and max_positions - max_new_tokens < limit:
         limit = max_positions - max_new_tokens
@@ -374,15 +379,20 @@ def check_tokenizers_and_prompts(
     policy: str,
     reference: str,
     critic: str | None,
-) -> None:
-    """The reference's and critic's tokenizers equal the policy's (where they have one), and
-    every prompt fits (:func:`check_prompts`). Run after the models' configs agree on the
-    vocabulary size and positions.
+) -> tuple[Codec, list, list]:
+    """The reference's and critic's tokenizers equal the policy's (where they have one); the
+    run's codec (``data.chat``, the stop set with ``rollout.stop``); the prompts rendered as the
+    policy sees them (``data.chat``); each of those begins with one BOS at most and fits
+    (:func:`check_prompts`). Run after the models' configs agree on the vocabulary size and
+    positions.
 
     Args:
         cfg: the run's config.
         train, heldout: the examples (:class:`klpo.train.data.sources.Example`).
         policy, reference, critic: resolved model directories or ids (critic None unless PPO).
+
+    Returns:
+        ``(codec, train, heldout)``: the codec and the examples with their prompts rendered.
     """
     from transformers import AutoConfig
 
@@ -391,26 +401,39 @@ def check_tokenizers_and_prompts(
         if name != policy and model_source_problem(name, key, tokenizer=True) is None:
             other = load_tokenizer(name, key)
             check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[1])
+    codec = run_codec(cfg, tokenizer, policy)
+    d = cfg.data
+    try:
+        train, heldout = (
+            render_chat(x, tokenizer, chat=d.chat, system_prompt=d.system_prompt,
+                        template_kwargs=d.chat_template_kwargs)
+            for x in (train, heldout)
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     config = AutoConfig.from_pretrained(policy, local_files_only=not downloads_allowed())
     positions = getattr(config, "max_position_embeddings", None)
     for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
         check_prompts(
             examples,
-            tokenizer,
+            codec,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
             max_positions=positions,
             max_new_tokens=cfg.rollout.max_new_tokens,
             what=what,
         )
+    return codec, train, heldout
 
 
 def preflight(
     cfg: TrainConfig, dist: Dist, *, resume: bool, log=print, allow_config_change: bool = False
 ) -> tuple[RunPlan, tuple[list[Example], list[Example]]]:
     """Check the config against the launch, the run directory, the models and the data; returns
-    where the run starts (:func:`plan_run_dir`) and the (train, held-out)
-    examples. Reads only small files (model configs, tokenizers, checkpoint headers) and the
-    data; raises :class:`ConfigError` naming the key, file or line and the fix."""
+    where the run starts (:func:`plan_run_dir`) and the (train, held-out) examples, their prompts
+    rendered as the policy sees them (``data.chat``). Reads only small files (model configs,
+    tokenizers, checkpoint headers) and the data; raises :class:`ConfigError` naming the key,
+    file or line and the fix. Its last lines say how prompts are tokenized and print the stop
+    set by token and id."""
     ro = cfg.rollout
     if ro.prompts_per_step % dist.world:
         raise ConfigError(
@@ -439,14 +462,14 @@ def preflight(
     check_model_sources(cfg, **names)
     check_models(cfg)
     check_engine(cfg, dist.world)
-    if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
-        check_chat_template(load_tokenizer(policy))
-    check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    codec, train_set, heldout = check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
     for line in config_warnings(cfg, dist.world):
         log(f"warning: {line}")
+    for line in codec.describe(train_set[0].prompt if train_set else None):
+        log(line)
     return plan, (train_set, heldout)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from klpo import kl
 from klpo.train import preflight as checks
 from klpo.train.config import TrainConfig, dump_config
-from klpo.train.data.sources import Example, PromptStream, render_chat
+from klpo.train.data.sources import Example, PromptStream
 from klpo.train.evaluate import policy_accuracy
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
@@ -88,13 +88,11 @@ def setup(
     log,
 ) -> TrainRun:
     """Load the models, build the optimizers and control, restore a checkpoint, write the run's
-    config (and any allowed change of it), open its metrics, evaluate the starting policy."""
+    config (and any allowed change of it), open its metrics, evaluate the starting policy.
+    ``examples`` are the preflight's, their prompts already rendered (``data.chat``)."""
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
     m = build_models(cfg, dist, plan.start)
-    train_set, heldout = (
-        render_chat(x, m.tokenizer, chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
-        for x in examples
-    )
+    train_set, heldout = examples  # rendered by the preflight (data.chat)
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = build_rewards(cfg.rewards, device=dist.device)
     control = Control(make_kl_controller(cfg), make_penalty_controller(cfg), make_window(cfg))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,20 +116,29 @@ def check_chat_template(tokenizer: object) -> None:
 
 
 def render_chat(
-    examples: list[Example], tokenizer: object, *, chat: bool, system_prompt: str | None = None
+    examples: list[Example],
+    tokenizer: object,
+    *,
+    chat: bool,
+    system_prompt: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Example]:
     """The examples with each prompt as the text the policy sees.
 
     With ``chat`` on, the prompt (a plain string becomes one user message; a list of messages is
     kept, with ``system_prompt`` put first unless it already starts with a system message) is
     rendered by the tokenizer's chat template, ending with the assistant's generation prompt
-    (``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``, as TRL renders
-    conversational prompts); the rollout then tokenizes that text without adding special
-    tokens, so nothing is doubled. With ``chat`` off the prompts are returned as they are.
+    (``apply_chat_template(..., tokenize=False, add_generation_prompt=True,
+    **template_kwargs)``, as TRL renders conversational prompts). The template writes every
+    special token the model expects (a BOS, turn markers), so the rendered text is tokenized
+    without adding any (:class:`klpo.train.models.tokens.Codec` with ``chat=True``). With
+    ``chat`` off the prompts are returned as they are; each later gets the tokenizer's own
+    special tokens, once.
 
     Raises:
-        ValueError: chat is on and the tokenizer has no chat template; or chat is off and an
-            example's prompt is a list of messages (it needs a template).
+        ValueError: chat is on and the tokenizer has no chat template, or a template keyword is
+            not a variable of the template; or chat is off and an example's prompt is a list of
+            messages (it needs a template).
     """
     if not chat:
         listed = [i for i, e in enumerate(examples) if e.messages is not None]
@@ -140,15 +150,50 @@ def render_chat(
         if system_prompt:
             raise ValueError("data.system_prompt is only used with data.chat=true; set both")
         return examples
+    import jinja2
+
     check_chat_template(tokenizer)
+    kwargs = dict(template_kwargs or {})
+    check_template_kwargs(tokenizer, kwargs)
     out = []
     for e in examples:
         msgs = [{"role": r, "content": c} for r, c in (e.messages or (("user", e.prompt),))]
         if system_prompt and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system_prompt})
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except jinja2.TemplateError as err:  # the template's own raise_exception
+            where = e.where or "an example"
+            raise ValueError(f"{where}: the chat template refused the prompt: {err}") from None
         out.append(Example(prompt=text, answer=e.answer, where=e.where))
     return out
+
+
+def check_template_kwargs(tokenizer: object, kwargs: dict[str, Any]) -> None:
+    """Raise a ValueError naming a keyword of ``data.chat_template_kwargs`` that the chat template
+    never reads (a misspelt ``enable_thinking`` would otherwise change nothing, silently). A
+    template jinja cannot parse here (one using transformers' own tags) is not checked."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not kwargs or not isinstance(template, str):
+        return
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        names = meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateError:
+        return
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        raise ValueError(
+            f"data.chat_template_kwargs: {unknown[0]!r} is not a variable of the tokenizer's "
+            f"chat template, which reads: {', '.join(sorted(names))}; check the name"
+        )
 
 
 def read_dataset(

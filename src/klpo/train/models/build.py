@@ -28,6 +28,7 @@ from klpo.train.models.load import (
     resolve_model_path,
 )
 from klpo.train.models.lora import AdapterFreeReference, apply_lora, load_adapters
+from klpo.train.models.tokens import Codec, run_codec
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 
@@ -42,6 +43,7 @@ class Models:
     reference: torch.nn.Module  # frozen: a Backbone, or the LoRA policy with adapters off
     critic: torch.nn.Module | None  # Critic, DDP-wrapped under torchrun (PPO only)
     critic_core: Critic | None
+    codec: Codec  # the tokenizer's rules: prompts to ids, the stop set (models.tokens)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -101,4 +103,5 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
 
         backbone = DDP(backbone)
         critic = DDP(critic_core) if critic_core is not None else None
-    return Models(tokenizer, policy, backbone, reference, critic, critic_core)
+    codec = run_codec(cfg, tokenizer, policy_path)
+    return Models(tokenizer, policy, backbone, reference, critic, critic_core, codec)

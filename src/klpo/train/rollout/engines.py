@@ -2,8 +2,8 @@
 
 The update never knows which engine sampled. An engine turns the step's prompts into a
 :class:`~klpo.train.rollout.samplers.Rollout` laid out exactly as :func:`klpo.train.rollout.samplers.generate`
-lays it out (prompts left-padded by the policy's tokenizer, completions right-padded after their
-first EOS), and, when it is not the trainer's own model, also reports the log-probs of the tokens
+lays it out (prompts tokenized and left-padded by the run's :class:`~klpo.train.models.tokens.Codec`,
+completions cut at the first token of its stop set and right-padded after it), and, when it is not the trainer's own model, also reports the log-probs of the tokens
 it sampled (``Rollout.engine_logp``). Two engines:
 
 - ``hf`` (:class:`HFEngine`): the policy's own model through :func:`klpo.train.rollout.samplers.generate`
@@ -38,7 +38,8 @@ from torch import Tensor
 from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.load import DTYPES, autocast
-from klpo.train.rollout.samplers import Rollout, completion_mask, generate
+from klpo.train.models.tokens import Codec, generation_config, stop_set
+from klpo.train.rollout.samplers import Rollout, generate
 
 
 class RolloutEngine(Protocol):
@@ -90,6 +91,7 @@ class HFEngine:
 
     Under FSDP the root unit of ``backbone`` is gathered first (generate calls the model outside
     the root's forward); with a bf16 ``dtype`` it samples under autocast, as the update computes.
+    ``codec`` is the run's (chat prompts, the stop set); default :meth:`Codec.plain`.
     """
 
     name = "hf"
@@ -103,10 +105,12 @@ class HFEngine:
         backbone: torch.nn.Module | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.policy, self.tokenizer, self.sampling = policy, tokenizer, sampling
         self.backbone, self.dtype = backbone, dtype
         self.device = device or torch.device("cpu")
+        self.codec = codec if codec is not None else Codec.plain(tokenizer, policy)
 
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Nothing to do: this engine samples with the policy module itself."""
@@ -130,6 +134,7 @@ class HFEngine:
                     max_prompt_tokens=s.max_prompt_tokens,
                     sampler=s.sampler,
                     synced=s.synced,
+                    codec=self.codec,
                 )
         finally:
             self.policy.train()
@@ -179,10 +184,12 @@ def _vllm_runner(llm: Any) -> Any:
 class VLLMEngine:
     """A vLLM ``LLM`` in this process, synced with the policy's weights before each step.
 
-    The prompts are tokenized by the policy's tokenizer exactly as :func:`generate` does and
-    handed to vLLM as token ids, so both engines see the same prompt tokens. Sampling is from
-    softmax(logits / temperature) with ``top_p`` and no ``top_k``; each sampled token's log-prob
-    is read after temperature (and top-p), the distribution it was drawn from.
+    The prompts are tokenized by the run's codec exactly as :func:`generate` tokenizes them and
+    handed to vLLM as token ids, so both engines see the same prompt tokens; vLLM stops at the
+    codec's stop set (``stop_token_ids``, ``stop``) and the completions are cut at it as
+    :func:`generate` cuts them. Sampling is from softmax(logits / temperature) with ``top_p`` and
+    no ``top_k``; each sampled token's log-prob is read after temperature (and top-p), the
+    distribution it was drawn from.
     """
 
     name = "vllm"
@@ -197,6 +204,7 @@ class VLLMEngine:
         seed: int,
         memory: float,
         max_model_len: int,
+        codec: Codec | None = None,
     ) -> None:
         try:
             import vllm
@@ -210,6 +218,7 @@ class VLLMEngine:
         # The model must live in this process so that its weights can be replaced in place.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.tokenizer, self.sampling = tokenizer, sampling
+        self.codec = codec or Codec(tokenizer, stop_set(tokenizer, generation_config(model_path)))
         self._vllm = vllm
         self.llm = vllm.LLM(
             model=model_path,
@@ -236,11 +245,10 @@ class VLLMEngine:
             )
 
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
-        s, tok = self.sampling, self.tokenizer
+        s, codec = self.sampling, self.codec
         g = s.group_size
         texts = [p for p in prompts for _ in range(g)]
-        tok.padding_side = "left"
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=True)
+        enc = codec.encode(texts)
         lengths = enc["attention_mask"].sum(-1)
         if s.max_prompt_tokens is not None and bool((lengths > s.max_prompt_tokens).any()):
             row = int((lengths > s.max_prompt_tokens).nonzero()[0])
@@ -259,6 +267,8 @@ class VLLMEngine:
             top_k=0,
             max_tokens=s.max_new_tokens,
             logprobs=0,
+            stop_token_ids=list(codec.stop.ids),
+            stop=list(codec.stop.strings) or None,
             # vLLM's own generator, seeded from torch's (itself seeded per run and rank).
             seed=int(torch.randint(0, 2**31 - 1, ()).item()),
         )
@@ -275,28 +285,25 @@ class VLLMEngine:
                     [float(pos[t].logprob) for t, pos in zip(ids, c.logprobs, strict=True)]
                 )
         width = max(1, *(len(r) for r in ids_rows))
-        pad = tok.pad_token_id
+        pad = self.tokenizer.pad_token_id
         completion_ids = torch.full((len(texts), width), pad, dtype=torch.long)
         engine_logp = torch.zeros(len(texts), width, dtype=torch.float32)
         for b, (ids, lp) in enumerate(zip(ids_rows, logp_rows, strict=True)):
             completion_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             engine_logp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        mask, truncated = completion_mask(completion_ids, tok.eos_token_id)
         # A row that stopped before `width` is padded with pad ids, which are not its tokens.
-        lengths = torch.tensor([len(r) for r in ids_rows])
-        mask = mask & (torch.arange(width)[None, :] < lengths[:, None])
-        completion_ids = torch.where(mask, completion_ids, pad)
+        done = codec.finish(completion_ids, torch.tensor([len(r) for r in ids_rows]))
         return Rollout(
             prompt_ids=enc["input_ids"],
             prompt_mask=enc["attention_mask"].bool(),
-            completion_ids=completion_ids,
-            mask=mask,
+            completion_ids=done.ids,
+            mask=done.mask,
             prompts=texts,
-            completions=tok.batch_decode(completion_ids, skip_special_tokens=True),
+            completions=done.texts,
             answers=[a for a in answers for _ in range(g)],
             group_size=g,
-            truncated=truncated,
-            engine_logp=torch.where(mask, engine_logp, 0.0),
+            truncated=done.truncated,
+            engine_logp=torch.where(done.mask, engine_logp, 0.0),
         )
 
     def close(self) -> None:
@@ -329,6 +336,7 @@ def _hf(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
         backbone=m.backbone,
         dtype=DTYPES[cfg.model.dtype],
         device=dist.device,
+        codec=m.codec,
     )
 
 
@@ -343,6 +351,7 @@ def _vllm(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngin
         seed=cfg.run.seed,
         memory=cfg.rollout.vllm_memory,
         max_model_len=min(longest, positions) if positions else longest,
+        codec=m.codec,
     )
 
 

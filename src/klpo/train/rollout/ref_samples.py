@@ -17,6 +17,7 @@ from torch import Tensor
 
 from klpo import logprobs, reduce
 from klpo.train.config import TrainConfig
+from klpo.train.models.tokens import Codec
 from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 
 
@@ -48,13 +49,20 @@ def sequence_logp(
 
 @torch.no_grad()
 def sample_reference(
-    cfg: TrainConfig, reference, tokenizer, prompts: list[str], answers: list[str], policy: Rollout
+    cfg: TrainConfig,
+    reference,
+    codec: Codec,
+    prompts: list[str],
+    answers: list[str],
+    policy: Rollout,
 ) -> RefBatch:
-    """Sample ``kl.ref_samples`` completions per prompt from ``reference`` (a frozen Backbone)."""
+    """Sample ``kl.ref_samples`` completions per prompt from ``reference`` (a frozen Backbone),
+    tokenized and cut at the stop set by the run's ``codec``, as the policy's are: both
+    sequence distributions are over the same completions."""
     t0 = time.perf_counter()
     r = generate(
         reference.model,
-        tokenizer,
+        codec.tokenizer,
         prompts,
         answers,
         group_size=cfg.kl.ref_samples or cfg.rollout.group_size,
@@ -63,6 +71,7 @@ def sample_reference(
         top_p=cfg.rollout.top_p,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         sampler=cfg.rollout.sampler,
+        codec=codec,
     )
     logp_ref = sequence_logp(
         reference,

@@ -2,7 +2,8 @@
 
 Decoder-only models are padded on the **left** for generation, so every prompt ends at the same
 column and the completions start together. A completion is valid up to and including its first
-EOS; everything after it is padding (``mask`` False). Position ids are recomputed from the
+stop (an EOS, any end-of-turn id of the model's generation config, or ``rollout.stop``;
+:mod:`klpo.train.models.tokens`); everything after it is padding (``mask`` False). Position ids are recomputed from the
 attention mask (``cumsum - 1``) for every forward pass, as ``generate`` does, so the log-probs of
 the update are those of the sampling distribution.
 
@@ -12,6 +13,7 @@ Shapes: B sequences (prompts × group size), P prompt columns, C completion colu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from klpo.train.models.load import cache_kwargs, output_cache
+from klpo.train.models.tokens import Codec
 
 
 @dataclass
@@ -28,13 +31,13 @@ class Rollout:
 
     prompt_ids: Tensor  # [B, P] left-padded
     prompt_mask: Tensor  # [B, P] bool
-    completion_ids: Tensor  # [B, C] right-padded after EOS
-    mask: Tensor  # [B, C] bool, True up to and including the first EOS
+    completion_ids: Tensor  # [B, C] right-padded after the first stop
+    mask: Tensor  # [B, C] bool, True up to and including the first stop
     prompts: list[str]  # [B] prompt texts (repeated G times)
-    completions: list[str]  # [B] decoded completions, special tokens removed
+    completions: list[str]  # [B] decoded text before the stop, special tokens removed
     answers: list[str]  # [B] reference answers (repeated G times)
     group_size: int
-    truncated: Tensor = field(default=None)  # [B] bool: no EOS within max_new_tokens
+    truncated: Tensor = field(default=None)  # [B] bool: no stop within max_new_tokens
     # [B, C] log-probs of the sampled tokens as an inference engine reported them (0 where
     # mask is False); None when the trainer's own model sampled (see klpo.train.rollout.engines).
     engine_logp: Tensor | None = None
@@ -190,6 +193,7 @@ def sample_lean(
     top_p: float = 1.0,
     greedy: bool = False,
     synced: bool = False,
+    stops_in: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """``[N*G, C]`` completion tokens: ``group_size`` samples for each of ``N`` left-padded prompts.
 
@@ -199,8 +203,10 @@ def sample_lean(
     once, its cache repeated ``group_size`` times and given room for the completions
     (:func:`preallocate`); then each new token is drawn from softmax(logits / temperature)
     restricted to the ``top_p`` nucleus (:func:`draw`; or the argmax if ``greedy``), with the
-    model's logits in float32. Rows stop at their first EOS (later columns
-    hold ``pad_token_id``) and the loop stops when every row has stopped. The distribution is the
+    model's logits in float32. Rows stop at their first id of ``eos_token_id`` (the stop set's ids)
+    or where ``stops_in`` (``[R, t]`` tokens so far -> ``[R]`` bool, the rows that completed a stop
+    string; :meth:`klpo.train.models.tokens.Codec.stops_in`) says so; later columns hold
+    ``pad_token_id``, and the loop stops when every row has stopped. The distribution is the
     one ``generate`` samples with ``top_k`` off; the draws for a given seed are not the same.
     With ``synced`` (a sharded model, whose forward is collective) the loop stops only when every
     rank's rows have stopped.
@@ -228,6 +234,8 @@ def sample_lean(
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
         done = done | torch.isin(token, eos)
+        if stops_in is not None:
+            done = done | stops_in(torch.stack(tokens, dim=1))
         if t == max_new_tokens - 1 or _all_ranks(bool(done.all()), synced, device):
             break
         att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
@@ -270,6 +278,7 @@ def generate(
     max_prompt_tokens: int | None = None,
     sampler: str = "lean",
     synced: bool = False,
+    codec: Codec | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt: :func:`sample_lean` or ``model.generate``.
 
@@ -278,14 +287,19 @@ def generate(
     than the policy's, biasing every estimator), and no repetition penalty applies.
     ``synced`` keeps every rank decoding until all are done (``generate``'s ``synced_gpus``): a
     sharded model's forward is collective, so no rank may stop early.
+
+    ``codec`` (:class:`klpo.train.models.tokens.Codec`) tokenizes the prompts and cuts the
+    completions at the stop set; the run's own says whether the prompts were rendered by a chat
+    template. Default: plain prompts (the tokenizer's special tokens added once), stopped by the
+    tokenizer's EOS and ``model``'s ``generation_config.eos_token_id``.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {sampler!r}")
+    codec = codec if codec is not None else Codec.plain(tokenizer, model)
     texts = [p for p in prompts for _ in range(group_size)]
     refs = [a for a in answers for _ in range(group_size)]
-    tokenizer.padding_side = "left"
     once = prompts if sampler == "lean" else texts  # lean: each prompt once, its cache repeated
-    enc = tokenizer(once, return_tensors="pt", padding=True, add_special_tokens=True)
+    enc = codec.encode(once)
     if max_prompt_tokens is not None:
         lengths = enc["attention_mask"].sum(-1)
         too_long = (lengths > max_prompt_tokens).nonzero().flatten().tolist()
@@ -302,33 +316,32 @@ def generate(
             enc["attention_mask"],
             group_size=group_size,
             max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(codec.stop.ids),
             pad_token_id=tokenizer.pad_token_id,
             temperature=temperature,
             top_p=top_p,
             greedy=greedy,
             synced=synced,
+            stops_in=codec.stops_in if codec.stop.strings else None,
         )
         enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}
     else:
         completion_ids = _hf_generate(
-            model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy, synced
+            model, codec, enc, max_new_tokens, temperature, top_p, greedy, synced
         )
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((len(texts), 1), tokenizer.pad_token_id)
-    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id)
-    completion_ids = torch.where(mask, completion_ids, tokenizer.pad_token_id)
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    done = codec.finish(completion_ids)
     return Rollout(
         prompt_ids=enc["input_ids"],
         prompt_mask=enc["attention_mask"].bool(),
-        completion_ids=completion_ids,
-        mask=mask,
+        completion_ids=done.ids,
+        mask=done.mask,
         prompts=texts,
-        completions=completions,
+        completions=done.texts,
         answers=refs,
         group_size=group_size,
-        truncated=truncated,
+        truncated=done.truncated,
     )
 
 
@@ -372,24 +385,28 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
 
 
 def _hf_generate(
-    model, tokenizer, enc, max_new_tokens, temperature, top_p, greedy, synced=False
+    model, codec: Codec, enc, max_new_tokens, temperature, top_p, greedy, synced=False
 ) -> Tensor:
-    """``[B, C]`` completion tokens from ``model.generate`` (top-k off, no repetition penalty)."""
+    """``[B, C]`` completion tokens from ``model.generate`` (top-k off, no repetition penalty),
+    stopped by the codec's stop set (its strings as ``stop_strings``)."""
+    tok = codec.tokenizer
     gen_cfg = GenerationConfig(
         do_sample=not greedy,
         temperature=None if greedy else temperature,
         top_p=None if greedy else top_p,
         top_k=None if greedy else 0,
         max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=list(codec.stop.ids),
+        bos_token_id=tok.bos_token_id,
+        stop_strings=list(codec.stop.strings) or None,
     )
     device = next(model.parameters()).device
     out = model.generate(
         input_ids=enc["input_ids"].to(device),
         attention_mask=enc["attention_mask"].to(device),
         generation_config=gen_cfg,
+        **({"tokenizer": tok} if codec.stop.strings else {}),  # generate needs it for strings
         **({"synced_gpus": True} if synced else {}),  # (only when asked: stub models lack it)
     )
     return out[:, enc["input_ids"].shape[1] :].cpu()

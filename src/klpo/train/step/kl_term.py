@@ -127,7 +127,7 @@ def sample_kl_term(
         ref = sample_reference(
             cfg,
             m.reference,
-            m.tokenizer,
+            m.codec,
             [e.prompt for e in mine],
             [e.answer for e in mine],
             rollout,
