@@ -14,7 +14,8 @@ What each function guards:
   allowed and recorded), the newest complete checkpoint when later ones are truncated;
 - :func:`config_warnings`: settings that are accepted but ignored or adjusted;
 - :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
-  weights or no tokenizer; a model id not in the local cache;
+  weights or no tokenizer; a model id not in the local cache while the Hub is offline, or that
+  the Hub does not answer for;
 - :func:`check_tokenizers_and_prompts`: a reference (or critic) that tokenizes differently from
   the policy (:func:`check_same_tokenizer`), and every prompt against ``data.max_prompt_tokens``
   and the model's positions, at load, naming ``file:line`` (:func:`check_prompts`).
@@ -39,7 +40,6 @@ from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, check_chat_template
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
-    downloads_allowed,
     load_tokenizer,
     model_source_problem,
     quiet_transformers,
@@ -60,6 +60,11 @@ RESUMABLE_KEYS = frozenset(
         "run.save_every",
         "run.tensorboard",
         "run.out_dir",
+        "run.report_to",
+        "run.run_name",
+        "run.log_samples",
+        "run.log_samples_every",
+        "run.save_total_limit",
     }
 )
 CHANGES_FILE = "config-changes.jsonl"
@@ -359,7 +364,7 @@ def check_model_sources(
     cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
 ) -> None:
     """Every model is a complete local directory (the policy's with a tokenizer) or a model id
-    in the local cache (:func:`klpo.train.models.load.model_source_problem`); files only."""
+    that can be had (:func:`klpo.train.models.load.model_source_problem`)."""
     for key, name in model_keys(cfg, policy, reference, critic).items():
         problem = model_source_problem(name, key, tokenizer=key == "model.policy")
         if problem:
@@ -391,7 +396,7 @@ def check_tokenizers_and_prompts(
         if name != policy and model_source_problem(name, key, tokenizer=True) is None:
             other = load_tokenizer(name, key)
             check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[1])
-    config = AutoConfig.from_pretrained(policy, local_files_only=not downloads_allowed())
+    config = AutoConfig.from_pretrained(policy)
     positions = getattr(config, "max_position_embeddings", None)
     for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
         check_prompts(
