@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -93,7 +94,7 @@ def test_a_cached_model_id_trains_offline(tmp_path, tiny_model):
 
 class _Response:
     status_code = 404
-    headers: dict = {}
+    headers: ClassVar[dict] = {}
     url = "https://hub.invalid/api/models/x"
     request = None
     text = ""

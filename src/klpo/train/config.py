@@ -117,8 +117,9 @@ class DataConfig(_Section):
         "builtin",
         description="Where prompts come from: the built-in arithmetic task, the same task as the "
         "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
-        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path or a name "
-        "already in the local cache).",
+        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
+        "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
+        "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
     )
     path: str | None = Field(None, description="The JSONL file or datasets name/path.")
     split: str = Field("train", description="datasets split to train on.")
@@ -145,7 +146,7 @@ class DataConfig(_Section):
 
 class RewardTerm(_Section):
     name: str = Field(
-        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function'."
+        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function' (a module in the working directory or an installed package; TRL's form fn(completions, **kwargs) or klpo's fn(prompts, completions, answers), docs/rewards.md)."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
     path: str | None = Field(

@@ -171,8 +171,10 @@ def evaluate(
     reward: str | Callable[..., Sequence[float | None]] = "exact_match",
     batch_size: int = 256,
     sampler: str = "lean",
+    state: rewards.TrainerState | None = None,
 ) -> Evaluation:
-    """:func:`heldout_accuracy`, with the completions it was computed from."""
+    """:func:`heldout_accuracy`, with the completions it was computed from; ``state`` is the
+    run's progress a TRL-form reward function is given (default: step 0 of 0)."""
     if not examples:
         raise ValueError("heldout_accuracy needs at least one example")
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
@@ -184,15 +186,17 @@ def evaluate(
     scores: list[float | None] = []
     for k, r in enumerate(rollouts):
         mine = list(examples[k * batch_size : (k + 1) * batch_size])
-        scores += rewards.score(fn, name, reward_batch(r, mine))
+        scores += rewards.score(fn, name, reward_batch(r, mine, state))
     got = [x for x in scores if x is not None]
     accuracy = math.fsum(got) / len(got) if got else 0.0
     return Evaluation(accuracy, name, rollouts[0], scores)
 
 
-def policy_evaluation(cfg: TrainConfig, m: Models, heldout: list[Example]) -> Evaluation:
-    """The run's policy's held-out evaluation, greedy, scored with the gold reward if there is
-    one (:func:`klpo.train.rewards.gold.eval_reward`)."""
+def policy_evaluation(
+    cfg: TrainConfig, m: Models, heldout: list[Example], step: int = 0
+) -> Evaluation:
+    """The run's policy's held-out evaluation after ``step`` training steps, greedy, scored with
+    the gold reward if there is one (:func:`klpo.train.rewards.gold.eval_reward`)."""
     unshard_root(m.backbone)  # generate calls the model outside the root's forward
     return evaluate(
         m.policy,
@@ -201,6 +205,7 @@ def policy_evaluation(cfg: TrainConfig, m: Models, heldout: list[Example]) -> Ev
         max_new_tokens=cfg.rollout.max_new_tokens,
         reward=eval_reward(cfg),
         sampler=cfg.rollout.sampler,
+        state=rewards.TrainerState(global_step=step, max_steps=cfg.run.steps),
     )
 
 

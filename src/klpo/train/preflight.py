@@ -447,12 +447,42 @@ def preflight(
     if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
         check_chat_template(load_tokenizer(policy))
     check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    check_rewards_and_trackers(cfg, train_set + heldout)
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
     for line in config_warnings(cfg, dist.world):
         log(f"warning: {line}")
     return plan, (train_set, heldout)
+
+
+def check_rewards_and_trackers(cfg: TrainConfig, examples: list[Example]) -> None:
+    """Every reward function of ``rewards`` imports and takes one of the two forms, a TRL-form
+    one finds each argument it requires among the data's columns
+    (:func:`klpo.train.rewards.functions.missing_keywords`), and every tracker of
+    ``run.report_to`` is installed."""
+    from klpo.train.rewards import functions as rewards
+    from klpo.train.runtime.trackers import check_trackers
+
+    columns = list(dict.fromkeys(k for e in examples for k in e.columns))
+    for i, term in enumerate(cfg.rewards):
+        if term.name == "model":
+            continue
+        try:
+            (r,) = rewards.resolve_rewards([term.name])
+        except ValueError as err:
+            raise ConfigError(f"rewards[{i}]: {err}") from None
+        missing = rewards.missing_keywords(r.fn, [*columns, *rewards.KEYWORDS])
+        if missing:
+            raise ConfigError(
+                f"rewards[{i}] {term.name!r} requires the argument {missing[0]!r}, which is "
+                f"neither a column of the data ({', '.join(columns)}) nor one of "
+                f"{', '.join(rewards.KEYWORDS)}; add the column, or give it a default"
+            )
+    try:
+        check_trackers(cfg.run.report_to)
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _model_config(key: str, name: str):

@@ -122,7 +122,7 @@ def setup(
 def evaluate_policy(run: TrainRun, step: int) -> float:
     """The held-out accuracy of the policy at ``step``; its first ``run.log_samples`` greedy
     completions go to ``samples.jsonl`` (call on every rank that :func:`evaluates`)."""
-    ev = policy_evaluation(run.cfg, run.models, run.heldout)
+    ev = policy_evaluation(run.cfg, run.models, run.heldout, step)
     records = eval_records(run.cfg, run.models, ev, step, run.cfg.run.log_samples)
     if run.writer is not None:
         run.writer.samples(step, "eval", records)

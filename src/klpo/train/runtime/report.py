@@ -37,6 +37,18 @@ def save_figure(fig, path: Path) -> None:
     _io.save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
+def _samples_section(run_dir: Path) -> list[str]:
+    """The latest logged completions of each split (``samples.jsonl``), as Markdown tables."""
+    from klpo.train.runtime.samples import latest_samples, samples_table
+
+    out = []
+    for split, records in latest_samples(run_dir).items():
+        what = "training (sampled)" if split == "train" else "held-out (greedy)"
+        out += [f"## Latest {what} completions, step {records[0]['step']}", ""]
+        out += [samples_table(records), "(all of them: `samples.jsonl`)", ""]
+    return out
+
+
 def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo train") -> Path:
     """Plot the run's metrics and write ``report.md``; returns the report's path."""
     import matplotlib
@@ -110,6 +122,7 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
                 f"| `{k}` | {v:.4g} |" if isinstance(v, int | float) else f"| `{k}` | {v} |"
             )
     lines += [""] + [f"![{n}]({n})" for n in PLOTS] + [""]
+    lines += _samples_section(run_dir)
     path = run_dir / "report.md"
     write_text_atomic(path, "\n".join(lines))
     return path
