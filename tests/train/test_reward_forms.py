@@ -231,3 +231,26 @@ def test_preflight_names_a_reward_that_cannot_run_on_the_data():
     bad = build_config(overrides=["rewards=[{name: 'klpo_test_rewards:no_such_fn'}]"])
     with pytest.raises(ConfigError, match=r"rewards\[0\].*has no attribute 'no_such_fn'"):
         check_rewards_and_trackers(bad, data)
+
+
+def test_the_worked_example_of_the_docs_runs():
+    """docs/rewards.md's my_rewards.py on its data.jsonl rows, through klpo's calls."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def brevity" in b)
+    rows = [json.loads(x) for x in re.search(r"```json\n(.*?)```", text, re.S)[1].splitlines()]
+    ns: dict = {}
+    exec(code, ns)
+    fns = [WeightedReward("a", ns["arithmetic"], 1.0), WeightedReward("b", ns["brevity"], 0.5)]
+    batch = RewardBatch(
+        prompts=[r["prompt"] for r in rows],
+        completions=["19", "hi"],
+        answers=[r["answer"] for r in rows],
+        completion_ids=[[1, 2, 0], list(range(12))],
+        columns={k: [r[k] for r in rows] for k in rows[0]},
+    )
+    total, per = combined_rewards(fns, batch)
+    assert per == {"a": [1.0, None], "b": [0.0, pytest.approx(-0.04)]}
+    assert total == [1.0, pytest.approx(-0.02)]

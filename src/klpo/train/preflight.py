@@ -433,6 +433,7 @@ def preflight(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
     train_set, heldout = load_examples(cfg)
+    check_rewards_and_trackers(cfg, train_set + heldout)
     policy = resolve_model_path(cfg.model.policy)
     reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
     critic = resolve_model_path(cfg.model.critic or reference)
@@ -447,7 +448,6 @@ def preflight(
     if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
         check_chat_template(load_tokenizer(policy))
     check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
-    check_rewards_and_trackers(cfg, train_set + heldout)
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")

@@ -1,4 +1,4 @@
-"""Metrics are API: each key is documented once here, written to ``metrics.jsonl`` and TensorBoard.
+"""Metrics are API: each key is documented once here, written to ``metrics.jsonl`` and the trackers.
 
 Keys are namespaced. Every per-token metric is computed under ``no_grad`` with the loss's mask,
 so padding contributes nothing. ``<est>`` stands for the configured estimator's name.
