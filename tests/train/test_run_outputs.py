@@ -99,16 +99,18 @@ class _Recorder:
         self.closed = True
 
 
-def _tensorboard_scalars(path) -> dict[int, dict[str, float]]:
+def _tensorboard(path) -> tuple[dict[int, dict[str, float]], dict[str, list[int]]]:
+    """The event files' scalars ``{step: {tag: value}}`` and text panels ``{tag: steps}``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    out: dict[int, dict[str, float]] = {}
+    scalars: dict[int, dict[str, float]] = {}
     for tag in acc.Tags()["scalars"]:
         for e in acc.Scalars(tag):
-            out.setdefault(e.step, {})[tag] = e.value
-    return out
+            scalars.setdefault(e.step, {})[tag] = e.value
+    texts = {t: [e.step for e in acc.Tensors(t)] for t in acc.Tags()["tensors"]}
+    return scalars, texts
 
 
 def test_a_tracker_gets_what_tensorboard_and_metrics_jsonl_get(
@@ -133,7 +135,12 @@ def test_a_tracker_gets_what_tensorboard_and_metrics_jsonl_get(
         r["step"]: {k: v for k, v in r.items() if k != "step" and isinstance(v, float | int)}
         for r in read_metrics(out / "metrics.jsonl")
     }
-    board = _tensorboard_scalars(out / "tensorboard")
+    board, texts = _tensorboard(out / "tensorboard")
+    # the completions, as Markdown tables in TensorBoard's Text tab
+    assert texts == {
+        "samples/train/text_summary": [1, 2, 3],
+        "samples/eval/text_summary": [0, 2, 3],
+    }
     assert sorted(rec.steps) == sorted(jsonl) == sorted(board) == [0, 1, 2, 3]
     for step, values in rec.steps.items():
         assert values == pytest.approx(jsonl[step]), step
