@@ -3,6 +3,7 @@ run.report_to, the learning-rate schedule, and only the newest run.save_total_li
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -236,3 +237,16 @@ def test_save_total_limit_keeps_the_newest(tiny_model, quick, tmp_path):
     assert left == ["step_000001", "step_000004", "step_000009"]
     with pytest.raises(ValueError, match="at least 1"):
         prune_checkpoints(out, 4, keep=0)
+
+
+def test_a_resume_drops_the_samples_after_its_checkpoint(tmp_path):
+    from klpo.train.runtime.metrics import MetricsWriter
+
+    lines = [json.dumps({"step": s, "split": "train", "prompt": f"p{s}"}) for s in range(1, 6)]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(lines) + '\n{"step": 6, "spl')  # a torn last line
+    assert [r["step"] for r in read_samples(path)] == [1, 2, 3, 4, 5]
+    MetricsWriter(tmp_path, resume_step=3, report_to=[]).close()
+    assert [r["step"] for r in read_samples(path)] == [1, 2, 3]
+    MetricsWriter(tmp_path, resume_step=0, report_to=[]).close()
+    assert not path.exists()
