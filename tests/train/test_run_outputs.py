@@ -250,3 +250,23 @@ def test_a_resume_drops_the_samples_after_its_checkpoint(tmp_path):
     assert [r["step"] for r in read_samples(path)] == [1, 2, 3]
     MetricsWriter(tmp_path, resume_step=0, report_to=[]).close()
     assert not path.exists()
+
+
+def test_a_resumed_run_continues_its_schedule(tiny_model, quick, tmp_path):
+    """Resumed from its step-2 checkpoint, a cosine run trains steps 3 and 4 at the learning
+    rates, and to the rewards, of the run that never stopped."""
+    out = tmp_path / "run"
+    extra = {"optim.lr_scheduler": "cosine", "optim.warmup_steps": 1, "run.steps": 4,
+             "run.save_every": 2, "run.eval_every": 0}  # fmt: skip
+    cfg = build_config(overrides=quick(tiny_model, out, **extra))
+    loop.train(cfg, log=lambda *_: None)
+    whole = read_metrics(out / "metrics.jsonl")
+    root = out / "checkpoints"
+    shutil.rmtree(root / "step_000004")
+    (root / "latest").write_text("step_000002\n")
+    loop.train(cfg, resume=True, log=lambda *_: None)
+    again = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    want = [_closed_form("cosine", s, 1e-2, 1, 4) for s in (1, 2, 3, 4)]
+    assert [r["lr"] for r in whole] == [r["lr"] for r in again] == pytest.approx(want)
+    assert [r["reward/mean"] for r in again] == pytest.approx([r["reward/mean"] for r in whole])
