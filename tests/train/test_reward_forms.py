@@ -254,3 +254,36 @@ def test_the_worked_example_of_the_docs_runs():
     total, per = combined_rewards(fns, batch)
     assert per == {"a": [1.0, None], "b": [0.0, pytest.approx(-0.04)]}
     assert total == [1.0, pytest.approx(-0.02)]
+
+
+def test_a_rollout_of_chat_data_reaches_the_functions_as_trl_gives_it():
+    """reward_batch: each group's data row repeated G times, the chat messages it was rendered
+    from, each completion's ids up to and including its end-of-sequence token."""
+    import torch
+
+    from klpo.train.data.sources import Example
+    from klpo.train.rollout.reward_batch import reward_batch
+    from klpo.train.rollout.samplers import Rollout
+
+    msgs = (("system", "be brief"), ("user", "1+1="))
+    examples = [
+        Example("<rendered 1>", "2", messages=msgs, row={"prompt": "1+1=", "answer": "2", "lvl": 1}),
+        Example("<rendered 2>", "4", messages=msgs[1:], row={"prompt": "2+2=", "answer": "4", "lvl": 2}),
+    ]  # fmt: skip
+    ids = torch.tensor([[5, 0, 0], [6, 7, 0], [8, 9, 10], [11, 0, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    rollout = Rollout(
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long), prompt_mask=torch.ones(4, 1, dtype=torch.bool),
+        completion_ids=ids, mask=mask, prompts=["<rendered 1>"] * 2 + ["<rendered 2>"] * 2,
+        completions=["a", "b", "c", "d"], answers=["2", "2", "4", "4"], group_size=2,
+    )  # fmt: skip
+    batch = reward_batch(rollout, examples, TrainerState(1, 5))
+    assert batch.completion_ids == [[5, 0], [6, 7, 0], [8, 9, 10], [11, 0]]
+    assert batch.columns["lvl"] == [1, 1, 2, 2]
+    kw = batch.keywords()
+    assert kw["prompts"][0] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="}]  # fmt: skip
+    assert kw["prompts"][3] == [{"role": "user", "content": "1+1="}]
+    assert kw["completions"][1] == [{"role": "assistant", "content": "b"}]
+    assert kw["answer"] == ["2", "2", "4", "4"] and "prompt" not in kw
+    with pytest.raises(ValueError, match="do not make the rollout's 4 completions"):
+        reward_batch(rollout, examples[:1])
