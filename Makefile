@@ -19,7 +19,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench

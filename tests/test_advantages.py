@@ -477,3 +477,102 @@ def test_matches_verl_reinforce_pp():
     ours = A.reinforce_pp(rewards, mask, gamma=0.9)
     # verl's masked_mean divides by (n + 1e-8): a relative difference of about 1e-8 / n.
     torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group estimators over the valid (scored) sequences only.
+
+
+def _naive_valid(r: np.ndarray, v: np.ndarray, g: int, std: str, scale: str, eps: float):
+    """The definition, one group at a time in float64: statistics of the valid entries only."""
+    out = np.zeros(len(r))
+    kept = r[v]
+    ddof = {"sample": 1, "population": 0, "none": None}[std]
+    for p in range(len(r) // g):
+        idx = [i for i in range(p * g, (p + 1) * g) if v[i]]
+        vals = r[idx]
+        if len(vals) < 2 or np.all(vals == vals[0]):
+            continue
+        centred = vals - vals.mean()
+        if ddof is None:
+            s = None
+        elif scale == "group":
+            s = vals.std(ddof=ddof)
+        else:
+            s = kept.std(ddof=ddof)
+        out[idx] = centred if s is None else centred / (s + eps)
+    return out
+
+
+def test_group_relative_valid_hand():
+    # (1, 0, x, 0) with the third unscored: mean of (1, 0, 0) = 1/3 → (2/3, -1/3, 0, -1/3);
+    # sample std of (1, 0, 0) = sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3) = 0.5773503
+    # → (2/3, -1/3) / 0.5773503 = (1.1547005, -0.5773503)
+    r = torch.tensor([1.0, 0.0, math.nan, 0.0])
+    v = torch.tensor([True, True, False, True])
+    got = A.group_relative(r, 4, std="none", valid=v)
+    np.testing.assert_allclose(got.numpy(), [2 / 3, -1 / 3, 0, -1 / 3], rtol=1e-7)
+    got = A.group_relative(r, 4, eps=0.0, valid=v)
+    np.testing.assert_allclose(got.numpy(), [1.1547005, -0.5773503, 0, -0.5773503], rtol=1e-6)
+    # RLOO: A_0 = 1 - (0 + 0)/2 = 1; A_1 = 0 - (1 + 0)/2 = -1/2; A_3 the same; A_2 = 0
+    np.testing.assert_allclose(A.rloo(r, 4, valid=v).numpy(), [1, -0.5, 0, -0.5], rtol=1e-7)
+    # group std of (1, 0, 0), ddof 1: sqrt(1/3)
+    np.testing.assert_allclose(A.group_std(r, 4, valid=v).numpy(), [0.5773503], rtol=1e-6)
+    # One valid reward in a group: no baseline, zeros (never NaN), under every estimator
+    one = torch.tensor([True, False, False, False])
+    assert torch.equal(A.group_relative(r, 4, valid=one), torch.zeros(4))
+    assert torch.equal(A.rloo(r, 4, valid=one), torch.zeros(4))
+    assert torch.equal(A.group_std(r, 4, valid=one), torch.zeros(1))
+
+
+@pytest.mark.parametrize("std", ["sample", "population", "none"])
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_group_relative_valid_matches_naive_and_subset(std, scale):
+    gen = torch.Generator().manual_seed(11)
+    r = torch.randn(40, generator=gen, dtype=F64)
+    v = torch.rand(40, generator=gen) < 0.7
+    r_nan = torch.where(v, r, math.nan)  # unscored values never enter the result
+    got = A.group_relative(r_nan, 8, std=std, scale=scale, valid=v)
+    want = _naive_valid(r.numpy(), v.numpy(), 8, std, scale, 1e-6)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
+    # Masking equals taking the subset: groups with 3 valid of 4 against groups of 3.
+    v3 = torch.tensor([True, False, True, True] * 10)
+    got = A.group_relative(r, 4, std=std, scale=scale, valid=v3)[v3]
+    subset = A.group_relative(r[v3], 3, std=std, scale=scale)
+    np.testing.assert_allclose(got.numpy(), subset.numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(
+        A.rloo(r, 4, valid=v3)[v3].numpy(), A.rloo(r[v3], 3).numpy(), rtol=1e-12, atol=1e-15
+    )
+    np.testing.assert_allclose(
+        A.group_std(r, 4, valid=v3).numpy(), A.group_std(r[v3], 3).numpy(), rtol=1e-12
+    )
+    # All valid: the plain estimators' values.
+    all_v = torch.ones(40, dtype=torch.bool)
+    np.testing.assert_allclose(
+        A.group_relative(r, 8, std=std, scale=scale, valid=all_v).numpy(),
+        A.group_relative(r, 8, std=std, scale=scale).numpy(),
+        rtol=1e-12,
+        atol=1e-15,
+    )
+
+
+def test_rloo_valid_matches_leave_one_out_definition():
+    gen = torch.Generator().manual_seed(12)
+    r = torch.randn(30, generator=gen, dtype=F64)
+    v = torch.rand(30, generator=gen) < 0.6
+    got = A.rloo(torch.where(v, r, math.inf), 5, valid=v).numpy()
+    want = np.zeros(30)
+    for i in range(30):
+        p = i // 5
+        others = [r[j].item() for j in range(p * 5, p * 5 + 5) if j != i and v[j]]
+        if v[i] and others:
+            want[i] = r[i].item() - np.mean(others)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_valid_errors():
+    r = torch.tensor([1.0, math.nan, 0.0, 0.0])
+    with pytest.raises(ValueError, match=r"non-finite at indices \[1\]"):
+        A.group_relative(r, 2, valid=torch.tensor([True, True, False, True]))
+    with pytest.raises(TypeError, match=r"valid must be a \[N\] = \[4\] bool tensor"):
+        A.rloo(r, 2, valid=torch.ones(4))

@@ -66,7 +66,7 @@ def _check_unit(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
-def _check_groups(rewards: Tensor, group_size: int, what: str) -> None:
+def _check_groups(rewards: Tensor, group_size: int, what: str, valid: Tensor | None = None) -> None:
     if not isinstance(rewards, Tensor) or rewards.dim() != 1 or not rewards.is_floating_point():
         raise TypeError(
             f"rewards must be a 1-D float tensor [N] (one reward per sequence), got "
@@ -86,8 +86,17 @@ def _check_groups(rewards: Tensor, group_size: int, what: str) -> None:
             f"{rewards.numel()} rewards do not split into groups of group_size={group_size}; "
             f"rewards must hold the G completions of each prompt contiguously"
         )
-    if not bool(torch.isfinite(rewards).all()):
-        bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()[:8]
+    if valid is not None and (
+        not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.shape != rewards.shape
+    ):
+        raise TypeError(
+            f"valid must be a [N] = [{rewards.numel()}] bool tensor (True = the sequence was "
+            f"scored), got {getattr(valid, 'dtype', type(valid).__name__)} of shape "
+            f"{tuple(getattr(valid, 'shape', ()))}"
+        )
+    counted = torch.isfinite(rewards) if valid is None else torch.isfinite(rewards) | ~valid
+    if not bool(counted.all()):
+        bad = torch.nonzero(~counted).flatten().tolist()[:8]
         raise ValueError(f"rewards must be finite; non-finite at indices {bad}")
 
 
@@ -362,6 +371,35 @@ def _centred(r: Tensor) -> Tensor:
     return torch.where(same, 0.0, centred)
 
 
+def _centred_valid(r: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(r - mean_v(r), n)`` per row of ``[P, G]``: the mean and the count ``n`` ``[P, 1]`` over
+    the entries where ``v`` is True; the centred value is exactly 0 where ``v`` is False and in a
+    row whose valid rewards are all equal (or that has fewer than two)."""
+    n = v.sum(dim=1, keepdim=True).to(r.dtype)
+    mean = torch.where(v, r, 0.0).sum(dim=1, keepdim=True) / n.clamp_min(1)
+    hi = torch.where(v, r, -torch.inf).amax(dim=1, keepdim=True)
+    lo = torch.where(v, r, torch.inf).amin(dim=1, keepdim=True)
+    return torch.where(v & (hi > lo), r - mean, 0.0), n
+
+
+def _group_relative_valid(
+    r: Tensor, v: Tensor, std: StdMode, scale: ScaleMode, eps: float
+) -> Tensor:
+    """:func:`group_relative` over the entries where ``v`` is True (``r``, ``v``: ``[P, G]``)."""
+    centred, n = _centred_valid(r, v)
+    if std == "none":
+        return centred
+    ddof = 1 if std == "sample" else 0
+    if scale == "group":
+        s = ((centred * centred).sum(dim=1, keepdim=True) / (n - ddof).clamp_min(1)).sqrt()
+    else:
+        count = v.sum().to(r.dtype)
+        mean = torch.where(v, r, 0.0).sum() / count.clamp_min(1)
+        dev = torch.where(v, r - mean, 0.0)
+        s = ((dev * dev).sum() / (count - ddof).clamp_min(1)).sqrt()
+    return torch.where(centred == 0, 0.0, centred / (s + eps))
+
+
 def group_relative(
     rewards: Tensor,
     group_size: int,
@@ -369,6 +407,7 @@ def group_relative(
     std: StdMode = "sample",
     scale: ScaleMode = "group",
     eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Tensor:
     r"""Group-relative advantages (GRPO; Dr. GRPO with ``std="none"``).
 
@@ -389,18 +428,26 @@ def group_relative(
 
     A group of identical rewards gets exactly zero advantages (never NaN, even with eps = 0).
 
+    ``valid`` marks the sequences that have a reward (a reward function may decline to score
+    one, TRL's ``None``): the mean and ``s`` are then over the valid rewards only (a group's
+    ``G_v`` valid ones, ``ddof`` against ``G_v``), exactly as if the others were not in the batch
+    (TRL's ``nanmean``/``nanstd``), and an invalid sequence's advantage is 0. Example, rewards
+    (1, 0, x, 0) with the third invalid: "none" → (2/3, -1/3, 0, -1/3). A group with fewer than
+    two valid rewards gets zeros.
+
     Args:
         rewards: ``[N]`` one reward per sequence, ``N = P · G``, each prompt's completions
-            contiguous.
+            contiguous; values where ``valid`` is False are ignored (may be NaN).
         group_size: ``G >= 2``.
         std: ``"sample"``, ``"population"`` or ``"none"``.
         scale: ``"group"`` or ``"batch"`` (which rewards ``s`` is computed over).
         eps: added to ``s`` (verl 1e-6; TRL 1e-4).
+        valid: ``[N]`` bool, True where the sequence has a reward (None: all).
 
     Returns:
         ``[N]`` advantages; detached.
     """
-    _check_groups(rewards, group_size, "a group-relative advantage")
+    _check_groups(rewards, group_size, "a group-relative advantage", valid)
     if std not in ("sample", "population", "none"):
         raise ValueError(f"std must be 'sample', 'population' or 'none', got {std!r}")
     if scale not in ("group", "batch"):
@@ -409,6 +456,9 @@ def group_relative(
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     with torch.no_grad():
         r = _wide(rewards).view(-1, group_size)
+        if valid is not None:
+            adv = _group_relative_valid(r, valid.view(-1, group_size), std, scale, eps)
+            return to_out(adv.flatten(), rewards)
         centred = _centred(r)
         if std == "none":
             adv = centred
@@ -422,27 +472,39 @@ def group_relative(
     return to_out(adv.flatten(), rewards)
 
 
-def rloo(rewards: Tensor, group_size: int) -> Tensor:
+def rloo(rewards: Tensor, group_size: int, *, valid: Tensor | None = None) -> Tensor:
     r"""REINFORCE leave-one-out advantages (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
 
     ``A_i = r_i - (1/(G-1)) sum_{j != i} r_j = G/(G-1) · (r_i - mean_g(r))``. Example, rewards
     (1, 0, 0, 0): (1, -1/3, -1/3, -1/3). A group of identical rewards gets exactly zero.
 
+    With ``valid`` (see :func:`group_relative`) the baseline is the mean of the *other valid*
+    rewards of the group, ``A_i = G_v/(G_v-1) · (r_i - mean_v(r))`` over its ``G_v`` valid
+    ones; an invalid sequence, or one without another valid reward in its group, gets 0.
+
     Args:
-        rewards: ``[N]``, each prompt's ``G`` completions contiguous.
+        rewards: ``[N]``, each prompt's ``G`` completions contiguous; values where ``valid`` is
+            False are ignored.
         group_size: ``G >= 2``.
+        valid: ``[N]`` bool, True where the sequence has a reward (None: all).
 
     Returns:
         ``[N]`` advantages; detached.
     """
-    _check_groups(rewards, group_size, "RLOO")
+    _check_groups(rewards, group_size, "RLOO", valid)
     with torch.no_grad():
         r = _wide(rewards).view(-1, group_size)
+        if valid is not None:
+            centred, n = _centred_valid(r, valid.view(-1, group_size))
+            adv = torch.where(n > 1, centred * n / (n - 1).clamp_min(1), 0.0)
+            return to_out(adv.flatten(), rewards)
         adv = _centred(r) * (group_size / (group_size - 1))
     return to_out(adv.flatten(), rewards)
 
 
-def group_std(rewards: Tensor, group_size: int, *, ddof: int = 1) -> Tensor:
+def group_std(
+    rewards: Tensor, group_size: int, *, ddof: int = 1, valid: Tensor | None = None
+) -> Tensor:
     """Per-prompt standard deviation of the rewards, ``[N // G]``: the spread a
     :class:`klpo.control.SpreadScaledKL` controller reads (pass its mean over prompts).
 
@@ -450,15 +512,21 @@ def group_std(rewards: Tensor, group_size: int, *, ddof: int = 1) -> Tensor:
         rewards: ``[N]``, each prompt's ``G`` completions contiguous.
         group_size: ``G >= 2``.
         ddof: 1 (sample, default) or 0 (population).
+        valid: ``[N]`` bool (see :func:`group_relative`): the standard deviation of each
+            group's valid rewards, ``ddof`` against their number ``G_v`` (0 when ``G_v <= ddof``).
 
     Returns:
         ``[N // G]``; exactly 0 for a group of identical rewards; detached.
     """
-    _check_groups(rewards, group_size, "a group standard deviation")
+    _check_groups(rewards, group_size, "a group standard deviation", valid)
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof!r}")
     with torch.no_grad():
         r = _wide(rewards).view(-1, group_size)
+        if valid is not None:
+            c, n = _centred_valid(r, valid.view(-1, group_size))
+            s = ((c * c).sum(dim=1) / (n.squeeze(1) - ddof).clamp_min(1)).sqrt()
+            return to_out(s, rewards)
         c = _centred(r)
         s = ((c * c).sum(dim=1) / (group_size - ddof)).sqrt()
     return to_out(s, rewards)

@@ -204,8 +204,9 @@ def train(
 
     Under torchrun (`torchrun --nproc_per_node 2 -m klpo train ...`) it runs data-parallel;
     with `--set dist.strategy=fsdp` the models are sharded (docs/real-models.md). Ctrl-C or
-    SIGTERM stops it after the current step with a checkpoint. Models and datasets are read from
-    local files and caches only, unless KLPO_ALLOW_DOWNLOADS=1.
+    SIGTERM stops it after the current step with a checkpoint. A model or dataset id is
+    fetched from the Hugging Face Hub as transformers and datasets fetch it; HF_HUB_OFFLINE=1
+    keeps to the local cache.
     """
     cfg = _train_config(config, overrides, resume, allow_config_change)
     if print_config:

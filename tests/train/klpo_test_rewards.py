@@ -27,3 +27,18 @@ def fails_on_rank_0(prompts: list[str], completions: list[str], answers: list[st
     if os.environ.get("RANK", "0") == "0":
         raise RuntimeError("the reward service is down")
     return digits(prompts, completions, answers)
+
+
+def trl_digits_by_task(completions, task, completion_ids, trainer_state, **kwargs):
+    """TRL's form: ``digits`` for rows whose ``task`` column is "digits", None (not scored) for
+    the others; checks what the trainer hands over on the way."""
+    prompts = kwargs["prompts"]
+    assert len(prompts) == len(completions) == len(task) == len(completion_ids)
+    assert all(isinstance(c, str) for c in completions)
+    assert all(isinstance(ids, list) and ids for ids in completion_ids)
+    assert 0 <= trainer_state.global_step <= trainer_state.max_steps == 3
+    assert "prompt" not in kwargs and "note" in kwargs  # every other column, by its name
+    return [
+        sum(ch.isdigit() for ch in c) / max(1, len(c)) if t == "digits" else None
+        for c, t in zip(completions, task, strict=True)
+    ]

@@ -43,9 +43,14 @@ def test_render_chat_hand(chat_model):
         [Example("1+2=", "3"), Example("", "5", messages=(("system", "be brief"), ("user", "2+3=")))],
         tok, chat=True, system_prompt="answer with a number",
     )  # fmt: skip
-    assert got[0] == Example("<s>system: answer with a number\n<s>user: 1+2=\n<s>assistant: ", "3")
+    # The rendered example keeps the messages it was rendered from (for TRL-form rewards).
+    sent = (("system", "answer with a number"), ("user", "1+2="))
+    assert got[0] == Example(
+        "<s>system: answer with a number\n<s>user: 1+2=\n<s>assistant: ", "3", messages=sent
+    )
     # A conversation that starts with its own system message keeps it.
     assert got[1].prompt == "<s>system: be brief\n<s>user: 2+3=\n<s>assistant: "
+    assert got[1].messages == (("system", "be brief"), ("user", "2+3="))
     # The rendered text tokenizes with <s> as one special token, nothing added around it.
     ids = tok(got[0].prompt, add_special_tokens=False).input_ids
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 3

@@ -382,15 +382,16 @@ def test_bad_model_directories_are_named(tiny_model, tmp_path, monkeypatch):
 
 
 def test_names_not_in_the_local_cache_fail_fast(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.delenv("KLPO_ALLOW_DOWNLOADS", raising=False)
+    # The suite runs offline (tests/conftest.py): an id not in the cache is named, with the
+    # variable that keeps the Hub offline (tests/train/test_hub.py has the online cases).
     no_models(monkeypatch)
     base = ["train", "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "run.progress=false"]
     t0 = time.monotonic()
     clean_error(
         cli(*base, "--set", "model.policy=klpo-tests/no-such-model"),
         1,
-        "model id 'klpo-tests/no-such-model' not found locally",
-        "KLPO_ALLOW_DOWNLOADS=1",
+        "model id 'klpo-tests/no-such-model' is not in the Hugging Face cache",
+        "HF_HUB_OFFLINE=1 keeps the Hub offline",
     )
     clean_error(
         cli(
@@ -399,7 +400,8 @@ def test_names_not_in_the_local_cache_fail_fast(tiny_model, tmp_path, monkeypatc
             *("--set", "data.source=datasets", "--set", "data.path=klpo-tests/no-such-data"),
         ),
         1,
-        "dataset 'klpo-tests/no-such-data' not found locally",
+        "dataset id 'klpo-tests/no-such-data' is not in the Hugging Face cache",
+        "HF_DATASETS_OFFLINE=1",
     )
     assert time.monotonic() - t0 < 20
 

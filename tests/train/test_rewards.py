@@ -240,8 +240,14 @@ def test_wrong_number_of_values():
 def test_non_numbers_are_refused_and_numeric_scalars_accepted():
     with pytest.raises(RewardError, match=r"'s' returned '1' \(str\) for sample 0"):
         rewards.score(lambda p, c, a: ["1", 1, 1], "s", PROMPTS, COMPLETIONS, ANSWERS)
-    with pytest.raises(RewardError, match=r"returned None \(NoneType\) for sample 1"):
-        rewards.score(lambda p, c, a: [1, None, 1], "n", PROMPTS, COMPLETIONS, ANSWERS)
+    with pytest.raises(RewardError, match=r"returned \[1\] \(list\) for sample 1"):
+        rewards.score(lambda p, c, a: [1, [1], 1], "n", PROMPTS, COMPLETIONS, ANSWERS)
+    # None is a sample the function does not score (TRL's convention), kept as None
+    assert rewards.score(lambda p, c, a: [1, None, 1], "n", PROMPTS, COMPLETIONS, ANSWERS) == [
+        1.0,
+        None,
+        1.0,
+    ]
     # bools, numpy scalars, 0-d tensors and a 1-d tensor of N values are all numbers
     values = [True, np.float32(0.5), torch.tensor(2.0)]
     got = rewards.score(lambda p, c, a: values, "mixed", PROMPTS, COMPLETIONS, ANSWERS)

@@ -53,6 +53,9 @@ class AdvantageInputs:
     std: str = "sample"  # algo.std: the group advantage's scale (sample, population, none)
     gamma: float = 1.0  # algo.gamma: the discount
     lam: float = 0.95  # algo.lam: GAE's lambda
+    # [B] bool: True where some reward function scored the completion (None: every one was).
+    # An unscored completion is left out of every baseline and gets no task advantage.
+    scored: Tensor | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
@@ -79,7 +82,7 @@ def _grpo_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
     The KL penalty keeps its per-token credit (REINFORCE, no baseline), so that k1 in the reward
     follows the sequence-level grad KL(pi_theta ‖ pi_ref)."""
     adv = advantages.broadcast_to_tokens(
-        advantages.group_relative(x.scores, x.group_size, std=x.std), x.mask
+        advantages.group_relative(x.scores, x.group_size, std=x.std, valid=x.scored), x.mask
     )
     return adv + advantages.returns_to_go(x.kl_penalty, x.mask, gamma=x.gamma), None
 
@@ -87,14 +90,16 @@ def _grpo_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
 def _rloo_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
     """Leave-one-out baseline of the sequence's total reward, KL penalty summed in."""
     totals = x.scores + torch.where(x.mask, x.kl_penalty, 0.0).sum(-1)
-    return advantages.broadcast_to_tokens(advantages.rloo(totals, x.group_size), x.mask), None
+    adv = advantages.rloo(totals, x.group_size, valid=x.scored)
+    return advantages.broadcast_to_tokens(adv, x.mask), None
 
 
 def _reinforce_pp_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
     """Per-token returns-to-go of the shaped reward, whitened over the batch (REINFORCE++,
     :func:`klpo.advantages.reinforce_pp`, with the statistics of every rank's share)."""
     returns = advantages.returns_to_go(x.token_rewards + x.kl_penalty, x.mask, gamma=x.gamma)
-    return whiten_over_ranks(returns, x.mask, x.dist), None
+    mask = x.mask if x.scored is None else x.mask & x.scored[:, None]  # unscored: left out, 0
+    return whiten_over_ranks(returns, mask, x.dist), None
 
 
 def _ppo_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:

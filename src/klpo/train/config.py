@@ -21,6 +21,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from klpo import control, kl, reduce
 from klpo.kl import Placement
 from klpo.train.algorithms import ALGORITHMS, Algorithm, PolicyLoss
+from klpo.train.runtime.trackers import TRACKERS
+
+Tracker = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]
+"""The names of :data:`klpo.train.runtime.trackers.TRACKERS`, as the config's type."""
+
+LR_SCHEDULERS = (
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
+"""The schedules of transformers' ``get_scheduler`` that follow the step count (not
+``reduce_lr_on_plateau``, which follows a metric, nor ``greedy``)."""
 
 
 def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
@@ -106,8 +125,9 @@ class DataConfig(_Section):
         "builtin",
         description="Where prompts come from: the built-in arithmetic task, the same task as the "
         "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
-        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path or a name "
-        "already in the local cache).",
+        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
+        "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
+        "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
     )
     path: str | None = Field(None, description="The JSONL file or datasets name/path.")
     split: str = Field("train", description="datasets split to train on.")
@@ -159,7 +179,7 @@ class DataConfig(_Section):
 
 class RewardTerm(_Section):
     name: str = Field(
-        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function'."
+        description="A built-in reward ('exact_match', 'numeric', 'format', 'boxed'), 'model' (a reward model at path) or 'module:function' (a module in the working directory or an installed package; TRL's form fn(completions, **kwargs) or klpo's fn(prompts, completions, answers), docs/rewards.md)."
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
     path: str | None = Field(
@@ -431,6 +451,24 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float | None = Field(1.0, gt=0, description="Global gradient-norm clip (null: off).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    lr_scheduler: str = Field(
+        "constant_with_warmup",
+        description="The policy's learning-rate schedule, by transformers' scheduler factory "
+        f"(get_scheduler): {', '.join(LR_SCHEDULERS)}. Step s runs at optim.lr · lambda(s), "
+        "with optim.warmup_steps of linear warm-up and run.steps as the training length; the "
+        "default is a warm-up to optim.lr, then constant.",
+    )
+    lr_scheduler_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra arguments of the schedule (get_scheduler's "
+        "scheduler_specific_kwargs), e.g. {min_lr_rate: 0.1} for cosine_with_min_lr, "
+        "{num_cycles: 2} for cosine_with_restarts.",
+    )
+
+    @field_validator("lr_scheduler")
+    @classmethod
+    def _known_scheduler(cls, v: str) -> str:
+        return one_of("optim.lr_scheduler", v, LR_SCHEDULERS)
 
 
 class RunConfig(_Section):
@@ -445,8 +483,39 @@ class RunConfig(_Section):
     time_limit: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds of training."
     )
-    tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files when run.report_to lists tensorboard."
+    )
     progress: bool = Field(True, description="Show a progress bar on the terminal.")
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Where the metrics also go, besides metrics.jsonl: any of tensorboard, "
+        "wandb (extra klpo[wandb]; WANDB_PROJECT, WANDB_MODE, ...), mlflow (extra "
+        "klpo[mlflow]; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME), each through its own "
+        "library (docs/tracking.md).",
+    )
+    run_name: str | None = Field(
+        None, description="The run's name in the trackers (default: run.out_dir's last part)."
+    )
+    log_samples: int = Field(
+        4,
+        ge=0,
+        description="Completions written to samples.jsonl (and the trackers, and report.md) "
+        "each time: the first of a step's batch, the first held-out problems at an "
+        "evaluation (0: none).",
+    )
+    log_samples_every: int = Field(
+        50,
+        ge=0,
+        description="Write a step's completions every N steps and at the last (0: only at "
+        "evaluations); held-out completions are written at every evaluation.",
+    )
+    save_total_limit: int | None = Field(
+        2,
+        ge=1,
+        description="Checkpoints kept: the newest N complete ones (the one a resume starts "
+        "from is the newest); older ones are deleted after each save (null: keep all).",
+    )
 
 
 class DistConfig(_Section):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from klpo.train.config import TrainConfig
@@ -22,9 +23,28 @@ from klpo.train.models.build import Models
 from klpo.train.models.tokens import Codec
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import eval_reward
+from klpo.train.rollout.reward_batch import reward_batch
+from klpo.train.rollout.samplers import Rollout
 from klpo.train.rollout.samplers import generate as rollout_generate
 
-__all__ = ["generate", "heldout_accuracy", "policy_accuracy"]
+__all__ = [
+    "Evaluation",
+    "evaluate",
+    "generate",
+    "heldout_accuracy",
+    "policy_accuracy",
+    "policy_evaluation",
+]
+
+
+@dataclass
+class Evaluation:
+    """A held-out evaluation: the accuracy, and what it was computed from."""
+
+    accuracy: float
+    reward: str  # the reward function's name
+    first: Rollout  # the greedy completions of the first batch of problems (group size 1)
+    scores: list[float | None]  # the reward of each problem's completion (None: not scored)
 
 
 def generate(
@@ -75,26 +95,39 @@ def generate(
         raise ValueError(
             f"sampling needs temperature > 0 and top_p in (0, 1], got {temperature} and {top_p}"
         )
+    rollouts = _rollouts(
+        model, tokenizer, prompts, [""] * len(prompts), max_new_tokens, batch_size, do_sample,
+        temperature, top_p, sampler, codec,
+    )  # fmt: skip
+    return [c for r in rollouts for c in r.completions]
+
+
+def _rollouts(
+    model, tokenizer, prompts, answers, max_new_tokens, batch_size, do_sample, temperature, top_p,
+    sampler, codec=None,
+) -> list[Rollout]:  # fmt: skip
+    """:func:`generate`'s completions as one rollout (group size 1) per batch of prompts."""
     was_training = model.training
     model.eval()
-    out: list[str] = []
+    out: list[Rollout] = []
     try:
         for start in range(0, len(prompts), batch_size):
             batch = list(prompts[start : start + batch_size])
-            rollout = rollout_generate(
-                model,
-                tokenizer,
-                batch,
-                [""] * len(batch),
-                group_size=1,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                greedy=not do_sample,
-                sampler=sampler,
-                codec=codec,
+            out.append(
+                rollout_generate(
+                    model,
+                    tokenizer,
+                    batch,
+                    list(answers[start : start + batch_size]),
+                    group_size=1,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=not do_sample,
+                    sampler=sampler,
+                    codec=codec,
+                )
             )
-            out.extend(rollout.completions)
     finally:
         model.train(was_training)
     return out
@@ -106,7 +139,7 @@ def heldout_accuracy(
     examples: Sequence[Example],
     *,
     max_new_tokens: int,
-    reward: str | Callable[..., Sequence[float]] = "exact_match",
+    reward: str | Callable[..., Sequence[float | None]] = "exact_match",
     batch_size: int = 256,
     sampler: str = "lean",
     codec: Codec | None = None,
@@ -115,38 +148,67 @@ def heldout_accuracy(
     completions cut by ``codec``, as :func:`generate` says).
 
     ``accuracy = (1/N) sum_i reward(prompt_i, greedy completion_i, answer_i)``, with a reward in
-    ``{0, 1}`` (``exact_match`` by default; any name or function of :mod:`klpo.train.rewards.functions`).
-    Greedy decoding makes the number deterministic for a given model, so two checkpoints compare
-    without sampling noise; its standard error as an estimate of the accuracy on the whole
-    problem distribution is ``sqrt(acc (1 - acc) / N)`` (about 2.2 points at N = 500, acc = 0.5).
+    ``{0, 1}`` (``exact_match`` by default; any name or function of
+    :mod:`klpo.train.rewards.functions`, in either form: a TRL-form function gets every column
+    of each example's data row). An example the reward does not score (None) is left out of
+    the mean (0 if it scores none). Greedy decoding makes the number deterministic for a given
+    model, so two checkpoints compare without sampling noise; its standard error as an
+    estimate of the accuracy on the whole problem distribution is ``sqrt(acc (1 - acc) / N)``
+    (about 2.2 points at N = 500, acc = 0.5).
 
     Returns:
         The accuracy in ``[0, 1]``.
     """
+    return evaluate(
+        model,
+        tokenizer,
+        examples,
+        max_new_tokens=max_new_tokens,
+        reward=reward,
+        batch_size=batch_size,
+        sampler=sampler,
+        codec=codec,
+    ).accuracy
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    *,
+    max_new_tokens: int,
+    reward: str | Callable[..., Sequence[float | None]] = "exact_match",
+    batch_size: int = 256,
+    sampler: str = "lean",
+    state: rewards.TrainerState | None = None,
+    codec: Codec | None = None,
+) -> Evaluation:
+    """:func:`heldout_accuracy`, with the completions it was computed from; ``state`` is the
+    run's progress a TRL-form reward function is given (default: step 0 of 0)."""
     if not examples:
         raise ValueError("heldout_accuracy needs at least one example")
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
     name = reward if isinstance(reward, str) else getattr(reward, "__name__", "reward")
-    prompts = [e.prompt for e in examples]
-    completions = generate(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        sampler=sampler,
-        codec=codec,
-    )
-    scores = rewards.score(fn, name, prompts, completions, [e.answer for e in examples])
-    total = math.fsum(scores)
-    return total / len(examples)
+    rollouts = _rollouts(
+        model, tokenizer, [e.prompt for e in examples], [e.answer for e in examples],
+        max_new_tokens, batch_size, False, 1.0, 1.0, sampler, codec,
+    )  # fmt: skip
+    scores: list[float | None] = []
+    for k, r in enumerate(rollouts):
+        mine = list(examples[k * batch_size : (k + 1) * batch_size])
+        scores += rewards.score(fn, name, reward_batch(r, mine, state))
+    got = [x for x in scores if x is not None]
+    accuracy = math.fsum(got) / len(got) if got else 0.0
+    return Evaluation(accuracy, name, rollouts[0], scores)
 
 
-def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
-    """The run's policy's held-out accuracy, greedy, scored with the gold reward if there is
-    one (:func:`klpo.train.rewards.gold.eval_reward`)."""
+def policy_evaluation(
+    cfg: TrainConfig, m: Models, heldout: list[Example], step: int = 0
+) -> Evaluation:
+    """The run's policy's held-out evaluation after ``step`` training steps, greedy, scored with
+    the gold reward if there is one (:func:`klpo.train.rewards.gold.eval_reward`)."""
     unshard_root(m.backbone)  # generate calls the model outside the root's forward
-    return heldout_accuracy(
+    return evaluate(
         m.policy,
         m.tokenizer,
         heldout,
@@ -154,4 +216,10 @@ def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> floa
         reward=eval_reward(cfg),
         sampler=cfg.rollout.sampler,
         codec=m.codec,
+        state=rewards.TrainerState(global_step=step, max_steps=cfg.run.steps),
     )
+
+
+def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
+    """The run's policy's held-out accuracy (:func:`policy_evaluation`)."""
+    return policy_evaluation(cfg, m, heldout).accuracy

@@ -33,16 +33,25 @@ import time
 from pathlib import Path
 
 from klpo.train.config import TrainConfig
-from klpo.train.evaluate import policy_accuracy
-from klpo.train.models.load import offline_unless_allowed
 from klpo.train.preflight import preflight
-from klpo.train.rewards.functions import get_reward
+from klpo.train.rewards.functions import TrainerState, get_reward
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal
-from klpo.train.setup import TrainRun, evaluates, save, setup, teardown, write_run_report
+from klpo.train.setup import (
+    TrainRun,
+    advance_lr,
+    evaluate_policy,
+    evaluates,
+    save,
+    setup,
+    teardown,
+    write_run_report,
+)
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.metrics import step_metrics
+from klpo.train.step.samples import train_records
 from klpo.train.step.score import score
+from klpo.train.step.types import Scored
 from klpo.train.step.update import update
 
 __all__ = ["TrainingDiverged", "check_run", "run_steps", "train", "train_step"]
@@ -61,7 +70,6 @@ def train(
     (recorded in the run's ``config-changes.jsonl``); without it such a resume is refused.
     SIGINT/SIGTERM stop the run after the current step with a checkpoint.
     """
-    offline_unless_allowed()
     dist = init_distributed(cfg.run.threads)
     failed = True
     try:
@@ -94,7 +102,6 @@ def check_run(
     """``klpo train --check``: every check of :func:`~klpo.train.preflight.preflight` (for the
     number of processes in ``WORLD_SIZE``, one by default) and the reward functions looked up,
     without loading a model or writing a file; raises what a run would raise before it starts."""
-    offline_unless_allowed()
     dist = Dist(world=int(os.environ.get("WORLD_SIZE", "1")))
     preflight(cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change)
     names = [t.name for t in cfg.rewards if t.name != "model"] + [cfg.gold_reward or "exact_match"]
@@ -124,13 +131,12 @@ def _train(
     return run.dir
 
 
-def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
-    """One step: its metrics (without the held-out evaluation) and the number of completion
-    tokens it trained on, over all ranks."""
+def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Scored]:
+    """One step: its metrics (without the held-out evaluation), the number of completion
+    tokens it trained on over all ranks, and this rank's scored rollout."""
     cfg, dist, m = run.cfg, run.dist, run.models
     t0 = time.perf_counter()
-    for group in run.opt.policy.param_groups:
-        group["lr"] = _lr(cfg, step)
+    lr = advance_lr(run.opt)  # optim.lr_scheduler's value at this step
     mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
 
     # Sample, with the policy's current weights; the reference's own samples where needed.
@@ -142,7 +148,8 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
 
     # Score (rewards, log-probs, advantages), then update.
     beta, beta_old = run.control.kl.value, run.control.penalty.value
-    scored = score(cfg, m, rollout, run.reward_fns, beta, dist)
+    progress = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
+    scored = score(cfg, m, rollout, run.reward_fns, beta, dist, examples=mine, state=progress)
     t2 = time.perf_counter()
     upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, term)
     t3 = time.perf_counter()
@@ -153,19 +160,19 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float]:
     metrics.update(
         {
             "beta": beta,
-            "lr": _lr(cfg, step),
+            "lr": lr,
             "time/generate": t1 - t0,
             "time/score": t2 - t1r,
             "time/update": t3 - t2,
         }
     )
-    return metrics, float(dist.all_sum(rollout.mask.sum()).item())
+    return metrics, float(dist.all_sum(rollout.mask.sum()).item()), scored
 
 
-def _lr(cfg: TrainConfig, step: int) -> float:
-    """The policy's learning rate at ``step``: linear warm-up to ``optim.lr``."""
-    w = cfg.optim.warmup_steps
-    return cfg.optim.lr * (min(1.0, step / w) if w else 1.0)
+def _samples_due(cfg: TrainConfig, step: int, last: bool) -> bool:
+    """Whether the step's completions go to samples.jsonl (``run.log_samples_every``)."""
+    every = cfg.run.log_samples_every
+    return cfg.run.log_samples > 0 and (last or bool(every and step % every == 0))
 
 
 def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
@@ -175,13 +182,15 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
     t_start = time.perf_counter()
     for step in range(run.step0 + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
-        metrics, tokens = train_step(run, step)
+        metrics, tokens, scored = train_step(run, step)
         last = step == cfg.run.steps or (
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
+        if run.writer is not None and _samples_due(cfg, step, last):
+            run.writer.samples(step, "train", train_records(cfg, scored, step, cfg.run.log_samples))
         if run.heldout and cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
             if evaluates(run):
-                acc = policy_accuracy(cfg, run.models, run.heldout)
+                acc = evaluate_policy(run, step)
                 if run.dist.is_main:
                     metrics["accuracy/heldout"] = acc
             run.dist.barrier()

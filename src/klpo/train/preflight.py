@@ -14,7 +14,8 @@ What each function guards:
   allowed and recorded), the newest complete checkpoint when later ones are truncated;
 - :func:`config_warnings`: settings that are accepted but ignored or adjusted;
 - :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
-  weights or no tokenizer; a model id not in the local cache;
+  weights or no tokenizer; a model id not in the local cache while the Hub is offline, or that
+  the Hub does not answer for;
 - :func:`check_tokenizers_and_prompts`: a reference (or critic) that tokenizes differently from
   the policy (:func:`check_same_tokenizer`); a bad ``rollout.stop``; chat prompts the template
   cannot render; and every prompt, as the policy will see it, against ``data.max_prompt_tokens``
@@ -40,7 +41,6 @@ from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
-    downloads_allowed,
     load_tokenizer,
     model_source_problem,
     quiet_transformers,
@@ -62,6 +62,11 @@ RESUMABLE_KEYS = frozenset(
         "run.save_every",
         "run.tensorboard",
         "run.out_dir",
+        "run.report_to",
+        "run.run_name",
+        "run.log_samples",
+        "run.log_samples_every",
+        "run.save_total_limit",
     }
 )
 CHANGES_FILE = "config-changes.jsonl"
@@ -364,7 +369,7 @@ def check_model_sources(
     cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
 ) -> None:
     """Every model is a complete local directory (the policy's with a tokenizer) or a model id
-    in the local cache (:func:`klpo.train.models.load.model_source_problem`); files only."""
+    that can be had (:func:`klpo.train.models.load.model_source_problem`)."""
     for key, name in model_keys(cfg, policy, reference, critic).items():
         problem = model_source_problem(name, key, tokenizer=key == "model.policy")
         if problem:
@@ -411,7 +416,7 @@ def check_tokenizers_and_prompts(
         )  # fmt: skip
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    config = AutoConfig.from_pretrained(policy, local_files_only=not downloads_allowed())
+    config = AutoConfig.from_pretrained(policy)
     positions = getattr(config, "max_position_embeddings", None)
     for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
         check_prompts(
@@ -451,6 +456,7 @@ def preflight(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
     train_set, heldout = load_examples(cfg)
+    check_rewards_and_trackers(cfg, train_set + heldout)
     policy = resolve_model_path(cfg.model.policy)
     reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
     critic = resolve_model_path(cfg.model.critic or reference)
@@ -471,6 +477,35 @@ def preflight(
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)
     return plan, (train_set, heldout)
+
+
+def check_rewards_and_trackers(cfg: TrainConfig, examples: list[Example]) -> None:
+    """Every reward function of ``rewards`` imports and takes one of the two forms, a TRL-form
+    one finds each argument it requires among the data's columns
+    (:func:`klpo.train.rewards.functions.missing_keywords`), and every tracker of
+    ``run.report_to`` is installed."""
+    from klpo.train.rewards import functions as rewards
+    from klpo.train.runtime.trackers import check_trackers
+
+    columns = list(dict.fromkeys(k for e in examples for k in e.columns))
+    for i, term in enumerate(cfg.rewards):
+        if term.name == "model":
+            continue
+        try:
+            (r,) = rewards.resolve_rewards([term.name])
+        except ValueError as err:
+            raise ConfigError(f"rewards[{i}]: {err}") from None
+        missing = rewards.missing_keywords(r.fn, [*columns, *rewards.KEYWORDS])
+        if missing:
+            raise ConfigError(
+                f"rewards[{i}] {term.name!r} requires the argument {missing[0]!r}, which is "
+                f"neither a column of the data ({', '.join(columns)}) nor one of "
+                f"{', '.join(rewards.KEYWORDS)}; add the column, or give it a default"
+            )
+    try:
+        check_trackers(cfg.run.report_to)
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _model_config(key: str, name: str):

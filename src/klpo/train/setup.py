@@ -21,9 +21,9 @@ from torch import Tensor
 
 from klpo import kl
 from klpo.train import preflight as checks
-from klpo.train.config import TrainConfig, dump_config
+from klpo.train.config import TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
-from klpo.train.evaluate import policy_accuracy
+from klpo.train.evaluate import policy_evaluation
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
 from klpo.train.models.build import Models, build_models
@@ -39,12 +39,16 @@ from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
 from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
+from klpo.train.step.samples import eval_records
 from klpo.train.step.types import Optimizers
 
 __all__ = [
     "TrainRun",
+    "advance_lr",
     "announce",
+    "evaluate_policy",
     "evaluates",
+    "make_lr_scheduler",
     "make_optimizers",
     "restore",
     "save",
@@ -118,10 +122,20 @@ def _evaluate_start(run: TrainRun) -> None:
     it is the run's first long wait."""
     t0 = time.perf_counter()
     run.log(f"evaluating the starting policy on {len(run.heldout)} held-out problems (greedy)")
-    acc = policy_accuracy(run.cfg, run.models, run.heldout)
+    acc = evaluate_policy(run, 0)
     run.log(f"held-out accuracy at step 0: {acc:.3f} ({fmt_duration(time.perf_counter() - t0)})")
     if run.writer is not None:
         run.writer.write(0, {"accuracy/heldout": acc})
+
+
+def evaluate_policy(run: TrainRun, step: int) -> float:
+    """The held-out accuracy of the policy at ``step``; its first ``run.log_samples`` greedy
+    completions go to ``samples.jsonl`` (call on every rank that :func:`evaluates`)."""
+    ev = policy_evaluation(run.cfg, run.models, run.heldout, step)
+    records = eval_records(run.cfg, run.models, ev, step, run.cfg.run.log_samples)
+    if run.writer is not None:
+        run.writer.samples(step, "eval", records)
+    return ev.accuracy
 
 
 def save(run: TrainRun, step: int) -> None:
@@ -149,8 +163,10 @@ def save(run: TrainRun, step: int) -> None:
                 "penalty_controller": c.penalty.state_dict(),
                 "update_generator": run.update_gen.get_state().tolist(),
                 "reference_updates": c.ref_updates,
+                "lr_scheduler": run.opt.lr_scheduler.state_dict(),
                 **({"mix_window": c.window.state_dict()} if c.window is not None else {}),
             },
+            keep=run.cfg.run.save_total_limit,
         )
     run.dist.barrier()
 
@@ -175,6 +191,7 @@ def restore(run: TrainRun, plan: checks.RunPlan) -> None:
         c.window.load_state_dict(meta["mix_window"])
     c.ref_updates = int(meta.get("reference_updates", 0))
     run.stream.load_state_dict(meta["data"])
+    restore_lr_scheduler(opt.lr_scheduler, meta.get("lr_scheduler"), run.step0)
     run.update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
     if plan.saved_world == dist.world:
         ckpt_io.restore_rng(start, meta, rank=dist.rank)
@@ -189,6 +206,20 @@ def restore(run: TrainRun, plan: checks.RunPlan) -> None:
     elif cfg.kl.reference_reset is not None:
         ckpt_io.restore_reference(start, m.reference.model)
     run.log(f"resuming {run.dir} from step {run.step0}")
+
+
+def restore_lr_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, saved: dict[str, Any] | None, step: int
+) -> None:
+    """Continue the schedule after ``step``: from its saved state, with the base learning rate
+    of this run's config (an allowed change of optim.lr holds); a checkpoint written before
+    schedules were saved resumes at ``step``, where the warm-up it followed then stood."""
+    state = dict(scheduler.state_dict())
+    if saved is not None:
+        state.update({k: v for k, v in saved.items() if k not in ("base_lrs", "lr_lambdas")})
+    else:
+        state["last_epoch"] = step
+    scheduler.load_state_dict(state)
 
 
 def _saved_optimizers(run: TrainRun) -> dict[str, torch.optim.Optimizer]:
@@ -242,7 +273,14 @@ def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
     note = announce(cfg)
     if note:
         log(note)
-    return MetricsWriter(run_dir, tensorboard=cfg.run.tensorboard, resume_step=run.step0)
+    trackers = [t for t in cfg.run.report_to if t != "tensorboard" or cfg.run.tensorboard]
+    return MetricsWriter(
+        run_dir,
+        resume_step=run.step0,
+        report_to=trackers,
+        run_name=cfg.run.run_name,
+        config=flat(cfg),
+    )
 
 
 def announce(cfg: TrainConfig) -> str | None:
@@ -287,7 +325,36 @@ def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
 
     policy = adamw([p for p in m.policy.parameters() if p.requires_grad], o.lr)
     critic = adamw(m.critic_core.parameters(), o.critic_lr or o.lr) if m.critic_core else None
-    return Optimizers(policy, critic)
+    return Optimizers(policy, critic, make_lr_scheduler(cfg, policy))
+
+
+def make_lr_scheduler(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The policy's schedule (``optim.lr_scheduler``) from transformers' ``get_scheduler``,
+    over ``run.steps`` with ``optim.warmup_steps`` of warm-up. :func:`advance_lr` before step s
+    sets lr · lambda(s): the default, constant_with_warmup, is lr · min(1, s / warmup_steps)."""
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    return get_scheduler(
+        o.lr_scheduler,
+        optimizer,
+        num_warmup_steps=o.warmup_steps,
+        num_training_steps=cfg.run.steps,
+        scheduler_specific_kwargs=dict(o.lr_scheduler_kwargs) or None,
+    )
+
+
+def advance_lr(opt: Optimizers) -> float:
+    """Move the schedule on to the next step (before its update; the optimizer's own order of
+    step calls does not apply here) and return the policy's learning rate for it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        opt.lr_scheduler.step()
+    return float(opt.policy.param_groups[0]["lr"])
 
 
 def evaluates(run: TrainRun) -> bool:

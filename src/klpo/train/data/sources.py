@@ -7,13 +7,14 @@ names the file and line (JSONL) or the sample index (datasets) and says what is 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from klpo.train.models.load import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
+from klpo.train.models.hub import hub_problem, offline_variable
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,22 @@ class Example:
     """One problem: the prompt the policy sees and the answer a reward function checks.
 
     ``messages`` holds a prompt given as chat messages (``[{"role": ..., "content": ...}]``);
-    :func:`render_chat` turns it, or the plain prompt, into the text the policy sees.
+    :func:`render_chat` turns it, or the plain prompt, into the text the policy sees (and keeps
+    the messages it rendered, so that reward functions get conversational prompts). ``row`` is
+    the whole data row, every column, as read (reward functions get each column by name;
+    :attr:`columns`).
     """
 
     prompt: str
     answer: str
     messages: tuple[tuple[str, str], ...] | None = None
     where: str = field(default="", compare=False)  # "file:line" or "name[i]", for errors
+    row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def columns(self) -> Mapping[str, Any]:
+        """Every column of the data row; for the built-in task, ``prompt`` and ``answer``."""
+        return self.row if self.row is not None else {"prompt": self.prompt, "answer": self.answer}
 
 
 def read_jsonl(
@@ -75,14 +85,14 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
     prompt, answer = row[prompt_field], row[answer_field]
     if isinstance(prompt, list):
         return Example(
-            prompt="", answer=str(answer), messages=_messages(prompt, where), where=where
+            prompt="", answer=str(answer), messages=_messages(prompt, where), where=where, row=row
         )
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
             f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat "
             f"messages, got {prompt!r}"
         )
-    return Example(prompt=prompt, answer=str(answer), where=where)
+    return Example(prompt=prompt, answer=str(answer), where=where, row=row)
 
 
 def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
@@ -134,6 +144,8 @@ def render_chat(
     without adding any (:class:`klpo.train.models.tokens.Codec` with ``chat=True``). With
     ``chat`` off the prompts are returned as they are; each later gets the tokenizer's own
     special tokens, once.
+    A rendered example keeps the messages it was rendered from (``messages``, the system
+    prompt included) and its data row.
 
     Raises:
         ValueError: chat is on and the tokenizer has no chat template, or a template keyword is
@@ -167,7 +179,8 @@ def render_chat(
         except jinja2.TemplateError as err:  # the template's own raise_exception
             where = e.where or "an example"
             raise ValueError(f"{where}: the chat template refused the prompt: {err}") from None
-        out.append(Example(prompt=text, answer=e.answer, where=e.where))
+        rendered = tuple((m["role"], m["content"]) for m in msgs)
+        out.append(replace(e, prompt=text, messages=rendered, row=e.columns))
     return out
 
 
@@ -199,11 +212,12 @@ def check_template_kwargs(tokenizer: object, kwargs: dict[str, Any]) -> None:
 def read_dataset(
     name_or_path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[Example]:
-    """Examples from a ``datasets`` dataset: a ``save_to_disk`` directory, a local data file or
-    directory, or a name already in the local cache (nothing is downloaded here)."""
+    """Examples from a ``datasets`` dataset: a ``save_to_disk`` directory, a local data file, or
+    a Hub id, fetched by ``datasets.load_dataset`` (honouring ``HF_DATASETS_OFFLINE`` and
+    ``HF_HUB_OFFLINE``; :mod:`klpo.train.models.hub`). Every column of a row reaches the reward
+    functions (:attr:`Example.columns`)."""
     import datasets
 
-    offline_unless_allowed()
     path = Path(name_or_path)
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         ds = datasets.load_from_disk(str(path))
@@ -229,18 +243,15 @@ def read_dataset(
     elif name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
         raise FileNotFoundError(f"data.path {name_or_path!r}: no such file or directory")
     else:
+        problem = hub_problem(name_or_path, "data.path", "dataset")
+        if problem:
+            raise FileNotFoundError(problem)
         try:
             ds = datasets.load_dataset(name_or_path, split=split)
         except (ConnectionError, FileNotFoundError) as err:
-            if downloads_allowed():
-                raise FileNotFoundError(
-                    f"data.path {name_or_path!r}: could not load the dataset ({err})"
-                ) from None
             raise FileNotFoundError(
-                f"data.path {name_or_path!r}: no such file or directory, and dataset "
-                f"{name_or_path!r} not found locally (not in the datasets cache). Give a local "
-                f"file or save_to_disk directory, or set {ALLOW_DOWNLOADS}=1 to let it be "
-                "downloaded"
+                f"data.path {name_or_path!r}: could not load the dataset ({err}); "
+                f"{offline_variable('dataset')}=1 reads the local cache only"
             ) from None
     missing = [k for k in (prompt_field, answer_field) if k not in ds.column_names]
     if missing:
@@ -249,7 +260,7 @@ def read_dataset(
             f"{', '.join(ds.column_names)}); set data.prompt_field / data.answer_field"
         )
     return [
-        _example(row, prompt_field, answer_field, f"{name_or_path}[{i}]")
+        _example(dict(row), prompt_field, answer_field, f"{name_or_path}[{i}]")
         for i, row in enumerate(ds)
     ]
 

@@ -1,21 +1,21 @@
 """Policy, reference and critic: transformers causal LMs and tokenizers loaded by path or id.
 
-Models and tokenizers are read from local directories and the local cache only, unless
-``KLPO_ALLOW_DOWNLOADS=1``; ``builtin`` names the tiny arithmetic model shipped in the package
+Models and tokenizers are read from local directories, or fetched by Hub id the way transformers
+fetches them, honouring ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``
+(:mod:`klpo.train.models.hub`); ``builtin`` names the tiny arithmetic model shipped in the package
 (:func:`resolve_model_path`). The wrappers the step calls are in :mod:`klpo.train.models.backbone`.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from klpo.train.models.hub import hub_problem
 from klpo.train.runtime.checkpoint import model_dir_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,36 +56,7 @@ def output_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-ALLOW_DOWNLOADS = "KLPO_ALLOW_DOWNLOADS"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def downloads_allowed() -> bool:
-    """Whether models and datasets may be fetched from the Hub: only if ``KLPO_ALLOW_DOWNLOADS=1``.
-
-    Off by default, so a name missing from the local cache is an immediate "not found locally"
-    rather than tens of seconds of network retries on a machine without access.
-    """
-    return os.environ.get(ALLOW_DOWNLOADS, "") == "1"
-
-
-def offline_unless_allowed() -> None:
-    """Put transformers, huggingface_hub and datasets in offline mode unless downloads are allowed.
-
-    Sets ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` for modules not yet imported, and the
-    constants of those already imported (they read the variables at import time).
-    """
-    if downloads_allowed():
-        return
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    for name in ("huggingface_hub.constants", "datasets.config"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "HF_HUB_OFFLINE"):
-            module.HF_HUB_OFFLINE = True
-    module = sys.modules.get("datasets.config")
-    if module is not None and hasattr(module, "HF_DATASETS_OFFLINE"):
-        module.HF_DATASETS_OFFLINE = True
 
 
 def _looks_like_path(name: str) -> bool:
@@ -96,8 +67,9 @@ def _looks_like_path(name: str) -> bool:
 def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str | None:
     """Why ``name`` (a directory or model id given as config key ``key``) cannot be loaded.
 
-    Checks files only (config, weights complete, tokenizer when asked), never the network: a
-    model id must already be in the local cache unless ``KLPO_ALLOW_DOWNLOADS=1``.
+    A directory: its files (config, weights complete, tokenizer when asked). A model id: in the
+    local cache when the Hub is offline, else one short request to the Hub
+    (:func:`klpo.train.models.hub.hub_problem`).
     """
     path = Path(name).expanduser()
     if path.exists():
@@ -118,26 +90,18 @@ def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str
         return None
     if _looks_like_path(name):
         return f"{key} {name!r}: no such directory; check the path"
-    if downloads_allowed():
-        return None
-    from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
+        validate_repo_id(name)
     except HFValidationError:
         return f"{key} {name!r}: no such directory, and not a valid model id; check the name"
-    if not isinstance(cached, str):
-        return (
-            f"{key} {name!r}: no such directory, and model id {name!r} not found locally (not "
-            "in the Hugging Face cache). Give a local directory, or set KLPO_ALLOW_DOWNLOADS=1 "
-            "to let it be downloaded"
-        )
-    return None
+    return hub_problem(name, key, "model")
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"):
-    """A transformers causal LM from a local directory or a model id already in the local cache."""
+    """A transformers causal LM from a local directory or a model id (fetched by transformers)."""
     problem = model_source_problem(name_or_path, key)
     if problem:
         raise FileNotFoundError(problem)
@@ -145,9 +109,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=DTYPES[dtype], local_files_only=not downloads_allowed()
-        )
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
             f"could not load a causal LM from {key} {name_or_path!r}: "
@@ -167,7 +129,7 @@ def load_tokenizer(name_or_path: str, key: str = "model"):
 
     quiet_transformers()
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=not downloads_allowed())
+        tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, ImportError, TypeError) as err:
         raise FileNotFoundError(
             f"could not load the tokenizer of {key} {name_or_path!r}: "

@@ -303,15 +303,10 @@ def generation_config(path: str | Path) -> Any:
     ``generation_config.json``, or, where there is none, the one derived from its config."""
     from transformers import AutoConfig, GenerationConfig
 
-    from klpo.train.models.load import downloads_allowed
-
-    local = not downloads_allowed()
-    try:
-        return GenerationConfig.from_pretrained(path, local_files_only=local)
+    try:  # a Hub id is fetched as transformers fetches it (HF_HUB_OFFLINE is honoured)
+        return GenerationConfig.from_pretrained(path)
     except OSError:
-        return GenerationConfig.from_model_config(
-            AutoConfig.from_pretrained(path, local_files_only=local)
-        )
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
 
 
 def run_codec(cfg: TrainConfig, tokenizer: Any, policy: str | Path) -> Codec:

@@ -1,13 +1,32 @@
 r"""Reward functions: chosen by name or as ``module:function``, weighted, summed and checked.
 
-Every reward function has one signature::
+A reward function scores a batch of N completions (the i-th sampled for the i-th prompt; a prompt
+repeats once per sample of its group) and returns N values. It takes one of two forms, told
+apart by its signature (:func:`reward_form`):
 
-    fn(prompts: list[str], completions: list[str], answers: list[str]) -> Sequence[float]
+- **TRL's** (a ``**kwargs`` parameter), as ``trl.GRPOTrainer`` calls it::
 
-called positionally with three lists of equal length N (the i-th completion was sampled for the
-i-th prompt, whose reference answer is the i-th answer; a prompt repeats once per sample of its
-group). It returns N real numbers, one per completion. Completions are the decoded text after the
-prompt, cut at the end-of-sequence token, without special tokens.
+      fn(completions, **kwargs) -> list[float | None]
+
+  called with keywords only: ``prompts``, ``completions``, ``completion_ids`` (each completion's
+  token ids, its end-of-sequence token included), ``trainer_state`` (:class:`TrainerState`) and
+  every column of the data row under its own name (``answer``, ``solution``, ``task``, ...; all
+  but ``prompt``, ``completion`` and ``completion_ids``, as TRL). Where the data is chat
+  (``data.chat``), ``prompts`` are message lists and each completion is one assistant message,
+  ``[{"role": "assistant", "content": text}]`` (TRL's conversational format); otherwise both
+  are strings.
+- **klpo's** (three positional parameters, no ``**kwargs``)::
+
+      fn(prompts: list[str], completions: list[str], answers: list[str]) -> Sequence[float]
+
+  called with three lists: the prompt texts as the policy saw them, the completions, and each
+  sample's reference answer (``data.answer_field``).
+
+Completions are the decoded text after the prompt, cut at the end-of-sequence token, without
+special tokens. A value may be ``None``: the function does not score that sample (as TRL's
+multi-task rewards do). A sample that at least one function scores gets the weighted sum of the
+values it has (TRL's ``nansum``); a sample that no function scores is *unscored*: it is left out
+of every baseline and reward statistic and its task advantage is 0 (docs/rewards.md).
 
 Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
 
@@ -33,29 +52,37 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
   (:func:`klpo.train.rewards.overopt.overopt_proxy`).
 
 Rewards are chosen by name from the registry :data:`REWARDS` (the built-ins, and whatever
-:func:`register_reward` adds), or as ``module:function``. Several rewards are combined as a weighted sum, ``r_i = sum_k w_k · r_k(i)``
-(:func:`combined_rewards`). Every value is checked: a function that raises, returns a value that
-is not a real number, NaN or ±inf, or the wrong number of values stops the run with a
-:class:`RewardError` naming the function and the sample index, never a silent NaN in the loss.
+:func:`register_reward` adds), or as ``module:function`` (a module in the working directory is
+found without setting ``PYTHONPATH``). Several rewards are combined as a weighted sum,
+``r_i = sum_k w_k · r_k(i)`` (:func:`combined_rewards`). Every value is checked: a function that
+raises, returns a value that is not a real number or None, NaN or ±inf, or the wrong number of
+values stops the run with a :class:`RewardError` naming the function and the sample index, never
+a silent NaN in the loss.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
 
 from klpo.train.rewards.overopt import overopt_proxy
 
 __all__ = [
     "BUILTIN",
     "REWARDS",
+    "RewardBatch",
     "RewardError",
     "RewardFn",
+    "TrainerState",
     "WeightedReward",
     "boxed",
     "combined_rewards",
@@ -64,17 +91,171 @@ __all__ = [
     "extract_number",
     "format_reward",
     "get_reward",
+    "missing_keywords",
     "numeric",
     "register_reward",
     "resolve_rewards",
+    "reward_form",
     "score",
 ]
 
-RewardFn = Callable[[list[str], list[str], list[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float | None]]
+"""A reward function, in TRL's form or klpo's (see the module)."""
 
 
 class RewardError(ValueError):
     """A reward function failed or returned something that is not one finite number per sample."""
+
+
+# --------------------------------------------------------------------------------------------
+# What a reward function is given, and how it is called.
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The run's progress, as TRL's reward functions read it (``kwargs["trainer_state"]``)."""
+
+    global_step: int = 0  # training steps completed before this batch was sampled
+    max_steps: int = 0  # run.steps
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """N samples for the reward functions: the three lists of klpo's form, and what TRL's adds.
+
+    ``columns`` holds every column of each sample's data row (``{name: N values}``; a row that
+    lacks a column another has gets None); ``messages``, for chat data, each prompt as the
+    messages the chat template rendered (then TRL-form functions get conversational prompts and
+    completions); ``completion_ids`` each completion's token ids (None when not known).
+    """
+
+    prompts: list[str]
+    completions: list[str]
+    answers: list[str]
+    completion_ids: list[list[int]] | None = None
+    columns: Mapping[str, list[Any]] = field(default_factory=dict)
+    messages: list[list[dict[str, str]]] | None = None
+    state: TrainerState = field(default_factory=TrainerState)
+
+    def __post_init__(self) -> None:
+        n = len(self.completions)
+        sizes = {
+            "prompts": len(self.prompts),
+            "answers": len(self.answers),
+            **({"completion_ids": len(self.completion_ids)} if self.completion_ids else {}),
+            **({"messages": len(self.messages)} if self.messages is not None else {}),
+            **{f"column {k!r}": len(v) for k, v in self.columns.items()},
+        }
+        bad = {k: v for k, v in sizes.items() if v != n}
+        if bad:
+            raise ValueError(
+                f"prompts, completions and answers must have one entry per sample, got "
+                f"{len(self.prompts)}, {n} and {len(self.answers)}"
+                + (f" ({', '.join(f'{k}: {v}' for k, v in bad.items())})" if bad else "")
+            )
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def sample(self, i: int) -> RewardBatch:
+        """The batch of sample ``i`` alone."""
+        return replace(
+            self,
+            prompts=[self.prompts[i]],
+            completions=[self.completions[i]],
+            answers=[self.answers[i]],
+            completion_ids=None if self.completion_ids is None else [self.completion_ids[i]],
+            columns={k: [v[i]] for k, v in self.columns.items()},
+            messages=None if self.messages is None else [self.messages[i]],
+        )
+
+    def keywords(self) -> dict[str, Any]:
+        """The keyword arguments of a TRL-form call (see the module)."""
+        out = {k: list(v) for k, v in self.columns.items() if k not in _NOT_PASSED}
+        clash = sorted(set(out) & set(KEYWORDS))
+        if clash:
+            raise ValueError(
+                f"the data has a column {clash[0]!r}, the name of an argument every TRL-form "
+                f"reward function is given ({', '.join(KEYWORDS)}); rename that column"
+            )
+        chat = self.messages is not None
+        out["prompts"] = [list(m) for m in self.messages] if chat else list(self.prompts)
+        out["completions"] = (
+            [[{"role": "assistant", "content": c}] for c in self.completions]
+            if chat
+            else list(self.completions)
+        )
+        if self.completion_ids is not None:
+            out["completion_ids"] = [list(ids) for ids in self.completion_ids]
+        out["trainer_state"] = self.state
+        return out
+
+
+KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")
+"""The keyword arguments a TRL-form reward function gets besides the data's columns."""
+_NOT_PASSED = ("prompt", "completion", "completion_ids")  # columns TRL does not pass on
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _signature(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: no signature to read
+        return None
+
+
+def reward_form(fn: Callable, name: str = "reward") -> Literal["trl", "klpo"]:
+    """How ``fn`` is called: ``"trl"`` (it has ``**kwargs``: keywords, see the module) or
+    ``"klpo"`` (it takes three positional arguments and needs no more).
+
+    Raises:
+        ValueError: ``fn`` takes neither form; the message shows both.
+    """
+    sig = _signature(fn)
+    if sig is None:
+        return "klpo"
+    params = list(sig.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return "trl"
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    required = [
+        p for p in params if p.default is p.empty and p.kind is not inspect.Parameter.VAR_POSITIONAL
+    ]
+    if (
+        (star or len(positional) >= 3)
+        and len(required) <= 3
+        and all(p.kind in _POSITIONAL for p in required)
+    ):
+        return "klpo"
+    raise ValueError(
+        f"reward {name!r}: {getattr(fn, '__name__', type(fn).__name__)}{sig} takes neither form "
+        "of a reward function: TRL's, fn(completions, **kwargs), given prompts, completions, "
+        "completion_ids and every data column by keyword; or klpo's, fn(prompts, completions, "
+        "answers), three lists by position. Add **kwargs to take the data's columns by name"
+    )
+
+
+def missing_keywords(fn: Callable, available: Sequence[str]) -> list[str]:
+    """The parameters a TRL-form ``fn`` requires that no keyword in ``available`` fills
+    (none for klpo's form)."""
+    sig = _signature(fn)
+    if sig is None or reward_form(fn) != "trl":
+        return []
+    return [
+        p.name
+        for p in sig.parameters.values()
+        if p.default is p.empty
+        and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        and p.name not in available
+    ]
+
+
+def _call(fn: RewardFn, batch: RewardBatch) -> Any:
+    if reward_form(fn) == "trl":
+        return fn(**batch.keywords())
+    return fn(list(batch.prompts), list(batch.completions), list(batch.answers))
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,6 +411,20 @@ def _known() -> str:
     return ", ".join(BUILTIN) + (f"; registered: {', '.join(extra)}" if extra else "")
 
 
+def _import_from_cwd(module_name: str):
+    """``import module_name``, finding a module in the working directory as ``python -c`` does
+    (the console script's path starts at its own directory, so ``klpo train`` alone would not)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        top = module_name.partition(".")[0]
+        cwd = os.getcwd()
+        if err.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)  # after the installed packages: a local file never shadows one
+        return importlib.import_module(module_name)
+
+
 def get_reward(name: str) -> RewardFn:
     """A reward function by name: a registered one (:data:`REWARDS`) or ``"package.module:function"``.
 
@@ -248,10 +443,11 @@ def get_reward(name: str) -> RewardFn:
         )
     module_name, _, attr = name.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_cwd(module_name)
     except ImportError as err:
         raise ValueError(
-            f"reward {name!r}: cannot import module {module_name!r} ({err}); is it on PYTHONPATH?"
+            f"reward {name!r}: cannot import module {module_name!r} ({err}); give a module in "
+            f"the working directory ({os.getcwd()}) or an installed package"
         ) from err
     fn = module
     for part in attr.split("."):
@@ -270,32 +466,39 @@ def get_reward(name: str) -> RewardFn:
 def score(
     fn: RewardFn,
     name: str,
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    answers: Sequence[str],
-) -> list[float]:
-    """``fn(prompts, completions, answers)`` as N checked, finite floats.
+    prompts: Sequence[str] | RewardBatch,
+    completions: Sequence[str] | None = None,
+    answers: Sequence[str] | None = None,
+) -> list[float | None]:
+    """``fn`` on one batch as N checked values: finite floats, or None where it does not score.
 
-    If ``fn`` raises on the batch, it is called again on one sample at a time to find the first
-    sample it fails on, and the :class:`RewardError` names that index (or says the failure only
-    happens on the whole batch). Booleans and numpy/torch scalars are accepted as numbers.
+    The batch is a :class:`RewardBatch`, or the three lists of klpo's form (then a TRL-form
+    function gets ``prompts``, ``completions`` and ``answer``). If ``fn`` raises on the batch,
+    it is called again on one sample at a time to find the first sample it fails on, and the
+    :class:`RewardError` names that index (or says the failure only happens on the whole
+    batch). Booleans and numpy/torch scalars are accepted as numbers.
 
     Raises:
         RewardError: ``fn`` raised, returned a non-sequence or the wrong number of values, a value
-            that is not a real number, or NaN/±inf; the message names ``name`` and the index.
-        ValueError: the three inputs differ in length.
+            that is neither a real number nor None, or NaN/±inf; the message names ``name`` and
+            the index.
+        ValueError: the inputs differ in length.
     """
-    n = len(completions)
-    if len(prompts) != n or len(answers) != n:
-        raise ValueError(
-            f"prompts, completions and answers must have one entry per sample, got "
-            f"{len(prompts)}, {n} and {len(answers)}"
+    batch = (
+        prompts
+        if isinstance(prompts, RewardBatch)
+        else RewardBatch(
+            list(prompts),
+            list(completions or []),
+            list(answers or []),
+            columns={"answer": list(answers or [])},
         )
-    args = (list(prompts), list(completions), list(answers))
+    )
+    n = len(batch)
     try:
-        values = fn(*args)
+        values = _call(fn, batch)
     except Exception as err:
-        where = _first_failing_sample(fn, *args)
+        where = _first_failing_sample(fn, batch)
         at = f"on sample {where}" if where is not None else f"on the batch of {n} samples"
         raise RewardError(
             f"reward function {name!r} raised {type(err).__name__} {at}: {err}"
@@ -310,23 +513,26 @@ def score(
     if len(values) != n:
         raise RewardError(
             f"reward function {name!r} returned {len(values)} values for {n} completions; it "
-            f"must return exactly one float per completion"
+            f"must return exactly one float (or None) per completion"
         )
-    out = []
-    for i, v in enumerate(values):
-        x = _as_real(v)
-        if x is None:
-            raise RewardError(
-                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample {i}; "
-                f"rewards must be real numbers"
-            )
-        if not math.isfinite(x):
-            raise RewardError(
-                f"reward function {name!r} returned {x} for sample {i} (completion "
-                f"{completions[i]!r}); rewards must be finite"
-            )
-        out.append(x)
-    return out
+    return [_checked(name, v, i, batch.completions[i]) for i, v in enumerate(values)]
+
+
+def _checked(name: str, v: object, i: int, completion: str) -> float | None:
+    if v is None:
+        return None
+    x = _as_real(v)
+    if x is None:
+        raise RewardError(
+            f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample {i}; "
+            f"rewards must be real numbers (or None for a sample it does not score)"
+        )
+    if not math.isfinite(x):
+        raise RewardError(
+            f"reward function {name!r} returned {x} for sample {i} (completion "
+            f"{completion!r}); rewards must be finite (None: the sample is not scored)"
+        )
+    return x
 
 
 def _as_real(v: object) -> float | None:
@@ -339,10 +545,10 @@ def _as_real(v: object) -> float | None:
     return None
 
 
-def _first_failing_sample(fn: RewardFn, *args: list[str]) -> int | None:
-    for i in range(len(args[0])):
+def _first_failing_sample(fn: RewardFn, batch: RewardBatch) -> int | None:
+    for i in range(len(batch)):
         try:
-            fn(*([a[i]] for a in args))
+            _call(fn, batch.sample(i))
         except Exception:
             return i
     return None
@@ -385,31 +591,41 @@ def resolve_rewards(spec: str | Sequence[str] | Mapping[str, float]) -> list[Wei
             raise ValueError(
                 f"the weight of reward {name!r} must be a finite number, got {weight!r}"
             )
-        out.append(WeightedReward(name, get_reward(name), float(weight)))
+        fn = get_reward(name)
+        reward_form(fn, name)  # neither form: refused here, before any sampling
+        out.append(WeightedReward(name, fn, float(weight)))
     return out
 
 
 def combined_rewards(
     rewards: Sequence[WeightedReward],
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    answers: Sequence[str],
-) -> tuple[list[float], dict[str, list[float]]]:
+    prompts: Sequence[str] | RewardBatch,
+    completions: Sequence[str] | None = None,
+    answers: Sequence[str] | None = None,
+) -> tuple[list[float | None], dict[str, list[float | None]]]:
     """The weighted sum ``r_i = sum_k w_k · r_k(i)`` and each function's own values.
 
+    The sum runs over the functions that score sample i (a None is left out, TRL's ``nansum``);
+    a sample that no function scores has the total None (unscored).
+
     Returns:
-        ``(total, per_reward)``: N floats, and ``{name: N floats}`` (unweighted), e.g. for
-        ``reward/<name>`` metrics.
+        ``(total, per_reward)``: N floats or None, and ``{name: N floats or None}``
+        (unweighted), e.g. for ``reward/<name>`` metrics.
 
     Raises:
         RewardError: as :func:`score`, for the first function that misbehaves.
     """
     if not rewards:
         raise ValueError("combined_rewards needs at least one reward")
-    per: dict[str, list[float]] = {}
-    total = [0.0] * len(completions)
+    per: dict[str, list[float | None]] = {}
+    total: list[float | None] = [None] * (
+        len(prompts) if isinstance(prompts, RewardBatch) else len(completions or [])
+    )
     for r in rewards:
         values = score(r.fn, r.name, prompts, completions, answers)
         per[r.name] = values
-        total = [t + r.weight * v for t, v in zip(total, values, strict=True)]
+        total = [
+            t if v is None else (0.0 if t is None else t) + r.weight * v
+            for t, v in zip(total, values, strict=True)
+        ]
     return total, per

@@ -12,19 +12,27 @@ from typing import Any
 import torch
 
 from klpo.train.rewards import functions as rewards_mod
+from klpo.train.runtime.metrics import Tally
 
 __all__ = ["eval_reward", "gold_metrics"]
 
 
-def gold_metrics(gold: str, rollout: Any, scores: torch.Tensor) -> dict[str, float]:
-    """``reward/gold`` (the gold reward's mean over the rollout's completions) and
-    ``reward/proxy`` (the mean of ``scores``, the trained-on total)."""
+def gold_metrics(
+    gold: str,
+    batch: rewards_mod.RewardBatch,
+    scores: torch.Tensor,
+    scored: torch.Tensor | None = None,
+) -> Tally:
+    """``reward/gold`` (the gold reward's mean over the completions it scores) and
+    ``reward/proxy`` (the mean of ``scores``, the trained-on total, over the completions some
+    trained-on function scored: ``scored``, None for all), as sums."""
     fn = rewards_mod.get_reward(gold)
-    values = rewards_mod.score(fn, gold, rollout.prompts, rollout.completions, rollout.answers)
-    return {
-        "reward/gold": sum(values) / len(values),
-        "reward/proxy": float(scores.float().mean()),
-    }
+    values = [v for v in rewards_mod.score(fn, gold, batch) if v is not None]
+    ok = torch.ones_like(scores, dtype=torch.bool) if scored is None else scored
+    t = Tally()
+    t.add("reward/gold", sum(values), len(values))
+    t.add("reward/proxy", float(torch.where(ok, scores.double(), 0.0).sum()), float(ok.sum()))
+    return t
 
 
 def eval_reward(cfg: Any) -> str:

@@ -94,7 +94,7 @@ def save_checkpoint(
     reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
-    keep: int = 2,
+    keep: int | None = 2,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and point ``latest`` at it.
 
@@ -109,7 +109,8 @@ def save_checkpoint(
             (:func:`klpo.train.models.lora.base_weights`); None when it is frozen.
         rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
-        keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+        keep: how many checkpoints to keep (``run.save_total_limit``; None: all): after the new
+            one is in place, :func:`prune_checkpoints`.
 
     Returns:
         the checkpoint's directory.
@@ -133,10 +134,39 @@ def save_checkpoint(
             f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
         ) from None
     write_text_atomic(root / LATEST, final.name + "\n")
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    if keep is not None:
+        prune_checkpoints(run_dir, step, keep)
     return final
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return None
+
+
+def prune_checkpoints(run_dir: str | Path, step: int, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than ``step`` beyond the newest ``keep`` (the one of
+    ``step`` counts); returns them.
+
+    Only checkpoints before ``step`` are candidates, and only complete ones
+    (:func:`checkpoint_problem`): the checkpoint just written, which a resume starts from, is
+    never deleted, nor a later one left by an earlier attempt of the run, nor an incomplete one
+    (``klpo export`` may still read its policy). klpo tracks no "best" checkpoint: each
+    evaluation's held-out accuracy is in ``metrics.jsonl``; to keep every evaluated policy set
+    ``run.save_every`` to ``run.eval_every`` and ``run.save_total_limit`` to null.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the newest checkpoint), got {keep}")
+    root = Path(run_dir) / "checkpoints"
+    steps = {p: _step_of(p) for p in root.glob("step_*") if p.is_dir()}
+    older = sorted((p for p, n in steps.items() if n is not None and n < step), key=steps.get)
+    complete = [p for p in older if checkpoint_problem(p) is None]
+    gone = complete[: max(0, len(complete) - (keep - 1))]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def _write_checkpoint(

@@ -1,4 +1,4 @@
-"""Metrics are API: each key is documented once here, written to ``metrics.jsonl`` and TensorBoard.
+"""Metrics are API: each key is documented once here, written to ``metrics.jsonl`` and the trackers.
 
 Keys are namespaced. Every per-token metric is computed under ``no_grad`` with the loss's mask,
 so padding contributes nothing. ``<est>`` stands for the configured estimator's name.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,19 @@ CONTROLLED_KL = {"token": "kl/ref/exact", "sequence": "kl/ref/seq"}
 
 METRICS: dict[str, str] = {
     "step": "training step (one batch of rollouts), starting at 1",
-    "reward/mean": "mean total (weighted) task reward over the step's completions",
-    "reward/std": "sample standard deviation of the total reward over the step's completions",
-    "reward/<name>": "mean of one reward function's value",
+    "reward/mean": "mean total (weighted) task reward over the step's completions (those some "
+    "reward function scored)",
+    "reward/std": "sample standard deviation of the total reward over the step's (scored) "
+    "completions",
+    "reward/<name>": "mean of one reward function's value over the completions it scored (0 if "
+    "it scored none this step)",
     "reward/proxy": "with a gold reward: mean of the trained-on (proxy) total reward, = reward/mean",
     "reward/gold": "mean of the gold reward (gold_reward; exact correctness in builtin-overopt), "
     "logged, never trained on",
     "reward/group_std": "mean over prompts of the reward's standard deviation within each group",
+    "reward/unscored": "fraction of the step's completions that no reward function scored (every "
+    "one returned None); they are left out of the other reward metrics and of every baseline, "
+    "and get no task advantage (docs/rewards.md)",
     "accuracy/train": "fraction of the step's completions whose total (weighted) reward is at "
     "least 1; with the default single exact_match reward, the fraction answered correctly",
     "accuracy/heldout": "held-out accuracy, greedy decoding (only on evaluation steps)",
@@ -161,46 +167,80 @@ class Tally:
 
 
 class MetricsWriter:
-    """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Appends one JSON line per step to ``metrics.jsonl`` and sends the scalars to the trackers
+    of ``run.report_to`` (:mod:`klpo.train.runtime.trackers`); logged completions go to
+    ``samples.jsonl`` and the trackers alike (:mod:`klpo.train.runtime.samples`).
 
     On resume (``resume_step`` > 0) lines of steps after the checkpoint are dropped first, so the
-    file of a resumed run reads as if the run had never stopped.
+    files of a resumed run read as if the run had never stopped.
+
+    Args:
+        run_dir: the run directory.
+        tensorboard: with ``report_to`` None, whether to write TensorBoard event files.
+        resume_step: the checkpoint's step (0: a fresh start).
+        report_to: tracker names (:data:`klpo.train.runtime.trackers.TRACKERS`).
+        run_name: the run's name in the trackers (default: the directory's name).
+        config: the resolved config, flat, for the trackers' run parameters.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int = 0):
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int = 0,
+        report_to: Sequence[str] | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ):
+        from klpo.train.runtime import samples, trackers
+
+        self.dir = Path(run_dir)
+        self.path = self.dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0 and self.path.exists():
             keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         elif resume_step == 0 and self.path.exists():
             self.path.unlink()
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(
-                str(Path(run_dir) / "tensorboard"),
-                purge_step=resume_step + 1 if resume_step else None,
-            )
+        samples.trim_samples(self.dir, resume_step)
+        names = list(report_to) if report_to is not None else ["tensorboard"] * tensorboard
+        self._trackers = trackers.open_trackers(
+            names,
+            self.dir,
+            name=run_name or self.dir.resolve().name,
+            config=config or {},
+            resume_step=resume_step,
+        )
 
     def write(self, step: int, values: dict[str, Any]) -> None:
+        from klpo.train.runtime.trackers import finite_scalars
+
         for key in values:
             describe(key)  # every key is documented, or this is a bug
         row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        scalars = finite_scalars({k: v for k, v in row.items() if k != "step"})
+        for t in self._trackers:
+            t.scalars(step, scalars)
+
+    def samples(self, step: int, split: str, records: list[dict[str, Any]]) -> None:
+        """Log completions: ``samples.jsonl``, and a table in each tracker."""
+        from klpo.train.runtime import samples
+
+        if not records:
+            return
+        samples.append_samples(self.dir, records)
+        table = samples.samples_table(records)
+        for t in self._trackers:
+            t.samples(step, split, records, table)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for t in trackers:
+            t.close()
 
 
 def _plain(v: Any) -> Any:

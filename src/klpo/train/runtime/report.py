@@ -21,6 +21,7 @@ from typing import Any
 from klpo._io import write_text_atomic
 from klpo.train.runtime.metrics import read_metrics
 from klpo.train.runtime.plots import constant_value, plot_series, save_figure
+from klpo.train.runtime.samples import latest_samples, samples_table
 
 __all__ = [
     "PLOTS",
@@ -202,10 +203,21 @@ def plots_section(r: RunReport) -> list[str]:
     return ["## Plots", "", *notes, *(f"![{n}]({n})" for n in r.plots), ""]
 
 
+def samples_section(r: RunReport) -> list[str]:
+    """The latest logged completions of each split (``samples.jsonl``), as Markdown tables."""
+    out = []
+    for split, records in latest_samples(r.run_dir).items():
+        what = "training (sampled)" if split == "train" else "held-out (greedy)"
+        out += [f"## Latest {what} completions, step {records[0]['step']}", ""]
+        out += [samples_table(records), "(all of them: `samples.jsonl`)", ""]
+    return out
+
+
 SECTIONS: list[Callable[[RunReport], list[str]]] = [
     heldout_section,
     last_step_section,
     plots_section,
+    samples_section,
 ]
 """The sections of ``report.md``, in order; a new section is one more function here."""
 

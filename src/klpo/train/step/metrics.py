@@ -46,22 +46,32 @@ def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask
 
 
 def reward_metrics(
-    scores: Tensor, per_fn: dict[str, list[float]], rollout: Rollout, group_size: int
+    scores: Tensor,
+    per_fn: dict[str, list[float | None]],
+    rollout: Rollout,
+    group_size: int,
+    scored: Tensor | None = None,
 ) -> Tally:
-    """Rewards, accuracy and completion lengths, as sums over the rollout's completions."""
-    t, n, x = Tally(), len(scores), scores.double()
-    t.add("reward/mean", float(x.sum()), n)
-    t.add("_reward/sq", float((x * x).sum()), n)  # for reward/std, see finish_metrics
+    """Rewards, accuracy and completion lengths, as sums over the rollout's completions; the
+    rewards over the completions some function scored (``scored``, None: all), each function's
+    over those it scored (TRL's ``nanmean``)."""
+    t, n = Tally(), len(scores)
+    ok = torch.ones_like(scores, dtype=torch.bool) if scored is None else scored
+    x, n_ok = torch.where(ok, scores.double(), 0.0), float(ok.sum())
+    t.add("reward/mean", float(x.sum()), n_ok)
+    t.add("_reward/sq", float((x * x).sum()), n_ok)  # for reward/std, see finish_metrics
     t.add(
         "reward/group_std",
-        float(advantages.group_std(x, group_size).sum()) if group_size > 1 else 0.0,
+        float(advantages.group_std(x, group_size, valid=scored).sum()) if group_size > 1 else 0.0,
         n / group_size,
     )
-    t.add("accuracy/train", float((scores >= 1.0).sum()), n)
+    t.add("reward/unscored", n - n_ok, n)
+    t.add("accuracy/train", float(((scores >= 1.0) & ok).sum()), n_ok)
     t.add("completion/length", float(rollout.mask.sum()), n)
     t.add("completion/truncated", float(rollout.truncated.sum()), n)
     for k, v in per_fn.items():
-        t.add(f"reward/{k}", sum(v), len(v))
+        got = [x for x in v if x is not None]
+        t.add(f"reward/{k}", sum(got), len(got))
     return t
 
 

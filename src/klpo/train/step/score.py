@@ -16,16 +16,18 @@ from torch import Tensor
 from klpo import kl, logprobs, losses
 from klpo.train.algorithms import ALGORITHMS, AdvantageInputs
 from klpo.train.config import TrainConfig
+from klpo.train.data.sources import Example
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import gold_metrics
+from klpo.train.rollout.reward_batch import reward_batch
 from klpo.train.rollout.samplers import Rollout, completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.step.kl_term import needs_exact_kl
 from klpo.train.step.metrics import reward_metrics
 from klpo.train.step.types import SamplingPass, Scored, update_gives_logp_old
 
-__all__ = ["score", "values"]
+__all__ = ["reference_and_old", "score", "values"]
 
 
 def values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
@@ -36,11 +38,11 @@ def values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
     return v[:, p - 1 : p - 1 + c]
 
 
-def _reference_and_old(
-    cfg: TrainConfig, m: Models, rollout: Rollout
+def reference_and_old(
+    cfg: TrainConfig, m: Models, rollout: Rollout, *, fill_old: bool | None = None
 ) -> tuple[Tensor, Tensor, SamplingPass]:
-    """(the reference's fused outputs, its hidden states and head, pi_old's SamplingPass), with
-    pi_old filled here unless the update's forward fills it."""
+    """(the reference's log-probs, its hidden states, pi_old's SamplingPass), with pi_old
+    filled here unless the update's forward fills it (``fill_old``: always, or never)."""
     tokens = rollout.completion_ids
     weight_ref, bias_ref = m.reference.head()
     hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)
@@ -48,7 +50,7 @@ def _reference_and_old(
         hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
     )
     old = SamplingPass.empty(ref.logp)
-    if not update_gives_logp_old(cfg):
+    if fill_old if fill_old is not None else not update_gives_logp_old(cfg):
         weight, bias = unwrap(m.backbone).head()
         out = logprobs.fused(
             completion_hidden(unwrap(m.backbone), rollout, share_prompt=cfg.rollout.share_prompt),
@@ -87,6 +89,27 @@ def _shaped_rewards(
     return token_rewards, kl_penalty
 
 
+def _totals(
+    cfg: TrainConfig, reward_fns: list, batch: rewards.RewardBatch, device: torch.device
+) -> tuple[Tensor, Tensor | None, dict[str, list[float | None]]]:
+    """(the total reward of each sample ``[B]``, 0 where unscored; which samples some function
+    scored ``[B]`` bool, None when all; each function's values)."""
+    totals, per_fn = rewards.combined_rewards(reward_fns, batch)
+    unscored = [i for i, t in enumerate(totals) if t is None]
+    if unscored and ALGORITHMS[cfg.algo.name].critic:
+        raise rewards.RewardError(
+            f"no reward function scored sample {unscored[0]} (every one returned None for "
+            f"completion {batch.completions[unscored[0]]!r}), and {cfg.algo.name} trains a "
+            "critic on every completion's reward; return a number for every sample, or use a "
+            "critic-free algorithm (grpo, rloo, reinforce++), which leave unscored samples out"
+        )
+    scores = torch.tensor([t or 0.0 for t in totals], dtype=torch.float32, device=device)
+    scored = None
+    if unscored:
+        scored = torch.tensor([t is not None for t in totals], dtype=torch.bool, device=device)
+    return scores, scored, per_fn
+
+
 @torch.no_grad()
 def score(
     cfg: TrainConfig,
@@ -95,26 +118,32 @@ def score(
     reward_fns: list,
     beta: float,
     dist: Dist | None = None,
+    *,
+    examples: list[Example] | None = None,
+    state: rewards.TrainerState | None = None,
 ) -> Scored:
     """Rewards, log-probs, values and advantages of this rank's share of the step's rollouts;
-    ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening."""
+    ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening;
+    ``examples`` (the share's prompts) give the reward functions every column of the data,
+    ``state`` the run's progress (:func:`reward_batch`)."""
     # The sampler returns the rollout on the CPU; from here on it lives with the models.
     rollout = rollout.to(next(m.reference.parameters()).device)
     mask = rollout.mask
-    totals, per_fn = rewards.combined_rewards(
-        reward_fns, rollout.prompts, rollout.completions, rollout.answers
-    )
-    scores = torch.tensor(totals, dtype=torch.float32, device=mask.device)
-    logp_ref, hidden_ref, old = _reference_and_old(cfg, m, rollout)
+    batch = reward_batch(rollout, examples, state)
+    scores, scored, per_fn = _totals(cfg, reward_fns, batch, mask.device)
+    logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout)
     token_rewards, kl_penalty = _shaped_rewards(cfg, scores, old, logp_ref, mask, beta)
     spec, a, g = ALGORITHMS[cfg.algo.name], cfg.algo, rollout.group_size
     values_old = torch.where(mask, values(m.critic_core, rollout), 0.0) if spec.critic else None
     inputs = AdvantageInputs(
         scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(),
-        std=a.std, gamma=a.gamma, lam=a.lam,
+        std=a.std, gamma=a.gamma, lam=a.lam, scored=scored,
     )  # fmt: skip
     adv, returns = spec.advantages(inputs)
-    metrics = reward_metrics(scores, per_fn, rollout, g)
+    metrics = reward_metrics(scores, per_fn, rollout, g, scored)
     if cfg.gold_reward:
-        metrics.add_means(gold_metrics(cfg.gold_reward, rollout, scores), len(scores))
-    return Scored(rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics)
+        metrics.merge(gold_metrics(cfg.gold_reward, batch, scores, scored))
+    return Scored(
+        rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics,
+        per_reward=per_fn, scored=scored,
+    )  # fmt: skip

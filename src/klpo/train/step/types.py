@@ -14,7 +14,7 @@ entropy and KL from it, and nothing else writes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -80,11 +80,16 @@ class Scored:
     returns: Tensor | None  # [B, C] value targets (algorithms with a critic)
     values_old: Tensor | None  # [B, C] (algorithms with a critic)
     metrics: Tally  # rewards, accuracy, lengths
+    # each reward function's value of each completion (None: it did not score it)
+    per_reward: dict[str, list[float | None]] = field(default_factory=dict)
+    scored: Tensor | None = None  # [B] bool: some reward function scored it (None: all did)
 
 
 @dataclass
 class Optimizers:
-    """The update's optimizers: the policy's, and the critic's (algorithms with a critic)."""
+    """The update's optimizers: the policy's, and the critic's (algorithms with a critic); the
+    policy's learning-rate schedule (``optim.lr_scheduler``), advanced before each step."""
 
     policy: torch.optim.Optimizer
     critic: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None

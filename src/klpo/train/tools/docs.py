@@ -109,7 +109,8 @@ def metrics_page() -> str:
     lines = [
         "# Metrics of `klpo train`",
         "",
-        "Written each step to `metrics.jsonl` (one JSON object per line) and TensorBoard. Per-token",
+        "Written each step to `metrics.jsonl` (one JSON object per line) and to the trackers of",
+        "`run.report_to` (TensorBoard by default; W&B, MLflow: docs/tracking.md). Per-token",
         "metrics are means over the completion tokens (padding excluded), computed under",
         "`no_grad`; `<est>` is the configured estimator. Every metric is a ratio of sums over",
         "micro-batches and ranks, so it is the value one process holding the whole step's batch",
