@@ -212,10 +212,13 @@ def export(
     from klpo.train.tools.export import export_run
 
     try:
-        path = export_run(run_dir, out, merge=merge)
+        path = export_run(run_dir, out, merge=merge, log=lambda m: typer.echo(m, err=True))
     except (ConfigError, FileNotFoundError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    except OSError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"wrote {path}")
 
 
@@ -225,11 +228,11 @@ def docs(
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
     from klpo.train.config import ConfigError
-    from klpo.train.preflight import check_writable_dir
-    from klpo.train.tools.docs import write_pages
+    from klpo.train.outdir import claim_pages
+    from klpo.train.tools.docs import HEADER, PAGES, write_pages
 
     try:
-        check_writable_dir(out, "--out")
+        claim_pages(out, list(PAGES), HEADER)  # only its own pages are replaced
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -445,6 +448,9 @@ def lab_sequence(
 def lab_report(
     out_dir: str = typer.Option(..., "--out", help="Folder for report.md, results.json and plots."),
     quick: bool = typer.Option(False, "--quick", help="A small preset for smoke tests (seconds)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the report already in --out (only a report)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Base seed of every experiment."),
     training: str | None = typer.Option(
         None,
@@ -460,10 +466,10 @@ def lab_report(
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
     from klpo.train.config import ConfigError
-    from klpo.train.preflight import check_writable_dir
+    from klpo.train.outdir import claim_dir
 
     try:
-        check_writable_dir(out_dir, "--out")
+        claim_dir(out_dir, "lab report", proceed=overwrite)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -520,7 +526,9 @@ def make_reference_cmd(
         "klpo-reference",
         help="Directory to write the model, tokenizer and reference.json into.",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the reference model an earlier run wrote to OUT."
+    ),
     steps: int | None = typer.Option(None, help="The most SFT steps."),
     seed: int | None = typer.Option(None, help="Seed of initialisation and data order."),
     arch: str | None = typer.Option(None, help="llama or qwen2."),
@@ -578,10 +586,13 @@ def make_reference_cmd(
                 highlight=False,
             )
 
+    from klpo.train.config import ConfigError
+
     try:
         result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
-    except FileExistsError as err:
-        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    except ConfigError as err:  # OUT holds something it would not overwrite (klpo.train.outdir)
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     size = sum(f.stat().st_size for f in result.path.iterdir() if f.is_file())
     out_console.print(
         f"wrote {result.path} ({size / 1e6:.2f} MB): {result.num_parameters:,} parameters, "
@@ -607,7 +618,9 @@ def make_reference_cmd(
 @app.command("make-reward-model")
 def make_reward_model_cmd(
     out: str = typer.Argument(..., help="Directory to write the reward model into."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the reward model an earlier run wrote to OUT."
+    ),
     init: str | None = typer.Option(
         None, help="Causal-LM directory to start from (default: builtin, the shipped reference)."
     ),
@@ -641,10 +654,13 @@ def make_reward_model_cmd(
         config = dataclasses.replace(reward_model.RewardModelConfig(), **overrides)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
+    from klpo.train.config import ConfigError
+
     try:
         result = reward_model.make_reward_model(out, config, overwrite=overwrite)
-    except FileExistsError as err:
-        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    except (ConfigError, FileNotFoundError) as err:  # OUT, or --init: the error says which
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     console().print(
         f"wrote {result.path}: pairwise accuracy {result.train_pairwise_accuracy:.3f} on its "
         f"{config.n_pairs} training pairs, {result.heldout_pairwise_accuracy:.3f} on "
@@ -700,19 +716,21 @@ def compare(
     """
     from klpo.study.grid import study_grid
     from klpo.study.runner import run_study
-    from klpo.study.spec import load_study
+    from klpo.study.spec import load_study, with_options
     from klpo.train.config import ConfigError
 
     try:
         study = load_study(study_file, quick=quick, task=task)
-        if workers is not None:
-            study.workers = workers
-        if steps is not None:
-            study.steps = steps
-        if seeds is not None:
-            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
-        if betas is not None:
-            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
+        given = {
+            "workers": workers,
+            "steps": steps,
+            "seeds": seeds and _numbers(seeds, int, "--seeds", "0,1,2"),
+            "betas": betas and _numbers(betas, float, "--betas", "0.01,0.1"),
+        }
+        typed = {"workers": workers, "steps": steps, "seeds": seeds, "betas": betas}
+        study = with_options(
+            study, {k: (str(typed[k]), v) for k, v in given.items() if typed[k] is not None}
+        )
         grid = study_grid(study)
     except (ConfigError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)

@@ -37,7 +37,7 @@ from klpo.train.models.load import offline_unless_allowed
 from klpo.train.preflight import preflight
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal
-from klpo.train.setup import TrainRun, evaluates, save, setup, teardown
+from klpo.train.setup import TrainRun, evaluates, hold_run_dir, save, setup, teardown
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
@@ -98,13 +98,16 @@ def _train(
     plan, examples = preflight(
         cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change
     )
-    run = setup(cfg, dist, plan, examples, log)
-    finished = False
-    try:
-        run_steps(run, stopper)
-        finished = True
-    finally:
-        teardown(run, finished=finished)
+    with hold_run_dir(
+        cfg, dist, plan, resume=resume, allow_config_change=allow_config_change, log=log
+    ) as plan:  # one process at a time writes a run directory
+        run = setup(cfg, dist, plan, examples, log)
+        finished = False
+        try:
+            run_steps(run, stopper)
+            finished = True
+        finally:
+            teardown(run, finished=finished)
     return run.dir
 
 

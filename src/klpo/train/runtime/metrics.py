@@ -175,6 +175,7 @@ class MetricsWriter:
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         elif resume_step == 0 and self.path.exists():
             self.path.unlink()
+        self.path.touch()  # with config.yaml, what marks a run directory (klpo.train.outdir)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
