@@ -1116,3 +1116,166 @@ def test_adam_betas_out_of_range_name_the_key(tmp_path):
         "got [1.5, 0.9]; e.g. [0.9, 0.999]",
     )
     assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The other commands that write a directory: the same rule (klpo.train.outdir).
+
+
+def test_lab_report_never_replaces_a_report_unasked(tmp_path, monkeypatch):
+    import klpo.lab.report
+
+    old = tmp_path / "old"  # an earlier report, and a plot of the user's beside it
+    old.mkdir()
+    for name, text in [("report.md", "# mine\n"), ("results.json", "{}\n"), ("kl.png", "png")]:
+        (old / name).write_text(text)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("my notes\n")  # a report's name, but not a report
+    before = snapshot(tmp_path)
+    clean_error(
+        cli("lab", "report", "--quick", "--out", str(old)),
+        2,
+        f"--out '{old}' already holds a report; replace it with --overwrite, or choose another "
+        f"--out, e.g. {old}-",
+    )
+    for extra in ([], ["--overwrite"]):
+        clean_error(
+            cli("lab", "report", "--quick", "--out", str(notes), *extra),
+            2,
+            f"--out '{notes}' is not empty and holds no report of klpo lab report (report.md)",
+            "(--overwrite applies only to a report it wrote)",
+        )
+    assert snapshot(tmp_path) == before
+    # --overwrite: the report is written over the earlier one (run_report stubbed: seconds).
+    calls = []
+
+    def run_report(out, preset, **kw):
+        calls.append(out)
+        return {"verdicts": [], "timings_s": {"total": 0.0}}
+
+    monkeypatch.setattr(klpo.lab.report, "run_report", run_report)
+    ok = cli("lab", "report", "--quick", "--out", str(old), "--overwrite")
+    assert ok.exit_code == 0, ok.output
+    assert calls == [old]
+
+
+def tiny_study(**kw):
+    from klpo.study.spec import Choice, StudyConfig
+
+    given = {"betas": [0.1], "seeds": [0], "steps": 2, **kw}
+    return StudyConfig(choices=[Choice(estimator="k3", placement="loss")], **given)
+
+
+def test_compare_refuses_an_out_of_another_study_or_of_other_files(tmp_path, monkeypatch):
+    import yaml
+
+    from klpo.study import runner
+
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "study.yaml").write_text(yaml.safe_dump(tiny_study().model_dump(), sort_keys=False))
+    (out / "report.md").write_text("# the first study\n")
+    (out / "kl.png").write_text("png")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "results.csv").write_text("mine\n")
+    before = snapshot(tmp_path)
+    # Other settings, no finished run yet: refused, naming what changed and how to go on.
+    other = tiny_study(betas=[0.2], steps=5)
+    with pytest.raises(ConfigError) as err:
+        runner.run_study(other, out)
+    assert (
+        f"--out {out} holds a study with other settings (betas: [0.1] -> [0.2]; steps: 2 -> 5)"
+        in (str(err.value))
+    )
+    assert "re-run with the settings in its study.yaml to finish it, or choose another --out" in (
+        str(err.value)
+    )
+    clean_error(
+        cli("compare", "--quick", "--out", str(notes)),
+        2,
+        f"--out '{notes}' is not empty and holds no study of klpo compare (results.csv)",
+        "choose another --out",
+    )
+    assert snapshot(tmp_path) == before
+    # The same study with other workers (how runs are scheduled) is finished, under the lock.
+    ran = []
+
+    def run_all(study, runs, configs, out, on_result, on_start):
+        ran.append((study.workers, Path(out, ".klpo.lock").read_text()))
+        return []
+
+    monkeypatch.setattr(runner, "_run_all", run_all)
+    assert runner.run_study(tiny_study(workers=1), out) == []
+    assert ran[0][0] == 1 and '"command": "klpo compare"' in ran[0][1]
+    assert (out / ".klpo.lock").read_text() == ""  # released
+
+
+def test_compare_options_out_of_range_are_said_as_options():
+    clean_error(
+        cli("compare", "--workers", "0", "--dry-run"),
+        2,
+        "error: --workers '0': must be greater than 0; e.g. --workers 2",
+    )
+    text = clean_error(
+        cli("compare", "--betas", "-1", "--dry-run"),
+        2,
+        "error: --betas '-1': betas must be a non-empty list of positive numbers, got [-1.0]; "
+        "e.g. --betas 0.01,0.1",
+    )
+    assert "pydantic" not in text and "http" not in text
+
+
+def test_make_reward_model_init_checked_as_a_model_is(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("KLPO_ALLOW_DOWNLOADS", raising=False)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("todo\n")
+    bare = tmp_path / "bare"  # a model without its tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model) / name, bare / name)
+    out = tmp_path / "rm"
+    before = snapshot(tmp_path)
+    cases = [
+        (notes, f"--init '{notes}' is not a complete model directory"),
+        (tmp_path / "missing", f"--init '{tmp_path / 'missing'}': no such directory"),
+        ("nobody/no-model", "model id 'nobody/no-model' not found locally"),
+        (bare, f"--init '{bare}' has no tokenizer"),
+    ]
+    for init, message in cases:
+        t0 = time.monotonic()
+        clean_error(cli("make-reward-model", str(out), "--init", str(init)), 2, message)
+        assert time.monotonic() - t0 < 30  # checked on disk: no network retries
+    assert snapshot(tmp_path) == before and not out.exists()
+
+
+def test_make_reference_and_docs_never_replace_what_they_did_not_write(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "model.safetensors").write_text("mine\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "guide.md").write_text("# hand-written\n")
+    (docs / "config.md").write_text("# my config notes\n")  # a page klpo docs writes
+    before = snapshot(tmp_path)
+    for extra in ([], ["--overwrite"]):
+        clean_error(
+            cli("make-reference", str(notes), *extra),
+            2,
+            f"OUT '{notes}' is not empty and holds no reference model of klpo make-reference",
+            "(--overwrite applies only to a reference model it wrote)",
+        )
+    clean_error(
+        cli("docs", "--out", str(docs)),
+        2,
+        f"--out '{docs}': config.md is there and was not generated by klpo docs",
+    )
+    assert snapshot(tmp_path) == before
+    (docs / "config.md").unlink()  # gone: the pages are written beside the hand-written one
+    ok = cli("docs", "--out", str(docs))
+    assert ok.exit_code == 0, ok.output
+    assert (docs / "guide.md").read_text() == "# hand-written\n"
+    again = cli("docs", "--out", str(docs))  # its own pages are replaced
+    assert again.exit_code == 0, again.output
