@@ -1102,6 +1102,13 @@ def test_a_config_with_a_section_twice_is_refused(tmp_path):
     nested.write_text("kl:\n  beta: 0.5\n  beta: 0.1\n")
     clean_error(cli("train", "--config", str(nested)), 2, "'beta' appears twice", "lines 2 and 3")
     assert snapshot(tmp_path) == {**before, "n.yaml": nested.read_bytes()}
+    study = tmp_path / "s.yaml"  # a study file is read the same way
+    study.write_text("steps: 5\nbetas: [0.1]\nsteps: 6\n")
+    clean_error(
+        cli("compare", "-c", str(study), "--dry-run"),
+        2,
+        f"study file '{study}': 'steps' appears twice in one mapping, at lines 1 and 3",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
