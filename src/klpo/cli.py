@@ -299,10 +299,13 @@ def export(
     from klpo.train.tools.export import export_run
 
     try:
-        path = export_run(run_dir, out, merge=merge)
+        path = export_run(run_dir, out, merge=merge, log=lambda m: typer.echo(m, err=True))
     except (ConfigError, FileNotFoundError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    except OSError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"wrote {path}")
 
 
@@ -314,11 +317,11 @@ def docs(
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
     from klpo.train.config import ConfigError
-    from klpo.train.preflight import check_writable_dir
-    from klpo.train.tools.docs import write_pages
+    from klpo.train.outdir import claim_pages
+    from klpo.train.tools.docs import HEADER, PAGES, write_pages
 
     try:
-        check_writable_dir(out, "--out")
+        claim_pages(out, list(PAGES), HEADER)  # only its own pages are replaced
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -541,6 +544,9 @@ def lab_report(
         ..., "--out", metavar="DIR", help="Folder for report.md, results.json and plots."
     ),
     quick: bool = typer.Option(False, "--quick", help="A small preset for smoke tests (seconds)."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the report already in --out (only a report)."
+    ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Base seed of every experiment."),
     training: str | None = typer.Option(
         None,
@@ -555,11 +561,11 @@ def lab_report(
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
     from klpo.train.config import ConfigError
-    from klpo.train.preflight import check_writable_dir
+    from klpo.train.outdir import claim_dir
     from klpo.train.runtime.progress import Progress
 
     try:
-        check_writable_dir(out_dir, "--out")
+        claim_dir(out_dir, "lab report", proceed=overwrite)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -599,7 +605,9 @@ def make_reference_cmd(
         metavar="OUT",
         help="Directory to write the model, tokenizer and reference.json into.",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the reference model an earlier run wrote to OUT."
+    ),
     steps: int | None = typer.Option(None, metavar="N", help="The most SFT steps."),
     seed: int | None = typer.Option(
         None, metavar="N", help="Seed of initialisation and data order."
@@ -658,11 +666,14 @@ def make_reference_cmd(
             val[0] = f"{val_accuracy:.3f} at step {step + 1}"
         bar.update(step + 1, info=f"loss {loss:.4f}  validation accuracy {val[0]}")
 
+    from klpo.train.config import ConfigError
+
     try:
         with Progress("make-reference", config.steps) as bar:
             result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
-    except FileExistsError as err:
-        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    except ConfigError as err:  # OUT holds something it would not overwrite (klpo.train.outdir)
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     _print_reference(result, config, defaults=not overrides)
 
 
@@ -703,7 +714,9 @@ def _print_reference(result, config, *, defaults: bool) -> None:
 @app.command("make-reward-model", cls=Command)
 def make_reward_model_cmd(
     out: str = typer.Argument(..., metavar="OUT", help="Directory to write the reward model into."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the reward model an earlier run wrote to OUT."
+    ),
     init: str | None = typer.Option(
         None,
         metavar="DIR",
@@ -746,11 +759,14 @@ def make_reward_model_cmd(
         config = dataclasses.replace(reward_model.RewardModelConfig(), **overrides)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
+    from klpo.train.config import ConfigError
+
     try:
         with Progress("make-reward-model", reward_model.units(config)) as bar:
             result = reward_model.make_reward_model(out, config, overwrite=overwrite, progress=bar)
-    except FileExistsError as err:
-        raise typer.BadParameter(str(err), param_hint="--overwrite") from None
+    except (ConfigError, FileNotFoundError) as err:  # OUT, or --init: the error says which
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     console().print(
         f"wrote {result.path}: pairwise accuracy {result.train_pairwise_accuracy:.3f} on its "
         f"{config.n_pairs} training pairs, {result.heldout_pairwise_accuracy:.3f} on "
@@ -779,19 +795,21 @@ def _numbers(text: str, kind: type, option: str, example: str) -> list:
 def _compare_study(study_file, quick, task, workers, steps, seeds, betas):
     """``klpo compare``'s study and its grid from its options, or exit 2 naming the bad one."""
     from klpo.study.grid import study_grid
-    from klpo.study.spec import load_study
+    from klpo.study.spec import load_study, with_options
     from klpo.train.config import ConfigError
 
     try:
         study = load_study(study_file, quick=quick, task=task)
-        if workers is not None:
-            study.workers = workers
-        if steps is not None:
-            study.steps = steps
-        if seeds is not None:
-            study.seeds = _numbers(seeds, int, "--seeds", "0,1,2")
-        if betas is not None:
-            study.betas = _numbers(betas, float, "--betas", "0.01,0.1")
+        given = {
+            "workers": workers,
+            "steps": steps,
+            "seeds": seeds and _numbers(seeds, int, "--seeds", "0,1,2"),
+            "betas": betas and _numbers(betas, float, "--betas", "0.01,0.1"),
+        }
+        typed = {"workers": workers, "steps": steps, "seeds": seeds, "betas": betas}
+        study = with_options(
+            study, {k: (str(typed[k]), v) for k, v in given.items() if typed[k] is not None}
+        )
         return study, study_grid(study)
     except (ConfigError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)

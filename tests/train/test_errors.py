@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,14 @@ def clean_error(result, code: int, *fragments: str) -> str:
     for f in fragments:
         assert f in text, (f, text)
     return text
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes): equal before and after means nothing
+    already written was touched."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def no_models(monkeypatch):
@@ -579,10 +588,14 @@ def test_compare_refuses_finished_runs_of_other_settings(tmp_path):
     cfg = build_config(overrides=[*run.overrides, f"run.out_dir={run_dir}"])
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     (run_dir / "result.yaml").write_text("name: x\n")
+    # (as the runner writes it: a study directory holds its study.yaml)
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study.model_dump(), sort_keys=False))
+    saved = (tmp_path / "study.yaml").read_bytes()
     study.steps = 3
     with pytest.raises(ConfigError, match=rf"{run.name}: run.steps 2 -> 3.*another --out"):
         run_study(study, tmp_path)
     assert (run_dir / "result.yaml").read_text() == "name: x\n"
+    assert (tmp_path / "study.yaml").read_bytes() == saved
 
 
 def test_compare_names_the_option_of_a_bad_list():
@@ -684,3 +697,581 @@ def test_torchrun_ctrl_c_saves_a_checkpoint(tiny_model, quick, tmp_path):
         assert f"rank {rank}: stopped by SIGINT after step {step}; the checkpoint is {ckpt}" in text
     assert ck.checkpoint_problem(ckpt) is None
     assert "klpo/train/" not in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Output directories: one rule for every command (klpo.train.outdir), and the lock of a run's.
+
+
+def test_train_never_writes_into_a_folder_of_other_files(tmp_path, monkeypatch):
+    no_models(monkeypatch)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes\n")  # names a run also writes
+    (mine / "kl.png").write_bytes(b"\x89PNG my plot")
+    theirs = tmp_path / "theirs"  # a klpo config of the user's, and notes: not a run
+    theirs.mkdir()
+    (theirs / "config.yaml").write_text("kl:\n  beta: 0.2\n")
+    (theirs / "notes.md").write_text("todo\n")
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(mine)
+    clean_error(
+        cli("train", "--set", "run.out_dir=.", "--set", "run.progress=false"),
+        1,
+        "run.out_dir '.' is not empty and holds no run of klpo train (kl.png, report.md)",
+        "writes only into a new or empty directory",
+        "choose another run.out_dir, e.g. runs/train-",
+    )
+    clean_error(cli("train", "--set", f"run.out_dir={mine}"), 1, f"'{mine}' is not empty")
+    clean_error(
+        cli("train", "--resume", str(theirs)),
+        1,
+        "holds no run of klpo train (config.yaml, notes.md)",
+        "--resume applies only to a run it wrote",
+    )
+    clean_error(
+        cli("train", "--set", "run.out_dir="),
+        2,
+        "run.out_dir: is empty, which would write the run into the current directory",
+    )
+    assert snapshot(tmp_path) == before
+
+
+def test_a_second_plain_train_is_refused_and_told_how_to_go_on(tiny_model, quick, tmp_path):
+    out = tmp_path / "run"
+    cfg = build_config(overrides=quick(tiny_model, out, **{"run.steps": 1}))
+    train(cfg)
+    before = snapshot(out)
+    text = clean_error(
+        cli("train", *sets(quick(tiny_model, out, **{"run.steps": 1}))),
+        1,
+        f"run.out_dir '{out}' already holds a run; continue it with --resume {out}",
+        "or choose another run.out_dir, e.g. ",
+    )
+    assert f"{out}-2" in text  # a new directory beside it, named for now
+    assert snapshot(out) == before
+
+
+HOLDER = """
+import sys, time
+from klpo.train.outdir import DirLock
+locks = [DirLock(p, "klpo train", option="run.out_dir").__enter__() for p in sys.argv[1:]]
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def holder():
+    """``holder(*dirs)``: a process that holds the locks of ``dirs`` until killed."""
+    procs = []
+
+    def start(*dirs: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, *map(str, dirs)],
+            env=env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_run_directory_is_locked_while_a_process_writes_it(tiny_model, quick, tmp_path, holder):
+    import socket
+
+    done, fresh = tmp_path / "done", tmp_path / "fresh"
+    train(build_config(overrides=quick(tiny_model, done, **{"run.steps": 1})))
+    proc = holder(done, fresh)
+    before = snapshot(tmp_path)
+    who = f"is being written by klpo train (pid {proc.pid} on host {socket.gethostname()}"
+    clean_error(cli("train", *sets(quick(tiny_model, fresh))), 1, who, "one process at a time")
+    clean_error(cli("train", "--resume", str(done)), 1, who)
+    assert snapshot(tmp_path) == before  # the holder's lock file too
+    # Killed, its process leaves the file naming it; the next run takes the lock over, says so.
+    proc.kill()
+    proc.wait()
+    more = build_config(overrides=quick(tiny_model, done, **{"run.steps": 2}))
+    lines = train(more, resume=True)
+    took = f"note: {done} was locked by klpo train (pid {proc.pid} on host {socket.gethostname()}"
+    assert any(x.startswith(took) and "which is gone" in x for x in lines), lines
+    assert (done / ".klpo.lock").read_text() == ""  # released on exit
+    assert [r["step"] for r in read_metrics(done / "metrics.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_two_trains_started_at_once_into_one_directory(tiny_model, quick, tmp_path):
+    out = tmp_path / "run"
+    slow = {"run.steps": 4, "rewards": "[{name: 'klpo_test_rewards:slow_digits'}]"}
+    cmd = [sys.executable, "-m", "klpo", "train", *sets(quick(tiny_model, out, **slow))]
+    procs = [subprocess.Popen(cmd, env=env(), stderr=subprocess.PIPE, text=True) for _ in (0, 1)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 1], results
+    (loser,) = [err for rc, err in results if rc == 1]
+    assert "Traceback" not in loser
+    assert "is being written by klpo train (pid" in loser or "already holds a run" in loser
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_all_stop_when_the_run_directory_is_locked(
+    tiny_model, quick, tmp_path, holder
+):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed beside this Python")
+    out = tmp_path / "run"
+    proc = holder(out)
+    args = sets(quick(tiny_model, out, **{"run.eval_every": 0}))
+    cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "klpo", "train", *args]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
+    text = run.stdout + run.stderr
+    assert run.returncode != 0 and time.monotonic() - t0 < 200  # no rank waits forever
+    assert (
+        f"rank 0: error: run.out_dir '{out}' is being written by klpo train (pid {proc.pid}" in text
+    )
+    assert "rank 1: error: stopped: the main process (rank 0) could not take run.out_dir" in text
+    assert "klpo/train/" not in text
+    assert sorted(p.name for p in out.iterdir()) == [".klpo.lock"]
+
+
+# ---------------------------------------------------------------------------------------------
+# klpo export: where the model goes; --merge with nothing to merge.
+
+
+def unwritable_dir_run(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess | None:
+    """Run ``python -m klpo *argv`` with ``{RO}`` in ``argv`` a read-only directory: a
+    read-only tmpfs in a mount namespace of its own (root writes through permissions), or a
+    chmod 0500 directory otherwise. None where neither can be made."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    args = [a.replace("{RO}", str(ro)) for a in argv]
+    if os.geteuid() != 0:
+        ro.chmod(0o500)
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "klpo", *args], env=env(), capture_output=True, text=True
+            )
+        finally:
+            ro.chmod(0o700)
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    script = f'mount -t tmpfs -o ro,size=64k tmpfs "{ro}" && exec "$0" -m klpo "$@"'
+    proc = subprocess.run(
+        [unshare, "-rm", "sh", "-c", script, sys.executable, *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
+    return None if "mount:" in proc.stderr or "unshare:" in proc.stderr else proc
+
+
+def test_export_out_that_cannot_be_a_new_model_directory(tiny_model, quick, tmp_path):
+    run = tmp_path / "run"
+    train(build_config(overrides=quick(tiny_model, run, **{"run.steps": 1})))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("todo\n")
+    before = snapshot(tmp_path)
+    clean_error(cli("export", str(run), "--out", str(blocker)), 2, f"--out '{blocker}' is a file")
+    clean_error(
+        cli("export", str(run), "--out", str(blocker / "model")),
+        2,
+        f"is under '{blocker}', which is a file",
+    )
+    clean_error(
+        cli("export", str(run), "--out", str(notes)),
+        2,
+        f"--out '{notes}' is not empty and holds no model of klpo export (todo.txt)",
+    )
+    ro = unwritable_dir_run(tmp_path, ["export", str(run), "--out", "{RO}/model"])
+    if ro is not None:
+        assert ro.returncode == 2, ro.stderr
+        assert "would be created in" in ro.stderr and "which is not writable" in ro.stderr
+        assert "Traceback" not in ro.stderr
+    assert snapshot(tmp_path) == before
+    # --merge of a run without adapters: the model, and a line saying --merge did nothing.
+    model = tmp_path / "model"
+    ok = cli("export", str(run), "--out", str(model), "--merge")
+    assert ok.exit_code == 0, ok.output
+    assert f"note: --merge did nothing: {run} trained all the weights (no LoRA adapters)" in (
+        ok.output
+    )
+    assert not list(tmp_path.glob(".tmp-*"))
+    written = snapshot(tmp_path)
+    clean_error(
+        cli("export", str(run), "--out", str(model)),
+        2,
+        f"--out '{model}' already holds a model; choose another --out",
+    )
+    assert snapshot(tmp_path) == written
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk at a later save and on --resume (the first save: above), and a real one.
+
+
+def full_after_step_1(monkeypatch, seen: dict) -> None:
+    """safetensors' own error (its text, as a full disk raises it) from step 2's save on; the
+    first failing call keeps a copy of step 1's checkpoint as it then is."""
+    from safetensors import SafetensorError
+
+    real = ck.save_file
+
+    def save_file(tensors, path, *args, **kwargs):
+        if "step_000001" in str(path):
+            return real(tensors, path, *args, **kwargs)
+        root = Path(path).parents[1]
+        seen.setdefault("step1", snapshot(root / "step_000001"))
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(ck, "save_file", save_file)
+
+
+def test_a_full_disk_at_a_later_save_and_on_resume(tiny_model, quick, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    seen: dict = {}
+    full_after_step_1(monkeypatch, seen)
+    args = sets(quick(tiny_model, out, **{"run.steps": 3, "run.save_every": 1}))
+    text = clean_error(
+        cli("train", *args),
+        1,
+        f"could not write the checkpoint of step 2 in {out / 'checkpoints'}: No space left on "
+        "device; the previous checkpoint step_000001 is intact",
+        "The disk is full: the checkpoint needs about ",
+        f"klpo train --resume {out}",
+    )
+    step1 = out / "checkpoints" / "step_000001"
+    assert snapshot(step1) == seen["step1"]  # byte-identical after the failed save
+    assert ck.checkpoint_problem(step1) is None
+    # The estimate is the size a checkpoint takes (step 1's, written whole), within 10%.
+    needs = re.search(r"needs about ([\d.]+) kB", text)
+    actual = sum(len(b) for b in seen["step1"].values()) / 1000
+    assert needs and abs(float(needs.group(1)) / actual - 1) < 0.1, (needs, actual)
+    rows = (out / "metrics.jsonl").read_bytes()
+    # --resume on the same full disk: the same message, nothing lost.
+    clean_error(
+        cli("train", "--resume", str(out)),
+        1,
+        "could not write the checkpoint of step 2",
+        "the previous checkpoint step_000001 is intact",
+        "The disk is full",
+    )
+    assert snapshot(step1) == seen["step1"]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    monkeypatch.undo()  # space freed: the advice given works
+    ok = cli("train", "--resume", str(out))
+    assert ok.exit_code == 0, ok.output
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert rows.splitlines()[:2] == (out / "metrics.jsonl").read_bytes().splitlines()[:2]
+
+
+@pytest.mark.slow
+def test_a_really_full_disk_at_the_first_save(tiny_model, quick, tmp_path):
+    """A 64 kB tmpfs (in a mount namespace of its own): the config and metrics fit, a checkpoint
+    of the tiny model (~93 kB) does not; what the trainer says, and what is left."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare: no tmpfs without root")
+    disk, seen = tmp_path / "disk", tmp_path / "seen"
+    disk.mkdir()
+    seen.mkdir()
+    args = sets(quick(tiny_model, disk / "run", **{"run.steps": 1}))
+    script = (
+        f'mount -t tmpfs -o size=64k tmpfs "{disk}" || exit 99; '
+        f'"$0" -m klpo train "$@" 2> "{seen}/err"; echo $? > "{seen}/rc"; '
+        f'ls -A "{disk}/run" "{disk}/run/checkpoints" > "{seen}/ls"; '
+        f'cp "{disk}/run/metrics.jsonl" "{seen}/"'
+    )
+    proc = subprocess.run(
+        [unshare, "-rm", "sh", "-c", script, sys.executable, *args],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == 99 or not (seen / "rc").exists():
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr[-300:]}")
+    err = (seen / "err").read_text()
+    assert (seen / "rc").read_text().strip() == "1", err
+    assert "Traceback" not in err
+    assert "could not write the checkpoint of step 1" in err
+    assert "No space left on device; no earlier checkpoint exists" in err
+    assert "The disk is full: the checkpoint needs about " in err and "kB are free" in err
+    assert ".tmp-step" not in (seen / "ls").read_text()  # the partial files were removed
+    assert [r["step"] for r in read_metrics(seen / "metrics.jsonl")] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Accepted without a word before: each now refused (or said) where it is read.
+
+
+def test_fsdp_without_torchrun_is_refused(tiny_model, quick, tmp_path, monkeypatch):
+    no_models(monkeypatch)
+    clean_error(
+        cli("train", *sets(quick(tiny_model, tmp_path / "run", **{"dist.strategy": "fsdp"}))),
+        1,
+        "dist.strategy=fsdp shards the models over torchrun's processes, but this run is one "
+        "process",
+        "torchrun --nproc_per_node N",
+        "dist.strategy=ddp",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_token_budget_smaller_than_one_sequence_is_refused(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    no_models(monkeypatch)
+    data = jsonl(tmp_path / "d.jsonl", ["1+1=", "12345+67890=", "2+2="])
+    extra = {"data.source": "jsonl", "data.path": str(data), "algo.micro_batch_tokens": 12}
+    before = snapshot(tmp_path)
+    clean_error(
+        cli("train", *sets(quick(tiny_model, tmp_path / "run", **extra))),
+        1,
+        "algo.micro_batch_tokens=12 is smaller than one sequence: the longest training prompt "
+        f"({data}:2, ",
+        "rollout.max_new_tokens=4",
+        "Set algo.micro_batch_tokens to at least ",
+    )
+    assert snapshot(tmp_path) == before
+
+
+def test_an_answer_a_reward_cannot_score_is_refused_where_the_data_is_read(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    no_models(monkeypatch)
+    data = tmp_path / "math.jsonl"
+    rows = [("1+1=", "2"), ("2+2=", r"\boxed{}"), ("3+3=", ""), ("4+4=", "#### ")]
+    data.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    before = snapshot(tmp_path)
+    boxed = {"data.source": "jsonl", "data.path": str(data), "rewards": "[{name: boxed}]"}
+    clean_error(
+        cli("train", *sets(quick(tiny_model, tmp_path / "run", **boxed))),
+        1,
+        f"{data}:2: the answer '\\\\boxed{{}}' is empty once its \\boxed{{}}, '####' and '$' are "
+        "taken off, so an empty \\boxed{} would score as right by the reward 'boxed' (2 more "
+        "examples have the same problem)",
+        "give every example a real answer ('answer')",
+    )
+    exact = {**boxed, "rewards": "[{name: exact_match}]"}
+    clean_error(
+        cli("train", *sets(quick(tiny_model, tmp_path / "run", **exact))),
+        1,
+        f"{data}:3: the answer is empty, so an empty completion would score as right by the "
+        "reward 'exact_match'",
+    )
+    assert snapshot(tmp_path) == before
+
+
+def test_a_config_with_a_section_twice_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kl:\n  beta: 0.5\nrun:\n  steps: 2\nkl:\n  estimator: k3\n")
+    before = snapshot(tmp_path)
+    clean_error(
+        cli("train", "--config", str(path)),
+        2,
+        f"config file '{path}': 'kl' appears twice in one mapping, at lines 1 and 5",
+        "the first would be silently dropped",
+    )
+    nested = tmp_path / "n.yaml"
+    nested.write_text("kl:\n  beta: 0.5\n  beta: 0.1\n")
+    clean_error(cli("train", "--config", str(nested)), 2, "'beta' appears twice", "lines 2 and 3")
+    assert snapshot(tmp_path) == {**before, "n.yaml": nested.read_bytes()}
+    study = tmp_path / "s.yaml"  # a study file is read the same way
+    study.write_text("steps: 5\nbetas: [0.1]\nsteps: 6\n")
+    clean_error(
+        cli("compare", "-c", str(study), "--dry-run"),
+        2,
+        f"study file '{study}': 'steps' appears twice in one mapping, at lines 1 and 3",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Unclear before: said in the config's words.
+
+
+def test_adam_betas_out_of_range_name_the_key(tmp_path):
+    clean_error(
+        cli("train", "--set", "optim.betas=[1.5, 0.9]", "--set", f"run.out_dir={tmp_path / 'r'}"),
+        2,
+        "optim.betas: each must be in [0, 1)",
+        "got [1.5, 0.9]; e.g. [0.9, 0.999]",
+    )
+    assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The other commands that write a directory: the same rule (klpo.train.outdir).
+
+
+def test_lab_report_never_replaces_a_report_unasked(tmp_path, monkeypatch):
+    import klpo.lab.report
+
+    old = tmp_path / "old"  # an earlier report, and a plot of the user's beside it
+    old.mkdir()
+    for name, text in [("report.md", "# mine\n"), ("results.json", "{}\n"), ("kl.png", "png")]:
+        (old / name).write_text(text)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("my notes\n")  # a report's name, but not a report
+    before = snapshot(tmp_path)
+    clean_error(
+        cli("lab", "report", "--quick", "--out", str(old)),
+        2,
+        f"--out '{old}' already holds a report; replace it with --overwrite, or choose another "
+        f"--out, e.g. {old}-",
+    )
+    for extra in ([], ["--overwrite"]):
+        clean_error(
+            cli("lab", "report", "--quick", "--out", str(notes), *extra),
+            2,
+            f"--out '{notes}' is not empty and holds no report of klpo lab report (report.md)",
+            "(--overwrite applies only to a report it wrote)",
+        )
+    assert snapshot(tmp_path) == before
+    # --overwrite: the report is written over the earlier one (run_report stubbed: seconds).
+    calls = []
+
+    def run_report(out, preset, **kw):
+        calls.append(out)
+        return {"verdicts": [], "timings_s": {"total": 0.0}}
+
+    monkeypatch.setattr(klpo.lab.report, "run_report", run_report)
+    ok = cli("lab", "report", "--quick", "--out", str(old), "--overwrite")
+    assert ok.exit_code == 0, ok.output
+    assert calls == [old]
+
+
+def tiny_study(**kw):
+    from klpo.study.spec import Choice, StudyConfig
+
+    given = {"betas": [0.1], "seeds": [0], "steps": 2, **kw}
+    return StudyConfig(choices=[Choice(estimator="k3", placement="loss")], **given)
+
+
+def test_compare_refuses_an_out_of_another_study_or_of_other_files(tmp_path, monkeypatch):
+    import yaml
+
+    from klpo.study import runner
+
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "study.yaml").write_text(yaml.safe_dump(tiny_study().model_dump(), sort_keys=False))
+    (out / "report.md").write_text("# the first study\n")
+    (out / "kl.png").write_text("png")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "results.csv").write_text("mine\n")
+    before = snapshot(tmp_path)
+    # Other settings, no finished run yet: refused, naming what changed and how to go on.
+    other = tiny_study(betas=[0.2], steps=5)
+    with pytest.raises(ConfigError) as err:
+        runner.run_study(other, out)
+    assert (
+        f"--out {out} holds a study with other settings (betas: [0.1] -> [0.2]; steps: 2 -> 5)"
+        in (str(err.value))
+    )
+    assert "re-run with the settings in its study.yaml to finish it, or choose another --out" in (
+        str(err.value)
+    )
+    clean_error(
+        cli("compare", "--quick", "--out", str(notes)),
+        2,
+        f"--out '{notes}' is not empty and holds no study of klpo compare (results.csv)",
+        "choose another --out",
+    )
+    assert snapshot(tmp_path) == before
+    # The same study with other workers (how runs are scheduled) is finished, under the lock.
+    ran = []
+
+    def run_all(study, runs, configs, out, on_result, on_start):
+        ran.append((study.workers, Path(out, ".klpo.lock").read_text()))
+        return []
+
+    monkeypatch.setattr(runner, "_run_all", run_all)
+    assert runner.run_study(tiny_study(workers=1), out) == []
+    assert ran[0][0] == 1 and '"command": "klpo compare"' in ran[0][1]
+    assert (out / ".klpo.lock").read_text() == ""  # released
+
+
+def test_compare_options_out_of_range_are_said_as_options():
+    clean_error(
+        cli("compare", "--workers", "0", "--dry-run"),
+        2,
+        "error: --workers '0': must be greater than 0; e.g. --workers 2",
+    )
+    text = clean_error(
+        cli("compare", "--betas", "-1", "--dry-run"),
+        2,
+        "error: --betas '-1': betas must be a non-empty list of positive numbers, got [-1.0]; "
+        "e.g. --betas 0.01,0.1",
+    )
+    assert "pydantic" not in text and "http" not in text
+
+
+def test_make_reward_model_init_checked_as_a_model_is(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("KLPO_ALLOW_DOWNLOADS", raising=False)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("todo\n")
+    bare = tmp_path / "bare"  # a model without its tokenizer
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model) / name, bare / name)
+    out = tmp_path / "rm"
+    before = snapshot(tmp_path)
+    cases = [
+        (notes, f"--init '{notes}' is not a complete model directory"),
+        (tmp_path / "missing", f"--init '{tmp_path / 'missing'}': no such directory"),
+        ("nobody/no-model", "model id 'nobody/no-model' not found locally"),
+        (bare, f"--init '{bare}' has no tokenizer"),
+    ]
+    for init, message in cases:
+        t0 = time.monotonic()
+        clean_error(cli("make-reward-model", str(out), "--init", str(init)), 2, message)
+        assert time.monotonic() - t0 < 30  # checked on disk: no network retries
+    assert snapshot(tmp_path) == before and not out.exists()
+
+
+def test_make_reference_and_docs_never_replace_what_they_did_not_write(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "model.safetensors").write_text("mine\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "guide.md").write_text("# hand-written\n")
+    (docs / "config.md").write_text("# my config notes\n")  # a page klpo docs writes
+    before = snapshot(tmp_path)
+    for extra in ([], ["--overwrite"]):
+        clean_error(
+            cli("make-reference", str(notes), *extra),
+            2,
+            f"OUT '{notes}' is not empty and holds no reference model of klpo make-reference",
+            "(--overwrite applies only to a reference model it wrote)",
+        )
+    clean_error(
+        cli("docs", "--out", str(docs)),
+        2,
+        f"--out '{docs}': config.md is there and was not generated by klpo docs",
+    )
+    assert snapshot(tmp_path) == before
+    (docs / "config.md").unlink()  # gone: the pages are written beside the hand-written one
+    ok = cli("docs", "--out", str(docs))
+    assert ok.exit_code == 0, ok.output
+    assert (docs / "guide.md").read_text() == "# hand-written\n"
+    again = cli("docs", "--out", str(docs))  # its own pages are replaced
+    assert again.exit_code == 0, again.output

@@ -150,7 +150,7 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_export(tiny_model, qu
     assert (adapters / "adapter_config.json").is_file()
     assert (adapters / "tokenizer_config.json").is_file()
     again = CliRunner().invoke(app, ["export", str(whole), "--out", str(out)])
-    assert again.exit_code == 2 and "not empty" in again.output
+    assert again.exit_code == 2 and "already holds a model; choose another --out" in again.output
 
 
 def test_export_of_a_full_fine_tune_is_its_checkpoint(tiny_model, quick, tmp_path):

@@ -118,7 +118,8 @@ def test_make_reward_model_cli_errors(tmp_path):
 
     from klpo.cli import app
 
-    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm").mkdir()  # an earlier reward model (an empty directory is used)
+    (tmp_path / "rm" / "reward_model.json").write_text("{}\n")
     again = CliRunner().invoke(app, ["make-reward-model", str(tmp_path / "rm")])
     assert again.exit_code != 0 and "--overwrite" in again.output
     bad = CliRunner().invoke(app, ["make-reward-model", str(tmp_path / "x"), "--steps", "0"])

@@ -40,7 +40,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
         "run.eval_every": study.eval_every,
         "run.save_every": 0,
         "run.threads": 1,
-        "run.progress": True,  # plain lines in each run's log.txt (it is not a terminal)
+        "run.progress": True,  # plain lines in each run's log, OUT/logs/NAME.txt (not a terminal)
         "run.tensorboard": False,
         "data.eval_size": study.eval_size,
         **({"data.source": "builtin-overopt"} if study.task == "overopt" else {}),

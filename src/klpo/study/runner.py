@@ -28,7 +28,7 @@ from klpo.study.report import write_results
 from klpo.study.spec import StudyConfig
 from klpo.study.summary import RESULT_FIELDS, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
-from klpo.train.preflight import check_writable_dir
+from klpo.train.outdir import DirLock, claim_dir, fresh_name
 from klpo.train.runtime.progress import Progress
 
 __all__ = ["POLL_S", "PRESENTATION_KEYS", "changed_runs", "last_step", "run_study"]
@@ -37,6 +37,7 @@ POLL_S = 2.0
 """Seconds between two looks at the runs under way (their progress)."""
 
 PRESENTATION_KEYS = frozenset({"run.progress", "run.threads", "run.tensorboard", "run.out_dir"})
+STUDY_SCHEDULING_KEYS = frozenset({"workers"})  # how the runs are scheduled, not what they are
 
 
 def changed_runs(runs: list[Run], out: Path) -> list[str]:
@@ -67,6 +68,32 @@ def changed_runs(runs: list[Run], out: Path) -> list[str]:
     return lines
 
 
+def study_changes(study: StudyConfig, out: Path) -> list[str]:
+    """``key: saved -> now`` for each setting of the study in ``out`` (its ``study.yaml``) that
+    the study re-run over it changes, outside :data:`STUDY_SCHEDULING_KEYS`."""
+    path = out / "study.yaml"
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+        saved = StudyConfig.model_validate(saved).model_dump(mode="json")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
+        return [f"its study.yaml cannot be read ({str(err).splitlines()[0]})"]
+    now = study.model_dump(mode="json")
+    return [
+        f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(set(saved) | set(now))
+        if k not in STUDY_SCHEDULING_KEYS and saved.get(k) != now.get(k)
+    ]
+
+
+def _refuse_other_study(out: Path, what: str, changed: list[str]) -> None:
+    shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more" if len(changed) > 3 else "")
+    raise ConfigError(
+        f"--out {out} holds {what} ({shown}). They would be reported under the new settings, "
+        "or replaced; re-run with the settings in its study.yaml to finish it, or choose another "
+        f"--out, e.g. {fresh_name(out)}"
+    )
+
+
 def _execute(
     run: Run, out: Path, study: StudyConfig, on_start: Callable[[str, Path], None] | None = None
 ) -> dict[str, Any]:
@@ -76,9 +103,10 @@ def _execute(
         return yaml.safe_load(done_marker.read_text())
     if run_dir.exists():  # a run interrupted mid-way: start it again from scratch
         shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out / "logs" / f"{run.name}.txt"  # beside the run: klpo train wants it empty
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     if on_start is not None:
-        on_start(run.name, run_dir / "log.txt")
+        on_start(run.name, log_path)
     cmd = [sys.executable, "-m", "klpo", "train", "--set", f"run.out_dir={run_dir}"]
     for o in run.overrides:
         cmd += ["--set", o]
@@ -90,12 +118,12 @@ def _execute(
         "TOKENIZERS_PARALLELISM": "false",
     }
     t0 = time.perf_counter()
-    with (run_dir / "log.txt").open("w") as log:
+    with log_path.open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     wall = time.perf_counter() - t0
     error = ""
     if proc.returncode != 0:
-        lines = (run_dir / "log.txt").read_text().strip().splitlines()
+        lines = log_path.read_text().strip().splitlines()
         error = (lines[-1] if lines else f"exit code {proc.returncode}")[:300]
     row = summarise_run(
         run,
@@ -156,26 +184,36 @@ def run_study(
 ) -> list[dict[str, Any]]:
     """Run (or finish) the whole grid in ``out``; write results.csv, report.md and plots.
 
-    A finished run found in ``out`` is reused only if its config is the one it would run with
-    now; otherwise the study is refused (:func:`changed_runs`) before anything starts. With
-    ``show_progress``, a :class:`~klpo.train.runtime.progress.Progress` over every run's steps
-    (those under way read from their ``metrics.jsonl`` every :data:`POLL_S` seconds).
+    ``out`` follows the rule of :mod:`klpo.train.outdir`: new or empty, or a study with the same
+    settings (:func:`study_changes`, outside the scheduling keys), whose finished runs are
+    reused only if each one's config is the one it would run with now (:func:`changed_runs`);
+    anything else is refused before anything starts. ``out`` is locked while the study runs.
+    With ``show_progress``, a :class:`~klpo.train.runtime.progress.Progress` over every run's
+    steps (those under way read from their ``metrics.jsonl`` every :data:`POLL_S` seconds).
     """
     out = Path(out)
-    check_writable_dir(out, "--out")
+    state = claim_dir(out, "compare", proceed=True)
     runs = study_grid(study)
     configs = [build_config(overrides=r.overrides) for r in runs]  # fail before any run starts
     changed = changed_runs(runs, out)
     if changed:
-        shown = "; ".join(changed[:3]) + (
-            f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
-        )
-        raise ConfigError(
-            f"--out {out} holds finished runs of a study with other settings ({shown}). They "
-            "would be reported under the new settings; use another --out, or the settings they "
-            "were run with"
-        )
-    out.mkdir(parents=True, exist_ok=True)
+        _refuse_other_study(out, "finished runs of a study with other settings", changed)
+    if state == "own" and (changed := study_changes(study, out)):
+        _refuse_other_study(out, "a study with other settings", changed)
+    with DirLock(out, "klpo compare", option="--out"):
+        return _run_all(study, runs, configs, out, on_result, on_start, show_progress)
+
+
+def _run_all(
+    study: StudyConfig,
+    runs: list[Run],
+    configs: list,
+    out: Path,
+    on_result: Callable[[dict[str, Any], int, int], None] | None,
+    on_start: Callable[[str, Path], None] | None,
+    show_progress: bool,
+) -> list[dict[str, Any]]:
+    """Every run of the grid, ``study.workers`` at a time; then results.csv, report.md, plots."""
     write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
     write_text_atomic(
         out / "train-config.yaml",

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from klpo import kl
 from klpo.train.algorithms import Algorithm
-from klpo.train.config import ConfigError, one_of
+from klpo.train.config import ConfigError, load_yaml, one_of
 
 __all__ = [
     "KL_BUDGET",
@@ -36,6 +36,7 @@ __all__ = [
     "quick_study",
     "ref_sampled_choices",
     "sequence_exact_choices",
+    "with_options",
 ]
 
 
@@ -399,7 +400,7 @@ def load_study(
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = load_yaml(p.read_text(encoding="utf-8"), f"study file {str(p)!r}") or {}
     except (UnicodeDecodeError, yaml.YAMLError) as err:
         raise ConfigError(
             f"study file {str(p)!r} is not valid UTF-8 YAML: {str(err).splitlines()[0]}"
@@ -411,6 +412,25 @@ def load_study(
     except ValidationError as err:
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
         raise ConfigError(f"bad study file {str(p)!r}:\n  " + "\n  ".join(lines)) from None
+
+
+def with_options(study: StudyConfig, options: dict[str, tuple[str, Any]]) -> StudyConfig:
+    """``study`` with the command line's values set: ``{key: (as typed, value)}``, e.g.
+    ``{"workers": ("0", 0)}``; a bad value is a ConfigError naming the option as typed, what is
+    allowed and an example (the study's defaults), as the other options' errors do."""
+    given = {k: v for k, (_, v) in options.items()}
+    try:
+        return StudyConfig.model_validate({**study.model_dump(), **given})
+    except ValidationError as err:
+        e = err.errors()[0]
+        key = str(e["loc"][0])
+        typed = options[key][0]
+        msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        example = StudyConfig.model_fields[key].get_default(call_default_factory=True)
+        if isinstance(example, list):
+            example = ",".join(map(str, example))
+        option = f"--{key.replace('_', '-')}"
+        raise ConfigError(f"{option} {typed!r}: {msg}; e.g. {option} {example}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ The resolved config is written beside every run's outputs (``config.yaml``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -470,11 +470,25 @@ class OptimConfig(_Section):
     def _known_scheduler(cls, v: str) -> str:
         return one_of("optim.lr_scheduler", v, LR_SCHEDULERS)
 
+    @field_validator("betas")
+    @classmethod
+    def _decay_rates(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(
+                f"each must be in [0, 1) (AdamW's decay rates of its moment averages), got "
+                f"[{v[0]:g}, {v[1]:g}]; e.g. [0.9, 0.999]"
+            )
+        return v
+
 
 class RunConfig(_Section):
     steps: int = Field(1500, gt=0, description="Training steps (one batch of rollouts each).")
     seed: int = Field(0, description="Seed of everything: data order, sampling, init.")
-    out_dir: str = Field("runs/train", description="Run directory: metrics, checkpoints, report.")
+    out_dir: str = Field(
+        "runs/train",
+        description="Run directory: metrics, checkpoints, report. New or empty, or a run to "
+        "continue with --resume; anything else is refused (see Output directories below).",
+    )
     eval_every: int = Field(250, ge=0, description="Held-out evaluation period in steps (0: off).")
     save_every: int = Field(
         500, ge=0, description="Checkpoint period in steps (0: only at the end)."
@@ -516,6 +530,16 @@ class RunConfig(_Section):
         description="Checkpoints kept: the newest N complete ones (the one a resume starts "
         "from is the newest); older ones are deleted after each save (null: keep all).",
     )
+
+    @field_validator("out_dir")
+    @classmethod
+    def _a_directory(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError(
+                "is empty, which would write the run into the current directory; give the "
+                "run a directory of its own, e.g. run.out_dir=runs/train-1"
+            )
+        return v
 
 
 class DistConfig(_Section):
@@ -772,6 +796,53 @@ def build_config(
         raise ConfigError(_format_errors(err)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a mapping naming one key twice.
+
+    The YAML spec requires the keys of a mapping to be unique (YAML 1.2, section 3.2.1.1); PyYAML
+    keeps the last value silently, so a config with two ``kl:`` sections would lose the first.
+    """
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base" merges, and may override
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, Hashable):
+            continue  # construct_mapping says why such a key cannot be
+        if key in first:
+            raise DuplicateKeyError(key, first[key], line)
+        first[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping names the same key twice (lines ``first`` and ``again``)."""
+
+    def __init__(self, key: Any, first: int, again: int) -> None:
+        super().__init__(f"{key!r} appears twice, at lines {first} and {again}")
+        self.key, self.first, self.again = key, first, again
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """``text`` parsed as YAML, refusing a key given twice in one mapping (ConfigError naming
+    ``source``, the key and both lines); other YAML errors propagate."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only
+    except DuplicateKeyError as err:
+        raise ConfigError(
+            f"{source}: {err.key!r} appears twice in one mapping, at lines {err.first} and "
+            f"{err.again}; YAML keeps only the last, so the first would be silently dropped. "
+            f"Merge them into one {err.key!r}"
+        ) from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
     data: dict[str, Any] = {}
@@ -780,7 +851,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            loaded = load_yaml(p.read_text(encoding="utf-8"), f"config file {str(p)!r}")
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config file {str(p)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "

@@ -42,6 +42,7 @@ from klpo.train.setup import (
     advance_lr,
     evaluate_policy,
     evaluates,
+    hold_run_dir,
     save,
     setup,
     teardown,
@@ -121,13 +122,16 @@ def _train(
     plan, examples = preflight(
         cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change
     )
-    run = setup(cfg, dist, plan, examples, log)
-    finished = False
-    try:
-        run_steps(run, stopper)
-        finished = True
-    finally:
-        teardown(run, finished=finished)
+    with hold_run_dir(
+        cfg, dist, plan, resume=resume, allow_config_change=allow_config_change, log=log
+    ) as plan:  # one process at a time writes a run directory
+        run = setup(cfg, dist, plan, examples, log)
+        finished = False
+        try:
+            run_steps(run, stopper)
+            finished = True
+        finally:
+            teardown(run, finished=finished)
     return run.dir
 
 

@@ -8,9 +8,8 @@ loading, and before anything already on disk is touched.
 
 What each function guards:
 
-- :func:`check_writable_dir`: an output directory under a file, or not writable;
-- :func:`plan_run_dir`: a fresh run into a directory holding another run's metrics (refused,
-  never overwritten), a resume onto a changed config or world size (refused unless the change is
+- :func:`plan_run_dir`: the rule of output directories (:mod:`klpo.train.outdir`: a fresh run
+  only into a new or empty directory, never over another run or anyone's files), a resume onto a changed config or world size (refused unless the change is
   allowed and recorded), the newest complete checkpoint when later ones are truncated;
 - :func:`config_warnings`: settings that are accepted but ignored or adjusted;
 - :func:`check_model_sources`: a model directory that is missing, not a model, has truncated
@@ -47,6 +46,10 @@ from klpo.train.models.load import (
     resolve_model_path,
 )
 from klpo.train.models.tokens import Codec, check_single_bos, run_codec
+from klpo.train.outdir import check_writable_dir as check_writable_dir  # (it lived here)
+from klpo.train.outdir import claim_dir
+from klpo.train.rewards.functions import ANSWER_PROBLEMS
+from klpo.train.rewards.gold import eval_reward
 from klpo.train.rollout.engines import check_engine
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
@@ -70,33 +73,6 @@ RESUMABLE_KEYS = frozenset(
     }
 )
 CHANGES_FILE = "config-changes.jsonl"
-
-
-def check_writable_dir(path: str | Path, what: str) -> None:
-    """Raise ConfigError unless ``path`` is, or can be created as, a writable directory.
-
-    Args:
-        path: the directory a command will write into.
-        what: how the user named it, e.g. ``"run.out_dir"`` or ``"--out"``.
-    """
-    path = Path(path)
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        where = "is a file" if probe == path else f"is under {str(probe)!r}, which is a file"
-        raise ConfigError(
-            f"{what} {str(path)!r} {where}, so no directory can be made there; choose a "
-            f"directory path for {what}"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        which = "is" if probe == path else f"would be created in {str(probe)!r}, which is"
-        raise ConfigError(
-            f"{what} {str(path)!r} {which} not writable; choose a directory you can write to "
-            f"for {what}, or fix its permissions"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,17 +129,16 @@ def plan_run_dir(
     ``allow_config_change`` is set (the change is then recorded in the run directory).
     """
     run_dir = Path(cfg.run.out_dir)
-    check_writable_dir(run_dir, "run.out_dir")
+    # New or empty for a fresh run, a run for --resume, nothing else (klpo.train.outdir).
+    state = claim_dir(run_dir, "train", proceed=resume)
     plan = RunPlan()
     if not resume:
-        found = has_metrics(run_dir) or any((run_dir / "checkpoints").glob("step_*"))
-        if found:
-            raise ConfigError(
-                f"run.out_dir {str(run_dir)!r} already holds a run; continue it with --resume "
-                f"{run_dir}, or choose another run.out_dir (a new run never overwrites another "
-                "run's metrics or checkpoints)"
-            )
         return plan
+    if state == "new":
+        raise ConfigError(
+            f"--resume {run_dir}: no run there to continue (the directory is empty or missing); "
+            f"start one with klpo train --set run.out_dir={run_dir}"
+        )
 
     saved = _saved_config(run_dir)
     plan.changes = config_diff(saved, cfg)
@@ -288,6 +263,27 @@ def empty_config_warning(path: str | Path | None) -> str | None:
 # Data against the model.
 
 
+def check_answers(cfg: TrainConfig, train: list[Example], heldout: list[Example]) -> None:
+    """Every example's answer can be scored by the built-in rewards that read it
+    (:data:`klpo.train.rewards.functions.ANSWER_PROBLEMS`): the training examples by
+    ``rewards`` and ``gold_reward``, the held-out ones by the reward held-out accuracy uses.
+    Raises ConfigError naming the first bad example (``file:line``), the reward and how many
+    others fail too."""
+    trained = [t.name for t in cfg.rewards] + ([cfg.gold_reward] if cfg.gold_reward else [])
+    for examples, names in ((train, trained), (heldout, [eval_reward(cfg)])):
+        for name in dict.fromkeys(n for n in names if n in ANSWER_PROBLEMS):
+            problem = ANSWER_PROBLEMS[name]
+            bad = [(e, why) for e in examples if (why := problem(e.answer)) is not None]
+            if not bad:
+                continue
+            (e, why), more = bad[0], len(bad) - 1
+            others = f" ({more} more examples have the same problem)" if more else ""
+            raise ConfigError(
+                f"{e.where or 'an example'}: {why} by the reward {name!r}{others}; give every "
+                f"example a real answer ({cfg.data.answer_field!r}), or drop these examples"
+            )
+
+
 def check_prompts(
     examples: list,
     codec: Codec,
@@ -296,16 +292,17 @@ def check_prompts(
     max_positions: int | None,
     max_new_tokens: int,
     what: str = "prompt",
-) -> None:
+) -> tuple[int, str] | None:
     """Every prompt, tokenized as the policy will see it (``codec``: the run's rule for special
     tokens), begins with at most one BOS (:func:`klpo.train.models.tokens.check_single_bos`)
     and fits ``data.max_prompt_tokens`` and, with its completion, the model.
 
     Raises ConfigError naming the first prompt that does not (``file:line`` for JSONL,
     ``name[i]`` for datasets, the index for the built-in task) and how many others fail too.
+    Returns the longest prompt's length in tokens and where it is (None without examples).
     """
     if not examples:
-        return
+        return None
     ids = codec.ids([e.prompt for e in examples])
     for i, row in enumerate(ids):
         where = getattr(examples[i], "where", "") or f"{what} {i}"
@@ -317,7 +314,8 @@ def check_prompts(
         key = f"the model's {max_positions} positions less rollout.max_new_tokens={max_new_tokens}"
     bad = [i for i, n in enumerate(lengths) if n > limit]
     if not bad:
-        return
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        return lengths[i], getattr(examples[i], "where", "") or f"{what} {i}"
     i = bad[0]
     where = getattr(examples[i], "where", "") or f"{what} {i}"
     more = f" ({len(bad) - 1} more prompts are too long too)" if len(bad) > 1 else ""
@@ -419,7 +417,7 @@ def check_tokenizers_and_prompts(
     config = AutoConfig.from_pretrained(policy)
     positions = getattr(config, "max_position_embeddings", None)
     for examples, what in ((train, "training prompt"), (heldout, "held-out prompt")):
-        check_prompts(
+        longest = check_prompts(
             examples,
             codec,
             max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -427,7 +425,26 @@ def check_tokenizers_and_prompts(
             max_new_tokens=cfg.rollout.max_new_tokens,
             what=what,
         )
+        if examples is train and longest is not None:
+            check_token_budget(cfg, *longest)
+
     return codec, train, heldout
+
+
+def check_token_budget(cfg: TrainConfig, longest: int, where: str) -> None:
+    """``algo.micro_batch_tokens`` holds at least one sequence of the longest training prompt
+    (``longest`` tokens, at ``where``) and ``rollout.max_new_tokens`` completion tokens: a
+    sequence is never split across passes, so a smaller budget would be exceeded, silently
+    (:func:`klpo.train.step.microbatch.rows_per_micro_batch`)."""
+    budget, new = cfg.algo.micro_batch_tokens, cfg.rollout.max_new_tokens
+    if budget and budget < longest + new:
+        raise ConfigError(
+            f"algo.micro_batch_tokens={budget} is smaller than one sequence: the longest "
+            f"training prompt ({where}, {longest} tokens) and rollout.max_new_tokens={new} make "
+            f"rows of up to {longest + new} tokens, and a sequence is never split across "
+            f"passes, so a pass would hold more than the budget. Set algo.micro_batch_tokens to "
+            f"at least {longest + new}, or 0 (no token budget)"
+        )
 
 
 def preflight(
@@ -452,11 +469,18 @@ def preflight(
             f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
             "with dist.strategy=fsdp, or klpo export it to a plain model"
         )
+    if cfg.dist.strategy == "fsdp" and not dist.enabled:
+        raise ConfigError(
+            "dist.strategy=fsdp shards the models over torchrun's processes, but this run is "
+            "one process, so nothing would be sharded; launch it with torchrun --nproc_per_node "
+            "N -m klpo train (N >= 2), or set dist.strategy=ddp for one process"
+        )
     plan = plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
     train_set, heldout = load_examples(cfg)
     check_rewards_and_trackers(cfg, train_set + heldout)
+    check_answers(cfg, train_set, heldout)
     policy = resolve_model_path(cfg.model.policy)
     reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
     critic = resolve_model_path(cfg.model.critic or reference)

@@ -12,6 +12,8 @@ window (:mod:`klpo.train.runtime.checkpoint`). :func:`teardown` ends the run.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from klpo import kl
 from klpo.train import preflight as checks
-from klpo.train.config import TrainConfig, dump_config, flat
+from klpo.train.config import ConfigError, TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
 from klpo.train.evaluate import policy_evaluation
 from klpo.train.models import fsdp
@@ -30,6 +32,7 @@ from klpo.train.models.build import Models, build_models
 from klpo.train.models.load import resolve_model_path
 from klpo.train.models.lora import AdapterFreeReference, base_weights, load_base_weights
 from klpo.train.models.reference import ResetFn, merge_reset, weight_reset
+from klpo.train.outdir import DirLock
 from klpo.train.rewards.model import build_rewards
 from klpo.train.rollout.engines import RolloutEngine, make_engine
 from klpo.train.runtime import checkpoint as ckpt_io
@@ -48,6 +51,7 @@ __all__ = [
     "announce",
     "evaluate_policy",
     "evaluates",
+    "hold_run_dir",
     "make_lr_scheduler",
     "make_optimizers",
     "restore",
@@ -82,6 +86,52 @@ class TrainRun:
     def sharded(self) -> bool:
         """FSDP: the policy and its optimizer state are saved as shards (klpo.train.models.fsdp)."""
         return is_sharded(self.models.backbone)
+
+
+@contextmanager
+def hold_run_dir(
+    cfg: TrainConfig,
+    dist: Dist,
+    plan: checks.RunPlan,
+    *,
+    resume: bool,
+    allow_config_change: bool = False,
+    log=print,
+) -> Iterator[checks.RunPlan]:
+    """Hold ``run.out_dir``'s lock (:class:`klpo.train.outdir.DirLock`) for the block, on the
+    main rank, and yield the run's plan made again under it (another run may have written the
+    directory since the preflight).
+
+    Every rank learns whether the main rank could (a collective), so under torchrun no rank
+    waits for a main rank that stopped: the main rank raises its error, the others a line that
+    points to it.
+    """
+    lock = DirLock(cfg.run.out_dir, "klpo train", option="run.out_dir") if dist.is_main else None
+    error: Exception | None = None
+    if lock is not None:
+        try:
+            lock.__enter__()
+            plan = checks.plan_run_dir(
+                cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
+            )
+        except (ConfigError, OSError) as err:
+            error = err
+    if dist.any(error is not None):
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        if error is not None:
+            raise error
+        raise ConfigError(
+            f"stopped: the main process (rank 0) could not take run.out_dir "
+            f"{cfg.run.out_dir!r}; its error is printed beside this one"
+        )
+    try:
+        if lock is not None and lock.note():
+            log(f"note: {lock.note()}")
+        yield plan
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def setup(

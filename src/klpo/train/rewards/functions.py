@@ -77,6 +77,7 @@ from typing import Any, Literal
 from klpo.train.rewards.overopt import overopt_proxy
 
 __all__ = [
+    "ANSWER_PROBLEMS",
     "BUILTIN",
     "REWARDS",
     "RewardBatch",
@@ -85,6 +86,7 @@ __all__ = [
     "TrainerState",
     "WeightedReward",
     "boxed",
+    "boxed_answer",
     "combined_rewards",
     "exact_match",
     "extract_boxed",
@@ -361,15 +363,21 @@ def _same_answer(got: str, expected: str) -> bool:
     return got.strip().strip("$").strip() == expected.strip().strip("$").strip()
 
 
+def boxed_answer(answer: str) -> str:
+    r"""What the ``boxed`` reward compares against: the content of the answer's own last
+    ``\boxed{}`` if it has one, the text after ``####`` if it has that, else the answer."""
+    expected = extract_boxed(answer)
+    if expected is None:
+        expected = answer.rsplit("####", 1)[1] if "####" in answer else answer
+    return expected
+
+
 def boxed(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     r"""1.0 where the completion's last ``\boxed{...}`` holds the answer, else 0.0 (see the module)."""
     out = []
     for c, a in zip(completions, answers, strict=True):
-        expected = extract_boxed(a)
-        if expected is None:
-            expected = a.rsplit("####", 1)[1] if "####" in a else a
         got = extract_boxed(c)
-        out.append(float(got is not None and _same_answer(got, expected)))
+        out.append(float(got is not None and _same_answer(got, boxed_answer(a))))
     return out
 
 
@@ -380,6 +388,28 @@ BUILTIN: dict[str, RewardFn] = {
     "boxed": boxed,
     "overopt_proxy": overopt_proxy,
 }
+
+
+def _empty(text: str) -> bool:
+    return not text.strip().strip("$").strip()
+
+
+ANSWER_PROBLEMS: dict[str, Callable[[str], str | None]] = {
+    "exact_match": lambda a: (
+        "the answer is empty, so an empty completion would score as right"
+        if not a.strip()
+        else None
+    ),
+    "numeric": lambda a: "the answer holds no number" if extract_number(a) is None else None,
+    "boxed": lambda a: (
+        f"the answer {a!r} is empty once its \\boxed{{}}, '####' and '$' are taken off, so an "
+        "empty \\boxed{} would score as right"
+        if _empty(boxed_answer(a))
+        else None
+    ),
+}
+"""Why a built-in reward cannot score against an answer (None: it can); read where the data is
+read (:func:`klpo.train.preflight.check_answers`), so a bad answer names its file and line."""
 
 REWARDS: dict[str, RewardFn] = dict(BUILTIN)
 """The reward registry: every reward a config (``rewards``, ``gold_reward``) may name. It starts as

@@ -17,6 +17,7 @@ either the new checkpoint or the previous one, never half of one.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 
 from klpo._io import atomic_dir, write_text_atomic
@@ -121,18 +123,13 @@ def save_checkpoint(
         # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
         with atomic_dir(final) as tmp:
             _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state, reference)
-    except OSError as err:  # a full disk, a permission: atomic_dir removed the partial files
-        previous = find_checkpoint(run_dir)[0]
-        kept = (
-            f"the previous checkpoint {previous.name} is intact"
-            if previous is not None
-            else "no earlier checkpoint exists"
-        )
-        raise CheckpointError(
-            f"could not write the checkpoint of step {step} in {root}: "
-            f"{err.strerror or err}; {kept} and the partial files were removed. Free space "
-            f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
-        ) from None
+    except (OSError, SafetensorError) as err:  # atomic_dir removed the partial files
+        rng = rng or [rng_state()]
+        meta = {"optimizers": [_flatten_optimizer(o, n)[1] for n, o in optimizers.items()]}
+        meta |= {"rng": [plain for _, plain in rng], **(state or {})}  # state.json, roughly
+        needed = _nbytes([policy, critic, reference, rng, *optimizers.values()])
+        needed += len(json.dumps(meta))
+        raise CheckpointError(_save_failure(run_dir, step, err, needed)) from None
     write_text_atomic(root / LATEST, final.name + "\n")
     if keep is not None:
         prune_checkpoints(run_dir, step, keep)
@@ -203,6 +200,74 @@ def _write_checkpoint(
 
 class CheckpointError(OSError):
     """A checkpoint could not be written; the message says what is intact and how to go on."""
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk (or the quota) is full: an OSError's errno, or the text of
+    safetensors' own error, which carries the OS error only in its message."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return f"(os error {errno.ENOSPC})" in str(err) or "No space left on device" in str(err)
+
+
+def _nbytes(parts: list[Any]) -> int:
+    """Bytes of the tensors a checkpoint writes of ``parts``: modules (their state), staged
+    shards (their files), optimizers (their state tensors), dicts and lists of tensors."""
+    total = 0
+    for part in parts:
+        if part is None:
+            continue
+        if isinstance(part, torch.optim.Optimizer):
+            part = [v for st in part.state.values() for v in st.values()]
+        elif hasattr(part, "peft_config"):  # LoRA: save_pretrained writes the adapters only
+            part = [p for p in part.parameters() if p.requires_grad]
+        elif isinstance(part, torch.nn.Module):
+            part = part.state_dict()
+        elif isinstance(getattr(part, "staged", None), Path):  # FSDP's shards, already written
+            continue
+        items = part.values() if isinstance(part, dict) else part
+        for v in items:
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+            elif isinstance(v, dict | list | tuple):
+                total += _nbytes([v])
+    return total
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError  # pragma: no cover
+
+
+def _save_failure(run_dir: str | Path, step: int, err: BaseException, needed: int) -> str:
+    """What a failed save says: why, what is intact (the last complete checkpoint, found as a
+    resume would find it), and how to go on; on a full disk how much the checkpoint needs."""
+    root = Path(run_dir) / "checkpoints"
+    previous = find_checkpoint(run_dir)[0]
+    kept = (
+        f"the previous checkpoint {previous.name} is intact"
+        if previous is not None
+        else "no earlier checkpoint exists"
+    )
+    full = disk_full(err)
+    why = "No space left on device" if full else getattr(err, "strerror", None) or str(err)
+    text = (
+        f"could not write the checkpoint of step {step} in {root}: {why.splitlines()[0]}; "
+        f"{kept} and the partial files were removed."
+    )
+    if full:
+        free = shutil.disk_usage(root if root.is_dir() else Path(run_dir)).free
+        text += (
+            f" The disk is full: the checkpoint needs about {_size(needed)} and "
+            f"{_size(free)} are free there (the last complete checkpoint stays until a new one "
+            f"is in place). Free space and continue with klpo train --resume {Path(run_dir)}."
+        )
+    else:
+        text += f" Fix the cause and continue with klpo train --resume {Path(run_dir)}."
+    return text
 
 
 def safetensors_problem(path: Path) -> str | None:

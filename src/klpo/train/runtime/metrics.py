@@ -203,6 +203,7 @@ class MetricsWriter:
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         elif resume_step == 0 and self.path.exists():
             self.path.unlink()
+        self.path.touch()  # with config.yaml, what marks a run directory (klpo.train.outdir)
         samples.trim_samples(self.dir, resume_step)
         names = list(report_to) if report_to is not None else ["tensorboard"] * tensorboard
         self._trackers = trackers.open_trackers(

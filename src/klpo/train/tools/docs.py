@@ -4,7 +4,8 @@
   estimator's equation and summary;
 - ``metrics.md``: every metric key of :data:`klpo.train.runtime.metrics.METRICS`;
 - ``config.md``: every section and field of :class:`klpo.train.config.TrainConfig`, with its type,
-  default and help text.
+  default and help text, and the rule of output directories and their lock
+  (:data:`klpo.train.outdir.PRODUCTS`).
 
 A test regenerates them and compares with the committed files.
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 from klpo import kl
 from klpo._io import write_text_atomic
 from klpo.train.config import TrainConfig
+from klpo.train.outdir import LOCK_FILE, PRODUCTS
 from klpo.train.preflight import CHANGES_FILE, RESUMABLE_KEYS
 from klpo.train.runtime.metrics import METRICS
 
@@ -215,7 +217,54 @@ def config_page() -> str:
             lines.append(f"{field.description} Default: `{shown!r}`.")
             lines += _list_item_keys(section, field.annotation)
         lines.append("")
-    return HEADER + "\n".join(lines)
+    return HEADER + "\n".join(lines + output_dirs_lines())
+
+
+def output_dirs_lines() -> list[str]:
+    """The section of config.md on output directories and the lock, from
+    :data:`klpo.train.outdir.PRODUCTS` (so the page names the files the code checks)."""
+    lines = [
+        "## Output directories",
+        "",
+        "Every command that writes a directory follows one rule (`klpo.train.outdir`):",
+        "",
+        "1. a new directory, or an empty one, is used;",
+        "2. a directory holding the same command's earlier output is continued or replaced only",
+        "   when asked, and refused otherwise, with a message naming the flag that continues it",
+        "   or a new directory to use;",
+        "3. anything else is refused: klpo never overwrites a file it did not write. An empty",
+        "   `run.out_dir` is refused too (it would be the current directory).",
+        "",
+        "| command | directory | its earlier output: the directory holds | continued or replaced by |",
+        "| --- | --- | --- | --- |",
+    ]
+    for p in PRODUCTS.values():
+        holds = ", or ".join(" and ".join(f"`{m}`" for m in group) for group in p.markers)
+        lines.append(f"| `{p.command}` | `{p.option}` | {holds} | {p.how} |")
+    lines += [
+        "",
+        "`klpo docs --out DIR` writes its pages among hand-written ones, so it follows the rule",
+        "page by page: a page is replaced only if it starts with the generated-page header.",
+        "",
+        "The default `run.out_dir` is `runs/train`, so a second plain `klpo train` is refused",
+        "once the first has written its run: continue that one with `klpo train --resume",
+        "runs/train`, or give another directory (the message proposes `runs/train-<time>`).",
+        "`make run` writes a new `runs/train-<time>` each time.",
+        "",
+        "### The lock",
+        "",
+        "While `klpo train` writes a run directory (and `klpo compare` a study directory) it",
+        f"holds an OS-level lock on `DIR/{LOCK_FILE}` (`flock` on POSIX, through the `filelock`",
+        "library). A second process that would write the same directory (another `klpo train`",
+        "into it, a `--resume` of it) is refused at once, with the holder's command, pid, host",
+        "and start time. The operating system releases the lock when its process ends, however",
+        "it ends; the file keeps the holder's name until a clean exit empties it, so a lock left",
+        "by a process that was killed or crashed is taken over by the next run, which says so",
+        "with that pid and host. Under `torchrun` the main rank holds the lock, and every rank",
+        "learns at once whether it could take it, so none waits for a main rank that stopped.",
+        "",
+    ]
+    return lines
 
 
 PAGES = {"estimators.md": estimators_page, "metrics.md": metrics_page, "config.md": config_page}

@@ -18,21 +18,35 @@ The tokenizer is copied beside the weights, so ``AutoModelForCausalLM.from_pretr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from klpo._io import atomic_dir
 from klpo.train.config import ConfigError, load_config
 from klpo.train.models import fsdp
 from klpo.train.models.load import load_causal_lm, load_tokenizer, resolve_model_path
 from klpo.train.models.lora import is_adapter_dir, load_base_weights
+from klpo.train.outdir import claim_dir
 from klpo.train.runtime import checkpoint as ckpt_io
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> Path:
-    """Write the run's latest policy to ``out``; returns ``out``.
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    merge: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Write the run's latest policy to ``out`` (a new or empty directory, written whole or not
+    at all); returns ``out``. ``log`` gets a note when ``merge`` has nothing to merge.
 
     Raises:
-        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty; a LoRA
-            run whose adapters were merged by ``kl.reference_reset``, without ``merge``.
+        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not a new or empty
+            directory that can be written (:func:`klpo.train.outdir.claim_dir`); a LoRA run
+            whose adapters were merged by ``kl.reference_reset``, without ``merge``.
+        OSError: the model could not be written (a full disk); nothing is left at ``out``.
     """
 
     run_dir, out = Path(run_dir), Path(out)
@@ -42,8 +56,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
     ckpt = ckpt_io.latest_checkpoint(run_dir)
     if ckpt is None:
         raise ConfigError(f"{run_dir} has no checkpoint yet; export needs one (run.save_every)")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty; choose a new directory")
+    claim_dir(out, "export")
     cfg = load_config(saved)
     base = resolve_model_path(cfg.model.policy)
     policy_dir = ckpt / "policy"
@@ -67,7 +80,19 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> 
         fsdp.load_unsharded(model, policy_dir)
     else:
         model = load_causal_lm(str(policy_dir))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(base).save_pretrained(out)
+    if merge and not is_adapter_dir(policy_dir) and log is not None:
+        log(
+            f"note: --merge did nothing: {run_dir} trained all the weights (no LoRA adapters), "
+            "so its policy is written as it is"
+        )
+    tokenizer = load_tokenizer(base)
+    try:
+        with atomic_dir(out) as tmp:  # built beside out and renamed: never half a model
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    except (OSError, SafetensorError) as err:
+        why = "No space left on device" if ckpt_io.disk_full(err) else str(err).splitlines()[0]
+        raise OSError(
+            f"could not write the model to {out}: {why}; nothing was left there"
+        ) from None
     return out

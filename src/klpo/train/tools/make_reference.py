@@ -31,6 +31,7 @@ from klpo._io import atomic_dir, write_text_atomic
 from klpo.train.data.task import ArithmeticTask, Example
 from klpo.train.evaluate import heldout_accuracy
 from klpo.train.models.load import default_reference_path
+from klpo.train.outdir import claim_dir
 
 __all__ = [
     "ReferenceConfig",
@@ -289,7 +290,9 @@ def make_reference(
     """Build, train, measure and save the reference model of the built-in task into ``out_dir``.
 
     The directory is written atomically: everything goes to a temporary sibling first, which
-    replaces ``out_dir`` only when complete (an existing ``out_dir`` needs ``overwrite=True``).
+    replaces ``out_dir`` only when complete. ``out_dir`` is new or empty, or with ``overwrite``
+    holds an earlier reference (its ``reference.json``), which is replaced whole; anything else
+    is refused (:func:`klpo.train.outdir.claim_dir`, a FileExistsError).
     It holds ``model.safetensors``, ``config.json``, ``generation_config.json``, the tokenizer
     files and ``reference.json`` (the :class:`ReferenceConfig`, the steps taken, the validation
     and held-out accuracies, the number of parameters, the seconds taken and the
@@ -305,8 +308,8 @@ def make_reference(
 
     config = config or ReferenceConfig()
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    # New or empty, or (overwrite) an earlier reference; never anything else (klpo.train.outdir)
+    claim_dir(out, "make-reference", proceed=overwrite)
     start = time.perf_counter()
     task = config.task()
     train, heldout = task.splits()

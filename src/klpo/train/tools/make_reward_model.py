@@ -20,16 +20,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from klpo._io import atomic_dir
+from klpo.train.config import ConfigError
 from klpo.train.data.task import ArithmeticTask
-from klpo.train.models.load import quiet_transformers, resolve_model_path
+from klpo.train.models.load import (
+    downloads_allowed,
+    load_tokenizer,
+    model_source_problem,
+    offline_unless_allowed,
+    quiet_transformers,
+    resolve_model_path,
+)
+from klpo.train.outdir import claim_dir
 from klpo.train.rewards.model import RewardModel
 from klpo.train.runtime.progress import Progress
 
@@ -132,19 +140,24 @@ def make_reward_model(
     config = config or RewardModelConfig()
     bar = progress or Progress("make-reward-model", units(config), show=False)
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    # New or empty, or (overwrite) an earlier reward model; never anything else.
+    claim_dir(out, "make-reward-model", proceed=overwrite)
     quiet_transformers()
+    offline_unless_allowed()
     t0 = time.perf_counter()
     init = resolve_model_path(config.init)
+    problem = model_source_problem(init, "--init", tokenizer=True)
+    if problem:  # checked as klpo train checks model.policy: files only, no network
+        raise ConfigError(problem.replace("model.policy=builtin", "--init builtin"))
+    load_tokenizer(init, "--init")  # a tokenizer that loads, or an error that says why
+    tokenizer = AutoTokenizer.from_pretrained(init, local_files_only=not downloads_allowed())
     rng = random.Random(config.seed)
     train, heldout = ArithmeticTask().splits()
     pairs = _pairs(train, config.n_pairs, rng, config.max_offset)
     eval_pairs = _pairs(heldout, config.n_eval, rng, config.max_offset)
-    tokenizer = AutoTokenizer.from_pretrained(init)
     torch.manual_seed(config.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        init, num_labels=1, dtype=torch.float32
+        init, num_labels=1, dtype=torch.float32, local_files_only=not downloads_allowed()
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
@@ -166,9 +179,7 @@ def make_reward_model(
         opt.step()
         bar.update(step + 1, info=f"loss {loss.item():.4f}", part="training")
     model.eval()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:  # built beside out, renamed into place when complete
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         rm = RewardModel(tmp)
@@ -188,9 +199,4 @@ def make_reward_model(
         }
         (tmp / "reward_model.json").write_text(json.dumps(meta, indent=2) + "\n")
         tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return RewardModelResult(out, acc_heldout, acc_train, seconds)
