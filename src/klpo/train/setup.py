@@ -89,6 +89,8 @@ def setup(
     config (and any allowed change of it), open its metrics, evaluate the starting policy."""
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
     m = build_models(cfg, dist, plan.start)
+    for note in m.notes:  # a model's cache that the shared paths cannot repeat
+        log(note)
     train_set, heldout = (
         render_chat(x, m.tokenizer, chat=cfg.data.chat, system_prompt=cfg.data.system_prompt)
         for x in examples
