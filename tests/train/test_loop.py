@@ -338,7 +338,9 @@ def test_the_entropy_bonus_raises_entropy(tiny_model, quick, tmp_path):
         with torch.no_grad():
             head = unwrap(m.backbone).head()
             hidden = completion_hidden(m.backbone, rollout)
-            ent = logprobs.fused(hidden, head.weight, rollout.completion_ids, bias=head.bias).entropy
+            ent = logprobs.fused(
+                hidden, head.weight, rollout.completion_ids, bias=head.bias
+            ).entropy
         entropies[coef] = float(reduce.masked_mean(ent, rollout.mask))
     assert entropies[0.5] > entropies[0.0] + 1e-4, entropies
     assert entropies[-0.5] < entropies[0.0] - 1e-4, entropies

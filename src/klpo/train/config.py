@@ -238,8 +238,9 @@ class AlgoConfig(_Section):
         description="The weight of a mixture-of-experts policy's router load-balancing loss "
         "(transformers' own, Switch Transformers' E·sum f·P; logged as loss/router_aux). null: as "
         "the model's own forward does, its config's router_aux_loss_coef where its config sets "
-        "output_router_logits, else off (released Mixtral and Qwen3-MoE configs: off; verl and "
-        "OpenRLHF train without it; TRL's GRPOTrainer adds the config's coefficient). A value > "
+        "output_router_logits, else off (released Mixtral and Qwen3-MoE configs: off; verl turns "
+        "it off, OpenRLHF's aux_loss_coef defaults to 0; TRL's GRPOTrainer adds the config's "
+        "coefficient). A value > "
         "0 turns it on; on a model without router logits it is refused. docs/real-models.md.",
     )
     policy_loss: PolicyLoss = Field(
