@@ -24,7 +24,8 @@ than the model without refusing, or broke). A column is one function and one ent
   once per group against the unshared forward, at every real position (``fallback``: its cache
   cannot be repeated, and every row runs whole).
 * ``lean sampler``: :func:`~klpo.train.rollout.samplers.sample_lean`'s greedy completions against
-  ``generate``'s (``fallback``: the trainer samples with ``generate``).
+  the argmax of the model's own uncached forward, token by token (``fallback``: the trainer
+  samples with ``generate``).
 * ``one step``: the trainer's ``score`` and one ``micro_step`` of GRPO with the exact KL, every
   parameter's gradient against the same loss from the models' own logits in float64
   (``fallback``: a refused head, run with ``model.logits_path: model``).
@@ -145,7 +146,7 @@ TRANSFORM_VALUES = {
 }
 WIDTH = 20.0  # the standard deviation of the head's output, in nats, after widening
 MAX_PARAMETERS = 20_000_000  # a "tiny" config above this was not shrunk (a sub-config we miss)
-TIMEOUT_S = 120  # per architecture in the whole-mapping run (build and every column)
+TIMEOUT_S = 300  # per architecture in the whole-mapping run (build and every column, wall clock)
 
 # What an architecture needs beyond the generic shrinking (its config's own validation).
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -545,8 +546,10 @@ def shared_prompt_column(b: Built) -> Outcome:
 
 
 def lean_sampler_column(b: Built) -> Outcome:
-    """The lean sampler's greedy completions (each prompt once, its cache repeated) against
-    ``generate``'s greedy ones; ``fallback`` where the cache cannot be repeated (``generate``)."""
+    """The lean sampler's greedy completions (each prompt once, its cache repeated) against the
+    argmax of the model's own forward over the whole sequence, token by token, without a cache
+    (``generate``'s greedy search without its processors: a model's generation config may force
+    an EOS, as BART's does); ``fallback`` where the cache cannot be repeated (``generate``)."""
     from klpo.train.models.cache import cache_support
     from klpo.train.rollout.samplers import sample_lean
 
@@ -556,14 +559,15 @@ def lean_sampler_column(b: Built) -> Outcome:
     prompts, mask = b.ids[:, :6], torch.ones_like(b.ids[:, :6])
     ids = {"eos_token_id": -1, "pad_token_id": 0}  # no row stops: every step compared
     lean = sample_lean(b.model, prompts, mask, group_size=2, max_new_tokens=4, greedy=True, **ids)
+    seq = prompts.repeat_interleave(2, 0)
+    kwargs = {"use_cache": False} if heads._accepts(b.model, "use_cache") else {}
     with torch.no_grad():
-        out = b.model.generate(
-            input_ids=prompts.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
-            do_sample=False, max_new_tokens=4, min_new_tokens=4, top_k=None, top_p=None, **ids,
-        )  # fmt: skip
-    want = out[:, prompts.shape[1] :]
+        for _ in range(4):
+            logits = b.model(input_ids=seq, **kwargs).logits[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    want = seq[:, prompts.shape[1] :]
     if not torch.equal(lean, want):
-        return Outcome("fail", f"greedy tokens {lean.tolist()} != generate's {want.tolist()}")
+        return Outcome("fail", f"greedy tokens {lean.tolist()} != the model's {want.tolist()}")
     return Outcome("pass")
 
 
@@ -579,9 +583,10 @@ def _rollout(b: Built):
     )  # fmt: skip
 
 
-def _naive_step(b: Built, r, adv: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
+def _naive_step(b: Built, r, adv: torch.Tensor, beta: float):
     """The gradient of GRPO's loss (PPO clip at pi_old = pi_theta, token-mean, beta x the exact
-    KL) from the models' own logits, log_softmax in float64."""
+    KL) from the models' own logits, log_softmax in float64: (gradients, log pi, log pi_ref,
+    the exact KL)."""
     from klpo import losses, reduce
     from klpo.train.rollout.samplers import position_ids
 
@@ -602,7 +607,8 @@ def _naive_step(b: Built, r, adv: torch.Tensor, beta: float) -> dict[str, torch.
     loss.backward()
     grads = {k: p.grad.clone() for k, p in b.model.named_parameters() if p.grad is not None}
     b.model.zero_grad()
-    return grads
+    logp_ref = logq_ref.gather(-1, r.completion_ids[..., None])[..., 0]
+    return grads, logp.detach(), logp_ref, kl.detach()
 
 
 STEP_TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
@@ -612,8 +618,9 @@ advantages) in float64 models, float32 rounding in float32 ones."""
 
 def one_step_column(b: Built) -> Outcome:
     """One GRPO micro-step of the trainer (score, then micro_step with the exact KL, beta 0.5)
-    on two groups of two completions: every parameter's gradient against :func:`_naive_step`'s;
-    ``fallback`` where it runs on ``model.logits_path: model``."""
+    on two groups of two completions: its pi_old, pi_ref and exact KL and every parameter's
+    gradient against :func:`_naive_step`'s; ``fallback`` where it runs on
+    ``model.logits_path: model``."""
     from klpo import reduce
     from klpo.train.config import build_config
     from klpo.train.models.backbone import Backbone
@@ -638,7 +645,13 @@ def one_step_column(b: Built) -> Outcome:
     n = reduce.normaliser(r.mask, "token-mean")
     micro_step(cfg, m, s, torch.arange(4), beta, 1.0, n, Dist(), sync=True, tally=Tally())
     got = {k: p.grad.clone() for k, p in b.model.named_parameters() if p.grad is not None}
-    want = _naive_step(b, r, s.adv, beta)
+    want, logp, logp_ref, kl = _naive_step(b, r, s.adv, beta)
+    real = r.mask
+    for name, got_v, want_v in (("pi_old", s.old.logp, logp), ("pi_ref", s.logp_ref, logp_ref),
+                                ("the exact KL", s.old.kl, kl)):  # fmt: skip
+        gap = _close(got_v[real], want_v[real], b.dtype)
+        if gap is not None:
+            return Outcome("fail", f"the step's {name} is off by {gap:.3g}")
     if set(got) != set(want):
         return Outcome("fail", f"gradients reach {len(got)} tensors, the model's own {len(want)}")
     if not any(float(g.abs().max()) > 0 for g in want.values()):
