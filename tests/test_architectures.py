@@ -504,8 +504,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float |
     architectures run their norms, rotary tables or routers in float32 whatever the model's
     dtype, and the shared prompt runs them on other batch shapes than the unshared forward."""
     tol = 2e-6 if dtype == torch.float64 else 1e-4
-    err = (got.double() - want.double()).abs()
-    return None if bool((err <= tol * (1 + want.double().abs())).all()) else float(err.max())
+    got, want = got.double(), want.double()
+    err = torch.where(got == want, 0.0, (got - want).abs())  # equal infinities (masked logits)
+    return None if bool((err <= tol * (1 + want.abs())).all()) else float(err.max())
 
 
 def _groups(b: Built, prefix: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -520,6 +521,17 @@ def _groups(b: Built, prefix: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mask
 
 
+def _own_nan(b: Built) -> Outcome | None:
+    """``skipped`` where the model's own forward over :func:`_groups` (an attention mask given)
+    gives NaN logits at real positions (ProphetNet's in float64): no oracle to compare with."""
+    x, mask = _groups(b)
+    with torch.no_grad():
+        logits = b.model(input_ids=x, attention_mask=mask).logits
+    if bool(torch.isnan(logits[mask.bool()]).any()):
+        return Outcome("skipped", "its own forward gives NaN logits with an attention mask here")
+    return None
+
+
 def shared_prompt_column(b: Built) -> Outcome:
     """The trainer's forward with each prompt once per group (``rollout.share_prompt``) against
     the unshared one: the features (last hidden states, or the logits under the fallback) at
@@ -528,6 +540,8 @@ def shared_prompt_column(b: Built) -> Outcome:
     from klpo.train.models.cache import cache_support
     from klpo.train.rollout.samplers import position_ids
 
+    if (nan := _own_nan(b)) is not None:
+        return nan
     path = _logits_path(b)
     backbone = Backbone(b.model, logits_path=path)
     x, mask = _groups(b)
@@ -611,9 +625,10 @@ def _naive_step(b: Built, r, adv: torch.Tensor, beta: float):
     return grads, logp.detach(), logp_ref, kl.detach()
 
 
-STEP_TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
+STEP_TOL = {torch.float64: 1e-5, torch.float32: 1e-4}
 """One step's gradient gap, relative to the largest gradient: float32 loss weights (the
-advantages) in float64 models, float32 rounding in float32 ones."""
+advantages) and the parts some architectures compute in float32 (norms, rotary tables, a
+learned logit scale) in float64 models, float32 rounding in float32 ones."""
 
 
 def one_step_column(b: Built) -> Outcome:
@@ -631,6 +646,8 @@ def one_step_column(b: Built) -> Outcome:
     from klpo.train.step.score import score
     from klpo.train.step.update import micro_step
 
+    if (nan := _own_nan(b)) is not None:
+        return nan
     path, beta = _logits_path(b), 0.5
     cfg = build_config(overrides=[
         f"model.logits_path={path}", f"kl.beta={beta}", "rollout.group_size=2",

@@ -15,8 +15,12 @@ switched off: the trainer computes every row whole and samples with ``generate``
 once, at load (:func:`notice`).
 
 :func:`cache_support` finds out by asking the model: a forward of two tokens with
-``use_cache=True``, then the classes of the cache's layers. The answer is kept per model object,
-so the Backbone and the sampler read it at no cost after the load.
+``use_cache=True``, then the classes of the cache's layers; for a cache of keys and values, a
+probe of the shared paths themselves (two tokens cached, the cache repeated for two rows, two
+more tokens through it) against the whole forward, which turns them off for a model whose
+forward breaks there or gives other numbers (CPM-Ant's and Dory's attention masks, ProphetNet's
+one-token cache). The answer is kept per model object, so the Backbone and the sampler read it at
+no cost after the load.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from klpo.train.models.load import output_cache
+from klpo import heads
+from klpo.train.models.load import cache_kwargs, output_cache
 
 __all__ = ["SHAREABLE", "CacheSupport", "cache_support", "notice"]
 
@@ -53,15 +58,15 @@ class CacheSupport(NamedTuple):
 _SUPPORT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _probe_ids(model: Any, device: torch.device) -> torch.Tensor:
-    """``[1, 2]``: the two lowest token ids that are none of the config's special ids."""
+def _probe_ids(model: Any, device: torch.device, n: int = 2) -> torch.Tensor:
+    """``[1, n]``: the ``n`` lowest token ids that are none of the config's special ids."""
     special: set[int] = set()
     config = model.config
     for cfg in (config, getattr(config, "get_text_config", lambda: config)()):
         for key, value in vars(cfg).items():
             if key.endswith(("_id", "_index")) and isinstance(value, int):
                 special.add(value)
-    ids = [i for i in range(len(special) + 2) if i not in special][:2]
+    ids = [i for i in range(len(special) + n) if i not in special][:n]
     return torch.tensor([ids], device=device)
 
 
@@ -81,21 +86,57 @@ def _reason(layers: tuple[str, ...]) -> str | None:
 
 def cache_support(model: Any) -> CacheSupport:
     """:class:`CacheSupport` of ``model`` (a causal LM, or a peft wrapper of one), found once per
-    model object by a forward of two tokens with ``use_cache=True`` (no gradient, the model's
-    training flags untouched: the cache's kind does not depend on them)."""
+    model object: the kinds of its cache's layers (a forward of two tokens with
+    ``use_cache=True``), then, for a cache of keys and values, the shared paths on a probe
+    (:func:`_repeat_probe`). No gradient; eval mode for the probes, the model's training flags
+    restored."""
     if model in _SUPPORT:
         return _SUPPORT[model]
     device = next(model.parameters()).device
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad():
+    with torch.no_grad(), heads._evaluating(model):
         out = model(input_ids=_probe_ids(inner, device), use_cache=True)
-    cache = output_cache(out)
-    layers = tuple(type(layer).__name__ for layer in getattr(cache, "layers", ()) or ())
-    if cache is not None and not hasattr(cache, "layers"):
-        layers = (type(cache).__name__,)
-    support = CacheSupport(layers, _reason(layers))
+        cache = output_cache(out)
+        layers = tuple(type(layer).__name__ for layer in getattr(cache, "layers", ()) or ())
+        if cache is not None and not hasattr(cache, "layers"):
+            layers = (type(cache).__name__,)
+        reason = _reason(layers)
+        if reason is None:
+            reason = _repeat_probe(model, _probe_ids(inner, device, 4))
+    support = CacheSupport(layers, reason)
     _SUPPORT[model] = support
     return support
+
+
+def _repeat_probe(model: Any, ids: torch.Tensor) -> str | None:
+    """Why the shared paths fail on ``model``, or None: two tokens run with a cache, the cache
+    repeated for two rows, two more tokens through it (as the shared prompt and the lean sampler
+    call the model), against the last two positions' log-probs of the whole forward. Models whose
+    forward breaks there, or gives other numbers (a cache that ignores its position), fail."""
+    kwargs = {"use_cache": False} if heads._accepts(model, "use_cache") else {}
+    try:
+        out = model(input_ids=ids[:, :2], use_cache=True)
+        cache = output_cache(out)
+        cache.batch_repeat_interleave(2)
+        rest = model(
+            input_ids=ids[:, 2:].repeat(2, 1), attention_mask=torch.ones_like(ids).repeat(2, 1),
+            position_ids=torch.arange(2, 4, device=ids.device).repeat(2, 1),
+            **cache_kwargs(model, cache), use_cache=True,
+        ).logits[:, -2:]  # fmt: skip
+        whole = model(input_ids=ids, **kwargs).logits[:, -2:]
+    except Exception as err:  # the model's own code: any error means the paths are not for it
+        text = " ".join(str(err).split())[:120]
+        return f"its forward over a repeated cache fails ({type(err).__name__}: {text})"
+    if rest.shape[1:] != whole.shape[1:]:
+        return f"its forward over a repeated cache gives logits of shape {tuple(rest.shape)}"
+    got, want = (torch.log_softmax(x.double(), -1) for x in (rest, whole.expand_as(rest)))
+    real = torch.isfinite(want)  # a masked vocabulary entry is -inf in both
+    gap = (
+        float((got - want)[real].abs().max()) if bool((torch.isfinite(got) == real).all()) else 1e9
+    )
+    if not gap <= 1e-3 * max(1.0, float(want[real].abs().max())):
+        return f"its forward over a repeated cache gives other log-probs (off by {gap:.3g})"
+    return None
 
 
 def notice(model: Any, key: str, *, share_prompt: bool, lean: bool) -> str | None:

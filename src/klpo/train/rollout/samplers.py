@@ -370,7 +370,7 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
     """
     device = next(backbone.parameters()).device
     ids = rollout.input_ids.to(device)
-    att = rollout.attention_mask.to(device)
+    att = rollout.attention_mask.to(device).long()  # 0/1, as every model reads a mask
     group = shared_groups(rollout) if share_prompt else 1
     p = rollout.prompt_ids.shape[1]
     c = rollout.completion_ids.shape[1]
