@@ -224,3 +224,38 @@ def test_the_router_loss_with_a_shared_prompt(mixtral, quick, tmp_path):
     assert metrics["loss/router_aux"] == pytest.approx(float(want), rel=1e-5, abs=0)
     assert abs(float(want) - float(out.aux_loss)) > 1e-4  # the prompt counts once, not G times
     assert any(float(g.abs().max()) > 0 for k, g in grads.items() if ".gate." in k)
+
+
+def test_a_cache_that_breaks_or_goes_wrong_when_repeated_is_not_shared(monkeypatch):
+    """The probe of the shared paths: a repeat that mixes the rows (a wrong cache) and a forward
+    that raises over a cache both turn the paths off, with the reason."""
+    from transformers.cache_utils import DynamicLayer
+
+    assert cache_support(_model("llama")).shared
+    repeat = DynamicLayer.batch_repeat_interleave
+
+    def lost(self, n):  # rows repeated, their values lost
+        repeat(self, n)
+        self.values = torch.zeros_like(self.values)
+
+    monkeypatch.setattr(DynamicLayer, "batch_repeat_interleave", lost)
+    model = _model("llama")  # a fresh model object: probed anew
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)  # logits over nats, as a trained model's
+    support = cache_support(model)
+    assert not support.shared and "gives other log-probs (off by" in support.reason
+    monkeypatch.setattr(DynamicLayer, "batch_repeat_interleave", repeat)
+
+    class Broken(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, **kw):
+            if "past_key_values" in kw or "cache" in kw:
+                raise RuntimeError("no cache here")
+            return self.inner(**kw)
+
+    support = cache_support(Broken(_model("llama")))
+    assert not support.shared
+    assert support.reason == "its forward over a repeated cache fails (RuntimeError: no cache here)"
