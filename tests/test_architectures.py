@@ -525,8 +525,9 @@ def _own_nan(b: Built) -> Outcome | None:
     """``skipped`` where the model's own forward over :func:`_groups` (an attention mask given)
     gives NaN logits at real positions (ProphetNet's in float64): no oracle to compare with."""
     x, mask = _groups(b)
+    kwargs = {"use_cache": False} if heads._accepts(b.model, "use_cache") else {}
     with torch.no_grad():
-        logits = b.model(input_ids=x, attention_mask=mask).logits
+        logits = b.model(input_ids=x, attention_mask=mask, **kwargs).logits
     if bool(torch.isnan(logits[mask.bool()]).any()):
         return Outcome("skipped", "its own forward gives NaN logits with an attention mask here")
     return None
