@@ -762,6 +762,19 @@ def _child(model_types: list[str]) -> None:
               flush=True)  # fmt: skip
 
 
+def _cell(o: dict, left: str) -> str:
+    """``status: detail``, with what the cell to the left (its detail ``left``) already gave left
+    out: the same detail (``as left``), or the same reason after another fallback's name
+    (``generate, as left``)."""
+    detail = o["detail"]
+    name, _, reason = detail.partition(": ")
+    if left and detail == left:
+        detail = "as left"
+    elif reason and reason == left.partition(": ")[2]:
+        detail = f"{name}, as left"
+    return o["status"] + (f": {detail}" if detail else "")
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table of docs/real-models.md and the counts per column."""
     cols = list(COLUMNS)
@@ -770,10 +783,10 @@ def table(rows: list[dict]) -> str:
         "| --- | " + " | ".join("---" for _ in cols) + " |",
     ]
     for row in sorted(rows, key=lambda r: r["model_type"]):
-        cells = []
+        cells, left = [], ""
         for c in cols:
-            o = row[c]
-            cells.append(o["status"] + (f": {o['detail']}" if o["detail"] else ""))
+            cells.append(_cell(row[c], left))
+            left = row[c]["detail"]
         lines.append(f"| {row['model_type']} | " + " | ".join(cells) + " |")
     counts = []
     for c in cols:
