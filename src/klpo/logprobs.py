@@ -13,7 +13,7 @@ Amini, Vieira & Cotterell, arXiv:2504.10637), not an estimate from the sampled t
 Two families of functions compute them without holding ``[tokens, V]`` float32 tensors alive:
 
 * From logits ``[..., V]`` of any float dtype: :func:`token_logprobs`, :func:`entropy` and
-  :func:`exact_kl`. Rows are processed in chunks of about 4M logits, so the extra memory is a few
+  :func:`exact_kl`, or all three in one pass, :func:`from_logits`. Rows are processed in chunks of about 4M logits, so the extra memory is a few
   chunks (plus the gradient, which has the logits' shape and dtype).
 * From hidden states and the output head: :func:`fused` returns all three at once from
   ``hidden [N, H]`` (or ``[B, T, H]``), ``weight [V, H]`` and an optional ``bias [V]``, and from
@@ -114,6 +114,7 @@ __all__ = [
     "default_vocab_chunk",
     "entropy",
     "exact_kl",
+    "from_logits",
     "fused",
     "fused_loss",
     "model_logprobs",
@@ -684,6 +685,45 @@ def exact_kl(
     """
     _check_float("logits_ref", logits_ref)
     return _from_logits(logits, None, logits_ref, temperature, False, transform, transform_ref)[2]
+
+
+def from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    logits_ref: Tensor | None = None,
+    with_entropy: bool = True,
+    transform: LogitTransform | None = None,
+    transform_ref: LogitTransform | None = None,
+) -> FusedOutput:
+    r"""Token log-probs, entropy and exact KL(pi_theta ‖ pi_ref) from logits, in one pass.
+
+    The logits path's counterpart of :func:`fused`: the values of :func:`token_logprobs`,
+    :func:`entropy` and :func:`exact_kl` (same equations, chunks, ``-inf`` conventions and
+    gradients), from one pass over the rows and one backward pass that serves any combination
+    of the three (the gradient formula of the module notes), so a caller that holds a model's
+    own ``[..., V]`` logits pays for them once rather than three times.
+
+    Args:
+        logits: ``[..., V]`` the policy's logits at the positions that produced ``tokens``.
+        tokens: ``[...]`` integer token ids in ``[0, V)``.
+        temperature: the sampling temperature both models' logits are divided by.
+        logits_ref: ``[..., V]`` the reference's logits at the same positions (detached); turns
+            on ``kl``.
+        with_entropy: compute the entropy; else it is None.
+        transform, transform_ref: the transforms of raw head outputs (default: none).
+
+    Returns:
+        :class:`FusedOutput` ``(logp, entropy, kl)`` with the shape of ``tokens``, float32
+        (float64 when an input is float64); ``kl`` is None without ``logits_ref``.
+    """
+    if logits_ref is not None:
+        _check_float("logits_ref", logits_ref)
+    logp, ent, kl = _from_logits(
+        logits, tokens, logits_ref, temperature, with_entropy, transform, transform_ref
+    )
+    return FusedOutput(logp, ent, kl)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,36 @@ def make_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_arch_model(path: Path, model_type: str, seed: int = 0, **fields: object) -> Path:
+    """A random 2-layer model of ``model_type`` (transformers' own config class, 32 wide) with
+    the character tokenizer of the built-in task, saved with save_pretrained; ``fields`` set
+    config fields (a soft cap, a sliding window, a layer pattern)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from klpo.train.tools.make_reference import build_tokenizer
+
+    tok = build_tokenizer()
+    sizes = {
+        "vocab_size": len(tok),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+    }
+    config = AutoConfig.for_model(model_type, **{**sizes, **fields})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random 1-layer Llama with the character tokenizer, saved with save_pretrained."""
@@ -61,3 +91,9 @@ def quick():
 @pytest.fixture(autouse=True)
 def _test_rewards_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
+
+
+@pytest.fixture
+def arch_model():
+    """:func:`make_arch_model`, as a fixture."""
+    return make_arch_model

@@ -32,7 +32,7 @@ class PerturbedEngine:
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
         r = self.hf.sample(prompts, answers)
         backbone = Backbone(self.policy)
-        weight, bias = backbone.head()
+        weight, bias, _ = backbone.head()
         with torch.no_grad():
             out = logprobs.fused(
                 completion_hidden(backbone, r),

@@ -145,7 +145,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     if estimator == "k3":
         kl_tok = losses.kl_loss("k3", logp, s.logp_ref, logp_old=logp.detach())
     else:  # sum_v q(v) (log q(v) - log q_ref(v)), q_ref from the reference's hidden states
-        weight_ref, bias_ref = m.reference.head()
+        weight_ref, bias_ref, _ = m.reference.head()
         logits_ref = s.hidden_ref.double() @ weight_ref.double().T
         if bias_ref is not None:
             logits_ref = logits_ref + bias_ref.double()
@@ -336,9 +336,11 @@ def test_the_entropy_bonus_raises_entropy(tiny_model, quick, tmp_path):
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=1.0), None)
         update(cfg, m, s, opt, 0.0, 1.0, dist, torch.Generator().manual_seed(0))
         with torch.no_grad():
-            weight, bias = unwrap(m.backbone).head()
+            head = unwrap(m.backbone).head()
             hidden = completion_hidden(m.backbone, rollout)
-            ent = logprobs.fused(hidden, weight, rollout.completion_ids, bias=bias).entropy
+            ent = logprobs.fused(
+                hidden, head.weight, rollout.completion_ids, bias=head.bias
+            ).entropy
         entropies[coef] = float(reduce.masked_mean(ent, rollout.mask))
     assert entropies[0.5] > entropies[0.0] + 1e-4, entropies
     assert entropies[-0.5] < entropies[0.0] - 1e-4, entropies

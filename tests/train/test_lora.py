@@ -55,9 +55,7 @@ def test_adapter_free_reference_is_the_base_model_in_float64(tiny_model):
     torch.testing.assert_close(h_ref, h_base, rtol=1e-12, atol=1e-12)
     h_pol = pol(ids, att, pos)
     assert (h_pol - h_base).abs().max() > 1e-3  # the adapters are on again afterwards
-    w, _ = pol.head()
-    w_ref, _ = ref.head()
-    w_base, _ = plain.head()
+    w, w_ref, w_base = (b.head().weight for b in (pol, ref, plain))
     torch.testing.assert_close(w_ref, w_base, rtol=0, atol=0)
 
     def out(h_ref_, w_ref_):

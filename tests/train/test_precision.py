@@ -72,7 +72,7 @@ def test_bf16_autocast_keeps_float32_weights_and_is_close_to_float32(tiny_model)
 
     def measure(m):
         h = completion_hidden(m.backbone, r)
-        w, _ = m.backbone.head()
+        w = m.backbone.head().weight
         out = logprobs.fused(
             h, w, r.completion_ids, hidden_ref=completion_hidden(m.reference, r).detach(),
             weight_ref=m.reference.head()[0],

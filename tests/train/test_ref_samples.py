@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from klpo import losses
+from klpo.heads import Head
 from klpo.lab.distributions import SequencePair
 from klpo.lab.exact import analyse
 from klpo.lab.ref_is import SEED_CLIP, AdaptiveMix
@@ -72,7 +73,7 @@ def _trainer_gradient(cfg, mix_weight: float) -> torch.Tensor:
     logp_ref = REF_PROBS.log()[STRATIFIED]
     batch = ref_samples.RefBatch(_one_token_rollout(STRATIFIED), logp_ref, 1.0, 1.0, 0.0)
     term = kl_term(cfg, mix_weight=mix_weight, ref=batch)  # the table's split of the KL term
-    ref_term(cfg, backbone, (weight, None), term.ref, beta=1.0, mix_weight=term.weight)
+    ref_term(cfg, backbone, Head(weight, None, None), term.ref, beta=1.0, mix_weight=term.weight)
     name, coef = term.estimator, term.weight
     if coef > 0:  # a·k1 on the policy's own tokens: its expectation over x ~ pi_theta, exactly
         logp = torch.log_softmax(weight[:, 0], -1)

@@ -25,8 +25,8 @@ def setup():
 
 def _fused_logp(backbone: Backbone, rollout, share: bool) -> torch.Tensor:
     h = completion_hidden(backbone, rollout, share_prompt=share)
-    w, b = backbone.head()
-    return logprobs.fused(h, w, rollout.completion_ids, bias=b).logp
+    head = backbone.head()
+    return logprobs.fused(h, head.weight, rollout.completion_ids, bias=head.bias).logp
 
 
 def test_rows_of_whole_groups_are_shared(setup):

@@ -57,7 +57,7 @@ def vllm_model(tmp_path_factory):
 
 def _trainer_logp(policy, rollout, temperature: float = 1.0) -> torch.Tensor:
     backbone = Backbone(policy)
-    weight, bias = backbone.head()
+    weight, bias, _ = backbone.head()
     with torch.no_grad():
         h = completion_hidden(backbone, rollout, share_prompt=False)
         return logprobs.fused(

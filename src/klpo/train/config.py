@@ -110,6 +110,15 @@ class ModelConfig(_Section):
         description="Train LoRA adapters (peft) instead of all weights; with no model.reference "
         "the reference is the same module with its adapters disabled.",
     )
+    logits_path: Literal["fused", "model"] = Field(
+        "fused",
+        description="Where the log-probs, entropy and exact KL come from. fused: the last hidden "
+        "states through the output head with the architecture's logit transform, tile by tile, "
+        "never the [tokens, V] logits; checked against each model's own forward at load, and a "
+        "model it does not match is refused. model: the models' own logits, for a model the "
+        "fused head cannot give (slower; holds the [tokens, V] logits of the policy and the "
+        "reference). docs/real-models.md.",
+    )
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -295,6 +304,17 @@ class AlgoConfig(_Section):
     vf_coef: float = Field(0.5, ge=0, description="Value-loss weight (PPO).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (PPO; null: off).")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (0: off).")
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="The weight of a mixture-of-experts policy's router load-balancing loss "
+        "(transformers' own, Switch Transformers' E·sum f·P; logged as loss/router_aux). null: as "
+        "the model's own forward does, its config's router_aux_loss_coef where its config sets "
+        "output_router_logits, else off (released Mixtral and Qwen3-MoE configs: off; verl turns "
+        "it off, OpenRLHF's aux_loss_coef defaults to 0; TRL's GRPOTrainer adds the config's "
+        "coefficient). A value > "
+        "0 turns it on; on a model without router logits it is refused. docs/real-models.md.",
+    )
     policy_loss: PolicyLoss = Field(
         "clip",
         description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "

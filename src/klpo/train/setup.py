@@ -146,6 +146,8 @@ def setup(
     ``examples`` are the preflight's, their prompts already rendered (``data.chat``)."""
     torch.manual_seed(cfg.run.seed * 1000 + dist.rank)
     m = build_models(cfg, dist, plan.start)
+    for note in m.notes:  # a model's cache that the shared paths cannot repeat
+        log(note)
     train_set, heldout = examples  # rendered by the preflight (data.chat)
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = build_rewards(cfg.rewards, device=dist.device)

@@ -1,17 +1,41 @@
-"""The policy's, the reference's and the critic's forward: last hidden states, never logits.
+"""The policy's, the reference's and the critic's forward: last hidden states, or the model's logits.
 
-The update never asks the model for its ``[B, L, V]`` logits. :class:`Backbone` returns the last
-hidden states, and the log-probs, entropy and exact KL come from the output head chunk by chunk
-(:func:`klpo.logprobs.fused`). Going through a module's ``forward`` keeps DDP's hooks in place.
-Under FSDP the head is gathered whole for a pass (:func:`unshard_root`).
+By default (``model.logits_path: fused``) the step never asks the model for its ``[B, L, V]``
+logits: :class:`Backbone` returns the last hidden states, and the log-probs, entropy and exact KL
+come from the output head chunk by chunk (:func:`klpo.logprobs.fused`) with the architecture's
+logit transform (:func:`klpo.heads.read_head`: Gemma's soft cap, Cohere's and Granite's scales),
+which the load checks against the model's own forward (:func:`klpo.heads.check_head`). With
+``model.logits_path: model``, the fallback for a model whose logits its head cannot give, the
+Backbone returns the model's own logits and the same three come from them
+(:func:`klpo.logprobs.from_logits`): slower, and the ``[tokens, V]`` logits are held.
+:func:`token_outputs` is the step's one call either way. Going through a module's ``forward``
+keeps DDP's hooks in place. Under FSDP the head is gathered whole for a pass
+(:func:`unshard_root`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
+from klpo import logprobs
+from klpo.heads import Head, read_head
+from klpo.train.models.cache import cache_support
 from klpo.train.models.load import autocast, cache_kwargs, output_cache, transformer
+
+__all__ = [
+    "OWN_LOGITS",
+    "Backbone",
+    "Critic",
+    "ModelHead",
+    "OwnLogits",
+    "router_aux_loss",
+    "token_outputs",
+    "unshard_root",
+]
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -36,8 +60,104 @@ def unshard_root(module: nn.Module) -> None:
         module.unshard()
 
 
+@dataclass(frozen=True)
+class OwnLogits:
+    """The head of ``model.logits_path: model``: the features are the model's own logits."""
+
+
+OWN_LOGITS = OwnLogits()
+ModelHead = Head | OwnLogits
+"""What :meth:`Backbone.head` returns: the output head with its transform, or :data:`OWN_LOGITS`."""
+
+
+def token_outputs(
+    features: Tensor,
+    head: ModelHead,
+    tokens: Tensor,
+    *,
+    temperature: float,
+    features_ref: Tensor | None = None,
+    head_ref: ModelHead | None = None,
+    with_entropy: bool = True,
+) -> logprobs.FusedOutput:
+    """Log-probs of ``tokens [B, C]``, the entropy and, with the reference's features, the exact
+    KL(pi_theta ‖ pi_ref), from a :class:`Backbone`'s features ``[B, C, H]`` (or ``[B, C, V]``
+    logits) and head: :func:`klpo.logprobs.fused` with the head's transform, or
+    :func:`klpo.logprobs.from_logits`. The reference's features are detached."""
+    if isinstance(head, OwnLogits):
+        if features_ref is not None and not isinstance(head_ref, OwnLogits):
+            raise TypeError("the policy's and the reference's features must be of one kind")
+        return logprobs.from_logits(
+            features, tokens, temperature=temperature, logits_ref=features_ref,
+            with_entropy=with_entropy,
+        )  # fmt: skip
+    return logprobs.fused(
+        features, head.weight, tokens, bias=head.bias, transform=head.transform,
+        temperature=temperature, with_entropy=with_entropy, **reference_args(features_ref, head_ref),
+    )  # fmt: skip
+
+
+def reference_args(features_ref: Tensor | None, head_ref: ModelHead | None) -> dict[str, Any]:
+    """:func:`klpo.logprobs.fused`'s (and ``fused_loss``'s) reference keywords, or none."""
+    if features_ref is None:
+        return {}
+    if not isinstance(head_ref, Head):
+        raise TypeError("the policy's and the reference's features must be of one kind")
+    return dict(
+        hidden_ref=features_ref,
+        weight_ref=head_ref.weight,
+        bias_ref=head_ref.bias,
+        transform_ref=head_ref.transform,
+    )
+
+
+def router_aux_loss(model: nn.Module, parts: list[tuple[Any, Tensor]]) -> Tensor:
+    """The mixture-of-experts load-balancing loss over the tokens some forwards computed.
+
+    ``parts`` are ``(output, mask [b, l])`` pairs: a forward's output, run with
+    ``output_router_logits=True``, and the attention mask of the tokens it computed. The router
+    logits of the real tokens of every part (every layer's, pooled) go to transformers' own
+    ``load_balancing_loss_func`` (Mixtral's, which its MoE families share; Fedus et al. 2021,
+    Switch Transformers, arXiv:2101.03961, eq. 4: ``E sum_e f_e P_e`` with ``f_e`` the fraction of
+    routing choices that pick expert ``e`` and ``P_e`` its mean router probability), the loss the
+    model's own forward returns as ``aux_loss``. With a shared prompt the prompt's tokens count
+    once per group: the tokens the experts computed.
+    """
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    text = model.config.get_text_config()
+    experts = next(
+        getattr(text, k)
+        for k in ("num_experts", "num_local_experts", "n_routed_experts")
+        if getattr(text, k, None)
+    )
+    layers: list[list[Tensor]] = []
+    for out, mask in parts:
+        gates = getattr(out, "router_logits", None)
+        if not gates:
+            raise RuntimeError(
+                f"{type(model).__name__} returned no router logits for the load-balancing loss; "
+                "set algo.router_aux_loss_coef: 0"
+            )
+        real = mask.reshape(-1).bool()
+        for i, gate in enumerate(gates):
+            rows = gate.reshape(-1, gate.shape[-1])
+            if rows.shape[0] != real.numel():
+                raise RuntimeError(
+                    f"{type(model).__name__}'s router logits have {rows.shape[0]} rows for "
+                    f"{real.numel()} tokens; set algo.router_aux_loss_coef: 0"
+                )
+            if i == len(layers):
+                layers.append([])
+            layers[i].append(rows[real])
+    gate_logits = tuple(torch.cat(rows) for rows in layers)
+    return load_balancing_loss_func(gate_logits, experts, text.num_experts_per_tok, None)
+
+
 class Backbone(nn.Module):
-    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states.
+    """``forward(input_ids, attention_mask, position_ids) -> [B, L, H]`` last hidden states, or
+    (``logits_path="model"``) ``[B, L, V]`` the model's own logits; with ``keep = k > 0``, the
+    last ``k`` positions only (the model computes logits for those alone where it can).
 
     With ``group > 1`` and ``prefix = P``, rows ``g*group .. g*group + group - 1`` share their first
     ``P`` columns (one prompt, ``group`` completions, as GRPO samples them): the prompt is run once
@@ -45,17 +165,31 @@ class Backbone(nn.Module):
     repeat, so every completion's gradient reaches the shared prompt's activations, summed), and
     the completion columns attend to them through the cache. The hidden states and parameter
     gradients are those of the unshared forward (tested in float64); the prompt's compute drops by
-    the factor ``group``.
+    the factor ``group``. A model whose cache cannot be repeated that way (recurrent state,
+    :func:`klpo.train.models.cache.cache_support`) runs every row whole.
 
     ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
     FSDP this module is the root of the sharding, so its own parameter group holds the
-    embeddings, the final norm and the head (:mod:`klpo.train.models.fsdp`).
+    embeddings, the final norm and the head (:mod:`klpo.train.models.fsdp`). With
+    ``router_aux`` (a mixture-of-experts policy, ``algo.router_aux_loss_coef``) a forward with
+    gradients also computes the load-balancing loss (:func:`router_aux_loss`), which the update
+    takes with :meth:`take_router_aux`.
     """
 
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        *,
+        logits_path: str = "fused",
+        router_aux: bool = False,
+    ):
         super().__init__()
         self.model = model
         self.compute_dtype = compute_dtype
+        self.own_logits = logits_path == "model"
+        self.router_aux = router_aux
+        self._aux: Tensor | None = None
 
     def forward(
         self,
@@ -65,64 +199,95 @@ class Backbone(nn.Module):
         *,
         prefix: int = 0,
         group: int = 1,
+        keep: int = 0,
     ) -> Tensor:
         with autocast(self.compute_dtype, input_ids.device):
-            return self._hidden(input_ids, attention_mask, position_ids, prefix, group)
+            return self._features(input_ids, attention_mask, position_ids, prefix, group, keep)
 
-    def _hidden(
+    def _features(
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
         position_ids: Tensor,
         prefix: int,
         group: int,
+        keep: int,
     ) -> Tensor:
         base = transformer(self.model)
+        module = self.model if self.own_logits else base
         # Checkpointed layers keep no cache, so a shared prompt could not reach the completions.
         checkpointed = (
             getattr(base, "gradient_checkpointing", False)
             and base.training
             and torch.is_grad_enabled()
         )
-        if group <= 1 or prefix <= 0 or prefix >= input_ids.shape[1] or checkpointed:
-            out = base(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            )
-            return out.last_hidden_state
+        whole = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        if (
+            group <= 1
+            or prefix <= 0
+            or prefix >= input_ids.shape[1]
+            or checkpointed
+            or not cache_support(self.model).shared
+        ):
+            out, features = self._run(module, dict(whole, use_cache=False), keep)
+            self._keep_aux([(out, attention_mask)])
+            return features
         first = slice(None, None, group)  # one row per group
-        head = base(
-            input_ids=input_ids[first, :prefix],
-            attention_mask=attention_mask[first, :prefix],
-            position_ids=position_ids[first, :prefix],
-            use_cache=True,
-        )
-        cache = output_cache(head)
-        if cache is None:  # a model that returns no cache here (gradient checkpointing): unshared
-            return self._hidden(input_ids, attention_mask, position_ids, 0, 1)
+        tail = input_ids.shape[1] - prefix
+        prompt = {k: v[first, :prefix] for k, v in whole.items()}
+        prompt_keep = max(keep - tail, 1) if keep else 0  # the prompt's positions to return
+        first_out, shared = self._run(module, dict(prompt, use_cache=True), prompt_keep)
+        cache = output_cache(first_out)
+        if cache is None:  # a model that returns no cache here: unshared
+            out, features = self._run(module, dict(whole, use_cache=False), keep)
+            self._keep_aux([(out, attention_mask)])
+            return features
         cache.batch_repeat_interleave(group)
-        tail = base(
-            input_ids=input_ids[:, prefix:],
-            attention_mask=attention_mask,
-            position_ids=position_ids[:, prefix:],
-            **cache_kwargs(base, cache),
-            use_cache=True,
+        rest, features = self._run(
+            module,
+            dict(
+                input_ids=input_ids[:, prefix:],
+                attention_mask=attention_mask,
+                position_ids=position_ids[:, prefix:],
+                **cache_kwargs(module, cache),
+                use_cache=True,
+            ),
+            0,
         )
-        shared = head.last_hidden_state.repeat_interleave(group, dim=0)
-        return torch.cat([shared, tail.last_hidden_state], dim=1)
+        self._keep_aux([(first_out, prompt["attention_mask"]), (rest, attention_mask[:, prefix:])])
+        features = torch.cat([shared.repeat_interleave(group, dim=0), features], dim=1)
+        return features[:, -keep:] if keep else features
 
-    def head(self) -> tuple[Tensor, Tensor | None]:
-        """The output head's (weight [V, H], bias [V] or None), whole.
+    def _run(self, module: nn.Module, kwargs: dict[str, Any], keep: int) -> tuple[Any, Tensor]:
+        """``module``'s output and its features (last ``keep`` positions; 0: all)."""
+        if self.own_logits and keep:
+            kwargs["logits_to_keep"] = keep
+        if self.router_aux and torch.is_grad_enabled():
+            kwargs["output_router_logits"] = True
+        out = module(**kwargs)
+        features = out.logits if self.own_logits else out.last_hidden_state
+        return out, features[:, -keep:] if keep else features
+
+    def _keep_aux(self, parts: list[tuple[Any, Tensor]]) -> None:
+        if self.router_aux and torch.is_grad_enabled():
+            self._aux = router_aux_loss(self.model, parts)
+
+    def take_router_aux(self) -> Tensor | None:
+        """The load-balancing loss of the last forward with gradients (then forgotten), or None."""
+        aux, self._aux = self._aux, None
+        return aux
+
+    def head(self) -> ModelHead:
+        """The output head, whole, with the architecture's logit transform
+        (:func:`klpo.heads.read_head`: weight [V, H], bias [V] or None, transform), or
+        :data:`OWN_LOGITS` with ``logits_path="model"``.
 
         Under FSDP the head is unsharded for the pass (:func:`unshard_root`):
         the fused log-prob/KL pass reads it tile by tile many times, so one all-gather per pass
         beats one per tile, and its gradient reaches the shards through FSDP's reduce-scatter.
         """
         unshard_root(self)
-        lm_head = self.model.get_output_embeddings()
-        return lm_head.weight, getattr(lm_head, "bias", None)
+        return OWN_LOGITS if self.own_logits else read_head(self.model)
 
 
 class Critic(nn.Module):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from klpo import heads
 from klpo.train.models.hub import hub_problem
 from klpo.train.runtime.checkpoint import model_dir_problem
 
@@ -159,10 +160,15 @@ def autocast(dtype: torch.dtype | None, device: torch.device):
 
 
 def transformer(model: nn.Module) -> nn.Module:
-    """The decoder stack under a causal LM's head (through a peft wrapper if there is one)."""
-    if hasattr(model, "get_base_model"):  # peft.PeftModel
-        model = model.get_base_model()
-    return model.base_model
+    """The decoder stack under a causal LM's head (through a peft wrapper if there is one): the
+    backbone the load-time check proves (:func:`klpo.heads.backbone`; ``model.model`` where
+    ``base_model`` is the model itself, as for Mllama's and Llama 4's text models), else
+    ``base_model``."""
+    try:
+        return heads.backbone(model)
+    except heads.UnsupportedHead:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return inner.base_model
 
 
 def enable_checkpointing(model: nn.Module) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from klpo.train.models.backbone import Backbone
+from klpo.train.models.backbone import Backbone, ModelHead
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -105,15 +105,16 @@ class AdapterFreeReference(nn.Module):
         *,
         prefix: int = 0,
         group: int = 1,
+        keep: int = 0,
     ) -> Tensor:
         peft_model = self.backbone.model
         # Dropout on the adapters' input is bypassed with them; the base layers have none.
         with torch.no_grad(), peft_model.disable_adapter():
             return self.backbone(
-                input_ids, attention_mask, position_ids, prefix=prefix, group=group
+                input_ids, attention_mask, position_ids, prefix=prefix, group=group, keep=keep
             )
 
-    def head(self) -> tuple[Tensor, Tensor | None]:
+    def head(self) -> ModelHead:
         return self.backbone.head()
 
     def parameters(self, recurse: bool = True):

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klpo import logprobs, reduce
+from klpo import reduce
 from klpo.train.config import TrainConfig
+from klpo.train.models.backbone import ModelHead, token_outputs
 from klpo.train.models.tokens import Codec
 from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 
@@ -34,16 +35,15 @@ class RefBatch:
 
 def sequence_logp(
     backbone,
-    head: tuple[Tensor, Tensor | None],
+    head: ModelHead,
     r: Rollout,
     temperature: float,
     *,
     share_prompt: bool = True,
 ) -> Tensor:
     """``[N]`` the log-probability of each whole completion (sum over its valid tokens)."""
-    weight, bias = head
     hidden = completion_hidden(backbone, r, share_prompt=share_prompt)
-    out = logprobs.fused(hidden, weight, r.completion_ids, bias=bias, temperature=temperature)
+    out = token_outputs(hidden, head, r.completion_ids, temperature=temperature, with_entropy=False)
     return torch.where(r.mask.to(out.logp.device), out.logp, 0.0).sum(-1)
 
 

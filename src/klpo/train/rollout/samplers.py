@@ -21,6 +21,7 @@ from torch import Tensor
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+from klpo.train.models.cache import cache_support
 from klpo.train.models.load import cache_kwargs, output_cache
 from klpo.train.models.tokens import Codec
 
@@ -211,6 +212,12 @@ def sample_lean(
     With ``synced`` (a sharded model, whose forward is collective) the loop stops only when every
     rank's rows have stopped.
     """
+    support = cache_support(model)
+    if not support.shared:
+        raise ValueError(
+            f"the lean sampler cannot sample {type(model).__name__}: {support.reason}; use "
+            "rollout.sampler: generate"
+        )
     eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
     device = next(model.parameters()).device
     ids = prompt_ids.to(device)
@@ -296,6 +303,8 @@ def generate(
     if sampler not in SAMPLERS:
         raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {sampler!r}")
     codec = codec if codec is not None else Codec.plain(tokenizer, model)
+    if sampler == "lean" and not cache_support(model).shared:
+        sampler = "generate"  # its cache cannot be repeated for a group (the load said so)
     texts = [p for p in prompts for _ in range(group_size)]
     refs = [a for a in answers for _ in range(group_size)]
     once = prompts if sampler == "lean" else texts  # lean: each prompt once, its cache repeated
@@ -363,25 +372,26 @@ def shared_groups(rollout: Rollout) -> int:
 
 
 def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) -> Tensor:
-    """``[B, C, H]`` last hidden states at the positions that predict each completion token.
+    """``[B, C, H]`` last hidden states at the positions that predict each completion token
+    (``[B, C, V]`` the model's logits, for a Backbone of ``model.logits_path: model``).
 
     ``backbone`` maps (input_ids, attention_mask, position_ids) to hidden states ``[B, L, H]``
     (see :class:`klpo.train.models.backbone.Backbone`); the state at column P - 1 + t predicts token t.
-    With ``share_prompt`` and whole groups (:func:`shared_groups`), each prompt is computed once
-    per group (``Backbone``'s ``prefix``/``group``), with the same values and gradients.
+    It is asked for the last C + 1 columns only (``keep``). With ``share_prompt`` and whole groups
+    (:func:`shared_groups`), each prompt is computed once per group (``Backbone``'s
+    ``prefix``/``group``), with the same values and gradients.
     """
     device = next(backbone.parameters()).device
     ids = rollout.input_ids.to(device)
-    att = rollout.attention_mask.to(device)
+    att = rollout.attention_mask.to(device).long()  # 0/1, as every model reads a mask
     group = shared_groups(rollout) if share_prompt else 1
-    if group > 1:
-        prefix = rollout.prompt_ids.shape[1]
-        hidden = backbone(ids, att, position_ids(att), prefix=prefix, group=group)
-    else:
-        hidden = backbone(ids, att, position_ids(att))
     p = rollout.prompt_ids.shape[1]
     c = rollout.completion_ids.shape[1]
-    return hidden[:, p - 1 : p - 1 + c]
+    if group > 1:
+        hidden = backbone(ids, att, position_ids(att), prefix=p, group=group, keep=c + 1)
+    else:
+        hidden = backbone(ids, att, position_ids(att), keep=c + 1)
+    return hidden[:, -(c + 1) : -1]  # columns P - 1 .. P + C - 2
 
 
 def _hf_generate(

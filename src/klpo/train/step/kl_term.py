@@ -32,11 +32,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from klpo import ref_kl
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
+from klpo.train.models.backbone import ModelHead
 from klpo.train.models.build import Models
 from klpo.train.rollout.ref_samples import RefBatch, sample_reference, sequence_logp
 from klpo.train.rollout.samplers import Rollout
@@ -139,7 +139,7 @@ def sample_kl_term(
 def ref_term(
     cfg: TrainConfig,
     backbone: torch.nn.Module,
-    head: tuple[Tensor, Tensor | None],
+    head: ModelHead,
     batch: RefBatch,
     *,
     beta: float,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from klpo import kl, logprobs, losses
+from klpo import kl, losses
 from klpo.train.algorithms import ALGORITHMS, AdvantageInputs
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
+from klpo.train.models.backbone import token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import gold_metrics
@@ -43,24 +44,19 @@ def reference_and_old(
 ) -> tuple[Tensor, Tensor, SamplingPass]:
     """(the reference's log-probs, its hidden states, pi_old's SamplingPass), with pi_old
     filled here unless the update's forward fills it (``fill_old``: always, or never)."""
-    tokens = rollout.completion_ids
-    weight_ref, bias_ref = m.reference.head()
+    tokens, temperature = rollout.completion_ids, cfg.rollout.temperature
+    head_ref = m.reference.head()
     hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)
-    ref = logprobs.fused(
-        hidden_ref, weight_ref, tokens, bias=bias_ref, temperature=cfg.rollout.temperature
-    )
+    ref = token_outputs(hidden_ref, head_ref, tokens, temperature=temperature, with_entropy=False)
     old = SamplingPass.empty(ref.logp)
     if fill_old if fill_old is not None else not update_gives_logp_old(cfg):
-        weight, bias = unwrap(m.backbone).head()
-        out = logprobs.fused(
+        out = token_outputs(
             completion_hidden(unwrap(m.backbone), rollout, share_prompt=cfg.rollout.share_prompt),
-            weight,
+            unwrap(m.backbone).head(),
             tokens,
-            bias=bias,
-            temperature=cfg.rollout.temperature,
-            hidden_ref=hidden_ref,
-            weight_ref=weight_ref,
-            bias_ref=bias_ref,
+            temperature=temperature,
+            features_ref=hidden_ref,
+            head_ref=head_ref,
         )
         old.record(torch.arange(tokens.shape[0]), out)
     return ref.logp, hidden_ref, old

@@ -75,7 +75,8 @@ class Scored:
     scores: Tensor  # [B] total task reward per completion
     old: SamplingPass  # the sampling policy's log-probs, entropy and KL (see SamplingPass)
     logp_ref: Tensor  # [B, C]
-    hidden_ref: Tensor  # [B, C, H] the reference's last hidden states, for the exact KL
+    hidden_ref: Tensor  # [B, C, H] the reference's last hidden states ([B, C, V] its logits with
+    # model.logits_path: model), for the exact KL
     adv: Tensor  # [B, C]
     returns: Tensor | None  # [B, C] value targets (algorithms with a critic)
     values_old: Tensor | None  # [B, C] (algorithms with a critic)

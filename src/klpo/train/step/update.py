@@ -11,7 +11,8 @@ global normaliser, accumulates the micro-steps' gradients and steps the optimize
 2. :func:`policy_loss`: the loss, ``red(pg) + beta red(kl) + entropy_coef red(-entropy)``, from
    the policy loss (:data:`klpo.train.algorithms.POLICY_LOSSES`, with truncated importance
    sampling against an engine's log-probs, :mod:`klpo.mismatch`), the step's KL term
-   (:class:`~klpo.train.step.kl_term.KLTerm`) and the entropy bonus; then its backward;
+   (:class:`~klpo.train.step.kl_term.KLTerm`) and the entropy bonus, plus a mixture-of-experts
+   policy's router load-balancing loss (:func:`router_aux`); then its backward;
 3. :func:`critic_step`: the critic's value loss and its backward (algorithms with a critic);
 4. :func:`micro_metrics`: the micro-batch's token metrics (clip fraction, KL to pi_old, GSPO's).
 
@@ -31,9 +32,11 @@ import torch
 from torch import Tensor
 
 from klpo import kl, logprobs, losses, mismatch, reduce
+from klpo.heads import Head
 from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
 from klpo.train.models import fsdp
+from klpo.train.models.backbone import reference_args, token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rollout.samplers import Rollout, completion_hidden
 from klpo.train.runtime.dist import Dist
@@ -51,6 +54,7 @@ __all__ = [
     "micro_metrics",
     "micro_step",
     "policy_loss",
+    "router_aux",
     "shuffle_rows",
     "update",
 ]
@@ -120,6 +124,7 @@ def update(
             if term.ref is not None:
                 head = unwrap(m.backbone).head()
                 part = ref_term(cfg, m.backbone, head, term.ref, beta=beta, mix_weight=term.weight)
+                unwrap(m.backbone).take_router_aux()  # the policy's samples balance the router
                 ref_seconds += part.pop("time/ref_update")
                 if not ref_logged:
                     tally.add_means(part, 1.0)
@@ -212,10 +217,14 @@ def micro_step(
     with _no_sync(m.backbone, sync):
         out, fused = forward(cfg, m, mb, term.estimator, beta * kl_weight, beta_old, dist)
         total, metrics = policy_loss(cfg, mb, out, term.estimator, kl_weight, beta, beta_old)
+        aux = router_aux(cfg, m, mb, n_global)
+        if aux is not None:
+            metrics["loss/router_aux"] = aux.item()
+            total = total + m.router_aux_coef * aux
         # DDP averages gradients over ranks; the normaliser is already global, so undo the mean
         # (on_policy_weights carries the factor already).
-        if fused is not None:
-            fused.backward()  # total's gradient; total itself is the value, for the logs
+        if fused is not None:  # total's gradient; total itself is the value, for the logs
+            (fused if aux is None else fused + m.router_aux_coef * aux * dist.world).backward()
         else:
             (total * dist.world).backward()
     if m.critic is not None:
@@ -225,6 +234,23 @@ def micro_step(
     metrics["loss/total"] = total.item()
     micro_metrics(cfg, out.logp, mb.logp_old, mb.adv, mask, tally)
     return metrics
+
+
+def router_aux(cfg: TrainConfig, m: Models, mb: MicroBatch, n_global: Tensor) -> Tensor | None:
+    """The micro-batch's share of the optimizer step's router load-balancing loss, or None.
+
+    A mixture-of-experts policy with ``algo.router_aux_loss_coef`` > 0 computes the loss in its
+    forward (:func:`klpo.train.models.backbone.router_aux_loss`); each micro-batch's is weighted
+    by its share of the minibatch's global normaliser, so the optimizer step's term is their
+    weighted mean over micro-batches and ranks (one micro-batch: the forward's own loss).
+    """
+    if not m.router_aux_coef:
+        return None
+    aux = unwrap(m.backbone).take_router_aux()
+    if aux is None:
+        return None
+    mode, max_len = cfg.algo.loss_reduction, cfg.rollout.max_new_tokens
+    return aux * (reduce.normaliser(mb.r.mask, mode, max_len=max_len) / n_global)
 
 
 def forward(
@@ -247,32 +273,32 @@ def forward(
     recording = not bool(s.old.filled[rows].all())
     exact = needs_exact_kl(kl_estimator)
     need_ref = (kl_coef > 0 and exact) or recording
-    weight, bias = unwrap(m.backbone).head()
-    weight_ref, bias_ref = m.reference.head()
+    head = unwrap(m.backbone).head()
+    head_ref = m.reference.head() if need_ref else None
+    hidden_ref = s.hidden_ref[rows] if need_ref else None
     # On-policy, with a KL term that is exact or absent and no engine weights, the loss's weight
     # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
-    # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path.
+    # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path. Not
+    # on the model's own logits (model.logits_path: model), which the forward holds anyway.
     applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
     weights = None
-    if takes_fused_loss(cfg, weight.shape[0], applies=applies):
+    if isinstance(head, Head) and takes_fused_loss(cfg, head.weight.shape[0], applies=applies):
         weights = on_policy_weights(cfg, mb.adv, mask, mb.red, kl_coef, beta_old, dist.world)
-    head_args = dict(
-        bias=bias,
-        temperature=cfg.rollout.temperature,
-        hidden_ref=s.hidden_ref[rows] if need_ref else None,
-        weight_ref=weight_ref if need_ref else None,
-        bias_ref=bias_ref if need_ref else None,
-    )
     hidden = completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt)
     fused = None
     if weights is not None:
         fl = logprobs.fused_loss(
-            hidden, weight, r.completion_ids, **head_args, with_entropy=True,
-            logp_weight=weights[0], entropy_weight=weights[1], kl_weight=weights[2],
+            hidden, head.weight, r.completion_ids, bias=head.bias, transform=head.transform,
+            temperature=cfg.rollout.temperature, **reference_args(hidden_ref, head_ref),
+            with_entropy=True, logp_weight=weights[0], entropy_weight=weights[1],
+            kl_weight=weights[2],
         )  # fmt: skip
         out, fused = logprobs.FusedOutput(fl.logp, fl.entropy, fl.kl), fl.loss
     else:
-        out = logprobs.fused(hidden, weight, r.completion_ids, **head_args)
+        out = token_outputs(
+            hidden, head, r.completion_ids, temperature=cfg.rollout.temperature,
+            features_ref=hidden_ref, head_ref=head_ref,
+        )  # fmt: skip
     if recording:
         s.old.record(rows, out)
     return out, fused
