@@ -1224,7 +1224,7 @@ def test_compare_options_out_of_range_are_said_as_options():
 
 
 def test_make_reward_model_init_checked_as_a_model_is(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.delenv("KLPO_ALLOW_DOWNLOADS", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # an id is then looked up in the cache only
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("todo\n")
@@ -1237,7 +1237,7 @@ def test_make_reward_model_init_checked_as_a_model_is(tiny_model, tmp_path, monk
     cases = [
         (notes, f"--init '{notes}' is not a complete model directory"),
         (tmp_path / "missing", f"--init '{tmp_path / 'missing'}': no such directory"),
-        ("nobody/no-model", "model id 'nobody/no-model' not found locally"),
+        ("nobody/no-model", "model id 'nobody/no-model' is not in the Hugging Face cache"),
         (bare, f"--init '{bare}' has no tokenizer"),
     ]
     for init, message in cases:

@@ -30,10 +30,8 @@ from klpo._io import atomic_dir
 from klpo.train.config import ConfigError
 from klpo.train.data.task import ArithmeticTask
 from klpo.train.models.load import (
-    downloads_allowed,
     load_tokenizer,
     model_source_problem,
-    offline_unless_allowed,
     quiet_transformers,
     resolve_model_path,
 )
@@ -143,21 +141,20 @@ def make_reward_model(
     # New or empty, or (overwrite) an earlier reward model; never anything else.
     claim_dir(out, "make-reward-model", proceed=overwrite)
     quiet_transformers()
-    offline_unless_allowed()
     t0 = time.perf_counter()
     init = resolve_model_path(config.init)
     problem = model_source_problem(init, "--init", tokenizer=True)
-    if problem:  # checked as klpo train checks model.policy: files only, no network
+    if problem:  # checked as klpo train checks model.policy (offline: the cache only)
         raise ConfigError(problem.replace("model.policy=builtin", "--init builtin"))
     load_tokenizer(init, "--init")  # a tokenizer that loads, or an error that says why
-    tokenizer = AutoTokenizer.from_pretrained(init, local_files_only=not downloads_allowed())
+    tokenizer = AutoTokenizer.from_pretrained(init)
     rng = random.Random(config.seed)
     train, heldout = ArithmeticTask().splits()
     pairs = _pairs(train, config.n_pairs, rng, config.max_offset)
     eval_pairs = _pairs(heldout, config.n_eval, rng, config.max_offset)
     torch.manual_seed(config.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        init, num_labels=1, dtype=torch.float32, local_files_only=not downloads_allowed()
+        init, num_labels=1, dtype=torch.float32
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
