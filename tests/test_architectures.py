@@ -655,7 +655,8 @@ def one_step_column(b: Built) -> Outcome:
         "rollout.max_new_tokens=4",
     ])  # fmt: skip
     backbone = Backbone(b.model, logits_path=path)
-    m = Models(None, b.model, backbone, Backbone(b.reference, logits_path=path), None, None)
+    ref = Backbone(b.reference, logits_path=path)
+    m = Models(None, b.model, backbone, ref, None, None, codec=None)  # (no sampling here)
     r = _rollout(b)
     reward = WeightedReward("length", lambda p, c, a: [float(len(x)) for x in c])
     s = score(cfg, m, r, [reward], beta)
