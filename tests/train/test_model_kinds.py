@@ -121,8 +121,11 @@ def test_the_lean_sampler_hands_a_recurrent_model_to_generate(recurrent):
             rows = torch.stack([ids[int(t)] for t in texts])
             return {"input_ids": rows, "attention_mask": torch.ones_like(rows)}
 
+        def __len__(self):  # the vocabulary's size (the stop set checks its ids against it)
+            return 64
+
         def batch_decode(self, rows, **_):
-            return [" ".join(map(str, r.tolist())) for r in rows]
+            return [" ".join(map(str, torch.as_tensor(r).tolist())) for r in rows]
 
     torch.manual_seed(0)
     r = generate(recurrent, Tok(), ["0", "1"], ["", ""], group_size=2, max_new_tokens=3,
