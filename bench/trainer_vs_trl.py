@@ -865,6 +865,11 @@ def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
     return "\n".join(rows)
 
 
+def _log(what: str, result: dict) -> None:
+    """Each run's summary as it ends (stderr), so that a long benchmark's runs are kept."""
+    print(f"{what}: {json.dumps(result)}", file=sys.stderr, flush=True)
+
+
 def parse_workloads(text: str) -> tuple[str, ...]:
     """``--workload``: one of :data:`WORKLOADS`, a comma-separated list of them, or an alias."""
     if text in ALIASES:
@@ -940,6 +945,7 @@ def main() -> None:
             for i in range(args.runs):  # A B A B A B
                 print(f"[{w}] run {i + 1}/{args.runs}: klpo ...", file=sys.stderr, flush=True)
                 klpo_runs.append(run_klpo(s, work / f"{w}-{i}", args.klpo_set))
+                _log(f"[{w}] klpo run {i + 1}", klpo_runs[-1])
                 if has_trl:
                     print(f"[{w}] run {i + 1}/{args.runs}: TRL ...", file=sys.stderr, flush=True)
                     t = run_trl(s, work / f"{w}-{i}")
@@ -948,7 +954,9 @@ def main() -> None:
                         has_trl = False
                     else:
                         trl_runs.append(t)
+                        _log(f"[{w}] TRL run {i + 1}", t)
             floor = run_floor(s, work / f"{w}-0")
+            _log(f"[{w}] floor", floor)
             loss = run_loss_check(s, work / f"{w}-0") if trl_runs else None
             klpo = combine(klpo_runs)
             trl = combine(trl_runs) if trl_runs else None
