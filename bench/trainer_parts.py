@@ -48,10 +48,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, help="(b), (c): this vocabulary size instead")
     parser.add_argument("--only", default="", help="time only the parts whose name holds this")
     parser.add_argument("--set", action="append", default=[], help="a klpo override, k=v")
+    parser.add_argument("--threads", type=int, default=bench.Settings.threads, help="torch threads")
     args = parser.parse_args()
     if args.vocab is not None and args.workload == "a":
         parser.error("--vocab applies to the built models of workloads b and c, not a")
-    s = bench.Settings.for_workload(args.workload)
+    s = bench.Settings.for_workload(args.workload, threads=args.threads)
     torch.set_num_threads(s.threads)
     tmp = tempfile.mkdtemp()  # the model and prompts of workload b; removed at the end
     try:
