@@ -17,7 +17,7 @@ Stages, each in a process of its own with its own time limit, all within ``--bud
    same LoRA on the same GPU (``trainer_vs_trl.trl_job``); klpo's full fine-tune with FSDP and
    gradient checkpointing on all GPUs; klpo's full fine-tune on one GPU with the exact KL in the
    loss (``kl.estimator=full``), the forward-pass gradient (``klpo.logprobs.fused_loss``) on,
-   then off (``klpo.train.loop.FUSED_LOSS``). Tokens/s as ``trainer_vs_trl`` measures it (median
+   then off (``algo.fused_loss: on``, ``off``). Tokens/s as ``trainer_vs_trl`` measures it (median
    over steps 2..N of completion tokens over step time) and the peak GPU memory of rank 0.
 4. The log-prob kernels, forward + backward of a per-token weighted sum at N = 4096 tokens,
    H = 896, V = 151,936, bf16: naive PyTorch (the float32 logits), ``klpo.logprobs.fused`` and
@@ -84,13 +84,13 @@ DRY = Plan(
     fsdp_procs=2,
 )  # fmt: skip
 LORA = ["model.dtype=bfloat16", "model.lora={r: 16, alpha: 32}"]
-STAGES = {  # klpo's runs: extra overrides, and whether the forward-pass gradient is off
-    "lora": (LORA, False),
-    "fsdp": (["model.dtype=bfloat16", "dist.strategy=fsdp", "model.gradient_checkpointing=true"],
-             False),
-    "fused on": (["model.dtype=bfloat16", "kl.estimator=full"], False),
-    "fused off": (["model.dtype=bfloat16", "kl.estimator=full"], True),
-}  # fmt: skip
+FUSED = ["model.dtype=bfloat16", "kl.estimator=full"]  # the exact KL: a forward-pass gradient
+STAGES = {  # klpo's runs: their overrides
+    "lora": LORA,
+    "fsdp": ["model.dtype=bfloat16", "dist.strategy=fsdp", "model.gradient_checkpointing=true"],
+    "fused on": [*FUSED, "algo.fused_loss=on"],  # at any vocabulary (the dry run's too)
+    "fused off": [*FUSED, "algo.fused_loss=off"],  # the per-token path: the backward's gradient
+}
 
 
 def job(plan: Plan, model_dir: str, data_path: str) -> bench.Settings:
@@ -145,14 +145,10 @@ def klpo_worker(plan: Plan, s: bench.Settings, run_dir: str, stage: str) -> dict
     import klpo.logprobs as lp
     from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
-    extra, per_token = STAGES[stage]
-    loop.FUSED_LOSS = not per_token  # off: the per-token path, the gradient in the backward pass
-    if stage == "fused on":
-        loop.FUSED_LOSS_MIN_VOCAB = 0  # on at any vocabulary (the dry run's too)
     calls = _count_calls(lp, "fused_loss")
-    cfg = load_config(None, [*bench.klpo_overrides(s, run_dir), *extra])
+    cfg = load_config(None, [*bench.klpo_overrides(s, run_dir), *STAGES[stage]])
     _reset_peak()
     loop.train(cfg, log=lambda *_: None)
     if int(os.environ.get("RANK", "0")) != 0:

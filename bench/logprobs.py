@@ -8,7 +8,13 @@ peers where they import ("absent" otherwise) — Liger-Kernel's chunked selectiv
 loss) and exact KL (``LigerFusedLinearJSDLoss`` with ``beta=1``), and TRL's
 ``trl.kernels.ChunkedLogProbFunction`` and ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``
 (``beta=1``: KL(student ‖ teacher)). ``klpo (torch.mm)`` and ``klpo (oneDNN)`` force every GEMM to
-one backend (first log-prob shape), to show what the measured plan of :mod:`klpo.gemm` buys. Two
+one backend (first log-prob shape), to show what the measured plan of :mod:`klpo.gemm` buys.
+``klpo softcap`` and ``klpo loss softcap`` run the same head with Gemma 2's soft cap
+(``final_logit_softcapping = 30``, :class:`klpo.logprobs.LogitTransform`), whose cost the ratio
+table after the main one gives against the plain head, from the same interleaved rounds;
+``--baseline PATH`` adds ``klpo (baseline)`` and ``klpo loss (baseline)``, the same calls into
+another ``logprobs.py`` (say, the previous commit's: ``git show HEAD~1:src/klpo/logprobs.py >
+/tmp/base.py``), to show a change leaves the plain head's speed as it was. Two
 floors, the GEMMs alone, tile by tile with klpo's tiles: "bare GEMMs", those any method needs (the
 logits, and the reference's for KL; the gradients with respect to hidden and weight) in the inputs'
 dtype on the faster backend; and "klpo's GEMMs", the GEMMs klpo runs (the same plus the recompute of
@@ -48,8 +54,27 @@ FULL_KL_SHAPES = [(256, 896, 151936)]
 QUICK_SHAPES = [(256, 896, 32000)]
 QUICK_KL_SHAPES = [(128, 896, 32000)]
 DTYPES = ["float32", "bfloat16"]
-LOGP_METHODS = ["naive", "klpo", "klpo loss", "klpo (torch.mm)", "klpo (oneDNN)", "liger", "trl"]
-KL_METHODS = ["naive", "klpo", "klpo loss", "liger jsd", "trl"]
+LOGP_METHODS = [
+    "naive",
+    "klpo",
+    "klpo loss",
+    "klpo softcap",
+    "klpo loss softcap",
+    "klpo (torch.mm)",
+    "klpo (oneDNN)",
+    "liger",
+    "trl",
+]
+KL_METHODS = ["naive", "klpo", "klpo loss", "klpo softcap", "klpo loss softcap", "liger jsd", "trl"]
+BASELINE_METHODS = ["klpo (baseline)", "klpo loss (baseline)"]
+SOFTCAP = 30.0  # Gemma 2's final_logit_softcapping
+# (numerator, denominator) of the ratio table: a transform's cost, and a change's.
+RATIOS = [
+    ("klpo softcap", "klpo"),
+    ("klpo loss softcap", "klpo loss"),
+    ("klpo", "klpo (baseline)"),
+    ("klpo loss", "klpo loss (baseline)"),
+]
 ABLATIONS = {"klpo (torch.mm)": "mm", "klpo (oneDNN)": "onednn"}
 PEERS = {"liger", "trl", "liger jsd"}
 CHECK_TOKENS = 64
@@ -66,6 +91,7 @@ class Case:
     token_chunk: int | None = None  # klpo's tile; None: its defaults
     vocab_chunk: int | None = None
     with_entropy: bool = False
+    baseline: str | None = None  # another logprobs.py, for the "(baseline)" methods
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +138,8 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
     """A closure running forward + backward, and a function giving the output to check."""
     import torch
 
-    if case.method == "klpo loss":
-        import klpo.logprobs as lp
+    if case.method.startswith("klpo loss"):
+        lp, extra = _klpo(case)
 
         def run_loss():  # the same weighted sum, its gradient taken in the forward pass
             out = lp.fused_loss(
@@ -125,6 +151,7 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
                 logp_weight=coef if case.kind == "logp" else None,
                 kl_weight=coef if case.kind == "kl" else None,
                 token_chunk=case.token_chunk,
+                **extra,
             )
             out.loss.backward()
             hidden.grad = weight.grad = None
@@ -133,9 +160,9 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
         return run_loss, True
 
     if case.method.startswith("klpo"):
-        import klpo.logprobs as lp
         from klpo import gemm
 
+        lp, extra = _klpo(case)
         forced = ABLATIONS.get(case.method)
 
         def forward():
@@ -157,6 +184,7 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
                 with_entropy=case.with_entropy,
                 token_chunk=case.token_chunk or lp.TOKEN_CHUNK,
                 vocab_chunk=case.vocab_chunk,
+                **extra,
             )
             return out.logp if case.kind == "logp" else out.kl
 
@@ -219,6 +247,26 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
     return run, True
 
 
+def _klpo(case: Case):
+    """The ``klpo.logprobs`` module a klpo method runs (the baseline file for "(baseline)"), and
+    its extra arguments (the soft cap, policy and reference, for "softcap")."""
+    import importlib.util
+
+    import klpo.logprobs as lp
+
+    if "(baseline)" in case.method:
+        if not case.baseline:
+            raise ValueError(f"{case.method} needs --baseline PATH (another logprobs.py)")
+        spec = importlib.util.spec_from_file_location("klpo_logprobs_baseline", case.baseline)
+        lp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(lp)
+    extra = {}
+    if "softcap" in case.method:
+        cap = lp.LogitTransform.make(softcap=SOFTCAP)
+        extra = {"transform": cap, "transform_ref": cap if case.kind == "kl" else None}
+    return lp, extra
+
+
 def _floors(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
     """The two GEMM floors as closures, tile by tile with klpo's tiles ([vocab, tokens], as klpo).
 
@@ -277,11 +325,15 @@ def _floors(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
 def _reference(case: Case, hidden, weight, tokens, hidden_ref, weight_ref):
     import torch
 
+    def cap(z):
+        return SOFTCAP * torch.tanh(z / SOFTCAP) if "softcap" in case.method else z
+
     k = min(CHECK_TOKENS, case.n)
-    log_pi = torch.log_softmax(hidden[:k].detach().double() @ weight.detach().double().t(), -1)
+    z = hidden[:k].detach().double() @ weight.detach().double().t()
+    log_pi = torch.log_softmax(cap(z), -1)
     if case.kind == "logp":
         return log_pi.gather(1, tokens[:k, None])[:, 0]
-    log_pi_ref = torch.log_softmax(hidden_ref[:k].double() @ weight_ref.double().t(), -1)
+    log_pi_ref = torch.log_softmax(cap(hidden_ref[:k].double() @ weight_ref.double().t()), -1)
     return (log_pi.exp() * (log_pi - log_pi_ref)).sum(-1)
 
 
@@ -333,8 +385,15 @@ def _times(case: Case, methods: list[str], reps: int) -> dict:
         for m, run in runs.items():
             secs[m].append(_timed(run)[0])
     for m, ts in secs.items():
+        rounds = list(ts)  # in round order, for the paired ratios
         ts.sort()
-        out[m] = {"time": ts[len(ts) // 2], "min": ts[0], "max": ts[-1], "reps": len(ts)}
+        out[m] = {
+            "time": ts[len(ts) // 2],
+            "min": ts[0],
+            "max": ts[-1],
+            "reps": len(ts),
+            "rounds": rounds,
+        }
     return out
 
 
@@ -372,7 +431,7 @@ def measure_group(case: Case, methods: list[str], reps: int, timeout: float) -> 
     for m in methods:
         if m == "floor" or "error" in times.get(m, {}):
             continue
-        c = Case(case.kind, m, case.n, case.h, case.v, case.dtype)
+        c = Case(case.kind, m, case.n, case.h, case.v, case.dtype, baseline=case.baseline)
         times[m].update(run_child({"what": "peak", "case": asdict(c)}, timeout))
     return times
 
@@ -414,6 +473,20 @@ def table(groups: list[tuple[str, dict]]) -> str:
                 _fmt(r.get("err"), ".1e"),
             ]
             rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def ratio_table(groups: list[tuple[str, dict]]) -> str:
+    """What a transform (or a change, against ``--baseline``) costs: per case, the median over the
+    interleaved rounds of each round's time ratio, with its [min, max]."""
+    rows = ["| case | ratio | median [min, max] |", "| --- | --- | ---: |"]
+    for title, results in groups:
+        for a, b in RATIOS:
+            ra, rb = results.get(a, {}).get("rounds"), results.get(b, {}).get("rounds")
+            if not ra or not rb:
+                continue
+            r = sorted(x / y for x, y in zip(ra, rb, strict=True))
+            rows.append(f"| {title} | {a} / {b} | {r[len(r) // 2]:.3f} [{r[0]:.3f}, {r[-1]:.3f}] |")
     return "\n".join(rows)
 
 
@@ -518,6 +591,11 @@ def main() -> None:
     parser.add_argument(
         "--methods", default="", help="comma-separated methods to run (default all)"
     )
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="another logprobs.py: adds 'klpo (baseline)' and 'klpo loss (baseline)'",
+    )
     parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
     parser.add_argument(
         "--sweep-loss", action="store_true", help="the token chunks of klpo's fused loss"
@@ -553,16 +631,20 @@ def main() -> None:
                 title = f"{kind} N={n} H={h} V={v} {dtype}"
                 first = (n, h, v) == shape_list[0] and kind == "logp"
                 chosen = [m for m in methods if m not in ABLATIONS or first] + ["floor"]
+                if args.baseline:
+                    chosen += BASELINE_METHODS
                 if args.methods:
                     chosen = [m for m in chosen if m in args.methods.split(",")]
                 if args.only not in title or not chosen:
                     continue
+                base = os.path.abspath(args.baseline) if args.baseline else None
                 results = measure_group(
-                    Case(kind, "", n, h, v, dtype), chosen, args.reps, args.timeout
+                    Case(kind, "", n, h, v, dtype, baseline=base), chosen, args.reps, args.timeout
                 )
                 print(f"  {title}: {json.dumps(results)}", file=sys.stderr, flush=True)
                 groups.append((title, results))
     print(table(groups))
+    print("\n" + ratio_table(groups))
     print(
         f"\nTotal wall time {time.perf_counter() - start:.0f} s. time: one forward + backward, "
         f"median [min, max] of {args.reps} interleaved rounds after a warm-up; peak: peak RSS over "

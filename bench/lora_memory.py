@@ -9,7 +9,7 @@ it twice, each run in its own subprocess so that each peak is its own:
 * ``full``: every weight trained (float32 weights, gradients and two AdamW moments) and the
   reference loaded as a second frozen copy of the model;
 * ``lora``: ``model.lora={r: 16, alpha: 32}`` on every linear layer, the reference being the same
-  module with its adapters disabled (klpo.train.lora).
+  module with its adapters disabled (klpo.train.models.lora).
 
 Both run the same job: GRPO with the exact KL in the loss, 4 prompts × 4 completions of up to 16
 tokens per step, one process, one thread, a checkpoint at the end. The peak resident set size
@@ -36,7 +36,7 @@ def build(path: Path, layers: int, hidden: int) -> int:
     """Save a random Llama of ``layers`` × ``hidden`` (MLP 8/3 wider, 12 heads) to ``path``."""
     import torch
 
-    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+    from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()
     cfg = ReferenceConfig(

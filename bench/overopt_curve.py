@@ -19,8 +19,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from klpo.train.metrics import read_metrics
-from klpo.train.report import save_figure
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.report import save_figure
 
 WINDOW = 10
 

@@ -5,16 +5,18 @@ carries the run-to-run spread of a shared machine. This script builds klpo's mod
 step's batch exactly as that benchmark's workload (a) does, then times, interleaved on the same
 batch: the floor's three parts (the bare cached argmax decode, the reference's no-grad forward
 with the log-softmax at the completion tokens, the policy's forward + backward of the same) and
-klpo's (``generate`` with the lean sampler, ``klpo.train.loop.score``, the update's
-``_micro_step`` alone, again with the per-token path forced (``klpo.train.loop.FUSED_LOSS``
-off: the log-probs' gradient taken in the backward pass, not the forward), and the whole
-``update`` with the optimizer step and the gradient clip, again with the per-token path).
-``--workload b`` builds that benchmark's 23.5M-parameter model, ``--workload c`` its 104M one
-with a real vocabulary (151,936 entries); ``--vocab N`` gives (b) or (c)'s body a vocabulary of N
-entries instead (where the forward-pass gradient starts to pay); ``--only TEXT`` times only the
-parts whose name holds TEXT; ``--set`` adds klpo overrides (``kl.estimator=full``: the default
-exact KL in the loss, where the update's on-policy pass takes the forward-pass gradient; the
-benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after two warm-ups, milliseconds::
+klpo's (``generate`` with the lean sampler, ``klpo.train.step.score.score``, the update's
+``micro_step`` alone with the forward-pass gradient on (``algo.fused_loss=on``) and again with the
+per-token path forced (``algo.fused_loss=off``: the log-probs' gradient taken in the backward
+pass, not the forward), and the whole ``update`` with the optimizer step and the gradient clip,
+as configured (``auto``: on from ``klpo.train.step.fused.FUSED_LOSS_MIN_VOCAB`` entries) and
+again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-parameter model,
+``--workload c`` its 104M one with a real vocabulary (151,936 entries); ``--vocab N`` gives (b) or
+(c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
+``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
+(``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
+the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
+two warm-ups, milliseconds::
 
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
@@ -63,12 +65,17 @@ def main() -> None:
 
 def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo import reduce
-    from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.models import Backbone
-    from klpo.train.reward_model import build_rewards
-    from klpo.train.rollout import completion_hidden, generate
+    from klpo.train.models.backbone import Backbone
+    from klpo.train.models.build import build_models
+    from klpo.train.rewards.model import build_rewards
+    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.runtime.dist import Dist
+    from klpo.train.runtime.metrics import Tally
+    from klpo.train.setup import make_optimizers
+    from klpo.train.step.score import score
+    from klpo.train.step.types import SamplingPass
+    from klpo.train.step.update import micro_step, update
 
     if args.workload != "a":
         import compute_workload
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         s = bench.Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
     cfg = load_config(None, [*bench.klpo_overrides(s, tmp), *args.set])
     torch.manual_seed(s.seed)
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     order = bench.prompt_order(bench.Settings(**{**s.__dict__, "steps": 1}))
     prompts, answers = [p for p, _ in order], [a for _, a in order]
     model, g = m.policy, s.group_size
@@ -91,9 +98,9 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     model.train()
     backbone, weight = Backbone(model), model.get_output_embeddings().weight
     reward_fns = build_rewards(cfg.rewards)
-    opt = loop.make_optimizers(cfg, m)
+    opt = make_optimizers(cfg, m)
     gen = torch.Generator().manual_seed(s.seed)
-    scored = loop.score(cfg, m, ro, reward_fns, s.beta)
+    scored = score(cfg, m, ro, reward_fns, s.beta)
     rows = torch.arange(len(ro.prompts))
     n_tokens = reduce.normaliser(ro.mask, cfg.algo.loss_reduction, max_len=new)
 
@@ -116,31 +123,29 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         model.train()
 
     def klpo_score():
-        loop.score(cfg, m, ro, reward_fns, s.beta)
+        score(cfg, m, ro, reward_fns, s.beta)
 
     def fresh():  # the update records pi_old from its own forward: start from an empty record
         sc = copy.copy(scored)
-        sc.old = loop.SamplingPass.empty(scored.logp_ref)
+        sc.old = SamplingPass.empty(scored.logp_ref)
         return sc
 
     def klpo_micro_step():
         model.zero_grad(set_to_none=True)
-        loop._micro_step(
-            cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=loop.Tally()
-        )
+        micro_step(cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=Tally())
 
-    def per_token(fn):  # the same part with the forward-pass gradient off
+    def with_mode(fn, mode: str):  # the same part with algo.fused_loss set to ``mode``
         def run():
-            loop.FUSED_LOSS = False
+            before, cfg.algo.fused_loss = cfg.algo.fused_loss, mode
             try:
                 fn()
             finally:
-                loop.FUSED_LOSS = True
+                cfg.algo.fused_loss = before
 
         return run
 
     def klpo_update():
-        loop.update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
+        update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
 
     cases = {
         "floor: generate": floor_generate,
@@ -148,10 +153,10 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         "floor: reference": floor_reference,
         "klpo: score": klpo_score,
         "floor: policy": floor_policy,
-        "klpo: _micro_step": klpo_micro_step,
-        "klpo: _micro_step, per-token path": per_token(klpo_micro_step),
+        "klpo: micro_step": with_mode(klpo_micro_step, "on"),
+        "klpo: micro_step, per-token path": with_mode(klpo_micro_step, "off"),
         "klpo: update": klpo_update,
-        "klpo: update, per-token path": per_token(klpo_update),
+        "klpo: update, per-token path": with_mode(klpo_update, "off"),
     }
     cases = {k: fn for k, fn in cases.items() if args.only in k}
     print(f"vocabulary {weight.shape[0]}, {sum(p.numel() for p in model.parameters())} parameters")
@@ -174,8 +179,8 @@ def parts_table(ms: dict[str, list[float]]) -> str:
     floor_of = {
         "klpo: generate": "floor: generate",
         "klpo: score": "floor: reference",
-        "klpo: _micro_step": "floor: policy",
-        "klpo: _micro_step, per-token path": "floor: policy",
+        "klpo: micro_step": "floor: policy",
+        "klpo: micro_step, per-token path": "floor: policy",
         "klpo: update": "floor: policy",
         "klpo: update, per-token path": "floor: policy",
     }
@@ -192,8 +197,8 @@ def parts_table(ms: dict[str, list[float]]) -> str:
         step = sum(med[k] for k in step_parts)
         out += f"\n\nklpo generate + score + update {step:.1f} ms, floor {floor:.1f} ms: "
         out += f"{step / floor:.2f}x"
-    if "klpo: _micro_step" in med and "klpo: _micro_step, per-token path" in med:
-        on, off = med["klpo: _micro_step"], med["klpo: _micro_step, per-token path"]
+    if "klpo: micro_step" in med and "klpo: micro_step, per-token path" in med:
+        on, off = med["klpo: micro_step"], med["klpo: micro_step, per-token path"]
         out += f"\nforward-pass gradient: micro-step {on:.1f} ms on, {off:.1f} off: {on / off:.2f}x"
     return out
 

@@ -16,7 +16,7 @@ built-in arithmetic task, the same prompts in the same order, 16 prompts × 8 co
 completions per step, one optimizer step per batch, AdamW at a constant learning rate of 2e-4,
 gradient-norm clip 1.0, beta 0.01 with k3 in the loss, max 4 new tokens at temperature 1, the
 token-mean reduction, the same number of steps and the same seed. Then, in a third subprocess, one
-fixed batch: klpo's GRPO loss (the trainer's own ``_micro_step``) against TRL's
+fixed batch: klpo's GRPO loss (the trainer's own ``micro_step``) against TRL's
 ``GRPOTrainer._compute_loss``, value and gradient.
 
 How each TRL setting matches klpo's (TRL 1.16.0; docs/frameworks.md has the full mapping):
@@ -52,7 +52,7 @@ Known differences that remain: TRL divides the group std by ``std + 1e-4``, klpo
 both optimizers are torch's fused AdamW (TRL's default ``adamw_torch_fused``; klpo's
 ``torch.optim.AdamW(fused=True)`` on plain tensors). With one update per batch both take pi_old to be the update's own detached log-probs
 (TRL skips the old log-probs when ``num_iterations=1``; klpo when
-``klpo.train.loop.update_gives_logp_old``), so the ratio is exactly 1 and klpo's k3 weight
+``klpo.train.step.types.update_gives_logp_old``), so the ratio is exactly 1 and klpo's k3 weight
 pi_theta / pi_old too; klpo also logs the entropy and the exact KL from that pass.
 
 Only the training step is compared. Disabled in both: held-out evaluation, checkpoints during
@@ -240,8 +240,8 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict:
 
 def prompt_order(s: Settings) -> list[tuple[str, str]]:
     """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``."""
-    from klpo.train.data import Example, PromptStream, read_jsonl
-    from klpo.train.task import ArithmeticTask
+    from klpo.train.data.sources import Example, PromptStream, read_jsonl
+    from klpo.train.data.task import ArithmeticTask
 
     if s.workload != "a":
         train = read_jsonl(s.data_path)
@@ -381,7 +381,7 @@ def _env(threads: int) -> dict[str, str]:
 
 def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
     """``python -m klpo train`` in a subprocess; its ``metrics.jsonl``, summarised."""
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     out = work / "klpo"
     cmd = [
@@ -425,8 +425,8 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
-    from klpo.train.reference import default_reference_path
-    from klpo.train.rewards import exact_match
+    from klpo.train.models.load import default_reference_path
+    from klpo.train.rewards.functions import exact_match
 
     if s.workload != "a":
         from compute_workload import REWARDS
@@ -540,7 +540,7 @@ def run_trl(s: Settings, work: Path) -> dict:
 
 
 def loss_worker(s: Settings, out_path: str) -> None:
-    """klpo's GRPO loss (the trainer's ``_micro_step``) and TRL's ``_compute_loss`` on one batch.
+    """klpo's GRPO loss (the trainer's ``micro_step``) and TRL's ``_compute_loss`` on one batch.
 
     The batch: 16 prompts × 8 completions sampled by a policy moved off the reference (seeded
     noise of 0.2 × each tensor's std, so that the KL term is not zero), scored by klpo's trainer
@@ -555,18 +555,20 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from datasets import Dataset
 
     from klpo import reduce
-    from klpo.train import loop
-    from klpo.train import rewards as rewards_mod
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.metrics import Tally
-    from klpo.train.rollout import generate
+    from klpo.train.models.build import build_models
+    from klpo.train.rewards.functions import resolve_rewards
+    from klpo.train.rollout.samplers import generate
+    from klpo.train.runtime.dist import Dist
+    from klpo.train.runtime.metrics import Tally
+    from klpo.train.step.score import score
+    from klpo.train.step.update import micro_step
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
         torch.manual_seed(s.seed)
         dist = Dist()
-        m = loop.build_models(cfg, dist, None)
+        m = build_models(cfg, dist, None)
         gen = torch.Generator().manual_seed(s.seed + 1)
         with torch.no_grad():
             for p in m.policy.parameters():
@@ -583,8 +585,8 @@ def loss_worker(s: Settings, out_path: str) -> None:
             temperature=s.temperature,
         )
         m.policy.train()
-        reward_fns = rewards_mod.resolve_rewards({"exact_match": 1.0})
-        scored = loop.score(cfg, m, rollout, reward_fns, s.beta)
+        reward_fns = resolve_rewards({"exact_match": 1.0})
+        scored = score(cfg, m, rollout, reward_fns, s.beta)
         mask = rollout.mask
         rows = torch.arange(mask.shape[0])
         n_tokens = reduce.normaliser(mask, "token-mean", max_len=s.max_new_tokens)
@@ -592,7 +594,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
         params = [p for p in m.policy.parameters() if p.requires_grad]
         for p in params:
             p.grad = None
-        metrics = loop._micro_step(
+        metrics = micro_step(
             cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True, tally=Tally()
         )
         klpo_value = metrics["loss/total"]
@@ -689,7 +691,7 @@ def floor_decode(model, rollout, group_size: int) -> None:
     many tokens as ``rollout``'s completions hold."""
     import torch
 
-    from klpo.train.rollout import preallocate
+    from klpo.train.rollout.samplers import preallocate
 
     g, c = group_size, rollout.completion_ids.shape[1]
     ids, att = rollout.prompt_ids[::g], rollout.prompt_mask[::g].long()
@@ -745,16 +747,16 @@ def floor_worker(s: Settings, out_path: str) -> None:
     import torch
 
     torch.set_num_threads(s.threads)
-    from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.dist import Dist
-    from klpo.train.models import Backbone
-    from klpo.train.rollout import completion_hidden, generate
+    from klpo.train.models.backbone import Backbone
+    from klpo.train.models.build import build_models
+    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.runtime.dist import Dist
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
         torch.manual_seed(s.seed)
-        m = loop.build_models(cfg, Dist(), None)
+        m = build_models(cfg, Dist(), None)
     order = prompt_order(Settings(**{**s.__dict__, "steps": 1}))
     model = m.policy
     model.eval()
@@ -975,7 +977,7 @@ def main() -> None:
             if loss:
                 print(
                     f"Fixed batch ({loss['sequences']} completions, {loss['tokens']} tokens): klpo "
-                    f"_micro_step loss {loss['klpo']:.9f}, TRL _compute_loss {loss['trl']:.9f}; "
+                    f"micro_step loss {loss['klpo']:.9f}, TRL _compute_loss {loss['trl']:.9f}; "
                     f"relative {loss['rel']:.2e}; gradient relative error {loss['grad_rel']:.2e}."
                 )
             print()

@@ -20,6 +20,10 @@ closed forms in tests/test_kl.py. Tolerances come from the arithmetic's dtype, n
   significant bits), which is why bf16 results agree to ~1e-2 relative and float32 ones to ~1e-5.
 * The KL estimators compute in float64 on every device and round once to float32: 2^-24 relative
   (plus a 2^-44 margin for the devices' float64 libm differences).
+* A soft cap ``x = cap tanh(z / cap) / T`` keeps the values' bound with the magnitudes of the
+  uncapped ``z / T`` (``tanh' ≤ 1``); each gradient entry is ``G_x (1 - tanh²) / T`` with the
+  slope formed from the rounded ``tanh`` (error at most ``2 (rel + u)``), so its bound is three
+  times the uncapped one (tests/test_logprobs.py derives both).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 
 from klpo import kl
 from klpo import logprobs as lp
+from klpo.train import setup as train_setup
+from klpo.train.models.build import build_models
 
 DEVICE = os.environ.get("KLPO_TEST_DEVICE", "cuda")
 
@@ -119,11 +125,13 @@ def grad_terms(
 # (a) fused: from hidden states and the head, several vocabulary chunks.
 
 
+@pytest.mark.parametrize("cap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("method", ["fused", "fused_loss"])
 @pytest.mark.parametrize("grads", ["logp", "all"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_fused_values_and_gradients_match_float64(dtype_name, grads, method):
+def test_fused_values_and_gradients_match_float64(dtype_name, grads, method, cap):
     dtype = DTYPES[dtype_name]
+    transform = None if cap is None else lp.LogitTransform.make(softcap=cap)
     n, h, v, temperature, chunk = 64, 32, 1000, 0.7, 256  # 4 vocabulary chunks, the last partial
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64) * 1.5
@@ -141,6 +149,8 @@ def test_fused_values_and_gradients_match_float64(dtype_name, grads, method):
         temperature=temperature,
         hidden_ref=on_device(hidden_ref, dtype),
         weight_ref=on_device(weight_ref, dtype),
+        transform=transform,
+        transform_ref=transform,
     )
     if method == "fused_loss":  # the gradient taken in the forward pass, 4 token chunks of 16
         out = lp.fused_loss(
@@ -160,20 +170,25 @@ def test_fused_values_and_gradients_match_float64(dtype_name, grads, method):
 
     h64, w64, b64 = (rounded64(t, dtype) for t in (hidden, weight, bias))
     hr64, wr64 = (rounded64(t, dtype).detach() for t in (hidden_ref, weight_ref))
-    x = (h64 @ w64.T + b64) / temperature
+
+    def capped(z: torch.Tensor) -> torch.Tensor:
+        return z if cap is None else cap * torch.tanh(z / cap)
+
+    z, z_ref = h64 @ w64.T + b64, hr64 @ wr64.T
+    x = capped(z) / temperature
     x.retain_grad()
-    x_ref = (hr64 @ wr64.T) / temperature
+    x_ref = capped(z_ref) / temperature
     logp, ent, kl_, log_pi, log_ref = naive(x, x_ref, tokens)
     ref_loss = (a * logp).sum() if grads == "logp" else (a * logp + b * ent + c * kl_).sum()
     ref_loss.backward()
 
-    rel = LAMBDA * math.sqrt(h + v) * U32 * value_scale(x, x_ref)
+    rel = LAMBDA * math.sqrt(h + v) * U32 * value_scale(z / temperature, z_ref / temperature)
     assert_within("logp", out.logp, logp, rel)
     assert_within("entropy", out.entropy, ent, rel)
     assert_within("kl", out.kl, kl_, rel)
 
-    # d loss / d x is x.grad; hidden, weight and bias get it through x = (h @ w.T + b) / T.
-    terms = grad_terms(x.grad, log_pi, log_ref, rel) / temperature
+    # d loss / d x is x.grad; hidden, weight and bias get it through x = cap(h @ w.T + b) / T.
+    terms = grad_terms(x.grad, log_pi, log_ref, rel) / temperature * (1 if cap is None else 3)
     bounds = {
         "grad hidden": (hd.grad, h64.grad, terms @ w64.detach().abs()),
         "grad weight": (wd.grad, w64.grad, terms.T @ h64.detach().abs()),
@@ -322,19 +337,19 @@ def test_kl_estimators_match_the_cpu_in_float64(name):
 def test_two_grpo_steps_run_on_the_device(tmp_path, monkeypatch, extra):
     from klpo.train import loop
     from klpo.train.config import build_config
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     if torch.device(DEVICE).type == "cpu":  # the trainer takes CUDA whenever it is there
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     seen: list[torch.device] = []
-    build = loop.build_models
+    build = build_models
 
     def recording(*args, **kwargs):
         m = build(*args, **kwargs)
         seen.append(next(m.policy.parameters()).device)
         return m
 
-    monkeypatch.setattr(loop, "build_models", recording)
+    monkeypatch.setattr(train_setup, "build_models", recording)
     overrides = {
         "algo.name": "grpo",
         "run.out_dir": str(tmp_path / "run"),

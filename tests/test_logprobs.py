@@ -17,6 +17,15 @@ differentiated by autograd. Tolerances are derived from the dtypes, never tuned:
 * Gradients returned in bf16 are rounded once (unit roundoff 2^-8, so +2^-8 |reference|); with a
   bf16 head and one token chunk the weight gradient's GEMM takes ``G`` rounded to bf16 (+2^-8 ·
   ``|G|^T |h|``).
+* A logit transform ``x = cap tanh(scale z / cap) / T`` (or ``scale z / T``): ``S`` is taken with
+  the scale, ``S = scale max_v (|h|·|w_v| + |b_v|) / T``. Uncapped, the scale is one more factor of
+  the GEMM's operand, so nothing else changes. Capped, the tile is ``t = (scale / cap) z`` (error
+  ``δt ≤ λ √H u (T / cap) S``, at most ``tol`` when ``T ≤ 2 cap``, as in every case here), then
+  ``tanh`` and the factor ``cap / T`` (``tanh' ≤ 1``: the error of ``x`` stays ``≤ λ √H u S`` plus
+  three roundings of ``|x| ≤ S``, inside the ``λ √(H + V)`` factor). The gradient's entries are
+  ``G_x · dx/dz`` with ``dx/dz = (scale / T)(1 - tanh²)`` formed from the rounded ``tanh``: its error
+  is at most ``(scale / T) · 2 (δt + u)``, so a capped entry's bound is ``(3 tol + acc + 2u) |G_x|
+  scale / T`` against the uncapped ``(tol + acc) |G_x| scale / T``.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from klpo import gemm
 from klpo import logprobs as lp
+from klpo.logprobs import LogitTransform
 
 U32 = 2.0**-24
 U_BF16 = 2.0**-8
@@ -96,9 +106,29 @@ class Problem:
     bias_ref: torch.Tensor | None
     temperature: float
     upstream: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # d loss / d (logp, entropy, kl)
+    transform: LogitTransform | None = None
+    transform_ref: LogitTransform | None = None
 
 
-def make_problem(n, h, v, *, dtype, temperature=1.0, bias=False, ref=True, seed=0) -> Problem:
+def apply(transform: LogitTransform | None, z: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its head's output, in float64 (the oracle's transform)."""
+    if transform is None:
+        return z
+    u = z * transform.scale
+    return u if transform.softcap is None else transform.softcap * torch.tanh(u / transform.softcap)
+
+
+def transform_scale(transform: LogitTransform | None) -> float:
+    return 1.0 if transform is None else transform.scale
+
+
+def capped(transform: LogitTransform | None) -> bool:
+    return transform is not None and transform.softcap is not None
+
+
+def make_problem(
+    n, h, v, *, dtype, temperature=1.0, bias=False, ref=True, seed=0, transform=None
+) -> Problem:
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -116,6 +146,8 @@ def make_problem(n, h, v, *, dtype, temperature=1.0, bias=False, ref=True, seed=
         bias_ref=rand(v, scale=0.5) if ref and bias else None,
         temperature=temperature,
         upstream=tuple(torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(3)),
+        transform=transform,
+        transform_ref=transform if ref else None,
     )
 
 
@@ -124,17 +156,18 @@ def naive(p: Problem):
     h = p.hidden.detach().double().requires_grad_(True)
     w = p.weight.detach().double().requires_grad_(True)
     b = None if p.bias is None else p.bias.detach().double().requires_grad_(True)
-    x = (h @ w.t() + (0 if b is None else b)) / p.temperature
+    x = apply(p.transform, h @ w.t() + (0 if b is None else b)) / p.temperature
     log_pi = torch.log_softmax(x, -1)
     pi = log_pi.exp()
     logp = log_pi.gather(1, p.tokens[:, None])[:, 0]
     ent = -(pi * log_pi).sum(-1)
-    kl = log_pi_ref = None
+    kl = log_pi_ref = log_z_ref = None
     if p.hidden_ref is not None:
         x_ref = p.hidden_ref.double() @ p.weight_ref.double().t()
         if p.bias_ref is not None:
             x_ref = x_ref + p.bias_ref.double()
-        log_pi_ref = torch.log_softmax(x_ref / p.temperature, -1)
+        x_ref = apply(p.transform_ref, x_ref) / p.temperature
+        log_pi_ref, log_z_ref = torch.log_softmax(x_ref, -1), torch.logsumexp(x_ref, -1)
         kl = (pi * (log_pi - log_pi_ref)).sum(-1)
     a, c, d = p.upstream
     loss = (a * logp).sum() + (c * ent).sum() + (0 if kl is None else (d * kl).sum())
@@ -143,6 +176,7 @@ def naive(p: Problem):
     out = {"logp": logp, "entropy": ent, "kl": kl, "grad_hidden": grads[0], "grad_weight": grads[1]}
     out["grad_bias"] = grads[2] if b is not None else None
     out["log_pi"], out["log_pi_ref"] = log_pi.detach(), log_pi_ref
+    out["log_z"], out["log_z_ref"] = torch.logsumexp(x, -1), log_z_ref
     return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 
@@ -157,13 +191,11 @@ def logit_scale(hidden, weight, bias, temperature):
 def value_tol(p: Problem, ref: dict) -> torch.Tensor:
     """λ √(H + V) u (2 (S + S_ref) + |L| + |L_ref| + 1), per token (see the module notes)."""
     h, v = p.hidden.shape[1], p.weight.shape[0]
-    s = logit_scale(p.hidden, p.weight, p.bias, p.temperature)
-    x = (p.hidden.double() @ p.weight.double().t()) / p.temperature
-    m = 2 * s + torch.logsumexp(x, -1).abs() + 1
+    s = logit_scale(p.hidden, p.weight, p.bias, p.temperature) * transform_scale(p.transform)
+    m = 2 * s + ref["log_z"].abs() + 1
     if p.hidden_ref is not None:
         s_ref = logit_scale(p.hidden_ref, p.weight_ref, p.bias_ref, p.temperature)
-        x_ref = (p.hidden_ref.double() @ p.weight_ref.double().t()) / p.temperature
-        m = m + 2 * s_ref + torch.logsumexp(x_ref, -1).abs()
+        m = m + 2 * s_ref * transform_scale(p.transform_ref) + ref["log_z_ref"].abs()
     return LAMBDA * math.sqrt(h + v) * U32 * m
 
 
@@ -184,9 +216,12 @@ def g_hat(p: Problem, ref: dict) -> torch.Tensor:
 def grad_bound(p: Problem, ref: dict, tol: torch.Tensor, bf16_weight_gemm: bool) -> dict:
     """Componentwise bounds on the gradients' errors (see the module notes)."""
     n, v = len(p.tokens), p.weight.shape[0]
-    g = g_hat(p, ref) / p.temperature
+    g = g_hat(p, ref) * transform_scale(p.transform) / p.temperature  # |G_x| times max dx/dz
     acc = LAMBDA * math.sqrt(v + n) * U32  # the gradients' own accumulation
-    err_g = (tol[:, None] + acc) * g
+    if capped(p.transform):  # the slope's own error (module notes)
+        err_g = (3 * tol[:, None] + acc + 2 * U32) * g
+    else:
+        err_g = (tol[:, None] + acc) * g
     bound = {
         "grad_hidden": err_g @ p.weight.abs().double(),
         "grad_weight": err_g.t() @ p.hidden.abs().double(),
@@ -220,6 +255,8 @@ def run_fused(p: Problem, **kw):
         hidden_ref=p.hidden_ref,
         weight_ref=p.weight_ref,
         bias_ref=p.bias_ref,
+        transform=p.transform,
+        transform_ref=p.transform_ref,
         **kw,
     )
     a, c, d = (u.float() for u in p.upstream)
@@ -937,6 +974,8 @@ def run_fused_loss(p: Problem, terms, scale: float = 1.0, **kw):
         entropy_weight=c if "entropy" in terms else None,
         kl_weight=d if "kl" in terms else None,
         with_entropy=True,
+        transform=p.transform,
+        transform_ref=p.transform_ref if "kl" in terms else None,
         **kw,
     )
     grads = torch.autograd.grad(out.loss * scale, leaves)
@@ -1109,3 +1148,283 @@ def test_fused_loss_agrees_with_liger_kernel_jsd():
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-6)
     for got, ref in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit transforms: a scale (Cohere), a divisor (Granite), a soft cap (Gemma 2), both.
+
+TRANSFORMS = {
+    "scale": LogitTransform.make(scale=0.6),
+    "divisor": LogitTransform.divided_by(2.5),
+    "softcap": LogitTransform.make(softcap=1.5),
+    "scale-softcap": LogitTransform.make(scale=1.7, softcap=2.0),
+}
+
+
+def test_transform_hand_values_and_gradient():
+    # Soft cap 2 on z = 2 atanh([0, 1/2, 1/4]) = [0, 1.0986123, 0.5108256]: x = 2 tanh(z / 2) =
+    # [0, 1, 1/2], so log pi(1) = 1 - ln(1 + e + e^0.5) = 1 - ln 5.3670031 = -0.6802697, and
+    # pi = [0.1863237, 0.5064804, 0.3071959]. d log pi(1) / dz_v = (1[v = 1] - pi_v)(1 - tanh²)
+    # with tanh = [0, 1/2, 1/4]: [-0.1863237, 0.4935196 · 0.75, -0.3071959 · 0.9375]
+    # = [-0.1863237, 0.3701397, -0.2879961].
+    cap = LogitTransform.make(softcap=2.0)
+    z = (2 * torch.atanh(torch.tensor([[0.0, 0.5, 0.25]], dtype=torch.float64))).requires_grad_()
+    want_grad = torch.tensor(
+        [[-0.18632372322584756, 0.37013970670825946, -0.2879961428610922]], dtype=torch.float64
+    )
+    logp = lp.token_logprobs(z, torch.tensor([1]), transform=cap)
+    assert logp.item() == pytest.approx(-0.6802696706417346, rel=1e-12)
+    (grad,) = torch.autograd.grad(logp.sum(), z)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=0)
+    # The same head as hidden [1] (H = 1) times the weight z.T: the weight's gradient is dz.
+    weight = z.detach().t().contiguous().requires_grad_()
+    out = lp.fused(torch.ones(1, 1, dtype=torch.float64), weight, torch.tensor([1]), transform=cap)
+    assert out.logp.item() == pytest.approx(-0.6802696706417346, rel=1e-12)
+    (grad_w,) = torch.autograd.grad(out.logp.sum(), weight)
+    torch.testing.assert_close(grad_w.t(), want_grad, rtol=1e-12, atol=0)
+    # Temperature 2 divides the capped logits: x = [0, 1/2, 1/4], log pi(1) = 1/2 - ln(1 +
+    # e^0.5 + e^0.25) = 0.5 - ln 3.9327467 = -0.8693381.
+    warm = lp.token_logprobs(z.detach(), torch.tensor([1]), temperature=2.0, transform=cap)
+    assert warm.item() == pytest.approx(-0.8693380844056782, rel=1e-12)
+    # Cohere's scale 1/2 and Granite's divisor 2 on z = 2 [0, ln 2, ln 5]: pi = [1, 2, 5] / 8, so
+    # log pi(2) = ln(5/8) = -0.4700036.
+    z2 = 2 * torch.tensor([[0.0, math.log(2.0), math.log(5.0)]])
+    for tr in (LogitTransform.make(scale=0.5), LogitTransform.divided_by(2.0)):
+        got = lp.token_logprobs(z2, torch.tensor([2]), transform=tr)
+        assert got.item() == pytest.approx(math.log(5 / 8), rel=1e-6)
+        fused = lp.fused(torch.ones(1, 1), z2.t().contiguous(), torch.tensor([2]), transform=tr)
+        assert fused.logp.item() == pytest.approx(math.log(5 / 8), rel=1e-6)
+
+
+def test_transform_apply_is_the_models_arithmetic():
+    z = torch.linspace(-40, 40, 9, dtype=torch.float64)
+    assert torch.equal(LogitTransform().apply(z), z)
+    assert torch.equal(LogitTransform.make(scale=0.0625).apply(z), z * 0.0625)
+    assert torch.equal(LogitTransform.make(softcap=30.0).apply(z), torch.tanh(z / 30.0) * 30.0)
+    assert LogitTransform().is_identity and not LogitTransform.divided_by(8.0).is_identity
+    assert LogitTransform.divided_by(8.0).scale == 0.125
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]])
+@pytest.mark.parametrize("kind", list(TRANSFORMS))
+def test_fused_with_transform_matches_float64_naive(dtype, shape, kind):
+    n, h, v, token_chunk, vocab_chunk = shape
+    tr = TRANSFORMS[kind]
+    p = make_problem(n, h, v, dtype=dtype, temperature=0.8, bias=True, transform=tr)
+    out, grads = run_fused(p, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+    ref = naive(p)
+    tol = value_tol(p, ref)
+    for name in ("logp", "entropy", "kl"):
+        assert_within(name, getattr(out, name), ref[name], tol)
+    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and lp._ONEDNN
+    bound = grad_bound(p, ref, tol, bf16_gemm)
+    for name, got in grads.items():
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+    # The test has teeth: the same head without its transform is far outside the tolerance.
+    plain = naive(Problem(**{**p.__dict__, "transform": None, "transform_ref": None}))
+    for name in ("logp", "kl"):
+        assert float(((plain[name] - ref[name]).abs() / tol).max()) > 100
+
+
+@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["divisor", "softcap"])
+def test_fused_logp_only_gradient_with_transform(backend, dtype, kind, monkeypatch):
+    """The backward that takes the per-token coefficient out of the tiles, with a transform."""
+    monkeypatch.setattr(lp, "_plan", lambda *args: gemm.Plan(backend, backend, backend, False))
+    n, h, v, token_chunk, vocab_chunk = SHAPES[0]
+    p = make_problem(n, h, v, dtype=dtype, temperature=0.7, bias=True, ref=False)
+    p = Problem(**{**p.__dict__, "transform": TRANSFORMS[kind]})
+    p.upstream = (p.upstream[0], torch.zeros(n, dtype=torch.float64), p.upstream[2])
+    ref = naive(p)
+    leaves = [t.detach().requires_grad_(True) for t in (p.hidden, p.weight, p.bias)]
+    out = lp.fused(
+        *leaves[:2], p.tokens, bias=leaves[2], temperature=0.7, with_entropy=False,
+        token_chunk=token_chunk, vocab_chunk=vocab_chunk, transform=p.transform,
+    )  # fmt: skip
+    grads = torch.autograd.grad((p.upstream[0].float() * out.logp).sum(), leaves)
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, ref["logp"], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in zip(["grad_hidden", "grad_weight", "grad_bias"], grads, strict=True):
+        assert_within(name, got, ref[name], bound[name])
+
+
+@pytest.mark.parametrize("kind", list(TRANSFORMS))
+@pytest.mark.parametrize("terms", LOSS_TERMS)
+def test_fused_loss_with_transform_matches_float64_naive(kind, terms):
+    n, h, v, token_chunk = SHAPES[0][:4]
+    p = make_problem(n, h, v, dtype=torch.float32, temperature=0.8, bias=True)
+    p = weighted(Problem(**{**p.__dict__, "transform": TRANSFORMS[kind]}), terms)
+    p.transform_ref = TRANSFORMS[kind] if "kl" in terms else None
+    out, grads = run_fused_loss(p, terms, token_chunk=token_chunk)
+    ref = naive(p)
+    tol = value_tol(p, ref)
+    for name in ("logp", "entropy") + (("kl",) if "kl" in terms else ()):
+        assert_within(name, getattr(out, name), ref[name], tol)
+    want = sum(
+        (u * ref[k]).sum()
+        for u, k in zip(p.upstream, ("logp", "entropy", "kl"), strict=True)
+        if k in terms
+    )
+    assert abs(out.loss.item() - float(want)) <= float(
+        sum((u.abs() * tol).sum() for u in p.upstream)
+    )
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in grads.items():
+        assert_within(name, got, ref[name], bound[name])
+
+
+def test_transform_gradcheck_float64():
+    gen = torch.Generator().manual_seed(7)
+    n, h, v = 6, 3, 13
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = (2 * torch.randn(v, h, dtype=torch.float64, generator=gen)).requires_grad_(True)
+    bias = torch.randn(v, dtype=torch.float64, generator=gen, requires_grad=True)
+    hidden_ref = torch.randn(n, 2, dtype=torch.float64, generator=gen)
+    weight_ref = torch.randn(v, 2, dtype=torch.float64, generator=gen)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+    a, b, c = (torch.randn(n, dtype=torch.float64, generator=gen) for _ in range(3))
+    tr, tr_ref = TRANSFORMS["scale-softcap"], TRANSFORMS["divisor"]
+    ref = dict(hidden_ref=hidden_ref, weight_ref=weight_ref, transform_ref=tr_ref)
+
+    def f(hidden, weight, bias):
+        out = lp.fused(
+            hidden, weight, tokens, bias=bias, temperature=0.9, token_chunk=2, vocab_chunk=4,
+            transform=tr, **ref,
+        )  # fmt: skip
+        return out.logp, out.entropy, out.kl
+
+    def f_logp(hidden, weight, bias):
+        return lp.fused(
+            hidden, weight, tokens, bias=bias, with_entropy=False, token_chunk=4, vocab_chunk=5,
+            transform=tr,
+        ).logp  # fmt: skip
+
+    def f_loss(hidden, weight, bias):
+        return lp.fused_loss(
+            hidden, weight, tokens, bias=bias, temperature=0.9, logp_weight=a, entropy_weight=b,
+            kl_weight=c, token_chunk=3, transform=tr, **ref,
+        ).loss  # fmt: skip
+
+    def f_loss_logp(hidden, weight, bias):
+        return lp.fused_loss(
+            hidden, weight, tokens, bias=bias, logp_weight=a, token_chunk=2, transform=tr
+        ).loss
+
+    def f_logits(z):
+        z_ref = hidden_ref @ weight_ref.t()
+        return (
+            lp.token_logprobs(z, tokens, temperature=1.3, transform=tr),
+            lp.entropy(z, temperature=1.3, transform=tr),
+            lp.exact_kl(z, z_ref, temperature=1.3, transform=tr, transform_ref=tr_ref),
+        )
+
+    for fn in (f, f_logp, f_loss, f_loss_logp):
+        assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+    z = (hidden @ weight.t() + bias).detach().requires_grad_(True)
+    assert torch.autograd.gradcheck(f_logits, (z,))
+
+
+def test_logits_path_with_transform_matches_the_fused_path():
+    # The logits path on raw head outputs z = h W^T + b equals the fused path, each transform,
+    # float64 (both exact to rounding), and transform_ref defaults to no transform.
+    p = make_problem(23, 8, 157, dtype=torch.float64, temperature=0.7, bias=True)
+    z = p.hidden @ p.weight.t() + p.bias
+    z_ref = p.hidden_ref @ p.weight_ref.t() + p.bias_ref
+    for tr in TRANSFORMS.values():
+        out = lp.fused(
+            p.hidden, p.weight, p.tokens, bias=p.bias, temperature=0.7, hidden_ref=p.hidden_ref,
+            weight_ref=p.weight_ref, bias_ref=p.bias_ref, transform=tr,
+        )  # fmt: skip
+        got = (
+            lp.token_logprobs(z, p.tokens, temperature=0.7, transform=tr),
+            lp.entropy(z, temperature=0.7, transform=tr),
+            lp.exact_kl(z, z_ref, temperature=0.7, transform=tr),
+        )
+        for g, want in zip(got, out, strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+
+
+def test_soft_cap_maps_minus_inf_to_minus_the_cap_as_the_model_does():
+    cap = LogitTransform.make(softcap=2.0)
+    z = torch.tensor([[0.0, -math.inf, 1.0]], dtype=torch.float64, requires_grad=True)
+    ent = lp.entropy(z, transform=cap)
+    want = torch.tensor([[0.0, -2.0, 2 * math.tanh(0.5)]], dtype=torch.float64)
+    assert ent.item() == pytest.approx(float(lp.entropy(want)), rel=1e-12)
+    (grad,) = torch.autograd.grad(ent.sum(), z)
+    assert grad[0, 1] == 0 and torch.isfinite(grad).all()  # tanh' = 0 at -inf
+
+
+def test_identity_transform_is_bitwise_the_plain_head():
+    p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True)
+    plain, plain_grads = run_fused(p, token_chunk=8, vocab_chunk=64)
+    same, same_grads = run_fused(
+        Problem(**{**p.__dict__, "transform": LogitTransform(), "transform_ref": LogitTransform()}),
+        token_chunk=8,
+        vocab_chunk=64,
+    )
+    for a, b in zip((*plain, *plain_grads.values()), (*same, *same_grads.values()), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fused_overflow_falls_back_to_the_max_with_a_soft_cap(monkeypatch):
+    # Soft cap 60: the target's raw logit -100 becomes 60 tanh(-5/3) = -55.8 and the raw +50 on
+    # token 250 becomes 60 tanh(5/6) = 40.9; exp(40.9 + 55.8) = exp(96.7) overflows float32.
+    v = 300
+    weight = torch.zeros(v, 1)
+    weight[0], weight[250] = -100.0, 50.0
+    weight[1:250, 0] = torch.linspace(-3, 3, 249)
+    tokens = torch.tensor([0, 250, 7, 0])
+    hidden = torch.ones(4, 1)
+    cap = LogitTransform.make(softcap=60.0)
+    p = Problem(hidden, weight, None, tokens, hidden, weight.flip(0).clone(), None, 1.0,
+                (torch.ones(4, dtype=torch.float64),) * 3, cap, cap)  # fmt: skip
+    calls = []
+    row_max = lp._Head.row_max
+    monkeypatch.setattr(lp._Head, "row_max", lambda self, *a: calls.append(1) or row_max(self, *a))
+    out, grads = run_fused(p, vocab_chunk=64)
+    loss_out, loss_grads = run_fused_loss(p, ("logp", "entropy", "kl"), token_chunk=2)
+    assert len(calls) == 2  # fused's fallback ran, for the policy and for the reference
+    ref = naive(p)
+    assert out.logp[0].item() == pytest.approx(float(ref["logp"][0]), rel=1e-6)
+    tol = value_tol(p, ref)
+    bound = grad_bound(p, ref, tol, False)
+    for o, g in ((out, grads), (loss_out, loss_grads)):
+        for name in ("logp", "entropy", "kl"):
+            assert torch.isfinite(getattr(o, name)).all()
+            assert_within(name, getattr(o, name), ref[name], tol)
+        for name, got in g.items():
+            assert_within(name, got, ref[name], bound[name])
+
+
+def test_fused_with_a_soft_cap_saves_only_inputs_and_per_token_floats():
+    n, h, v = 256, 16, 4000
+    p = make_problem(n, h, v, dtype=torch.float32, transform=TRANSFORMS["softcap"])
+    hidden = p.hidden.clone().requires_grad_(True)
+    out, saved = saved_bytes(
+        lambda: lp.fused(
+            hidden, p.weight, p.tokens, hidden_ref=p.hidden_ref, weight_ref=p.weight_ref,
+            transform=p.transform, transform_ref=p.transform_ref,
+        )
+    )  # fmt: skip
+    inputs = sum(t.numel() * t.element_size() for t in (hidden, p.weight, p.tokens,
+                 p.hidden_ref, p.weight_ref))  # fmt: skip
+    assert all(math.prod(s) < n * v / 4 for s, _ in saved)  # no tile (nor its slope)
+    assert sum(b for _, b in saved) <= inputs + 8 * 8 * n  # as without a transform
+    (out.logp.sum() + out.entropy.sum() + out.kl.sum()).backward()
+
+
+def test_transform_errors_name_the_problem():
+    p = make_problem(4, 3, 10, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"transform must be a klpo\.logprobs\.LogitTransform"):
+        lp.fused(p.hidden, p.weight, p.tokens, transform={"softcap": 30.0})
+    with pytest.raises(TypeError, match=r"transform_ref must be a klpo\.logprobs\.LogitTransform"):
+        lp.exact_kl(torch.zeros(2, 3), torch.zeros(2, 3), transform_ref=30.0)
+    for bad in (LogitTransform(scale=0.0), LogitTransform(softcap=-1.0), LogitTransform(math.nan)):
+        with pytest.raises(ValueError, match=r"logit transform's (scale|softcap) must be finite"):
+            lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=torch.ones(4), transform=bad)
+    with pytest.raises(ValueError, match="divisor must be finite and > 0"):
+        LogitTransform.divided_by(0.0)

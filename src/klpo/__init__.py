@@ -4,6 +4,7 @@ The library is a set of pure tensor functions, one module per concern:
 
 - :mod:`klpo.kl`          per-token KL estimators and :func:`klpo.kl.explain`
 - :mod:`klpo.logprobs`    token log-probs, entropy and exact KL, chunked, from logits or hidden states
+- :mod:`klpo.heads`       a causal LM's output head and logit transform, read and checked against it
 - :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
 - :mod:`klpo.losses`      PPO clip / dual-clip / penalty, GSPO, CISPO surrogates, value loss, entropy, KL terms
 - :mod:`klpo.reduce`      the named loss aggregations
@@ -19,7 +20,16 @@ from types import ModuleType
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "advantages", "control", "kl", "logprobs", "losses", "reduce"]
+__all__ = [
+    "__version__",
+    "advantages",
+    "control",
+    "heads",
+    "kl",
+    "logprobs",
+    "losses",
+    "reduce",
+]
 
 _SUBMODULES = frozenset(__all__) - {"__version__"}
 

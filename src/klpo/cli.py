@@ -166,11 +166,11 @@ def train(
 
     import os
 
-    from klpo.train.dist import PeerFailed
     from klpo.train.loop import TrainingDiverged
     from klpo.train.loop import train as run_training
-    from klpo.train.rewards import RewardError
-    from klpo.train.stop import Interrupted
+    from klpo.train.rewards.functions import RewardError
+    from klpo.train.runtime.dist import PeerFailed
+    from klpo.train.runtime.stop import Interrupted
 
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     who = f"rank {rank}: " if rank is not None else ""
@@ -209,7 +209,7 @@ def export(
     with --merge a plain model with the adapters merged in.
     """
     from klpo.train.config import ConfigError
-    from klpo.train.export import export_run
+    from klpo.train.tools.export import export_run
 
     try:
         path = export_run(run_dir, out, merge=merge)
@@ -225,8 +225,8 @@ def docs(
 ) -> None:
     """Regenerate the reference pages (estimators, metrics, config) from the code."""
     from klpo.train.config import ConfigError
-    from klpo.train.docs import write_pages
     from klpo.train.preflight import check_writable_dir
+    from klpo.train.tools.docs import write_pages
 
     try:
         check_writable_dir(out, "--out")
@@ -541,7 +541,7 @@ def make_reference_cmd(
     """
     import dataclasses
 
-    from klpo.train import reference
+    from klpo.train.tools import make_reference as reference
 
     overrides = {
         k: v
@@ -622,7 +622,7 @@ def make_reward_model_cmd(
     labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
     import dataclasses
 
-    from klpo.train import reward_model
+    from klpo.train.tools import make_reward_model as reward_model
 
     overrides = {
         k: v
@@ -698,7 +698,9 @@ def compare(
     Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
     interrupted study without repeating finished runs.
     """
-    from klpo.train.compare import load_study, run_study, study_grid
+    from klpo.study.grid import study_grid
+    from klpo.study.runner import run_study
+    from klpo.study.spec import load_study
     from klpo.train.config import ConfigError
 
     try:
@@ -774,6 +776,11 @@ def doctor(
     samples: int = typer.Option(8, "--samples", help="Completions sampled per prompt."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Longest completion."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    variables: list[str] | None = typer.Option(
+        None,
+        "--var",
+        help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
+    ),
 ) -> None:
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     from klpo.doctor.command import run
@@ -791,6 +798,7 @@ def doctor(
         samples=samples,
         max_new_tokens=max_new_tokens,
         seed=seed,
+        variables=variables,
     )
     if code:
         raise typer.Exit(code)

@@ -794,7 +794,10 @@ def _derive(name: str, placement: str, on_policy: bool) -> Explanation:
 @functools.cache
 def _never_negative(name: str) -> bool:
     """Whether the value is ≥ 0 on a grid of log-ratios d ∈ [-30, 30] (and importance weights)."""
-    d = torch.linspace(-30.0, 30.0, 601, dtype=torch.float64)
+    # Steps of 0.1 from exact integers, so d = 0 is exactly 0: linspace puts ~1e-15 there, where
+    # exp(-d) + d - 1 rounds to either sign depending on the CPU's exp (a property of the
+    # arithmetic, not of the estimator).
+    d = torch.arange(-300, 301, dtype=torch.float64) / 10.0
     zeros = torch.zeros_like(d)
     if _REGISTRY[name].needs_logits:
         # The exact KL of two categoricals is ≥ 0 (Gibbs' inequality); check it on the cases.

@@ -109,12 +109,14 @@ __all__ = [
     "VOCAB_CHUNK_MAX",
     "FusedLoss",
     "FusedOutput",
+    "LogitTransform",
     "default_loss_token_chunk",
     "default_vocab_chunk",
     "entropy",
     "exact_kl",
     "fused",
     "fused_loss",
+    "model_logprobs",
     "token_logprobs",
 ]
 
@@ -137,6 +139,59 @@ _ROW_ELEMENTS = 1 << 22
 # oneDNN's linear is available (torch built with it); a switch for tests and benchmarks: False
 # sends every GEMM to torch.mm / addmm.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class LogitTransform(NamedTuple):
+    r"""What a model does to its output head's logits before the softmax.
+
+    With the head's output ``z = hidden @ weight.T + bias``:
+
+        u = scale · z,    x = softcap · tanh(u / softcap)    (x = u without a soft cap)
+
+    and then klpo's sampling temperature, ``x / T`` (the model's own logits are ``x``; vLLM and
+    TRL divide those by the temperature). ``scale`` is Cohere's ``logit_scale``, ``1 /
+    logits_scaling`` for Granite (which divides) and Falcon-H1's ``lm_head_multiplier``;
+    ``softcap`` is Gemma 2's ``final_logit_softcapping`` (Gemma Team, arXiv:2408.00118).
+    :func:`klpo.heads.read_head` reads it from a model. The gradient follows the chain rule:
+    ``dx/dz = scale (1 - tanh²(u / softcap))`` (``scale`` without a cap).
+
+    Attributes:
+        scale: the logits' multiplier, > 0 (default 1).
+        softcap: the soft cap, > 0, or None for none.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def divided_by(cls, divisor: float, softcap: float | None = None) -> LogitTransform:
+        """The transform of a head whose logits are divided by ``divisor`` (Granite's
+        ``logits_scaling``): ``scale = 1 / divisor``."""
+        return cls.make(1.0 / _positive("divisor", divisor), softcap)
+
+    @classmethod
+    def make(cls, scale: float = 1.0, softcap: float | None = None) -> LogitTransform:
+        """A checked transform: ValueError unless ``scale`` and ``softcap`` are finite and > 0."""
+        return cls(
+            _positive("scale", scale), None if softcap is None else _positive("softcap", softcap)
+        )
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the logits are the head's output unchanged."""
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply(self, z: Tensor) -> Tensor:
+        """``x`` from the head's output ``z`` (any shape), in ``z``'s dtype: the model's logits."""
+        u = z * self.scale if self.scale != 1.0 else z
+        return u if self.softcap is None else torch.tanh(u / self.softcap) * self.softcap
+
+
+def _positive(name: str, value: float) -> float:
+    v = float(value)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"a logit transform's {name} must be finite and > 0, got {value!r}")
+    return v
 
 
 class FusedOutput(NamedTuple):
@@ -176,6 +231,50 @@ def _inv_temperature(temperature: float) -> float:
     if not (t > 0 and math.isfinite(t)):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     return 1.0 / t
+
+
+class _Affine(NamedTuple):
+    """A head's transform with the temperature folded in: ``x = cap_t tanh(lin z)`` with a soft
+    cap, ``x = lin z`` without; ``slope`` is ``scale / T``, so that ``dx/dz = slope`` uncapped and
+    ``slope (1 - tanh²(lin z))`` capped."""
+
+    lin: float
+    cap_t: float | None
+    slope: float
+
+    @property
+    def coef(self) -> float:
+        """The factor of the gradient coefficients (:func:`_coefficients`): ``dx/dz`` where it is
+        constant; 1 for a capped head, whose tiles are multiplied by their own slope instead."""
+        return self.slope if self.cap_t is None else 1.0
+
+
+def _affine(transform: LogitTransform | None, temperature: float, name: str) -> _Affine:
+    """``transform`` (checked) and the temperature as an :class:`_Affine`."""
+    inv_t = _inv_temperature(temperature)
+    if transform is None:
+        return _Affine(inv_t, None, inv_t)
+    if not isinstance(transform, LogitTransform):
+        raise TypeError(
+            f"{name} must be a klpo.logprobs.LogitTransform or None, got {type(transform).__name__}"
+        )
+    scale, cap = LogitTransform.make(*transform)
+    if cap is None:
+        return _Affine(scale * inv_t, None, scale * inv_t)
+    return _Affine(scale / cap, cap * inv_t, scale * inv_t)
+
+
+def _transformed(z: Tensor, cd: torch.dtype, aff: _Affine) -> Tensor:
+    """``x = aff(z)`` as a fresh tensor in the compute dtype."""
+    x = z.to(cd).mul(aff.lin)
+    if aff.cap_t is not None:
+        x.tanh_().mul_(aff.cap_t)
+    return x
+
+
+def _slope_of(y: Tensor, aff: _Affine) -> Tensor:
+    """``dx/dz = slope (1 - y²)`` from ``y = tanh(lin z)``, as a new tensor (one pass)."""
+    return torch.addcmul(y.new_tensor(aff.slope), y, y, value=-aff.slope)
 
 
 def _check_float(name: str, t: Tensor) -> None:
@@ -224,7 +323,10 @@ def _coefficients(
     dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma log pi_ref)
-    + delta 1[v = y]``, from the module's gradient formula; None where a term is absent."""
+    + delta 1[v = y]``, from the module's gradient formula; None where a term is absent.
+
+    ``inv_t`` is ``dx/dz`` where it is constant (:attr:`_Affine.coef`: ``scale / T``); a capped
+    head passes 1 and multiplies ``G`` by its slope tile by tile."""
     a = None if grad_logp is None else grad_logp.to(dtype)
     b = None if grad_entropy is None else grad_entropy.to(dtype)
     c = None if grad_kl is None else grad_kl.to(dtype)
@@ -272,7 +374,8 @@ class _FromLogits(torch.autograd.Function):
         logits: Tensor,
         tokens: Tensor | None,
         logits_ref: Tensor | None,
-        inv_t: float,
+        aff: _Affine,
+        aff_ref: _Affine,
         with_entropy: bool,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         ctx.set_materialize_grads(False)
@@ -286,7 +389,7 @@ class _FromLogits(torch.autograd.Function):
         kl = None if logits_ref is None else torch.empty_like(log_z)
         for r0 in range(0, n, rows):
             r = slice(r0, min(r0 + rows, n))
-            x = logits[r].to(cd).mul(inv_t)  # a fresh tensor, safe to modify
+            x = _transformed(logits[r], cd, aff)  # a fresh tensor, safe to modify
             log_z[r] = torch.logsumexp(x, dim=-1)
             if logp is not None:
                 logp[r] = x.gather(1, tokens[r, None])[:, 0] - log_z[r]
@@ -297,7 +400,7 @@ class _FromLogits(torch.autograd.Function):
             if ent is not None:
                 ent[r] = -torch.linalg.vecdot(pi, log_pi)
             if kl is not None:
-                x_ref = logits_ref[r].to(cd).mul(inv_t)
+                x_ref = _transformed(logits_ref[r], cd, aff_ref)
                 log_z_ref[r] = torch.logsumexp(x_ref, dim=-1)
                 kl[r] = torch.linalg.vecdot(pi, log_pi.sub_(x_ref.sub_(log_z_ref[r, None])))
         _check_rows("logits", log_z)
@@ -316,9 +419,9 @@ class _FromLogits(torch.autograd.Function):
                 masked = torch.unique(odd.nonzero()[:, 0] // rows).tolist()
         for k in masked:
             r = slice(k * rows, min((k + 1) * rows, n))
-            x_ref = None if kl is None else logits_ref[r].to(cd).mul(inv_t)
+            x_ref = None if kl is None else _transformed(logits_ref[r], cd, aff_ref)
             e_r, kl_r = _masked_sums(
-                logits[r].to(cd).mul(inv_t),
+                _transformed(logits[r], cd, aff),
                 log_z[r],
                 x_ref,
                 log_z_ref[r] if kl is not None else None,
@@ -332,7 +435,8 @@ class _FromLogits(torch.autograd.Function):
         out_ent = None if ent is None else ent.clamp_min(0.0)
         out_kl = None if kl is None else kl.clamp_min(0.0)
         ctx.save_for_backward(logits, tokens, logits_ref, log_z, log_z_ref, out_ent, out_kl)
-        ctx.inv_t, ctx.rows, ctx.cd, ctx.masked = inv_t, rows, cd, frozenset(masked)
+        ctx.aff, ctx.aff_ref, ctx.rows, ctx.cd = aff, aff_ref, rows, cd
+        ctx.masked = frozenset(masked)
         return out_logp, out_ent, out_kl
 
     @staticmethod
@@ -341,21 +445,21 @@ class _FromLogits(torch.autograd.Function):
         if not ctx.needs_input_grad[0] or (
             grad_logp is None and grad_entropy is None and grad_kl is None
         ):
-            return None, None, None, None, None
-        cd, inv_t, rows = ctx.cd, ctx.inv_t, ctx.rows
+            return (None,) * 6
+        cd, aff, aff_ref, rows = ctx.cd, ctx.aff, ctx.aff_ref, ctx.rows
         alpha, beta, gamma, delta = _coefficients(
-            grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
+            grad_logp, grad_entropy, grad_kl, ent, kl, aff.coef, cd
         )
         alpha = alpha.expand(log_z.shape)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         n = logits.shape[0]
         for r0 in range(0, n, rows):
             r = slice(r0, min(r0 + rows, n))
-            log_pi = logits[r].to(cd).mul(inv_t).sub_(log_z[r, None])
+            log_pi, slope = _log_pi_rows(logits[r], log_z[r], cd, aff)
             if r0 // rows in ctx.masked:
                 log_pi_ref = None
                 if gamma is not None:
-                    log_pi_ref = logits_ref[r].to(cd).mul(inv_t).sub_(log_z_ref[r, None])
+                    log_pi_ref = _transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
                 g = _masked_grad(
                     log_pi,
                     log_pi_ref,
@@ -366,7 +470,7 @@ class _FromLogits(torch.autograd.Function):
                 )
                 if delta is not None:
                     g.scatter_add_(1, tokens[r, None], delta[r, None])
-                grad[r] = g
+                grad[r] = g if slope is None else g.mul_(slope)
                 continue
             pi = torch.exp(log_pi)
             if beta is None:
@@ -374,13 +478,25 @@ class _FromLogits(torch.autograd.Function):
             else:
                 inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
                 if gamma is not None:
-                    log_pi_ref = logits_ref[r].to(cd).mul(inv_t).sub_(log_z_ref[r, None])
+                    log_pi_ref = _transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
                     inner.addcmul_(log_pi_ref, gamma[r, None])
                 g = pi.mul_(inner)
             if delta is not None:
                 g.scatter_add_(1, tokens[r, None], delta[r, None])
-            grad[r] = g
-        return grad, None, None, None, None
+            grad[r] = g if slope is None else g.mul_(slope)
+        return grad, None, None, None, None, None
+
+
+def _log_pi_rows(
+    z: Tensor, log_z: Tensor, cd: torch.dtype, aff: _Affine
+) -> tuple[Tensor, Tensor | None]:
+    """``log pi = x - L`` of rows of logits ``z`` (a fresh tensor) and, for a capped transform,
+    ``dx/dz`` (None otherwise: the constant is in the coefficients)."""
+    if aff.cap_t is None:
+        return z.to(cd).mul(aff.lin).sub_(log_z[:, None]), None
+    y = z.to(cd).mul(aff.lin).tanh_()
+    slope = _slope_of(y, aff)
+    return torch.add(-log_z[:, None], y, alpha=aff.cap_t, out=y), slope
 
 
 def _check_rows(name: str, log_z: Tensor) -> None:
@@ -452,11 +568,14 @@ def _from_logits(
     logits_ref: Tensor | None,
     temperature: float,
     with_entropy: bool,
+    transform: LogitTransform | None = None,
+    transform_ref: LogitTransform | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     _check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V] with V ≥ 1, got shape {tuple(logits.shape)}")
-    inv_t = _inv_temperature(temperature)
+    aff = _affine(transform, temperature, "transform")
+    aff_ref = _affine(transform_ref, temperature, "transform_ref")
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     if tokens is not None:
         _check_tokens(tokens, lead, vocab, "logits", logits.shape)
@@ -469,49 +588,73 @@ def _from_logits(
                 f"{tuple(logits_ref.shape)}; both must be [..., V] logits at the same positions"
             )
         logits_ref = logits_ref.detach().reshape(-1, vocab)
-    outs = _FromLogits.apply(logits.reshape(-1, vocab), tokens, logits_ref, inv_t, with_entropy)
+    outs = _FromLogits.apply(
+        logits.reshape(-1, vocab), tokens, logits_ref, aff, aff_ref, with_entropy
+    )
     return tuple(None if o is None else o.view(lead) for o in outs)  # type: ignore[return-value]
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+def token_logprobs(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    transform: LogitTransform | None = None,
+) -> Tensor:
     r"""``log pi(y)`` of each token, ``pi = softmax(logits / temperature)``, in row chunks.
 
     ``logp = x_y - log sum_v exp(x_v)`` with ``x = logits / temperature``; float32 arithmetic on
     chunks of rows (float64 for float64 logits), so no full float32 copy of the logits is made.
+    With ``transform``, ``logits`` are the head's raw output ``z`` and ``x = transform(z) /
+    temperature`` (:class:`LogitTransform`); the model's own logits need none.
 
-    Gradient: ``(1[v = y] - pi_v) / temperature`` per unit upstream gradient, recomputed chunk by
-    chunk in the backward pass (nothing of size ``[..., V]`` is saved besides ``logits`` itself).
+    Gradient: ``(1[v = y] - pi_v) / temperature`` per unit upstream gradient (times ``dx/dz`` of
+    the transform), recomputed chunk by chunk in the backward pass (nothing of size ``[..., V]`` is
+    saved besides ``logits`` itself).
 
     Args:
         logits: ``[..., V]`` logits at the positions that produced ``tokens``, any float dtype.
         tokens: ``[...]`` integer token ids in ``[0, V)``.
         temperature: the sampling temperature the logits are divided by.
+        transform: the transform of raw head outputs (default: none).
 
     Returns:
         ``[...]`` float32 (float64 for float64 logits).
     """
-    return _from_logits(logits, tokens, None, temperature, False)[0]
+    return _from_logits(logits, tokens, None, temperature, False, transform)[0]
 
 
-def entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+def entropy(
+    logits: Tensor, *, temperature: float = 1.0, transform: LogitTransform | None = None
+) -> Tensor:
     r"""The entropy ``-sum_v pi(v) log pi(v)`` at each position, ``pi = softmax(logits / temperature)``.
 
-    Gradient with respect to the logits: ``-pi_v (log pi_v + entropy) / temperature``.
+    Gradient with respect to the logits: ``-pi_v (log pi_v + entropy) / temperature`` (times
+    ``dx/dz`` with a ``transform``, as in :func:`token_logprobs`).
 
     ``-inf`` logits (a masked vocabulary) are allowed: entries with ``pi(v) = 0`` add 0 (``0 log 0
-    = 0``) and get 0 gradient, so the result is the entropy over the remaining support.
+    = 0``) and get 0 gradient, so the result is the entropy over the remaining support. (A soft
+    cap maps ``-inf`` to ``-softcap``, as the model does.)
 
     Args:
         logits: ``[..., V]``, any float dtype; no row may be ``-inf`` everywhere.
         temperature: the sampling temperature the logits are divided by.
+        transform: the transform of raw head outputs (default: none).
 
     Returns:
         ``[...]`` float32 (float64 for float64 logits).
     """
-    return _from_logits(logits, None, None, temperature, True)[1]
+    return _from_logits(logits, None, None, temperature, True, transform)[1]
 
 
-def exact_kl(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Tensor:
+def exact_kl(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    temperature: float = 1.0,
+    transform: LogitTransform | None = None,
+    transform_ref: LogitTransform | None = None,
+) -> Tensor:
     r"""The exact KL(pi_theta ‖ pi_ref) over the vocabulary at each position.
 
     ``kl = sum_v pi(v) (log pi(v) - log pi_ref(v))`` with ``pi = softmax(logits / temperature)``
@@ -533,12 +676,14 @@ def exact_kl(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) ->
         logits: ``[..., V]`` policy logits, any float dtype; no row may be ``-inf`` everywhere.
         logits_ref: ``[..., V]`` reference logits at the same positions (detached); likewise.
         temperature: the sampling temperature both are divided by.
+        transform: the transform of raw head outputs ``logits`` (default: none).
+        transform_ref: likewise for ``logits_ref`` (default: none, whatever ``transform``).
 
     Returns:
         ``[...]`` float32 (float64 when an input is float64).
     """
     _check_float("logits_ref", logits_ref)
-    return _from_logits(logits, None, logits_ref, temperature, False)[2]
+    return _from_logits(logits, None, logits_ref, temperature, False, transform, transform_ref)[2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,24 +691,32 @@ def exact_kl(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) ->
 
 
 class _Head:
-    """One model's head in the compute dtype: ``x = (hidden @ weight.T + bias) / T``, by tiles."""
+    """One model's head in the compute dtype, by tiles: ``x = lin (hidden @ weight.T + bias)``
+    (``lin = scale / T``), or ``x = cap_t tanh(lin (hidden @ weight.T + bias))`` with a soft cap
+    (``lin = scale / cap``, ``cap_t = cap / T``); see :class:`_Affine`."""
 
     def __init__(
         self,
         hidden: Tensor,
         weight: Tensor,
         bias: Tensor | None,
-        inv_t: float,
+        aff: _Affine,
         cd: torch.dtype,
         plan: gemm.Plan,
     ) -> None:
+        lin = aff.lin
         self.hidden = hidden.to(cd)  # [N, H], unscaled, for the weight gradient
-        self.hidden_t = self.hidden if inv_t == 1.0 else self.hidden * inv_t  # [N, H] = h / T
+        self.hidden_t = self.hidden if lin == 1.0 else self.hidden * lin  # [N, H] = lin h
         self.weight = weight  # [V, H], chunks converted on use
-        self.bias_t = None if bias is None else bias.to(cd) * inv_t  # [V] = b / T
+        self.bias_t = None if bias is None else bias.to(cd) * lin  # [V] = lin b
+        self.aff = aff
         self.cd = cd
         self.plan = plan
         self._buffer: Tensor | None = None
+
+    @property
+    def capped(self) -> bool:
+        return self.aff.cap_t is not None
 
     def chunk(self, v0: int, v1: int) -> Tensor:
         """``weight[v0:v1]`` in the compute dtype, converted into one reused buffer.
@@ -581,18 +734,46 @@ class _Head:
         """``(x[t, v0:v0+vc] - offset[t]).T``: ``[vc, n]``, vocabulary rows by token columns.
 
         Transposed so that the per-token ``-offset`` is the GEMM's bias (added in its epilogue,
-        no pass over the tile); a head's own bias (per vocabulary row) is one more pass.
+        no pass over the tile); a head's own bias (per vocabulary row) is one more pass. A soft
+        cap takes two more (``tanh``, then ``cap_t y - offset``), the offset after the cap.
         """
+        if self.capped:
+            return self.tile_slope(w_chunk, v0, t, offset, False)[0]
         neg = None if offset is None else -offset[t]
         x = gemm.logits(w_chunk, self.hidden_t[t], neg, self.plan.logits)
         if self.bias_t is not None:
             x.add_(self.bias_t[v0 : v0 + w_chunk.shape[0], None])
         return x
 
+    def tile_slope(
+        self, w_chunk: Tensor, v0: int, t: slice, offset: Tensor | None, want_slope: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """The tile of :meth:`tile` and, for a capped head, ``dx/dz`` at each of its entries
+        (a second ``[vc, n]`` tensor; None for an uncapped head, whose ``dx/dz`` is constant)."""
+        if not self.capped:
+            return self.tile(w_chunk, v0, t, offset), None
+        y = gemm.logits(w_chunk, self.hidden_t[t], None, self.plan.logits)
+        if self.bias_t is not None:
+            y.add_(self.bias_t[v0 : v0 + w_chunk.shape[0], None])
+        y.tanh_()
+        slope = _slope_of(y, self.aff) if want_slope else None
+        if offset is None:
+            return y.mul_(self.aff.cap_t), slope
+        return torch.add(-offset[t][None, :], y, alpha=self.aff.cap_t, out=y), slope
+
     def target_logits(self, tokens: Tensor) -> Tensor:
         """``x_y`` for each token, by a gathered dot product: ``[N]``."""
         x = torch.linalg.vecdot(self.hidden_t, self.weight[tokens].to(self.cd))
-        return x if self.bias_t is None else x + self.bias_t[tokens]
+        x = x if self.bias_t is None else x + self.bias_t[tokens]
+        return x if not self.capped else x.tanh_().mul_(self.aff.cap_t)
+
+    def target_slope(self, tokens: Tensor) -> Tensor | None:
+        """``dx/dz`` at each token's own logit, ``[N]`` (None for an uncapped head)."""
+        if not self.capped:
+            return None
+        y = torch.linalg.vecdot(self.hidden_t, self.weight[tokens].to(self.cd))
+        y = y if self.bias_t is None else y + self.bias_t[tokens]
+        return _slope_of(y.tanh_(), self.aff)
 
     def row_max(self, token_chunk: int, vocab_chunk: int) -> Tensor:
         """``max_v x_v`` for each token, one more pass over the tiles: ``[N]``."""
@@ -609,7 +790,7 @@ class _Head:
         head = object.__new__(_Head)
         head.hidden, head.hidden_t = self.hidden[idx], self.hidden_t[idx]
         head.weight, head.bias_t, head.cd, head.plan = self.weight, self.bias_t, self.cd, self.plan
-        head._buffer = None
+        head.aff, head._buffer = self.aff, None
         return head
 
 
@@ -702,8 +883,9 @@ def _backward_logp(
     The per-token ``alpha`` is taken out of the tiles: ``grad_hidden = alpha * (pi @ W) + delta
     W[y]`` (one row scaling at the end) and ``grad_weight = pi.T @ (alpha * hidden) + the targets'
     rows delta * hidden`` (``alpha * hidden`` formed once), so a tile is one GEMM, one ``exp`` and
-    two GEMMs: no pass to scale it or to add at the targets. Fills ``grad_h`` (float32 ``[N, H]``,
-    zeros), ``grad_w`` and ``grad_b`` in place.
+    two GEMMs: no pass to scale it or to add at the targets. A soft-capped head multiplies each
+    tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grad_h`` (float32
+    ``[N, H]``, zeros), ``grad_w`` and ``grad_b`` in place.
     """
     cd, plan = pol.cd, pol.plan
     token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
@@ -724,7 +906,10 @@ def _backward_logp(
             dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            pi = pol.tile(w, v0, t, log_z).exp_()  # pi.T: [vc, n]
+            pi, slope = pol.tile_slope(w, v0, t, log_z)
+            pi.exp_()  # pi.T: [vc, n]
+            if slope is not None:  # a soft cap: dx/dz at each entry (alpha is taken out still)
+                pi.mul_(slope)
             if grad_h is not None:
                 gemm.grad_hidden(grad_h[t], pi, w, plan.grad_hidden)
             if dw is not None:
@@ -761,7 +946,8 @@ class _Fused(torch.autograd.Function):
         hidden_ref: Tensor | None,
         weight_ref: Tensor | None,
         bias_ref: Tensor | None,
-        inv_t: float,
+        aff: _Affine,
+        aff_ref: _Affine,
         with_entropy: bool,
         token_chunk: int,
         vocab_chunk: int,
@@ -769,9 +955,11 @@ class _Fused(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         ctx.set_materialize_grads(False)
         cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
-        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        pol = _Head(hidden, weight, bias, aff, cd, plan)
         ref = (
-            None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+            None
+            if hidden_ref is None
+            else _Head(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         )
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
@@ -816,7 +1004,7 @@ class _Fused(torch.autograd.Function):
             ent,
             kl,
         )
-        ctx.inv_t, ctx.cd = inv_t, cd
+        ctx.aff, ctx.aff_ref, ctx.cd = aff, aff_ref, cd
         ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
 
@@ -836,23 +1024,29 @@ class _Fused(torch.autograd.Function):
             kl,
         ) = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 12
+        none = (None,) * 13
         if grad_logp is None and grad_entropy is None and grad_kl is None:
             return none
         if not (need_h or need_w or need_b):
             return none
-        cd, inv_t = ctx.cd, ctx.inv_t
+        cd, aff = ctx.cd, ctx.aff
         token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
         alpha, beta, gamma, delta = _coefficients(
-            grad_logp, grad_entropy, grad_kl, ent, kl, inv_t, cd
+            grad_logp, grad_entropy, grad_kl, ent, kl, aff.coef, cd
         )
         # Row vectors: the tiles are [vc, n], vocabulary by tokens.
         alpha = alpha.expand(log_z.shape)[None, :]
         beta = None if beta is None else beta[None, :]
         gamma = None if gamma is None else gamma[None, :]
         plan = ctx.plan
-        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
-        ref = None if gamma is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+        pol = _Head(hidden, weight, bias, aff, cd, plan)
+        ref = (
+            None
+            if gamma is None
+            else _Head(hidden_ref, weight_ref, bias_ref, ctx.aff_ref, cd, plan)
+        )
+        if delta is not None and pol.capped:  # the targets' part, times dx/dz at the target
+            delta = delta * pol.target_slope(tokens)
         n, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
         grad_h = torch.zeros(hidden.shape, dtype=cd, device=device) if need_h else None
@@ -866,7 +1060,7 @@ class _Fused(torch.autograd.Function):
                 None if grad_h is None else grad_h.to(hidden.dtype),
                 grad_w,
                 grad_b,
-                *(None,) * 9,
+                *(None,) * 10,
             )
         g_low = None  # G.T in bf16, reused across vocabulary chunks
         col = slice(None)
@@ -881,7 +1075,7 @@ class _Fused(torch.autograd.Function):
             for t0 in range(0, n, token_chunk):
                 t = slice(t0, min(t0 + token_chunk, n))
                 tc = (col, t)
-                log_pi = pol.tile(w, v0, t, log_z)  # [vc, n]
+                log_pi, slope = pol.tile_slope(w, v0, t, log_z)  # [vc, n]
                 if beta is None:
                     g = log_pi.exp_().mul_(alpha[tc])
                 else:
@@ -890,6 +1084,8 @@ class _Fused(torch.autograd.Function):
                     if gamma is not None:
                         inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[tc])
                     g = pi.mul_(inner)
+                if slope is not None:
+                    g.mul_(slope)
                 if delta is not None:
                     _add_at_targets(g, tokens[t], v0, delta[t])
                 # g is (G / T).T for this tile: [vc, n].
@@ -915,7 +1111,7 @@ class _Fused(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
             grad_b,
-            *(None,) * 9,
+            *(None,) * 10,
         )
 
 
@@ -986,11 +1182,14 @@ def fused(
     with_entropy: bool = True,
     token_chunk: int = TOKEN_CHUNK,
     vocab_chunk: int | None = None,
+    transform: LogitTransform | None = None,
+    transform_ref: LogitTransform | None = None,
 ) -> FusedOutput:
     r"""Token log-probs, entropy and exact KL(pi_theta ‖ pi_ref) from hidden states and the head.
 
-    With ``x = (hidden @ weight.T + bias) / temperature`` and ``pi = softmax(x)`` (and ``x_ref``,
-    ``pi_ref`` likewise from ``hidden_ref``, ``weight_ref``, ``bias_ref``), per position:
+    With ``x = transform(hidden @ weight.T + bias) / temperature`` and ``pi = softmax(x)`` (and
+    ``x_ref``, ``pi_ref`` likewise from ``hidden_ref``, ``weight_ref``, ``bias_ref`` and
+    ``transform_ref``), per position:
     ``logp = log pi(y)``, ``entropy = -sum_v pi log pi`` and
     ``kl = sum_v pi (log pi - log pi_ref)``, all computed tile by tile (``vocab_chunk`` vocabulary
     entries by ``token_chunk`` tokens) so that the ``[N, V]`` logits never exist; see the module
@@ -1019,6 +1218,12 @@ def fused(
         vocab_chunk: vocabulary entries per tile (default
             ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
             8 MiB in float32). Both defaults are justified in docs/performance.md.
+        transform: what the policy's model does to its head's output before the softmax (a
+            scale, a soft cap: :class:`LogitTransform`, read from a model by
+            :func:`klpo.heads.read_head`); None or the identity: nothing, at no cost. A soft cap
+            costs two elementwise passes per tile (and one more in the backward pass).
+        transform_ref: likewise for the reference's head (None: nothing, whatever
+            ``transform``).
 
     Returns:
         :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
@@ -1035,7 +1240,8 @@ def fused(
     for name, size in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
-    inv_t = _inv_temperature(temperature)
+    aff = _affine(transform, temperature, "transform")
+    aff_ref = _affine(transform_ref, temperature, "transform_ref")
 
     def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.reshape(-1, t.shape[-1])
@@ -1051,7 +1257,8 @@ def fused(
         detached(flat(hidden_ref)),
         detached(weight_ref),
         detached(bias_ref),
-        inv_t,
+        aff,
+        aff_ref,
         bool(with_entropy),
         token_chunk,
         vocab_chunk,
@@ -1104,15 +1311,16 @@ def default_loss_token_chunk(vocab: int) -> int:
 
 
 def _shifted_tile(
-    head: _Head, w: Tensor, t: slice, m: Tensor, keep_x: bool
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """``x = x[t] - m[t]`` as a ``[V, k]`` tile, ``e = exp(x)`` and ``s = sum_v e`` per column.
+    head: _Head, w: Tensor, t: slice, m: Tensor, keep_x: bool, want_slope: bool = False
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
+    """``x = x[t] - m[t]`` as a ``[V, k]`` tile, ``e = exp(x)``, ``s = sum_v e`` per column, and
+    (``want_slope``, a capped head) ``dx/dz`` at each entry.
 
     ``m[t]`` is raised to the column's max (in place) where ``s`` overflows (a logit ~88 above
     ``m``), so the result is exact either way. Without ``keep_x`` the exp is taken in place and
     ``x`` is not returned (None).
     """
-    x = head.tile(w, 0, t, m)
+    x, slope = head.tile_slope(w, 0, t, m, want_slope)
     e = torch.exp(x) if keep_x else x.exp_()
     s = e.sum(0)
     if not bool(torch.isfinite(s).all()):
@@ -1123,7 +1331,7 @@ def _shifted_tile(
         m[t] += shift
         e = torch.exp(x) if keep_x else x.exp_()
         s = e.sum(0)
-    return (x if keep_x else None), e, s
+    return (x if keep_x else None), e, s, slope
 
 
 def _add_grad_weight(grad_w: Tensor | None, g: Tensor, h: Tensor, plan: gemm.Plan) -> Tensor:
@@ -1153,7 +1361,8 @@ class _FusedLoss(torch.autograd.Function):
         a: Tensor | None,
         b: Tensor | None,
         c: Tensor | None,
-        inv_t: float,
+        aff: _Affine,
+        aff_ref: _Affine,
         with_entropy: bool,
         token_chunk: int,
         plan: gemm.Plan,
@@ -1161,9 +1370,12 @@ class _FusedLoss(torch.autograd.Function):
     ):
         cd = _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
         need_h, need_w, need_b = want
-        pol = _Head(hidden, weight, bias, inv_t, cd, plan)
+        need_any = need_h or need_w or need_b
+        pol = _Head(hidden, weight, bias, aff, cd, plan)
         ref = (
-            None if hidden_ref is None else _Head(hidden_ref, weight_ref, bias_ref, inv_t, cd, plan)
+            None
+            if hidden_ref is None
+            else _Head(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         )
         n, hs = pol.hidden.shape
         vocab = weight.shape[0]
@@ -1172,6 +1384,7 @@ class _FusedLoss(torch.autograd.Function):
         if ref is not None:  # its own buffer: pol.chunk may reuse one
             w_ref = weight_ref if weight_ref.dtype == cd else weight_ref.to(cd)
         x_y = pol.target_logits(tokens)
+        slope_y = pol.target_slope(tokens) if need_any else None  # None: an uncapped head
         m = x_y.clone()
         m_ref = None if ref is None else ref.target_logits(tokens)
         logp = torch.empty(n, dtype=cd, device=device)
@@ -1183,12 +1396,11 @@ class _FusedLoss(torch.autograd.Function):
         grad_h = torch.zeros(n, hs, dtype=cd, device=device) if need_h else None
         grad_w = None  # [V, H], the first chunk's product, then accumulated into
         grad_b = torch.zeros(vocab, dtype=cd, device=device) if need_b else None
-        need_any = need_h or need_w or need_b
         # The tile x itself is needed for the entropy, the KL and the gradient of either.
         keep_x = with_entropy or ref is not None
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            x, e, s = _shifted_tile(pol, w, t, m, keep_x)  # [V, k], relative to m[t]
+            x, e, s, slope = _shifted_tile(pol, w, t, m, keep_x, need_any)  # [V, k], x - m[t]
             log_s = torch.log(s)
             logp[t] = (x_y[t] - m[t]) - log_s
             s_x = None
@@ -1198,7 +1410,7 @@ class _FusedLoss(torch.autograd.Function):
                 ent[t] = log_s - s_x / s
             x_ref = log_s_ref = None
             if ref is not None:
-                x_ref, e_ref, s_ref = _shifted_tile(ref, w_ref, t, m_ref, True)
+                x_ref, e_ref, s_ref, _ = _shifted_tile(ref, w_ref, t, m_ref, True)
                 log_s_ref = torch.log(s_ref)
                 del e_ref
                 # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers.
@@ -1212,16 +1424,19 @@ class _FusedLoss(torch.autograd.Function):
                 None if c is None else c[t],
                 None if ent is None else ent[t],
                 None if kl is None else kl[t],
-                inv_t,
+                aff.coef,
                 cd,
             )
+            if delta is not None and slope_y is not None:
+                delta = delta * slope_y[t]
             # G / T = pi (alpha + beta log pi + gamma log pi_ref) + delta 1[v = y], with
             # pi = e / s, log pi = x - log s, log pi_ref = x_ref - log s_ref.
             alpha = alpha.expand(log_s.shape) / s
             if beta is None and gamma is None:
                 # Only logp: G / T = (alpha / s) e + delta 1[v = y]; alpha / s is taken out of the
-                # tile (scaling the [k, H] operands), so the tile costs only its exp.
-                g = e
+                # tile (scaling the [k, H] operands), so the tile costs only its exp (and a
+                # capped head's slope).
+                g = e if slope is None else e.mul_(slope)
                 if need_h:
                     gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
                     grad_h[t] *= alpha[:, None]
@@ -1242,13 +1457,15 @@ class _FusedLoss(torch.autograd.Function):
                 if gamma is not None:
                     inner.addcmul_(x_ref, (gamma / s)[None, :])
                 g = e.mul_(inner)
+                if slope is not None:
+                    g.mul_(slope)
                 if need_h:
                     gemm.grad_hidden(grad_h[t], g, w, plan.grad_hidden)
                 if need_w:
                     grad_w = _add_grad_weight(grad_w, g, pol.hidden[t], plan)
                 if need_b:
                     grad_b += g.sum(1)
-            del x, e, x_ref, g  # before the next tile is allocated: one tile alive at a time
+            del x, e, x_ref, g, slope  # before the next tile: one tile (two capped) at a time
             if delta is not None:
                 # The targets' part, delta 1[v = y], without a pass over the tile.
                 d = delta
@@ -1281,12 +1498,12 @@ class _FusedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         grads = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 15
+            return (None,) * 16
         scaled = [
             None if g is None else (g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype))
             for g in grads
         ]
-        return (*scaled, *(None,) * 12)
+        return (*scaled, *(None,) * 13)
 
 
 def fused_loss(
@@ -1304,13 +1521,15 @@ def fused_loss(
     bias_ref: Tensor | None = None,
     with_entropy: bool = False,
     token_chunk: int | None = None,
+    transform: LogitTransform | None = None,
+    transform_ref: LogitTransform | None = None,
 ) -> FusedLoss:
     r"""A per-token weighted sum of log-probs, entropy and exact KL as one scalar loss, with its
     gradient computed in the forward pass (no recompute of the logits).
 
     ``loss = sum_i (logp_weight_i logp_i + entropy_weight_i entropy_i + kl_weight_i kl_i)`` with
-    ``logp``, ``entropy`` and ``kl`` as in :func:`fused` (from ``x = (hidden @ weight.T + bias) /
-    temperature``, and the reference's ``x_ref`` for the KL). Use it when the loss's per-token
+    ``logp``, ``entropy`` and ``kl`` as in :func:`fused` (from ``x = transform(hidden @ weight.T +
+    bias) / temperature``, and the reference's ``x_ref`` for the KL). Use it when the loss's per-token
     weights are known before the forward pass: cross-entropy and distillation (``logp_weight =
     -1 / N``), REINFORCE/GRPO on-policy with fixed advantages (``logp_weight = -A_i w_i``), an
     exact-KL penalty (``kl_weight = beta w_i``). Where the weights depend on ``logp`` itself (a
@@ -1333,8 +1552,9 @@ def fused_loss(
     against naive PyTorch and the peers in docs/performance.md.
 
     Args:
-        hidden, weight, tokens, bias, temperature, hidden_ref, weight_ref, bias_ref: as in
-            :func:`fused`.
+        hidden, weight, tokens, bias, temperature, hidden_ref, weight_ref, bias_ref, transform,
+            transform_ref: as in :func:`fused` (a soft cap holds one more ``V x k`` tile, its
+            ``dx/dz``, while the gradient is formed).
         logp_weight: ``[N]`` or ``tokens``' shape, the weight of each token's ``logp`` (detached).
         entropy_weight: likewise for the entropy (turns on the entropy).
         kl_weight: likewise for the exact KL (needs the reference).
@@ -1382,7 +1602,8 @@ def fused_loss(
         token_chunk = default_loss_token_chunk(vocab)
     if not isinstance(token_chunk, int) or isinstance(token_chunk, bool) or token_chunk < 1:
         raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
-    inv_t = _inv_temperature(temperature)
+    aff = _affine(transform, temperature, "transform")
+    aff_ref = _affine(transform_ref, temperature, "transform_ref")
     grad_on = torch.is_grad_enabled()
     want = (
         grad_on and hidden.requires_grad,
@@ -1399,7 +1620,8 @@ def fused_loss(
         None if weight_ref is None else weight_ref.detach(),
         None if bias_ref is None else bias_ref.detach(),
         *weights,
-        inv_t,
+        aff,
+        aff_ref,
         bool(with_entropy or entropy_weight is not None),
         token_chunk,
         _plan(flat_h, weight, _compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)),
@@ -1411,3 +1633,122 @@ def fused_loss(
         None if ent is None else ent.view(lead),
         None if kl is None else kl.view(lead),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# From a model: its backbone's hidden states and its head, with the head's transform.
+
+
+def model_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    reference: torch.nn.Module | None = None,
+    check: bool = True,
+) -> FusedOutput:
+    r"""A causal LM's own log-probs of ``input_ids[:, 1:]``, through the fused head.
+
+    The path the trainer takes: the backbone's last hidden states (:func:`klpo.heads.last_hidden`)
+    and the output head with the architecture's logit transform (:func:`klpo.heads.read_head`:
+    Gemma's soft cap, Cohere's and Granite's scales), tile by tile (:func:`fused`), so the ``[B,
+    L, V]`` logits are never made. Per position ``t`` of ``input_ids[:, 1:]``: ``logp = log
+    pi_theta(input_ids[:, t + 1] | input_ids[:, :t + 1])`` with ``pi_theta = softmax(logits /
+    temperature)``, the model's own ``logits``; optionally the entropy of ``pi_theta`` there and,
+    with a ``reference`` model (detached, same vocabulary), the exact KL(pi_theta ‖ pi_ref) over
+    the vocabulary (Amini, Vieira & Cotterell, arXiv:2504.10637).
+
+    Example::
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from klpo.logprobs import model_logprobs
+
+        tok = AutoTokenizer.from_pretrained("google/gemma-2-2b-it")
+        model = AutoModelForCausalLM.from_pretrained("google/gemma-2-2b-it")
+        batch = tok(["The capital of France is Paris."], return_tensors="pt")
+        out = model_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
+        out.logp  # [1, L - 1]: log pi(token | prefix), the soft cap included
+
+    Gradients flow to the model's parameters as through ``model(...).logits`` (the reference gets
+    none). Positions where ``attention_mask`` is 0 at the token or at the position before it
+    (padding, and the first token after left padding) are 0 in every output and get no gradient.
+
+    ``check`` (default) runs :func:`klpo.heads.check_head` the first time a model object is seen:
+    a few tokens through the model's own forward; a model whose logits the head cannot give is
+    refused there (:class:`klpo.heads.HeadMismatch`), never answered with wrong numbers.
+
+    Args:
+        model: a ``transformers`` causal LM (or a ``peft`` wrapper of one).
+        input_ids: ``[B, L]`` token ids, ``L ≥ 2``.
+        attention_mask: ``[B, L]``, 1 at tokens, 0 at padding (default: all 1).
+        position_ids: ``[B, L]`` passed to the backbone as to ``model(...)`` (default: the
+            model's own default).
+        temperature: the sampling temperature the model's logits are divided by.
+        with_entropy: also return the entropy.
+        reference: a reference causal LM for the exact KL (run without gradients).
+        check: check each model against its own forward once (see above).
+
+    Returns:
+        :class:`FusedOutput` ``(logp, entropy, kl)``, each ``[B, L - 1]`` float32 (float64 for a
+        float64 model), ``entropy`` and ``kl`` None unless asked for.
+
+    Raises:
+        klpo.heads.UnsupportedHead: the model's logits are not its head's (with the fallback).
+        ValueError: ``input_ids`` or ``attention_mask`` of the wrong shape or type.
+    """
+    from klpo import heads
+
+    _check_model_inputs(input_ids, attention_mask, position_ids)
+    read = heads.checked_head if check else heads.read_head
+    head = read(model)
+    hidden = heads.last_hidden(model, input_ids, attention_mask, position_ids)[:, :-1]
+    ref = {}
+    if reference is not None:
+        ref = _reference_head(reference, read, input_ids, attention_mask, position_ids)
+    out = fused(
+        hidden, head.weight, input_ids[:, 1:], bias=head.bias, temperature=temperature,
+        with_entropy=with_entropy, transform=head.transform, **ref,
+    )  # fmt: skip
+    if attention_mask is None:
+        return out
+    keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    return FusedOutput(*(None if o is None else torch.where(keep, o, 0.0) for o in out))
+
+
+def _reference_head(
+    reference: torch.nn.Module,
+    read,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> dict:
+    """:func:`fused`'s reference arguments from a reference model, its forward without gradients."""
+    from klpo import heads
+
+    head = read(reference)
+    with torch.no_grad():
+        hidden = heads.last_hidden(reference, input_ids, attention_mask, position_ids)[:, :-1]
+    return dict(
+        hidden_ref=hidden, weight_ref=head.weight, bias_ref=head.bias, transform_ref=head.transform
+    )
+
+
+def _check_model_inputs(
+    input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dtype.is_floating_point:
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids!r:.80}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids must be [B, L] with L ≥ 2 (a token to predict), got shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but input_ids has shape "
+                f"{tuple(input_ids.shape)}; give one entry per token"
+            )

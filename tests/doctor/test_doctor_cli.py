@@ -18,7 +18,7 @@ def test_text_for_a_stock_verl_grpo_config():
     result = runner.invoke(app, ["doctor", str(FIX / "verl_grpo.yaml")])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "defaults and semantics of verl 0.9 (version not named: assumed" in out
+    assert "defaults and semantics of verl 0.9.1 (version not named: assumed" in out
     assert "klpo `low_var_kl` in the loss, beta 0.001" in out
     assert "where no clamp binds, as k3: grad KL(pi_ref ‖ pi_theta)" in out
     assert "the gradient is exactly zero where d < -2.61" in out
@@ -40,9 +40,10 @@ def test_framework_option_and_version_warning():
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "klpo `k1` in the reward, beta 0.05" in result.output
-    assert "you named trl-rloo 0.19.0; the defaults and semantics here are trl-rloo 1.16's" in (
-        result.output
-    )
+    assert (
+        "the doctor has no table for trl-rloo 0.19.0; it reads your config with trl-rloo "
+        "1.16.0's settings, defaults and semantics"
+    ) in result.output
 
 
 def test_bad_input_exits_2_with_one_message(tmp_path):

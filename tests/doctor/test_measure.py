@@ -19,9 +19,8 @@ from typer.testing import CliRunner
 from klpo.cli import app
 from klpo.doctor import measure as M
 from klpo.doctor.reading import DoctorError
-from klpo.train.models import load_causal_lm, load_tokenizer
-from klpo.train.reference import default_reference_path
-from klpo.train.rollout import Rollout
+from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
+from klpo.train.rollout.samplers import Rollout
 
 F64 = torch.float64
 REF = str(default_reference_path())

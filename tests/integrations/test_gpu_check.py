@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,9 @@ def test_dry_run_runs_every_stage(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["dry_run"] and res["tests"]["ok"] and "26 tests collected" in res["tests"]["summary"]
+    assert res["dry_run"] and res["tests"]["ok"]
+    collected = re.fullmatch(r"(\d+) tests collected in [\d.]+s", res["tests"]["summary"])
+    assert collected and int(collected[1]) >= 26, res["tests"]  # the device tests, no error
     assert res["build"]["vocab"] == 4096
     # 2 steps of 2 prompts × 4 completions of at most 8 tokens, in each of klpo's runs
     for stage in ("lora", "fsdp", "fused on", "fused off"):

@@ -61,9 +61,9 @@ def test_summaries_by_hand(bench):
 
 
 def test_klpo_config_is_the_job_with_overhead_off(bench, tmp_path):
-    from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.data import PromptStream
+    from klpo.train.data.load import load_examples
+    from klpo.train.data.sources import PromptStream
 
     s = bench.Settings(steps=3)
     cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path)))
@@ -74,7 +74,7 @@ def test_klpo_config_is_the_job_with_overhead_off(bench, tmp_path):
     assert (cfg.run.eval_every, cfg.run.save_every, cfg.run.threads) == (0, 0, 2)
     assert not cfg.run.tensorboard and not cfg.run.progress
     # TRL's dataset holds exactly the prompts klpo's trainer serves, in its order.
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     served = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle).next(3 * 16)
     assert bench.prompt_order(s) == [(e.prompt, e.answer) for e in served]
 
@@ -107,10 +107,10 @@ def test_trl_config_is_the_same_job(bench, tmp_path):
 
 def test_workload_b_is_the_compute_bound_job(bench, cw, tmp_path):
     """(b): the locally built ~23M Llama, 4 × 8 completions of 128 tokens after 64-token prompts."""
-    from klpo.train import loop
     from klpo.train.config import load_config
-    from klpo.train.data import PromptStream
-    from klpo.train.models import load_tokenizer
+    from klpo.train.data.load import load_examples
+    from klpo.train.data.sources import PromptStream
+    from klpo.train.models.load import load_tokenizer
 
     data = cw.write_prompts(tmp_path / "p.jsonl", 12, seed=0)
     s = bench.Settings.for_workload(
@@ -120,7 +120,7 @@ def test_workload_b_is_the_compute_bound_job(bench, cw, tmp_path):
     assert s.completions_per_step == 32
     cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path / "run")))
     assert cfg.data.source == "jsonl" and cfg.rewards[0].name == "compute_workload:lexical_reward"
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     served = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle).next(2 * 4)
     assert bench.prompt_order(s) == [(e.prompt, e.answer) for e in served]
     # the tokenizer of the built model gives each prompt exactly 64 tokens (BOS + 63 words)
@@ -240,8 +240,8 @@ def test_trainer_parts_table_by_hand(bench):
         "floor: reference": [5.0],
         "klpo: score": [6.0],
         "floor: policy": [20.0],
-        "klpo: _micro_step": [18.0],
-        "klpo: _micro_step, per-token path": [24.0],
+        "klpo: micro_step": [18.0],
+        "klpo: micro_step, per-token path": [24.0],
         "klpo: update": [22.0],
     }
     table = parts.parts_table(ms)

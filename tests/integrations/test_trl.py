@@ -61,7 +61,7 @@ def test_import_klpo_never_imports_trl():
 
 def _tiny_model_dir(root: Path) -> Path:
     """A random Llama (hidden 16, 1 layer) and the character tokenizer of the built-in task."""
-    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+    from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()
     cfg = ReferenceConfig(

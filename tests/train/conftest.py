@@ -11,7 +11,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def make_tiny_model(path: Path, seed: int = 0) -> Path:
-    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+    from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()
     cfg = ReferenceConfig(

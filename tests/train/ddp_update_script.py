@@ -20,10 +20,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import init_distributed, shutdown
-from klpo.train.rollout import generate
+from klpo.train.data.load import load_examples
+from klpo.train.models.build import build_models
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import init_distributed, shutdown
+from klpo.train.step.metrics import step_metrics
+from klpo.train.step.score import score
+from klpo.train.step.types import Optimizers
+from klpo.train.step.update import update
 
 VARIANTS = {
     "on-policy": [],
@@ -55,12 +61,12 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
             *VARIANTS[variant],
         ]
     )
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in m.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     prompts = train[:4]
     torch.manual_seed(1)
     full = generate(
@@ -69,15 +75,15 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
     )  # fmt: skip
     share = len(full.prompts) // dist.world
     mine = full.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    scored = loop.score(cfg, m, mine, reward_fns, 0.5, dist)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    scored = score(cfg, m, mine, reward_fns, 0.5, dist)
     critic = m.critic_core
-    opt = loop.Optimizers(
+    opt = Optimizers(
         torch.optim.SGD(m.policy.parameters(), lr=0.1),
         torch.optim.SGD(critic.parameters(), lr=0.1) if critic is not None else None,
     )
-    upd = loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
-    metrics = loop.step_metrics(cfg, scored, upd, dist)
+    upd = update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+    metrics = step_metrics(cfg, scored, upd, dist)
     if dist.is_main:
         params = {k: v.detach().clone() for k, v in m.policy.state_dict().items()}
         if critic is not None:

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 from conftest import quick_overrides
-
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import init_distributed
+from klpo.train.runtime.dist import init_distributed
 
 
 def main(model: str, run_dir: str) -> None:

@@ -19,11 +19,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from klpo.train import fsdp, loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist, init_distributed, shutdown
-from klpo.train.models import load_causal_lm, load_tokenizer
-from klpo.train.rollout import generate
+from klpo.train.data.load import load_examples
+from klpo.train.models import fsdp
+from klpo.train.models.backbone import is_sharded
+from klpo.train.models.build import build_models
+from klpo.train.models.load import load_causal_lm, load_tokenizer
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import Dist, init_distributed, shutdown
+from klpo.train.step.score import score
+from klpo.train.step.types import Optimizers
+from klpo.train.step.update import update
 
 STEPS = 3
 
@@ -44,7 +51,7 @@ def config(model: str):
 
 def rollouts(cfg, model: str) -> list:
     plain, tok = load_causal_lm(model), load_tokenizer(model)
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     out = []
     for step in range(STEPS):
         prompts = train[4 * step : 4 * step + 4]
@@ -66,22 +73,22 @@ def full_params(m) -> dict[str, torch.Tensor]:
 
 
 def build(cfg, dist: Dist):
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     o = cfg.optim
     # AdamW moves an entry by lr * m / (sqrt(v) + eps): where the exact gradient is ~0, float32
     # rounding (|delta| ~ 1e-10 here, different for one process and two, which sum in another
     # order) moves it by up to lr * delta / eps, 1e-4 with torch's eps of 1e-8 and 1e-9 with
     # 1e-3, well inside the comparison's 1e-6: the test compares the updates, not that noise.
-    opt = loop.Optimizers(torch.optim.AdamW(m.policy.parameters(), lr=o.lr, eps=1e-3), None)
+    opt = Optimizers(torch.optim.AdamW(m.policy.parameters(), lr=o.lr, eps=1e-3), None)
     return m, opt
 
 
 def step(cfg, m, opt, rollout, dist: Dist, gen: torch.Generator) -> None:
     share = len(rollout.prompts) // dist.world
     mine = rollout.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    scored = loop.score(cfg, m, mine, reward_fns, 0.5)
-    loop.update(cfg, m, scored, opt, 0.5, 1.0, dist, gen)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    scored = score(cfg, m, mine, reward_fns, 0.5)
+    update(cfg, m, scored, opt, 0.5, 1.0, dist, gen)
 
 
 def main(model: str, out_dir: str) -> None:
@@ -90,7 +97,7 @@ def main(model: str, out_dir: str) -> None:
     cfg = config(model)
     batches = rollouts(cfg, model)
     m, opt = build(cfg, dist)
-    assert fsdp.is_sharded(m.backbone) == dist.enabled
+    assert is_sharded(m.backbone) == dist.enabled
     gen = torch.Generator().manual_seed(0)
     for i, rollout in enumerate(batches):
         if i == STEPS - 1:

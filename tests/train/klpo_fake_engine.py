@@ -1,6 +1,6 @@
 """A rollout engine for tests that needs no vLLM: the HF sampler, its log-probs known and perturbed.
 
-It samples with the policy's own ``generate`` (:class:`klpo.train.engines.HFEngine`) and reports
+It samples with the policy's own ``generate`` (:class:`klpo.train.rollout.engines.HFEngine`) and reports
 ``engine_logp = log pi_old + delta`` on every completion token, ``log pi_old`` computed by the
 trainer's own path (:func:`klpo.logprobs.fused` on the policy's hidden states). With a known
 ``delta`` every engine metric and every TIS weight is known by hand.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from klpo import logprobs
-from klpo.train.engines import EngineSpec, HFEngine, Sampling
-from klpo.train.models import Backbone
-from klpo.train.rollout import Rollout, completion_hidden
+from klpo.train.models.backbone import Backbone
+from klpo.train.rollout.engines import EngineSpec, HFEngine, Sampling
+from klpo.train.rollout.samplers import Rollout, completion_hidden
 
 
 class PerturbedEngine:

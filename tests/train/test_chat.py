@@ -9,8 +9,8 @@ import pytest
 
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.data import Example, read_dataset, read_jsonl, render_chat
-from klpo.train.metrics import read_metrics
+from klpo.train.data.sources import Example, read_dataset, read_jsonl, render_chat
+from klpo.train.runtime.metrics import read_metrics
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -98,7 +98,7 @@ def test_train_with_chat_prompts(chat_model, quick, tmp_path, monkeypatch):
         )
     )  # fmt: skip
     seen = []
-    from klpo.train import engines
+    from klpo.train.rollout import engines
 
     real = engines.generate
 

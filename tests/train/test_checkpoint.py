@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from klpo.train import checkpoint as ck
-from klpo.train.metrics import METRICS, MetricsWriter, describe, read_metrics
+from klpo.train.runtime import checkpoint as ck
+from klpo.train.runtime.metrics import METRICS, MetricsWriter, describe, read_metrics
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:

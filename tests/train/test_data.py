@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from klpo.train.data import Example, PromptStream, read_dataset, read_jsonl
+from klpo.train.data.sources import Example, PromptStream, read_dataset, read_jsonl
 
 
 def test_jsonl_reads_and_names_bad_lines(tmp_path):

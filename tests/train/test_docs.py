@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from klpo.train.docs import PAGES
+from klpo.train.tools.docs import PAGES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

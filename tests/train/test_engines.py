@@ -15,11 +15,14 @@ import math
 import pytest
 import torch
 
-from klpo.train import engines, loop
+from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import read_metrics
-from klpo.train.rollout import generate
+from klpo.train.models.build import build_models
+from klpo.train.preflight import preflight
+from klpo.train.rollout import engines
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import read_metrics
 
 
 def _fake():
@@ -45,7 +48,7 @@ def _one_step(tiny_model, quick, out, monkeypatch, delta=None, made=None, **extr
 
 def test_hf_engine_is_generate(tiny_model, quick, tmp_path):
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "r"))
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     prompts, answers = ["1+2=", "30+4="], ["3", "34"]
     engine = engines.make_engine(cfg, m, Dist(), str(tiny_model))
     assert isinstance(engine, engines.HFEngine)
@@ -137,7 +140,7 @@ def test_vllm_engine_is_checked_before_any_model_loads(tiny_model, quick, tmp_pa
     monkeypatch.setitem(engines.ENGINES, "vllm", absent)
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "r", **{"rollout.engine": "vllm"}))
     with pytest.raises(ConfigError, match=r"needs the 'no_such_package_klpo' package.*engine=hf"):
-        loop.preflight(cfg, Dist(), resume=False)
+        preflight(cfg, Dist(), resume=False)
     assert not (tmp_path / "r").exists()
     monkeypatch.setitem(engines.ENGINES, "vllm", engines.EngineSpec(make, processes=1))
     engines.check_engine(cfg, 1)
@@ -158,7 +161,7 @@ def test_a_lora_policy_is_sent_merged_and_left_unmerged(tiny_model):
     peft = pytest.importorskip("peft")
     import copy
 
-    from klpo.train.models import load_causal_lm
+    from klpo.train.models.load import load_causal_lm
 
     torch.manual_seed(0)
     base = load_causal_lm(str(tiny_model), "float32")

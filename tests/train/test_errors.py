@@ -21,12 +21,13 @@ import pytest
 from typer.testing import CliRunner
 
 from klpo.cli import app
-from klpo.train import checkpoint as ck
 from klpo.train import loop, preflight
+from klpo.train import setup as train_setup
 from klpo.train.config import ConfigError, build_config
-from klpo.train.data import Example, read_jsonl
-from klpo.train.metrics import read_metrics
-from klpo.train.stop import StopOnSignal
+from klpo.train.data.sources import Example, read_jsonl
+from klpo.train.runtime import checkpoint as ck
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.stop import StopOnSignal
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -65,7 +66,7 @@ def no_models(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a model was loaded before the check")
 
-    monkeypatch.setattr(loop, "build_models", fail)
+    monkeypatch.setattr(train_setup, "build_models", fail)
 
 
 def train(cfg, **kw):
@@ -479,7 +480,7 @@ def test_every_prompt_is_checked_at_load_against_both_limits(
 
 
 def test_check_prompts_counts_the_others(tiny_model):
-    from klpo.train.models import load_tokenizer
+    from klpo.train.models.load import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model))
     examples = [Example("12345", "1", where="f:1"), Example("1", "1"), Example("123456", "1")]
@@ -562,7 +563,9 @@ def test_cli_resume_with_a_changed_setting_exits_cleanly(tiny_model, quick, tmp_
 def test_compare_refuses_finished_runs_of_other_settings(tmp_path):
     import yaml
 
-    from klpo.train.compare import Choice, StudyConfig, run_study, study_grid
+    from klpo.study.grid import study_grid
+    from klpo.study.runner import run_study
+    from klpo.study.spec import Choice, StudyConfig
 
     study = StudyConfig(
         choices=[Choice(estimator="k3", placement="loss")], betas=[0.1], seeds=[0], steps=2
@@ -636,7 +639,7 @@ def test_plain_progress_lines_when_not_a_terminal(tiny_model, quick, tmp_path):
 
 
 def test_config_and_study_files_that_cannot_be_read(tmp_path):
-    from klpo.train.compare import load_study
+    from klpo.study.spec import load_study
     from klpo.train.config import load_config
 
     bad = tmp_path / "c.yaml"

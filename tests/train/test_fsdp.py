@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.export import export_run
-from klpo.train.metrics import read_metrics
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.tools.export import export_run
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

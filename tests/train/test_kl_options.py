@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from klpo import losses
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.metrics import read_metrics
+from klpo.train.runtime.metrics import read_metrics
 
 
 def _train(quick, model, out, **extra):

@@ -12,10 +12,23 @@ from safetensors.torch import load_file
 
 from klpo import advantages, kl, logprobs, losses, reduce
 from klpo.train import loop
+from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, whiten_over_ranks
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import Tally, is_timing, read_metrics
-from klpo.train.rollout import completion_hidden, generate, position_ids
+from klpo.train.data.load import load_examples
+from klpo.train.loop import TrainingDiverged
+from klpo.train.models import build as models_build
+from klpo.train.models.build import build_models, unwrap
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
+from klpo.train.step import score as step_score
+from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
+from klpo.train.step.kl_term import needs_exact_kl
+from klpo.train.step.metrics import step_metrics
+from klpo.train.step.score import score
+from klpo.train.step.types import Optimizers, SamplingPass, update_gives_logp_old
+from klpo.train.step.update import micro_step, update
 
 
 @pytest.fixture
@@ -99,23 +112,23 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     extra = {"kl.beta": 0.5, "kl.estimator": estimator}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **extra))
     dist = Dist()
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     torch.manual_seed(0)
     with torch.no_grad():  # move the policy away from the reference so the KL term is non-zero
         for p in m.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     rollout = generate(
         m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
         group_size=4, max_new_tokens=4,
     )  # fmt: skip
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = score(cfg, m, rollout, reward_fns, 0.5)
     assert not s.old.filled.any()  # one epoch, one minibatch: the update's pass gives log pi_old
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
     assert s.old.filled.all()
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
@@ -150,7 +163,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
 def moved_policy_and_rollout(cfg, dist: Dist, train) -> tuple:
     """Fresh models with the policy moved away from the reference (so the KL and the entropy are
     not trivial), and 4 groups of 4 completions of the first 4 prompts sampled from it."""
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in m.policy.parameters():
@@ -169,23 +182,23 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
     cfg = build_config(
         overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5, "algo.micro_batch": 5})
     )
-    assert loop.update_gives_logp_old(cfg)
+    assert update_gives_logp_old(cfg)
     for off in ({"algo.epochs": 2}, {"algo.minibatches": 2}, {"kl.placement": "reward"}):
         other = build_config(overrides=quick(tiny_model, tmp_path / "o", **off))
-        assert not loop.update_gives_logp_old(other), off
+        assert not update_gives_logp_old(other), off
     dist = Dist()
-    train, _ = loop.load_examples(cfg)
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    train, _ = load_examples(cfg)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
 
     def one_step(separate_pass: bool):
-        monkeypatch.setattr(loop, "update_gives_logp_old", lambda _: not separate_pass)
+        monkeypatch.setattr(step_score, "update_gives_logp_old", lambda _: not separate_pass)
         m, rollout = moved_policy_and_rollout(cfg, dist, train)
-        s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+        s = score(cfg, m, rollout, reward_fns, 0.5)
         assert bool(s.old.filled.all()) == separate_pass
-        opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-        upd = loop.update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+        opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
+        upd = update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
         assert s.old.filled.all()
-        return loop.step_metrics(cfg, s, upd, dist), dict(m.policy.named_parameters())
+        return step_metrics(cfg, s, upd, dist), dict(m.policy.named_parameters())
 
     ours, params = one_step(separate_pass=False)
     theirs, params_ref = one_step(separate_pass=True)
@@ -226,7 +239,7 @@ def test_metrics_of_a_run_are_deterministic(run, tmp_path):
 def test_a_non_finite_loss_stops_the_run(run, tmp_path):
     # Rewards of order 1e38 without the std scale make the gradient norm overflow to inf.
     huge = {"rewards": "[{name: 'klpo_test_rewards:digits', weight: 1.0e38}]", "algo.std": "none"}
-    with pytest.raises(loop.TrainingDiverged, match=r"step 1: grad_norm = inf.*optim.lr"):
+    with pytest.raises(TrainingDiverged, match=r"step 1: grad_norm = inf.*optim.lr"):
         run(tmp_path / "d", **huge)
     rows = read_metrics(tmp_path / "d" / "metrics.jsonl")
     assert rows[-1]["step"] == 1 and rows[-1]["grad_norm"] == "inf"
@@ -294,18 +307,18 @@ def test_kl_penalty_moves_beta_old_by_ppos_rule(run, tmp_path):
 
 def _fixed_batch(cfg, beta_shift=0.05):
     dist = Dist()
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in m.policy.parameters():
             p.add_(beta_shift * torch.randn_like(p))
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     torch.manual_seed(1)
     rollout = generate(
         m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
         group_size=4, max_new_tokens=4,
     )  # fmt: skip
-    fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     return dist, m, rollout, fns
 
 
@@ -319,11 +332,11 @@ def test_the_entropy_bonus_raises_entropy(tiny_model, quick, tmp_path):
         over = {"kl.placement": "none", "algo.entropy_coef": coef}
         cfg = build_config(overrides=quick(tiny_model, tmp_path / "e", **over))
         dist, m, rollout, fns = _fixed_batch(cfg)
-        s = loop.score(cfg, m, rollout, fns, 0.0)
-        opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=1.0), None)
-        loop.update(cfg, m, s, opt, 0.0, 1.0, dist, torch.Generator().manual_seed(0))
+        s = score(cfg, m, rollout, fns, 0.0)
+        opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=1.0), None)
+        update(cfg, m, s, opt, 0.0, 1.0, dist, torch.Generator().manual_seed(0))
         with torch.no_grad():
-            weight, bias = loop._unwrap(m.backbone).head()
+            weight, bias = unwrap(m.backbone).head()
             hidden = completion_hidden(m.backbone, rollout)
             ent = logprobs.fused(hidden, weight, rollout.completion_ids, bias=bias).entropy
         entropies[coef] = float(reduce.masked_mean(ent, rollout.mask))
@@ -344,7 +357,7 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
         over = {"kl.placement": placement, "kl.estimator": estimator}
         cfg = build_config(overrides=quick(tiny_model, tmp_path / "a", **over))
         _dist, m, rollout, fns = _fixed_batch(cfg)
-        got[placement] = loop.score(cfg, m, rollout, fns, beta)
+        got[placement] = score(cfg, m, rollout, fns, beta)
     s, mask = got["reward"], rollout.mask
     d = (s.old.logp - s.logp_ref).double()
     est = d if estimator == "k1" else torch.expm1(-d) + d
@@ -367,13 +380,42 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
 def test_every_variant_has_one_table_entry():
     from typing import get_args
 
-    from klpo.train.config import Algorithm, PolicyLoss
+    from klpo.train.config import AlgoConfig
+    from klpo.train.step.kl_term import REF_SAMPLED_TERMS
 
-    assert set(loop.ALGORITHMS) == set(get_args(Algorithm))
-    assert set(loop.POLICY_LOSSES) == set(get_args(PolicyLoss))
-    assert set(loop.USES_BETA_OLD) == {"kl-penalty"}
-    assert [a for a, spec in loop.ALGORITHMS.items() if spec.critic] == ["ppo"]
-    assert [e for e in kl.ESTIMATORS if loop.needs_exact_kl(e)] == ["full"]
+    # The config's types are the tables' names, in the tables' order: one list of each.
+    assert get_args(AlgoConfig.model_fields["name"].annotation) == tuple(ALGORITHMS)
+    assert get_args(AlgoConfig.model_fields["policy_loss"].annotation) == tuple(POLICY_LOSSES)
+    traits = {
+        trait: [a for a, spec in ALGORITHMS.items() if getattr(spec, trait)]
+        for trait in ("group", "critic", "whitened")
+    }
+    assert traits == {
+        "group": ["grpo", "rloo"],
+        "critic": ["ppo"],
+        "whitened": ["ppo", "reinforce++"],
+    }
+    assert [n for n, spec in POLICY_LOSSES.items() if spec.uses_beta_old] == ["kl-penalty"]
+    assert [n for n, spec in POLICY_LOSSES.items() if spec.per_sequence] == ["gspo"]
+    assert [e for e in kl.ESTIMATORS if needs_exact_kl(e)] == ["full"]
+    assert tuple(REF_SAMPLED_TERMS) == kl.REF_SAMPLED
+
+
+def test_the_config_reads_the_algorithms_traits():
+    """Validation asks the table: a group-based algorithm needs a group, a critic is not sharded."""
+    for name, spec in ALGORITHMS.items():
+        over = [f"algo.name={name}", "rollout.group_size=1"]
+        if spec.group:
+            with pytest.raises(ConfigError, match=f"group_size must be >= 2 for {name}"):
+                build_config(overrides=over)
+        else:
+            assert build_config(overrides=over).rollout.group_size == 1
+        fsdp = [f"algo.name={name}", "dist.strategy=fsdp"]
+        if spec.critic:
+            with pytest.raises(ConfigError, match="critic-free algorithm \\(grpo, rloo, reinf"):
+                build_config(overrides=fsdp)
+        else:
+            assert build_config(overrides=fsdp).dist.strategy == "fsdp"
 
 
 def test_one_placement_type_for_the_library_and_the_config():
@@ -400,8 +442,8 @@ def _no_model_loads(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("a model was loaded before the checks")
 
-    monkeypatch.setattr(loop, "load_causal_lm", refuse)
-    monkeypatch.setattr(loop, "load_tokenizer", refuse)
+    monkeypatch.setattr(models_build, "load_causal_lm", refuse)
+    monkeypatch.setattr(models_build, "load_tokenizer", refuse)
 
 
 def test_preflight_fails_before_any_model_loads_or_file_is_written(
@@ -443,7 +485,7 @@ def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 5, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.3
-    assert torch.equal(loop.whiten_over_ranks(x, mask, Dist()), advantages.whiten(x, mask))
+    assert torch.equal(whiten_over_ranks(x, mask, Dist()), advantages.whiten(x, mask))
 
 
 @pytest.mark.parametrize(
@@ -465,17 +507,17 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     """On-policy micro-steps whose loss weights are known up front take their gradient in the
     forward pass (klpo.logprobs.fused_loss; by default only with a vocabulary of 32768 or more,
     here forced): the same parameter gradients, metrics and recorded pi_old as the per-token path
-    (FUSED_LOSS off), to float32 rounding, over several micro-batches; a sampled KL in the loss
+    (algo.fused_loss=off), to float32 rounding, over several micro-batches; a sampled KL in the loss
     keeps the per-token path."""
     base = {"kl.beta": 0.5, "algo.micro_batch": 5}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{**base, **extra}))
-    assert loop.update_gives_logp_old(cfg)
+    assert update_gives_logp_old(cfg)
     dist = Dist()
-    train, _ = loop.load_examples(cfg)
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    train, _ = load_examples(cfg)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     m, rollout = moved_policy_and_rollout(cfg, dist, train)
     beta = cfg.kl.beta
-    s = loop.score(cfg, m, rollout, reward_fns, beta)
+    s = score(cfg, m, rollout, reward_fns, beta)
     assert s.adv.abs().max() > 0
     calls = []
     fused_loss = logprobs.fused_loss
@@ -485,16 +527,14 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     n = reduce.normaliser(rollout.mask, cfg.algo.loss_reduction, max_len=cfg.rollout.max_new_tokens)
     micro = [torch.arange(0, 8), torch.arange(8, 16)]
 
-    monkeypatch.setattr(loop, "FUSED_LOSS_MIN_VOCAB", 0)  # the tiny model's vocabulary too
-
     def step(fast: bool):
-        monkeypatch.setattr(loop, "FUSED_LOSS", fast)
+        cfg.algo.fused_loss = "on" if fast else "off"  # on: the tiny model's vocabulary too
         sc = copy.copy(s)
-        sc.old = loop.SamplingPass.empty(s.logp_ref)
+        sc.old = SamplingPass.empty(s.logp_ref)
         m.policy.zero_grad()
         tally, metrics = Tally(), []
         for rows in micro:
-            metrics.append(loop._micro_step(cfg, m, sc, rows, beta, 1.0, n, dist, sync=True,
+            metrics.append(micro_step(cfg, m, sc, rows, beta, 1.0, n, dist, sync=True,
                                             tally=tally))  # fmt: skip
         grads = {k: p.grad.clone() for k, p in m.policy.named_parameters() if p.grad is not None}
         return grads, metrics, tally.result(lambda t: t), sc.old
@@ -520,14 +560,14 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
 
 
 def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path, monkeypatch):
-    """The forward-pass gradient pays only where the head is a large share of the step: below
-    FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update keeps the per-token path,
-    and at or above it takes fused_loss."""
+    """The forward-pass gradient pays only where the head is a large share of the step: with
+    algo.fused_loss=auto, below FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update
+    keeps the per-token path; with on it takes fused_loss, with off it never does."""
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     m, rollout = moved_policy_and_rollout(cfg, Dist(), train)
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = loop.score(cfg, m, rollout, reward_fns, 0.5)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = score(cfg, m, rollout, reward_fns, 0.5)
     calls = []
     fused_loss = logprobs.fused_loss
     monkeypatch.setattr(
@@ -536,10 +576,29 @@ def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path,
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     vocab = m.policy.get_output_embeddings().weight.shape[0]
-    assert vocab < loop.FUSED_LOSS_MIN_VOCAB
-    for threshold, want in ((loop.FUSED_LOSS_MIN_VOCAB, 0), (vocab, 1)):
-        monkeypatch.setattr(loop, "FUSED_LOSS_MIN_VOCAB", threshold)
+    assert vocab < FUSED_LOSS_MIN_VOCAB
+    for mode, want in (("auto", 0), ("off", 0), ("on", 1)):
+        calls.clear()
+        cfg.algo.fused_loss = mode
         sc = copy.copy(s)
-        sc.old = loop.SamplingPass.empty(s.logp_ref)
-        loop._micro_step(cfg, m, sc, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+        sc.old = SamplingPass.empty(s.logp_ref)
+        micro_step(cfg, m, sc, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
         assert len(calls) == want
+
+
+def test_fused_loss_switch_at_the_vocabulary_threshold():
+    """algo.fused_loss: auto takes the forward-pass gradient from FUSED_LOSS_MIN_VOCAB entries
+    on, on at any vocabulary, off never; none of them where it does not apply."""
+    cfg = build_config()
+    assert cfg.algo.fused_loss == "auto"  # the default keeps the measured threshold
+    edge = FUSED_LOSS_MIN_VOCAB
+    table = {}
+    for mode in ("auto", "on", "off"):
+        cfg.algo.fused_loss = mode
+        table[mode] = [takes_fused_loss(cfg, v, applies=True) for v in (101, edge - 1, edge)]
+        assert not any(takes_fused_loss(cfg, v, applies=False) for v in (101, edge))
+    assert table == {
+        "auto": [False, False, True],
+        "on": [True, True, True],
+        "off": [False, False, False],
+    }

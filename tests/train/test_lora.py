@@ -12,11 +12,12 @@ from klpo import logprobs
 from klpo.cli import app
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.dist import Dist
-from klpo.train.lora import AdapterFreeReference, apply_lora
-from klpo.train.metrics import is_timing, read_metrics
-from klpo.train.models import Backbone
-from klpo.train.rollout import position_ids
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.build import build_models
+from klpo.train.models.lora import AdapterFreeReference, apply_lora
+from klpo.train.rollout.samplers import position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import is_timing, read_metrics
 
 pytest.importorskip("peft")
 
@@ -78,7 +79,7 @@ def test_adapter_free_reference_is_the_base_model_in_float64(tiny_model):
 
 def test_lora_models_hold_one_copy_of_the_weights(tiny_model):
     cfg = build_config(overrides=[f"model.policy={tiny_model}", "model.lora={r: 2}"])
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     assert isinstance(m.reference, AdapterFreeReference)
     policy_ids = {id(p) for p in m.policy.parameters()}
     assert {id(p) for p in m.reference.parameters()} <= policy_ids
@@ -90,7 +91,7 @@ def test_lora_models_hold_one_copy_of_the_weights(tiny_model):
             f"model.reference={tiny_model}",
         ]
     )
-    assert isinstance(loop.build_models(separate, Dist(), None).reference, Backbone)
+    assert isinstance(build_models(separate, Dist(), None).reference, Backbone)
 
 
 def test_lora_config_refuses_the_head():
@@ -134,7 +135,7 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_export(tiny_model, qu
     assert not (out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out)  # transformers alone
     cfg = build_config(overrides=quick(tiny_model, whole, **lora))
-    m = loop.build_models(cfg, Dist(), whole / "checkpoints" / "step_000004")
+    m = build_models(cfg, Dist(), whole / "checkpoints" / "step_000004")
     ids, att, pos = batch(merged.config.vocab_size)
     with torch.no_grad():
         want = m.policy(input_ids=ids, attention_mask=att, position_ids=pos).logits

@@ -13,26 +13,28 @@ import sys
 
 import pytest
 
-from klpo.train import loop
-from klpo.train.compare import (
+from klpo.study.grid import Run, study_grid
+from klpo.study.report import write_results
+from klpo.study.spec import (
     KL_BUDGET,
     KL_BUDGET_SEQ,
-    Run,
     StudyConfig,
-    _gold_summary,
-    kl_budget_summary,
     load_study,
     quick_overopt_study,
     quick_study,
+)
+from klpo.study.summary import (
+    gold_summary,
+    kl_budget_summary,
     steps_to_reach,
-    study_grid,
     summarise_cells,
     summarise_run,
-    write_results,
 )
+from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.overopt import eval_reward, overopt_proxy
+from klpo.train.rewards.gold import eval_reward
+from klpo.train.rewards.overopt import overopt_proxy
+from klpo.train.runtime.metrics import read_metrics
 
 
 def test_proxy_hand():
@@ -87,7 +89,7 @@ def test_gold_summary_by_hand():
         {"step": i + 1, "reward/gold": g, "reward/proxy": 1.0 + i, "kl/ref/seq": k}
         for i, (g, k) in enumerate(zip(gold, seq, strict=True))
     ]
-    got = _gold_summary(rows)
+    got = gold_summary(rows)
     # windows [0:10] mean 3.9/10 = 0.39, [1:11] 3.8/10 = 0.38, [2:12] 3.6/10 = 0.36: peak 0.39,
     # whose seq-KL mean is mean(0..9) = 4.5; the final values are the last 10 steps' means.
     assert got["gold_peak"] == pytest.approx(0.39)
@@ -95,7 +97,7 @@ def test_gold_summary_by_hand():
     assert got["gold_final"] == pytest.approx(0.36)
     assert got["proxy_final"] == pytest.approx(sum(range(3, 13)) / 10)
     assert got["kl_seq_final"] == pytest.approx(sum(range(2, 12)) / 10)
-    assert all(math.isnan(v) for k, v in _gold_summary(rows[:0]).items())
+    assert all(math.isnan(v) for k, v in gold_summary(rows[:0]).items())
 
 
 def test_overopt_grid_uses_the_task():
@@ -207,7 +209,7 @@ def test_overopt_default_grid_rows_and_their_config_keys():
 
 
 def test_choice_betas_override_the_study_and_must_be_positive():
-    from klpo.train.compare import Choice
+    from klpo.study.spec import Choice
 
     study = StudyConfig(
         choices=[

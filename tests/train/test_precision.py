@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from klpo import logprobs
-from klpo.train import loop, microbatch
+from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.rollout import completion_hidden, generate
+from klpo.train.data.load import load_examples
+from klpo.train.models.build import build_models
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import completion_hidden, generate
+from klpo.train.runtime.dist import Dist
+from klpo.train.step import microbatch
+from klpo.train.step.score import score
+from klpo.train.step.types import Optimizers
+from klpo.train.step.update import update
 
 # bf16 keeps 8 significant bits: each rounding is off by at most 2^-9 relative. On the test model
 # the log-probs move by at most 1.2e-3 nats and the exact KL by 2.3e-5 (of 0.039); the documented
@@ -28,7 +35,7 @@ def setup(model, *extra: str):
             *extra,
         ]
     )
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     torch.manual_seed(0)
     with torch.no_grad():  # move the policy away from the reference, so the KL is not zero
         for p in m.policy.parameters():
@@ -37,7 +44,7 @@ def setup(model, *extra: str):
 
 
 def rollout_of(m, cfg):
-    train, _ = loop.load_examples(cfg)
+    train, _ = load_examples(cfg)
     torch.manual_seed(1)
     return generate(
         m.policy,
@@ -50,10 +57,10 @@ def rollout_of(m, cfg):
 
 
 def one_update(cfg, m, rollout) -> dict[str, torch.Tensor]:
-    reward_fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    scored = loop.score(cfg, m, rollout, reward_fns, 0.5)
-    opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-    loop.update(cfg, m, scored, opt, 0.5, 1.0, Dist(), torch.Generator().manual_seed(0))
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    scored = score(cfg, m, rollout, reward_fns, 0.5)
+    opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
+    update(cfg, m, scored, opt, 0.5, 1.0, Dist(), torch.Generator().manual_seed(0))
     return {k: v.detach().clone() for k, v in m.policy.state_dict().items()}
 
 
@@ -142,7 +149,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny_model):
 
 
 def test_bf16_lora_checkpointing_and_a_token_budget_train_together(tiny_model, quick, tmp_path):
-    from klpo.train.metrics import read_metrics
+    from klpo.train.runtime.metrics import read_metrics
 
     out = tmp_path / "run"
     extra = {

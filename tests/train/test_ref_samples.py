@@ -16,11 +16,14 @@ from klpo.lab.distributions import SequencePair
 from klpo.lab.exact import analyse
 from klpo.lab.ref_is import SEED_CLIP, AdaptiveMix
 from klpo.ref_kl import ref_is_terms
-from klpo.train import loop, ref_samples
+from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.models import Backbone, load_causal_lm, load_tokenizer
-from klpo.train.rollout import Rollout
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.load import load_causal_lm, load_tokenizer
+from klpo.train.rollout import ref_samples
+from klpo.train.rollout.samplers import Rollout
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.step.kl_term import KLTerm, kl_term, make_window, ref_term
 
 # pi_ref with probabilities (1/2, 1/4, 1/8, 1/8): a batch of 8 one-token completions holding
 # token x 8·pi_ref(x) times is an exact stratified sample, so the trainer's batch mean over it
@@ -68,8 +71,9 @@ def _trainer_gradient(cfg, mix_weight: float) -> torch.Tensor:
     backbone = _ConstantBackbone()
     logp_ref = REF_PROBS.log()[STRATIFIED]
     batch = ref_samples.RefBatch(_one_token_rollout(STRATIFIED), logp_ref, 1.0, 1.0, 0.0)
-    ref_samples.ref_term(cfg, backbone, (weight, None), batch, beta=1.0, mix_weight=mix_weight)
-    name, coef = ref_samples.policy_term(cfg, mix_weight)
+    term = kl_term(cfg, mix_weight=mix_weight, ref=batch)  # the table's split of the KL term
+    ref_term(cfg, backbone, (weight, None), term.ref, beta=1.0, mix_weight=term.weight)
+    name, coef = term.estimator, term.weight
     if coef > 0:  # a·k1 on the policy's own tokens: its expectation over x ~ pi_theta, exactly
         logp = torch.log_softmax(weight[:, 0], -1)
         k1 = losses.kl_loss(name, logp[None], REF_PROBS.log()[None], logp_old=logp.detach()[None])
@@ -103,13 +107,24 @@ def test_adaptive_mix_expected_gradient_is_the_labs(exact, sign):
     lab_mix = AdaptiveMix(gamma=gamma if sign == "as-written" else -gamma, threshold=threshold)
     ex = analyse(pair, ("k1", "ref_is", "adaptive_mix"), mix=lab_mix)
     cfg = _cfg(estimator="adaptive_mix", mix_gamma=gamma, mix_threshold=threshold, mix_sign=sign)
-    window = ref_samples.make_window(cfg)
+    window = make_window(cfg)
     for _ in range(cfg.kl.mix_window):  # the steady state the lab evaluates: KL_window = KL
         window.push(ex.kl_theta_ref)
     a = window.weight()
     assert a == pytest.approx(ex.mix_weight, rel=1e-12)
     grad = _trainer_gradient(cfg, a)
     torch.testing.assert_close(grad, ex.gradients["adaptive_mix"]["loss"][0], rtol=1e-5, atol=1e-7)
+
+
+def test_the_kl_term_table_splits_each_estimator():
+    """Per-token estimators are themselves with weight 1; ref_is puts 0 on k1 and 1 on its own
+    term; adaptive_mix a and 1 - a, its window only where its term is trained or logged."""
+    assert kl_term(_cfg(estimator="k3"), mix_weight=0.3) == KLTerm("k3", 1.0, None)
+    assert kl_term(_cfg(estimator="ref_is"), mix_weight=0.3) == KLTerm("k1", 0.0, None)
+    assert kl_term(_cfg(estimator="adaptive_mix"), mix_weight=0.3) == KLTerm("k1", 0.3, None)
+    assert make_window(_cfg(estimator="ref_is")) is None
+    assert make_window(_cfg(estimator="adaptive_mix")) is not None
+    assert make_window(_cfg(estimator="adaptive_mix", placement="none")) is None
 
 
 def test_at_the_reference_the_estimate_and_its_expected_gradient_are_zero(tiny_model):
@@ -122,11 +137,13 @@ def test_at_the_reference_the_estimate_and_its_expected_gradient_are_zero(tiny_m
     roll = _one_token_rollout(list(range(vocab)), prompt)
     with torch.no_grad():
         logp_ref = ref_samples.sequence_logp(reference, reference.head(), roll, 1.0)
-    # The sampled batch: estimate exactly 0, every weight 1.
+    # The sampled batch: estimate 0, every weight 1, up to float32 rounding (the two batches'
+    # forwards have other shapes, so their GEMMs may round differently: ~1 ulp of a log-prob).
     picks = [3, 5, 5, 7]
     batch = ref_samples.RefBatch(_one_token_rollout(picks, prompt), logp_ref[picks], 1, 1, 0)
-    m = ref_samples.ref_term(cfg, policy, policy.head(), batch, beta=0.0, mix_weight=0.0)
-    assert m["kl/ref/ref_is"] == 0.0 and m["ref/max_weight"] == pytest.approx(1.0, abs=1e-6)
+    m = ref_term(cfg, policy, policy.head(), batch, beta=0.0, mix_weight=0.0)
+    assert m["kl/ref/ref_is"] == pytest.approx(0.0, abs=1e-6)
+    assert m["ref/max_weight"] == pytest.approx(1.0, abs=1e-6)
     assert m["ref/ess"] == pytest.approx(1.0, abs=1e-6)
     # The expectation over x ~ pi_ref of the trainer's per-completion term: 0, with gradient 0.
     logp = ref_samples.sequence_logp(policy, policy.head(), roll, 1.0)

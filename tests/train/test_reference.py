@@ -1,4 +1,4 @@
-"""Tests for klpo.train.reference: the tokenizer, the SFT loss against a naive float64 oracle, a tiny
+"""Tests for klpo.train.tools.make_reference: the tokenizer, the SFT loss against a naive float64 oracle, a tiny
 make-reference run that saves, reloads by path and reproduces itself, the command line, and the
 shipped reference (present, small, and as accurate as it claims)."""
 
@@ -13,8 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from klpo.cli import app
-from klpo.train import reference
-from klpo.train.reference import (
+from klpo.train.data.task import Example
+from klpo.train.evaluate import heldout_accuracy
+from klpo.train.tools import make_reference as reference
+from klpo.train.tools.make_reference import (
     ReferenceConfig,
     build_model,
     build_tokenizer,
@@ -22,7 +24,6 @@ from klpo.train.reference import (
     make_reference,
     supervised_finetune,
 )
-from klpo.train.task import Example, heldout_accuracy
 
 TINY = ReferenceConfig(
     max_operand=9,

@@ -7,9 +7,9 @@ import torch
 
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.reference import ReferenceConfig
-from klpo.train.refreset import reset_due, update_reference
+from klpo.train.models.reference import reset_due, update_reference
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.tools.make_reference import ReferenceConfig
 
 
 def _pair(tiny_model):
@@ -54,7 +54,7 @@ def test_soft_update_hand_and_alpha_one_is_hard(tiny_model):
 
 
 def test_update_reference_errors(tiny_model, tmp_path):
-    from klpo.train.reference import build_model, build_tokenizer
+    from klpo.train.tools.make_reference import build_model, build_tokenizer
 
     ref, pol = _pair(tiny_model)
     with pytest.raises(ValueError, match="alpha"):

@@ -14,14 +14,15 @@ from typer.testing import CliRunner
 from klpo.cli import app
 from klpo.train import loop
 from klpo.train.config import ConfigError, build_config
-from klpo.train.lora import (
+from klpo.train.models.lora import (
     apply_lora,
     base_weights,
     load_base_weights,
     merge_and_restart,
     restart_generator,
 )
-from klpo.train.metrics import is_timing, read_metrics
+from klpo.train.runtime import checkpoint as ckpt_io
+from klpo.train.runtime.metrics import is_timing, read_metrics
 
 pytest.importorskip("peft")
 
@@ -179,7 +180,7 @@ def test_trainer_lora_reset_resumes_exactly_and_exports(quick, tiny_model, tmp_p
     ckpt = part / "checkpoints" / "step_000002"
     adapters = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
     assert all(torch.count_nonzero(v) == 0 for k, v in adapters.items() if "lora_B" in k)
-    assert loop.ckpt_io.load_state(ckpt)["optimizers"]["policy"]["state"] == {}
+    assert ckpt_io.load_state(ckpt)["optimizers"]["policy"]["state"] == {}
     base = load_file(str(tiny_model / "model.safetensors"))
     merged = load_file(str(ckpt / "reference.safetensors"))
     q = "model.layers.0.self_attn.q_proj.weight"

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from klpo.train.metrics import is_timing, read_metrics
+from klpo.train.runtime.metrics import is_timing, read_metrics
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

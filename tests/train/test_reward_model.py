@@ -10,13 +10,10 @@ import torch
 
 from klpo.train import loop
 from klpo.train.config import ConfigError, RewardTerm, build_config
-from klpo.train.metrics import read_metrics
-from klpo.train.reward_model import (
-    RewardModel,
-    build_rewards,
-    wrong_answer,
-)
-from klpo.train.rewards import combined_rewards
+from klpo.train.rewards.functions import combined_rewards
+from klpo.train.rewards.model import RewardModel, build_rewards
+from klpo.train.runtime.metrics import read_metrics
+from klpo.train.tools.make_reward_model import wrong_answer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for klpo.train.rewards: hand cases for every built-in, loading by name, the weighted sum,
+"""Tests for klpo.train.rewards.functions: hand cases for every built-in, loading by name, the weighted sum,
 and the errors a misbehaving reward function must raise (never a silent NaN)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from klpo.train import rewards
-from klpo.train.rewards import RewardError
+from klpo.train.rewards import functions as rewards
+from klpo.train.rewards.functions import RewardError
 
 
 @pytest.mark.parametrize(
@@ -84,6 +84,43 @@ def test_get_reward_builtin_and_unknown():
         rewards.get_reward("exact")
     with pytest.raises(ValueError, match="non-empty string"):
         rewards.get_reward("")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The reward registry, restored after the test (a test extends it, never the next one)."""
+    monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))
+    return rewards.REWARDS
+
+
+def test_a_registered_reward_is_chosen_by_name(registry):
+    def digits(prompts, completions, answers):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    assert rewards.register_reward("digits", digits) is digits
+    assert rewards.get_reward("digits") is digits
+    # a weighted sum with a built-in: 0.5 · 2 digits + 1 · exact ("12" == "12") = 2.0, then 0.5
+    total, per = rewards.combined_rewards(
+        rewards.resolve_rewards({"digits": 0.5, "exact_match": 1.0}), ["a", "a"], ["12", "x1"],
+        ["12", "12"],
+    )  # fmt: skip
+    assert total == [2.0, 0.5] and per == {"digits": [2.0, 1.0], "exact_match": [1.0, 0.0]}
+    with pytest.raises(ValueError, match=r"unknown reward 'digit'.*; registered: digits"):
+        rewards.get_reward("digit")
+    with pytest.raises(ValueError, match="'digits' is already registered; pass replace=True"):
+        rewards.register_reward("digits", rewards.exact_match)
+    assert rewards.register_reward("digits", rewards.exact_match, replace=True)
+    assert rewards.get_reward("digits") is rewards.exact_match
+    for bad in ("", "my:reward", "model"):
+        with pytest.raises(ValueError, match="needs a plain name"):
+            rewards.register_reward(bad, digits)
+    with pytest.raises(ValueError, match="is not a function"):
+        rewards.register_reward("three", 3)
+    assert "digits" not in rewards.BUILTIN
+
+
+def test_the_registry_starts_as_the_built_ins():
+    assert rewards.REWARDS == rewards.BUILTIN
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from klpo.train import rewards as R
+from klpo.train.rewards import functions as R
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klpo.train.models import load_causal_lm, load_tokenizer
-from klpo.train.reference import default_reference_path
-from klpo.train.rollout import draw, generate, nucleus_logits, preallocate, sample_lean
+from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
+from klpo.train.rollout.samplers import draw, generate, nucleus_logits, preallocate, sample_lean
 
 PROMPTS = ["12+7=", "3+45=", "99+99=", "1+2="]  # several token lengths: left padding is exercised
 
@@ -173,7 +172,7 @@ def test_draw_follows_softmax_and_never_draws_minus_inf():
 def test_preallocated_cache_decodes_like_the_concatenating_one(random_lm):
     """Logits of 6 cached decode steps (float64) with :func:`preallocate` equal those of the
     plain dynamic cache; a cache whose tensors were replaced (a batch select) falls back."""
-    from klpo.train.models import cache_kwargs, output_cache
+    from klpo.train.models.load import cache_kwargs, output_cache
 
     model = random_lm.double()
     try:

@@ -11,9 +11,14 @@ import torch
 from klpo import losses, reduce
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import Tally, read_metrics
-from klpo.train.rollout import generate, position_ids
+from klpo.train.data.load import load_examples
+from klpo.train.models.build import build_models
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import generate, position_ids
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally, read_metrics
+from klpo.train.step.score import score
+from klpo.train.step.update import micro_step
 
 
 @pytest.mark.parametrize(
@@ -49,14 +54,14 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     }  # fmt: skip
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **extra))
     dist = Dist()
-    m = loop.build_models(cfg, dist, None)
-    train, _ = loop.load_examples(cfg)
+    m = build_models(cfg, dist, None)
+    train, _ = load_examples(cfg)
     rollout = generate(
         m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
         group_size=4, max_new_tokens=4,
     )  # fmt: skip
-    fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = loop.score(cfg, m, rollout, fns, 0.5)
+    fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = score(cfg, m, rollout, fns, 0.5)
     assert bool(s.old.filled.all())  # two epochs: the score's own pass gives log pi_old
     torch.manual_seed(1)
     with torch.no_grad():  # the policy moves after sampling: ratios != 1
@@ -65,7 +70,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    loop._micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
     m.policy.zero_grad()

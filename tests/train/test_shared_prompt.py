@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from klpo import logprobs
-from klpo.train.models import Backbone, Critic, load_causal_lm, load_tokenizer
-from klpo.train.reference import default_reference_path
-from klpo.train.rollout import completion_hidden, generate, shared_groups
+from klpo.train.models.backbone import Backbone, Critic
+from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
+from klpo.train.rollout.samplers import completion_hidden, generate, shared_groups
 
 PROMPTS = ["12+7=", "3+45=", "99+99=", "1+2="]  # different token lengths: left padding is exercised
 
@@ -89,7 +89,7 @@ def test_shared_prompt_hidden_states_match_in_critic(setup):
     model, rollout = setup
     critic = Critic(model)
     ids, att = rollout.input_ids, rollout.attention_mask
-    from klpo.train.rollout import position_ids
+    from klpo.train.rollout.samplers import position_ids
 
     plain = critic(ids, att, position_ids(att))
     shared = critic(ids, att, position_ids(att), prefix=rollout.prompt_ids.shape[1], group=3)

@@ -1,8 +1,8 @@
 """The step's metrics do not depend on how the batch is split, and each is documented and emitted.
 
-Every logged metric is a ratio of sums over micro-batches and ranks (:class:`klpo.train.metrics.Tally`),
+Every logged metric is a ratio of sums over micro-batches and ranks (:class:`klpo.train.runtime.metrics.Tally`),
 so ``algo.micro_batch`` and the number of ``torchrun`` processes change none of them; the
-documentation table (``klpo.train.metrics.METRICS``, rendered as docs/metrics.md) lists exactly the
+documentation table (``klpo.train.runtime.metrics.METRICS``, rendered as docs/metrics.md) lists exactly the
 keys some configuration emits.
 """
 
@@ -22,8 +22,16 @@ from safetensors.torch import load_file
 from klpo import losses
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import METRICS, Tally, is_timing, read_metrics
+from klpo.train.data.load import load_examples
+from klpo.train.models.build import build_models
+from klpo.train.rewards.functions import resolve_rewards
+from klpo.train.rollout.samplers import generate
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import METRICS, Tally, is_timing, read_metrics
+from klpo.train.step.metrics import finish_metrics, step_metrics
+from klpo.train.step.score import score
+from klpo.train.step.types import Optimizers
+from klpo.train.step.update import update
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -97,7 +105,7 @@ def test_pooled_std_and_explained_variance_match_the_whole_batch():
     class FakeDist:
         all_sum = staticmethod(_ranks(tallies))
 
-    out = loop.finish_metrics(tallies[0], FakeDist())
+    out = finish_metrics(tallies[0], FakeDist())
     assert out["reward/std"] == pytest.approx(float(scores.double().std()), rel=1e-10)
     want = losses.value_metrics(values, values, returns, mask)["value/explained_var"]
     assert out["value/explained_var"] == pytest.approx(want, rel=1e-9)
@@ -220,7 +228,7 @@ def _entry(key: str) -> str:
 def test_every_documented_metric_is_emitted_and_none_undocumented(
     tiny_model, quick, tmp_path, monkeypatch
 ):
-    from klpo.train import engines
+    from klpo.train.rollout import engines
 
     fake = importlib.import_module("klpo_fake_engine")
     monkeypatch.setitem(engines.ENGINES, "vllm", fake.spec(0.1))
@@ -254,21 +262,21 @@ def test_kl_ref_of_the_configured_estimator_is_its_own_value(tiny_model, quick, 
         overrides=quick(tiny_model, tmp_path / "r", **{"kl.estimator": "kl_ref_theta"})
     )
     dist = Dist()
-    m = loop.build_models(cfg, dist, None)
+    m = build_models(cfg, dist, None)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in m.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    train, _ = loop.load_examples(cfg)
-    rollout = loop.generate(
+    train, _ = load_examples(cfg)
+    rollout = generate(
         m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
         group_size=4, max_new_tokens=4,
     )  # fmt: skip
-    fns = loop.rewards_mod.resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = loop.score(cfg, m, rollout, fns, 0.1)
-    opt = loop.Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.0), None)
-    upd = loop.update(cfg, m, s, opt, 0.1, 1.0, dist, torch.Generator().manual_seed(0))
-    metrics = loop.step_metrics(cfg, s, upd, dist)
+    fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    s = score(cfg, m, rollout, fns, 0.1)
+    opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.0), None)
+    upd = update(cfg, m, s, opt, 0.1, 1.0, dist, torch.Generator().manual_seed(0))
+    metrics = step_metrics(cfg, s, upd, dist)
     d = (s.logp_ref - s.old.logp).double()[rollout.mask]
     want = float((d.exp() * d - (d.exp() - 1)).mean())  # r log r - (r - 1), r = pi_ref/pi
     assert metrics["kl/ref/kl_ref_theta"] == pytest.approx(want, rel=1e-5)

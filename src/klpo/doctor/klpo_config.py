@@ -6,15 +6,9 @@ from typing import Any
 
 from klpo.doctor.advice import build_intended
 from klpo.doctor.reading import DoctorError, Reading, Term
+from klpo.train.algorithms import ALGORITHMS
 
 __all__ = ["read"]
-
-_CREDIT = {
-    "grpo": "per token, returns-to-go added to the group-relative advantage (never normalised)",
-    "rloo": "summed over the completion into the score, then leave-one-out",
-    "reinforce++": "per token, returns-to-go, then batch-whitened",
-    "ppo": "per token, through GAE, then batch-whitened",
-}
 
 
 def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
@@ -41,7 +35,9 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
                     placement=p,
                     beta=k.beta,
                     beta_option="kl.beta",
-                    reduction=a.loss_reduction if p == "loss" else _CREDIT[a.name],
+                    reduction=a.loss_reduction
+                    if p == "loss"
+                    else ALGORITHMS[a.name].reward_kl_credit,
                     value_clamp=(-10.0, 10.0) if k.estimator == "low_var_kl" else None,
                     log_ratio_clamp=(-20.0, 20.0) if k.estimator == "low_var_kl" else None,
                     corrected=True,

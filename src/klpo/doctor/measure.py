@@ -1,7 +1,7 @@
 r"""``klpo doctor --model DIR --reference DIR --data FILE``: the estimator lab on the user's models.
 
 On a batch of the user's prompts, completions y ~ pi_theta are sampled (temperature 1, no top-k, as
-:func:`klpo.train.rollout.generate`), and at every completion position t both models' full
+:func:`klpo.train.rollout.samplers.generate`), and at every completion position t both models' full
 next-token distributions are computed. That gives, per position and with the prefix held fixed,
 the **exact** per-position KLs
 
@@ -111,8 +111,8 @@ class Terms:
 
 
 def token_terms(policy: Any, reference: Any, rollout: Any) -> Terms:
-    """Both models on ``rollout`` (a :class:`klpo.train.rollout.Rollout`): log-probs and exact KLs."""
-    from klpo.train.rollout import position_ids
+    """Both models on ``rollout`` (a :class:`klpo.train.rollout.samplers.Rollout`): log-probs and exact KLs."""
+    from klpo.train.rollout.samplers import position_ids
 
     ids, att = rollout.input_ids, rollout.attention_mask
     pos = position_ids(att)
@@ -282,6 +282,24 @@ def gradient_cosines(
     }
 
 
+def _check_same_tokenizer(tok: Any, model: str, reference: str) -> None:
+    """The trainer's check (``klpo.train.preflight.check_same_tokenizer``) on the doctor's pair:
+    a reference with its own tokenizer must map every token to the policy's id."""
+    from klpo.train.config import ConfigError
+    from klpo.train.models.load import load_tokenizer
+    from klpo.train.preflight import check_same_tokenizer
+
+    try:
+        other = load_tokenizer(reference, "--reference")
+    except (FileNotFoundError, OSError, ValueError):
+        return  # no tokenizer files beside the reference: its ids are the policy's
+    try:
+        check_same_tokenizer(tok, model, other, reference, "reference")
+    except ConfigError as err:
+        text = str(err).replace("model.reference", "--reference").replace("model.policy", "--model")
+        raise DoctorError(text.replace("give a reference", "give a --reference")) from None
+
+
 def measure(
     model: str,
     reference: str,
@@ -295,8 +313,8 @@ def measure(
     highlight: list[tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Sample on the user's prompts and measure every estimator against the exact KL (module doc)."""
-    from klpo.train.models import load_causal_lm, load_tokenizer
-    from klpo.train.rollout import generate
+    from klpo.train.models.load import load_causal_lm, load_tokenizer
+    from klpo.train.rollout.samplers import generate
 
     for flag, value in (
         ("--prompts", prompts),
@@ -318,6 +336,7 @@ def measure(
             f"{ref.config.vocab_size}: the KL needs the same tokenizer; give the reference the "
             "policy was trained from"
         )
+    _check_same_tokenizer(tok, model, reference)
     policy.eval()
     ref.eval()
     torch.manual_seed(seed)

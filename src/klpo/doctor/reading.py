@@ -10,6 +10,7 @@ their name says). :mod:`klpo.doctor.report` adds what :func:`klpo.kl.explain` de
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ __all__ = [
     "Term",
     "flatten",
     "load_mapping",
+    "nearest",
+    "read_text",
     "scalar",
 ]
 
@@ -97,7 +100,8 @@ class Reading:
         group_scaling: how the group normalisation scales a KL that is in the reward, or None.
         findings: see :class:`Finding`.
         equivalent: the klpo config (a nested dict, ``klpo train -c``) that does the same thing,
-            as far as klpo can; ``equivalent_differences`` says where it cannot.
+            as far as klpo can; ``equivalent_differences`` says where it cannot, and
+            ``equivalent_unmapped`` lists the file's settings klpo has no key for.
         intended: the klpo config that does what the settings most likely meant, and ``why``.
     """
 
@@ -114,6 +118,7 @@ class Reading:
     findings: list[Finding] = field(default_factory=list)
     equivalent: dict[str, Any] = field(default_factory=dict)
     equivalent_differences: list[str] = field(default_factory=list)
+    equivalent_unmapped: list[str] = field(default_factory=list)
     intended: dict[str, Any] = field(default_factory=dict)
     intended_why: list[str] = field(default_factory=list)
 
@@ -132,20 +137,60 @@ class Reading:
 
 
 class Settings:
-    """Dotted-key lookups into a flattened config, with defaults, remembering what was read."""
+    """Dotted-key lookups into a flattened config, with the framework's defaults, remembering
+    what was read and where it came from.
 
-    def __init__(self, values: dict[str, Any], defaults: dict[str, Any], source: str):
+    ``labels`` maps a key to the name the file used for it (OpenRLHF's flat or grouped flag), so
+    findings speak the file's words. A value the file holds but the doctor cannot read (it
+    depends on a shell variable the script does not define) is a finding, and the framework's
+    default is read in its place, marked so in :attr:`read`.
+    """
+
+    def __init__(
+        self,
+        values: dict[str, Any],
+        defaults: dict[str, Any],
+        source: str,
+        labels: dict[str, str] | None = None,
+    ):
         self.values, self.defaults, self.source = values, defaults, source
+        self.labels = labels or {}
         self.read: dict[str, dict[str, Any]] = {}
+        self.findings: list[Finding] = []
+
+    def label(self, key: str) -> str:
+        return self.labels.get(key, key)
 
     def given(self, key: str) -> bool:
         return key in self.values
 
+    def differs(self, key: str) -> bool:
+        """Whether the file sets ``key`` to something other than the default (and not zero)."""
+        if key not in self.values:
+            return False
+        self.get(key)
+        value, default = self.values[key], self.defaults.get(key)
+        if value in (0, 0.0, False, None, "") and not isinstance(value, str):
+            return False
+        return str(value).lower() != str(default).lower()
+
     def get(self, key: str) -> Any:
         if key in self.values:
             value, origin = self.values[key], "file"
+            unread = _unresolved_text(value)
+            if unread:
+                value, origin = self.defaults.get(key), "default (the file's value was unreadable)"
+                self.findings.append(
+                    Finding(
+                        "warning",
+                        (self.label(key),),
+                        f"{self.label(key)} = {self.values[key]!r} depends on {unread}, which "
+                        "the script does not define: the doctor cannot read it and took the "
+                        f"default {value!r}; give its value with --var NAME=VALUE",
+                    )
+                )
         else:
-            value, origin = self.defaults[key], "default"
+            value, origin = self.defaults.get(key), "default"
         self.read[key] = {"value": value, "from": origin}
         return value
 
@@ -155,9 +200,9 @@ class Settings:
             return None
         if isinstance(value, str) and "${" in value:
             raise DoctorError(
-                f"{self.source}: {key} = {value!r} is an interpolation the doctor does not "
-                "resolve; give the resolved config (for verl, add `--cfg job --resolve` to the "
-                "main_ppo command line to print it)"
+                f"{self.source}: {self.label(key)} = {value!r} is an interpolation the doctor "
+                "does not resolve; give the resolved config (for verl, add `--cfg job --resolve` "
+                "to the main_ppo command line to print it)"
             )
         try:
             if kind is bool:
@@ -169,11 +214,13 @@ class Settings:
                 if text in ("false", "0", "no"):
                     return False
                 raise ValueError
+            if kind is int and isinstance(value, float) and value.is_integer():
+                return int(value)
             return kind(value)
         except (TypeError, ValueError):
             raise DoctorError(
-                f"{self.source}: {key} = {value!r} is not {check}; write it as {check}, "
-                f"e.g. {key}={self.defaults.get(key)!r}"
+                f"{self.source}: {self.label(key)} = {value!r} is not {check}; write it as "
+                f"{check}, e.g. {self.label(key)}={self.defaults.get(key)!r}"
             ) from None
 
     def bool(self, key: str) -> bool:
@@ -188,6 +235,53 @@ class Settings:
     def str(self, key: str) -> str | None:
         value = self.get(key)
         return None if value is None else str(value)
+
+
+def _unresolved_text(value: Any) -> str | None:
+    """The shell names a value from a script still depends on (``${HOME}``, ``$(date)``)."""
+    if not isinstance(value, str):
+        return None
+    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|(\$\([^)]*\))", value)
+    if not names:
+        return None
+    return ", ".join(f"${a}" if a else b for a, b in names)
+
+
+def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | None:
+    """The known key closest to ``key`` (its last dotted part weighs most), or None."""
+    pool = list(known)
+    hit = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
+    if hit:
+        return hit[0]
+    tail = key.rsplit(".", 1)[-1]
+    by_tail: dict[str, str] = {}
+    for k in pool:
+        by_tail.setdefault(k.rsplit(".", 1)[-1], k)
+    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.75)
+    return by_tail[hit[0]] if hit else None
+
+
+def read_text(path: Path) -> str:
+    """A config file's text, or a DoctorError naming the file and what is wrong with it."""
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise DoctorError(f"{path}: a directory, not a config file") from None
+    except OSError as err:
+        raise DoctorError(f"{path}: cannot be read ({err.strerror})") from None
+    nul = data.find(b"\0", 0, 8192)
+    if nul >= 0:
+        raise DoctorError(
+            f"{path}: a binary file (a NUL byte at offset {nul}), not a config; "
+            "give the YAML/JSON config or the launch script"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DoctorError(
+            f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "give the YAML/JSON config or the launch script as text"
+        ) from None
 
 
 def scalar(text: str) -> Any:
@@ -224,20 +318,9 @@ def _looks_numeric(text: str) -> bool:
     return bool(re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", text))
 
 
-def shell_words(text: str) -> list[str]:
-    """The words of a shell command, with line continuations, comments and ``$VARS`` kept as is."""
-    import shlex
-
-    lines = [ln for ln in text.replace("\\\n", " ").splitlines() if not ln.lstrip().startswith("#")]
-    try:
-        return shlex.split(" ".join(lines), comments=True)
-    except ValueError as err:
-        raise DoctorError(f"cannot split the command line into words: {err}") from None
-
-
 def load_mapping(path: Path) -> dict[str, Any]:
     """A YAML or JSON file holding one mapping, or a DoctorError that says what is wrong."""
-    text = path.read_text()
+    text = read_text(path)
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:

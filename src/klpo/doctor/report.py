@@ -126,7 +126,8 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
     rec["clamps"] = clamp_regions(term)
     base = _BASE.get(term.estimator or "")
     rec["unclamped"] = None
-    if rec["clamps"] is not None and base is not None and base != term.estimator:
+    straight_through = (term.estimator or "").endswith("+")  # k2's gradient everywhere
+    if rec["clamps"] is not None and base not in (None, term.estimator) and not straight_through:
         # Where no clamp binds the term is its base estimator, value and gradient.
         rec["unclamped"] = _explain(base, term.placement, True)
     return rec
@@ -135,7 +136,9 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
 def diagnosis(reading: Reading) -> dict[str, Any]:
     """Everything the doctor says about ``reading``, as JSON-ready data."""
     findings = [asdict(f) for f in reading.findings]
-    if not version_matches(reading.version, reading.defaults_version):
+    if reading.framework == "klpo" and not version_matches(
+        reading.version, reading.defaults_version
+    ):
         findings.insert(
             0,
             {
@@ -161,6 +164,7 @@ def diagnosis(reading: Reading) -> dict[str, Any]:
         "equivalent": {
             "config": reading.equivalent,
             "differences": reading.equivalent_differences,
+            "unmapped": reading.equivalent_unmapped,
             "invalid": validate(reading.equivalent) if reading.equivalent else None,
         },
         "intended": {
@@ -187,8 +191,67 @@ def _grad_text(rec: dict[str, Any] | None) -> str:
 
 
 def _yaml(config: dict[str, Any]) -> str:
-    clean = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in config.items()}
+    clean = {
+        k: {kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v
+        for k, v in config.items()
+    }
     return yaml.safe_dump(clean, sort_keys=False, allow_unicode=True).rstrip()
+
+
+def _render_term(i: int, t: dict[str, Any]) -> list[str]:
+    """One KL term's lines: what it is, reduces to, logs, follows, and where it is clamped."""
+    lines: list[str] = []
+    est = t["estimator"] or "— (none in klpo)"
+    lines.append(
+        f" {i}. {t['option']}  →  klpo `{est}` in the {t['placement']}, beta {t['beta']:g} "
+        f"({t['beta_option']}{', adaptive' if t['adaptive'] else ''})"
+    )
+    lines.append(
+        f"    reduced:  {t['reduction']}"
+        if t["placement"] == "loss"
+        else f"    credit:   {t['reduction']}"
+    )
+    on = t["on_policy"]
+    if on is not None:
+        lines.append(
+            f"    logs:     {'unbiased' if on['unbiased'] else 'biased'} estimate of "
+            f"{on['estimates']}, {'never negative' if on['nonnegative'] else 'can be negative'}"
+            + (f", as `{t['logged_as']}`" if t["logged_as"] else "")
+        )
+    lines.append(f"    gradient: on-policy: {_grad_text(on)}")
+    if t.get("unclamped") is not None and t["unclamped"]["gradient"] != on["gradient"]:
+        lines.append(
+            f"              where no clamp binds, as {t['unclamped']['estimator']}: "
+            f"{_grad_text(t['unclamped'])}"
+        )
+    off = t["off_policy"]
+    if off is not None:
+        if t["placement"] == "reward":
+            how = "penalty estimated at pi_old, PPO ratio"
+        elif off.get("corrected_by"):
+            how = "corrected by klpo's detached pi_theta/pi_old weight"
+        else:
+            how = "carries its own weight" if t["corrected"] else "not corrected"
+        lines.append(f"              off-policy ({how}): {_grad_text(off)}")
+    c = t["clamps"]
+    if c is not None:
+        parts = []
+        if c["value_clamp"]:
+            parts.append(f"value clamped to {c['value_clamp']}")
+        if c["log_ratio_clamp"]:
+            parts.append(f"log pi_ref - log pi_theta clamped to {c['log_ratio_clamp']}")
+        lines.append(f"    clamps:   {'; '.join(parts)}")
+        if t["placement"] == "loss":
+            zero = c["zero_gradient"]
+            if zero:
+                where = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in zero)
+                lines.append(f"              the gradient is exactly zero where {where}")
+            else:
+                lines.append("              the gradient is never zeroed (straight-through)")
+        else:
+            binds = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in c["binds"])
+            lines.append(f"              the per-token penalty is capped where {binds}")
+    return lines
 
 
 def render(diag: dict[str, Any]) -> str:
@@ -216,56 +279,7 @@ def render(diag: dict[str, Any]) -> str:
     else:
         lines.append("KL terms in effect:")
     for i, t in enumerate(diag["terms"], 1):
-        est = t["estimator"] or "— (none in klpo)"
-        lines.append(
-            f" {i}. {t['option']}  →  klpo `{est}` in the {t['placement']}, beta {t['beta']:g} "
-            f"({t['beta_option']}{', adaptive' if t['adaptive'] else ''})"
-        )
-        lines.append(
-            f"    reduced:  {t['reduction']}"
-            if t["placement"] == "loss"
-            else f"    credit:   {t['reduction']}"
-        )
-        on = t["on_policy"]
-        if on is not None:
-            lines.append(
-                f"    logs:     {'unbiased' if on['unbiased'] else 'biased'} estimate of "
-                f"{on['estimates']}, {'never negative' if on['nonnegative'] else 'can be negative'}"
-                + (f", as `{t['logged_as']}`" if t["logged_as"] else "")
-            )
-        lines.append(f"    gradient: on-policy: {_grad_text(on)}")
-        if t.get("unclamped") is not None and t["unclamped"]["gradient"] != on["gradient"]:
-            lines.append(
-                f"              where no clamp binds, as {t['unclamped']['estimator']}: "
-                f"{_grad_text(t['unclamped'])}"
-            )
-        off = t["off_policy"]
-        if off is not None:
-            if t["placement"] == "reward":
-                how = "penalty estimated at pi_old, PPO ratio"
-            elif off.get("corrected_by"):
-                how = "corrected by klpo's detached pi_theta/pi_old weight"
-            else:
-                how = "carries its own weight" if t["corrected"] else "not corrected"
-            lines.append(f"              off-policy ({how}): {_grad_text(off)}")
-        c = t["clamps"]
-        if c is not None:
-            parts = []
-            if c["value_clamp"]:
-                parts.append(f"value clamped to {c['value_clamp']}")
-            if c["log_ratio_clamp"]:
-                parts.append(f"log pi_ref - log pi_theta clamped to {c['log_ratio_clamp']}")
-            lines.append(f"    clamps:   {'; '.join(parts)}")
-            if t["placement"] == "loss":
-                zero = c["zero_gradient"]
-                if zero:
-                    where = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in zero)
-                    lines.append(f"              the gradient is exactly zero where {where}")
-                else:
-                    lines.append("              the gradient is never zeroed (straight-through)")
-            else:
-                binds = " or ".join(_interval_text(lo, hi, c["span"]) for lo, hi in c["binds"])
-                lines.append(f"              the per-token penalty is capped where {binds}")
+        lines += _render_term(i, t)
     if diag["group_scaling"]:
         lines += ["", "group normalisation of the reward-side KL:", f"  {diag['group_scaling']}"]
     if diag["findings"]:
@@ -280,6 +294,8 @@ def render(diag: dict[str, Any]) -> str:
     ]
     for d in eq["differences"]:
         lines.append(f"  # differs: {d}")
+    if eq["unmapped"]:
+        lines.append(f"  # not carried (klpo has no key for them): {', '.join(eq['unmapped'])}")
     if eq["invalid"]:
         lines.append(f"  # klpo rejects it: {eq['invalid']}")
     lines += [

@@ -10,39 +10,16 @@ leave-one-out baseline). The GRPO facts are tested against TRL 1.16 itself by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from klpo.doctor.advice import build_equivalent, build_intended
-from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten
+from klpo.doctor import tables
+from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten, nearest
 
-__all__ = ["GRPO_DEFAULTS", "LOSS_TYPES", "RLOO_DEFAULTS", "VERSION", "read_grpo", "read_rloo"]
+__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_grpo", "read_rloo", "updates"]
 
-VERSION = "1.16"
-
-GRPO_DEFAULTS: dict[str, Any] = {
-    "beta": 0.0,
-    "use_bias_correction_kl": True,
-    "importance_sampling_level": "token",
-    "loss_type": "dapo",
-    "num_iterations": 1,
-    "steps_per_generation": None,
-    "gradient_accumulation_steps": 1,
-    "scale_rewards": "group",
-    "num_generations": 8,
-    "temperature": 1.0,
-    "max_completion_length": 256,
-}
-
-RLOO_DEFAULTS: dict[str, Any] = {
-    "beta": 0.05,
-    "num_iterations": 1,
-    "steps_per_generation": None,
-    "gradient_accumulation_steps": 1,
-    "num_generations": 2,
-    "normalize_advantages": False,
-    "temperature": 1.0,
-    "max_completion_length": 256,
-}
+VERSION = "1.16.0"
 
 # loss_type -> klpo.reduce mode of the combined per-token loss (docs/frameworks.md §3).
 LOSS_TYPES: dict[str, str] = {
@@ -64,17 +41,91 @@ SCALE_REWARDS = {
     "batch": None,
 }
 
+# TRL field -> klpo key: what the "same thing" config carries.
+CARRIED: list[tuple[str, str]] = [
+    ("model_name_or_path", "model.policy"),
+    ("gradient_checkpointing", "model.gradient_checkpointing"),
+    ("lora_r", "model.lora.r"),
+    ("lora_alpha", "model.lora.alpha"),
+    ("lora_dropout", "model.lora.dropout"),
+    ("max_completion_length", "rollout.max_new_tokens"),
+    ("temperature", "rollout.temperature"),
+    ("top_p", "rollout.top_p"),
+    ("epsilon", "algo.clip_low"),
+    ("learning_rate", "optim.lr"),
+    ("weight_decay", "optim.weight_decay"),
+    ("max_grad_norm", "optim.grad_clip"),
+    ("warmup_steps", "optim.warmup_steps"),
+    ("max_steps", "run.steps"),
+    ("seed", "run.seed"),
+    ("output_dir", "run.out_dir"),
+]
 
-def _updates(s: Settings) -> tuple[int, int]:
-    """(num_iterations, generation steps per optimiser step) from TRL's buffering fields."""
+
+def updates(s: Settings) -> tuple[int, int, str | None]:
+    """(num_iterations, optimiser steps one generation feeds per iteration, assumption).
+
+    TRL generates once every ``steps_per_generation × num_iterations`` micro-steps
+    (``GRPOTrainer._prepare_inputs``) and steps the optimiser every
+    ``gradient_accumulation_steps``; ``GRPOConfig.__post_init__`` derives
+    ``steps_per_generation`` from ``generation_batch_size / (per_device_train_batch_size ×
+    processes)`` when only the batch size is given (and defaults it to the accumulation steps).
+    The number of processes is not in the config: 1 is assumed and said.
+    """
     iters = s.int("num_iterations") or 1
     accum = s.int("gradient_accumulation_steps") or 1
-    spg = s.int("steps_per_generation") or accum
-    return iters, max(1, spg // accum)
+    spg, gbs = s.int("steps_per_generation"), s.int("generation_batch_size")
+    assumption = None
+    if spg is None and gbs is not None:
+        per_device = s.int("per_device_train_batch_size") or 1
+        spg = max(1, gbs // per_device)
+        assumption = (
+            f"generation_batch_size={gbs} with per_device_train_batch_size={per_device}: "
+            f"{spg} steps per generation on 1 process (on P processes, {spg}/P): the config does "
+            "not hold the process count"
+        )
+    spg = spg or accum
+    return iters, max(1, spg // accum), assumption
 
 
-def _common(r: Reading, s: Settings, iters: int, reuse: int) -> None:
+def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[str, Any]:
+    """TRL refuses a field its config does not have; name it and the nearest real one."""
+    flat = flatten(data)
+    cli = table.cli or {}
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in table.defaults or key in cli:
+            out[key] = value
+            continue
+        near = nearest(key, [*table.defaults, *cli])
+        r.warn(
+            "error",
+            [key],
+            f"{key}: no such field in TRL {table.version}'s {table.framework[4:].upper()}Config"
+            + (f" (did you mean {near}?)" if near else "")
+            + "; TRL refuses it (HfArgumentParser / the dataclass: unexpected argument) and "
+            "does not start" + (f"; the doctor read {near} as the file leaves it" if near else ""),
+        )
+    return out
+
+
+def _setup(
+    kind: str, data: dict[str, Any], source: str, version: str | None
+) -> tuple[Reading, Settings]:
+    table, note = tables.pick(f"trl-{kind}", version, VERSION)
+    r = Reading(
+        framework=f"trl-{kind}", defaults_version=table.version, version=version, source=source
+    )
+    if note:
+        r.warn("warning", ["--framework-version"], note)
+    defaults = {**(table.cli or {}), **table.defaults}
+    return r, Settings(_check_keys(r, data, table), defaults, source)
+
+
+def _common(r: Reading, s: Settings, iters: int, reuse: int, assumption: str | None) -> None:
     r.updates_per_batch = iters * reuse
+    if assumption:
+        r.warn("note", ["generation_batch_size"], assumption)
     temp = s.float("temperature")
     if temp is not None and temp != 1.0:
         r.warn(
@@ -85,10 +136,44 @@ def _common(r: Reading, s: Settings, iters: int, reuse: int) -> None:
         )
 
 
+def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, Any]) -> None:
+    mapping = list(CARRIED)
+    # One generation holds per_device_train_batch_size × steps_per_generation completions per
+    # process (1 process assumed, as in updates()): that many / num_generations prompts.
+    per_device = s.int("per_device_train_batch_size") or 1
+    spg = s.int("steps_per_generation") or s.int("gradient_accumulation_steps") or 1
+    gbs = s.int("generation_batch_size") or per_device * spg
+    g = max(1, rollout["group_size"])
+    processes = g // math.gcd(gbs, g)
+    if processes > 1:
+        # GRPOConfig.__post_init__: the generation batch must hold whole groups.
+        r.warn(
+            "warning",
+            ["per_device_train_batch_size", "num_generations"],
+            f"one generation holds {gbs} completions per process, not a multiple of "
+            f"num_generations={g}: TRL refuses this config on one process; it runs on a multiple "
+            f"of {processes} processes, and the klpo config is shown for {processes}",
+        )
+    rollout["prompts_per_step"] = gbs * processes // g
+    if not s.bool("use_peft"):
+        mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
+    eps_high = s.float("epsilon_high")
+    if eps_high is not None:
+        algo["clip_high"] = eps_high
+    carried, missing = carry(s, mapping)
+    if "algo.clip_low" in carried and eps_high is None:
+        carried["algo.clip_high"] = carried["algo.clip_low"]
+    if missing:
+        r.equivalent_differences.append(f"no klpo key (any more) for: {', '.join(missing)}")
+    build_equivalent(r, algo, rollout, {}, carried, s)
+    build_intended(r)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+
+
 def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read a ``GRPOConfig``'s fields into a :class:`Reading`."""
-    s = Settings(flatten(data), GRPO_DEFAULTS, source)
-    r = Reading(framework="trl-grpo", defaults_version=VERSION, version=version, source=source)
+    r, s = _setup("grpo", data, source, version)
     beta = s.float("beta") or 0.0
     bias = s.bool("use_bias_correction_kl")
     level = check_known(
@@ -101,10 +186,9 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
     scale = str(s.get("scale_rewards")).lower()
     check_known(scale, SCALE_REWARDS, "scale_rewards", source)
     g = s.int("num_generations") or 1
-    max_len = s.int("max_completion_length")
-    iters, reuse = _updates(s)
+    iters, reuse, assumption = updates(s)
     r.algorithm, r.group_size = "grpo", g
-    _common(r, s, iters, reuse)
+    _common(r, s, iters, reuse, assumption)
 
     if beta > 0:
         if bias and level == "sequence":
@@ -142,28 +226,14 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
                 "(float32) the value overflows to inf",
             )
     else:
-        ignored = [k for k in ("use_bias_correction_kl",) if s.given(k)]
+        ignored = [k for k in ("use_bias_correction_kl",) if s.differs(k)]
         r.warn(
             "warning" if ignored else "note",
             ["beta", *ignored],
             "beta is 0 (TRL's default): no reference model is loaded and no KL term is applied or "
             "logged" + (f"; {', '.join(ignored)} is ignored" if ignored else ""),
         )
-    if r.off_policy and beta > 0 and not (bias and level == "token"):
-        r.warn(
-            "warning",
-            ["num_iterations", "steps_per_generation"],
-            f"{r.updates_per_batch} optimiser steps per generation: from the second on the KL "
-            "term sees tokens sampled by an older policy, and TRL's k3 is not weighted for that",
-        )
-    if loss_type in ("grpo", "sapo") and beta > 0:
-        r.warn(
-            "note",
-            ["loss_type"],
-            f"loss_type={loss_type!r} reduces the KL term per sequence first: a token of a short "
-            "completion weighs more than one of a long completion",
-        )
-
+    _grpo_findings(r, beta, bias, level, loss_type)
     std = SCALE_REWARDS[scale]
     algo: dict[str, Any] = {
         "name": "grpo",
@@ -186,25 +256,37 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
             f"loss_type={loss_type!r}: TRL's policy surrogate differs from klpo's PPO clip"
         )
     rollout: dict[str, Any] = {"group_size": g}
-    if max_len is not None:
-        rollout["max_new_tokens"] = max_len
-    build_equivalent(r, algo, rollout, {})
-    build_intended(r)
-    r.settings = s.read
+    _finish(r, s, algo, rollout)
     return r
+
+
+def _grpo_findings(r: Reading, beta: float, bias: bool, level: str, loss_type: str) -> None:
+    """Off-policy steps and per-sequence reduction, as they touch the KL term."""
+    if r.off_policy and beta > 0 and not (bias and level == "token"):
+        r.warn(
+            "warning",
+            ["num_iterations", "steps_per_generation"],
+            f"{r.updates_per_batch} optimiser steps per generation: from the second on the KL "
+            "term sees tokens sampled by an older policy, and TRL's k3 is not weighted for that",
+        )
+    if loss_type in ("grpo", "sapo") and beta > 0:
+        r.warn(
+            "note",
+            ["loss_type"],
+            f"loss_type={loss_type!r} reduces the KL term per sequence first: a token of a short "
+            "completion weighs more than one of a long completion",
+        )
 
 
 def read_rloo(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read an ``RLOOConfig``'s fields into a :class:`Reading`."""
-    s = Settings(flatten(data), RLOO_DEFAULTS, source)
-    r = Reading(framework="trl-rloo", defaults_version=VERSION, version=version, source=source)
+    r, s = _setup("rloo", data, source, version)
     beta = s.float("beta") or 0.0
     g = s.int("num_generations") or 1
     norm = s.bool("normalize_advantages")
-    max_len = s.int("max_completion_length")
-    iters, reuse = _updates(s)
+    iters, reuse, assumption = updates(s)
     r.algorithm, r.group_size = "rloo", g
-    _common(r, s, iters, reuse)
+    _common(r, s, iters, reuse, assumption)
     if beta > 0:
         r.terms.append(
             Term(
@@ -240,9 +322,5 @@ def read_rloo(data: dict[str, Any], source: str, version: str | None = None) -> 
     if norm:
         r.equivalent_differences.append("normalize_advantages has no klpo config key")
     rollout: dict[str, Any] = {"group_size": g}
-    if max_len is not None:
-        rollout["max_new_tokens"] = max_len
-    build_equivalent(r, algo, rollout, {})
-    build_intended(r)
-    r.settings = s.read
+    _finish(r, s, algo, rollout)
     return r

@@ -1,17 +1,23 @@
-"""verl's KL settings (its Hydra YAML, or ``main_ppo`` command-line overrides), read for the doctor.
+"""verl's KL settings (its Hydra YAML, or a ``main_ppo`` launch script), read for the doctor.
 
-Defaults are verl 0.9's (``verl/trainer/config/ppo_trainer.yaml``, ``actor/actor.yaml``,
-``rollout/rollout.yaml``, ``data/legacy_data.yaml``); what they mean is read from
-``verl/trainer/ppo/core_algos.py`` (``kl_penalty``, ``agg_loss``, the advantage estimators),
-``verl/trainer/ppo/ray_trainer.py`` (``apply_kl_penalty``) and ``verl/workers/utils/losses.py``
-(``ppo_loss``). docs/frameworks.md has the table of names.
+Every key and default is verl's own: the table ``klpo/assets/doctor/verl-<version>.json`` is
+verl's ``ppo_trainer`` config composed by Hydra (:mod:`klpo.doctor.tables`; checked against the
+installed verl by ``tests/doctor/test_peers.py``). What the settings mean is read from
+``verl/trainer/ppo/core_algos.py`` (``kl_penalty``: the value, the ``+`` straight-through
+gradient, the k3 clamps; ``agg_loss``; the advantage estimators), ``verl/trainer/ppo/ray_trainer.py``
+(``apply_kl_penalty``) and ``verl/workers/utils/losses.py`` (``ppo_loss``: the KL loss, with no
+importance weight); the peer tests run those functions. A ``klpo:NAME`` estimator is
+:mod:`klpo.integrations.verl`'s. docs/frameworks.md has the table of names.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from klpo.doctor.advice import build_equivalent, build_intended
+from klpo import kl
+from klpo.doctor import tables
+from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.openrlhf import script_notes
 from klpo.doctor.reading import (
     DoctorError,
     Reading,
@@ -19,36 +25,16 @@ from klpo.doctor.reading import (
     Term,
     check_known,
     flatten,
+    nearest,
     scalar,
-    shell_words,
 )
+from klpo.doctor.shell import Script, read_script
+from klpo.train.algorithms import ALGORITHMS
 
-__all__ = ["DEFAULTS", "ESTIMATOR_NAMES", "VERSION", "read", "read_text"]
+__all__ = ["ESTIMATOR_NAMES", "VERSION", "overrides", "read"]
 
-VERSION = "0.9"
-
+VERSION = "0.9.1"
 ACTOR = "actor_rollout_ref.actor"
-DEFAULTS: dict[str, Any] = {
-    "data.train_batch_size": 1024,
-    f"{ACTOR}.ppo_mini_batch_size": 256,
-    f"{ACTOR}.ppo_epochs": 1,
-    f"{ACTOR}.use_kl_loss": False,
-    f"{ACTOR}.kl_loss_coef": 0.001,
-    f"{ACTOR}.kl_loss_type": "low_var_kl",
-    f"{ACTOR}.loss_agg_mode": "token-mean",
-    f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-    "actor_rollout_ref.rollout.n": 1,
-    "algorithm.adv_estimator": "gae",
-    "algorithm.norm_adv_by_std_in_grpo": True,
-    "algorithm.use_kl_in_reward": False,
-    "algorithm.kl_penalty": "kl",
-    "algorithm.kl_ctrl.type": "fixed",
-    "algorithm.kl_ctrl.kl_coef": 0.001,
-    "algorithm.kl_ctrl.horizon": 10000,
-    "algorithm.kl_ctrl.target_kl": 0.1,
-    "algorithm.gamma": 1.0,
-    "algorithm.lam": 1.0,
-}
 
 # verl's estimator names -> klpo's (None: klpo has none / verl raises).
 ESTIMATOR_NAMES: dict[str, str | None] = {
@@ -68,6 +54,8 @@ ESTIMATOR_NAMES: dict[str, str | None] = {
     "k3+": "k3+",
     "full": None,
 }
+# klpo.integrations.verl's names: any klpo estimator but `full`, prefixed.
+KLPO_NAMES = {f"klpo:{e}": e for e in kl.ESTIMATORS if e != "full"}
 
 # loss_agg_mode -> klpo.reduce mode (None: klpo has none).
 REDUCTIONS: dict[str, str | None] = {
@@ -88,8 +76,38 @@ ADVANTAGES: dict[str, tuple[str | None, str]] = {
         None,
         "summed over the completion, group mean subtracted, then batch-whitened",
     ),
-    "remax": (None, "summed over the completion, greedy baseline subtracted"),
+    "remax": (
+        None,
+        "per token, returns-to-go of the penalised reward, minus the greedy completion's "
+        "score (compute_remax_outcome_advantage; no group statistics)",
+    ),
 }
+GROUP_SUMMED = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+# verl key -> klpo key: the settings the "same thing" config carries.
+CARRIED: list[tuple[str, str]] = [
+    ("actor_rollout_ref.model.path", "model.policy"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", "model.gradient_checkpointing"),
+    ("actor_rollout_ref.model.lora_rank", "model.lora.r"),
+    ("actor_rollout_ref.model.lora_alpha", "model.lora.alpha"),
+    ("actor_rollout_ref.model.target_modules", "model.lora.target_modules"),
+    ("critic.model.path", "model.critic"),
+    ("data.max_prompt_length", "data.max_prompt_tokens"),
+    ("data.train_batch_size", "rollout.prompts_per_step"),
+    ("data.max_response_length", "rollout.max_new_tokens"),
+    ("actor_rollout_ref.rollout.temperature", "rollout.temperature"),
+    ("actor_rollout_ref.rollout.top_p", "rollout.top_p"),
+    (f"{ACTOR}.clip_ratio_low", "algo.clip_low"),
+    (f"{ACTOR}.clip_ratio_high", "algo.clip_high"),
+    (f"{ACTOR}.entropy_coeff", "algo.entropy_coef"),
+    ("critic.cliprange_value", "algo.value_clip"),
+    (f"{ACTOR}.optim.lr", "optim.lr"),
+    (f"{ACTOR}.optim.weight_decay", "optim.weight_decay"),
+    (f"{ACTOR}.grad_clip", "optim.grad_clip"),
+    ("critic.optim.lr", "optim.critic_lr"),
+    ("trainer.total_training_steps", "run.steps"),
+]
+_MODULES = ("verl.trainer.main_ppo", "main_ppo", "main_dapo", "verl.trainer.")
 
 
 def _clamps(name: str) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
@@ -100,28 +118,94 @@ def _clamps(name: str) -> tuple[tuple[float, float] | None, tuple[float, float] 
     return None, None
 
 
-def read_text(text: str, source: str) -> dict[str, Any]:
-    """``key=value`` Hydra overrides from a ``main_ppo`` command line, as a flat mapping."""
+def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tuple[dict, Script]:
+    """The ``key=value`` Hydra overrides of the ``main_ppo`` command in a launch script."""
+    try:
+        script = read_script(text, given)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    cmd = script.find(*_MODULES)
+    words = cmd.words if cmd else [w for c in script.commands for w in c.words]
+    if cmd is not None:
+        at = max(i for i, w in enumerate(words) if any(m in w for m in _MODULES))
+        words = words[at + 1 :]
     out: dict[str, Any] = {}
-    for word in shell_words(text):
+    for word in words:
         if "=" not in word or word.startswith("-"):
             continue
         key, _, value = word.partition("=")
-        key = key.lstrip("+~")
-        if "." in key or key in ("algorithm", "data"):
+        if "." in key.lstrip("+~") or key.lstrip("+~") in ("algorithm", "data"):
             out[key] = scalar(value)
     if not out:
         raise DoctorError(
             f"{source}: no Hydra overrides (key=value) found; give verl's YAML, or the "
             "`python -m verl.trainer.main_ppo key=value ...` command line"
         )
+    return out, script
+
+
+def _known(key: str, defaults: dict[str, Any]) -> bool:
+    """Whether verl's composed config has ``key`` (or an open mapping above it)."""
+    if key in defaults:
+        return True
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in defaults:
+            return defaults[prefix] in ({}, None)
+    return any(k.startswith(key + ".") for k in defaults)
+
+
+def _check_keys(r: Reading, values: dict[str, Any], table: tables.Table) -> dict[str, Any]:
+    """Hydra's rules for each key: ``+`` adds, ``~`` deletes, anything else must exist."""
+    out: dict[str, Any] = {}
+    added: list[str] = []
+    for key, value in values.items():
+        bare = key.lstrip("+~")
+        if key.startswith("~"):
+            continue
+        if key.startswith("+") and not _known(bare, table.defaults):
+            added.append(bare)
+            out[bare] = value
+            continue
+        if bare in ("defaults", "hydra") or bare.startswith(("hydra.", "defaults.")):
+            continue
+        if not _known(bare, table.defaults):
+            near = nearest(bare, table.defaults)
+            r.warn(
+                "error",
+                [bare],
+                f"{bare}: no such key in verl {table.version}"
+                + (f" (did you mean {near}?)" if near else "")
+                + "; verl refuses it (Hydra: key not in struct) and does not start"
+                + ("" if not near else f"; the doctor read {near} as the file leaves it"),
+            )
+            continue
+        out[bare] = value
+    if added:
+        r.warn(
+            "note",
+            added,
+            f"added with '+' (not in verl {table.version}'s config; verl accepts them, and "
+            f"only code that looks for them reads them): {', '.join(added)}",
+        )
     return out
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def read(
+    data: dict[str, Any],
+    source: str,
+    version: str | None = None,
+    script: Script | None = None,
+) -> Reading:
     """Read a verl config (nested YAML or flat ``key=value`` overrides) into a :class:`Reading`."""
-    s = Settings(flatten(data), DEFAULTS, source)
-    r = Reading(framework="verl", defaults_version=VERSION, version=version, source=source)
+    table, note = tables.pick("verl", version, VERSION)
+    r = Reading(framework="verl", defaults_version=table.version, version=version, source=source)
+    if note:
+        r.warn("warning", ["--framework-version"], note)
+    s = Settings(_check_keys(r, flatten(data), table), table.defaults, source)
+    if script is not None:
+        script_notes(r, script)
 
     adv = s.str("algorithm.adv_estimator") or "gae"
     n = s.int("actor_rollout_ref.rollout.n") or 1
@@ -135,51 +219,72 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
     )
     norm_std = s.bool("algorithm.norm_adv_by_std_in_grpo")
     loss_mode = s.str(f"{ACTOR}.policy_loss.loss_mode")
-
     use_loss, use_reward = s.bool(f"{ACTOR}.use_kl_loss"), s.bool("algorithm.use_kl_in_reward")
-    loss_type, reward_type = s.str(f"{ACTOR}.kl_loss_type"), s.str("algorithm.kl_penalty")
-    loss_coef, ctrl_coef = s.float(f"{ACTOR}.kl_loss_coef"), s.float("algorithm.kl_ctrl.kl_coef")
     ctrl = s.str("algorithm.kl_ctrl.type")
     check_known(ctrl or "", ("fixed", "adaptive"), "algorithm.kl_ctrl.type", source)
-    target, horizon = s.float("algorithm.kl_ctrl.target_kl"), s.float("algorithm.kl_ctrl.horizon")
-    for key, name in ((f"{ACTOR}.kl_loss_type", loss_type), ("algorithm.kl_penalty", reward_type)):
-        check_known(name or "", ESTIMATOR_NAMES, key, source)
 
     if use_loss:
-        vclamp, lclamp = _clamps(loss_type or "")
-        r.terms.append(
-            Term(
-                option=f"{ACTOR}.use_kl_loss=true, kl_loss_type={loss_type}",
-                framework_name=loss_type or "",
-                estimator=ESTIMATOR_NAMES[loss_type or ""],
-                placement="loss",
-                beta=float(loss_coef or 0.0),
-                beta_option=f"{ACTOR}.kl_loss_coef",
-                reduction=REDUCTIONS[agg] or agg,
-                value_clamp=vclamp,
-                log_ratio_clamp=lclamp,
-                logged_as="actor/kl_loss",
-            )
-        )
+        r.terms.append(_term(s, "loss", REDUCTIONS[agg] or agg, adv, ctrl))
     if use_reward:
-        vclamp, lclamp = _clamps(reward_type or "")
-        r.terms.append(
-            Term(
-                option=f"algorithm.use_kl_in_reward=true, kl_penalty={reward_type}",
-                framework_name=reward_type or "",
-                estimator=ESTIMATOR_NAMES[reward_type or ""],
-                placement="reward",
-                beta=float(ctrl_coef or 0.0),
-                beta_option="algorithm.kl_ctrl.kl_coef",
-                reduction=ADVANTAGES.get(adv, (None, "summed over the completion"))[1],
-                value_clamp=vclamp,
-                log_ratio_clamp=lclamp,
-                logged_as="actor/reward_kl_penalty",
-                adaptive=ctrl == "adaptive",
-            )
-        )
+        credit = ADVANTAGES.get(adv, (None, "summed over the completion"))[1]
+        r.terms.append(_term(s, "reward", credit, adv, ctrl))
+    _findings(r, s, adv, agg, loss_mode, norm_std, epochs, minibatches)
+    _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
 
-    # Findings: ignored, doubled, rejected, rescaled.
+
+def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | None) -> Term:
+    """The loss or reward term of a verl config."""
+    if placement == "loss":
+        key, coef_key, switch = (
+            f"{ACTOR}.kl_loss_type",
+            f"{ACTOR}.kl_loss_coef",
+            f"{ACTOR}.use_kl_loss",
+        )
+    else:
+        key, coef_key, switch = (
+            "algorithm.kl_penalty",
+            "algorithm.kl_ctrl.kl_coef",
+            "algorithm.use_kl_in_reward",
+        )
+    name = s.str(key) or ""
+    check_known(name, {**ESTIMATOR_NAMES, **KLPO_NAMES}, key, s.source)
+    if name in KLPO_NAMES:
+        est, (vclamp, lclamp) = KLPO_NAMES[name], (None, None)
+    else:
+        est, (vclamp, lclamp) = ESTIMATOR_NAMES[name], _clamps(name)
+    return Term(
+        option=f"{switch}=true, {key.rsplit('.', 1)[-1]}={name}",
+        framework_name=name,
+        estimator=est,
+        placement=placement,
+        beta=float(s.float(coef_key) or 0.0),
+        beta_option=coef_key,
+        reduction=reduction,
+        value_clamp=vclamp,
+        log_ratio_clamp=lclamp,
+        # klpo.integrations.verl's loss is klpo.losses.kl_loss: weighted by pi_theta/pi_old.
+        corrected=placement == "loss" and name in KLPO_NAMES,
+        logged_as="actor/kl_loss" if placement == "loss" else "actor/reward_kl_penalty",
+        adaptive=placement == "reward" and ctrl == "adaptive",
+    )
+
+
+def _findings(
+    r: Reading,
+    s: Settings,
+    adv: str,
+    agg: str,
+    loss_mode: str | None,
+    norm_std: bool,
+    epochs: int,
+    minibatches: int,
+) -> None:
+    """Ignored, doubled, rejected, rescaled and off-policy settings."""
+    use_loss = any(t.placement == "loss" for t in r.terms)
+    use_reward = any(t.placement == "reward" for t in r.terms)
     for t in r.terms:
         if t.estimator is None:
             r.warn(
@@ -189,6 +294,13 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
                 "stops at the first KL computation. klpo's `full` is the exact KL over the "
                 "vocabulary (klpo train), which verl's trainer does not pass to kl_penalty",
             )
+        if t.framework_name in KLPO_NAMES:
+            r.warn(
+                "note",
+                [t.option],
+                f"{t.framework_name} needs klpo.integrations.verl.install() in every verl "
+                "process (docs/frameworks.md); without it verl refuses the name",
+            )
         if t.beta == 0:
             r.warn(
                 "warning",
@@ -196,58 +308,9 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
                 f"{t.beta_option} is 0: the reference model is loaded and its log-probs computed, "
                 "but the KL term has no effect",
             )
-    if not use_loss:
-        ignored = [k for k in (f"{ACTOR}.kl_loss_type", f"{ACTOR}.kl_loss_coef") if s.given(k)]
-        if ignored:
-            r.warn(
-                "warning",
-                ignored,
-                f"set but ignored: {', '.join(ignored)} take effect only with {ACTOR}.use_kl_loss=true",
-            )
-    if not use_reward:
-        ignored = [
-            k
-            for k in ("algorithm.kl_penalty", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.type")
-            if s.given(k)
-        ]
-        if ignored:
-            r.warn(
-                "warning",
-                ignored,
-                f"set but ignored: {', '.join(ignored)} take effect only with "
-                "algorithm.use_kl_in_reward=true (kl_ctrl never touches kl_loss_coef)",
-            )
-    elif ctrl == "adaptive" and use_loss:
-        r.warn(
-            "note",
-            ["algorithm.kl_ctrl.type"],
-            "the adaptive controller adapts only the reward-side coefficient; "
-            f"{ACTOR}.kl_loss_coef stays fixed",
-        )
-    if use_loss and use_reward:
-        r.warn(
-            "warning",
-            [f"{ACTOR}.use_kl_loss", "algorithm.use_kl_in_reward"],
-            "the KL is applied twice: once as a per-token reward penalty "
-            f"({reward_type}, beta {ctrl_coef:g}) and once in the loss ({loss_type}, beta "
-            f"{loss_coef:g}); verl only prints a notice",
-        )
-    if use_reward and adv in ("grpo", "rloo", "reinforce_plus_plus_baseline", "remax"):
-        if adv == "grpo" and norm_std:
-            r.group_scaling = (
-                "the per-token penalty is summed over each completion into the score, the group "
-                "mean is subtracted and the result divided by the group's std (+1e-6): the "
-                f"effective coefficient is {ctrl_coef:g} / std(score of the group), different in "
-                "every group and largest where the task reward barely varies; only differences "
-                "of sequence-summed KL within a group remain, and every token of a completion "
-                "gets its whole KL (no per-token credit)"
-            )
-        else:
-            r.group_scaling = (
-                "the per-token penalty is summed over each completion into the score and a "
-                "baseline from the group is subtracted: only differences of sequence-summed KL "
-                "within a group remain, and every token of a completion gets its whole KL"
-            )
+    _switch_findings(r, s, use_loss, use_reward)
+    if use_reward and adv in GROUP_SUMMED:
+        r.group_scaling = _group_scaling(adv, norm_std, r.terms[-1].beta)
         r.warn(
             "warning", ["algorithm.use_kl_in_reward", "algorithm.adv_estimator"], r.group_scaling
         )
@@ -264,7 +327,8 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
             f"policy loss {loss_mode!r} is not klpo's PPO clip; the KL diagnosis holds, the "
             "equivalent config's policy loss differs",
         )
-    if r.off_policy and use_loss:
+    uncorrected = [t for t in r.terms if t.placement == "loss" and not t.corrected]
+    if r.off_policy and uncorrected:
         r.warn(
             "warning",
             [f"{ACTOR}.ppo_epochs", "data.train_batch_size", f"{ACTOR}.ppo_mini_batch_size"],
@@ -273,7 +337,72 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
             "by an older policy, and verl does not weight it for that",
         )
 
-    # The klpo configs.
+
+def _switch_findings(r: Reading, s: Settings, use_loss: bool, use_reward: bool) -> None:
+    """Settings a switch leaves without effect, and the two switches on together."""
+    loss_keys = (f"{ACTOR}.kl_loss_type", f"{ACTOR}.kl_loss_coef")
+    ignored = [k for k in loss_keys if s.differs(k)] if not use_loss else []
+    if ignored:
+        r.warn(
+            "warning",
+            ignored,
+            f"set but ignored: {', '.join(ignored)} take effect only with {ACTOR}.use_kl_loss=true",
+        )
+    reward_keys = ("algorithm.kl_penalty", "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.type")
+    ignored = [k for k in reward_keys if s.differs(k)] if not use_reward else []
+    if ignored:
+        r.warn(
+            "warning",
+            ignored,
+            f"set but ignored: {', '.join(ignored)} take effect only with "
+            "algorithm.use_kl_in_reward=true (kl_ctrl never touches kl_loss_coef)",
+        )
+    elif use_reward and use_loss and any(t.adaptive for t in r.terms):
+        r.warn(
+            "note",
+            ["algorithm.kl_ctrl.type"],
+            "the adaptive controller adapts only the reward-side coefficient; "
+            f"{ACTOR}.kl_loss_coef stays fixed",
+        )
+    if use_loss and use_reward:
+        loss, reward = r.terms
+        r.warn(
+            "warning",
+            [f"{ACTOR}.use_kl_loss", "algorithm.use_kl_in_reward"],
+            "the KL is applied twice: once as a per-token reward penalty "
+            f"({reward.framework_name}, beta {reward.beta:g}) and once in the loss "
+            f"({loss.framework_name}, beta {loss.beta:g}); verl only prints a notice",
+        )
+
+
+def _group_scaling(adv: str, norm_std: bool, beta: float) -> str:
+    if adv == "grpo" and norm_std:
+        return (
+            "the per-token penalty is summed over each completion into the score, the group "
+            "mean is subtracted and the result divided by the group's std (+1e-6): the "
+            f"effective coefficient is {beta:g} / std(score of the group), different in "
+            "every group and largest where the task reward barely varies; only differences "
+            "of sequence-summed KL within a group remain, and every token of a completion "
+            "gets its whole KL (no per-token credit)"
+        )
+    return (
+        "the per-token penalty is summed over each completion into the score and a "
+        "baseline from the group is subtracted: only differences of sequence-summed KL "
+        "within a group remain, and every token of a completion gets its whole KL"
+    )
+
+
+def _equivalent(
+    r: Reading,
+    s: Settings,
+    adv: str,
+    agg: str,
+    n: int,
+    norm_std: bool,
+    epochs: int,
+    minibatches: int,
+) -> None:
+    """The klpo configs: the same thing, and what was most likely meant."""
     algo_name, _ = ADVANTAGES.get(adv, (None, ""))
     algo: dict[str, Any] = {
         "name": algo_name or "grpo",
@@ -287,20 +416,42 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
         algo["gamma"], algo["lam"] = s.float("algorithm.gamma"), s.float("algorithm.lam")
     if algo_name is None:
         r.equivalent_differences.append(f"klpo has no advantage estimator {adv!r}; grpo shown")
-    if use_reward and algo_name in ("grpo",):
+    if agg == "seq-mean-token-sum-norm":
+        factor, width = s.get(f"{ACTOR}.loss_scale_factor"), s.get("data.max_response_length")
+        if factor is None:
+            r.equivalent_differences.append(
+                "seq-mean-token-sum-norm without loss_scale_factor: verl divides by the batch's "
+                "padded response width, which changes from batch to batch; klpo by the constant "
+                "rollout.max_new_tokens"
+            )
+        elif factor != width:
+            r.equivalent_differences.append(
+                f"verl divides by loss_scale_factor={factor}; klpo by rollout.max_new_tokens "
+                f"({width})"
+            )
+    if any(t.placement == "reward" for t in r.terms) and algo_name in ("grpo",):
         r.equivalent_differences.append(
             "klpo's grpo keeps a reward-side KL out of the group normalisation (per-token "
             "returns-to-go); verl sums it into the group-normalised score"
         )
-    rollout = {"group_size": max(n, 2) if algo["name"] in ("grpo", "rloo") else n}
-    if n < 2 and algo["name"] in ("grpo", "rloo"):
+    group = ALGORITHMS[algo["name"]].group
+    rollout = {"group_size": max(n, 2) if group else n}
+    if n < 2 and group:
         r.equivalent_differences.append(
             f"actor_rollout_ref.rollout.n={n}: klpo needs a group of at least 2 for {algo['name']}"
         )
     controller: dict[str, Any] = {}
-    if use_reward and ctrl == "adaptive":
-        controller = {"controller": "adaptive", "target": target, "horizon": horizon}
-    build_equivalent(r, algo, rollout, controller)
+    if any(t.adaptive for t in r.terms):
+        controller = {
+            "controller": "adaptive",
+            "target": s.float("algorithm.kl_ctrl.target_kl"),
+            "horizon": s.float("algorithm.kl_ctrl.horizon"),
+        }
+    mapping = [(k, v) for k, v in CARRIED if algo_name == "ppo" or not k.startswith("critic.")]
+    if not (s.int("actor_rollout_ref.model.lora_rank") or 0) > 0:
+        mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
+    carried, missing = carry(s, mapping)
+    if missing:
+        r.equivalent_differences.append(f"no klpo key (any more) for: {', '.join(missing)}")
+    build_equivalent(r, algo, rollout, controller, carried, s)
     build_intended(r)
-    r.settings = s.read
-    return r

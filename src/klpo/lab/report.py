@@ -204,6 +204,42 @@ def run_report(
         "preset": asdict(preset),
         "seed": seed,
     }
+    _run_experiments(results, preset, seed, step, timed)
+    if training is not None:
+        from klpo.lab.training import judge_training_claim, read_results, study_scale
+
+        rows = read_results(training)
+        results["training"] = judge_training_claim(rows, scale=study_scale(rows))
+    results["verdicts"] = verdicts(results)
+    t0 = time.perf_counter()
+    plots.plot_mu_sweep(results["mu_sweep"], out / PLOTS["mu_sweep"])
+    plots.plot_gradient_cosines(results["gradient_cosines"], out / PLOTS["gradient_cosines"])
+    plots.plot_ref_is_variants(results["ref_is_variants"], out / PLOTS["ref_is_variants"])
+    plots.plot_drift(results["drift"], out / PLOTS["drift"])
+    timings["plots"] = time.perf_counter() - t0
+    step("plots")
+    timings["total"] = time.perf_counter() - started
+    results["timings_s"] = timings
+    results["machine"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    write_atomic(out / "results.json", json.dumps(to_json(results), indent=1) + "\n")
+    write_atomic(out / "report.md", render(results))
+    step("report.md")
+    return results
+
+
+def _run_experiments(
+    results: dict[str, Any],
+    preset: Preset,
+    seed: int,
+    step: Callable[..., None],
+    timed: Callable[[str, Callable[[], Any]], Any],
+) -> None:
+    """The suite's experiments, in order, into ``results`` (each timed by ``timed``, its progress
+    reported by ``step``); every experiment's seed is derived from ``seed``."""
     results["schulman"] = timed(
         "schulman", lambda: ex.schulman_table(preset.schulman_samples, seed)
     )
@@ -258,27 +294,3 @@ def run_report(
             lambda: step("drift"),
         ),
     )
-    if training is not None:
-        from klpo.lab.training import judge_training_claim, read_results, study_scale
-
-        rows = read_results(training)
-        results["training"] = judge_training_claim(rows, scale=study_scale(rows))
-    results["verdicts"] = verdicts(results)
-    t0 = time.perf_counter()
-    plots.plot_mu_sweep(results["mu_sweep"], out / PLOTS["mu_sweep"])
-    plots.plot_gradient_cosines(results["gradient_cosines"], out / PLOTS["gradient_cosines"])
-    plots.plot_ref_is_variants(results["ref_is_variants"], out / PLOTS["ref_is_variants"])
-    plots.plot_drift(results["drift"], out / PLOTS["drift"])
-    timings["plots"] = time.perf_counter() - t0
-    step("plots")
-    timings["total"] = time.perf_counter() - started
-    results["timings_s"] = timings
-    results["machine"] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    write_atomic(out / "results.json", json.dumps(to_json(results), indent=1) + "\n")
-    write_atomic(out / "report.md", render(results))
-    step("report.md")
-    return results

@@ -1,1 +1,2 @@
-"""The trainer: GRPO and PPO on Hugging Face causal LMs, assembled from the library's functions."""
+"""The trainer: GRPO, PPO, RLOO and REINFORCE++ on Hugging Face causal LMs, a recipe over rooms
+that import downward only (docs/architecture.md); `klpo train` is :func:`klpo.train.loop.train`."""

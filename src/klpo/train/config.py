@@ -20,9 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from klpo import control, kl, reduce
 from klpo.kl import Placement
-
-Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++"]
-PolicyLoss = Literal["clip", "kl-penalty", "gspo", "cispo"]
+from klpo.train.algorithms import ALGORITHMS, Algorithm, PolicyLoss
 
 
 def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
@@ -199,6 +197,14 @@ class AlgoConfig(_Section):
         description="Token budget of one forward/backward: a micro-batch holds at most this many "
         "(padded) tokens, prompt and completion, so long completions mean fewer sequences per "
         "pass (0: off). Combined with micro_batch, the smaller wins.",
+    )
+    fused_loss: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Take the update's gradient in the forward pass (klpo.logprobs.fused_loss) "
+        "where the loss's weights on each token are known before it: on-policy, with the exact "
+        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries, "
+        "where it pays (docs/performance.md); on: wherever it applies; off: never (the "
+        "per-token path). The same gradients and metrics either way.",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above (DAPO clip-higher).")
@@ -443,8 +449,7 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        group = self.algo.name in ("grpo", "rloo")
-        if group and self.rollout.group_size < 2:
+        if ALGORITHMS[self.algo.name].group and self.rollout.group_size < 2:
             raise ValueError(
                 f"rollout.group_size must be >= 2 for {self.algo.name} (group-relative "
                 f"advantages need several completions per prompt), got {self.rollout.group_size}"
@@ -488,10 +493,11 @@ class TrainConfig(_Section):
             raise ValueError(f"data.path is required when data.source is {self.data.source!r}")
         if not self.rewards:
             raise ValueError("rewards must list at least one reward function")
-        if self.dist.strategy == "fsdp" and self.algo.name == "ppo":
+        if self.dist.strategy == "fsdp" and ALGORITHMS[self.algo.name].critic:
+            free = ", ".join(n for n, spec in ALGORITHMS.items() if not spec.critic)
             raise ValueError(
                 "dist.strategy=fsdp does not shard PPO's critic yet; use dist.strategy=ddp for "
-                "ppo, or a critic-free algorithm (grpo, rloo, reinforce++) with fsdp"
+                f"{self.algo.name}, or a critic-free algorithm ({free}) with fsdp"
             )
         ref_sampled = self.kl.estimator in kl.REF_SAMPLED and self.kl.placement != "none"
         if ref_sampled and (self.dist.strategy == "fsdp" or self.model.lora is not None):
@@ -632,3 +638,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def dump_config(cfg: TrainConfig) -> str:
     """The resolved config as YAML, sections in their natural order."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def flat(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as ``{"section.key": value}`` (lists and mappings kept whole)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                out[f"{section}.{k}"] = v
+        else:
+            out[section] = values
+    return out

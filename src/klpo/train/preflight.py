@@ -19,8 +19,8 @@ What each function guards:
   the policy (:func:`check_same_tokenizer`), and every prompt against ``data.max_prompt_tokens``
   and the model's positions, at load, naming ``file:line`` (:func:`check_prompts`).
 
-:func:`klpo.train.loop.preflight` runs them in order, with the checks of the models' configs
-against each other (:func:`klpo.train.loop.check_models`) between the last two.
+:func:`preflight` runs them in order, with the checks of the models' configs against each other
+(:func:`check_models`) between the last two.
 """
 
 from __future__ import annotations
@@ -33,8 +33,21 @@ from typing import Any
 
 import yaml
 
-from klpo.train import checkpoint as ckpt_io
-from klpo.train.config import ConfigError, TrainConfig, build_config
+from klpo.train.algorithms import ALGORITHMS
+from klpo.train.config import ConfigError, TrainConfig, build_config, flat
+from klpo.train.data.load import load_examples
+from klpo.train.data.sources import Example, check_chat_template
+from klpo.train.models.fsdp import is_sharded_checkpoint
+from klpo.train.models.load import (
+    downloads_allowed,
+    load_tokenizer,
+    model_source_problem,
+    quiet_transformers,
+    resolve_model_path,
+)
+from klpo.train.rollout.engines import check_engine
+from klpo.train.runtime import checkpoint as ckpt_io
+from klpo.train.runtime.dist import Dist
 
 # Keys a resume may change without --allow-config-change: they decide how long the run goes on,
 # how it is shown and where, not what any step computes.
@@ -98,18 +111,6 @@ class RunPlan:
 def has_metrics(run_dir: Path) -> bool:
     path = run_dir / "metrics.jsonl"
     return path.is_file() and path.stat().st_size > 0
-
-
-def flat(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as ``{"section.key": value}`` (lists and mappings kept whole)."""
-    out: dict[str, Any] = {}
-    for section, values in cfg.model_dump(mode="json").items():
-        if isinstance(values, dict):
-            for k, v in values.items():
-                out[f"{section}.{k}"] = v
-        else:
-            out[section] = values
-    return out
 
 
 def config_diff(saved: TrainConfig, now: TrainConfig) -> dict[str, list[Any]]:
@@ -358,9 +359,7 @@ def check_model_sources(
     cfg: TrainConfig, *, policy: str, reference: str, critic: str | None
 ) -> None:
     """Every model is a complete local directory (the policy's with a tokenizer) or a model id
-    in the local cache (:func:`klpo.train.models.model_source_problem`); files only."""
-    from klpo.train.models import model_source_problem
-
+    in the local cache (:func:`klpo.train.models.load.model_source_problem`); files only."""
     for key, name in model_keys(cfg, policy, reference, critic).items():
         problem = model_source_problem(name, key, tokenizer=key == "model.policy")
         if problem:
@@ -382,12 +381,10 @@ def check_tokenizers_and_prompts(
 
     Args:
         cfg: the run's config.
-        train, heldout: the examples (:class:`klpo.train.data.Example`).
+        train, heldout: the examples (:class:`klpo.train.data.sources.Example`).
         policy, reference, critic: resolved model directories or ids (critic None unless PPO).
     """
     from transformers import AutoConfig
-
-    from klpo.train.models import downloads_allowed, load_tokenizer, model_source_problem
 
     tokenizer = load_tokenizer(policy, "model.policy")
     for key, name in model_keys(cfg, policy, reference, critic).items():
@@ -405,3 +402,94 @@ def check_tokenizers_and_prompts(
             max_new_tokens=cfg.rollout.max_new_tokens,
             what=what,
         )
+
+
+def preflight(
+    cfg: TrainConfig, dist: Dist, *, resume: bool, log=print, allow_config_change: bool = False
+) -> tuple[RunPlan, tuple[list[Example], list[Example]]]:
+    """Check the config against the launch, the run directory, the models and the data; returns
+    where the run starts (:func:`plan_run_dir`) and the (train, held-out)
+    examples. Reads only small files (model configs, tokenizers, checkpoint headers) and the
+    data; raises :class:`ConfigError` naming the key, file or line and the fix."""
+    ro = cfg.rollout
+    if ro.prompts_per_step % dist.world:
+        raise ConfigError(
+            f"rollout.prompts_per_step={ro.prompts_per_step} must be divisible by the number of "
+            f"processes ({dist.world}): each process samples whole groups of an equal share"
+        )
+    start = ckpt_io.latest_checkpoint(cfg.run.out_dir) if resume else None
+    sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
+    if start is not None and is_sharded_checkpoint(start) and not sharded_run:
+        raise ConfigError(
+            f"{start} holds sharded weights (dist.strategy=fsdp); resume it under torchrun "
+            "with dist.strategy=fsdp, or klpo export it to a plain model"
+        )
+    plan = plan_run_dir(
+        cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
+    )
+    train_set, heldout = load_examples(cfg)
+    policy = resolve_model_path(cfg.model.policy)
+    reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
+    critic = resolve_model_path(cfg.model.critic or reference)
+    names = dict(
+        policy=policy,
+        reference=reference,
+        critic=critic if ALGORITHMS[cfg.algo.name].critic else None,
+    )
+    check_model_sources(cfg, **names)
+    check_models(cfg)
+    check_engine(cfg, dist.world)
+    if cfg.data.chat:  # the tokenizer's files are small: a missing template fails here
+        check_chat_template(load_tokenizer(policy))
+    check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
+    log(f"run directory: {cfg.run.out_dir}")
+    for line in plan.notes:
+        log(f"note: {line}")
+    for line in config_warnings(cfg, dist.world):
+        log(f"warning: {line}")
+    return plan, (train_set, heldout)
+
+
+def _model_config(key: str, name: str):
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    path = resolve_model_path(name)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{key}={name!r}: no model config could be read ({err}). Give a local directory "
+            "written by save_pretrained, or builtin for the shipped arithmetic model."
+        ) from None
+
+
+def check_models(cfg: TrainConfig) -> None:
+    """The models against each other and the config, from their config files alone: the policy
+    and the reference share a vocabulary (the KL compares them token by token), and a
+    completion fits in every model's positions."""
+    mc = cfg.model
+    configs = {"model.policy": (mc.policy, _model_config("model.policy", mc.policy))}
+    ref = mc.reference or mc.policy
+    configs["model.reference"] = (ref, _model_config("model.reference", ref))
+    if ALGORITHMS[cfg.algo.name].critic:
+        critic = mc.critic or ref
+        configs["model.critic"] = (critic, _model_config("model.critic", critic))
+    (p_name, p_cfg), (r_name, r_cfg) = configs["model.policy"], configs["model.reference"]
+    p_vocab, r_vocab = getattr(p_cfg, "vocab_size", None), getattr(r_cfg, "vocab_size", None)
+    if p_vocab is not None and r_vocab is not None and p_vocab != r_vocab:
+        raise ConfigError(
+            f"model.reference={r_name!r} has a vocabulary of {r_vocab} tokens but model.policy="
+            f"{p_name!r} has {p_vocab}: the KL compares the two token by token, so the "
+            "reference must share the policy's tokenizer (leave model.reference unset to use "
+            "the policy's starting point)"
+        )
+    new = cfg.rollout.max_new_tokens
+    for key, (name, c) in configs.items():
+        positions = getattr(c, "max_position_embeddings", None)
+        if positions is not None and new >= positions:
+            raise ConfigError(
+                f"rollout.max_new_tokens={new} leaves no room for a prompt in {key}={name!r}, "
+                f"which has {positions} positions (max_position_embeddings); lower "
+                "rollout.max_new_tokens"
+            )

@@ -1,0 +1,341 @@
+r"""The frameworks' own settings and defaults, one table per version, read from the frameworks.
+
+A table lists **every** key a framework version accepts with its default: verl's composed Hydra
+config (``verl/trainer/config/ppo_trainer.yaml`` and the files its ``defaults`` list pulls in,
+composed by Hydra as ``main_ppo`` does), TRL's ``GRPOConfig`` / ``RLOOConfig`` dataclass fields
+(the ``TrainingArguments`` they extend included), OpenRLHF's ``train_ppo_ray`` argument parser
+(read statically from the wheel's source with :mod:`ast`, since OpenRLHF does not import without
+a GPU). The doctor fills what a config leaves out from these tables and names any key that is in
+none of them.
+
+The tables are data (``klpo/assets/doctor/*.json``), written by this module from the installed
+framework in a side environment and never by hand::
+
+    /path/to/verl-venv/bin/python -m klpo.doctor.tables verl
+    /path/to/trl-venv/bin/python -m klpo.doctor.tables trl
+    python -m klpo.doctor.tables openrlhf /path/to/unpacked/openrlhf   # any Python
+
+``tests/doctor/test_peers.py`` (marked ``peer``) regenerates each table from the installed
+framework and compares it with the shipped one, so a version bump shows every changed default.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TABLES",
+    "Table",
+    "known_versions",
+    "load",
+    "openrlhf_table",
+    "pick",
+    "trl_table",
+    "verl_table",
+    "version_key",
+]
+
+TABLES = Path(__file__).resolve().parents[1] / "assets" / "doctor"
+
+
+@dataclass(frozen=True)
+class Table:
+    """One framework version's keys and defaults.
+
+    Attributes:
+        framework: ``"verl"``, ``"trl-grpo"``, ``"trl-rloo"`` or ``"openrlhf"``.
+        version: the exact version read (``"0.9.1"``).
+        source: how it was read.
+        defaults: every key the version accepts (dotted for verl and OpenRLHF's grouped flags,
+            the flag without ``--`` for OpenRLHF) with its default.
+        switches: OpenRLHF's flags that take no value (``store_true`` / ``store_false``).
+        choices: the values a key accepts where the framework lists them.
+        cli: TRL's other keys a ``trl grpo --config`` file may hold (``ScriptArguments``,
+            ``ModelConfig``), which the config dataclass does not read.
+    """
+
+    framework: str
+    version: str
+    source: str
+    defaults: dict[str, Any]
+    switches: frozenset[str] = frozenset()
+    choices: dict[str, list[Any]] | None = None
+    cli: dict[str, Any] | None = None
+
+    @property
+    def minor(self) -> str:
+        return ".".join(self.version.split(".")[:2])
+
+
+def _path(framework: str, version: str) -> Path:
+    return TABLES / f"{framework}-{version}.json"
+
+
+def known_versions(framework: str) -> list[str]:
+    """The versions with a table, oldest first."""
+    found = [p.stem.removeprefix(framework + "-") for p in TABLES.glob(f"{framework}-*.json")]
+    found = [v for v in found if v[:1].isdigit()]
+    return sorted(found, key=version_key)
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def load(framework: str, version: str) -> Table:
+    """The table of ``framework`` at exactly ``version``."""
+    data = json.loads(_path(framework, version).read_text())
+    return Table(
+        framework=data["framework"],
+        version=data["version"],
+        source=data["source"],
+        defaults=data["defaults"],
+        switches=frozenset(data.get("switches", [])),
+        choices=data.get("choices"),
+        cli=data.get("cli"),
+    )
+
+
+def pick(framework: str, named: str | None, default: str) -> tuple[Table, str | None]:
+    """The table for a version the user named (or ``default``), and a note when it is not exact.
+
+    A named version with a table is used as is. Otherwise the newest table of the same minor
+    version, else the newest older one, else the oldest: the note says which, so the reading
+    says the defaults and semantics are another version's.
+    """
+    versions = known_versions(framework)
+    if named is None:
+        return load(framework, default), None
+    if named in versions:
+        return load(framework, named), None
+    key = version_key(named)
+    same_minor = [v for v in versions if version_key(v)[:2] == key[:2]]
+    older = [v for v in versions if version_key(v) <= key]
+    chosen = (same_minor or older or versions[:1])[-1]
+    note = (
+        f"the doctor has no table for {framework} {named}; it reads your config with "
+        f"{framework} {chosen}'s settings, defaults and semantics (tables: {', '.join(versions)})"
+    )
+    return load(framework, chosen), note
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the tables from the frameworks themselves.
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(getattr(value, "value", value))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def verl_table() -> dict[str, Any]:
+    """Every key of the installed verl's ``ppo_trainer`` config, composed by Hydra, flattened."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        cfg = compose(config_name="ppo_trainer")
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    flat = _flatten(raw)
+    resolved: dict[str, Any] = {}
+    for key, value in flat.items():
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            if OmegaConf.is_config(value):
+                value = OmegaConf.to_container(value, resolve=True)
+        except Exception:  # an interpolation Hydra cannot resolve outside a run: keep its text
+            pass
+        resolved[key] = _jsonable(value)
+    return {
+        "framework": "verl",
+        "version": verl.__version__,
+        "source": "verl/trainer/config/ppo_trainer.yaml composed by Hydra (klpo.doctor.tables)",
+        "defaults": dict(sorted(resolved.items())),
+    }
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        out[f.name] = _jsonable(value)
+    return dict(sorted(out.items()))
+
+
+def trl_table(kind: str) -> dict[str, Any]:
+    """Every field of the installed TRL's ``GRPOConfig`` or ``RLOOConfig`` with its default,
+    and the ``ScriptArguments`` / ``ModelConfig`` fields a ``trl grpo --config`` file may hold."""
+    import trl
+
+    cls = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[kind]
+    cli = {**_fields(trl.ScriptArguments), **_fields(trl.ModelConfig)}
+    return {
+        "framework": f"trl-{kind}",
+        "version": trl.__version__,
+        "source": f"trl.{cls.__name__} dataclass fields (klpo.doctor.tables)",
+        "defaults": _fields(cls),
+        "cli": {k: v for k, v in sorted(cli.items()) if k not in _fields(cls)},
+    }
+
+
+def _static(node: ast.AST, env: dict[str, Any]) -> Any:
+    """Evaluate a parser argument's AST: literals, f-strings, loop names, ``a if x == y else b``."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    if isinstance(node, ast.JoinedStr):
+        return "".join(str(_static(v, env)) for v in node.values)
+    if isinstance(node, ast.FormattedValue):
+        return _static(node.value, env)
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_static(e, env) for e in node.elts]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_static(node.operand, env)
+    if isinstance(node, ast.IfExp) and isinstance(node.test, ast.Compare):
+        left = _static(node.test.left, env)
+        right = _static(node.test.comparators[0], env)
+        if isinstance(node.test.ops[0], ast.Eq | ast.NotEq):
+            hit = (left == right) == isinstance(node.test.ops[0], ast.Eq)
+            return _static(node.body if hit else node.orelse, env)
+    if isinstance(node, ast.Name) and node.id in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[node.id]
+    if isinstance(node, ast.Name | ast.Attribute):
+        return ast.unparse(node)  # a type such as float / str
+    raise ValueError(ast.unparse(node))
+
+
+def _parser_calls(tree: ast.AST) -> list[tuple[ast.Call, dict[str, Any]]]:
+    """Every ``*.add_argument(...)`` call, with the loop variables bound around it."""
+    out: list[tuple[ast.Call, dict[str, Any]]] = []
+
+    def visit(node: ast.AST, env: dict[str, Any]) -> None:
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+            for item in _static(node.iter, env):
+                for child in node.body:
+                    visit(child, {**env, node.target.id: item})
+            return
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
+            out.append((node, env))
+        for child in ast.iter_child_nodes(node):
+            visit(child, env)
+
+    visit(tree, {})
+    return out
+
+
+def openrlhf_table(root: str | Path, version: str) -> dict[str, Any]:
+    """Every flag of OpenRLHF's ``train_ppo_ray`` parser, read statically from ``root``'s source.
+
+    ``root`` is the unpacked ``openrlhf`` package (``pip download --no-deps openrlhf==X``, then
+    unzip). A ``store_true`` flag's default is False unless the parser says otherwise.
+    """
+    path = Path(root) / "cli" / "train_ppo_ray.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    defaults: dict[str, Any] = {}
+    switches: list[str] = []
+    choices: dict[str, list[Any]] = {}
+    for call, env in _parser_calls(tree):
+        flags = [_static(a, env) for a in call.args]
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        action = _static(kw["action"], env) if "action" in kw else None
+        if "default" in kw:
+            try:
+                default = _static(kw["default"], env)
+            except ValueError:  # e.g. float("inf"): kept as its source text
+                default = ast.unparse(kw["default"])
+        else:
+            default = {"store_true": False, "store_false": True}.get(action)
+        for flag in flags:
+            if not isinstance(flag, str) or not flag.startswith("--"):
+                continue
+            name = flag[2:]
+            defaults[name] = _jsonable(default)
+            if action in ("store_true", "store_false"):
+                switches.append(name)
+            if "choices" in kw:
+                choices[name] = _jsonable(_static(kw["choices"], env))
+    return {
+        "framework": "openrlhf",
+        "version": version,
+        "source": "openrlhf/cli/train_ppo_ray.py's argument parser, read with ast (klpo.doctor.tables)",
+        "defaults": dict(sorted(defaults.items())),
+        "switches": sorted(set(switches)),
+        "choices": dict(sorted(choices.items())),
+    }
+
+
+def _write(table: dict[str, Any]) -> Path:
+    out = _path(table["framework"], table["version"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m klpo.doctor.tables verl|trl|openrlhf ROOT VERSION``: write the tables."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(main.__doc__)
+        return 2
+    if args[0] == "verl":
+        written = [_write(verl_table())]
+    elif args[0] == "trl":
+        written = [_write(trl_table("grpo")), _write(trl_table("rloo"))]
+    elif args[0] == "openrlhf" and len(args) == 3:
+        written = [_write(openrlhf_table(args[1], args[2]))]
+    else:
+        print(main.__doc__)
+        return 2
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

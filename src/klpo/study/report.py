@@ -1,0 +1,228 @@
+"""The report: ``results.csv``, the plots and ``report.md`` of a study's results.
+
+``report.md`` has one row per cell: final held-out accuracy mean ± sd over seeds, the exact KL to
+the reference at the end and at its peak, the gap between the logged estimate and the exact KL,
+the variance of the final reward across seeds, failures, wall time; the estimator's noise and the
+steps to a target accuracy (or gold reward on the over-optimisation task); on that task the gold
+and proxy rewards and the frontiers (:mod:`klpo.study.frontier`); whether a KL budget was held.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+from klpo._io import write_text_atomic
+from klpo.study.frontier import ChoiceFrontier, Curve, frontier_plots, frontier_table
+from klpo.study.grid import fmt
+from klpo.study.plots import metric_curve, plot_results, seed_band
+from klpo.study.spec import StudyConfig
+from klpo.study.summary import (
+    BUDGET_TOLERANCE,
+    RESULT_FIELDS,
+    WINDOW,
+    nan_low,
+    num,
+    summarise_cells,
+)
+
+__all__ = ["write_results"]
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyConfig) -> Path:
+    """Write ``results.csv``, the plots and ``report.md`` into ``out``; returns the report."""
+    out = Path(out)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=RESULT_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in results:
+        writer.writerow({k: r.get(k, "") for k in RESULT_FIELDS})
+    write_text_atomic(out / "results.csv", buf.getvalue())
+    cells = summarise_cells(results)
+    plots = plot_results(results, cells, out)
+    fronts = _frontiers(results, cells, out) if study.task == "overopt" else []
+    plots += frontier_plots(fronts, out, WINDOW) if fronts else []
+
+    lines = _main_table(results, cells, study) + _noise_table(cells, study)
+    if study.task == "overopt":
+        lines += frontier_table(fronts, WINDOW)
+        lines += _overopt_table(cells)
+    lines += _budget_table(cells)
+    failures = [r for r in results if r["status"] != "ok"]
+    if failures:
+        lines += ["", "## Failed runs", "", "| run | status | steps | error |"]
+        lines.append("| --- | --- | --- | --- |")
+        for r in failures:
+            err = str(r.get("error", "")).replace("|", "\\|")
+            lines.append(f"| {r['name']} | {r['status']} | {r['steps_done']} | {err} |")
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    report = out / "report.md"
+    write_text_atomic(report, "\n".join(lines))
+    return report
+
+
+def _main_table(
+    results: list[dict[str, Any]], cells: list[dict[str, Any]], study: StudyConfig
+) -> list[str]:
+    """The report's title, its summary line and the table of accuracy and KL, one row per cell."""
+    n_fail = sum(r["status"] != "ok" for r in results)
+    run_s = math.fsum(x for r in results if math.isfinite(x := num(r.get("wall_s"))))
+    lines = [
+        "# klpo compare: KL estimators and placements on real training",
+        "",
+        f"{len(results)} runs ({len(study.seeds)} seeds per cell, {study.steps} steps each, "
+        f"{study.workers} in parallel with one thread each): {run_s / 60:.1f} minutes of runs, "
+        f"about {run_s / 60 / study.workers:.1f} minutes elapsed; "
+        f"{n_fail} failed (crashed, diverged or collapsed). Study: `study.yaml`; the shared "
+        "training config: `train-config.yaml`; one row per run: `results.csv`.",
+        "",
+        "Columns: held-out accuracy (greedy) at the start and at the end, mean ± sd over seeds; "
+        f"the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token over the last {WINDOW} steps "
+        f"and at its peak (largest {WINDOW}-step running mean); the mean gap between the logged "
+        "estimate (the configured estimator) and the exact KL over the run; the variance "
+        f"across seeds of the final train reward (last {WINDOW} steps); failed runs; mean wall time per run.",
+        "",
+        "| algo | KL choice | beta | acc start | acc final | KL final | KL peak | logged − exact "
+        "| reward var | failed | wall s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], -nan_low(c["acc_mean"]))):
+        failed = f"{c['failed']}/{c['runs']}" + (f" ({c['statuses']})" if c["failed"] else "")
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {_f(c['acc_start'])} | "
+            f"{_f(c['acc_mean'])} ± {_f(c['acc_sd'])} | {_f(c['kl_final'], 4)} | "
+            f"{_f(c['kl_peak'], 4)} | {_f(c['kl_gap'], 4)} | {_f(c['reward_var'], 5)} | "
+            f"{failed} | {_f(c['wall_s'], 0)} |"
+        )
+    return lines
+
+
+def _noise_table(cells: list[dict[str, Any]], study: StudyConfig) -> list[str]:
+    """The estimator's noise and the steps to the convergence target, one row per cell."""
+    target_key, target_value = study.convergence_target()
+    target_name = {
+        "accuracy/train": "train accuracy",
+        "reward/gold": "gold reward (`reward/gold`)",
+    }[target_key]
+    lines = [
+        "",
+        "## Estimator noise and convergence",
+        "",
+        "Per step, the logged estimate `kl/ref/<est>` of the choice's estimator (per token; for "
+        "`ref_is` and `adaptive_mix` the reference-sampled estimate per completion divided by the "
+        "policy's mean completion length) and, in the same runs, `kl/ref/k1` on the policy's own "
+        "tokens. Columns: the variance of the estimate across steps (it includes the KL's drift), "
+        "the variance of estimate − exact KL across steps (the estimator's noise), the same for "
+        "k1 and their ratio, each the mean over seeds; the mean step at which the "
+        f"{WINDOW}-step running mean of the {target_name} reaches {target_value:g} "
+        "(over the seeds that reach it, their count after the slash); mean wall time per run and "
+        "the part spent sampling and scoring the reference's completions.",
+        "",
+        "| algo | KL choice | beta | Var est | Var(est − exact) | Var(k1 − exact) | ratio | "
+        "steps to target | wall s | reference s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], c["beta"], c["choice"])):
+        ratio = c["kl_noise_var"] / c["kl_k1_noise_var"] if c["kl_k1_noise_var"] else math.nan
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {_g(c['kl_est_var'])} | "
+            f"{_g(c['kl_noise_var'])} | {_g(c['kl_k1_noise_var'])} | {_f(ratio, 2)} | "
+            f"{_f(c['steps_to_target'], 0)} ({c['reached']}/{c['runs']}) | "
+            f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
+        )
+    return lines
+
+
+def _frontiers(
+    results: list[dict[str, Any]], cells: list[dict[str, Any]], out: Path
+) -> list[ChoiceFrontier]:
+    """One :class:`~klpo.study.frontier.ChoiceFrontier` per (algo, choice): its cells and, per
+    beta, the seed means of the WINDOW-step running gold, proxy and sequence-KL curves."""
+    runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in results:
+        runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    by_choice: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        by_choice.setdefault((c["algo"], c["choice"]), []).append(c)
+    keys = ("reward/gold", "reward/proxy", "kl/ref/seq")
+    fronts = []
+    for (algo, choice), cs in by_choice.items():
+        cs = sorted(cs, key=lambda c: c["beta"])
+        curves = []
+        for c in cs:
+            rs = runs[(algo, choice, c["beta"])]
+            bands = [
+                seed_band([metric_curve(out / "runs" / r["name"], k) for r in rs], WINDOW)
+                for k in keys
+            ]
+            steps = bands[0][0]
+            if steps and all(b[0] == steps for b in bands):
+                gold, proxy, seq = (b[1] for b in bands)
+                curves.append(Curve(c["beta"], steps, gold, proxy, seq))
+        fronts.append(ChoiceFrontier(algo, choice, cs, curves))
+    return fronts
+
+
+def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
+    """The over-optimisation columns, one row per cell, by final gold reward."""
+    lines = [
+        "",
+        "## Over-optimisation: gold against proxy reward",
+        "",
+        f"Gold reward (exact correctness) and proxy reward (trained on) over the last {WINDOW} "
+        f"steps, the peak of the gold reward's {WINDOW}-step running mean and the exact sequence "
+        "KL(pi_theta ‖ pi_ref) there, and the exact sequence KL at the end (means over seeds). "
+        "proxy − gold is the over-optimisation gap.",
+        "",
+        "| algo | KL choice | beta | gold final | gold peak | seq KL at peak | proxy final "
+        "| proxy − gold | seq KL final |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], -nan_low(c["gold_final"]))):
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {_f(c['gold_final'])} ± "
+            f"{_f(c['gold_sd'])} | {_f(c['gold_peak'])} | {_f(c['gold_peak_kl_seq'])} | "
+            f"{_f(c['proxy_final'])} | {_f(c['proxy_final'] - c['gold_final'])} | "
+            f"{_f(c['kl_seq_final'])} |"
+        )
+    return lines
+
+
+def _budget_table(cells: list[dict[str, Any]]) -> list[str]:
+    """Holding a KL budget, one row per cell that has one (none: no section)."""
+    cells = [c for c in cells if math.isfinite(c["kl_target"])]
+    if not cells:
+        return []
+    lines = [
+        "",
+        "## Holding a KL budget",
+        "",
+        "Over the second half of training (steps after half the budget): the mean exact KL (per "
+        "token, or per sequence for a `kl.target_unit: sequence` target) divided by the target "
+        "(> 1: overshoot), the fraction of steps whose "
+        f"{WINDOW}-step running mean of the exact KL is within ±{BUDGET_TOLERANCE:.0%} of the "
+        "target (mean over seeds), and the seeds whose every such step is (`held`). The target "
+        "is the KL controller's `kl.target`, or the study's `kl_budget` for a fixed beta.",
+        "",
+        f"| algo | KL choice | beta | target | KL / target | steps within ±{BUDGET_TOLERANCE:.0%} | held |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], c["choice"], c["beta"])):
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | "
+            f"{_g(c['kl_target'])} per {c['kl_unit']} | "
+            f"{_f(c['kl_budget_ratio'], 2)} | {_f(c['kl_budget_frac'], 2)} | "
+            f"{c['kl_budget_held']}/{c['runs']} |"
+        )
+    return lines
+
+
+def _g(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.3g}"

@@ -1,0 +1,429 @@
+"""The study's spec and presets: which KL choices, betas, seeds and budget a study runs.
+
+A study is a grid of ordinary ``klpo train`` runs on the same task and budget that differ only in
+the KL choice (estimator × placement × algorithm), its coefficient beta, and the seed::
+
+    grid = study_grid(StudyConfig())          # klpo.study.grid: the full default grid
+    results = run_study(StudyConfig(), "runs/compare")   # klpo.study.runner
+
+A choice may carry further ``kl.*`` keys (``options``: a controller and its target, a reference
+reset, ``ref_is`` clipping) and ``algo.*`` keys (``algo_options``: GSPO, CISPO, epochs), and its
+own betas (a controller row: one, the initial coefficient). The presets: the default grid
+(:class:`StudyConfig`), ``--quick`` (:func:`quick_study`), the over-optimisation study
+(:func:`overopt_study`) and its ``--quick`` (:func:`quick_overopt_study`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from klpo import kl
+from klpo.train.algorithms import Algorithm
+from klpo.train.config import ConfigError, one_of
+
+__all__ = [
+    "KL_BUDGET",
+    "KL_BUDGET_SEQ",
+    "Choice",
+    "StudyConfig",
+    "load_study",
+    "overopt_study",
+    "quick_overopt_study",
+    "quick_study",
+    "ref_sampled_choices",
+    "sequence_exact_choices",
+]
+
+
+class Choice(BaseModel):
+    """One KL choice of the grid: an estimator in a placement, trained by one or more algorithms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    estimator: str = Field(description="A klpo.kl estimator (ignored when placement is none).")
+    placement: Literal["loss", "reward", "reward+loss", "none"]
+    algos: list[Algorithm] = Field(
+        default_factory=lambda: ["grpo"], description="Algorithms that run this choice."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further kl.* keys of this choice (e.g. ref_is_clip, mix_sign), without "
+        "the 'kl.' prefix.",
+    )
+    algo_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further algo.* keys of this choice (e.g. policy_loss, epochs), without the "
+        "'algo.' prefix.",
+    )
+    betas: list[float] | None = Field(
+        None,
+        description="This choice's own KL coefficients instead of the study's (a row with a "
+        "KL controller has one: its initial beta); null: the study's betas.",
+    )
+    variant: str = Field(
+        "", description="A short name of the options, shown after the estimator in the label."
+    )
+
+    @field_validator("estimator")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
+
+    @field_validator("betas")
+    @classmethod
+    def _positive_betas(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(b <= 0 for b in v)):
+            raise ValueError(f"betas must be null or a non-empty list of positive numbers, got {v}")
+        return v
+
+    @property
+    def kl_target(self) -> float | None:
+        """The KL budget this choice's controller steers to (``options['target']``), if any."""
+        t = self.options.get("target")
+        return float(t) if t is not None else None
+
+    @property
+    def label(self) -> str:
+        if self.placement == "none":
+            return "no KL"
+        name = f"{self.estimator} ({self.variant})" if self.variant else self.estimator
+        return f"{name} {self.placement}"
+
+
+def _default_choices() -> list[Choice]:
+    both = ["grpo", "ppo"]
+    return [
+        Choice(estimator="k1", placement="reward", algos=both),
+        Choice(estimator="k2", placement="loss"),
+        Choice(estimator="k3", placement="loss"),
+        Choice(estimator="k3+", placement="loss"),
+        Choice(estimator="k3_is", placement="loss"),
+        Choice(estimator="full", placement="loss"),
+        Choice(estimator="full", placement="reward", algos=both),
+        *sequence_exact_choices(),
+        Choice(estimator="k1", placement="none"),
+        *ref_sampled_choices(),
+    ]
+
+
+def sequence_exact_choices() -> list[Choice]:
+    """The two choices whose expected gradient is that of the whole sequence's
+    KL(pi_theta ‖ pi_ref) (``klpo explain``'s sequence table): ``full`` and ``k3`` in the reward
+    and the loss, GRPO and PPO."""
+    return [
+        Choice(estimator=est, placement="reward+loss", algos=["grpo", "ppo"])
+        for est in ("full", "k3")
+    ]
+
+
+def ref_sampled_choices() -> list[Choice]:
+    """The estimators that also sample the reference (the interview text's "K2" and "K3")."""
+    return [
+        Choice(estimator="ref_is", placement="loss"),
+        Choice(
+            estimator="ref_is",
+            placement="loss",
+            options={"ref_is_clip": [0.1, 10.0]},
+            variant="clip 0.1-10",
+        ),
+        Choice(
+            estimator="adaptive_mix",
+            placement="loss",
+            options={"mix_sign": "as-written"},
+            variant="as written",
+        ),
+        Choice(
+            estimator="adaptive_mix",
+            placement="loss",
+            options={"mix_sign": "as-described"},
+            variant="as described",
+        ),
+    ]
+
+
+class StudyConfig(BaseModel):
+    """The grid and budget of a study. Every run is ``base`` plus its choice, beta and seed."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    task: Literal["builtin", "overopt"] = Field(
+        "builtin",
+        description="The task every run trains on: the built-in arithmetic task, or the "
+        "over-optimisation task (data.source builtin-overopt: a proxy reward to train on, the "
+        "gold reward logged; docs/overopt.md).",
+    )
+    choices: list[Choice] = Field(default_factory=_default_choices)
+    betas: list[float] = Field(
+        default_factory=lambda: [0.01, 0.1], description="KL coefficients tried per choice."
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], description="Seeds per cell.")
+    steps: int = Field(300, gt=0, description="Training steps of every run (the fixed budget).")
+    eval_every: int = Field(50, gt=0, description="Held-out evaluation period in steps.")
+    eval_size: int = Field(200, gt=0, description="Held-out problems per evaluation.")
+    base: dict[str, Any] = Field(
+        default_factory=dict, description="Train-config keys shared by all runs (dotted keys)."
+    )
+    ppo: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "rollout.group_size": 4,
+            "algo.epochs": 2,
+            "algo.minibatches": 2,
+        },
+        description="Extra train-config keys of PPO runs (as configs/ppo.yaml, fixed beta).",
+    )
+    workers: int = Field(2, gt=0, description="Runs executed in parallel (one thread each).")
+    collapse_drop: float = Field(
+        0.1, ge=0, description="A finished run whose accuracy fell this far below its start."
+    )
+    target_accuracy: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="Convergence (task builtin): the first step at which the 10-step running "
+        "mean of the train accuracy reaches this.",
+    )
+    target_gold: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Convergence (task overopt): the first step at which the 10-step running "
+        "mean of the gold reward (reward/gold, on the step's sampled completions) reaches this.",
+    )
+    kl_budget: float | None = Field(
+        None,
+        gt=0,
+        description="A per-token exact KL budget: every run reports whether the 10-step running "
+        "mean of kl/ref/exact stayed within ±20% of it over the second half of training (a "
+        "choice with a KL controller is held to its own kl.target instead); null: only such "
+        "choices report it.",
+    )
+
+    def convergence_target(self) -> tuple[str, float]:
+        """The metric whose running mean defines "steps to target", and its threshold."""
+        if self.task == "overopt":
+            return "reward/gold", self.target_gold
+        return "accuracy/train", self.target_accuracy
+
+    @field_validator("betas")
+    @classmethod
+    def _positive(cls, v: list[float]) -> list[float]:
+        if not v or any(b <= 0 for b in v):
+            raise ValueError(f"betas must be a non-empty list of positive numbers, got {v}")
+        return v
+
+    @field_validator("seeds", "choices")
+    @classmethod
+    def _non_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+
+def quick_study() -> StudyConfig:
+    """The ``--quick`` preset: one beta, two seeds, a few steps (~2 min); every default choice
+    but those that sample the reference (they double a step's cost) and the two sequence-exact
+    ones (the trainer's tests run both kinds end to end)."""
+    skip = {c.label for c in (*ref_sampled_choices(), *sequence_exact_choices())}
+    return StudyConfig(
+        choices=[c for c in _default_choices() if c.label not in skip],
+        betas=[0.05],
+        seeds=[0, 1],
+        steps=12,
+        eval_every=6,
+        eval_size=40,
+        base={"rollout.prompts_per_step": 8, "rollout.group_size": 4},
+        ppo={"algo.epochs": 2, "algo.minibatches": 2},
+    )
+
+
+def quick_overopt_study() -> StudyConfig:
+    """The ``--task overopt --quick`` preset: no KL and the exact KL in the loss, one beta, one
+    seed, a few steps (a smoke test: two runs side by side)."""
+    return StudyConfig(
+        task="overopt",
+        choices=[
+            Choice(estimator="k1", placement="none"),
+            Choice(estimator="full", placement="loss"),
+        ],
+        betas=[0.1],
+        seeds=[0],
+        steps=3,
+        eval_every=3,
+        eval_size=16,
+        base={"rollout.prompts_per_step": 4, "rollout.group_size": 4},
+    )
+
+
+KL_BUDGET = 0.1  # nats per token: the over-optimisation study's KL budget (docs/overopt.md)
+KL_BUDGET_SEQ = 0.4  # nats per completion: the same budget per sequence (~4 tokens a completion)
+
+
+def overopt_study() -> StudyConfig:
+    """The over-optimisation study's default grid (``--task overopt``): betas 0.01-0.3, 3 seeds,
+    200 steps (the no-KL run's gold reward has collapsed by then):
+
+    - no KL; ``k1`` in the reward (GRPO and PPO); ``k3``, ``k3+``, ``full`` in the loss; the two
+      sequence-exact choices, ``full`` and ``k3`` in reward+loss (GRPO and PPO);
+    - the reference-sampled estimators, as in the accuracy study, at beta 0.1 only (each
+      samples the reference too): ``ref_is`` plain and clipped to [0.1, 10], ``adaptive_mix`` as
+      written and as described;
+    - off-policy updates (2 epochs × 2 minibatches, where the importance ratios differ from 1),
+      at betas 0.1 and 0.3: the default KL (``full`` in the loss) with PPO's clip, GSPO (reduced
+      per sequence, the paper's objective) and CISPO; ``k3`` in the loss with and without its
+      off-policy correction, and ``k3_is``;
+    - the default KL with a hard reset of the reference every 50 steps;
+    - the default KL held to a budget by each adaptive controller (one initial beta, 0.1):
+      ``KL_BUDGET`` nats per token, and for the Ziegler controller also ``KL_BUDGET_SEQ`` nats
+      per sequence (its horizon 1000 samples, as the default 10000 moves beta at most ×1.7 in
+      200 steps of 128 completions).
+    """
+    both = ["grpo", "ppo"]
+    return StudyConfig(
+        task="overopt",
+        choices=[
+            Choice(estimator="k1", placement="none"),
+            Choice(estimator="k1", placement="reward", algos=both),
+            Choice(estimator="k3", placement="loss"),
+            Choice(estimator="k3+", placement="loss"),
+            Choice(estimator="full", placement="loss"),
+            Choice(estimator="full", placement="reward+loss", algos=both),
+            Choice(estimator="k3", placement="reward+loss", algos=both),
+            *(c.model_copy(update={"betas": [0.1]}) for c in ref_sampled_choices()),
+            *_off_policy_choices(),
+            Choice(
+                estimator="full",
+                placement="loss",
+                options={"reference_reset": {"every": 50, "alpha": 1.0}},
+                variant="reset every 50",
+            ),
+            *_budget_choices(),
+        ],
+        betas=[0.01, 0.03, 0.1, 0.3],
+        seeds=[0, 1, 2],
+        steps=200,
+        eval_every=50,
+        eval_size=200,
+        kl_budget=KL_BUDGET,
+    )
+
+
+def _off_policy_choices() -> list[Choice]:
+    """The over-optimisation study's off-policy rows (2 epochs × 2 minibatches, betas 0.1 and
+    0.3): the default KL under PPO's clip, GSPO and CISPO; k3 corrected and not, and k3_is."""
+    off_policy = {"epochs": 2, "minibatches": 2}
+    off_betas = [0.1, 0.3]
+    variant = "2 epochs x 2 minibatches"
+    return [
+        *(
+            Choice(
+                estimator="full",
+                placement="loss",
+                algo_options={"policy_loss": loss, **off_policy, **extra},
+                betas=off_betas,
+                variant=f"{loss}, {variant}",
+            )
+            for loss, extra in (
+                ("clip", {}),
+                ("gspo", {"loss_reduction": "seq-mean-token-mean"}),
+                ("cispo", {}),
+            )
+        ),
+        *(
+            Choice(
+                estimator=est,
+                placement="loss",
+                options=options,
+                algo_options=off_policy,
+                betas=off_betas,
+                variant=f"{name}, {variant}",
+            )
+            for est, options, name in (
+                ("k3", {}, "corrected"),
+                ("k3", {"off_policy_correction": False}, "uncorrected"),
+                ("k3_is", {}, "own weight"),
+            )
+        ),
+    ]
+
+
+def _budget_choices() -> list[Choice]:
+    """The over-optimisation study's KL-budget rows: the default KL held to ``KL_BUDGET`` per
+    token by each adaptive controller, and to ``KL_BUDGET_SEQ`` per sequence by Ziegler's."""
+    return [
+        Choice(
+            estimator="full",
+            placement="loss",
+            options={"controller": "adaptive", "target": KL_BUDGET, "horizon": 1000},
+            betas=[0.1],
+            variant=f"adaptive, target {KL_BUDGET:g}",
+        ),
+        Choice(
+            estimator="full",
+            placement="loss",
+            options={
+                "controller": "adaptive",
+                "target": KL_BUDGET_SEQ,
+                "target_unit": "sequence",
+                "horizon": 1000,
+            },
+            betas=[0.1],
+            variant=f"adaptive, target {KL_BUDGET_SEQ:g} per sequence",
+        ),
+        Choice(
+            estimator="full",
+            placement="loss",
+            options={"controller": "ppo-adaptive", "target": KL_BUDGET},
+            betas=[0.1],
+            variant=f"ppo-adaptive, target {KL_BUDGET:g}",
+        ),
+    ]
+
+
+def load_study(
+    path: str | Path | None = None, *, quick: bool = False, task: str = "builtin"
+) -> StudyConfig:
+    """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults, of
+    ``task`` (``builtin`` or ``overopt``)."""
+    one_of("task", task, ("builtin", "overopt"))
+    if task == "overopt":
+        base = quick_overopt_study() if quick else overopt_study()
+    else:
+        base = quick_study() if quick else StudyConfig()
+    if path is None:
+        return base
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"study file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"study file {str(p)!r} is not valid UTF-8 YAML: {str(err).splitlines()[0]}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"study file {str(p)!r} must hold a mapping of StudyConfig keys")
+    try:
+        return StudyConfig.model_validate({**base.model_dump(), **data})
+    except ValidationError as err:
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        raise ConfigError(f"bad study file {str(p)!r}:\n  " + "\n  ".join(lines)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid.
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and summarising.
+
+
+# Keys that may differ between a finished run and the study re-run over it: how a run is shown
+# and scheduled, not what it computes.
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.

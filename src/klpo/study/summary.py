@@ -1,0 +1,324 @@
+"""Summaries: one ``results.csv`` row per run from its ``metrics.jsonl``, one row per cell.
+
+"Final" values are means over the last :data:`WINDOW` steps and peaks are the largest
+WINDOW-step running means; a run is ``ok``, ``crashed``, ``diverged`` or ``collapsed``
+(:func:`summarise_run`); a cell, one (algorithm, choice, beta), is the mean ± sd over its seeds
+(:func:`summarise_cells`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from klpo.study.grid import Run
+from klpo.train.runtime.metrics import CONTROLLED_KL, read_metrics
+
+__all__ = [
+    "BUDGET_TOLERANCE",
+    "RESULT_FIELDS",
+    "WINDOW",
+    "gold_summary",
+    "kl_budget_summary",
+    "nan_low",
+    "num",
+    "steps_to_reach",
+    "summarise_cells",
+    "summarise_run",
+]
+
+
+RESULT_FIELDS = [
+    "name",
+    "algo",
+    "choice",
+    "estimator",
+    "placement",
+    "beta",
+    "seed",
+    "status",
+    "steps_done",
+    "acc_start",
+    "acc_final",
+    "acc_best",
+    "kl_exact_final",
+    "kl_exact_peak",
+    "kl_logged_final",
+    "kl_gap_mean",
+    "kl_est_var",
+    "kl_noise_var",
+    "kl_k1_noise_var",
+    "steps_to_target",
+    "ref_time_s",
+    "kl_target",
+    "kl_unit",
+    "kl_budget_ratio",
+    "kl_budget_frac",
+    "kl_budget_held",
+    "reward_final",
+    "gold_final",
+    "gold_peak",
+    "gold_peak_kl_seq",
+    "proxy_final",
+    "kl_seq_final",
+    "entropy_final",
+    "wall_s",
+    "error",
+]
+
+
+def num(v: Any) -> float:
+    """A metric value as float; the strings 'nan'/'inf' written for non-finite values too."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+WINDOW = 10  # steps: "final" values are means over the last WINDOW steps, peaks running means
+
+
+def _tail_mean(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [num(r[key]) for r in rows if key in r]
+    if not vals:
+        return math.nan
+    tail = vals[-WINDOW:]
+    return sum(tail) / len(tail)
+
+
+def summarise_run(
+    run: Run,
+    run_dir: Path,
+    *,
+    returncode: int,
+    wall_s: float,
+    steps: int,
+    collapse_drop: float,
+    error: str = "",
+    target_accuracy: float = 0.4,
+    target_metric: str = "accuracy/train",
+) -> dict[str, Any]:
+    """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``.
+
+    ``steps_to_target`` is the first step at which the WINDOW-step running mean of
+    ``target_metric`` (``accuracy/train``, or ``reward/gold`` on the over-optimisation task)
+    reaches ``target_accuracy`` (NaN if never); the ``kl_budget_*`` columns judge the run's exact
+    KL against ``run.kl_target`` (:func:`kl_budget_summary`)."""
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.exists() else []
+    steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "kl/ref/exact" in r]
+    evals = [(r["step"], num(r["accuracy/heldout"])) for r in rows if "accuracy/heldout" in r]
+    kl_exact = [num(r["kl/ref/exact"]) for r in steps_rows]
+    acc_start = evals[0][1] if evals and evals[0][0] == 0 else math.nan
+    acc_final = evals[-1][1] if evals else math.nan
+    done = steps_rows[-1]["step"] if steps_rows else 0
+    if returncode == 3:
+        status = "diverged"
+    elif returncode != 0 or done < steps:
+        status = "crashed"
+    elif not all(map(math.isfinite, kl_exact)) or not math.isfinite(acc_final):
+        status = "diverged"
+    elif acc_final < acc_start - collapse_drop:
+        status = "collapsed"
+    else:
+        status = "ok"
+    reached = steps_to_reach(steps_rows, target_metric, target_accuracy)
+    ref_time = math.fsum(
+        num(r.get("time/ref_sample", 0.0)) + num(r.get("time/ref_update", 0.0)) for r in steps_rows
+    )
+    return {
+        "name": run.name,
+        "algo": run.algo,
+        "choice": run.choice,
+        "estimator": run.estimator,
+        "placement": run.placement,
+        "beta": run.beta,
+        "seed": run.seed,
+        "status": status,
+        "steps_done": done,
+        "acc_start": acc_start,
+        "acc_final": acc_final,
+        "acc_best": max((a for _, a in evals), default=math.nan),
+        **_kl_columns(steps_rows, f"kl/ref/{run.estimator}"),
+        "steps_to_target": reached,
+        "ref_time_s": round(ref_time, 2),
+        "kl_unit": run.kl_unit,
+        **kl_budget_summary(steps_rows, run.kl_target, steps, key=CONTROLLED_KL[run.kl_unit]),
+        "reward_final": _tail_mean(steps_rows, "reward/mean"),
+        **gold_summary(steps_rows),
+        "entropy_final": _tail_mean(steps_rows, "entropy"),
+        "wall_s": round(wall_s, 1),
+        "error": error,
+    }
+
+
+def _kl_columns(steps_rows: list[dict[str, Any]], logged_key: str) -> dict[str, float]:
+    """The exact KL at the end and at its peak, the logged estimate ``logged_key`` at the end,
+    its mean gap to the exact KL, and the estimator's noise against k1's."""
+    kl_exact = [num(r["kl/ref/exact"]) for r in steps_rows]
+    gaps = [num(r[logged_key]) - num(r["kl/ref/exact"]) for r in steps_rows if logged_key in r]
+    # The KL curve is noisy step to step: its peak is the largest running mean over WINDOW steps.
+    smooth = [
+        sum(kl_exact[i : i + WINDOW]) / len(kl_exact[i : i + WINDOW])
+        for i in range(max(1, len(kl_exact) - WINDOW + 1))
+        if kl_exact
+    ]
+    # The estimator's noise: the per-step logged estimate minus the exact KL of the same step,
+    # and the same for k1 (logged by every run, on the policy's own tokens) for comparison.
+    est = [num(r[logged_key]) for r in steps_rows if logged_key in r]
+    noise = [num(r[logged_key]) - num(r["kl/ref/exact"]) for r in steps_rows if logged_key in r]
+    k1_noise = [
+        num(r["kl/ref/k1"]) - num(r["kl/ref/exact"]) for r in steps_rows if "kl/ref/k1" in r
+    ]
+    return {
+        "kl_exact_final": _tail_mean(steps_rows, "kl/ref/exact"),
+        "kl_exact_peak": max(smooth) if kl_exact else math.nan,
+        "kl_logged_final": _tail_mean(steps_rows, logged_key),
+        "kl_gap_mean": sum(gaps) / len(gaps) if gaps else math.nan,
+        "kl_est_var": _var(est),
+        "kl_noise_var": _var(noise),
+        "kl_k1_noise_var": _var(k1_noise),
+    }
+
+
+def steps_to_reach(rows: list[dict[str, Any]], key: str, threshold: float) -> float:
+    """The first step at which the WINDOW-step running mean of ``key`` (over the rows that log
+    it, the first full window onwards) is >= ``threshold``; NaN if it never is."""
+    pts = [(r["step"], num(r[key])) for r in rows if key in r]
+    for i in range(WINDOW - 1, len(pts)):
+        if statistics.fmean(v for _, v in pts[i - WINDOW + 1 : i + 1]) >= threshold:
+            return pts[i][0]
+    return math.nan
+
+
+BUDGET_TOLERANCE = 0.2  # a KL budget is held if the KL stays within ±20% of it
+
+
+def kl_budget_summary(
+    rows: list[dict[str, Any]], target: float | None, steps: int, *, key: str = "kl/ref/exact"
+) -> dict[str, float]:
+    """Did the exact KL stay within ±20% of ``target`` over the second half of training?
+
+    ``key`` is the logged KL judged: ``kl/ref/exact`` (per token) or ``kl/ref/seq`` (per
+    sequence, :data:`klpo.train.runtime.metrics.CONTROLLED_KL`). For each logged step ``s > steps / 2``
+    (``steps``: the run's configured length), the trailing WINDOW-step running mean ``m_s`` of
+    ``key`` (the steps ``s - WINDOW + 1 .. s`` that
+    were logged; the window may reach back into the first half). Returns ``kl_target``;
+    ``kl_budget_ratio``, the plain mean of ``key`` over those steps divided by the target
+    (> 1: overshoot, < 1: undershoot); ``kl_budget_frac``, the fraction of those steps with
+    ``0.8 · target <= m_s <= 1.2 · target``; ``kl_budget_held``, 1 if that fraction is 1, else 0.
+    All NaN without a target or without a logged step in the second half (a run that stopped
+    early); a non-finite KL counts as outside.
+    """
+    out = {
+        "kl_target": math.nan if target is None else float(target),
+        "kl_budget_ratio": math.nan,
+        "kl_budget_frac": math.nan,
+        "kl_budget_held": math.nan,
+    }
+    pts = [(r["step"], num(r[key])) for r in rows if key in r]
+    late = [i for i, (s, _) in enumerate(pts) if s > steps / 2]
+    if target is None or not late:
+        return out
+    kls = [k for _, k in pts]
+    lo, hi = (1 - BUDGET_TOLERANCE) * target, (1 + BUDGET_TOLERANCE) * target
+    inside = [lo <= statistics.fmean(kls[max(0, i - WINDOW + 1) : i + 1]) <= hi for i in late]
+    frac = sum(inside) / len(inside)
+    out.update(
+        kl_budget_ratio=statistics.fmean(kls[i] for i in late) / target,
+        kl_budget_frac=frac,
+        kl_budget_held=1.0 if frac == 1.0 else 0.0,
+    )
+    return out
+
+
+def gold_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Over-optimisation columns: the gold and proxy rewards at the end (means of the last WINDOW
+    steps), the peak of the gold reward's WINDOW-step running mean and the exact sequence KL
+    (``kl/ref/seq``, same running mean) at that peak; NaN where no gold reward was logged."""
+    nan = {k: math.nan for k in ("gold_final", "gold_peak", "gold_peak_kl_seq", "proxy_final")}
+    out = {**nan, "kl_seq_final": _tail_mean(rows, "kl/ref/seq")}
+    rows = [r for r in rows if "reward/gold" in r]
+    if not rows:
+        return out
+    gold = [num(r["reward/gold"]) for r in rows]
+    seq = [num(r.get("kl/ref/seq")) for r in rows]
+    n = max(1, len(gold) - WINDOW + 1)
+    runs = [
+        (statistics.fmean(gold[i : i + WINDOW]), statistics.fmean(seq[i : i + WINDOW]))
+        for i in range(n)
+    ]
+    peak = max(runs, key=lambda gk: nan_low(gk[0]))
+    out.update(
+        gold_final=_tail_mean(rows, "reward/gold"),
+        gold_peak=peak[0],
+        gold_peak_kl_seq=peak[1],
+        proxy_final=_tail_mean(rows, "reward/proxy"),
+    )
+    return out
+
+
+def _var(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return statistics.variance(xs) if len(xs) > 1 else math.nan
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
+
+
+def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (algo, choice, beta): means ± sd over seeds and the failure count."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        cells.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    table = []
+    for (algo, choice, beta), rs in cells.items():
+        acc_m, acc_s = _stats([num(r["acc_final"]) for r in rs])
+        reward_m, reward_s = _stats([num(r["reward_final"]) for r in rs])
+        table.append(
+            {
+                "algo": algo,
+                "choice": choice,
+                "beta": beta,
+                "runs": len(rs),
+                "failed": sum(r["status"] != "ok" for r in rs),
+                "statuses": ", ".join(sorted({r["status"] for r in rs if r["status"] != "ok"})),
+                "acc_start": _stats([num(r["acc_start"]) for r in rs])[0],
+                "acc_mean": acc_m,
+                "acc_sd": acc_s,
+                "kl_final": _stats([num(r["kl_exact_final"]) for r in rs])[0],
+                "kl_peak": _stats([num(r["kl_exact_peak"]) for r in rs])[0],
+                "kl_gap": _stats([num(r["kl_gap_mean"]) for r in rs])[0],
+                "gold_final": _stats([num(r.get("gold_final")) for r in rs])[0],
+                "gold_sd": _stats([num(r.get("gold_final")) for r in rs])[1],
+                "gold_peak": _stats([num(r.get("gold_peak")) for r in rs])[0],
+                "gold_peak_kl_seq": _stats([num(r.get("gold_peak_kl_seq")) for r in rs])[0],
+                "proxy_final": _stats([num(r.get("proxy_final")) for r in rs])[0],
+                "kl_seq_final": _stats([num(r.get("kl_seq_final")) for r in rs])[0],
+                "reward_mean": reward_m,
+                "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
+                "wall_s": _stats([num(r["wall_s"]) for r in rs])[0],
+                "ref_time_s": _stats([num(r.get("ref_time_s")) for r in rs])[0],
+                "kl_est_var": _stats([num(r.get("kl_est_var")) for r in rs])[0],
+                "kl_noise_var": _stats([num(r.get("kl_noise_var")) for r in rs])[0],
+                "kl_k1_noise_var": _stats([num(r.get("kl_k1_noise_var")) for r in rs])[0],
+                "steps_to_target": _stats([num(r.get("steps_to_target")) for r in rs])[0],
+                "reached": sum(math.isfinite(num(r.get("steps_to_target"))) for r in rs),
+                "kl_target": _stats([num(r.get("kl_target")) for r in rs])[0],
+                "kl_unit": rs[0].get("kl_unit") or "token",
+                "kl_budget_ratio": _stats([num(r.get("kl_budget_ratio")) for r in rs])[0],
+                "kl_budget_frac": _stats([num(r.get("kl_budget_frac")) for r in rs])[0],
+                "kl_budget_held": sum(num(r.get("kl_budget_held")) == 1.0 for r in rs),
+            }
+        )
+    return table
+
+
+def nan_low(x: float) -> float:
+    return x if math.isfinite(x) else -math.inf

@@ -1,0 +1,1 @@
+"""Prompts and answers: the built-in task, JSONL files, datasets, chat templates, the prompt stream."""

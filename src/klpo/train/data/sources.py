@@ -1,0 +1,253 @@
+"""Prompts: the built-in task, a JSONL file, or a ``datasets`` dataset, served in a resumable order.
+
+Every source yields :class:`Example` (prompt text, reference answer). Bad input is an error that
+names the file and line (JSONL) or the sample index (datasets) and says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from klpo.train.models.load import ALLOW_DOWNLOADS, downloads_allowed, offline_unless_allowed
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: the prompt the policy sees and the answer a reward function checks.
+
+    ``messages`` holds a prompt given as chat messages (``[{"role": ..., "content": ...}]``);
+    :func:`render_chat` turns it, or the plain prompt, into the text the policy sees.
+    """
+
+    prompt: str
+    answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    where: str = field(default="", compare=False)  # "file:line" or "name[i]", for errors
+
+
+def read_jsonl(
+    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Example]:
+    """Examples from a JSONL file, one JSON object per line with the two fields (strings)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"JSONL file {str(path)!r} does not exist")
+    out = []
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                    f"{err.start + 1}); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{n}: not valid JSON ({err.msg}): {line.strip()[:80]!r}"
+                ) from None
+            out.append(_example(row, prompt_field, answer_field, f"{path}:{n}"))
+    if not out:
+        raise ValueError(f"JSONL file {str(path)!r} holds no examples")
+    return out
+
+
+def _example(row: object, prompt_field: str, answer_field: str, where: str) -> Example:
+    if not isinstance(row, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object with {prompt_field!r} and {answer_field!r}"
+        )
+    for key in (prompt_field, answer_field):
+        if key not in row:
+            raise ValueError(
+                f"{where}: missing field {key!r} (fields present: {', '.join(map(str, row))}); "
+                f"set data.prompt_field / data.answer_field to the right names"
+            )
+    prompt, answer = row[prompt_field], row[answer_field]
+    if isinstance(prompt, list):
+        return Example(
+            prompt="", answer=str(answer), messages=_messages(prompt, where), where=where
+        )
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(
+            f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat "
+            f"messages, got {prompt!r}"
+        )
+    return Example(prompt=prompt, answer=str(answer), where=where)
+
+
+def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for i, msg in enumerate(value):
+        ok = (
+            isinstance(msg, dict)
+            and isinstance(msg.get("role"), str)
+            and isinstance(msg.get("content"), str)
+        )
+        if not ok:
+            raise ValueError(
+                f"{where}: chat message {i} must be an object with string fields 'role' and "
+                f"'content', got {msg!r}"
+            )
+        out.append((msg["role"], msg["content"]))
+    if not out:
+        raise ValueError(f"{where}: the prompt is an empty list of chat messages")
+    return tuple(out)
+
+
+def check_chat_template(tokenizer: object) -> None:
+    """Raise a ValueError that says how to fix it when ``tokenizer`` has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"data.chat=true needs a tokenizer with a chat template, and the tokenizer of this "
+            f"model ({getattr(tokenizer, 'name_or_path', '?')!r}) has none; use the tokenizer of "
+            "an instruction-tuned model, set tokenizer.chat_template and save it with the model "
+            "(tokenizer_config.json or chat_template.jinja), or set data.chat=false"
+        )
+
+
+def render_chat(
+    examples: list[Example], tokenizer: object, *, chat: bool, system_prompt: str | None = None
+) -> list[Example]:
+    """The examples with each prompt as the text the policy sees.
+
+    With ``chat`` on, the prompt (a plain string becomes one user message; a list of messages is
+    kept, with ``system_prompt`` put first unless it already starts with a system message) is
+    rendered by the tokenizer's chat template, ending with the assistant's generation prompt
+    (``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``, as TRL renders
+    conversational prompts); the rollout then tokenizes that text without adding special
+    tokens, so nothing is doubled. With ``chat`` off the prompts are returned as they are.
+
+    Raises:
+        ValueError: chat is on and the tokenizer has no chat template; or chat is off and an
+            example's prompt is a list of messages (it needs a template).
+    """
+    if not chat:
+        listed = [i for i, e in enumerate(examples) if e.messages is not None]
+        if listed:
+            raise ValueError(
+                f"example {listed[0]} gives its prompt as chat messages; set data.chat=true to "
+                "render them with the tokenizer's chat template"
+            )
+        if system_prompt:
+            raise ValueError("data.system_prompt is only used with data.chat=true; set both")
+        return examples
+    check_chat_template(tokenizer)
+    out = []
+    for e in examples:
+        msgs = [{"role": r, "content": c} for r, c in (e.messages or (("user", e.prompt),))]
+        if system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(Example(prompt=text, answer=e.answer, where=e.where))
+    return out
+
+
+def read_dataset(
+    name_or_path: str, split: str, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Example]:
+    """Examples from a ``datasets`` dataset: a ``save_to_disk`` directory, a local data file or
+    directory, or a name already in the local cache (nothing is downloaded here)."""
+    import datasets
+
+    offline_unless_allowed()
+    path = Path(name_or_path)
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"dataset {name_or_path!r} has no split {split!r}: {list(ds)}")
+            ds = ds[split]
+    elif path.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(
+            path.suffix
+        )
+        if kind is None:
+            raise ValueError(f"cannot read {name_or_path!r}: use .jsonl, .json, .csv or .parquet")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as err:  # datasets wraps parser errors in its own types
+            cause = err.__cause__ or err
+            raise ValueError(
+                f"cannot read {name_or_path!r} as {kind}: {type(cause).__name__}: "
+                f"{str(cause).splitlines()[0][:200] if str(cause) else ''}; for line-by-line "
+                "errors use data.source=jsonl"
+            ) from None
+    elif name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"data.path {name_or_path!r}: no such file or directory")
+    else:
+        try:
+            ds = datasets.load_dataset(name_or_path, split=split)
+        except (ConnectionError, FileNotFoundError) as err:
+            if downloads_allowed():
+                raise FileNotFoundError(
+                    f"data.path {name_or_path!r}: could not load the dataset ({err})"
+                ) from None
+            raise FileNotFoundError(
+                f"data.path {name_or_path!r}: no such file or directory, and dataset "
+                f"{name_or_path!r} not found locally (not in the datasets cache). Give a local "
+                f"file or save_to_disk directory, or set {ALLOW_DOWNLOADS}=1 to let it be "
+                "downloaded"
+            ) from None
+    missing = [k for k in (prompt_field, answer_field) if k not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset {name_or_path!r} has no column {missing[0]!r} (columns: "
+            f"{', '.join(ds.column_names)}); set data.prompt_field / data.answer_field"
+        )
+    return [
+        _example(row, prompt_field, answer_field, f"{name_or_path}[{i}]")
+        for i, row in enumerate(ds)
+    ]
+
+
+class PromptStream:
+    """Serves examples in a seeded order, epoch after epoch, from a position that can be saved.
+
+    The order of epoch ``e`` is a permutation drawn from ``torch.Generator().manual_seed(seed + e)``
+    (or the file order when ``shuffle`` is False), so a stream rebuilt from :meth:`state_dict`
+    continues exactly where it stopped.
+    """
+
+    def __init__(self, examples: list[Example], *, seed: int, shuffle: bool = True):
+        if not examples:
+            raise ValueError("no training examples")
+        self.examples = examples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.examples)))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.examples), generator=gen).tolist()
+
+    def next(self, n: int) -> list[Example]:
+        out = []
+        while len(out) < n:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._permutation(self.epoch)
+            take = min(n - len(out), len(self._order) - self.offset)
+            out += [self.examples[i] for i in self._order[self.offset : self.offset + take]]
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._permutation(self.epoch)

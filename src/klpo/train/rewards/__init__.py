@@ -1,0 +1,1 @@
+"""Rewards: the reward functions and their registry, reward models, the proxy and the gold reward."""

@@ -1,0 +1,1 @@
+"""Sampling completions: the samplers, the engines behind them, and the reference's own samples."""

@@ -1,0 +1,349 @@
+"""Checkpoints in safetensors + JSON, written atomically, that resume a run exactly.
+
+Layout of ``RUN/checkpoints/step_000050/``::
+
+    policy/            save_pretrained of the policy (config.json, model.safetensors)
+    critic.safetensors the critic (backbone + value head), PPO only
+    optim.safetensors  every optimizer's state tensors; the structure is in state.json
+    rng.safetensors    every rank's torch generator states (CPU, and CUDA's where present)
+    state.json         step, data position, controllers, optimizer structure, python/numpy RNG
+    reference.safetensors  the moved reference (kl.reference_reset only): a whole model, or with
+                       LoRA the merged base weights the adapters sit on (klpo.train.models.lora)
+
+A checkpoint is built in a temporary directory beside its final place and renamed into it, and
+``RUN/checkpoints/latest`` is replaced atomically afterwards, so a run killed at any moment leaves
+either the new checkpoint or the previous one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file, save_model
+
+from klpo._io import atomic_dir, write_text_atomic
+
+LATEST = "latest"
+REFERENCE = "reference.safetensors"
+
+
+def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
+    sd = opt.state_dict()
+    tensors, structure = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for idx, state in sd["state"].items():
+        entry = {}
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                key = f"{prefix}.{idx}.{name}"
+                tensors[key] = value.detach().contiguous().cpu()
+                entry[name] = {"tensor": key}
+            else:
+                entry[name] = {"value": value}
+        structure["state"][str(idx)] = entry
+    return tensors, structure
+
+
+def _unflatten_optimizer(structure: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state = {}
+    for idx, entry in structure["state"].items():
+        state[int(idx)] = {
+            name: tensors[v["tensor"]] if "tensor" in v else v["value"] for name, v in entry.items()
+        }
+    return {"state": state, "param_groups": structure["param_groups"]}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return tensors, plain
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda.")]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    py = plain["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = plain["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    policy: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None = None,
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
+    state: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically and point ``latest`` at it.
+
+    Args:
+        run_dir: the run directory.
+        step: the last completed step.
+        policy: a transformers model (``save_pretrained``).
+        optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
+        critic: PPO's critic module, or None.
+        reference: the reference model when it moves during training (kl.reference_reset),
+            saved as ``reference.safetensors``; with LoRA the base weights by name
+            (:func:`klpo.train.models.lora.base_weights`); None when it is frozen.
+        rng: every rank's :func:`rng_state`, in rank order (default: this process's).
+        state: JSON-serialisable extras (data position, controller state, ...).
+        keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+
+    Returns:
+        the checkpoint's directory.
+    """
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    try:
+        # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
+        with atomic_dir(final) as tmp:
+            _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state, reference)
+    except OSError as err:  # a full disk, a permission: atomic_dir removed the partial files
+        previous = find_checkpoint(run_dir)[0]
+        kept = (
+            f"the previous checkpoint {previous.name} is intact"
+            if previous is not None
+            else "no earlier checkpoint exists"
+        )
+        raise CheckpointError(
+            f"could not write the checkpoint of step {step} in {root}: "
+            f"{err.strerror or err}; {kept} and the partial files were removed. Free space "
+            f"(or fix the permissions) and continue with klpo train --resume {Path(run_dir)}."
+        ) from None
+    write_text_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    step: int,
+    policy: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: torch.nn.Module | None,
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
+    state: dict[str, Any] | None,
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
+) -> None:
+    policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if critic is not None:
+        save_model(critic, str(tmp / "critic.safetensors"))
+    if isinstance(reference, dict):  # LoRA's merged base (kl.reference_reset)
+        save_file(reference, str(tmp / REFERENCE))
+    elif reference is not None:  # kl.reference_reset moved it: the run resumes with it
+        save_model(reference, str(tmp / REFERENCE))
+    optim_tensors, optim_structure = {}, {}
+    for name, opt in optimizers.items():
+        t, s = _flatten_optimizer(opt, name)
+        optim_tensors.update(t)
+        optim_structure[name] = s
+    if optim_tensors:
+        save_file(optim_tensors, str(tmp / "optim.safetensors"))
+    rng = rng if rng is not None else [rng_state()]
+    rng_tensors = {f"rank{r}.{k}": v for r, (t, _) in enumerate(rng) for k, v in t.items()}
+    rng_plain = [plain for _, plain in rng]
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    meta = {"step": step, "optimizers": optim_structure, "rng": rng_plain, **(state or {})}
+    write_text_atomic(tmp / "state.json", json.dumps(meta))
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the message says what is intact and how to go on."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file, or None if it is.
+
+    The format is an 8-byte little-endian header length N, N bytes of JSON giving each tensor's
+    ``data_offsets``, then the data: a complete file is exactly 8 + N + the largest end offset
+    bytes long. Reads the header only, so it is cheap on any model size.
+    """
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is truncated ({size} bytes)"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated ({size} bytes, header says more)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as err:
+        return f"{path.name} cannot be read ({err})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"{path.name} is truncated ({size} of {8 + n + end} bytes)"
+    return None
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """Why the ``save_pretrained`` directory ``path`` cannot be a model, or None if it can."""
+    if not (path / "config.json").is_file():
+        return f"{path.name}/config.json is missing"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as err:
+            return f"{index.name} cannot be read ({err})"
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return f"{path.name} holds no model.safetensors"
+    for shard in shards:
+        problem = safetensors_problem(path / shard)
+        if problem:
+            return f"{path.name}/{problem}"
+    return None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (a missing or truncated file), or None if it can."""
+    try:
+        meta = json.loads((ckpt / "state.json").read_text())
+        meta["step"], meta["rng"], meta["optimizers"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"state.json is missing or unreadable ({type(err).__name__})"
+    policy = ckpt / "policy"
+    if (
+        policy / "adapter_config.json"
+    ).is_file():  # LoRA: the adapters only (klpo.train.models.lora)
+        problem = safetensors_problem(policy / "adapter_model.safetensors")
+    elif (policy / ".metadata").is_file():  # FSDP shards (torch.distributed.checkpoint)
+        problem = None
+    else:
+        problem = model_dir_problem(policy)
+    if problem:
+        return f"policy/{problem}" if not problem.startswith("policy/") else problem
+    has_tensors = any(
+        "tensor" in v
+        for o in meta["optimizers"].values()
+        for e in o["state"].values()
+        for v in e.values()
+    )
+    names = ["rng.safetensors"] + (["optim.safetensors"] if has_tensors else [])
+    names += [n for n in ("critic.safetensors", "reference.safetensors") if (ckpt / n).exists()]
+    for name in names:
+        problem = safetensors_problem(ckpt / name)
+        if problem:
+            return problem
+    return None
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of a run, and a line for each newer one that is not.
+
+    ``latest`` is only a hint: a checkpoint whose files are missing or truncated (a disk that
+    filled up, a copy cut short) is skipped for the one before it, and a removed or stale
+    ``latest`` does not hide the checkpoints that are there.
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None, []
+    notes = []
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    for path in steps:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"checkpoint {path} is incomplete ({problem}); skipped")
+    return None, notes
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run (see :func:`find_checkpoint`), or None."""
+    return find_checkpoint(run_dir)[0]
+
+
+def remove_orphans(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary directories of saves that never finished; returns them."""
+    root = Path(run_dir) / "checkpoints"
+    gone = sorted([*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]) if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    """state.json of a checkpoint, with the RNG restored as a side effect left to the caller."""
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def restore_optimizers(
+    ckpt: Path, optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any]
+) -> None:
+    """Load every optimizer's state saved by :func:`save_checkpoint`."""
+    path = ckpt / "optim.safetensors"
+    tensors = load_file(str(path)) if path.exists() else {}
+    for name, opt in optimizers.items():
+        structure = meta["optimizers"].get(name)
+        if structure is None:
+            raise KeyError(f"checkpoint {ckpt} has no state for optimizer {name!r}")
+        opt.load_state_dict(_unflatten_optimizer(structure, tensors))
+
+
+def restore_rng(ckpt: Path, meta: dict[str, Any], rank: int = 0) -> None:
+    """Restore this rank's generators; the world size must be the one that saved them."""
+    if rank >= len(meta["rng"]):
+        raise ValueError(
+            f"checkpoint {ckpt} was written by {len(meta['rng'])} process(es); resume it with "
+            "the same number of processes"
+        )
+    tensors = load_file(str(ckpt / "rng.safetensors"))
+    prefix = f"rank{rank}."
+    mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    set_rng_state(mine, meta["rng"][rank])
+
+
+def restore_critic(ckpt: Path, critic: torch.nn.Module) -> None:
+    from safetensors.torch import load_model
+
+    load_model(critic, str(ckpt / "critic.safetensors"))
+
+
+def _reference_path(ckpt: Path) -> Path:
+    path = ckpt / REFERENCE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{ckpt} has no {REFERENCE}; it was saved by a run without "
+            "kl.reference_reset, so it cannot be resumed with it"
+        )
+    return path
+
+
+def restore_reference(ckpt: Path, reference: torch.nn.Module) -> None:
+    """Load a moved reference (``reference.safetensors``) saved by :func:`save_checkpoint`."""
+    from safetensors.torch import load_model
+
+    load_model(reference, str(_reference_path(ckpt)))
+
+
+def reference_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``reference.safetensors`` by name (LoRA: the merged base weights)."""
+    return load_file(str(_reference_path(ckpt)))

@@ -1,0 +1,114 @@
+"""Data parallelism under ``torchrun``: process group, thread budget, sums and gathers.
+
+``torchrun --nproc_per_node 2 -m klpo train ...`` starts one process per rank with ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` set; a plain ``klpo train`` is a world of one. On CPU the
+backend is gloo and the cores are split between the ranks (two processes with two threads each on
+two cores run ~50x slower than one thread each).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (``x`` itself in a world of one)."""
+        if self.enabled:
+            # On this rank's device (NCCL reduces only CUDA tensors), back on x's own after.
+            y = x.to(self.device, copy=True)
+            tdist.all_reduce(y, op=tdist.ReduceOp.SUM)
+            x = y.to(x.device)
+        return x
+
+    def share(self, items: list) -> list:
+        """This rank's equal, consecutive share of ``items`` (a step's prompts: whole groups)."""
+        n = len(items) // self.world
+        return items[self.rank * n : (self.rank + 1) * n]
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (``[obj]`` in a world of one)."""
+        if not self.enabled:
+            return [obj]
+        out: list[object] = [None] * self.world
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank (a collective: every rank must call it)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
+
+
+def init_distributed(threads: int = 0) -> Dist:
+    """Join the process group if launched by torchrun, and set the torch thread budget."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if world > 1 and not tdist.is_initialized():
+        tdist.init_process_group(backend="nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    elif world > 1 and not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return Dist(rank=rank, world=world, device=device)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of the run failed; this one stopped with it (the cause is in that rank's
+    output)."""
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that broke because another rank left the group."""
+    kinds = tuple(
+        getattr(tdist, name) for name in ("DistError", "DistBackendError") if hasattr(tdist, name)
+    )
+    if kinds and isinstance(err, kinds):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("connection closed by peer", "connection reset by peer")
+    )
+
+
+def shutdown(dist: Dist, *, failed: bool = False) -> None:
+    """Leave the process group together: a rank tearing gloo down while another still talks to it
+    can abort ("terminate called without an active exception").
+
+    A rank that ``failed`` leaves at once instead: the others may be waiting in a different
+    collective, so a barrier would hang both. Its non-zero exit makes torchrun stop the others.
+    """
+    if not (dist.enabled and tdist.is_initialized()):
+        return
+    if failed:
+        return
+    tdist.barrier()
+    tdist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""Metrics are API: each key is documented once here, written to ``metrics.jsonl`` and TensorBoard.
+
+Keys are namespaced. Every per-token metric is computed under ``no_grad`` with the loss's mask,
+so padding contributes nothing. ``<est>`` stands for the configured estimator's name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from klpo._io import write_text_atomic
+
+CONTROLLED_KL = {"token": "kl/ref/exact", "sequence": "kl/ref/seq"}
+"""The logged exact KL that a controller steers to ``kl.target``, by ``kl.target_unit``."""
+
+METRICS: dict[str, str] = {
+    "step": "training step (one batch of rollouts), starting at 1",
+    "reward/mean": "mean total (weighted) task reward over the step's completions",
+    "reward/std": "sample standard deviation of the total reward over the step's completions",
+    "reward/<name>": "mean of one reward function's value",
+    "reward/proxy": "with a gold reward: mean of the trained-on (proxy) total reward, = reward/mean",
+    "reward/gold": "mean of the gold reward (gold_reward; exact correctness in builtin-overopt), "
+    "logged, never trained on",
+    "reward/group_std": "mean over prompts of the reward's standard deviation within each group",
+    "accuracy/train": "fraction of the step's completions whose total (weighted) reward is at "
+    "least 1; with the default single exact_match reward, the fraction answered correctly",
+    "accuracy/heldout": "held-out accuracy, greedy decoding (only on evaluation steps)",
+    "kl/ref/<est>": "the configured estimator's per-token value on the sampled tokens, mean over "
+    "tokens: an estimate of the KL in its 'estimates' column of docs/estimators.md, "
+    "KL(pi_theta ‖ pi_ref) for most, KL(pi_ref ‖ pi_theta) for kl_ref_theta",
+    "kl/ref/k1": "k1 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, noisy)",
+    "kl/ref/k3": "k3 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, non-negative)",
+    "kl/ref/exact": "the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token, mean over tokens",
+    "kl/ref/seq": "exact KL(pi_theta ‖ pi_ref) summed over a completion, mean over completions",
+    "kl/ref/ref_is": "ref_is, adaptive_mix: the ref_is estimate (completions of pi_ref) of "
+    "KL(pi_theta ‖ pi_ref) per completion divided by the policy's mean completion length, at the "
+    "sampling policy (first optimizer step)",
+    "kl/ref/ref_is_seq": "ref_is, adaptive_mix: the ref_is estimate of KL(pi_theta ‖ pi_ref) per "
+    "completion (nats per sequence)",
+    "kl/ref/adaptive_mix": "adaptive_mix: its output a · kl/ref/k1 + (1 - a) · kl/ref/ref_is, per "
+    "token; the value its window averages",
+    "ref/samples": "ref_is, adaptive_mix: completions sampled from the reference this step (all ranks)",
+    "ref/max_weight": "ref_is, adaptive_mix: the largest importance weight pi_theta/pi_ref over "
+    "the reference's completions (first optimizer step)",
+    "ref/ess": "ref_is, adaptive_mix: Kish's effective sample size of those weights as a fraction "
+    "of their number, (sum w)² / (n sum w²), in (0, 1]",
+    "ref/mix_weight": "adaptive_mix: the weight a on k1 this step, from past steps only",
+    "ref/kl_window": "adaptive_mix: KL_window, the mean of its last kl.mix_window outputs (0 when empty)",
+    "loss/kl_ref": "ref_is, adaptive_mix: the beta-free ref_is term in the loss's units (before "
+    "the factor 1 - a), first optimizer step",
+    "kl/old/k1": "k1 estimate of KL(pi_old ‖ pi_theta) per token over the update (PPO's approx KL)",
+    "kl/old/k3": "k3 estimate of KL(pi_old ‖ pi_theta) per token over the update",
+    "entropy": "mean per-token entropy of pi_theta on the sampled completions (exact, in nats)",
+    "clip_frac": "fraction of the update's tokens whose PPO ratio was clipped (low or high)",
+    "clip_frac/seq": "GSPO: fraction of sequences whose length-normalised ratio was clipped",
+    "ratio/seq_mean": "GSPO: mean over sequences of the length-normalised ratio s_i",
+    "reference/updates": "kl.reference_reset: reference updates (resets) so far, after this step",
+    "loss/policy": "policy surrogate loss (reduced), mean over the step's optimizer steps",
+    "loss/kl": "beta-free KL term of the loss (reduced), when the KL is in the loss (adaptive_mix: "
+    "its a · k1 part; ref_is: absent, see loss/kl_ref)",
+    "loss/value": "value loss (PPO), reduced",
+    "loss/entropy": "entropy bonus term (reduced; minus the entropy, so lower is more entropy)",
+    "loss/total": "the total loss that was differentiated (policy, beta·KL, entropy, vf_coef·value)",
+    "value/clip_frac": "PPO: fraction of the update's tokens where the clipped value loss was larger",
+    "value/explained_var": "PPO: 1 - Var(R - V) / Var(R) over all the update's tokens (1: a "
+    "perfect critic, 0: no better than a constant)",
+    "value/mean": "PPO: mean value prediction V over the update's tokens",
+    "value/mse": "PPO: mean of (V - R)² over the update's tokens",
+    "beta": "the KL coefficient used this step (after the controller's last update)",
+    "beta_old": "kl-penalty: PPO's penalty coefficient beta_old used this step (its adaptive rule "
+    "then moves it by the step's kl/old/k3)",
+    "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps",
+    "lr": "the policy's learning rate this step",
+    "completion/length": "mean completion length in tokens (EOS included)",
+    "completion/truncated": "fraction of completions that hit max_new_tokens without EOS",
+    "time/generate": "seconds spent sampling completions",
+    "time/score": "seconds spent on rewards and the old/reference log-probs",
+    "time/update": "seconds spent in forward, backward and optimizer steps",
+    "time/ref_sample": "ref_is, adaptive_mix: seconds spent sampling the reference's completions "
+    "and scoring them under pi_ref",
+    "time/ref_update": "ref_is, adaptive_mix: seconds spent on the forward and backward passes of "
+    "the policy over the reference's completions (all optimizer steps; inside time/update)",
+    "time/step": "wall seconds of the whole step",
+    "engine/k1": "rollout.engine=vllm: k1 estimate of KL(pi_engine ‖ pi_old) per token, the mean "
+    "of log pi_engine - log pi_old over the sampled tokens (the engine's log-probs against the "
+    "trainer's at the same weights; docs/engines.md)",
+    "engine/k3": "rollout.engine=vllm: k3 estimate of KL(pi_engine ‖ pi_old) per token "
+    "(rho - 1 - log rho, rho = pi_old / pi_engine; non-negative)",
+    "engine/k3_max": "rollout.engine=vllm: the largest per-token k3 of the step",
+    "engine/abs_max": "rollout.engine=vllm: the largest |log pi_engine - log pi_old| of the step",
+    "engine/tis_weight": "rollout.engine=vllm: mean truncated importance weight "
+    "min(pi_old / pi_engine, rollout.tis_cap) on the policy loss (1: no gap)",
+    "engine/tis_clip_frac": "rollout.engine=vllm: fraction of tokens whose ratio pi_old / "
+    "pi_engine exceeds rollout.tis_cap (0 without a cap)",
+    "tokens_per_s": "completion tokens sampled and trained on per second of step time",
+}
+
+
+def describe(key: str) -> str:
+    """The documentation of a metric key (namespaced families match their ``<...>`` entry)."""
+    if key in METRICS:
+        return METRICS[key]
+    head = key.rsplit("/", 1)[0]
+    for k, text in METRICS.items():
+        if k.endswith(">") and k.rsplit("/", 1)[0] == head:
+            return text
+    raise KeyError(
+        f"undocumented metric {key!r}; document it in klpo.train.runtime.metrics.METRICS"
+    )
+
+
+def is_timing(key: str) -> bool:
+    """Keys that measure wall time and so differ between otherwise identical runs."""
+    return key.startswith("time/") or key == "tokens_per_s"
+
+
+class Tally:
+    """Metrics as ratios of sums, so that none depends on how the batch is split.
+
+    Each key accumulates a numerator and a denominator over micro-batches, optimizer steps and
+    ranks; the logged value is ``sum(num) / sum(den)`` (0 where nothing was counted). A token mean
+    adds (sum over tokens, token count), a sequence mean (sum over sequences, count), a reduced
+    loss its micro-batch's share of the optimizer step's loss (the normaliser is already global).
+    The result is the value one process holding the whole step's batch computes.
+    """
+
+    def __init__(self) -> None:
+        self._num: dict[str, float] = {}
+        self._den: dict[str, float] = {}
+
+    def add(self, key: str, num: float, den: float) -> None:
+        self._num[key] = self._num.get(key, 0.0) + float(num)
+        self._den[key] = self._den.get(key, 0.0) + float(den)
+
+    def add_means(self, means: dict[str, float], weight: float) -> None:
+        """Means over ``weight`` items (tokens, sequences) each: sum = mean · weight."""
+        for key, value in means.items():
+            self.add(key, value * weight, weight)
+
+    def merge(self, other: Tally) -> None:
+        for key in other._num:
+            self.add(key, other._num[key], other._den[key])
+
+    def result(
+        self, all_sum: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, tuple[float, float]]:
+        """``{key: (value, total denominator)}`` after ``all_sum`` (a sum over ranks); one
+        collective for every key. Every rank must hold the same keys."""
+        keys = sorted(self._num)
+        t = torch.tensor(
+            [[self._num[k] for k in keys], [self._den[k] for k in keys]], dtype=torch.float64
+        )
+        num, den = all_sum(t).tolist() if keys else ([], [])
+        return {k: (n / d if d else 0.0, d) for k, n, d in zip(keys, num, den, strict=True)}
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    On resume (``resume_step`` > 0) lines of steps after the checkpoint are dropped first, so the
+    file of a resumed run reads as if the run had never stopped.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int = 0):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step > 0 and self.path.exists():
+            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+        elif resume_step == 0 and self.path.exists():
+            self.path.unlink()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(Path(run_dir) / "tensorboard"),
+                purge_step=resume_step + 1 if resume_step else None,
+            )
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        for key in values:
+            describe(key)  # every key is documented, or this is a bug
+        row = {"step": step, **{k: _plain(v) for k, v in values.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no inf/nan; keep them visible rather than dropping them
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``; a torn last line (a run killed mid-write) is ignored."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

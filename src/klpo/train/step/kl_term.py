@@ -1,0 +1,186 @@
+"""The KL term of the loss, estimator by estimator: on the policy's tokens, and on the reference's.
+
+A per-token estimator (:data:`klpo.kl.ESTIMATORS`) is a term on the policy's own tokens with
+weight 1. The reference-sampled estimators are a table, :data:`REF_SAMPLED_TERMS`: each splits
+its KL term into ``a`` times k1 on the policy's tokens and ``1 - a`` times ``ref_is`` on
+completions sampled from the reference (:mod:`klpo.train.rollout.ref_samples`):
+
+- ``ref_is``: ``a = 0``;
+- ``adaptive_mix``: ``a`` from the mix's window of its own past outputs
+  (:class:`klpo.ref_kl.MixWindow`, :func:`make_window`), which takes ``a · kl/ref/k1 + (1 - a) ·
+  kl/ref/ref_is`` after each step.
+
+Each step's split is one value, a :class:`KLTerm` (:func:`sample_kl_term`), that the update reads:
+at every optimizer step :func:`ref_term` scores the reference's completions under pi_theta (with
+gradient), forms :func:`klpo.ref_kl.ref_is` over the batch, and backpropagates ``beta · (1 - a) ·
+units · ref_is``, where ``units`` turns the per-completion KL into the loss's units: ``reduce(1) /
+L``, with L the mean length of the policy's completions this step. Under ``token-mean`` that is the
+KL per token, as the per-token estimators give, so beta means the same for every estimator; and
+every micro-step adds ``beta · a · k1`` on the policy's tokens as an ordinary per-token term.
+
+The reference's completions come from pi_ref, which does not depend on theta, so the gradient
+with the samples held fixed is grad KL(pi_theta ‖ pi_ref) at the sequence level for plain
+``ref_is`` (``klpo explain -e ref_is -p loss``). Under ``torchrun`` each rank samples for its own
+prompts and its estimate's gradient is averaged over ranks by DDP (the batch-statistic options,
+dynamic clip and self-normalisation, are then per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klpo import ref_kl
+from klpo.train.config import TrainConfig
+from klpo.train.data.sources import Example
+from klpo.train.models.build import Models
+from klpo.train.rollout.ref_samples import RefBatch, sample_reference, sequence_logp
+from klpo.train.rollout.samplers import Rollout
+
+__all__ = [
+    "EXACT_KL_ESTIMATORS",
+    "REF_SAMPLED_TERMS",
+    "KLTerm",
+    "RefSampledTerm",
+    "kl_term",
+    "make_window",
+    "needs_exact_kl",
+    "ref_term",
+    "sample_kl_term",
+]
+
+EXACT_KL_ESTIMATORS = frozenset({"full"})
+"""Estimators whose per-token value is the exact KL over the vocabulary at the position: they
+need the reference's hidden states in the forward pass (:func:`klpo.logprobs.fused`), not token
+log-probs."""
+
+
+def needs_exact_kl(estimator: str) -> bool:
+    return estimator in EXACT_KL_ESTIMATORS
+
+
+@dataclass(frozen=True)
+class RefSampledTerm:
+    """How a reference-sampled estimator splits its KL term (see the module)."""
+
+    mixed: bool  # a comes from the mix's window (adaptive_mix); else a = 0 (ref_is)
+
+
+REF_SAMPLED_TERMS: dict[str, RefSampledTerm] = {
+    "ref_is": RefSampledTerm(mixed=False),
+    "adaptive_mix": RefSampledTerm(mixed=True),
+}
+"""``kl.estimator`` -> its split, for the estimators that also sample the reference
+(:data:`klpo.kl.REF_SAMPLED`)."""
+
+
+@dataclass(frozen=True)
+class KLTerm:
+    """One step's KL term in the loss: ``estimator`` on the policy's tokens with weight
+    ``weight``, and, with ``ref``, ``ref_is`` on the reference's completions with ``1 - weight``."""
+
+    estimator: str  # a per-token estimator on the policy's tokens
+    weight: float = 1.0  # its weight in the KL term: 1; 0 for ref_is; a for adaptive_mix
+    ref: RefBatch | None = None  # the reference's completions (ref_is, adaptive_mix)
+
+
+def kl_term(cfg: TrainConfig, *, mix_weight: float = 0.0, ref: RefBatch | None = None) -> KLTerm:
+    """The KL term of ``kl.estimator``, with the mix's weight ``a`` and the reference's
+    completions where it has them."""
+    spec = REF_SAMPLED_TERMS.get(cfg.kl.estimator)
+    if spec is None:
+        return KLTerm(cfg.kl.estimator)
+    return KLTerm("k1", mix_weight if spec.mixed else 0.0, ref)
+
+
+def uses_reference_samples(cfg: TrainConfig) -> bool:
+    """Whether the configured KL term needs completions sampled from the reference."""
+    return cfg.kl.estimator in REF_SAMPLED_TERMS and cfg.kl.placement != "none"
+
+
+def make_window(cfg: TrainConfig) -> ref_kl.MixWindow | None:
+    """The mix's window of its past outputs (``adaptive_mix`` in a loss or reward only)."""
+    spec = REF_SAMPLED_TERMS.get(cfg.kl.estimator)
+    if spec is None or not spec.mixed or not uses_reference_samples(cfg):
+        return None
+    k = cfg.kl
+    return ref_kl.MixWindow(
+        gamma=k.mix_gamma, threshold=k.mix_threshold, window=k.mix_window, sign=k.mix_sign
+    )
+
+
+def sample_kl_term(
+    cfg: TrainConfig,
+    m: Models,
+    mine: list[Example],
+    rollout: Rollout,
+    window: ref_kl.MixWindow | None,
+) -> KLTerm:
+    """This step's KL term: for ``ref_is`` and ``adaptive_mix``, the reference's own completions
+    of the step's prompts ``mine`` (the policy sampled ``rollout``) and the mix's weight now."""
+    ref = None
+    if uses_reference_samples(cfg):
+        ref = sample_reference(
+            cfg,
+            m.reference,
+            m.tokenizer,
+            [e.prompt for e in mine],
+            [e.answer for e in mine],
+            rollout,
+        )
+    mix_weight = window.weight() if window is not None else 0.0
+    return kl_term(cfg, mix_weight=mix_weight, ref=ref)
+
+
+def ref_term(
+    cfg: TrainConfig,
+    backbone: torch.nn.Module,
+    head: tuple[Tensor, Tensor | None],
+    batch: RefBatch,
+    *,
+    beta: float,
+    mix_weight: float,
+) -> dict[str, float]:
+    """Forward (and backward, gradients accumulate) of ``beta (1 - a) units ref_is`` on the
+    reference's completions ``batch``, ``a = mix_weight`` (:class:`KLTerm`'s ``weight``).
+
+    Call it once per optimizer step, before the policy's micro-batches: under DDP it runs inside
+    ``no_sync`` and the next synchronised backward reduces its gradient too. Returns the
+    estimate (per completion and per policy token), the weights' diagnostics and its time.
+    """
+    t0 = time.perf_counter()
+    k = cfg.kl
+    coef = beta * (1.0 - mix_weight)
+    grad = coef > 0
+    sync = backbone.no_sync() if hasattr(backbone, "no_sync") else nullcontext()
+    with sync, torch.set_grad_enabled(grad):
+        logp = sequence_logp(
+            backbone,
+            head,
+            batch.rollout,
+            cfg.rollout.temperature,
+            share_prompt=cfg.rollout.share_prompt,
+        )
+        est = ref_kl.ref_is(
+            logp,
+            batch.logp_ref.to(logp.device),
+            clip=tuple(k.ref_is_clip) if k.ref_is_clip is not None else None,
+            dynamic_clip=k.ref_is_dynamic_clip,
+            self_normalised=k.ref_is_self_normalised,
+        )
+        loss = est * batch.units
+        if grad:
+            (coef * loss).backward()
+    diag = ref_kl.weight_diagnostics(logp.detach(), batch.logp_ref.to(logp.device))
+    return {
+        "kl/ref/ref_is": float(est.detach()) / batch.mean_len,
+        "kl/ref/ref_is_seq": float(est.detach()),
+        "loss/kl_ref": float(loss.detach()),
+        "ref/max_weight": diag["max_weight"],
+        "ref/ess": diag["ess"],
+        "time/ref_update": time.perf_counter() - t0,
+    }

@@ -1,0 +1,111 @@
+"""The step's metrics: token and completion sums over micro-batches and ranks, then ratios.
+
+Every metric is a ratio of sums (:class:`klpo.train.runtime.metrics.Tally`), so it is the whole
+batch's at any split over micro-batches and ranks; :func:`finish_metrics` takes the one sum over
+ranks and forms the pooled moments (``reward/std``, ``value/explained_var``). The keys are
+documented once, in :data:`klpo.train.runtime.metrics.METRICS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from klpo import advantages, kl, losses, mismatch, reduce
+from klpo.train.config import TrainConfig
+from klpo.train.rollout.samplers import Rollout
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally
+from klpo.train.step.kl_term import KLTerm, needs_exact_kl
+from klpo.train.step.types import SamplingPass, Scored
+
+__all__ = ["finish_metrics", "reward_metrics", "sampling_metrics", "step_metrics"]
+
+
+def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask: Tensor) -> Tally:
+    """The sampling policy's entropy and KL to the reference, token sums over the rollout."""
+    t = Tally()
+    means = {
+        "entropy": float(reduce.masked_mean(old.entropy, mask)),
+        "kl/ref/exact": float(reduce.masked_mean(old.kl, mask)),
+    }
+    est = cfg.kl.estimator
+    names = tuple(
+        n
+        for n in dict.fromkeys(("k1", "k3", est))
+        if not needs_exact_kl(n) and n not in kl.REF_SAMPLED  # those: kl_term.ref_term
+    )
+    means.update(losses.kl_metrics(old.logp, logp_ref, mask, estimators=names))
+    if needs_exact_kl(est):
+        means[f"kl/ref/{est}"] = means["kl/ref/exact"]
+    t.add_means(means, float(mask.sum()))
+    t.add("kl/ref/seq", float(torch.where(mask, old.kl, 0.0).double().sum()), mask.shape[0])
+    return t
+
+
+def reward_metrics(
+    scores: Tensor, per_fn: dict[str, list[float]], rollout: Rollout, group_size: int
+) -> Tally:
+    """Rewards, accuracy and completion lengths, as sums over the rollout's completions."""
+    t, n, x = Tally(), len(scores), scores.double()
+    t.add("reward/mean", float(x.sum()), n)
+    t.add("_reward/sq", float((x * x).sum()), n)  # for reward/std, see finish_metrics
+    t.add(
+        "reward/group_std",
+        float(advantages.group_std(x, group_size).sum()) if group_size > 1 else 0.0,
+        n / group_size,
+    )
+    t.add("accuracy/train", float((scores >= 1.0).sum()), n)
+    t.add("completion/length", float(rollout.mask.sum()), n)
+    t.add("completion/truncated", float(rollout.truncated.sum()), n)
+    for k, v in per_fn.items():
+        t.add(f"reward/{k}", sum(v), len(v))
+    return t
+
+
+def finish_metrics(tally: Tally, dist: Dist) -> dict[str, float]:
+    """The step's metrics from every rank's tally: one sum over ranks, then the pooled moments."""
+    res = tally.result(dist.all_sum)
+    out = {k: v for k, (v, _) in res.items() if not k.startswith("_")}
+    if "_reward/sq" in res:
+        (mean, n), (sq, _) = res["reward/mean"], res["_reward/sq"]
+        out["reward/std"] = math.sqrt(max(sq - mean * mean, 0.0) * n / (n - 1)) if n > 1 else 0.0
+    if "_value/r" in res:
+        r, r2, e, e2 = (res[f"_value/{k}"][0] for k in ("r", "r2", "e", "e2"))
+        var_r, var_e = r2 - r * r, e2 - e * e
+        out["value/explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
+    return out
+
+
+def step_metrics(
+    cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist, term: KLTerm | None = None
+) -> dict[str, float]:
+    """Every metric of a scored and updated rollout, reduced over the ranks, and of the step's
+    reference samples (``term``)."""
+    out = _scored_and_updated(cfg, s, upd, dist)
+    if term is not None and term.ref is not None:
+        out["ref/samples"] = dist.world * len(term.ref.logp_ref)
+        out["time/ref_sample"] = term.ref.seconds
+    return out
+
+
+def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> dict[str, float]:
+    tally = Tally()
+    tally.merge(s.metrics)
+    tally.merge(sampling_metrics(cfg, s.old, s.logp_ref, s.rollout.mask))
+    tally.merge(upd)
+    if s.rollout.engine_logp is None:
+        return finish_metrics(tally, dist)
+    # The engine's log-probs against the trainer's pi_old: means pool tokens, maxima over ranks.
+    mask = s.rollout.mask
+    gap = mismatch.mismatch_metrics(
+        s.old.logp, s.rollout.engine_logp, mask, cap=cfg.rollout.tis_cap
+    )
+    extremes = {k: gap.pop(k) for k in ("engine/k3_max", "engine/abs_max")}
+    tally.add_means(gap, float(mask.sum()))
+    out = finish_metrics(tally, dist)
+    for key, value in extremes.items():
+        out[key] = max(float(v) for v in dist.gather_objects(value))
+    return out

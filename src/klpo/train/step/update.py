@@ -1,0 +1,365 @@
+"""The update: ``epochs × minibatches`` optimizer steps on one scored rollout, in micro-steps.
+
+:func:`update` shuffles the rollout (whole groups when prompts are shared), cuts each minibatch
+into micro-batches (:mod:`klpo.train.step.microbatch`), divides every loss by the minibatch's
+global normaliser, accumulates the micro-steps' gradients and steps the optimizers. One
+:func:`micro_step` is four named steps:
+
+1. :func:`forward`: the policy's forward pass on the micro-batch, with its gradient taken in the
+   pass where ``algo.fused_loss`` allows it (:mod:`klpo.train.step.fused`); the first forward of
+   a row at the sampling parameters fills pi_old (:class:`~klpo.train.step.types.SamplingPass`);
+2. :func:`policy_loss`: the loss, ``red(pg) + beta red(kl) + entropy_coef red(-entropy)``, from
+   the policy loss (:data:`klpo.train.algorithms.POLICY_LOSSES`, with truncated importance
+   sampling against an engine's log-probs, :mod:`klpo.mismatch`), the step's KL term
+   (:class:`~klpo.train.step.kl_term.KLTerm`) and the entropy bonus; then its backward;
+3. :func:`critic_step`: the critic's value loss and its backward (algorithms with a critic);
+4. :func:`micro_metrics`: the micro-batch's token metrics (clip fraction, KL to pi_old, GSPO's).
+
+Under ``torchrun`` every loss is divided by the global token (or sequence) count, so the gradient
+equals that of one process holding the whole batch; DDP's mean over ranks is undone by a factor
+``world`` (micro-batches other than an optimizer step's last run under ``no_sync``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klpo import kl, logprobs, losses, mismatch, reduce
+from klpo.train.algorithms import POLICY_LOSSES
+from klpo.train.config import TrainConfig
+from klpo.train.models import fsdp
+from klpo.train.models.build import Models, unwrap
+from klpo.train.rollout.samplers import Rollout, completion_hidden
+from klpo.train.runtime.dist import Dist
+from klpo.train.runtime.metrics import Tally
+from klpo.train.step import microbatch
+from klpo.train.step.fused import on_policy_weights, takes_fused_loss
+from klpo.train.step.kl_term import KLTerm, kl_term, needs_exact_kl, ref_term
+from klpo.train.step.score import values
+from klpo.train.step.types import Optimizers, Scored
+
+__all__ = [
+    "MicroBatch",
+    "critic_step",
+    "forward",
+    "micro_metrics",
+    "micro_step",
+    "policy_loss",
+    "shuffle_rows",
+    "update",
+]
+
+Reduce = Callable[[Tensor], Tensor]
+"""A per-token ``[B, C]`` tensor reduced with the minibatch's global normaliser."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows ``rows`` of the scored rollout ``s``: their rollout ``r`` and ``red``, the reduction
+    of a per-token loss with the minibatch's global normaliser."""
+
+    s: Scored
+    rows: Tensor
+    r: Rollout
+    red: Reduce
+
+    @property
+    def adv(self) -> Tensor:
+        return self.s.adv[self.rows]
+
+    @property
+    def logp_old(self) -> Tensor:
+        """log pi_old of the rows (read after the forward that may fill it)."""
+        return self.s.old.logp[self.rows]
+
+
+def update(
+    cfg: TrainConfig,
+    m: Models,
+    s: Scored,
+    opt: Optimizers,
+    beta: float,
+    beta_old: float,
+    dist: Dist,
+    gen: torch.Generator,
+    term: KLTerm | None = None,
+) -> Tally:
+    """``epochs × minibatches`` optimizer steps on one scored rollout; returns their metrics.
+
+    Losses are summed over an optimizer step's micro-batches and ranks (each is already divided
+    by the minibatch's global normaliser) and averaged over the optimizer steps; token metrics
+    pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
+
+    ``term`` is the step's KL term (default: ``kl.estimator``'s, with no reference samples). With
+    the reference's completions (``ref_is``, ``adaptive_mix``) each optimizer step also carries
+    the KL term on them (:func:`klpo.train.step.kl_term.ref_term`); its metrics are those of the
+    first optimizer step, at the sampling policy's parameters, averaged over ranks.
+    """
+    term = term if term is not None else kl_term(cfg)
+    a = cfg.algo
+    mask = s.rollout.mask
+    max_len = cfg.rollout.max_new_tokens
+    clip = cfg.optim.grad_clip or math.inf
+    tally = Tally()
+    ref_seconds, ref_logged = 0.0, False
+    for _ in range(a.epochs):
+        order = shuffle_rows(cfg, s.rollout, gen)
+        for mb in order.chunk(a.minibatches):
+            # One normaliser for the whole minibatch, over its micro-batches and all ranks.
+            n_global = dist.all_sum(reduce.normaliser(mask[mb], a.loss_reduction, max_len=max_len))
+            opt.policy.zero_grad(set_to_none=True)
+            if opt.critic is not None:
+                opt.critic.zero_grad(set_to_none=True)
+            step_losses: dict[str, float] = {}
+            if term.ref is not None:
+                head = unwrap(m.backbone).head()
+                part = ref_term(cfg, m.backbone, head, term.ref, beta=beta, mix_weight=term.weight)
+                ref_seconds += part.pop("time/ref_update")
+                if not ref_logged:
+                    tally.add_means(part, 1.0)
+                    ref_logged = True
+            width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
+            micro = microbatch.split(
+                mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
+            )
+            for i, rows in enumerate(micro):
+                part = micro_step(
+                    cfg, m, s, rows, beta, beta_old, n_global, dist,
+                    sync=i == len(micro) - 1, tally=tally, term=term,
+                )  # fmt: skip
+                for k, v in part.items():
+                    step_losses[k] = step_losses.get(k, 0.0) + v
+            # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
+            for k, v in step_losses.items():
+                tally.add(k, v, 1.0 / dist.world)
+            _optimizer_step(m, opt, clip, tally)
+    if term.ref is not None:
+        tally.add("time/ref_update", ref_seconds, 1.0)
+    return tally
+
+
+def _optimizer_step(m: Models, opt: Optimizers, clip: float, tally: Tally) -> None:
+    """Clip the accumulated gradients, log the policy's norm, step the optimizers."""
+    policy_params = [p for p in m.policy.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(policy_params, clip)
+    tally.add("grad_norm", fsdp.to_float(norm), 1.0)  # a DTensor under FSDP
+    opt.policy.step()
+    if opt.critic is not None:
+        torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
+        opt.critic.step()
+
+
+def shuffle_rows(cfg: TrainConfig, rollout: Rollout, gen: torch.Generator) -> Tensor:
+    """The update's row order: whole groups shuffled when prompts are shared, else rows.
+
+    With ``rollout.share_prompt`` the minibatches (and micro-batches of a multiple of the group
+    size) hold whole groups in order, so each prompt is computed once per group in the update's
+    forward pass too (:func:`klpo.train.rollout.samplers.shared_groups`).
+    """
+    g = rollout.group_size
+    b = rollout.mask.shape[0]
+    if not cfg.rollout.share_prompt or g <= 1 or b % g:
+        return torch.randperm(b, generator=gen)
+    groups = torch.randperm(b // g, generator=gen)
+    return (groups[:, None] * g + torch.arange(g)).flatten()
+
+
+def _no_sync(module: torch.nn.Module | None, sync: bool):
+    if module is None or sync or not hasattr(module, "no_sync"):
+        return nullcontext()
+    return module.no_sync()
+
+
+def micro_step(
+    cfg: TrainConfig,
+    m: Models,
+    s: Scored,
+    rows: Tensor,
+    beta: float,
+    beta_old: float,
+    n_global: Tensor,
+    dist: Dist,
+    *,
+    sync: bool,
+    tally: Tally,
+    term: KLTerm | None = None,
+) -> dict[str, float]:
+    """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
+
+    Its losses are its share of the optimizer step's (``n_global`` is the step's normaliser);
+    its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
+    forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the optimizer step's last
+    micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term (default:
+    ``kl.estimator``'s).
+    """
+    term = term if term is not None else kl_term(cfg)
+    r = s.rollout.select(rows)
+    mask = r.mask
+    max_len = cfg.rollout.max_new_tokens
+
+    def red(x: Tensor) -> Tensor:
+        return reduce.reduce(x, mask, cfg.algo.loss_reduction, normaliser=n_global, max_len=max_len)
+
+    # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
+    kl_weight = term.weight if kl.in_loss(cfg.kl.placement) and beta * term.weight > 0 else 0.0
+    mb = MicroBatch(s, rows, r, red)
+    with _no_sync(m.backbone, sync):
+        out, fused = forward(cfg, m, mb, term.estimator, beta * kl_weight, beta_old, dist)
+        total, metrics = policy_loss(cfg, mb, out, term.estimator, kl_weight, beta, beta_old)
+        # DDP averages gradients over ranks; the normaliser is already global, so undo the mean
+        # (on_policy_weights carries the factor already).
+        if fused is not None:
+            fused.backward()  # total's gradient; total itself is the value, for the logs
+        else:
+            (total * dist.world).backward()
+    if m.critic is not None:
+        loss_v = critic_step(cfg, m, mb, dist, sync=sync, tally=tally)
+        metrics["loss/value"] = loss_v.item()
+        total = total.detach() + cfg.algo.vf_coef * loss_v.detach()
+    metrics["loss/total"] = total.item()
+    micro_metrics(cfg, out.logp, mb.logp_old, mb.adv, mask, tally)
+    return metrics
+
+
+def forward(
+    cfg: TrainConfig,
+    m: Models,
+    mb: MicroBatch,
+    kl_estimator: str,
+    kl_coef: float,
+    beta_old: float,
+    dist: Dist,
+) -> tuple[logprobs.FusedOutput, Tensor | None]:
+    """The policy's log-probs, entropy and exact KL on the micro-batch, and the loss whose
+    gradient the pass took (:func:`klpo.logprobs.fused_loss`, where
+    ``algo.fused_loss`` allows it) or None (the per-token path: the caller's backward).
+
+    ``kl_coef`` is the loss's weight on the per-token KL term ``kl_estimator`` (0: none). The
+    first forward of a row at the sampling parameters records it as pi_old.
+    """
+    s, rows, r, mask = mb.s, mb.rows, mb.r, mb.r.mask
+    recording = not bool(s.old.filled[rows].all())
+    exact = needs_exact_kl(kl_estimator)
+    need_ref = (kl_coef > 0 and exact) or recording
+    weight, bias = unwrap(m.backbone).head()
+    weight_ref, bias_ref = m.reference.head()
+    # On-policy, with a KL term that is exact or absent and no engine weights, the loss's weight
+    # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
+    # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path.
+    applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
+    weights = None
+    if takes_fused_loss(cfg, weight.shape[0], applies=applies):
+        weights = on_policy_weights(cfg, mb.adv, mask, mb.red, kl_coef, beta_old, dist.world)
+    head_args = dict(
+        bias=bias,
+        temperature=cfg.rollout.temperature,
+        hidden_ref=s.hidden_ref[rows] if need_ref else None,
+        weight_ref=weight_ref if need_ref else None,
+        bias_ref=bias_ref if need_ref else None,
+    )
+    hidden = completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt)
+    fused = None
+    if weights is not None:
+        fl = logprobs.fused_loss(
+            hidden, weight, r.completion_ids, **head_args, with_entropy=True,
+            logp_weight=weights[0], entropy_weight=weights[1], kl_weight=weights[2],
+        )  # fmt: skip
+        out, fused = logprobs.FusedOutput(fl.logp, fl.entropy, fl.kl), fl.loss
+    else:
+        out = logprobs.fused(hidden, weight, r.completion_ids, **head_args)
+    if recording:
+        s.old.record(rows, out)
+    return out, fused
+
+
+def policy_loss(
+    cfg: TrainConfig,
+    mb: MicroBatch,
+    out: logprobs.FusedOutput,
+    kl_estimator: str,
+    kl_weight: float,
+    beta: float,
+    beta_old: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's loss ``red(pg) + beta kl_weight red(kl) + entropy_coef red(-entropy)``
+    (its share of the optimizer step's) and its parts' values.
+
+    ``kl_weight`` is the weight of the per-token KL term ``kl_estimator`` in the KL term (0: no
+    KL in the loss); a non-exact estimator carries the off-policy weight of
+    :func:`klpo.losses.kl_loss` unless ``kl.off_policy_correction`` is false.
+    """
+    a, r, red = cfg.algo, mb.r, mb.red
+    adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
+    pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, beta_old)
+    if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
+        # Tokens sampled by an inference engine: truncated importance sampling against the
+        # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.
+        pg = mismatch.tis_policy_loss(pg, logp_old, r.engine_logp, cap=cfg.rollout.tis_cap)
+    loss_pg = red(pg)
+    total = loss_pg
+    metrics = {"loss/policy": loss_pg.item()}
+    if kl_weight:
+        kl_tok = (
+            out.kl
+            if needs_exact_kl(kl_estimator)
+            else losses.kl_loss(
+                kl_estimator,
+                logp,
+                mb.s.logp_ref[mb.rows],
+                logp_old=logp_old if cfg.kl.off_policy_correction else None,
+            )
+        )
+        loss_kl = kl_weight * red(kl_tok)
+        total = total + beta * loss_kl
+        metrics["loss/kl"] = loss_kl.item()
+    if a.entropy_coef:
+        loss_ent = red(losses.entropy_bonus(out.entropy))
+        total = total + a.entropy_coef * loss_ent
+        metrics["loss/entropy"] = loss_ent.item()
+    return total, metrics
+
+
+def critic_step(
+    cfg: TrainConfig, m: Models, mb: MicroBatch, dist: Dist, *, sync: bool, tally: Tally
+) -> Tensor:
+    """The critic's clipped value loss on the micro-batch and its backward (weighted by
+    ``vf_coef``, times ``world`` as the policy's); its value metrics go into ``tally``."""
+    a, mask = cfg.algo, mb.r.mask
+    n_tok = float(mask.sum())
+    with _no_sync(m.critic, sync):
+        v = values(m.critic, mb.r)
+        values_old, returns = mb.s.values_old[mb.rows], mb.s.returns[mb.rows]
+        loss_v = mb.red(losses.value_loss(v, values_old, returns, clip=a.value_clip))
+        (a.vf_coef * loss_v * dist.world).backward()
+    vm = losses.value_metrics(v, values_old, returns, mask, clip=a.value_clip)
+    tally.add_means({key: vm[key] for key in ("value/clip_frac", "value/mean", "value/mse")}, n_tok)
+    # value/explained_var pools every token of the update: first and second moments.
+    ret = returns.detach().double()
+    err = ret - v.detach().double()
+    for key, x in (("r", ret), ("r2", ret * ret), ("e", err), ("e2", err * err)):
+        tally.add(f"_value/{key}", float(reduce.masked_sum(x, mask)), n_tok)
+    return loss_v
+
+
+def micro_metrics(
+    cfg: TrainConfig, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, tally: Tally
+) -> None:
+    """The micro-batch's policy metrics into ``tally``: token means (clip fraction, KL to
+    pi_old), and a sequence-level loss's sequence means over the sequences with a token."""
+    a = cfg.algo
+    n_tok = float(mask.sum())
+    pm = losses.policy_metrics(
+        logp, logp_old, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
+    )
+    tally.add_means({key: pm[key] for key in ("clip_frac", "kl/old/k1", "kl/old/k3")}, n_tok)
+    if POLICY_LOSSES[a.policy_loss].per_sequence:
+        gm = losses.gspo_metrics(
+            logp, logp_old, adv, mask, clip_low=a.gspo_clip_low, clip_high=a.gspo_clip_high
+        )
+        tally.add_means(gm, float(mask.any(-1).sum()))

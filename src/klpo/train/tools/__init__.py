@@ -1,0 +1,1 @@
+"""The commands beside training: make-reference, make-reward-model, export, docs."""

@@ -1,0 +1,73 @@
+"""``klpo export RUN_DIR --out DIR [--merge]``: a run's latest policy as a plain model directory.
+
+What the checkpoint holds decides what is read (:mod:`klpo.train.runtime.checkpoint`):
+
+* a whole model (full fine-tuning, one process or DDP): copied through ``save_pretrained``;
+* LoRA adapters (:mod:`klpo.train.models.lora`): with ``merge`` the adapters are folded into the base
+  weights, ``W + (alpha / r) · B A``, and the result is a plain transformers model; without it the
+  adapter directory is written (load it with ``peft`` over the base model). A run whose
+  ``kl.reference_reset`` merged adapters into the base saved that base (``reference.safetensors``)
+  and is exported over it; its adapters alone would not fit ``model.policy``, so such a run
+  exports with ``merge`` only;
+* FSDP shards (:mod:`klpo.train.models.fsdp`): read in one process by ``torch.distributed.checkpoint``
+  into the base model's architecture.
+
+The tokenizer is copied beside the weights, so ``AutoModelForCausalLM.from_pretrained(DIR)`` and
+``AutoTokenizer.from_pretrained(DIR)`` need nothing from klpo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from klpo.train.config import ConfigError, load_config
+from klpo.train.models import fsdp
+from klpo.train.models.load import load_causal_lm, load_tokenizer, resolve_model_path
+from klpo.train.models.lora import is_adapter_dir, load_base_weights
+from klpo.train.runtime import checkpoint as ckpt_io
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False) -> Path:
+    """Write the run's latest policy to ``out``; returns ``out``.
+
+    Raises:
+        ConfigError: no run, or no checkpoint, in ``run_dir``; ``out`` is not empty; a LoRA
+            run whose adapters were merged by ``kl.reference_reset``, without ``merge``.
+    """
+
+    run_dir, out = Path(run_dir), Path(out)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} holds no run (no config.yaml); give a klpo train run_dir")
+    ckpt = ckpt_io.latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"{run_dir} has no checkpoint yet; export needs one (run.save_every)")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; choose a new directory")
+    cfg = load_config(saved)
+    base = resolve_model_path(cfg.model.policy)
+    policy_dir = ckpt / "policy"
+    if is_adapter_dir(policy_dir):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_causal_lm(base), str(policy_dir))
+        if (ckpt / ckpt_io.REFERENCE).is_file():  # kl.reference_reset: the merged base
+            merges = ckpt_io.load_state(ckpt).get("reference_updates", 0)
+            if merges and not merge:
+                raise ConfigError(
+                    f"{run_dir}: kl.reference_reset merged the adapters into the base weights "
+                    f"{merges} time(s), so the latest adapters sit on a base that differs from "
+                    f"model.policy ({cfg.model.policy}); export with --merge"
+                )
+            load_base_weights(model, ckpt_io.reference_tensors(ckpt), str(ckpt / ckpt_io.REFERENCE))
+        if merge:
+            model = model.merge_and_unload()
+    elif fsdp.is_sharded_checkpoint(ckpt):
+        model = load_causal_lm(base)
+        fsdp.load_unsharded(model, policy_dir)
+    else:
+        model = load_causal_lm(str(policy_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(base).save_pretrained(out)
+    return out
