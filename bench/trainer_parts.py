@@ -16,13 +16,18 @@ again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-p
 ``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
 (``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
 the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
-two warm-ups, milliseconds::
+``--warmups`` (2), the parts interleaved within each round, milliseconds of wall time, or with
+``--cpu-time`` of this process's CPU time (with ``--threads 1`` what a busy machine's other
+processes do not change; each call is then also logged on stderr as it ends)::
 
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
         --workload c --reps 3 --set kl.estimator=full
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
         --workload c --vocab 32768 --reps 5 --only micro --set kl.estimator=full
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false nice -n 19 python bench/trainer_parts.py \
+        --workload c --threads 1 --cpu-time --warmups 1 --reps 2 --only micro_step \
+        --set kl.estimator=full    # the forward-pass gradient on vs off, on a busy machine
 """
 
 from __future__ import annotations
@@ -51,10 +56,19 @@ def main() -> None:
     parser.add_argument("--only", default="", help="time only the parts whose name holds this")
     parser.add_argument("--set", action="append", default=[], help="a klpo override, k=v")
     parser.add_argument("--threads", type=int, default=bench.Settings.threads, help="torch threads")
+    parser.add_argument("--prompts", type=int, help="the batch's prompts (the workload's: 16, 4)")
+    parser.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time in this process's CPU seconds, not wall seconds (with one thread: insensitive "
+        "to other processes on a busy machine); each call's time is also logged on stderr",
+    )
     args = parser.parse_args()
     if args.vocab is not None and args.workload == "a":
         parser.error("--vocab applies to the built models of workloads b and c, not a")
-    s = bench.Settings.for_workload(args.workload, threads=args.threads)
+    more = {"prompts_per_step": args.prompts} if args.prompts else {}
+    s = bench.Settings.for_workload(args.workload, threads=args.threads, **more)
     torch.set_num_threads(s.threads)
     tmp = tempfile.mkdtemp()  # the model and prompts of workload b; removed at the end
     try:
@@ -160,16 +174,19 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     }
     cases = {k: fn for k, fn in cases.items() if args.only in k}
     print(f"vocabulary {weight.shape[0]}, {sum(p.numel() for p in model.parameters())} parameters")
-    for fn in cases.values():
-        fn()
-        fn()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     ms = {k: [] for k in cases}
-    for _ in range(args.reps):
+    for i in range(args.warmups + args.reps):
         for k, fn in cases.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            ms[k].append(1e3 * (time.perf_counter() - t0))
+            t = 1e3 * (clock() - t0)
+            print(f"round {i + 1} ({'warm-up' if i < args.warmups else 'timed'}) {k}: {t:.1f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if i >= args.warmups:
+                ms[k].append(t)
     print(bench.cpu_info())
+    print(f"{'CPU' if args.cpu_time else 'wall'} milliseconds, {args.reps} timed rounds")
     print(parts_table(ms))
 
 

@@ -663,6 +663,8 @@ def _cli(s: Settings) -> list[str]:
         str(s.threads),
         "--workload",
         s.workload,
+        "--prompts",
+        str(s.prompts_per_step),
         "--model-dir",
         s.model_dir,
         "--data-path",
@@ -910,6 +912,9 @@ def main() -> None:
         default="both",
         help="a, b, c, a comma-separated list of them, both (a,b; the default) or all",
     )
+    parser.add_argument(
+        "--prompts", type=int, help="prompts a step (16 on (a), 4 on (b), (c)): a smaller job"
+    )
     parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
     parser.add_argument("--worker", choices=["trl", "loss", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
@@ -921,6 +926,7 @@ def main() -> None:
             args.workload,
             steps=args.steps or 1,
             seed=args.seed,
+            **({"prompts_per_step": args.prompts} if args.prompts else {}),
             threads=args.threads,
             model_dir=args.model_dir,
             data_path=args.data_path,
@@ -938,6 +944,8 @@ def main() -> None:
         work = Path(tmp)
         for w in workloads:
             s = Settings.for_workload(w, seed=args.seed, threads=args.threads)
+            if args.prompts:
+                s = Settings(**{**s.__dict__, "prompts_per_step": args.prompts})
             s = Settings(**{**s.__dict__, "steps": args.steps or (30 if w == "a" else 4)})
             if w != "a":
                 s = with_built_model(s, work)

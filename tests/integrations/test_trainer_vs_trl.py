@@ -255,6 +255,26 @@ def test_trainer_parts_table_by_hand(bench):
     assert "logical CPUs; flags:" in bench.cpu_info()
 
 
+@pytest.mark.slow
+def test_trainer_parts_cpu_time_logs_each_call():
+    """``--cpu-time`` on workload (a), micro-steps only: every call of every round is logged as it
+    ends (warm-ups marked), the table counts the timed rounds, the on / off line is there."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCH.parent / "trainer_parts.py"), "--threads", "1", "--cpu-time",
+           "--warmups", "1", "--reps", "2", "--only", "micro_step"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    calls = [ln for ln in proc.stderr.splitlines() if ln.startswith("round ")]
+    assert len(calls) == 6, calls  # 3 rounds × 2 parts
+    assert sum("(warm-up)" in ln for ln in calls) == 2 and calls[-1].endswith(" ms")
+    assert "CPU milliseconds, 2 timed rounds" in proc.stdout
+    assert "| klpo: micro_step, per-token path |" in proc.stdout
+    assert "forward-pass gradient: micro-step" in proc.stdout
+
+
 def test_floor_head_in_chunks_is_the_one_pass_gradient(bench, monkeypatch):
     """The floor's head in chunks of rows gives the one-pass masked log-prob sum's gradients,
     into the head and through the hidden states into the body. Both take the log-softmax of

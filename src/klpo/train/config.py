@@ -247,6 +247,12 @@ class AlgoConfig(_Section):
     def _known_reduction(cls, v: str) -> str:
         return one_of("reduction", v, reduce.MODES)
 
+    @field_validator("fused_loss", mode="before")
+    @classmethod
+    def _switch_words(cls, v: object) -> object:
+        """YAML reads an unquoted ``on`` / ``off`` as true / false: take them as the words."""
+        return ("on" if v else "off") if isinstance(v, bool) else v
+
 
 class ReferenceReset(_Section):
     every: int = Field(0, ge=0, description="Update the reference every N steps (0: not by count).")
