@@ -592,7 +592,7 @@ def test_fused_loss_takes_on_and_off_as_written():
     for word in ("on", "off", "auto", "'on'"):
         cfg = build_config(overrides=[f"algo.fused_loss={word}"])
         assert cfg.algo.fused_loss == word.strip("'")
-    with pytest.raises(ConfigError, match="algo.fused_loss"):
+    with pytest.raises(ConfigError, match=r"algo\.fused_loss"):
         build_config(overrides=["algo.fused_loss=yes please"])
 
 
