@@ -110,6 +110,7 @@ from pathlib import Path
 FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
 
 
+KLPO_PYTHON = [sys.executable]  # klpo's runs' interpreter (--klpo-python)
 WORKLOADS = ("a", "b", "c")
 ALIASES = {"both": ("a", "b"), "all": WORKLOADS}  # --workload both: (a) and (b), as before (c)
 
@@ -385,7 +386,7 @@ def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
 
     out = work / "klpo"
     cmd = [
-        sys.executable,
+        KLPO_PYTHON[0],
         "-m",
         "klpo",
         "train",
@@ -916,6 +917,12 @@ def main() -> None:
         "--prompts", type=int, help="prompts a step (16 on (a), 4 on (b), (c)): a smaller job"
     )
     parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
+    parser.add_argument(
+        "--klpo-python",
+        default=sys.executable,
+        help="the interpreter of klpo's runs (default this one; the peers' environment may lack "
+        "klpo's own dependencies)",
+    )
     parser.add_argument("--worker", choices=["trl", "loss", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-path", default="", help=argparse.SUPPRESS)
@@ -935,6 +942,7 @@ def main() -> None:
         return
 
     workloads = parse_workloads(args.workload)
+    KLPO_PYTHON[0] = args.klpo_python
     has_trl = importlib.util.find_spec("trl") is not None
     start = time.perf_counter()
     print(f"CPU: {cpu_info()}\n")

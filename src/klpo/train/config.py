@@ -202,8 +202,8 @@ class AlgoConfig(_Section):
         "auto",
         description="Take the update's gradient in the forward pass (klpo.logprobs.fused_loss) "
         "where the loss's weights on each token are known before it: on-policy, with the exact "
-        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries, "
-        "where it pays (docs/performance.md); on: wherever it applies; off: never (the "
+        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries "
+        "(docs/performance.md); on: wherever it applies; off: never (the "
         "per-token path). The same gradients and metrics either way.",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
