@@ -322,7 +322,8 @@ def _own_cpu_s() -> float:
 
 def run_worker(cmd: list[str], threads: int, what: str) -> dict:
     """Run the Python command ``cmd`` (``[python, -m module | script, args...]``): its wall time,
-    its peak RSS (:func:`run_recording_peak`) and the CPU seconds other processes used meanwhile."""
+    its own CPU seconds (which a busy machine's other processes change least), its peak RSS
+    (:func:`run_recording_peak`) and the CPU seconds other processes used meanwhile."""
     busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         peak = Path(tmp) / "peak"
@@ -335,7 +336,12 @@ def run_worker(cmd: list[str], threads: int, what: str) -> dict:
             raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         peak_mib = float(peak.read_text())
     others = None if busy0 is None else max(0.0, (busy1 - busy0) - (own1 - own0))
-    return {"process_s": wall, "others_cpu_s": others, "peak_rss_mib": peak_mib}
+    return {
+        "process_s": wall,
+        "cpu_s": own1 - own0,
+        "others_cpu_s": others,
+        "peak_rss_mib": peak_mib,
+    }
 
 
 def _vm_hwm_mib() -> float:

@@ -185,6 +185,9 @@ def test_run_worker_reports_the_childs_own_peak_rss(bench):
     assert 200 <= got["peak_rss_mib"] < 260
     small = bench.run_worker([sys.executable, "-c", "pass"], 1, "the child")
     assert small["peak_rss_mib"] < 60  # its own, not the last child's nor this process's
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    busy = bench.run_worker([sys.executable, "-c", spin], 1, "the child")
+    assert 0.5 <= busy["cpu_s"] < 0.5 + busy["process_s"] and small["cpu_s"] < 0.5  # its own CPU
     with pytest.raises(RuntimeError, match="the child failed"):
         bench.run_worker([sys.executable, "-c", "raise SystemExit(3)"], 1, "the child")
 
