@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# GRPO on a locally built ~0.5B-shape model on CUDA: bf16 + LoRA on one GPU, then bf16 full
-# fine-tuning with FSDP on all GPUs; prints tokens/s and peak GPU memory per run. No downloads.
-# Under 10 minutes on one H100-class GPU.
+# The GPU check, one command (bench/gpu_check.py says what it runs): klpo's CUDA tests, GRPO on a
+# 0.5B-shape model with the real vocabulary (bf16 + LoRA, FSDP on all GPUs, the forward-pass
+# gradient on and off) side by side with TRL's GRPOTrainer on the same job and GPU, and the
+# log-prob kernels against naive PyTorch and Liger-Kernel's Triton kernels; one table of ratios.
+# Within 8 minutes on one GPU; nothing is downloaded. The peers (TRL, Liger-Kernel, and what they
+# and klpo need beyond the machine's own packages) are installed from bench/wheels/, prepared
+# beforehand by bench/gpu_wheels.sh, into a temporary folder: no network needed.
 #
-#     bash bench/gpu_check.sh            # from the repository root, in the project's environment
+#     bash bench/gpu_check.sh [--dry-run] [--logs DIR] [--json FILE]
+#
+# --dry-run: the same stages on the CPU at tiny shapes (the test suite runs it).
 set -euo pipefail
-PY=${PYTHON:-python}
-export PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device: this check needs a GPU")'
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-"$PY" bench/gpu_check.py build "$WORK/model"
-
-lora=$("$PY" bench/gpu_check.py run "$WORK/model" "$WORK/lora" \
-  --set model.dtype=bfloat16 --set 'model.lora={r: 16, alpha: 32}' | tail -1)
-fsdp=$("$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-  bench/gpu_check.py run "$WORK/model" "$WORK/fsdp" \
-  --set model.dtype=bfloat16 --set dist.strategy=fsdp --set model.gradient_checkpointing=true \
-  | tail -1)
-
-"$PY" - "$lora" "$fsdp" "$NGPU" <<'PYEOF'
-import json, sys
-lora, fsdp, n = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-print("| run | GPUs | tokens/s (median) | peak GPU memory, rank 0 (GiB) |")
-print("| --- | ---: | ---: | ---: |")
-print(f"| bf16 + LoRA r=16, adapter-free reference | 1 | {lora['tokens_per_s']:.0f} | {lora['peak_gib_rank0']:.2f} |")
-print(f"| bf16 full fine-tune, FSDP + checkpointing | {n} | {fsdp['tokens_per_s']:.0f} | {fsdp['peak_gib_rank0']:.2f} |")
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+if compgen -G "bench/wheels/*.whl" > /dev/null; then
+  "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check \
+    --target "$SITE" bench/wheels/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(pwd)/src:$(pwd)/bench${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" - <<'PYEOF' >&2
+import importlib, importlib.metadata as md, sys
+found = []
+for name, dist in (("torch", "torch"), ("transformers", "transformers"), ("peft", "peft"),
+                   ("datasets", "datasets"), ("trl", "trl"), ("liger_kernel", "liger-kernel"),
+                   ("pydantic", "pydantic"), ("klpo", None)):
+    try:
+        importlib.import_module(name)  # reported, not fatal: the stages that need it say so
+        found.append(f"{name} {md.version(dist) if dist else 'from src/'}")
+    except Exception as err:
+        found.append(f"{name} absent ({type(err).__name__}: {err})")
+print(f"python {sys.version.split()[0]}; " + "; ".join(found))
 PYEOF
+"$PY" bench/gpu_check.py "$@"

@@ -6,17 +6,28 @@ step's batch exactly as that benchmark's workload (a) does, then times, interlea
 batch: the floor's three parts (the bare cached argmax decode, the reference's no-grad forward
 with the log-softmax at the completion tokens, the policy's forward + backward of the same) and
 klpo's (``generate`` with the lean sampler, ``klpo.train.step.score.score``, the update's
-``micro_step`` alone, again with the per-token path forced (``algo.fused_loss=off``: the
-log-probs' gradient taken in the backward pass, not the forward), and the whole
-``update`` with the optimizer step and the gradient clip). ``--workload b`` builds that
-benchmark's 23.5M-parameter model; ``--set`` adds klpo overrides (``kl.estimator=full``: the
-default exact KL in the loss, where the update's on-policy pass takes the forward-pass gradient;
-the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after two warm-ups,
-milliseconds::
+``micro_step`` alone with the forward-pass gradient on (``algo.fused_loss=on``) and again with the
+per-token path forced (``algo.fused_loss=off``: the log-probs' gradient taken in the backward
+pass, not the forward), and the whole ``update`` with the optimizer step and the gradient clip,
+as configured (``auto``: on from ``klpo.train.step.fused.FUSED_LOSS_MIN_VOCAB`` entries) and
+again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-parameter model,
+``--workload c`` its 104M one with a real vocabulary (151,936 entries); ``--vocab N`` gives (b) or
+(c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
+``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
+(``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
+the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
+``--warmups`` (2), the parts interleaved within each round, milliseconds of wall time, or with
+``--cpu-time`` of this process's CPU time (with ``--threads 1`` what a busy machine's other
+processes do not change; each call is then also logged on stderr as it ends)::
 
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
-        --workload b --reps 3 --set kl.estimator=full
+        --workload c --reps 3 --set kl.estimator=full
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
+        --workload c --vocab 32768 --reps 5 --only micro --set kl.estimator=full
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false nice -n 19 python bench/trainer_parts.py \
+        --workload c --threads 1 --cpu-time --warmups 1 --reps 2 --only micro_step \
+        --set kl.estimator=full    # the forward-pass gradient on vs off, on a busy machine
 """
 
 from __future__ import annotations
@@ -40,10 +51,24 @@ import trainer_vs_trl as bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (default 20)")
-    parser.add_argument("--workload", choices=bench.WORKLOADS, default="a", help="a or b")
+    parser.add_argument("--workload", choices=bench.WORKLOADS, default="a", help="a, b or c")
+    parser.add_argument("--vocab", type=int, help="(b), (c): this vocabulary size instead")
+    parser.add_argument("--only", default="", help="time only the parts whose name holds this")
     parser.add_argument("--set", action="append", default=[], help="a klpo override, k=v")
+    parser.add_argument("--threads", type=int, default=bench.Settings.threads, help="torch threads")
+    parser.add_argument("--prompts", type=int, help="the batch's prompts (the workload's: 16, 4)")
+    parser.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time in this process's CPU seconds, not wall seconds (with one thread: insensitive "
+        "to other processes on a busy machine); each call's time is also logged on stderr",
+    )
     args = parser.parse_args()
-    s = bench.Settings.for_workload(args.workload)
+    if args.vocab is not None and args.workload == "a":
+        parser.error("--vocab applies to the built models of workloads b and c, not a")
+    more = {"prompts_per_step": args.prompts} if args.prompts else {}
+    s = bench.Settings.for_workload(args.workload, threads=args.threads, **more)
     torch.set_num_threads(s.threads)
     tmp = tempfile.mkdtemp()  # the model and prompts of workload b; removed at the end
     try:
@@ -66,11 +91,14 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.step.types import SamplingPass
     from klpo.train.step.update import micro_step, update
 
-    if args.workload == "b":
+    if args.workload != "a":
         import compute_workload
 
-        model_dir = compute_workload.build_model(Path(tmp) / "model-b")
-        data = compute_workload.write_prompts(Path(tmp) / "prompts-b.jsonl", 4 * 64, s.seed)
+        w, v = args.workload, args.vocab
+        model_dir = compute_workload.build_model(Path(tmp) / f"model-{w}", w, v)
+        data = compute_workload.write_prompts(
+            Path(tmp) / f"prompts-{w}.jsonl", 4 * 64, s.seed, w, v
+        )
         s = bench.Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
     cfg = load_config(None, [*bench.klpo_overrides(s, tmp), *args.set])
     torch.manual_seed(s.seed)
@@ -93,17 +121,14 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     def floor_generate():
         bench.floor_decode(model, ro, g)
 
-    def logp(net, head):
-        h = completion_hidden(net, ro)
-        return (h @ head.T).float().log_softmax(-1).gather(-1, ro.completion_ids[..., None])
-
     def floor_reference():
         with torch.no_grad():
-            logp(m.reference, m.reference.head()[0])
+            hidden = completion_hidden(m.reference, ro)
+            bench.floor_head(hidden, m.reference.head()[0], ro, backward=False)
 
     def floor_policy():
         model.zero_grad(set_to_none=True)
-        (logp(backbone, weight).squeeze(-1) * ro.mask).sum().backward()
+        bench.floor_head(completion_hidden(backbone, ro), weight, ro, backward=True)
 
     def klpo_generate():
         model.eval()
@@ -123,12 +148,15 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         model.zero_grad(set_to_none=True)
         micro_step(cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=Tally())
 
-    def klpo_micro_step_per_token():
-        mode, cfg.algo.fused_loss = cfg.algo.fused_loss, "off"
-        try:
-            klpo_micro_step()
-        finally:
-            cfg.algo.fused_loss = mode
+    def with_mode(fn, mode: str):  # the same part with algo.fused_loss set to ``mode``
+        def run():
+            before, cfg.algo.fused_loss = cfg.algo.fused_loss, mode
+            try:
+                fn()
+            finally:
+                cfg.algo.fused_loss = before
+
+        return run
 
     def klpo_update():
         update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
@@ -139,29 +167,57 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         "floor: reference": floor_reference,
         "klpo: score": klpo_score,
         "floor: policy": floor_policy,
-        "klpo: micro_step": klpo_micro_step,
-        "klpo: micro_step, per-token path": klpo_micro_step_per_token,
+        "klpo: micro_step": with_mode(klpo_micro_step, "on"),
+        "klpo: micro_step, per-token path": with_mode(klpo_micro_step, "off"),
         "klpo: update": klpo_update,
+        "klpo: update, per-token path": with_mode(klpo_update, "off"),
     }
-    for fn in cases.values():
-        fn()
-        fn()
+    cases = {k: fn for k, fn in cases.items() if args.only in k}
+    print(f"vocabulary {weight.shape[0]}, {sum(p.numel() for p in model.parameters())} parameters")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     ms = {k: [] for k in cases}
-    for _ in range(args.reps):
+    for i in range(args.warmups + args.reps):
         for k, fn in cases.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            ms[k].append(1e3 * (time.perf_counter() - t0))
-    med = {k: statistics.median(v) for k, v in ms.items()}
+            t = 1e3 * (clock() - t0)
+            print(f"round {i + 1} ({'warm-up' if i < args.warmups else 'timed'}) {k}: {t:.1f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if i >= args.warmups:
+                ms[k].append(t)
     print(bench.cpu_info())
-    print("| part | ms, median (min–max) |\n| --- | ---: |")
+    print(f"{'CPU' if args.cpu_time else 'wall'} milliseconds, {args.reps} timed rounds")
+    print(parts_table(ms))
+
+
+def parts_table(ms: dict[str, list[float]]) -> str:
+    """The medians (min–max), each klpo part over its floor part, and the whole step's ratio."""
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    floor_of = {
+        "klpo: generate": "floor: generate",
+        "klpo: score": "floor: reference",
+        "klpo: micro_step": "floor: policy",
+        "klpo: micro_step, per-token path": "floor: policy",
+        "klpo: update": "floor: policy",
+        "klpo: update, per-token path": "floor: policy",
+    }
+    rows = ["| part | ms, median (min–max) | / floor part |", "| --- | ---: | ---: |"]
     for k, v in ms.items():
-        print(f"| {k} | {med[k]:.1f} ({min(v):.1f}–{max(v):.1f}) |")
-    floor = med["floor: generate"] + med["floor: reference"] + med["floor: policy"]
-    step = med["klpo: generate"] + med["klpo: score"] + med["klpo: update"]
-    print(
-        f"\nklpo generate + score + update {step:.1f} ms, floor {floor:.1f} ms: {step / floor:.2f}x"
-    )
+        f = floor_of.get(k)
+        ratio = f"{med[k] / med[f]:.2f}" if f in med else ""
+        rows.append(f"| {k} | {med[k]:.1f} ({min(v):.1f}–{max(v):.1f}) | {ratio} |")
+    out = "\n".join(rows)
+    floor_parts = ("floor: generate", "floor: reference", "floor: policy")
+    step_parts = ("klpo: generate", "klpo: score", "klpo: update")
+    if all(k in med for k in (*floor_parts, *step_parts)):
+        floor = sum(med[k] for k in floor_parts)
+        step = sum(med[k] for k in step_parts)
+        out += f"\n\nklpo generate + score + update {step:.1f} ms, floor {floor:.1f} ms: "
+        out += f"{step / floor:.2f}x"
+    if "klpo: micro_step" in med and "klpo: micro_step, per-token path" in med:
+        on, off = med["klpo: micro_step"], med["klpo: micro_step, per-token path"]
+        out += f"\nforward-pass gradient: micro-step {on:.1f} ms on, {off:.1f} off: {on / off:.2f}x"
+    return out
 
 
 if __name__ == "__main__":

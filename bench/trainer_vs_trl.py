@@ -1,11 +1,14 @@
 """klpo train against TRL's GRPOTrainer: the same GRPO run, side by side, in one table.
 
-Two workloads (``--workload a|b|both``): (a), described below, and (b), compute-bound: the
-~23.5M-parameter Llama that ``compute_workload.py`` builds locally, 4 prompts of 64 tokens × 8
-completions of 128 tokens per step, its ``lexical_reward``, otherwise the same settings. Each
-side runs ``--runs`` times (3), interleaved A B A B A B; the table gives the median of the per-run
-median step times with their min–max, and the floor: the model alone on the same step's tokens
-(:func:`floor_worker`). For workload (a):
+Three workloads (``--workload a|b|c``, a comma-separated list, ``both`` = a,b, ``all``): (a),
+described below; (b), compute-bound: the ~23.5M-parameter Llama that ``compute_workload.py``
+builds locally, 4 prompts of 64 tokens × 8 completions of 128 tokens per step, its
+``lexical_reward``, otherwise the same settings; (c), a real vocabulary: the same job on the
+~104M-parameter Llama of ``compute_workload.SHAPES["c"]`` (Qwen2.5's vocabulary size, 151,936,
+hidden 512, 8 layers), its ``lexical_reward_c``. Each side runs ``--runs`` times (3), interleaved
+A B A B A B; the table gives the median of the per-run median step times with their min–max, each
+side's peak RSS (the largest of its runs' processes), and the floor: the model alone on the same
+step's tokens (:func:`floor_worker`). For workload (a):
 
 Both trainers run the same job, one after the other, each in its own subprocess with 2 torch
 threads: the shipped tiny reference model (1M-parameter Llama) as policy and reference, the
@@ -69,13 +72,17 @@ Measures, the same definition for both:
   steps 2 to N (the first step's one-off warm-up is left out of both).
 - final reward: the mean exact-match reward of the step's 128 completions, averaged over the last
   20% of steps (klpo's ``reward/mean``; for TRL, recorded by the reward function itself).
+- peak RSS: the trainer process's high-water mark of resident memory (``VmHWM``, read by the
+  process itself as it exits: :func:`run_recording_peak`), model loading included; the largest
+  over a side's runs. (A child's ``ru_maxrss`` would not do: Linux counts in it the parent's
+  resident memory at the fork.)
 - quiet machine: the CPU seconds every other process used while each trainer ran
   (``/proc/stat`` less this process tree's own); above 5% of the run's cores × wall time the
   table is flagged as untrustworthy.
 
 Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
 
-    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--workload a|b|both]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--workload a|b|c|all]
 
 where ``PEERS_VENV`` is a side environment with ``torch==2.13.0`` and ``trl==1.16.0`` installed.
 
@@ -85,11 +92,13 @@ Without TRL it says so, runs klpo alone, and exits 0.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import math
 import os
 import resource
+import runpy
 import statistics
 import subprocess
 import sys
@@ -101,12 +110,14 @@ from pathlib import Path
 FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
 
 
-WORKLOADS = ("a", "b")
+KLPO_PYTHON = [sys.executable]  # klpo's runs' interpreter (--klpo-python)
+WORKLOADS = ("a", "b", "c")
+ALIASES = {"both": ("a", "b"), "all": WORKLOADS}  # --workload both: (a) and (b), as before (c)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The one GRPO job both trainers run (workload ``a``; :meth:`for_workload` for ``b``)."""
+    """The one GRPO job both trainers run (workload ``a``; :meth:`for_workload` for the others)."""
 
     steps: int = 150
     seed: int = 0
@@ -120,18 +131,18 @@ class Settings:
     temperature: float = 1.0
     grad_clip: float = 1.0
     workload: str = "a"
-    model_dir: str = ""  # workload b: the locally built model (compute_workload.build_model)
-    data_path: str = ""  # workload b: its prompts as JSONL
+    model_dir: str = ""  # workloads b, c: the locally built model (compute_workload.build_model)
+    data_path: str = ""  # workloads b, c: its prompts as JSONL
 
     @classmethod
     def for_workload(cls, workload: str, **kw) -> Settings:
         """(a) the built-in task and shipped model, 16 × 8 completions of 4 tokens;
-        (b) the ~25M-parameter Llama of ``compute_workload``, 4 × 8 completions of 128 tokens
-        after 64-token prompts."""
+        (b) the ~23.5M-parameter Llama of ``compute_workload``, (c) its ~104M-parameter one with
+        a real vocabulary: 4 × 8 completions of 128 tokens after 64-token prompts."""
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {WORKLOADS}, got {workload!r}")
-        if workload == "b":
-            kw = {"prompts_per_step": 4, "max_new_tokens": 128, **kw, "workload": "b"}
+        if workload != "a":
+            kw = {"prompts_per_step": 4, "max_new_tokens": 128, **kw, "workload": workload}
         return cls(**kw)
 
     @property
@@ -145,13 +156,14 @@ class Settings:
 
 def klpo_overrides(s: Settings, out_dir: str) -> list[str]:
     """``klpo train --set`` overrides for the job, overhead off."""
-    if s.workload == "b":
+    if s.workload != "a":
+        reward = "lexical_reward" if s.workload == "b" else f"lexical_reward_{s.workload}"
         task = [
             f"model.policy={s.model_dir}",
             "data.source=jsonl",
             f"data.path={s.data_path}",
             "data.max_prompt_tokens=64",
-            "rewards=[{name: 'compute_workload:lexical_reward', weight: 1.0}]",
+            f"rewards=[{{name: 'compute_workload:{reward}', weight: 1.0}}]",
         ]
     else:
         task = ["model.policy=builtin", "data.source=builtin"]
@@ -232,7 +244,7 @@ def prompt_order(s: Settings) -> list[tuple[str, str]]:
     from klpo.train.data.sources import Example, PromptStream, read_jsonl
     from klpo.train.data.task import ArithmeticTask
 
-    if s.workload == "b":
+    if s.workload != "a":
         train = read_jsonl(s.data_path)
     else:
         train, _ = ArithmeticTask().splits()
@@ -309,15 +321,50 @@ def _own_cpu_s() -> float:
 
 
 def run_worker(cmd: list[str], threads: int, what: str) -> dict:
-    """Run ``cmd``; its wall time and the CPU seconds other processes used meanwhile."""
+    """Run the Python command ``cmd`` (``[python, -m module | script, args...]``): its wall time,
+    its own CPU seconds (which a busy machine's other processes change least), its peak RSS
+    (:func:`run_recording_peak`) and the CPU seconds other processes used meanwhile."""
     busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
-    proc = subprocess.run(cmd, env=_env(threads), capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    busy1, own1 = _busy_cpu_s(), _own_cpu_s()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        peak = Path(tmp) / "peak"
+        wrapped = [cmd[0], os.path.abspath(__file__), "--peak-rss-to", str(peak), *cmd[1:]]
+        proc = subprocess.run(wrapped, env=_env(threads), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+        wall = time.perf_counter() - t0
+        busy1, own1 = _busy_cpu_s(), _own_cpu_s()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        peak_mib = float(peak.read_text())
     others = None if busy0 is None else max(0.0, (busy1 - busy0) - (own1 - own0))
-    return {"process_s": wall, "others_cpu_s": others}
+    return {
+        "process_s": wall,
+        "cpu_s": own1 - own0,
+        "others_cpu_s": others,
+        "peak_rss_mib": peak_mib,
+    }
+
+
+def _vm_hwm_mib() -> float:
+    """This process's peak resident memory (``VmHWM``: since its exec, not its parent's), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux
+
+
+def run_recording_peak(out: str, argv: list[str]) -> None:
+    """Run ``argv`` as ``python`` would (``-m module args``, ``-c code args`` or ``script
+    args``) in this process, and write its peak RSS in MiB to ``out`` as it exits."""
+    atexit.register(lambda: Path(out).write_text(str(_vm_hwm_mib())))
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +373,7 @@ def run_worker(cmd: list[str], threads: int, what: str) -> dict:
 
 def _env(threads: int) -> dict[str, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
-    bench = str(Path(__file__).resolve().parent)  # compute_workload's reward, for workload b
+    bench = str(Path(__file__).resolve().parent)  # compute_workload's rewards, for b and c
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
@@ -345,7 +392,7 @@ def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
 
     out = work / "klpo"
     cmd = [
-        sys.executable,
+        KLPO_PYTHON[0],
         "-m",
         "klpo",
         "train",
@@ -371,19 +418,27 @@ def trl_worker(s: Settings, out_path: str) -> None:
 
     torch.set_num_threads(s.threads)
     try:
-        import trl
-        from datasets import Dataset
-        from transformers import AutoTokenizer, TrainerCallback
+        result = trl_job(s)
     except ImportError as err:
-        Path(out_path).write_text(json.dumps({"unavailable": f"TRL is not importable ({err})"}))
-        return
+        result = {"unavailable": f"TRL is not importable ({err})"}
+    Path(out_path).write_text(json.dumps(result))
+
+
+def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
+    """TRL's GRPOTrainer on the job (``config`` overrides :func:`trl_config_kwargs`, e.g. for a
+    GPU); per-step times, tokens and rewards. ImportError where TRL is not importable."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
 
     from klpo.train.models.load import default_reference_path
     from klpo.train.rewards.functions import exact_match
 
-    if s.workload == "b":
-        from compute_workload import lexical_reward as task_reward
+    if s.workload != "a":
+        from compute_workload import REWARDS
 
+        task_reward = REWARDS[s.workload]
         model_dir = s.model_dir
     else:
         task_reward = exact_match
@@ -417,15 +472,19 @@ def trl_worker(s: Settings, out_path: str) -> None:
             gen_score.append(time.perf_counter() - t0)
             return out
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.begin: list[float] = []
             self.end: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            sync()  # on a GPU, the step's kernels are inside its time
             self.begin.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            sync()
             self.end.append(time.perf_counter())
 
     timer = StepTimer()
@@ -433,28 +492,25 @@ def trl_worker(s: Settings, out_path: str) -> None:
         trainer = Timed(
             model=model_dir,
             reward_funcs=exact_match_reward,
-            args=trl.GRPOConfig(**trl_config_kwargs(s, tmp)),
+            args=trl.GRPOConfig(**{**trl_config_kwargs(s, tmp), **(config or {})}),
             train_dataset=data,
             processing_class=AutoTokenizer.from_pretrained(model_dir),
             callbacks=[timer],
+            peft_config=peft_config,
         )
         trainer.train()
     step_s = [e - b for b, e in zip(timer.begin, timer.end, strict=True)]
     gaps = [b - e for e, b in zip(timer.end, timer.begin[1:], strict=False)]
-    Path(out_path).write_text(
-        json.dumps(
-            {
-                "version": trl.__version__,
-                "step_s": step_s,
-                "tokens": tokens,
-                "rewards": rewards,
-                "generate_s": generate_s,
-                "gen_score_s": gen_score,
-                "between_steps_s": gaps,
-                "threads": torch.get_num_threads(),
-            }
-        )
-    )
+    return {
+        "version": trl.__version__,
+        "step_s": step_s,
+        "tokens": tokens,
+        "rewards": rewards,
+        "generate_s": generate_s,
+        "gen_score_s": gen_score,
+        "between_steps_s": gaps,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_json_worker(s: Settings, work: Path, worker: str, what: str) -> tuple[dict, dict]:
@@ -614,6 +670,8 @@ def _cli(s: Settings) -> list[str]:
         str(s.threads),
         "--workload",
         s.workload,
+        "--prompts",
+        str(s.prompts_per_step),
         "--model-dir",
         s.model_dir,
         "--data-path",
@@ -661,6 +719,30 @@ def floor_decode(model, rollout, group_size: int) -> None:
             token = out.logits[:, -1].argmax(-1)
 
 
+FLOOR_LOGITS = 2**27  # the floor's head: float32 logits per chunk of rows (512 MiB)
+
+
+def floor_head(hidden, weight, rollout, backward: bool) -> None:
+    """The floor's head on the completion hidden states ``[B, C, H]``: float32 logits,
+    log-softmax, the completion tokens' log-probs; with ``backward``, the gradient of their masked
+    sum into the head and (through ``hidden``) the body. In chunks of rows of at most
+    :data:`FLOOR_LOGITS` logits (one chunk below V = 8192 at these shapes): the same arithmetic as
+    one pass, with memory for one chunk's logits, as anyone would write it at a real vocabulary."""
+    import torch
+
+    ids, mask = rollout.completion_ids, rollout.mask
+    rows = max(1, FLOOR_LOGITS // (ids.shape[1] * weight.shape[0]))
+    h = hidden.detach().requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        for i in range(0, ids.shape[0], rows):
+            r = slice(i, i + rows)
+            logp = (h[r] @ weight.T).float().log_softmax(-1).gather(-1, ids[r, :, None])
+            if backward:
+                (logp.squeeze(-1) * mask[r]).sum().backward()
+    if backward:
+        hidden.backward(h.grad)
+
+
 def floor_worker(s: Settings, out_path: str) -> None:
     """The model's own time for the tokens a step must compute, with no trainer around it.
 
@@ -668,8 +750,8 @@ def floor_worker(s: Settings, out_path: str) -> None:
     single-token forward per new token for every row (argmax, no sampling machinery, the cache
     allocated once); the
     reference = one no-grad forward over each prompt once and every completion token, with the
-    head's log-softmax at the completion tokens; the policy = the same forward with its backward.
-    Each the median of 3 timings; the floor is their sum.
+    head's log-softmax at the completion tokens (:func:`floor_head`); the policy = the same
+    forward with its backward. Each the median of 3 timings; the floor is their sum.
     """
     import torch
 
@@ -702,17 +784,13 @@ def floor_worker(s: Settings, out_path: str) -> None:
     def decode():
         floor_decode(model, rollout, g)
 
-    def logp():
-        h = completion_hidden(backbone, rollout)
-        return (h @ weight.T).float().log_softmax(-1).gather(-1, rollout.completion_ids[..., None])
-
     def reference():
         with torch.no_grad():
-            logp()
+            floor_head(completion_hidden(backbone, rollout), weight, rollout, backward=False)
 
     def policy():
         model.zero_grad(set_to_none=True)
-        (logp().squeeze(-1) * rollout.mask).sum().backward()
+        floor_head(completion_hidden(backbone, rollout), weight, rollout, backward=True)
 
     def timed(fn) -> float:
         fn()  # warm-up
@@ -756,14 +834,15 @@ def combine(runs: list[dict]) -> dict:
         },
         "others_cpu_s": sum(r["others_cpu_s"] or 0.0 for r in runs),
         "process_s": sum(r["process_s"] for r in runs),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
     }
 
 
 def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
     head = (
         "| trainer | runs × steps | median step s (min–max) | generate / score / update s "
-        "| tokens/s (min–max) | tokens/step | final reward ± se | step / floor |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| tokens/s (min–max) | tokens/step | final reward ± se | peak RSS MiB | step / floor |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     rows = [head]
     sides = [("klpo", klpo)] + ([(f"TRL {trl['version']}", trl)] if trl else [])
@@ -774,7 +853,8 @@ def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
             f"| {name} | {r['runs']} × {r['steps']} | {r['median_step_s']:.3f} "
             f"({r['step_min']:.3f}–{r['step_max']:.3f}) | {split} | {r['tokens_per_s']:.0f} "
             f"({r['tps_min']:.0f}–{r['tps_max']:.0f}) | {r['tokens_per_step']:.1f} | "
-            f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f} | {vs_floor} |"
+            f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f} | {r['peak_rss_mib']:.0f} | "
+            f"{vs_floor} |"
         )
     if trl:
         rows.append(
@@ -784,27 +864,71 @@ def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
             )
             + f" | **{klpo['tokens_per_s'] / trl['tokens_per_s']:.2f}** | "
             f"{klpo['tokens_per_step'] / trl['tokens_per_step']:.2f} | "
-            f"{klpo['final_reward'] / max(trl['final_reward'], 1e-12):.2f} | |"
+            f"{klpo['final_reward'] / max(trl['final_reward'], 1e-12):.2f} | "
+            f"**{klpo['peak_rss_mib'] / trl['peak_rss_mib']:.2f}** | |"
         )
     if floor:
         rows.append(
             f"| floor (model alone) | | {floor['floor']:.3f} | {floor['generate']:.3f} / "
             f"{floor['reference']:.3f} / {floor['policy']:.3f} (generate / reference / policy) | "
-            "| | | 1.00 |"
+            "| | | | 1.00 |"
         )
     return "\n".join(rows)
 
 
+def _log(what: str, result: dict) -> None:
+    """Each run's summary as it ends (stderr), so that a long benchmark's runs are kept."""
+    print(f"{what}: {json.dumps(result)}", file=sys.stderr, flush=True)
+
+
+def parse_workloads(text: str) -> tuple[str, ...]:
+    """``--workload``: one of :data:`WORKLOADS`, a comma-separated list of them, or an alias."""
+    if text in ALIASES:
+        return ALIASES[text]
+    names = tuple(w.strip() for w in text.split(",") if w.strip())
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise SystemExit(
+            f"--workload takes {', '.join(WORKLOADS)}, a comma-separated list of them, "
+            f"{' or '.join(ALIASES)}; got {text!r}"
+        )
+    return names
+
+
+def with_built_model(s: Settings, work: Path) -> Settings:
+    """Workloads (b) and (c): build the model and write the prompts under ``work`` (no download)."""
+    import compute_workload
+
+    w = s.workload
+    model_dir = compute_workload.build_model(work / f"model-{w}", w)
+    data = compute_workload.write_prompts(work / f"prompts-{w}.jsonl", 4 * 64, s.seed, w)
+    return Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--peak-rss-to"]:  # run_worker's wrapper around a worker
+        run_recording_peak(sys.argv[2], sys.argv[3:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="training steps per run")
     parser.add_argument("--runs", type=int, default=3, help="runs per trainer, interleaved")
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument("--threads", type=int, default=Settings.threads, help="torch threads")
     parser.add_argument(
-        "--workload", choices=[*WORKLOADS, "both"], default="both", help="a, b or both"
+        "--workload",
+        default="both",
+        help="a, b, c, a comma-separated list of them, both (a,b; the default) or all",
+    )
+    parser.add_argument(
+        "--prompts", type=int, help="prompts a step (16 on (a), 4 on (b), (c)): a smaller job"
     )
     parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
+    parser.add_argument(
+        "--klpo-python",
+        default=sys.executable,
+        help="the interpreter of klpo's runs (default this one; the peers' environment may lack "
+        "klpo's own dependencies)",
+    )
     parser.add_argument("--worker", choices=["trl", "loss", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-path", default="", help=argparse.SUPPRESS)
@@ -815,6 +939,7 @@ def main() -> None:
             args.workload,
             steps=args.steps or 1,
             seed=args.seed,
+            **({"prompts_per_step": args.prompts} if args.prompts else {}),
             threads=args.threads,
             model_dir=args.model_dir,
             data_path=args.data_path,
@@ -822,29 +947,29 @@ def main() -> None:
         {"trl": trl_worker, "loss": loss_worker, "floor": floor_worker}[args.worker](s, args.out)
         return
 
+    workloads = parse_workloads(args.workload)
+    KLPO_PYTHON[0] = args.klpo_python
     has_trl = importlib.util.find_spec("trl") is not None
     start = time.perf_counter()
     print(f"CPU: {cpu_info()}\n")
     if not has_trl:
         print("TRL is not installed (pip install trl==1.16.0): klpo alone.\n")
-    workloads = WORKLOADS if args.workload == "both" else (args.workload,)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for w in workloads:
             s = Settings.for_workload(w, seed=args.seed, threads=args.threads)
+            if args.prompts:
+                s = Settings(**{**s.__dict__, "prompts_per_step": args.prompts})
             s = Settings(**{**s.__dict__, "steps": args.steps or (30 if w == "a" else 4)})
-            if w == "b":
-                import compute_workload
-
-                model_dir = compute_workload.build_model(work / "model-b")
-                data = compute_workload.write_prompts(work / "prompts-b.jsonl", 4 * 64, args.seed)
-                s = Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
+            if w != "a":
+                s = with_built_model(s, work)
             klpo_runs, trl_runs = [], []
             for i in range(args.runs):
                 (work / f"{w}-{i}").mkdir(parents=True, exist_ok=True)
             for i in range(args.runs):  # A B A B A B
                 print(f"[{w}] run {i + 1}/{args.runs}: klpo ...", file=sys.stderr, flush=True)
                 klpo_runs.append(run_klpo(s, work / f"{w}-{i}", args.klpo_set))
+                _log(f"[{w}] klpo run {i + 1}", klpo_runs[-1])
                 if has_trl:
                     print(f"[{w}] run {i + 1}/{args.runs}: TRL ...", file=sys.stderr, flush=True)
                     t = run_trl(s, work / f"{w}-{i}")
@@ -853,7 +978,9 @@ def main() -> None:
                         has_trl = False
                     else:
                         trl_runs.append(t)
+                        _log(f"[{w}] TRL run {i + 1}", t)
             floor = run_floor(s, work / f"{w}-0")
+            _log(f"[{w}] floor", floor)
             loss = run_loss_check(s, work / f"{w}-0") if trl_runs else None
             klpo = combine(klpo_runs)
             trl = combine(trl_runs) if trl_runs else None

@@ -1,4 +1,5 @@
-"""The non-timing helpers of ``bench/trainer_vs_trl.py``: summaries by hand, the two configs.
+"""The non-timing helpers of ``bench/trainer_vs_trl.py`` (and ``trainer_parts.py``'s table):
+summaries by hand, the two configs, the three workloads, the peak RSS of a worker.
 
 The summaries and klpo's config run everywhere; the TRL config needs TRL (peer, skipped without).
 """
@@ -14,16 +15,28 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "trainer_vs_trl.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("trainer_vs_trl", BENCH)
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield _load("trainer_vs_trl")
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop("trainer_vs_trl", None)
+
+
+@pytest.fixture(scope="module")
+def cw():
+    try:
+        yield _load("compute_workload")
+    finally:
+        sys.modules.pop("compute_workload", None)
 
 
 def test_summaries_by_hand(bench):
@@ -92,13 +105,8 @@ def test_trl_config_is_the_same_job(bench, tmp_path):
     assert args.shuffle_dataset is False and args.max_steps == 3
 
 
-def test_workload_b_is_the_compute_bound_job(bench, tmp_path):
+def test_workload_b_is_the_compute_bound_job(bench, cw, tmp_path):
     """(b): the locally built ~23M Llama, 4 × 8 completions of 128 tokens after 64-token prompts."""
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import compute_workload as cw
-    finally:
-        sys.path.remove(str(BENCH.parent))
     from klpo.train.config import load_config
     from klpo.train.data.load import load_examples
     from klpo.train.data.sources import PromptStream
@@ -122,29 +130,176 @@ def test_workload_b_is_the_compute_bound_job(bench, tmp_path):
     # the reward by hand: w3 and w99 hit (< 100), w100 and w5000 do not; no words: 0
     assert cw.lexical_reward([""] * 3, ["w3 w100 w99 w5000", "", "w0"], [""] * 3) == [0.5, 0.0, 1.0]
     with pytest.raises(ValueError, match="--workload"):
-        bench.Settings.for_workload("c")
+        bench.Settings.for_workload("d")
+
+
+def _run(step, tps, reward, se, rss=100.0):
+    split = {"generate": step / 2, "score": step / 4, "update": step / 4}
+    return {
+        "steps": 5,
+        "median_step_s": step,
+        "tokens_per_s": tps,
+        "tokens_per_step": 10.0,
+        "final_reward": reward,
+        "final_reward_se": se,
+        "split": split,
+        "others_cpu_s": 1.0,
+        "process_s": 10.0,
+        "peak_rss_mib": rss,
+    }
 
 
 def test_runs_combine_by_hand(bench):
-    def run(step, tps, reward, se):
-        split = {"generate": step / 2, "score": step / 4, "update": step / 4}
-        return {
-            "steps": 5,
-            "median_step_s": step,
-            "tokens_per_s": tps,
-            "tokens_per_step": 10.0,
-            "final_reward": reward,
-            "final_reward_se": se,
-            "split": split,
-            "others_cpu_s": 1.0,
-            "process_s": 10.0,
-        }
-
-    got = bench.combine([run(1.0, 100, 0.2, 0.03), run(3.0, 90, 0.4, 0.04), run(2.0, 80, 0.3, 0.0)])
+    run = _run
+    got = bench.combine(
+        [run(1.0, 100, 0.2, 0.03, 500), run(3.0, 90, 0.4, 0.04, 700), run(2.0, 80, 0.3, 0.0, 600)]
+    )
     assert got["runs"] == 3 and got["median_step_s"] == 2.0
     assert (got["step_min"], got["step_max"]) == (1.0, 3.0)
     assert got["tokens_per_s"] == 90 and (got["tps_min"], got["tps_max"]) == (80, 100)
     assert got["final_reward"] == pytest.approx(0.3)
     assert got["final_reward_se"] == pytest.approx(0.05 / 3)  # sqrt(0.03² + 0.04²) / 3
     assert got["split"]["generate"] == 1.0 and got["process_s"] == 30.0
+    assert got["peak_rss_mib"] == 700  # the side's largest process
+
+
+def test_runs_table_gives_the_ratios(bench):
+    """klpo / TRL: tokens/s 300 / 200 = 1.50; peak RSS 500 / 1000 = 0.50; step / floor 1 / 0.8."""
+    klpo = bench.combine([_run(1.0, 300, 0.2, 0.0, 500)])
+    trl = bench.combine([_run(2.0, 200, 0.1, 0.0, 1000)])
+    trl["version"] = "1.16.0"
+    floor = {"floor": 0.8, "generate": 0.4, "reference": 0.1, "policy": 0.3}
+    table = bench.runs_table(klpo, trl, floor)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()}
+    assert "| 500 | 1.25 |" in rows["klpo"] and "| 1000 | 2.50 |" in rows["TRL 1.16.0"]
+    assert "**1.50**" in rows["klpo / TRL"] and "**0.50**" in rows["klpo / TRL"]
+    cells = [len(line.split("|")) for line in table.splitlines()]
+    assert len(set(cells)) == 1  # every row has the header's columns
+
+
+def test_run_worker_reports_the_childs_own_peak_rss(bench):
+    """A child that touches 200 MiB peaks at 200 MiB plus the interpreter's ~10-30 (the wrapper
+    imports only the standard library), not plus this process's own hundreds of MiB."""
+    touch = "b = bytearray(200 * 2**20); b[:: 4096] = b'x' * len(b[:: 4096])"
+    got = bench.run_worker([sys.executable, "-c", touch], 1, "the child")
+    assert 200 <= got["peak_rss_mib"] < 260
+    small = bench.run_worker([sys.executable, "-c", "pass"], 1, "the child")
+    assert small["peak_rss_mib"] < 60  # its own, not the last child's nor this process's
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    busy = bench.run_worker([sys.executable, "-c", spin], 1, "the child")
+    assert 0.5 <= busy["cpu_s"] < 0.5 + busy["process_s"] and small["cpu_s"] < 0.5  # its own CPU
+    with pytest.raises(RuntimeError, match="the child failed"):
+        bench.run_worker([sys.executable, "-c", "raise SystemExit(3)"], 1, "the child")
+
+
+def test_workloads_parse(bench):
+    assert bench.parse_workloads("both") == ("a", "b")
+    assert bench.parse_workloads("all") == ("a", "b", "c")
+    assert bench.parse_workloads("c") == ("c",) and bench.parse_workloads("a, c") == ("a", "c")
+    with pytest.raises(SystemExit, match="--workload takes a, b, c"):
+        bench.parse_workloads("a,x")
+
+
+def test_workload_c_is_the_real_vocabulary_job(bench, cw, tmp_path):
+    """(c): (b)'s job on a Llama with Qwen2.5's vocabulary size, 151,936, hidden 512, 8 layers."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from klpo.train.config import load_config
+
+    data = cw.write_prompts(tmp_path / "p.jsonl", 8, seed=0, workload="c")
+    s = bench.Settings.for_workload("c", steps=2, model_dir="m", data_path=str(data))
+    assert (s.prompts_per_step, s.group_size, s.max_new_tokens) == (4, 8, 128)
+    cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path / "run")))
+    assert cfg.rewards[0].name == "compute_workload:lexical_reward_c"
+    shape = cw.SHAPES["c"]
+    model_cfg = cw.model_config(shape)
+    assert model_cfg.vocab_size == 151936
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(model_cfg).parameters())
+    # by hand: the tied embedding V·H, per layer q, k, v, o (8 heads of 64: H² each), the MLP's
+    # three H·I and two norms, and the final norm
+    h, i = 512, 1408
+    assert n == 151936 * h + 8 * (4 * h * h + 3 * h * i + 2 * h) + h  # 103,490,048
+    tok = cw.build_tokenizer(shape)
+    assert len(tok) == 151936 and tok.convert_tokens_to_ids("w151932") == 151935
+    assert {len(tok(p)["input_ids"]) for p, _ in bench.prompt_order(s)} == {64}
+    # the reward by hand: w0 and w1799 hit (< 1800), w1800 and w151932 do not
+    got = cw.lexical_reward_c([""] * 2, ["w0 w1800 w1799 w151932", "w5"], [""] * 2)
+    assert got == [0.5, 1.0]
+
+
+def test_trainer_parts_table_by_hand(bench):
+    """Each klpo part over its floor part; the step over the floor; the micro-step on / off."""
+    path = list(sys.path)
+    try:
+        parts = _load("trainer_parts")  # it puts bench/ on sys.path
+    finally:
+        sys.modules.pop("trainer_parts", None)
+        sys.path[:] = path
+    ms = {
+        "floor: generate": [10.0, 12.0, 11.0],
+        "klpo: generate": [11.0],
+        "floor: reference": [5.0],
+        "klpo: score": [6.0],
+        "floor: policy": [20.0],
+        "klpo: micro_step": [18.0],
+        "klpo: micro_step, per-token path": [24.0],
+        "klpo: update": [22.0],
+    }
+    table = parts.parts_table(ms)
+    assert "| floor: generate | 11.0 (10.0–12.0) |  |" in table
+    assert "| klpo: generate | 11.0 (11.0–11.0) | 1.00 |" in table
+    assert "| klpo: update | 22.0 (22.0–22.0) | 1.10 |" in table
+    assert "39.0 ms, floor 36.0 ms: 1.08x" in table  # (11 + 6 + 22) / (11 + 5 + 20)
+    assert "18.0 ms on, 24.0 off: 0.75x" in table
+    alone = parts.parts_table({"klpo: score": [1.0]})  # no floor part: no ratio, no total
+    assert "| klpo: score | 1.0 (1.0–1.0) |  |" in alone and "x" not in alone.split("\n")[-1]
     assert "logical CPUs; flags:" in bench.cpu_info()
+
+
+@pytest.mark.slow
+def test_trainer_parts_cpu_time_logs_each_call():
+    """``--cpu-time`` on workload (a), micro-steps only: every call of every round is logged as it
+    ends (warm-ups marked), the table counts the timed rounds, the on / off line is there."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCH.parent / "trainer_parts.py"), "--threads", "1", "--cpu-time",
+           "--warmups", "1", "--reps", "2", "--only", "micro_step"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    calls = [ln for ln in proc.stderr.splitlines() if ln.startswith("round ")]
+    assert len(calls) == 6, calls  # 3 rounds × 2 parts
+    assert sum("(warm-up)" in ln for ln in calls) == 2 and calls[-1].endswith(" ms")
+    assert "CPU milliseconds, 2 timed rounds" in proc.stdout
+    assert "| klpo: micro_step, per-token path |" in proc.stdout
+    assert "forward-pass gradient: micro-step" in proc.stdout
+
+
+def test_floor_head_in_chunks_is_the_one_pass_gradient(bench, monkeypatch):
+    """The floor's head in chunks of rows gives the one-pass masked log-prob sum's gradients,
+    into the head and through the hidden states into the body. Both take the log-softmax of
+    float32 logits (the floor's), so they agree to float32 rounding of sums of a few terms."""
+    from types import SimpleNamespace
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    b, c, h, v = 5, 3, 4, 7
+    x = torch.randn(b, c, h, generator=gen, dtype=torch.float64)
+    body = torch.randn(h, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    ro = SimpleNamespace(
+        completion_ids=torch.randint(0, v, (b, c), generator=gen),
+        mask=(torch.rand(b, c, generator=gen) > 0.3).double(),
+    )
+    logits = (x @ body @ weight.T).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ro.completion_ids[..., None])
+    want = torch.autograd.grad((logp.squeeze(-1) * ro.mask).sum(), (body, weight))
+    monkeypatch.setattr(bench, "FLOOR_LOGITS", 2 * c * v)  # chunks of 2 rows: 2, 2, 1
+    bench.floor_head(x @ body, weight, ro, backward=True)
+    torch.testing.assert_close(body.grad, want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weight.grad, want[1], rtol=1e-6, atol=1e-6)
+    assert body.grad.abs().max() > 0.1  # (the gradients are not all but zero)

@@ -588,6 +588,16 @@ def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path,
         assert len(calls) == want
 
 
+def test_fused_loss_takes_on_and_off_as_written():
+    """``--set algo.fused_loss=on`` (YAML reads an unquoted on / off as a boolean) is the word;
+    anything else is refused by name."""
+    for word in ("on", "off", "auto", "'on'"):
+        cfg = build_config(overrides=[f"algo.fused_loss={word}"])
+        assert cfg.algo.fused_loss == word.strip("'")
+    with pytest.raises(ConfigError, match=r"algo\.fused_loss"):
+        build_config(overrides=["algo.fused_loss=yes please"])
+
+
 def test_fused_loss_switch_at_the_vocabulary_threshold():
     """algo.fused_loss: auto takes the forward-pass gradient from FUSED_LOSS_MIN_VOCAB entries
     on, on at any vocabulary, off never; none of them where it does not apply."""

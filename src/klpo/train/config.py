@@ -283,8 +283,8 @@ class AlgoConfig(_Section):
         "auto",
         description="Take the update's gradient in the forward pass (klpo.logprobs.fused_loss) "
         "where the loss's weights on each token are known before it: on-policy, with the exact "
-        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries, "
-        "where it pays (docs/performance.md); on: wherever it applies; off: never (the "
+        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries "
+        "(docs/performance.md); on: wherever it applies; off: never (the "
         "per-token path). The same gradients and metrics either way.",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
@@ -338,6 +338,12 @@ class AlgoConfig(_Section):
     @classmethod
     def _known_reduction(cls, v: str) -> str:
         return one_of("reduction", v, reduce.MODES)
+
+    @field_validator("fused_loss", mode="before")
+    @classmethod
+    def _switch_words(cls, v: object) -> object:
+        """YAML reads an unquoted ``on`` / ``off`` as true / false: take them as the words."""
+        return ("on" if v else "off") if isinstance(v, bool) else v
 
 
 class ReferenceReset(_Section):

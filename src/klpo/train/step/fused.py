@@ -4,14 +4,17 @@ On-policy, with a KL term that is exact or absent and no engine weights, a micro
 weights on each token's log-prob, entropy and exact KL are known before the forward pass
 (:func:`on_policy_weights`), so :func:`klpo.logprobs.fused_loss` can take the gradient there
 instead of :func:`klpo.logprobs.fused` keeping what the backward needs: the same gradients and
-metrics. ``algo.fused_loss`` chooses it (:func:`takes_fused_loss`): ``auto`` where it pays, from
+metrics. ``algo.fused_loss`` chooses it (:func:`takes_fused_loss`): ``auto`` from
 :data:`FUSED_LOSS_MIN_VOCAB` vocabulary entries; ``on`` wherever it applies; ``off`` never.
 
-Where the head is a large share of the step it pays: at V = 32000 (H = 896) fused_loss took
+The head alone gains from it where the head is large: at V = 32000 (H = 896) fused_loss took
 0.27 s against fused's 0.36 for log-probs and 0.22 against 0.30-0.32 for the exact KL
-(docs/performance.md); with small vocabularies it does not: the micro-step took 4.50 s against
-4.55 at V = 8195 (the compute-bound benchmark's model, within noise) and 65.7 ms against 61.9 at
-V = 101 (the shipped model), ``bench/trainer_parts.py``.
+(docs/performance.md). In the trainer's micro-step (``bench/trainer_parts.py``, exact KL) it
+costs at small vocabularies: 65.7 ms against 61.9 at V = 101 (the shipped model); and is even
+elsewhere on a CPU: 4.50 s against 4.55 at V = 8195 (the compute-bound benchmark's model, wall
+time) and 12.61 CPU-s against 12.60 at V = 151,936 (workload (c), 1024 completion tokens, one
+thread). So ``auto`` takes it only at real vocabularies, where it was never slower; whether it
+pays there on a GPU is ``bench/gpu_check.sh``'s on / off stage.
 """
 
 from __future__ import annotations
