@@ -1198,7 +1198,7 @@ def test_compare_refuses_an_out_of_another_study_or_of_other_files(tmp_path, mon
     # The same study with other workers (how runs are scheduled) is finished, under the lock.
     ran = []
 
-    def run_all(study, runs, configs, out, on_result, on_start):
+    def run_all(study, runs, configs, out, on_result, on_start, show_progress):
         ran.append((study.workers, Path(out, ".klpo.lock").read_text()))
         return []
 

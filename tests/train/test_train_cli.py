@@ -46,7 +46,8 @@ def test_check_runs_the_preflight_and_trains_nothing(tiny_model, quick, tmp_path
     assert missing[0] == 1 and "model.policy" in missing[2]
     reward = invoke("train", *sets, "--set", "rewards=[{name: 'nowhere:fn'}]", "--check")
     assert reward[0] == 1 and "cannot import module 'nowhere'" in reward[2]
-    out.mkdir()
+    out.mkdir()  # a run: its config and metrics (klpo.train.outdir)
+    (out / "config.yaml").write_text("kl:\n  beta: 0.1\n")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     taken = invoke("train", *sets, "--check")
     assert taken[0] == 1 and "already holds a run" in taken[2]
