@@ -195,7 +195,7 @@ def test_runs_to_points_round_trip(tmp_path: Path) -> None:
     # Step 1 of each seed: (0.2 + 0.18) / 2 = 0.19; sd of {0.2, 0.18} = 0.0141421, / sqrt 2 = 0.01.
     g0, se, n = gao.initial_gold(rows)
     assert (g0, se, n) == (pytest.approx(0.19), pytest.approx(0.01), 2)
-    # A third run of seed 0 samples step 1 as run "a" did: it adds no seed.
+    # A third run with seed=0 samples step 1 as run "a" did: it adds no seed.
     _fake_run(study, "c", "k1 reward", 0.1, 0, [(0.2, 0.0), (0.25, 0.3)])
     assert gao.initial_gold(gao.collect_trajectories([study]))[2] == 2
     groups = gao.trajectory_groups(rows, g0)

@@ -30,13 +30,13 @@ def _row(choice: str, beta: float, seed: int, kl: float, gold: float, algo: str 
 
 
 ROWS = [
-    # beta 0.1 seed 0: A dominates B (less KL, more gold) -> A on, B off.
+    # beta 0.1, seed=0: A dominates B (less KL, more gold) -> A on, B off.
     _row("A", 0.1, 0, 0.6, 0.35),
     _row("B", 0.1, 0, 0.7, 0.33),
     # beta 0.1 seed 1: a trade-off -> both on.
     _row("A", 0.1, 1, 0.9, 0.36),
     _row("B", 0.1, 1, 0.5, 0.30),
-    # beta 0.01 seed 0: B dominates -> B on, A off.
+    # beta 0.01, seed=0: B dominates -> B on, A off.
     _row("A", 0.01, 0, 30.0, 0.0),
     _row("B", 0.01, 0, 20.0, 0.01),
     # unpaired, crashed and other-algorithm runs do not count.
