@@ -164,16 +164,12 @@ def _hit_fraction(completions: list[str], target: int) -> list[float]:
     return out
 
 
-def lexical_reward(
-    prompts: list[str], completions: list[str], answers: list[str], **_
-) -> list[float]:
+def lexical_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """Workload (b): the fraction of a completion's words among ``w0 … w99``."""
     return _hit_fraction(completions, SHAPES["b"].target)
 
 
-def lexical_reward_c(
-    prompts: list[str], completions: list[str], answers: list[str], **_
-) -> list[float]:
+def lexical_reward_c(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """Workload (c): the fraction of a completion's words among ``w0 … w1799`` (1.2%, as (b))."""
     return _hit_fraction(completions, SHAPES["c"].target)
 
