@@ -40,6 +40,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
 from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
+from klpo.train.runtime.samples import user_messages
 from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
 from klpo.train.step.samples import eval_records
@@ -332,6 +333,7 @@ def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
         report_to=trackers,
         run_name=cfg.run.run_name,
         config=flat(cfg),
+        users=user_messages([*run.stream.examples, *run.heldout]),  # report.md's prompt column
     )
 
 
