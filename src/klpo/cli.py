@@ -216,6 +216,10 @@ def train(
 
         typer.echo(annotated_yaml(layered), nl=False)
         return
+    import os
+
+    if layered.layers and os.environ.get("RANK", "0") == "0":  # the run's first line
+        typer.echo(f"config: {layered.order()} (--print-config says which gave each key)", err=True)
     _train_or_check(layered.config, resume is not None, allow_config_change, check)
 
 

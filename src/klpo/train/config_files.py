@@ -92,6 +92,10 @@ class Layered:
     layers: tuple[str, ...]  # the files, in order, then "--set" if any was given
     sources: Sources
 
+    def order(self) -> str:
+        """The layers in the order they apply: ``the defaults, then a.yaml, then --set``."""
+        return ", then ".join(["the defaults", *self.layers])
+
     def source(self, key: str) -> str:
         """The source of a key ``section.key`` (``model.lora.r``): a file, ``--set``, or
         ``default``."""
@@ -225,9 +229,8 @@ def annotated_yaml(layered: Layered) -> str:
 
     emit(layered.config.model_dump(mode="json"), (), 0)
     width = min(max(len(text) for text, s in rows if s) if any(s for _, s in rows) else 0, 60)
-    order = ", then ".join(["the defaults", *layered.layers])
     lines = [
-        f"# klpo train config: {order} (a later one wins)",
+        f"# klpo train config: {layered.order()} (a later one wins)",
         "# a value a file or --set gave names it after '#'; a value without a comment is the default",
     ]
     for text, source in rows:

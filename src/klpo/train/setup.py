@@ -29,6 +29,7 @@ from klpo.train.evaluate import policy_evaluation
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
 from klpo.train.models.build import Models, build_models
+from klpo.train.models.describe import parameter_lines
 from klpo.train.models.load import resolve_model_path
 from klpo.train.models.lora import AdapterFreeReference, base_weights, load_base_weights
 from klpo.train.models.reference import ResetFn, merge_reset, weight_reset
@@ -149,6 +150,8 @@ def setup(
     m = build_models(cfg, dist, plan.start)
     for note in m.notes:  # a model's cache that the shared paths cannot repeat
         log(note)
+    for line in parameter_lines(m.policy, lora=cfg.model.lora is not None, critic=m.critic_core):
+        log(line)
     train_set, heldout = examples  # rendered by the preflight (data.chat)
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = build_rewards(cfg.rewards, device=dist.device)
