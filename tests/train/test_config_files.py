@@ -201,3 +201,15 @@ def test_compare_merges_several_study_files(tmp_path):
     assert code == 0, err
     names = out.split()
     assert names and all(name.endswith("_s5") for name in names)  # b's seeds, over a's
+
+
+def test_a_multi_line_value_stays_one_line_so_its_comment_cannot_break_it(tmp_path):
+    """A YAML block string is printed double-quoted on one line (a comment after the first line
+    of a multi-line scalar would end up inside it), and the text loads back as the config."""
+    path = tmp_path / "chat.yaml"
+    path.write_text("data:\n  chat: true\n  system_prompt: |\n    You are #1.\n    Be brief.\n")
+    layered = load_configs([path])
+    text = annotated_yaml(layered)
+    assert f'  system_prompt: "You are #1.\\nBe brief.\\n"  # {path}' in text.splitlines()
+    assert yaml.safe_load(text) == layered.config.model_dump(mode="json")
+    assert layered.config.data.system_prompt == "You are #1.\nBe brief.\n"

@@ -203,8 +203,27 @@ def load_configs(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()
     return Layered(cfg, layers, sources)
 
 
+class _OneLineDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper with every string on one line (a string that holds a line break
+    double-quoted, the break escaped), so that a comment can follow it."""
+
+
+def _one_line_str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
+    style = '"' if any(c in s for c in "\n\r\x85\u2028\u2029") else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s, style=style)
+
+
+_OneLineDumper.add_representer(str, _one_line_str)
+
+
 def _value_lines(key: str, value: Any) -> list[str]:
-    text = yaml.safe_dump({key: value}, sort_keys=False, allow_unicode=True, width=float("inf"))
+    text = yaml.dump(
+        {key: value},
+        Dumper=_OneLineDumper,
+        sort_keys=False,
+        allow_unicode=True,
+        width=float("inf"),
+    )
     return text.splitlines()
 
 
