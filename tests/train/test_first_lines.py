@@ -23,6 +23,8 @@ def test_the_default_config_in_lines():
     assert config_lines(build_config()) == [
         "training: grpo, 1500 steps of 16 prompts × 8 completions (128 a step) of at most 4 new "
         "tokens, 1 epoch of 1 minibatch, seed 0",
+        "sampling: hf engine, lean sampler, temperature 1, top-p 1; each prompt's forward once "
+        "per group (rollout.share_prompt)",
         "models: policy builtin; reference a frozen copy of the policy's starting weights",
         "precision: float32 weights and compute; gradient checkpointing off",
         "LoRA: off (every weight of the policy trains)",
@@ -34,15 +36,15 @@ def test_the_default_config_in_lines():
 def test_the_lora_config_in_lines():
     cfg = load_configs([ROOT / "configs" / "grpo-lora.yaml"], ["model.policy=/m"]).config
     lines = config_lines(cfg)
-    assert lines[1] == (
+    assert lines[2] == (
         "models: policy /m; reference the policy with its LoRA adapters off (no second copy)"
     )
-    assert lines[2] == (
+    assert lines[3] == (
         "precision: bfloat16 compute (autocast) over float32 master weights; "
         "gradient checkpointing on"
     )
     lo = cfg.model.lora
-    assert lines[3] == (
+    assert lines[4] == (
         f"LoRA: rank {lo.r}, alpha {lo.alpha:g} (updates scaled by alpha/r = "
         f"{lo.alpha / lo.r:g}), dropout 0, on all-linear"
     )
@@ -60,10 +62,10 @@ def test_the_lora_config_in_lines():
     )
     lines = config_lines(cfg)
     assert "2 epochs of 4 minibatches" in lines[0]
-    assert lines[1].endswith("; critic builtin with a value head")
-    assert lines[3].endswith("on q_proj, v_proj")
-    assert "(constant_with_warmup, 10 warm-up steps)" in lines[4]
-    assert lines[5] == "KL: none (kl.placement is none)"
+    assert lines[2].endswith("; critic builtin with a value head")
+    assert lines[4].endswith("on q_proj, v_proj")
+    assert "(constant_with_warmup, 10 warm-up steps)" in lines[5]
+    assert lines[6] == "KL: none (kl.placement is none)"
 
 
 def _llama_sizes(c: dict) -> tuple[int, int]:
@@ -117,12 +119,12 @@ def test_a_runs_first_lines_say_it_all(tiny_model, quick, tmp_path):
     )
     assert lines[0] == f"run directory: {tmp_path / 'run'}"
     assert lines[1].startswith("training: grpo, 1 step of 4 prompts × 4 completions (16 a step)")
-    assert lines[3] == "precision: float32 weights and compute; gradient checkpointing on"
+    assert lines[4] == "precision: float32 weights and compute; gradient checkpointing on"
     assert (
-        lines[4]
+        lines[5]
         == "LoRA: rank 4, alpha 8 (updates scaled by alpha/r = 2), dropout 0, on all-linear"
     )
-    assert lines[6].startswith("KL: ") and lines[7].startswith("prompts: ")
+    assert lines[7].startswith("KL: ") and lines[8].startswith("prompts: ")
     total, rank1 = _llama_sizes(json.loads((tiny_model / "config.json").read_text()))
     (params,) = [line for line in lines if line.startswith("policy parameters:")]
     share = 100 * 4 * rank1 / (total + 4 * rank1)
@@ -144,4 +146,4 @@ def test_the_command_line_names_the_config_files_first(tiny_model, quick, tmp_pa
         f"config: the defaults, then {lora}, then {data}, then --set (--print-config says which "
         "gave each key)"
     )
-    assert first[1].startswith("run directory: ") and first[5].startswith("LoRA: rank 16")
+    assert first[1].startswith("run directory: ") and first[6].startswith("LoRA: rank 16")

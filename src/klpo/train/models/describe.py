@@ -1,7 +1,7 @@
 """The run's first lines: what it trains, how, and how many parameters move.
 
 Before any model loads, :func:`config_lines` says what a practitioner checks first in a log:
-the algorithm and the batch, the models (the reference, the critic), the precision and gradient
+the algorithm and the batch, the sampling, the models (the reference, the critic), the precision and gradient
 checkpointing, LoRA's rank, alpha, dropout and targets (or that every weight trains), the
 optimizer and the KL term. Once the policy is built, :func:`parameter_lines` counts its
 parameters: how many train (the LoRA adapters, or all), of how many, and the bytes of the
@@ -38,6 +38,11 @@ def config_lines(cfg: TrainConfig) -> list[str]:
         f"tokens, {_n(a.epochs, 'epoch')} of {_n(a.minibatches, 'minibatch', 'minibatches')}, "
         f"seed {cfg.run.seed}"
     ]
+    shared = "once per group" if ro.share_prompt else "with each completion"
+    lines.append(
+        f"sampling: {ro.engine} engine, {ro.sampler} sampler, temperature {_num(ro.temperature)}, "
+        f"top-p {_num(ro.top_p)}; each prompt's forward {shared} (rollout.share_prompt)"
+    )
     if mc.reference is not None:
         ref = mc.reference
     elif mc.lora is not None:
