@@ -147,6 +147,9 @@ def test_conflicts_resolve_later_wins_mappings_merge_and_values_replace(tmp_path
         yaml.safe_load(a.read_text()), ["kl.beta=0.3"]
     )
     assert load_configs().config == TrainConfig()
+    bare = annotated_yaml(load_configs()).splitlines()
+    assert bare[0] == "# klpo train config: the defaults (no --config, no --set)"
+    assert not any("#" in line for line in bare[2:])  # every value the default
 
 
 def test_a_bad_key_names_the_file_that_holds_it(tmp_path, data_yaml):

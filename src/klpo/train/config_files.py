@@ -249,7 +249,9 @@ def annotated_yaml(layered: Layered) -> str:
     emit(layered.config.model_dump(mode="json"), (), 0)
     width = min(max(len(text) for text, s in rows if s) if any(s for _, s in rows) else 0, 60)
     lines = [
-        f"# klpo train config: {layered.order()} (a later one wins)",
+        f"# klpo train config: {layered.order()} (a later one wins)"
+        if layered.layers
+        else "# klpo train config: the defaults (no --config, no --set)",
         "# a value a file or --set gave names it after '#'; a value without a comment is the default",
     ]
     for text, source in rows:
