@@ -151,8 +151,8 @@ def render_chat(
     Raises:
         ValueError: chat is on and the tokenizer has no chat template, a template keyword is
             not a variable of the template, or a prompt holds the template's own markers (it
-            was rendered already, :func:`klpo.train.data.markers.check_unrendered`); or chat is off and an example's prompt is a list of
-            messages (it needs a template).
+            was rendered already: :func:`klpo.train.data.markers.check_unrendered`); or chat is
+            off and an example's prompt is a list of messages (it needs a template).
     """
     if not chat:
         listed = [i for i, e in enumerate(examples) if e.messages is not None]
