@@ -168,6 +168,11 @@ def test_a_bad_key_names_the_file_that_holds_it(tmp_path, data_yaml):
         load_configs([LORA, bad])
     with pytest.raises(ConfigError, match=re.escape("optim.lr (from --set): ")):
         load_configs([LORA], ["optim.lr=fast"])
+    # with one source there is nothing to tell apart: the message is as it always was
+    with pytest.raises(ConfigError, match=re.escape("optim.lr: ")):
+        load_configs([], ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'optim.lerning_rate';")):
+        load_configs([typo])
     # a check of the whole config names the keys it reads and their files
     one = tmp_path / "one.yaml"
     one.write_text("rollout:\n  group_size: 1\n")

@@ -186,7 +186,8 @@ def load_configs(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()
 
     Raises:
         ConfigError: a file that cannot be read (naming it), a bad ``--set``, or a bad config;
-            each error that names a key says which file or ``--set`` gave it.
+            with more than one source (files, ``--set``), each error that names a key says
+            which gave it.
     """
     defaults = TrainConfig().model_dump(mode="json")
     data: dict[str, Any] = {}
@@ -195,11 +196,12 @@ def load_configs(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()
         merge_layer(data, read_config_file(path), str(path), sources, defaults=defaults)
     for text in overrides:
         _apply_set(data, text, sources, defaults)
+    layers = tuple(str(p) for p in paths) + ((SET,) if overrides else ())
     try:
         cfg = TrainConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err, _error_source(sources))) from None
-    layers = tuple(str(p) for p in paths) + ((SET,) if overrides else ())
+    except ValidationError as err:  # the source named where there is more than one
+        source_of = _error_source(sources) if len(layers) > 1 else None
+        raise ConfigError(_format_errors(err, source_of)) from None
     return Layered(cfg, layers, sources)
 
 
