@@ -176,8 +176,8 @@ def config_page() -> str:
         "section and key by key (a mapping merges into the mapping it lands on, as `--set "
         "model.dtype=float32` changes one key of `model`); any other value (a number, a string, "
         "`null`, a list such as `rewards`) replaces what was there whole, so `model: {lora: null}` "
-        "in a later file turns LoRA off. An error names the file or `--set` that gave the bad "
-        "key;",
+        "in a later file turns LoRA off. With more than one source, an error names the file or "
+        "`--set` that gave the bad key;",
         "- `klpo train --print-config` prints the resolved config (after every `--config` and "
         "`--set`) as YAML and exits; each value that a file or `--set` gave is followed by a "
         "comment naming it (`dtype: bfloat16  # configs/grpo-lora.yaml`), a value without one is "
