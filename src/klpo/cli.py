@@ -153,12 +153,14 @@ def _table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool
 
 @app.command()
 def train(
-    config: Path | None = typer.Option(
-        None,
+    config: list[Path] = typer.Option(
+        [],
         "--config",
         "-c",
         metavar="FILE",
-        help="YAML config (see configs/ and docs/config.md); built-in defaults if omitted.",
+        help="YAML config (see configs/ and docs/config.md); built-in defaults if omitted. "
+        "Repeatable: the files merge in order, section by section, a later one winning "
+        "(e.g. -c configs/grpo-lora.yaml -c my-data.yaml).",
     ),
     overrides: list[str] = typer.Option(
         [],
@@ -183,8 +185,8 @@ def train(
     print_config: bool = typer.Option(
         False,
         "--print-config",
-        help="Print the resolved config (the defaults, then --config, then --set) as YAML and "
-        "exit.",
+        help="Print the resolved config (the defaults, then each --config, then --set) as YAML, "
+        "each value a file or --set gave followed by a comment naming it, and exit.",
     ),
     check: bool = typer.Option(
         False,
@@ -208,20 +210,26 @@ def train(
     fetched from the Hugging Face Hub as transformers and datasets fetch it; HF_HUB_OFFLINE=1
     keeps to the local cache.
     """
-    cfg = _train_config(config, overrides, resume, allow_config_change)
+    layered = _train_config(config, overrides, resume, allow_config_change)
     if print_config:
-        from klpo.train.config import dump_config
+        from klpo.train.config_files import annotated_yaml
 
-        typer.echo(dump_config(cfg), nl=False)
+        typer.echo(annotated_yaml(layered), nl=False)
         return
-    _train_or_check(cfg, resume is not None, allow_config_change, check)
+    import os
+
+    if layered.layers and os.environ.get("RANK", "0") == "0":  # the run's first line
+        typer.echo(f"config: {layered.order()} (--print-config says which gave each key)", err=True)
+    _train_or_check(layered.config, resume is not None, allow_config_change, check)
 
 
 def _train_config(
-    config: Path | None, overrides: list[str], resume: Path | None, allow_config_change: bool
+    config: list[Path], overrides: list[str], resume: Path | None, allow_config_change: bool
 ):
-    """The config of ``klpo train``'s options (a resume's saved one by default), or exit 2."""
-    from klpo.train.config import ConfigError, load_config
+    """The config of ``klpo train``'s options (a resume's saved one by default), with each
+    key's source (:class:`klpo.train.config_files.Layered`), or exit 2."""
+    from klpo.train.config import ConfigError
+    from klpo.train.config_files import load_configs
     from klpo.train.preflight import empty_config_warning
 
     try:
@@ -229,19 +237,22 @@ def _train_config(
             saved = resume / "config.yaml"
             if not saved.is_file():
                 raise ConfigError(f"--resume {resume}: no config.yaml there, so no run to resume")
-            cfg = load_config(config or saved, [*overrides, f"run.out_dir={resume}"])
+            layered = load_configs(config or [saved], [*overrides, f"run.out_dir={resume}"])
         else:
-            cfg = load_config(config, overrides)
+            layered = load_configs(config, overrides)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if allow_config_change and resume is None:
         typer.echo("error: --allow-config-change only applies with --resume DIR", err=True)
         raise typer.Exit(2)
-    empty = empty_config_warning(config)
-    if empty:
-        typer.echo(f"warning: {empty}", err=True)
-    return cfg
+    for path in config:
+        empty = empty_config_warning(path)
+        if empty and len(config) > 1:  # the other files still count
+            empty = f"config file {str(path)!r} is empty: it changes nothing"
+        if empty:
+            typer.echo(f"warning: {empty}", err=True)
+    return layered
 
 
 def _train_or_check(cfg, resume: bool, allow_config_change: bool, check: bool) -> None:
@@ -826,12 +837,13 @@ def compare(
         "--quick",
         help="The smoke-test preset: every choice but ref_is and adaptive_mix, one beta, 2 seeds, 12 steps.",
     ),
-    study_file: Path | None = typer.Option(
-        None,
+    study_file: list[Path] = typer.Option(
+        [],
         "--config",
         "-c",
         metavar="FILE",
-        help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...).",
+        help="YAML of StudyConfig keys (grid, betas, seeds, steps, ...); repeatable: the files "
+        "merge in order, a later one winning.",
     ),
     workers: int | None = typer.Option(
         None, metavar="N", help="Runs in parallel (one torch thread each)."

@@ -11,6 +11,7 @@ from klpo.train import loop
 from klpo.train.config import build_config
 from klpo.train.data.sources import Example, read_dataset, read_jsonl, render_chat
 from klpo.train.runtime.metrics import read_metrics
+from klpo.train.runtime.samples import read_samples
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -116,3 +117,14 @@ def test_train_with_chat_prompts(chat_model, quick, tmp_path, monkeypatch):
     assert seen and all(p.startswith("<s>system: add\n<s>user: ") for p in seen)
     assert all(p.endswith("\n<s>assistant: ") for p in seen)
     assert read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 1
+    # the logged completions carry the last user message, and report.md's prompt column shows
+    # it, not the rendered text (which begins with the system prompt on every row)
+    records = read_samples(tmp_path / "run" / "samples.jsonl")
+    assert records and all(r["prompt"].startswith("<s>system: add\n") for r in records)
+    assert all(
+        r["prompt"] == f"<s>system: add\n<s>user: {r['user']}\n<s>assistant: " for r in records
+    )
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| prompt (last user message) | completion |" in report
+    rows = [line for line in report.splitlines() if line.startswith(f"| {records[0]['user']} |")]
+    assert rows and "system: add" not in report

@@ -19,6 +19,7 @@ LAYERS = (
     "klpo.train.runtime",
     "klpo.train.algorithms",
     "klpo.train.config",
+    "klpo.train.config_files",
     "klpo.train.outdir",
     "klpo.train.models",
     "klpo.train.data",

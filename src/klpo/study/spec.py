@@ -15,6 +15,7 @@ own betas (a controller row: one, the initial coefficient). The presets: the def
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from klpo import kl
 from klpo.train.algorithms import Algorithm
 from klpo.train.config import ConfigError, load_yaml, one_of
+from klpo.train.config_files import Sources, merge_layer
 
 __all__ = [
     "KL_BUDGET",
@@ -385,18 +387,38 @@ def _budget_choices() -> list[Choice]:
 
 
 def load_study(
-    path: str | Path | None = None, *, quick: bool = False, task: str = "builtin"
+    path: str | Path | Sequence[str | Path] | None = None,
+    *,
+    quick: bool = False,
+    task: str = "builtin",
 ) -> StudyConfig:
     """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults, of
-    ``task`` (``builtin`` or ``overopt``)."""
+    ``task`` (``builtin`` or ``overopt``). Several files merge in order, a later one winning
+    and mappings (``base``, ``ppo``) merging key by key (:mod:`klpo.train.config_files`); their
+    keys then replace the preset's."""
     one_of("task", task, ("builtin", "overopt"))
     if task == "overopt":
         base = quick_overopt_study() if quick else overopt_study()
     else:
         base = quick_study() if quick else StudyConfig()
-    if path is None:
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
+    if not paths:
         return base
-    p = Path(path)
+    data: dict[str, Any] = {}
+    sources = Sources()
+    for p in map(Path, paths):
+        merge_layer(data, _read_study_file(p), str(p), sources)
+    try:
+        return StudyConfig.model_validate({**base.model_dump(), **data})
+    except ValidationError as err:
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        named = {sources.of_error(e["loc"]) for e in err.errors()} - {None}
+        files = sorted(named) if named else [str(p) for p in paths]
+        which = ", ".join(repr(f) for f in files)
+        raise ConfigError(f"bad study file {which}:\n  " + "\n  ".join(lines)) from None
+
+
+def _read_study_file(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"study file {str(p)!r} does not exist")
     try:
@@ -407,11 +429,7 @@ def load_study(
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"study file {str(p)!r} must hold a mapping of StudyConfig keys")
-    try:
-        return StudyConfig.model_validate({**base.model_dump(), **data})
-    except ValidationError as err:
-        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
-        raise ConfigError(f"bad study file {str(p)!r}:\n  " + "\n  ".join(lines)) from None
+    return data
 
 
 def with_options(study: StudyConfig, options: dict[str, tuple[str, Any]]) -> StudyConfig:

@@ -11,7 +11,7 @@ The resolved config is written beside every run's outputs (``config.yaml``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -755,19 +755,25 @@ def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:
     return tails[near[0]] if near and tails[near[0]] != dotted else None
 
 
-def _format_errors(err: ValidationError) -> str:
+def _format_errors(err: ValidationError, source_of: Callable[..., str | None] | None = None) -> str:
+    """One line per error, naming the key; ``source_of(loc, msg)``, if given, says which file or
+    ``--set`` gave the key (:mod:`klpo.train.config_files`)."""
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         key = ".".join(str(p) for p in loc) or "(top level)"
+        src = source_of(loc, e["msg"]) if source_of is not None else None
+        if src and loc and e["type"] != "extra_forbidden":
+            key = f"{key} (from {src})"
         if e["type"] == "extra_forbidden":
             parent = _section_model(loc[:-1])
             allowed = _allowed_keys(parent) if parent else []
             guess = _guess_key(loc, allowed)
             hint = f" (did you mean {guess!r}?)" if guess else ""
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+            given = f" in {src}" if src else ""
             lines.append(
-                f"unknown key {key!r}{hint}; allowed keys in {where}: {', '.join(allowed)}"
+                f"unknown key {key!r}{given}{hint}; allowed keys in {where}: {', '.join(allowed)}"
             )
         elif e["type"] == "literal_error":
             expected = e.get("ctx", {}).get("expected", "")
@@ -776,7 +782,7 @@ def _format_errors(err: ValidationError) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             given = e.get("input")
             shown = "" if isinstance(given, dict | list) else f" (got {given!r})"
-            lines.append(f"{key}: {msg}{shown}" if loc else msg)
+            lines.append(f"{key}: {msg}{shown}" if loc else msg + (f" ({src})" if src else ""))
     return "bad config:\n  " + "\n  ".join(lines)
 
 
@@ -869,26 +875,30 @@ def load_yaml(text: str, source: str) -> Any:
         ) from None
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping of sections a YAML config file holds (``{}`` for an empty file), or a
+    ConfigError naming the file: missing, not UTF-8, not YAML, a key twice, not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        loaded = load_yaml(p.read_text(encoding="utf-8"), f"config file {str(p)!r}")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+            f"at offset {exc.start}); save it as UTF-8"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = load_yaml(p.read_text(encoding="utf-8"), f"config file {str(p)!r}")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(p)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
-                f"at offset {exc.start}); save it as UTF-8"
-            ) from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        data = loaded or {}
-    return build_config(data, overrides)
+    """Read a YAML config (or the defaults when ``path`` is None) and apply ``--set`` overrides.
+    Several files, merged in order: :func:`klpo.train.config_files.load_configs`."""
+    return build_config(read_config_file(path) if path is not None else {}, overrides)
 
 
 def dump_config(cfg: TrainConfig) -> str:

@@ -38,6 +38,7 @@ from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
+from klpo.train.models.describe import config_lines
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
     load_tokenizer,
@@ -494,6 +495,8 @@ def preflight(
     check_engine(cfg, dist.world)
     codec, train_set, heldout = check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
     log(f"run directory: {cfg.run.out_dir}")
+    for line in config_lines(cfg):  # what it trains and how (klpo.train.models.describe)
+        log(line)
     for line in plan.notes:
         log(f"note: {line}")
     for line in config_warnings(cfg, dist.world):

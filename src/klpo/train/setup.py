@@ -29,6 +29,7 @@ from klpo.train.evaluate import policy_evaluation
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
 from klpo.train.models.build import Models, build_models
+from klpo.train.models.describe import parameter_lines
 from klpo.train.models.load import resolve_model_path
 from klpo.train.models.lora import AdapterFreeReference, base_weights, load_base_weights
 from klpo.train.models.reference import ResetFn, merge_reset, weight_reset
@@ -40,6 +41,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
 from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
+from klpo.train.runtime.samples import user_messages
 from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
 from klpo.train.step.samples import eval_records
@@ -148,6 +150,8 @@ def setup(
     m = build_models(cfg, dist, plan.start)
     for note in m.notes:  # a model's cache that the shared paths cannot repeat
         log(note)
+    for line in parameter_lines(m.policy, lora=cfg.model.lora is not None, critic=m.critic_core):
+        log(line)
     train_set, heldout = examples  # rendered by the preflight (data.chat)
     stream = PromptStream(train_set, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     reward_fns = build_rewards(cfg.rewards, device=dist.device)
@@ -332,6 +336,7 @@ def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
         report_to=trackers,
         run_name=cfg.run.run_name,
         config=flat(cfg),
+        users=user_messages([*run.stream.examples, *run.heldout]),  # report.md's prompt column
     )
 
 

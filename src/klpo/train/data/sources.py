@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from klpo.train.data.markers import check_unrendered, template_markers
 from klpo.train.models.hub import hub_problem, offline_variable
 
 
@@ -148,9 +149,10 @@ def render_chat(
     prompt included) and its data row.
 
     Raises:
-        ValueError: chat is on and the tokenizer has no chat template, or a template keyword is
-            not a variable of the template; or chat is off and an example's prompt is a list of
-            messages (it needs a template).
+        ValueError: chat is on and the tokenizer has no chat template, a template keyword is
+            not a variable of the template, or a prompt holds the template's own markers (it
+            was rendered already: :func:`klpo.train.data.markers.check_unrendered`); or chat is
+            off and an example's prompt is a list of messages (it needs a template).
     """
     if not chat:
         listed = [i for i, e in enumerate(examples) if e.messages is not None]
@@ -167,6 +169,8 @@ def render_chat(
     check_chat_template(tokenizer)
     kwargs = dict(template_kwargs or {})
     check_template_kwargs(tokenizer, kwargs)
+    # text rendered already would be rendered twice (klpo.train.data.markers)
+    check_unrendered(examples, template_markers(tokenizer, kwargs), system_prompt=system_prompt)
     out = []
     for e in examples:
         msgs = [{"role": r, "content": c} for r, c in (e.messages or (("user", e.prompt),))]

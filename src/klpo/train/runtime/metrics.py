@@ -181,6 +181,8 @@ class MetricsWriter:
         report_to: tracker names (:data:`klpo.train.runtime.trackers.TRACKERS`).
         run_name: the run's name in the trackers (default: the directory's name).
         config: the resolved config, flat, for the trackers' run parameters.
+        users: ``{rendered prompt: last user message}`` of chat data, added to the logged
+            completions (:func:`klpo.train.runtime.samples.user_messages`).
     """
 
     def __init__(
@@ -192,10 +194,12 @@ class MetricsWriter:
         report_to: Sequence[str] | None = None,
         run_name: str | None = None,
         config: dict[str, Any] | None = None,
+        users: dict[str, str] | None = None,
     ):
         from klpo.train.runtime import samples, trackers
 
         self.dir = Path(run_dir)
+        self.users = users or {}
         self.path = self.dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0 and self.path.exists():
@@ -233,6 +237,7 @@ class MetricsWriter:
 
         if not records:
             return
+        records = samples.with_user_messages(records, self.users)
         samples.append_samples(self.dir, records)
         table = samples.samples_table(records)
         for t in self._trackers:

@@ -7,6 +7,9 @@ completions of the step (the main process's share, in sampling order) are writte
 
     step, split, index          where it comes from (index: the row of the step's batch)
     prompt, completion, answer  the text the policy saw, what it wrote, the reference answer
+    user                        chat data (data.chat): the prompt's last user message, which
+                                report.md's prompt column shows (the rendered text begins with
+                                the template's system prompt, the same on every row)
     reward                      the total (weighted) reward; null when no function scored it
     rewards                     each reward function's own value (null: it did not score it)
     kl                          the completion's sequence KL(pi_theta ‖ pi_ref), summed over its
@@ -24,12 +27,22 @@ each split to ``report.md``. A resumed run drops the records of steps after its 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from klpo._io import write_text_atomic
 
-__all__ = ["SAMPLES_FILE", "latest_samples", "read_samples", "samples_table", "trim_samples"]
+__all__ = [
+    "SAMPLES_FILE",
+    "last_user_message",
+    "latest_samples",
+    "read_samples",
+    "samples_table",
+    "trim_samples",
+    "user_messages",
+    "with_user_messages",
+]
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -79,6 +92,36 @@ def latest_samples(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     return {s: last[s] for s in ("train", "eval") if s in last}
 
 
+def last_user_message(messages: Sequence[tuple[str, str]]) -> str:
+    """The content of the last ``user`` message of ``(role, content)`` pairs (of the last
+    message where none is the user's)."""
+    users = [content for role, content in messages if role == "user"]
+    return users[-1] if users else messages[-1][1]
+
+
+def user_messages(examples: Iterable[Any]) -> dict[str, str]:
+    """``{rendered prompt: its last user message}`` of the examples rendered from chat messages
+    (:class:`klpo.train.data.sources.Example` with ``messages``)."""
+    return {e.prompt: last_user_message(e.messages) for e in examples if e.messages}
+
+
+def with_user_messages(
+    records: list[dict[str, Any]], users: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The records, each whose prompt is in ``users`` (:func:`user_messages`) with its last user
+    message as ``user``, after ``prompt``."""
+    out = []
+    for r in records:
+        user = users.get(str(r.get("prompt")))
+        if user is None:
+            out.append(r)
+            continue
+        keys = list(r)
+        at = keys.index("prompt") + 1
+        out.append({k: r[k] for k in keys[:at]} | {"user": user} | {k: r[k] for k in keys[at:]})
+    return out
+
+
 def _cell(text: Any, limit: int = 160) -> str:
     """A Markdown table cell: one line, pipes escaped, cut at ``limit`` characters."""
     s = "" if text is None else str(text)
@@ -91,16 +134,19 @@ def _number(v: Any) -> str:
 
 
 def samples_table(records: list[dict[str, Any]]) -> str:
-    """The records as a Markdown table: prompt, completion, answer, rewards, sequence KL."""
+    """The records as a Markdown table: prompt, completion, answer, rewards, sequence KL. The
+    prompt column shows a chat prompt's last user message (``user``), else the prompt's text."""
     if not records:
         return ""
     names = list(dict.fromkeys(k for r in records for k in r.get("rewards", {})))
     kls = list(dict.fromkeys(k for r in records for k in r.get("kl", {})))
-    head = ["prompt", "completion", "answer", "reward", *names, *(f"KL {k}" for k in kls)]
+    chat = any("user" in r for r in records)
+    prompt = "prompt (last user message)" if chat else "prompt"
+    head = [prompt, "completion", "answer", "reward", *names, *(f"KL {k}" for k in kls)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in records:
         cells = [
-            _cell(r.get("prompt"), 80),
+            _cell(r.get("user", r.get("prompt")), 80),
             _cell(r.get("completion")),
             _cell(r.get("answer"), 40),
             _number(r.get("reward")),

@@ -171,8 +171,17 @@ def config_page() -> str:
         "fail before any work, naming the key and the allowed values. The resolved config is",
         "written to `RUN_DIR/config.yaml`. Examples: `configs/`.",
         "",
-        "- `klpo train --print-config` prints the resolved config (after `--config` and `--set`) "
-        "as YAML and exits;",
+        "- `--config` repeats: `-c configs/grpo-lora.yaml -c my-data.yaml` reads the defaults, "
+        "then each file in order, then each `--set`, a later one winning. Files merge section by "
+        "section and key by key (a mapping merges into the mapping it lands on, as `--set "
+        "model.dtype=float32` changes one key of `model`); any other value (a number, a string, "
+        "`null`, a list such as `rewards`) replaces what was there whole, so `model: {lora: null}` "
+        "in a later file turns LoRA off. With more than one source, an error names the file or "
+        "`--set` that gave the bad key;",
+        "- `klpo train --print-config` prints the resolved config (after every `--config` and "
+        "`--set`) as YAML and exits; each value that a file or `--set` gave is followed by a "
+        "comment naming it (`dtype: bfloat16  # configs/grpo-lora.yaml`), a value without one is "
+        "the default, and the output still loads as a config;",
         "- `klpo train --check` runs every check a run makes before it loads a model or writes a "
         "file (the config, the run directory, the models' and tokenizers' files, every prompt) "
         "and exits: 0 when the run would start;",
