@@ -2,9 +2,9 @@
 (V = 262,144) against each model's own float64 logits, on a few real prompts.
 
 For each model, once: the float32 model's last hidden states and logits at every position of
-three short prompts, and the same model's next-token distributions with the first four tokens of
-each prompt dropped as the reference (a real pair of distributions of one model: the KL between
-them is that of forgetting the prompt's start, not a toy's). Then the model in float64, whose
+three short prompts, and the same model's next-token distributions with four tokens after the
+first dropped as the reference (a real pair of distributions of one model: the KL between them
+is that of forgetting the prompt's start, not a toy's). Then the model in float64, whose
 logits are the oracle. Three questions, each with its own tolerance:
 
 1. klpo in float64 (logits path and fused path) equals the naive float64 ``log_softmax`` sums:
@@ -41,9 +41,9 @@ SMOLLM2_CHATS = [
     "Tom has 3 apples and buys 4 more. How many apples does he have?",
 ]
 GEMMA_TEXTS = [
-    "Question: What is 17 + 25?\nAnswer:",
-    "The capital of France is Paris, and the capital of Italy is",
-    "def add(a, b):\n    return",
+    "Question: What is 17 + 25? Think step by step, then give the answer.\nAnswer:",
+    "The capital of France is Paris, the capital of Spain is Madrid, and the capital of Italy is",
+    'def add(a, b):\n    """Return the sum of a and b."""\n    return',
 ]
 
 
@@ -61,19 +61,23 @@ def _naive(logits: torch.Tensor, logits_ref: torch.Tensor, tokens: torch.Tensor)
 
 def _positions(model, seqs: list[torch.Tensor]):
     """``hidden [N, H]``, ``hidden_ref [N, H]``, ``tokens [N]``: the backbone's last hidden
-    states at the positions of ``seqs`` from DROP on (targets: the next tokens), and the same
-    model's at the same positions with the first DROP tokens removed."""
+    states at the positions of ``seqs`` from DROP + 1 on (targets: the next tokens), and the same
+    model's at the same positions with the DROP tokens after the first removed (the first, a BOS
+    or ``<|im_start|>``, is kept: a shorter context, not a broken one)."""
     hs, hrs, ys = [], [], []
     for ids in seqs:
         h = heads.last_hidden(model, ids[None])[0]
-        h_ref = heads.last_hidden(model, ids[None, DROP:])[0]
-        hs.append(h[DROP:-1])
-        hrs.append(h_ref[:-1])
-        ys.append(ids[DROP + 1 :])
+        h_ref = heads.last_hidden(model, torch.cat([ids[:1], ids[1 + DROP :]])[None])[0]
+        hs.append(h[DROP + 1 : -1])  # position i predicts ids[i + 1] ...
+        hrs.append(h_ref[1:-1])  # ... as the reference's position i - DROP does
+        ys.append(ids[DROP + 2 :])
     return torch.cat(hs), torch.cat(hrs), torch.cat(ys)
 
 
 def _measure(model_dir, texts: list[str], chat: bool) -> dict:
+    """Every value the tests compare, from one load of the model (float32, then float64 in
+    place); the model is freed before it returns. Peak memory: the float64 model (2.1 GB for
+    Gemma) and a few [N, V] float64 tensors."""
     tok = load_tokenizer(str(model_dir))
     if chat:  # the model's own template, its default system prompt included
         seqs = [
@@ -88,6 +92,7 @@ def _measure(model_dir, texts: list[str], chat: bool) -> dict:
     model = load_causal_lm(str(model_dir)).eval()
     head = heads.checked_head(model)  # the head, checked against the model's own forward
     out: dict = {"V": head.weight.shape[0], "transform": head.transform}
+    n = 8  # positions of the gradient check
     with torch.no_grad():
         h, h_ref, y = _positions(model, seqs)
         w = head.weight
@@ -95,20 +100,27 @@ def _measure(model_dir, texts: list[str], chat: bool) -> dict:
         out["tokens"] = y
         out["f32_logits"] = logprobs.from_logits(z, y, logits_ref=z_ref)
         out["f32_fused"] = logprobs.fused(h, w, y, hidden_ref=h_ref, weight_ref=w)
-        # the float64 arithmetic on the same float32 inputs
-        out["same_inputs64"] = _naive(h.double() @ w.double().T, h_ref.double() @ w.double().T, y)
-    # gradient of the fused path, on the first 8 positions, against float64 autograd
-    n = 8
+        # the float64 arithmetic on the same float32 inputs, in row chunks (no [N, V] float64
+        # copy of the head's product beyond a chunk's)
+        w64 = w.double()
+        parts = [
+            _naive(h[i : i + 8].double() @ w64.T, h_ref[i : i + 8].double() @ w64.T, y[i : i + 8])
+            for i in range(0, len(y), 8)
+        ]
+        out["same_inputs64"] = tuple(torch.cat(c) for c in zip(*parts, strict=True))
+        del z, z_ref, parts
+    # the fused path's gradient of logp + entropy + KL at n positions; its float64 oracle by
+    # autograd through log_softmax on the same float32 hidden states and head
     hg = h[:n].clone().requires_grad_(True)
     r = logprobs.fused(hg, w.detach(), y[:n], hidden_ref=h_ref[:n], weight_ref=w.detach())
     (r.logp.sum() + r.entropy.sum() + r.kl.sum()).backward()
     out["grad32"] = hg.grad
     h64 = h[:n].double().requires_grad_(True)
-    w64 = w.detach().double()
     lp, ent, kl = _naive(h64 @ w64.T, h_ref[:n].double() @ w64.T, y[:n])
     (lp.sum() + ent.sum() + kl.sum()).backward()
     out["grad64"] = h64.grad
-    del z, z_ref, w, head
+    del r, hg, h64, lp, ent, kl, w64, w, head, h, h_ref
+    gc.collect()
     model.double()  # in place: the float32 weights are freed
     with torch.no_grad():
         h64, h64_ref, _ = _positions(model, seqs)
@@ -149,7 +161,7 @@ def test_the_measurement_is_of_the_real_models(smollm2, gemma3):
     for m in (smollm2, gemma3):
         assert m["transform"] is None  # neither model scales or caps its logits
         logp, ent, kl = m["oracle"]
-        assert len(logp) >= 24
+        assert len(logp) >= 40
         # a real model: peaked (most entropies well under log V) and the dropped context moves
         # its distributions by a real amount, not by rounding
         assert float(ent.median()) < 0.5 * torch.log(torch.tensor(float(m["V"])))
@@ -165,16 +177,21 @@ def test_float64_is_exact(measured):
 
 def test_float32_paths_match_float64_arithmetic_on_the_same_inputs(measured):
     """Both float32 paths on the model's float32 hidden states and head, against float64 on the
-    same inputs. Bound: a logit is a float32 dot product over H <= 640 terms of size <= ~1 and
-    the softmax sums V <= 262,144 terms in float32 (chunked), so each value carries a relative
-    rounding of order sqrt(H) eps32 + sqrt(V) eps32 ~ 3e-5 on |logp| <= ~30: a tolerance of
-    1e-3 absolute (logp, entropy) and 1e-4 on the KL plus 1e-4 of its size holds with margin;
-    the measured errors are in docs/real-models.md."""
+    same inputs: the rounding of float32 sums over the vocabulary (V <= 262,144 terms, chunked)
+    and the hidden size. The logits path shifts each row by its maximum, so every term is at
+    most 1 and its values carry a rounding of order sqrt(V) eps32 ~ 3e-5 in relative terms:
+    1e-4 absolute per position (measured: <= 1.6e-5). The fused path shifts by the sampled
+    token's own logit, so its sums hold terms up to exp(-logp(y)) and the entropy and KL come
+    out as differences of numbers of size |logp(y)|: their error grows with the token's
+    surprisal, bounded here by 1e-4 (1 + |logp(y)|) per position (measured: 4.7e-4 at logp(y) =
+    -15.5 on SmolLM2, 0.28 of the bound; the logp itself stays within 1e-4)."""
     want = measured["same_inputs64"]
-    for path in ("f32_logits", "f32_fused"):
-        e_logp, e_ent, e_kl = _errors(measured[path], want)
-        assert e_logp < 1e-3 and e_ent < 1e-3, (path, e_logp, e_ent)
-        assert e_kl < 1e-4 + 1e-4 * float(want[2].abs().max()), (path, e_kl)
+    surprisal = want[0].abs()
+    for path, bound in (("f32_logits", 1e-4), ("f32_fused", 1e-4 * (1 + surprisal))):
+        for name, got, ref in zip(("logp", "entropy", "kl"), measured[path], want, strict=True):
+            err = (got.double() - ref).abs()
+            tol = 1e-4 if name == "logp" else bound
+            assert bool((err <= tol).all()), (path, name, float(err.max()))
 
 
 def test_fused_gradient_matches_float64_autograd(measured):

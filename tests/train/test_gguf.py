@@ -129,6 +129,18 @@ def tiny_image(tiny_gguf, tmp_path_factory) -> gguf.GGUFImage:
         mp.undo()
 
 
+@pytest.fixture
+def tiny_cache(tiny_image, monkeypatch) -> Path:
+    """The module's cache, where the tiny file's image already is, as a new process sees it."""
+    monkeypatch.setenv("KLPO_CACHE", str(tiny_image.path.parents[1]))
+    monkeypatch.setattr(gguf, "_RESOLVED", {})
+    return tiny_image.path.parents[1]
+
+
+def _no_conversion(*_args):
+    raise AssertionError("converted again")
+
+
 def test_cache_root_follows_the_conventions(monkeypatch, tmp_path):
     monkeypatch.delenv("KLPO_CACHE", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -202,29 +214,28 @@ def test_image_logits_equal_transformers_own_gguf_load(tiny_gguf, tiny_image):
     assert (out / "model.safetensors").is_file()
 
 
-def test_second_resolve_reuses_the_image(tiny_gguf, cache, monkeypatch):
-    first = gguf.resolve_gguf(tiny_gguf)
-    assert first.converted
-
-    def no_conversion(*_args):
-        raise AssertionError("converted again")
-
-    monkeypatch.setattr(gguf, "_convert", no_conversion)
-    again = gguf.resolve_gguf(tiny_gguf)  # the in-process memo
-    assert (again.path, again.converted) == (first.path, False)
-    with monkeypatch.context() as m:  # as a new process: the digest is read from the cache
-        m.setattr(gguf, "_RESOLVED", {})
-        m.setattr(gguf.hashlib, "sha256", no_conversion)
-        assert gguf.resolve_gguf(tiny_gguf).path == first.path
+def test_second_resolve_reuses_the_image(tiny_gguf, tiny_image, tiny_cache, monkeypatch):
+    monkeypatch.setattr(gguf, "_convert", _no_conversion)
+    again = gguf.resolve_gguf(tiny_gguf)  # a new process: the digest is read from the cache
+    assert (again.path, again.converted) == (tiny_image.path, False)
+    with monkeypatch.context() as m:  # the in-process memo: not even the digest is looked up
+        m.setattr(gguf, "file_sha256", _no_conversion)
+        assert gguf.resolve_gguf(tiny_gguf).path == tiny_image.path
+    monkeypatch.setattr(gguf, "_RESOLVED", {})
+    monkeypatch.setattr(gguf.hashlib, "sha256", _no_conversion)  # nor the file read again
+    assert gguf.resolve_gguf(tiny_gguf).path == tiny_image.path
+    monkeypatch.undo()
+    monkeypatch.setenv("KLPO_CACHE", str(tiny_cache))
+    monkeypatch.setattr(gguf, "_convert", _no_conversion)
     copy = tiny_gguf.parent / "renamed copy.gguf"
     shutil.copy(tiny_gguf, copy)
-    assert gguf.resolve_gguf(copy).path == first.path  # keyed by content, not by name
+    assert gguf.resolve_gguf(copy).path == tiny_image.path  # keyed by content, not by name
     copy.unlink()
 
 
-def test_changed_file_gets_a_new_image(tmp_path, cache, monkeypatch):
+def test_changed_file_gets_a_new_image(tiny_gguf, tiny_image, tiny_cache, tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
-    write_tiny_gguf(path, seed=1)
+    shutil.copy(tiny_gguf, path)
     made: list[Path] = []
     real = gguf._convert
 
@@ -234,9 +245,10 @@ def test_changed_file_gets_a_new_image(tmp_path, cache, monkeypatch):
 
     monkeypatch.setattr(gguf, "_convert", counting)
     one = gguf.resolve_gguf(path)
+    assert one.path == tiny_image.path and not made  # the same content: the same image
     write_tiny_gguf(path, seed=2)  # same name, other content
     two = gguf.resolve_gguf(path)
-    assert one.path != two.path and len(made) == 2
+    assert two.path != one.path and made == [two.path] and two.converted
     assert gguf.find_image(one.sha256) == one.path and gguf.find_image(two.sha256) == two.path
 
 
@@ -285,7 +297,9 @@ def test_missing_extra_gives_the_install_line(tiny_gguf, cache, monkeypatch):
     assert problem.startswith("model.reference: ") and "klpo[gguf]" in problem
 
 
-def test_interrupted_conversion_leaves_nothing(tiny_gguf, cache, monkeypatch):
+def test_interrupted_conversion_leaves_nothing_and_two_converters_make_one(
+    tiny_gguf, cache, monkeypatch
+):
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     def killed(*_args, **_kwargs):
@@ -297,10 +311,8 @@ def test_interrupted_conversion_leaves_nothing(tiny_gguf, cache, monkeypatch):
             gguf.resolve_gguf(tiny_gguf)
     left = {p.name for p in (cache / "gguf").iterdir()}  # no image, no temporary directory
     assert left == {"digests", f"{gguf.file_sha256(tiny_gguf)}.lock"}, left
-    assert gguf.resolve_gguf(tiny_gguf).converted  # the next try makes it whole
-
-
-def test_two_converters_make_one_image(tiny_gguf, cache, monkeypatch):
+    # the next tries make it whole: two at once (threads, each with its own lock file handle),
+    # one conversion, the other waits on the lock and finds the image
     made: list[Path] = []
     real = gguf._convert
 

@@ -436,11 +436,11 @@ def _convert(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
     from klpo._io import atomic_dir, write_text_atomic
-    from klpo.train.models.load import quiet_transformers
 
-    quiet_transformers()
+    logging.set_verbosity_error()  # no advisory warnings; the conversion's progress bar stays
     where, file = str(source.resolve().parent), source.resolve().name
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=file)
