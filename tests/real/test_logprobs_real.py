@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from klpo import heads, logprobs
-from klpo.train.models.load import load_causal_lm, load_tokenizer
+from klpo.train.models.load import load_causal_lm
 
 pytestmark = pytest.mark.real
 
@@ -74,11 +74,10 @@ def _positions(model, seqs: list[torch.Tensor]):
     return torch.cat(hs), torch.cat(hrs), torch.cat(ys)
 
 
-def _measure(model_dir, texts: list[str], chat: bool) -> dict:
+def _measure(model_dir, tok, texts: list[str], chat: bool) -> dict:
     """Every value the tests compare, from one load of the model (float32, then float64 in
     place); the model is freed before it returns. Peak memory: the float64 model (2.1 GB for
     Gemma) and a few [N, V] float64 tensors."""
-    tok = load_tokenizer(str(model_dir))
     if chat:  # the model's own template, its default system prompt included
         seqs = [
             tok.apply_chat_template(
@@ -135,13 +134,13 @@ def _measure(model_dir, texts: list[str], chat: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_dir) -> dict:
-    return _measure(smollm2_dir, SMOLLM2_CHATS, chat=True)
+def smollm2(smollm2_dir, smollm2_tokenizer) -> dict:
+    return _measure(smollm2_dir, smollm2_tokenizer, SMOLLM2_CHATS, chat=True)
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_dir) -> dict:
-    return _measure(gemma3_dir, GEMMA_TEXTS, chat=False)
+def gemma3(gemma3_dir, gemma3_tokenizer) -> dict:
+    return _measure(gemma3_dir, gemma3_tokenizer, GEMMA_TEXTS, chat=False)
 
 
 def _errors(got, want) -> tuple[float, float, float]:

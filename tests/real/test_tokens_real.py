@@ -14,7 +14,6 @@ import torch
 
 from klpo.train.config import ConfigError, build_config
 from klpo.train.data.sources import Example, render_chat
-from klpo.train.models.load import load_tokenizer
 from klpo.train.models.tokens import check_single_bos, run_codec
 
 pytestmark = pytest.mark.real
@@ -22,14 +21,16 @@ pytestmark = pytest.mark.real
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-def _codec(model_dir, **overrides):
+def _codec(model_dir, tok, **overrides):
+    """The run's codec (klpo.train.models.tokens.run_codec) for a config with these keys."""
     sets = [f"model.policy={model_dir}", *(f"{k}={v}" for k, v in overrides.items())]
-    tok = load_tokenizer(str(model_dir))
     return tok, run_codec(build_config(overrides=sets), tok, model_dir)
 
 
-def test_smollm2_chat_prompt_has_the_default_system_prompt_and_no_added_token(smollm2_dir):
-    tok, codec = _codec(smollm2_dir, **{"data.chat": "true"})
+def test_smollm2_chat_prompt_has_the_default_system_prompt_and_no_added_token(
+    smollm2_dir, smollm2_tokenizer
+):
+    tok, codec = _codec(smollm2_dir, smollm2_tokenizer, **{"data.chat": "true"})
     (ex,) = render_chat([Example("What is 17 + 25?", "42")], tok, chat=True)
     assert ex.prompt == (
         f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n"
@@ -44,16 +45,16 @@ def test_smollm2_chat_prompt_has_the_default_system_prompt_and_no_added_token(sm
     check_single_bos(codec, ids, "prompt 1", ex.prompt)  # <|im_start|> is its BOS: once
 
 
-def test_smollm2_plain_prompt_gets_no_special_token(smollm2_dir):
+def test_smollm2_plain_prompt_gets_no_special_token(smollm2_dir, smollm2_tokenizer):
     """SmolLM2's tokenizer has no post-processor BOS: a plain prompt is its text's tokens."""
-    tok, codec = _codec(smollm2_dir)
+    tok, codec = _codec(smollm2_dir, smollm2_tokenizer)
     (ids,) = codec.ids(["What is 17 + 25?"])
     assert tok.decode(ids) == "What is 17 + 25?"
     assert not set(ids) & set(tok.all_special_ids)
 
 
-def test_smollm2_stop_set_is_the_end_of_turn(smollm2_dir):
-    tok, codec = _codec(smollm2_dir, **{"data.chat": "true"})
+def test_smollm2_stop_set_is_the_end_of_turn(smollm2_dir, smollm2_tokenizer):
+    tok, codec = _codec(smollm2_dir, smollm2_tokenizer, **{"data.chat": "true"})
     end = tok.convert_tokens_to_ids("<|im_end|>")
     assert codec.stop.ids == (end,) == (2,)
     assert codec.stop.sources == ("the tokenizer's EOS, generation_config.eos_token_id",)
@@ -65,12 +66,12 @@ def test_smollm2_stop_set_is_the_end_of_turn(smollm2_dir):
     assert done.texts == ["17 + 25 = 42", tok.decode(answer + rambling, skip_special_tokens=True)]
     assert done.mask[0].sum() == len(answer) + 1 and done.truncated.tolist() == [False, True]
     # rollout.stop: a string that is one added token is that token's id
-    _, more = _codec(smollm2_dir, **{"rollout.stop": "['<|endoftext|>']"})
+    _, more = _codec(smollm2_dir, smollm2_tokenizer, **{"rollout.stop": "['<|endoftext|>']"})
     assert more.stop.ids == (2, tok.convert_tokens_to_ids("<|endoftext|>")) == (2, 0)
 
 
-def test_gemma3_plain_prompt_gets_one_bos(gemma3_dir):
-    tok, codec = _codec(gemma3_dir)
+def test_gemma3_plain_prompt_gets_one_bos(gemma3_dir, gemma3_tokenizer):
+    tok, codec = _codec(gemma3_dir, gemma3_tokenizer)
     assert (tok.bos_token, tok.bos_token_id) == ("<bos>", 2)
     text = "Question: What is 17 + 25?\nAnswer:"
     (ids,) = codec.ids([text])
@@ -83,8 +84,8 @@ def test_gemma3_plain_prompt_gets_one_bos(gemma3_dir):
         check_single_bos(codec, twice, "prompt 2", "<bos>" + text)
 
 
-def test_gemma3_has_no_chat_template_and_stops_at_eos(gemma3_dir):
-    tok, codec = _codec(gemma3_dir)
+def test_gemma3_has_no_chat_template_and_stops_at_eos(gemma3_dir, gemma3_tokenizer):
+    tok, codec = _codec(gemma3_dir, gemma3_tokenizer)
     assert len(tok) == 262_144 and not tok.chat_template
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         render_chat([Example("Hi", "")], tok, chat=True)
