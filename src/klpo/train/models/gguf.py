@@ -404,19 +404,14 @@ def resolve_gguf(
     final = _images() / sha
     converted = False
     if not _complete(final):
-        from filelock import FileLock
-
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(final) + ".lock"):
-            if not _complete(final):  # another process may have made it while this one waited
-                if log is not None:
-                    log(
-                        f"{key}: dequantising {source.name} ({header.quantization or 'floats'}, "
-                        f"{header.size / 1e6:.0f} MB) into a float32 model once; later runs "
-                        f"read it from {final}"
-                    )
-                _convert(source, final, header, sha)
-                converted = True
+        try:
+            converted = _make_image(source, final, header, sha, key, log)
+        except OSError as err:  # a cache that cannot be written, a full disk
+            raise GGUFError(
+                f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
+                f"({type(err).__name__}: {err}); free some space there, or set KLPO_CACHE to a "
+                "writable directory"
+            ) from None
     image = GGUFImage(
         source=source,
         path=final,
@@ -428,6 +423,25 @@ def resolve_gguf(
     )
     _RESOLVED[stat] = image
     return image
+
+
+def _make_image(source: Path, final: Path, header: GGUFHeader, sha: str, key: str, log) -> bool:
+    """Convert ``source`` into ``final`` under the lock, unless another process did meanwhile;
+    whether this call converted it."""
+    from filelock import FileLock
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if _complete(final):  # another process made it while this one waited
+            return False
+        if log is not None:
+            log(
+                f"{key}: dequantising {source.name} ({header.quantization or 'floats'}, "
+                f"{header.size / 1e6:.0f} MB) into a float32 model once; later runs "
+                f"read it from {final}"
+            )
+        _convert(source, final, header, sha)
+    return True
 
 
 def _convert(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
