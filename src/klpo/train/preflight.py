@@ -38,6 +38,7 @@ from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
+from klpo.train.models import gguf
 from klpo.train.models.describe import config_lines
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
@@ -482,6 +483,7 @@ def preflight(
     train_set, heldout = load_examples(cfg)
     check_rewards_and_trackers(cfg, train_set + heldout)
     check_answers(cfg, train_set, heldout)
+    resolve_gguf_sources(cfg, log)
     policy = resolve_model_path(cfg.model.policy)
     reference = resolve_model_path(cfg.model.reference or cfg.model.policy)
     critic = resolve_model_path(cfg.model.critic or reference)
@@ -504,6 +506,31 @@ def preflight(
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)
     return plan, (train_set, heldout)
+
+
+def resolve_gguf_sources(cfg: TrainConfig, log=print) -> None:
+    """Every model key that names a ``.gguf`` file (``model.policy``, ``model.reference``,
+    ``model.critic``, a reward model's ``path``) resolved to its float32 image in klpo's cache
+    (:func:`klpo.train.models.gguf.resolve_gguf`: made once, here, before any check reads a
+    tokenizer or a model config), with one line each saying the weights are a float image of a
+    quantised file. Later resolves of the same file in this process are instant."""
+    keys = {"model.policy": cfg.model.policy, "model.reference": cfg.model.reference}
+    if ALGORITHMS[cfg.algo.name].critic:
+        keys["model.critic"] = cfg.model.critic
+    for i, term in enumerate(cfg.rewards):
+        if term.name == "model":
+            keys[f"rewards[{i}].path"] = term.path
+    seen: set[str] = set()
+    for key, name in keys.items():
+        if not name or not gguf.is_gguf_path(name):
+            continue
+        try:
+            image = gguf.resolve_gguf(name, key=key, log=log)
+        except gguf.GGUFError as err:
+            raise ConfigError(f"{key}: {err}") from None
+        if image.sha256 not in seen:
+            log(image.describe(key))
+            seen.add(image.sha256)
 
 
 def check_rewards_and_trackers(cfg: TrainConfig, examples: list[Example]) -> None:

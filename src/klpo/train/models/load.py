@@ -3,7 +3,9 @@
 Models and tokenizers are read from local directories, or fetched by Hub id the way transformers
 fetches them, honouring ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``
 (:mod:`klpo.train.models.hub`); ``builtin`` names the tiny arithmetic model shipped in the package
-(:func:`resolve_model_path`). The wrappers the step calls are in :mod:`klpo.train.models.backbone`.
+(:func:`resolve_model_path`), and a ``.gguf`` file is dequantised once into a cached float32 model
+directory (:mod:`klpo.train.models.gguf`). The wrappers the step calls are in
+:mod:`klpo.train.models.backbone`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from klpo import heads
+from klpo.train.models import gguf
 from klpo.train.models.hub import hub_problem
 from klpo.train.runtime.checkpoint import model_dir_problem
 
@@ -70,8 +73,12 @@ def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str
 
     A directory: its files (config, weights complete, tokenizer when asked). A model id: in the
     local cache when the Hub is offline, else one short request to the Hub
-    (:func:`klpo.train.models.hub.hub_problem`).
+    (:func:`klpo.train.models.hub.hub_problem`). A ``.gguf`` file: its header
+    (:func:`klpo.train.models.gguf.gguf_problem`); its image is checked as a directory once
+    :func:`resolve_model_path` has made it.
     """
+    if gguf.is_gguf_path(name):
+        return gguf.gguf_problem(name, key)
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -102,7 +109,9 @@ def model_source_problem(name: str, key: str, *, tokenizer: bool = False) -> str
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"):
-    """A transformers causal LM from a local directory or a model id (fetched by transformers)."""
+    """A transformers causal LM from a local directory, a model id (fetched by transformers) or
+    a ``.gguf`` file (its cached float32 image, :func:`resolve_model_path`)."""
+    name_or_path = resolve_model_path(name_or_path, key=key)
     problem = model_source_problem(name_or_path, key)
     if problem:
         raise FileNotFoundError(problem)
@@ -123,6 +132,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", key: str = "model"
 
 def load_tokenizer(name_or_path: str, key: str = "model"):
     """The tokenizer saved with a model (left padding; EOS as pad if there is no pad token)."""
+    name_or_path = resolve_model_path(name_or_path, key=key)
     problem = model_source_problem(name_or_path, key, tokenizer=True)
     if problem:
         raise FileNotFoundError(problem)
@@ -206,8 +216,16 @@ def default_reference_path() -> Path:
     return path
 
 
-def resolve_model_path(name: str) -> str:
-    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model."""
+def resolve_model_path(name: str, *, key: str = "model", log=None) -> str:
+    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model; a ``.gguf``
+    file is its float32 image in klpo's cache, made on first use
+    (:func:`klpo.train.models.gguf.resolve_gguf`; ``log`` hears that a conversion starts).
+
+    Raises:
+        klpo.train.models.gguf.GGUFError: a ``.gguf`` file that cannot be used.
+    """
     if name == "builtin":
         return str(default_reference_path())
+    if gguf.is_gguf_path(name):
+        return str(gguf.resolve_gguf(name, key=key, log=log).path)
     return name

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from klpo.train.models.load import quiet_transformers
+from klpo.train.models.load import quiet_transformers, resolve_model_path
 from klpo.train.rewards.functions import WeightedReward, resolve_rewards
 
 __all__ = ["RewardModel", "build_rewards"]
@@ -50,6 +50,8 @@ class RewardModel:
 
         quiet_transformers()
         self.path = str(path)
+        # A .gguf file: its float32 image in klpo's cache (klpo.train.models.gguf).
+        path = resolve_model_path(self.path, key="reward model path")
         if not Path(path).is_dir():
             raise FileNotFoundError(
                 f"reward model directory {self.path!r} does not exist; make one with "
@@ -68,6 +70,12 @@ class RewardModel:
             raise ValueError(
                 f"reward model {self.path!r} has {self.model.config.num_labels} outputs; a "
                 "reward model has one (num_labels=1), its score"
+                + (
+                    ". A GGUF file of a causal LM has no score head: train one on it with "
+                    f"klpo make-reward-model DIR --init {self.path}"
+                    if self.path.lower().endswith(".gguf")
+                    else ""
+                )
             )
         if self.tokenizer.pad_token_id is None:
             raise ValueError(f"the tokenizer of reward model {self.path!r} has no pad token")

@@ -29,6 +29,7 @@ from typing import Any
 from klpo._io import atomic_dir
 from klpo.train.config import ConfigError
 from klpo.train.data.task import ArithmeticTask
+from klpo.train.models.gguf import GGUFError
 from klpo.train.models.load import (
     load_tokenizer,
     model_source_problem,
@@ -142,7 +143,10 @@ def make_reward_model(
     claim_dir(out, "make-reward-model", proceed=overwrite)
     quiet_transformers()
     t0 = time.perf_counter()
-    init = resolve_model_path(config.init)
+    try:  # a .gguf file: its float32 image in klpo's cache (klpo.train.models.gguf)
+        init = resolve_model_path(config.init, key="--init")
+    except GGUFError as err:
+        raise ConfigError(f"--init: {err}") from None
     problem = model_source_problem(init, "--init", tokenizer=True)
     if problem:  # checked as klpo train checks model.policy (offline: the cache only)
         raise ConfigError(problem.replace("model.policy=builtin", "--init builtin"))
