@@ -46,6 +46,7 @@ __all__ = [
     "claim_pages",
     "dir_state",
     "fresh_name",
+    "written_before",
 ]
 
 LOCK_FILE = ".klpo.lock"
@@ -110,7 +111,7 @@ PRODUCTS: dict[str, Product] = {
         "OUT",
         "reference model",
         (("reference.json",),),
-        "`--overwrite` replaces it whole",
+        "`--overwrite` replaces the files it wrote (other files stay)",
         replace="--overwrite",
     ),
     "make-reward-model": Product(
@@ -118,7 +119,7 @@ PRODUCTS: dict[str, Product] = {
         "OUT",
         "reward model",
         (("reward_model.json",),),
-        "`--overwrite` replaces it whole",
+        "`--overwrite` replaces the files it wrote (other files stay)",
         replace="--overwrite",
     ),
 }
@@ -228,6 +229,18 @@ def claim_dir(path: str | Path, kind: str, *, proceed: bool = False) -> State:
         f"({_listing(_entries(path))}); {p.command} writes only into a new or empty directory, "
         f"so that nothing there is overwritten{only}: {other}"
     )
+
+
+def written_before(meta_file: str | Path) -> list[str]:
+    """The names an earlier ``make-reference`` / ``make-reward-model`` wrote into its directory,
+    as its metadata file (``reference.json``, ``reward_model.json``) lists them under
+    ``"files"`` (none listed, or unreadable: none). ``--overwrite`` replaces these and the
+    names it writes now; everything else there is the user's and is kept."""
+    try:
+        files = json.loads(Path(meta_file).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
 
 
 def claim_pages(out: str | Path, pages: list[str], header: str, option: str = "--out") -> None:
