@@ -184,9 +184,13 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
     and after a step in which ``stopper`` caught SIGINT/SIGTERM on any rank (then stop)."""
     cfg = run.cfg
     t_start = time.perf_counter()
+    unscored_said = False
     for step in range(run.step0 + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         metrics, tokens, scored = train_step(run, step)
+        if metrics.get("reward/unscored", 0.0) >= 1.0 and not unscored_said:
+            unscored_said = True  # said once: the user's reward returns None for everything
+            run.log(_unscored_warning(run, step))
         last = step == cfg.run.steps or (
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
@@ -213,6 +217,16 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
             raise _interrupted(run.dir, step, stopper)
         if last:
             break
+
+
+def _unscored_warning(run: TrainRun, step: int) -> str:
+    names = ", ".join(repr(t.name) for t in run.cfg.rewards)
+    return (
+        f"warning: step {step}: no reward function ({names}) scored any of the step's "
+        "completions (each returned None for every one), so the step had no reward signal and "
+        "its reward/mean of 0.0 is no measurement; a function returns None only for a sample "
+        "it cannot score (see reward/unscored), so check what it returns"
+    )
 
 
 def _check_finite(run: TrainRun, step: int, metrics: dict[str, float]) -> None:

@@ -38,6 +38,7 @@ from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
+from klpo.train.lr_schedule import check_lr_schedule
 from klpo.train.models.fsdp import is_sharded_checkpoint
 from klpo.train.models.load import (
     load_tokenizer,
@@ -475,6 +476,7 @@ def preflight(
             "one process, so nothing would be sharded; launch it with torchrun --nproc_per_node "
             "N -m klpo train (N >= 2), or set dist.strategy=ddp for one process"
         )
+    schedule_warnings = check_lr_schedule(cfg)  # its kwargs, and whether any step trains
     plan = plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
@@ -496,7 +498,7 @@ def preflight(
     log(f"run directory: {cfg.run.out_dir}")
     for line in plan.notes:
         log(f"note: {line}")
-    for line in config_warnings(cfg, dist.world):
+    for line in [*config_warnings(cfg, dist.world), *schedule_warnings]:
         log(f"warning: {line}")
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)

@@ -83,6 +83,11 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
                 f"set data.prompt_field / data.answer_field to the right names"
             )
     prompt, answer = row[prompt_field], row[answer_field]
+    if answer is None:  # str(None) would become the answer text "None"
+        raise ValueError(
+            f"{where}: field {answer_field!r} is null; give the example its answer (a string "
+            "or a number), or drop it"
+        )
     if isinstance(prompt, list):
         return Example(
             prompt="", answer=str(answer), messages=_messages(prompt, where), where=where, row=row

@@ -533,19 +533,38 @@ def score(
         raise RewardError(
             f"reward function {name!r} raised {type(err).__name__} {at}: {err}"
         ) from err
-    try:
-        values = list(values)
-    except TypeError:
-        raise RewardError(
-            f"reward function {name!r} returned a {type(values).__name__}, expected a list of "
-            f"{n} floats (one per completion)"
-        ) from None
+    values = _as_list(name, values, n)
     if len(values) != n:
         raise RewardError(
             f"reward function {name!r} returned {len(values)} values for {n} completions; it "
             f"must return exactly one float (or None) per completion"
         )
     return [_checked(name, v, i, batch.completions[i]) for i, v in enumerate(values)]
+
+
+def _as_list(name: str, values: object, n: int) -> list[object]:
+    """The values of a list, tuple, 1-d numpy array or 1-d torch tensor; anything else (a dict,
+    whose iteration gives its keys; a set, with no order; a generator, a string, a number) is
+    refused, naming the function and the type."""
+    if isinstance(values, list | tuple):
+        return list(values)
+    ndim = getattr(values, "ndim", None)
+    tolist = getattr(values, "tolist", None)
+    kind = type(values).__module__.split(".")[0]
+    if kind in ("numpy", "torch") and callable(tolist) and ndim == 1:
+        return list(tolist())
+    shape = f" of shape {tuple(values.shape)}" if kind in ("numpy", "torch") and ndim else ""
+    hint = (
+        " (iterating a dict gives its keys, not its values: return list(d.values()) in the "
+        "completions' order)"
+        if isinstance(values, Mapping)
+        else ""
+    )
+    raise RewardError(
+        f"reward function {name!r} returned a {type(values).__name__}{shape}; it must return a "
+        f"list (or tuple, 1-d array or tensor) of {n} numbers or None, one per completion in "
+        f"order{hint}"
+    )
 
 
 def _checked(name: str, v: object, i: int, completion: str) -> float | None:
