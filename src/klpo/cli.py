@@ -857,9 +857,11 @@ def compare(
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
 
     Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
-    interrupted study without repeating finished runs.
+    interrupted study without repeating finished runs (crashed or interrupted ones continue
+    from their last checkpoint). Ctrl-C or SIGTERM stops it: the runs under way stop after
+    their step with a checkpoint, no new run starts, and the runs finished so far are summarised.
     """
-    from klpo.study.runner import run_study
+    from klpo.study.runner import StudyInterrupted, run_study
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
 
@@ -888,6 +890,14 @@ def compare(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    except StudyInterrupted as err:
+        wrote = f"; their summary is in {out / 'report.md'}" if err.finished else ""
+        typer.echo(
+            f"{err}{wrote}. Not finished: {', '.join(err.unfinished)}; the same klpo compare "
+            f"command (--out {out}) continues them from their checkpoints",
+            err=True,
+        )
+        raise typer.Exit(err.exit_code) from None
     typer.echo(f"wrote {out / 'report.md'}", err=True)
 
 

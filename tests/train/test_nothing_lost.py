@@ -231,3 +231,216 @@ def test_a_warm_up_longer_than_the_run_is_warned_with_the_peak(tiny_model, quick
         "warning: optim.warmup_steps=100 is longer than the run (run.steps=4): the learning "
         "rate peaks at 4.0% of optim.lr=0.01 (step 4)"
     ) in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The study: interrupted, terminated, or meeting a trainer that is still running.
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+
+def subprocess_env() -> dict[str, str]:
+    import os
+
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), e.get("PYTHONPATH", "")])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def tiny_study_file(path: Path, tiny_model: Path, seeds: list[int], steps: int = 6) -> Path:
+    """A study of ``len(seeds)`` runs of the tiny model; its reward sleeps 0.3 s per call, so a
+    step lasts long enough to be interrupted in the middle."""
+    import yaml
+
+    study = {
+        "choices": [{"estimator": "k3", "placement": "loss"}],
+        "betas": [0.1],
+        "seeds": seeds,
+        "steps": steps,
+        "eval_every": 100,
+        "eval_size": 8,
+        "workers": 1,
+        "base": {
+            "model.policy": str(tiny_model),
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 2,
+            "rollout.max_new_tokens": 4,
+            "optim.lr": 1e-2,
+            "rewards": [{"name": "klpo_test_rewards:slow_digits"}],
+        },
+    }
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path
+
+
+def wait_for(condition, what: str, timeout: float = 240.0) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_compare_stops_on_the_first_signal_and_a_re_run_finishes_it(tiny_model, tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM (to compare alone): the
+    trainer under way stops after its step with a checkpoint and is waited for, no further run
+    starts, compare exits 128 + the signal naming what is not finished; the same command then
+    continues the interrupted run from its checkpoint and runs the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    spec = tiny_study_file(tmp_path / "study.yaml", tiny_model, seeds=[0, 1])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "klpo", "compare", "-c", str(spec), "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal gives a command
+    )
+    first = out / "runs" / "grpo_k3-loss_b0.1_s0"
+    lock = first / ".klpo.lock"
+
+    def started() -> bool:
+        return proc.poll() is not None or bool(
+            (first / "metrics.jsonl").is_file() and lock.read_text().strip()
+        )
+
+    wait_for(started, "step 1")
+    assert proc.poll() is None, proc.communicate()[0]
+    trainer = json.loads(lock.read_text())["pid"]
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    if how == "ctrl-c":
+        os.killpg(proc.pid, sig)  # what the terminal does: the whole foreground group
+    else:
+        os.kill(proc.pid, sig)  # what a scheduler or `kill` does: compare alone
+    text, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + sig, text
+    assert not alive(trainer), "the trainer outlived compare"
+    assert f"stopped by {signal.Signals(sig).name}: 0 of 2 runs finished" in text, text
+    assert "Not finished: grpo_k3-loss_b0.1_s0, grpo_k3-loss_b0.1_s1" in text, text
+    assert "Traceback" not in text
+    assert not (out / "runs" / "grpo_k3-loss_b0.1_s1").exists()  # never started
+    assert yaml.safe_load((first / "result.yaml").read_text())["status"] == "interrupted"
+    assert (first / "checkpoints" / "latest").is_file()
+    steps_then = [r["step"] for r in map(json.loads, (first / "metrics.jsonl").open())]
+    assert 1 <= steps_then[-1] < 6
+    again = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    log = (out / "logs" / "grpo_k3-loss_b0.1_s0.txt").read_text()
+    assert "continued from its last checkpoint" in log
+    rows = [yaml.safe_load((d / "result.yaml").read_text()) for d in (out / "runs").iterdir()]
+    assert sorted((r["status"] in ("ok", "collapsed"), r["steps_done"]) for r in rows) == [
+        (True, 6),
+        (True, 6),
+    ], rows
+    steps_now = [r["step"] for r in map(json.loads, (first / "metrics.jsonl").open())]
+    assert [s for s in steps_now if s >= 1] == [1, 2, 3, 4, 5, 6]  # continued, none twice
+
+
+def test_compare_never_clears_a_run_directory_a_live_trainer_holds(tiny_model, tmp_path):
+    """A trainer left running by an earlier compare holds its run's lock: the re-run is refused
+    before anything starts, naming it, and every file stays as it was."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from klpo.study.spec import load_study
+
+    spec = tiny_study_file(tmp_path / "study.yaml", tiny_model, seeds=[0])
+    out = tmp_path / "out"
+    run_dir = out / "runs" / "grpo_k3-loss_b0.1_s0"
+    run_dir.mkdir(parents=True)
+    study = load_study(spec, quick=False, task="builtin")  # as the earlier compare wrote it
+    (out / "study.yaml").write_text(yaml.safe_dump(study.model_dump(), sort_keys=False))
+    (run_dir / "config.yaml").write_text("half a run\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from klpo.train.outdir import DirLock\n"
+         f"with DirLock({str(run_dir)!r}, 'klpo train', option='run.out_dir'):\n"
+         "    print('held', flush=True); time.sleep(120)\n"],
+        env=subprocess_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(tmp_path)
+        text = clean_error(
+            cli("compare", "-c", str(spec), "--out", str(out)),
+            2,
+            "is being written by klpo train (pid",
+            "a trainer of an earlier klpo compare",
+            "kill the pid",
+        )
+        assert str(holder.pid) in text
+        after = snapshot(tmp_path)
+        assert {k: v for k, v in after.items() if k != "out/.klpo.lock"} == {
+            k: v for k, v in before.items() if k != "out/.klpo.lock"
+        }
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_crashed_run_is_run_again_not_reused(tmp_path, monkeypatch):
+    """A run recorded as crashed (or interrupted) is not a result: a re-run starts it again."""
+    import yaml
+
+    from klpo.study import runner
+    from klpo.study.grid import study_grid
+    from klpo.study.spec import Choice, StudyConfig
+
+    study = StudyConfig(
+        choices=[Choice(estimator="k3", placement="loss")], betas=[0.1], seeds=[0, 1], steps=2
+    )
+    runs = study_grid(study)
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study.model_dump(), sort_keys=False))
+    for run, status in zip(runs, ["crashed", "ok"], strict=True):
+        d = tmp_path / "runs" / run.name
+        d.mkdir(parents=True)
+        (d / "result.yaml").write_text(yaml.safe_dump({"name": run.name, "status": status}))
+    assert runner.finished_row(tmp_path / "runs" / runs[0].name) is None
+    assert runner.finished_row(tmp_path / "runs" / runs[1].name)["status"] == "ok"
+    started = []
+
+    class Proc:
+        pid = 12345
+
+        def wait(self):
+            return 0
+
+    def popen(self, cmd, **kw):
+        started.append(cmd)
+        return Proc()
+
+    monkeypatch.setattr(runner._Signals, "popen", popen)
+    monkeypatch.setattr(
+        runner, "summarise_run", lambda run, *a, **k: {"name": run.name, "status": "ok"}
+    )
+    monkeypatch.setattr(runner, "write_results", lambda *a, **k: None)
+    rows = runner.run_study(study, tmp_path)
+    assert len(started) == 1 and f"run.out_dir={tmp_path / 'runs' / runs[0].name}" in started[0]
+    assert [r["status"] for r in rows] == ["ok", "ok"]

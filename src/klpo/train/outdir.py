@@ -89,7 +89,8 @@ PRODUCTS: dict[str, Product] = {
         "study",
         (("study.yaml",),),
         "a re-run with the same settings (its `study.yaml`; `--workers` may differ) finishes "
-        "it, reusing its finished runs",
+        "it, reusing its finished runs and continuing crashed or interrupted ones from their "
+        "last checkpoint",
     ),
     "lab report": Product(
         "klpo lab report",
