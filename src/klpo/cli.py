@@ -606,7 +606,9 @@ def make_reference_cmd(
         help="Directory to write the model, tokenizer and reference.json into.",
     ),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the reference model an earlier run wrote to OUT (its files; others stay)."
+        False,
+        "--overwrite",
+        help="Replace the reference model an earlier run wrote to OUT (its files; others stay).",
     ),
     steps: int | None = typer.Option(None, metavar="N", help="The most SFT steps."),
     seed: int | None = typer.Option(
@@ -715,7 +717,9 @@ def _print_reference(result, config, *, defaults: bool) -> None:
 def make_reward_model_cmd(
     out: str = typer.Argument(..., metavar="OUT", help="Directory to write the reward model into."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the reward model an earlier run wrote to OUT (its files; others stay)."
+        False,
+        "--overwrite",
+        help="Replace the reward model an earlier run wrote to OUT (its files; others stay).",
     ),
     init: str | None = typer.Option(
         None,
