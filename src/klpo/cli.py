@@ -229,6 +229,7 @@ def _train_config(
             saved = resume / "config.yaml"
             if not saved.is_file():
                 raise ConfigError(f"--resume {resume}: no config.yaml there, so no run to resume")
+            _resume_in_place(resume, overrides)
             cfg = load_config(config or saved, [*overrides, f"run.out_dir={resume}"])
         else:
             cfg = load_config(config, overrides)
@@ -242,6 +243,26 @@ def _train_config(
     if empty:
         typer.echo(f"warning: {empty}", err=True)
     return cfg
+
+
+def _resume_in_place(resume: Path, overrides: list[str]) -> None:
+    """``--resume DIR`` continues DIR where it is: a ``--set run.out_dir=OTHER`` naming another
+    directory is refused (it would be ignored, and DIR's checkpoints pruned), with the way to
+    branch the run into OTHER."""
+    from klpo.train.config import ConfigError
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() != "run.out_dir":
+            continue
+        other = Path(value.strip().strip("'\""))
+        if other.resolve() != resume.resolve():
+            raise ConfigError(
+                f"--resume {resume} continues that run in place, so run.out_dir={other} cannot "
+                f"apply: drop the --set to continue {resume}; to branch the run into {other}, "
+                f"copy it first (cp -r {resume} {other}) and resume the copy (klpo train "
+                f"--resume {other})"
+            )
 
 
 def _train_or_check(cfg, resume: bool, allow_config_change: bool, check: bool) -> None:

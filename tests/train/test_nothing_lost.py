@@ -444,3 +444,81 @@ def test_a_crashed_run_is_run_again_not_reused(tmp_path, monkeypatch):
     rows = runner.run_study(study, tmp_path)
     assert len(started) == 1 and f"run.out_dir={tmp_path / 'runs' / runs[0].name}" in started[0]
     assert [r["status"] for r in rows] == ["ok", "ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume: in place, forward, with what it lost said, and never past a lock.
+
+
+def hold_lock(run_dir: Path):
+    """A process holding ``run_dir``'s lock, as a run in progress does (kill it when done)."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time\n"
+         "from klpo.train.outdir import DirLock\n"
+         f"with DirLock({str(run_dir)!r}, 'klpo train', option='run.out_dir'):\n"
+         "    print('held', flush=True); time.sleep(120)\n"],
+        env=subprocess_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_resume_is_refused_where_it_cannot_do_what_it_is_asked(tiny_model, quick, tmp_path):
+    out = tmp_path / "run"
+    first = cli("train", *[a for o in quick(tiny_model, out) for a in ("--set", o)])
+    assert first.exit_code == 0, first.output
+    assert (out / "checkpoints" / "step_000003").is_dir()
+    before = snapshot(tmp_path)
+    other = tmp_path / "other"
+    clean_error(
+        cli("train", "--resume", str(out), "--set", f"run.out_dir={other}"),
+        2,
+        f"--resume {out} continues that run in place, so run.out_dir={other} cannot apply",
+        f"cp -r {out} {other}",
+    )
+    clean_error(
+        cli("train", "--resume", str(out), "--set", "run.steps=2"),
+        1,
+        f"--resume {out}: run.steps=2 is behind its checkpoint, which is at step 3",
+        "Give run.steps above 3",
+    )
+    holder = hold_lock(out)
+    try:
+        clean_error(
+            cli("train", "--resume", str(out), "--set", "run.steps=5", "--check"),
+            1,
+            f"run.out_dir '{out}' is being written by klpo train (pid {holder.pid}",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k != "run/.klpo.lock"} == {
+        k: v for k, v in before.items() if k != "run/.klpo.lock"
+    }
+    assert not other.exists()
+    ok = cli("train", "--resume", str(out), "--set", "run.steps=5", "--check")
+    assert ok.exit_code == 0 and "check passed" in ok.output, ok.output
+
+
+def test_a_resume_without_metrics_says_what_is_lost(tiny_model, quick, tmp_path):
+    out = tmp_path / "run"
+    first = cli("train", *[a for o in quick(tiny_model, out) for a in ("--set", o)])
+    assert first.exit_code == 0, first.output
+    (out / "metrics.jsonl").unlink()
+    kept = snapshot(out / "checkpoints" / "step_000003")
+    again = cli("train", "--resume", str(out), "--set", "run.steps=4")
+    assert again.exit_code == 0, again.output
+    assert (
+        f"note: {out / 'metrics.jsonl'} is missing or empty: the metrics of steps 1–3 are lost; "
+        "the run continues from step 3 and the file will hold steps 4–4 only"
+    ) in again.output
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()]
+    assert [s for s in steps if s >= 1] == [4]
+    report = (out / "report.md").read_text()
+    assert "steps 4–4; those of steps 1–3 are not in the file" in report
+    assert snapshot(out / "checkpoints" / "step_000003") == kept

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from klpo.train.config import TrainConfig
+from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
@@ -105,6 +106,7 @@ def check_run(
     without loading a model or writing a file; raises what a run would raise before it starts."""
     dist = Dist(world=int(os.environ.get("WORLD_SIZE", "1")))
     preflight(cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change)
+    DirLock.probe(cfg.run.out_dir, "run.out_dir")  # a run would be refused while it is held
     names = [t.name for t in cfg.rewards if t.name != "model"] + [cfg.gold_reward or "exact_match"]
     for name in names:
         get_reward(name)

@@ -334,6 +334,32 @@ class DirLock:
         self._write(json.dumps(info) + "\n")
         return self
 
+    @staticmethod
+    def probe(path: str | Path, option: str = "--out") -> None:
+        """Raise :class:`DirBusy` if a live process holds ``path``'s lock; writes nothing (for
+        ``klpo train --check``). A missing lock file, or a system without ``flock``: free."""
+        lock_path = Path(path) / LOCK_FILE
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: the run itself takes the lock and says so
+            return
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder_text(_read_holder(lock_path))
+            raise DirBusy(
+                f"{option} {str(path)!r} is being written by {holder}: one process at a time "
+                f"writes a directory. Wait for it to end, or choose another {option}"
+            ) from None
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     def _write(self, text: str) -> None:
         # In place (the lock is on this inode, so no rename), while holding the lock.
         with self.path.open("r+", encoding="utf-8") as f:

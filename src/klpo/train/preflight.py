@@ -152,6 +152,7 @@ def plan_run_dir(
         )
     else:
         plan.meta = ckpt_io.load_state(plan.start)
+        _check_resume_step(cfg, run_dir, plan)
         plan.saved_world = len(plan.meta["rng"])
         if plan.saved_world != world:
             plan.changes["processes"] = [plan.saved_world, world]
@@ -169,6 +170,26 @@ def plan_run_dir(
             f"the change recorded in {run_dir / CHANGES_FILE}"
         )
     return plan
+
+
+def _check_resume_step(cfg: TrainConfig, run_dir: Path, plan: RunPlan) -> None:
+    """A resume goes on from its checkpoint's step: refuse a ``run.steps`` behind it (nothing
+    would train, and config.yaml would say a length the run is not), and say when the metrics
+    of the steps before it are gone."""
+    step = int(plan.meta.get("step", 0))
+    if cfg.run.steps < step:
+        raise ConfigError(
+            f"--resume {run_dir}: run.steps={cfg.run.steps} is behind its checkpoint, which is "
+            f"at step {step} ({plan.start.name}); a resume continues to a later step. Give "
+            f"run.steps above {step} (or drop the --set to keep {step}), or start a new run in "
+            "another run.out_dir"
+        )
+    if not has_metrics(run_dir):
+        plan.notes.append(
+            f"{run_dir / 'metrics.jsonl'} is missing or empty: the metrics of steps 1–{step} "
+            f"are lost; the run continues from step {step} and the file will hold steps "
+            f"{step + 1}–{cfg.run.steps} only"
+        )
 
 
 def record_config_change(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> None:
