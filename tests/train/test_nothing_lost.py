@@ -522,3 +522,73 @@ def test_a_resume_without_metrics_says_what_is_lost(tiny_model, quick, tmp_path)
     report = (out / "report.md").read_text()
     assert "steps 4–4; those of steps 1–3 are not in the file" in report
     assert snapshot(out / "checkpoints" / "step_000003") == kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracebacks and unclear words: the user's file and line, the plain reason.
+
+
+def test_a_reward_module_that_fails_to_import_names_its_file_line_and_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_syntax.py").write_text(
+        "def f(prompts, completions, answers):\n    return [1.0 for c in completions\n"
+    )
+    (tmp_path / "bad_raise.py").write_text("import json\n\nSCALE = 1 / 0\n")
+    before = snapshot(tmp_path)
+    out = f"run.out_dir={tmp_path / 'run'}"
+    cases = {
+        "bad_syntax": [
+            f"importing module 'bad_syntax' failed with SyntaxError at {tmp_path}/bad_syntax.py:2",
+            "'[' was never closed",
+        ],
+        "bad_raise": [
+            "importing module 'bad_raise' failed with ZeroDivisionError at "
+            f"{tmp_path}/bad_raise.py:3: division by zero",
+        ],
+    }
+    for module, words in cases.items():
+        reward = f"rewards=[{{name: '{module}:f'}}]"
+        result = cli("train", "--check", "--set", reward, "--set", out)
+        clean_error(result, 1, *words, f"python -c 'import {module}'")
+        assert len(result.output.strip().splitlines()) == 1, result.output  # one message
+    assert {k: v for k, v in snapshot(tmp_path).items() if "__pycache__" not in k} == before
+
+
+def test_unclear_inputs_get_plain_words(tiny_model, quick, tmp_path):
+    """A data column named as a trainer argument, refused before any model loads, naming the
+    line; a UTF-8 byte-order mark read; a data.path that is a directory said so;
+    run.report_to=none accepted; a .klpo.lock that is a directory named."""
+    from klpo.train.data.sources import read_jsonl
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2", "completions": "x"}\n')
+    trl = "[{name: 'klpo_test_rewards:trl_digits_by_task'}]"
+    base = [f"run.out_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={data}"]
+    before = snapshot(tmp_path)
+    clean_error(
+        cli("train", "--check", *[a for o in [*base, f"rewards={trl}"] for a in ("--set", o)]),
+        1,
+        f"{data}:1: the data has a column 'completions', the name of an argument the trainer "
+        "gives every TRL-form reward function",
+        "rename that column",
+    )
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n')
+    assert [e.answer for e in read_jsonl(bom)] == ["2"]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="is a directory; give the path of the JSONL"):
+        read_jsonl(folder)
+    from klpo.train.config import build_config
+
+    assert build_config(overrides=["run.report_to=none"]).run.report_to == []
+    assert build_config(overrides=["run.report_to=tensorboard"]).run.report_to == ["tensorboard"]
+    assert snapshot(tmp_path) == {**before, "bom.jsonl": bom.read_bytes()}
+    run = tmp_path / "locked"
+    (run / ".klpo.lock").mkdir(parents=True)
+    clean_error(
+        cli("train", *[a for o in quick(tiny_model, run) for a in ("--set", o)]),
+        1,
+        f"{run / '.klpo.lock'} is a directory, not the lock file klpo keeps there",
+        "remove it",
+    )

@@ -311,6 +311,12 @@ class DirLock:
         import filelock
 
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir() or (self.path.exists() and not self.path.is_file()):
+            raise ConfigError(
+                f"{self.option} {str(self.dir)!r}: {self.path} is a directory, not the lock file "
+                f"klpo keeps there ({LOCK_FILE}); remove it (nothing of klpo's is in it), then "
+                "run the command again"
+            )
         lock = filelock.FileLock(str(self.path), timeout=0)
         try:
             lock.acquire()

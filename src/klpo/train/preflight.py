@@ -542,6 +542,14 @@ def check_rewards_and_trackers(cfg: TrainConfig, examples: list[Example]) -> Non
             (r,) = rewards.resolve_rewards([term.name])
         except ValueError as err:
             raise ConfigError(f"rewards[{i}]: {err}") from None
+        clash = [c for c in columns if c in rewards.KEYWORDS and c not in ("completion_ids",)]
+        if clash and rewards.reward_form(r.fn, term.name) == "trl":
+            e = next(e for e in examples if clash[0] in e.columns)
+            raise ConfigError(
+                f"{e.where or 'the data'}: the data has a column {clash[0]!r}, the name of an "
+                f"argument the trainer gives every TRL-form reward function such as rewards[{i}] "
+                f"{term.name!r} ({', '.join(rewards.KEYWORDS)}); rename that column"
+            )
         missing = rewards.missing_keywords(r.fn, [*columns, *rewards.KEYWORDS])
         if missing:
             raise ConfigError(

@@ -455,6 +455,30 @@ def _import_from_cwd(module_name: str):
         return importlib.import_module(module_name)
 
 
+def _import_failure(name: str, module_name: str, err: BaseException) -> str:
+    """One paragraph for a module that exists but fails as it is imported: the file and line
+    (of the module, or of the deepest frame in a file of the user's) and the error."""
+    import traceback
+
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename}:{err.lineno}"
+        text = f"{err.msg}" + (f": {err.text.strip()!r}" if err.text else "")
+        kind = type(err).__name__
+    else:
+        frames = [
+            f
+            for f in traceback.extract_tb(err.__traceback__)
+            if not f.filename.startswith("<frozen") and "importlib" not in f.filename
+        ]
+        mine = [f for f in frames if "site-packages" not in f.filename] or frames
+        where = f"{mine[-1].filename}:{mine[-1].lineno}" if mine else module_name
+        text, kind = str(err), type(err).__name__
+    return (
+        f"reward {name!r}: importing module {module_name!r} failed with {kind} at {where}: "
+        f"{text}; fix the module (python -c 'import {module_name}' shows the whole traceback)"
+    )
+
+
 def get_reward(name: str) -> RewardFn:
     """A reward function by name: a registered one (:data:`REWARDS`) or ``"package.module:function"``.
 
@@ -475,10 +499,14 @@ def get_reward(name: str) -> RewardFn:
     try:
         module = _import_from_cwd(module_name)
     except ImportError as err:
+        if not isinstance(err, ModuleNotFoundError) or err.name != module_name.partition(".")[0]:
+            raise ValueError(_import_failure(name, module_name, err)) from None
         raise ValueError(
             f"reward {name!r}: cannot import module {module_name!r} ({err}); give a module in "
             f"the working directory ({os.getcwd()}) or an installed package"
         ) from err
+    except Exception as err:  # the user's module is there but fails as it is imported
+        raise ValueError(_import_failure(name, module_name, err)) from None
     fn = module
     for part in attr.split("."):
         if not part or not hasattr(fn, part):
