@@ -14,6 +14,40 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+
+def _full_disk_said(command: str, out: str | Path):
+    """A context manager: a full disk while ``command`` writes into ``out`` becomes one message
+    (the file, the free space, what is left, how to go on) and exit 1, not a traceback."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def said():
+        from klpo.train.runtime.checkpoint import disk_full, format_size
+
+        try:
+            yield
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            import shutil
+
+            probe = Path(out)
+            while not probe.is_dir() and probe.parent != probe:
+                probe = probe.parent
+            free = format_size(shutil.disk_usage(probe).free)
+            name = f" {err.filename}" if getattr(err, "filename", None) else ""
+            typer.echo(
+                f"error: {command} could not write{name} into {out}: No space left on device "
+                f"({free} free there). klpo writes each file whole or not at all (and a model "
+                "directory whole), so every file there is its old or its new self and nothing "
+                "half-written is left; free space and run the command again",
+                err=True,
+            )
+            raise typer.Exit(1) from None
+
+    return said()
+
+
 app = typer.Typer(
     name="klpo",
     help="KL-regularised policy optimisation for language models: estimators, lab, trainer.",
@@ -346,8 +380,9 @@ def docs(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    for path in write_pages(out):
-        typer.echo(f"wrote {path}")
+    with _full_disk_said("klpo docs", out):
+        for path in write_pages(out):
+            typer.echo(f"wrote {path}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,7 +628,10 @@ def lab_report(
     preset = PRESETS["quick" if quick else "default"]
     out = console()
     typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
-    with Progress("lab report", preset.units, weights=preset.unit_weights()) as bar:
+    with (
+        _full_disk_said("klpo lab report", out_dir),
+        Progress("lab report", preset.units, weights=preset.unit_weights()) as bar,
+    ):
         results = run_report(
             Path(out_dir),
             preset,
@@ -692,7 +730,10 @@ def make_reference_cmd(
     from klpo.train.config import ConfigError
 
     try:
-        with Progress("make-reference", config.steps) as bar:
+        with (
+            _full_disk_said("klpo make-reference", out),
+            Progress("make-reference", config.steps) as bar,
+        ):
             result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
     except ConfigError as err:  # OUT holds something it would not overwrite (klpo.train.outdir)
         typer.echo(f"error: {err}", err=True)
@@ -787,7 +828,10 @@ def make_reward_model_cmd(
     from klpo.train.config import ConfigError
 
     try:
-        with Progress("make-reward-model", reward_model.units(config)) as bar:
+        with (
+            _full_disk_said("klpo make-reward-model", out),
+            Progress("make-reward-model", reward_model.units(config)) as bar,
+        ):
             result = reward_model.make_reward_model(out, config, overwrite=overwrite, progress=bar)
     except (ConfigError, FileNotFoundError) as err:  # OUT, or --init: the error says which
         typer.echo(f"error: {err}", err=True)

@@ -33,7 +33,7 @@ def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes]:
 
 
 def clean_error(result, code: int, *fragments: str) -> str:
-    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    text = result.output  # (stdout and stderr together)
     assert result.exit_code == code, text
     assert "Traceback" not in text
     for f in fragments:
@@ -592,3 +592,101 @@ def test_unclear_inputs_get_plain_words(tiny_model, quick, tmp_path):
         f"{run / '.klpo.lock'} is a directory, not the lock file klpo keeps there",
         "remove it",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Full disks: said with what is kept and how to go on; the directory left resumable.
+
+
+def test_a_full_disk_at_a_metrics_write_is_said_and_left_resumable(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    import errno
+    import os
+
+    from klpo.train.runtime import metrics
+
+    out = tmp_path / "run"
+    real = metrics.MetricsWriter.write
+
+    def write(self, step, values):
+        if step >= 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return real(self, step, values)
+
+    monkeypatch.setattr(metrics.MetricsWriter, "write", write)
+    args = [a for o in quick(tiny_model, out) for a in ("--set", o)]
+    clean_error(
+        cli("train", *args),
+        1,
+        f"could not write {out / 'metrics.jsonl'} in {out}: No space left on device (the disk "
+        "is full: ",
+        "no checkpoint was written yet, so the resume starts again from step 0",
+        f"continue with klpo train --resume {out}",
+    )
+    kept = snapshot(out, skip=(".klpo.lock",))
+    monkeypatch.undo()  # space freed: the advice given works
+    again = cli("train", "--resume", str(out))
+    assert again.exit_code == 0, again.output
+    assert (out / "metrics.before-restart-1.jsonl").read_bytes() == kept["metrics.jsonl"]
+
+
+def test_a_full_disk_under_tensorboard_is_said_once_without_its_thread_traceback(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    import errno
+    import os
+
+    from tensorboard.summary.writer import record_writer
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    out = tmp_path / "run"
+    args = [a for o in quick(tiny_model, out, **{"run.tensorboard": True}) for a in ("--set", o)]
+    text = clean_error(
+        cli("train", *args),
+        1,
+        f"in {out}: No space left on device (the disk is full",
+        f"continue with klpo train --resume {out}",
+    )
+    assert "Exception in thread" not in text and text.count("No space left") == 1, text
+
+
+def test_a_full_disk_under_docs_lab_report_and_make_reward_model_is_one_message(
+    tmp_path, monkeypatch
+):
+    """Each file's fsync fails as on a full disk: one message and exit 1 (no traceback), the
+    files already there byte-identical, no temporary left behind."""
+    import errno
+    import os
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    docs, report, rm = tmp_path / "docs", tmp_path / "report", tmp_path / "rm"
+    docs.mkdir()
+    (docs / "guide.md").write_text("# hand-written\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(os, "fsync", full)
+    commands = [
+        ("klpo docs", ["docs", "--out", str(docs)], docs),
+        ("klpo lab report", ["lab", "report", "--quick", "--out", str(report)], report),
+        ("klpo make-reward-model",
+         ["make-reward-model", str(rm), "--n-pairs", "8", "--steps", "1", "--n-eval", "4"], rm),
+    ]  # fmt: skip
+    for command, args, out in commands:
+        result = cli(*args)
+        clean_error(
+            result,
+            1,
+            f"error: {command} could not write",
+            f"into {out}: No space left on device",
+            "nothing half-written is left; free space and run the command again",
+        )
+    monkeypatch.undo()
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k in before} == before
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".old-"))]
+    assert not leftovers and not any(k.endswith(".tmp") for k in after), (leftovers, after)

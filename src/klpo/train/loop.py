@@ -36,6 +36,7 @@ from klpo.train.config import TrainConfig
 from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
+from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal
 from klpo.train.setup import (
@@ -127,14 +128,42 @@ def _train(
     with hold_run_dir(
         cfg, dist, plan, resume=resume, allow_config_change=allow_config_change, log=log
     ) as plan:  # one process at a time writes a run directory
-        run = setup(cfg, dist, plan, examples, log)
-        finished = False
         try:
-            run_steps(run, stopper)
-            finished = True
-        finally:
-            teardown(run, finished=finished)
+            run = setup(cfg, dist, plan, examples, log)
+            finished = False
+            try:
+                run_steps(run, stopper)
+                finished = True
+            finally:
+                teardown(run, finished=finished)
+        except OSError as err:
+            if isinstance(err, ckpt_io.CheckpointError) or not ckpt_io.disk_full(err):
+                raise
+            raise ckpt_io.CheckpointError(_disk_full(Path(cfg.run.out_dir), err)) from None
     return run.dir
+
+
+def _disk_full(run_dir: Path, err: OSError) -> str:
+    """What a full disk outside a checkpoint save says (a checkpoint's own failure says more,
+    :class:`klpo.train.runtime.checkpoint.CheckpointError`): the file, what is kept, the free
+    space, how to go on; the run directory is left as ``--resume`` continues it."""
+    import shutil
+
+    where = f" {err.filename}" if getattr(err, "filename", None) else " a file"
+    last = ckpt_io.latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    kept = (
+        f"the last complete checkpoint {last.name} is intact, and the resume continues from it"
+        if last is not None
+        else "no checkpoint was written yet, so the resume starts again from step 0 (the "
+        "metrics so far are kept aside)"
+    )
+    probe = run_dir if run_dir.is_dir() else run_dir.parent
+    free = shutil.disk_usage(probe).free if probe.is_dir() else 0
+    return (
+        f"could not write{where} in {run_dir}: No space left on device (the disk is full: "
+        f"{ckpt_io.format_size(free)} free there); nothing already written was changed, and "
+        f"{kept}. Free space and continue with klpo train --resume {run_dir}"
+    )
 
 
 def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Scored]:
