@@ -22,7 +22,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,8 +106,31 @@ def _fsync_tree(root: Path) -> None:
     fsync_dir(root)
 
 
+def _carry_over(final: Path, tmp: Path, ours: frozenset[str]) -> None:
+    """Hard-link (copy where links fail) into ``tmp`` every entry of ``final`` that neither
+    ``tmp`` nor ``ours`` names: the user's files, which the swap must not take away."""
+    for entry in sorted(final.iterdir()):
+        if entry.name in ours or (tmp / entry.name).exists() or entry.name.startswith(".tmp-"):
+            continue
+        dest = tmp / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(dest))
+
+
+def _link_or_copy(src: str, dest: str) -> None:
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dest)
+        return
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
 @contextlib.contextmanager
-def atomic_dir(final: str | Path) -> Iterator[Path]:
+def atomic_dir(final: str | Path, *, replaces: Iterable[str] | None = None) -> Iterator[Path]:
     """Build a directory in a temporary place and move it to ``final`` when the block succeeds.
 
     ``with atomic_dir(run / "checkpoints" / "step_000050") as tmp: ...`` yields
@@ -117,6 +140,11 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     temporary directory is removed and ``final`` is untouched.
 
     Directories made this way follow the umask (as ``mkdir`` does), not ``mkdtemp``'s 0700.
+
+    ``replaces``: the names in an existing ``final`` that the new directory replaces (the files
+    the command wrote there before). Given, every other entry of ``final`` (the user's notes,
+    evaluation results) is kept: hard-linked into the new directory before the swap, so it is in
+    ``final`` or in the new directory at every moment. Not given, ``final`` is replaced whole.
     """
     final = Path(final)
     parent = final.parent
@@ -126,6 +154,8 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        if replaces is not None and final.is_dir():
+            _carry_over(final, tmp, frozenset(replaces))
         _fsync_tree(tmp)
         old = None
         if final.exists():

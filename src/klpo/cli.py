@@ -14,6 +14,40 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+
+def _full_disk_said(command: str, out: str | Path):
+    """A context manager: a full disk while ``command`` writes into ``out`` becomes one message
+    (the file, the free space, what is left, how to go on) and exit 1, not a traceback."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def said():
+        from klpo.train.runtime.checkpoint import disk_full, format_size
+
+        try:
+            yield
+        except OSError as err:
+            if not disk_full(err):
+                raise
+            import shutil
+
+            probe = Path(out)
+            while not probe.is_dir() and probe.parent != probe:
+                probe = probe.parent
+            free = format_size(shutil.disk_usage(probe).free)
+            name = f" {err.filename}" if getattr(err, "filename", None) else ""
+            typer.echo(
+                f"error: {command} could not write{name} into {out}: No space left on device "
+                f"({free} free there). klpo writes each file whole or not at all (and a model "
+                "directory whole), so every file there is its old or its new self and nothing "
+                "half-written is left; free space and run the command again",
+                err=True,
+            )
+            raise typer.Exit(1) from None
+
+    return said()
+
+
 app = typer.Typer(
     name="klpo",
     help="KL-regularised policy optimisation for language models: estimators, lab, trainer.",
@@ -237,6 +271,7 @@ def _train_config(
             saved = resume / "config.yaml"
             if not saved.is_file():
                 raise ConfigError(f"--resume {resume}: no config.yaml there, so no run to resume")
+            _resume_in_place(resume, overrides)
             layered = load_configs(config or [saved], [*overrides, f"run.out_dir={resume}"])
         else:
             layered = load_configs(config, overrides)
@@ -253,6 +288,26 @@ def _train_config(
         if empty:
             typer.echo(f"warning: {empty}", err=True)
     return layered
+
+
+def _resume_in_place(resume: Path, overrides: list[str]) -> None:
+    """``--resume DIR`` continues DIR where it is: a ``--set run.out_dir=OTHER`` naming another
+    directory is refused (it would be ignored, and DIR's checkpoints pruned), with the way to
+    branch the run into OTHER."""
+    from klpo.train.config import ConfigError
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() != "run.out_dir":
+            continue
+        other = Path(value.strip().strip("'\""))
+        if other.resolve() != resume.resolve():
+            raise ConfigError(
+                f"--resume {resume} continues that run in place, so run.out_dir={other} cannot "
+                f"apply: drop the --set to continue {resume}; to branch the run into {other}, "
+                f"copy it first (cp -r {resume} {other}) and resume the copy (klpo train "
+                f"--resume {other})"
+            )
 
 
 def _train_or_check(cfg, resume: bool, allow_config_change: bool, check: bool) -> None:
@@ -336,8 +391,9 @@ def docs(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    for path in write_pages(out):
-        typer.echo(f"wrote {path}")
+    with _full_disk_said("klpo docs", out):
+        for path in write_pages(out):
+            typer.echo(f"wrote {path}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,7 +639,10 @@ def lab_report(
     preset = PRESETS["quick" if quick else "default"]
     out = console()
     typer.echo(f"klpo lab report: {preset.units} units of work into {out_dir}", err=True)
-    with Progress("lab report", preset.units, weights=preset.unit_weights()) as bar:
+    with (
+        _full_disk_said("klpo lab report", out_dir),
+        Progress("lab report", preset.units, weights=preset.unit_weights()) as bar,
+    ):
         results = run_report(
             Path(out_dir),
             preset,
@@ -617,7 +676,9 @@ def make_reference_cmd(
         help="Directory to write the model, tokenizer and reference.json into.",
     ),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the reference model an earlier run wrote to OUT."
+        False,
+        "--overwrite",
+        help="Replace the reference model an earlier run wrote to OUT (its files; others stay).",
     ),
     steps: int | None = typer.Option(None, metavar="N", help="The most SFT steps."),
     seed: int | None = typer.Option(
@@ -680,7 +741,10 @@ def make_reference_cmd(
     from klpo.train.config import ConfigError
 
     try:
-        with Progress("make-reference", config.steps) as bar:
+        with (
+            _full_disk_said("klpo make-reference", out),
+            Progress("make-reference", config.steps) as bar,
+        ):
             result = reference.make_reference(out, config, on_step=on_step, overwrite=overwrite)
     except ConfigError as err:  # OUT holds something it would not overwrite (klpo.train.outdir)
         typer.echo(f"error: {err}", err=True)
@@ -726,7 +790,9 @@ def _print_reference(result, config, *, defaults: bool) -> None:
 def make_reward_model_cmd(
     out: str = typer.Argument(..., metavar="OUT", help="Directory to write the reward model into."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the reward model an earlier run wrote to OUT."
+        False,
+        "--overwrite",
+        help="Replace the reward model an earlier run wrote to OUT (its files; others stay).",
     ),
     init: str | None = typer.Option(
         None,
@@ -773,7 +839,10 @@ def make_reward_model_cmd(
     from klpo.train.config import ConfigError
 
     try:
-        with Progress("make-reward-model", reward_model.units(config)) as bar:
+        with (
+            _full_disk_said("klpo make-reward-model", out),
+            Progress("make-reward-model", reward_model.units(config)) as bar,
+        ):
             result = reward_model.make_reward_model(out, config, overwrite=overwrite, progress=bar)
     except (ConfigError, FileNotFoundError) as err:  # OUT, or --init: the error says which
         typer.echo(f"error: {err}", err=True)
@@ -869,9 +938,11 @@ def compare(
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
 
     Writes results.csv, report.md and plots to OUT; re-running with the same OUT finishes an
-    interrupted study without repeating finished runs.
+    interrupted study without repeating finished runs (crashed or interrupted ones continue
+    from their last checkpoint). Ctrl-C or SIGTERM stops it: the runs under way stop after
+    their step with a checkpoint, no new run starts, and the runs finished so far are summarised.
     """
-    from klpo.study.runner import run_study
+    from klpo.study.runner import StudyInterrupted, run_study
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
 
@@ -900,6 +971,14 @@ def compare(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    except StudyInterrupted as err:
+        wrote = f"; their summary is in {out / 'report.md'}" if err.finished else ""
+        typer.echo(
+            f"{err}{wrote}. Not finished: {', '.join(err.unfinished)}; the same klpo compare "
+            f"command (--out {out}) continues them from their checkpoints",
+            err=True,
+        )
+        raise typer.Exit(err.exit_code) from None
     typer.echo(f"wrote {out / 'report.md'}", err=True)
 
 

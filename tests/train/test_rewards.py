@@ -233,7 +233,10 @@ def test_non_finite_value_names_the_sample(bad):
 def test_wrong_number_of_values():
     with pytest.raises(RewardError, match="'short' returned 2 values for 3 completions"):
         rewards.score(lambda p, c, a: [1.0, 2.0], "short", PROMPTS, COMPLETIONS, ANSWERS)
-    with pytest.raises(RewardError, match="'scalar' returned a float, expected a list of 3"):
+    with pytest.raises(
+        RewardError,
+        match=r"'scalar' returned a float; it must return a list .* of 3 numbers or None",
+    ):
         rewards.score(lambda p, c, a: 1.0, "scalar", PROMPTS, COMPLETIONS, ANSWERS)
 
 

@@ -36,8 +36,16 @@ def _f(x: float, digits: int = 3) -> str:
     return "–" if not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyConfig) -> Path:
-    """Write ``results.csv``, the plots and ``report.md`` into ``out``; returns the report."""
+def write_results(
+    results: list[dict[str, Any]],
+    out: str | Path,
+    study: StudyConfig,
+    *,
+    unfinished: list[str] | None = None,
+) -> Path:
+    """Write ``results.csv``, the plots and ``report.md`` into ``out``; returns the report.
+    ``unfinished``: the runs of the grid not yet finished (a study stopped by a signal), named
+    at the report's end."""
     out = Path(out)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=RESULT_FIELDS, lineterminator="\n")
@@ -62,6 +70,13 @@ def write_results(results: list[dict[str, Any]], out: str | Path, study: StudyCo
         for r in failures:
             err = str(r.get("error", "")).replace("|", "\\|")
             lines.append(f"| {r['name']} | {r['status']} | {r['steps_done']} | {err} |")
+    if unfinished:
+        lines += ["", "## Not finished", ""]
+        lines.append(
+            f"The study was stopped before {len(unfinished)} of its runs finished: "
+            f"{', '.join(unfinished)}. A re-run of the same `klpo compare` continues them; "
+            "every table above is over the finished runs only."
+        )
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     report = out / "report.md"
     write_text_atomic(report, "\n".join(lines))

@@ -4,16 +4,27 @@ Each run has one torch thread (two processes with two threads each on two cores 
 slower). A run that exits with an error is recorded as ``crashed``, one whose loss turned
 non-finite as ``diverged`` (the trainer exits with code 3); none is dropped. A study directory
 can be re-run: finished runs are read back, not repeated, if their config is the one they would
-run with now (:func:`changed_runs`).
+run with now (:func:`changed_runs`); a crashed or interrupted one is run again, continued from
+its last checkpoint (``klpo train --resume``, which resumes exactly) where it has one.
+
+Signals: the trainers run in their own process group, so a Ctrl-C (SIGINT) or a SIGTERM reaches
+the study alone, which forwards it to every trainer under way (each stops after its step with a
+checkpoint), starts no further run, waits for them, writes the summary of the runs finished so
+far and exits 128 + the signal (:class:`StudyInterrupted`); the same signal again is forwarded
+again, which stops the trainers at once. A run directory whose lock is held (a trainer of an
+earlier study still writing it) is never cleared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -28,16 +39,112 @@ from klpo.study.report import write_results
 from klpo.study.spec import StudyConfig
 from klpo.study.summary import RESULT_FIELDS, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
-from klpo.train.outdir import DirLock, claim_dir, fresh_name
+from klpo.train.outdir import LOCK_FILE, DirBusy, DirLock, claim_dir, fresh_name
+from klpo.train.runtime.checkpoint import latest_checkpoint
 from klpo.train.runtime.progress import Progress
 
-__all__ = ["POLL_S", "PRESENTATION_KEYS", "changed_runs", "last_step", "run_study"]
+__all__ = [
+    "POLL_S",
+    "PRESENTATION_KEYS",
+    "StudyInterrupted",
+    "changed_runs",
+    "finished_row",
+    "last_step",
+    "run_study",
+]
 
 POLL_S = 2.0
 """Seconds between two looks at the runs under way (their progress)."""
 
 PRESENTATION_KEYS = frozenset({"run.progress", "run.threads", "run.tensorboard", "run.out_dir"})
 STUDY_SCHEDULING_KEYS = frozenset({"workers"})  # how the runs are scheduled, not what they are
+RUN_AGAIN = frozenset({"crashed", "interrupted"})  # statuses a re-run does not reuse
+INTERRUPTED_CODES = frozenset(
+    {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+)
+
+
+class StudyInterrupted(RuntimeError):
+    """The study stopped on a signal; the runs finished so far are summarised. ``exit_code`` is
+    128 + the signal, ``finished`` and ``unfinished`` name the runs."""
+
+    def __init__(self, signum: int, finished: list[str], unfinished: list[str]) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name}: {len(finished)} of {len(finished) + len(unfinished)} runs finished"
+        )
+        self.signum, self.exit_code = signum, 128 + signum
+        self.finished, self.unfinished = finished, unfinished
+
+
+def finished_row(run_dir: Path) -> dict[str, Any] | None:
+    """The ``result.yaml`` row of a run that finished (any status but crashed or interrupted,
+    which a re-run runs again); None otherwise."""
+    try:
+        row = yaml.safe_load((run_dir / "result.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(row, dict) or row.get("status") in RUN_AGAIN:
+        return None
+    return row
+
+
+class _Signals:
+    """SIGINT and SIGTERM while the study runs: remembered, and forwarded to every trainer
+    under way (each in its own process group, so the terminal's Ctrl-C reaches only the study).
+    Installed only in the main thread; elsewhere the trainers share the study's group."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.installed = threading.current_thread() is threading.main_thread()
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if self.installed:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+            sys.stderr.write(
+                f"{signal.Signals(signum).name}: stopping the study: no new run starts, the runs "
+                "under way stop after their step with a checkpoint (a re-run continues them); "
+                "send it again to stop them at once\n"
+            )
+            sys.stderr.flush()
+        with self._lock:
+            procs = list(self._procs.values())
+        for proc in procs:
+            with contextlib.suppress(OSError):  # (ProcessLookupError: it has just ended)
+                proc.send_signal(signum)
+
+    def popen(self, cmd: list[str], **kw: Any) -> subprocess.Popen | None:
+        """Start a trainer (None once a signal came: no run starts after it)."""
+        with self._lock:
+            if self.signum is not None:
+                return None
+            if self.installed:  # their own process group: the terminal's Ctrl-C is ours
+                kw.update(
+                    {"process_group": 0}
+                    if sys.version_info >= (3, 11)
+                    else {"start_new_session": True}
+                )
+            proc = subprocess.Popen(cmd, **kw)
+            self._procs[proc.pid] = proc
+            return proc
+
+    def done(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.pop(proc.pid, None)
 
 
 def changed_runs(runs: list[Run], out: Path) -> list[str]:
@@ -50,7 +157,7 @@ def changed_runs(runs: list[Run], out: Path) -> list[str]:
     for run in runs:
         run_dir = out / "runs" / run.name
         saved_path = run_dir / "config.yaml"
-        if not (run_dir / "result.yaml").exists() or not saved_path.exists():
+        if finished_row(run_dir) is None or not saved_path.exists():
             continue
         try:
             saved = flat(build_config(yaml.safe_load(saved_path.read_text()) or {}))
@@ -94,20 +201,49 @@ def _refuse_other_study(out: Path, what: str, changed: list[str]) -> None:
     )
 
 
+def _prepare(run_dir: Path) -> bool:
+    """Make ``run_dir`` ready for its trainer, under the run's lock (:class:`DirBusy` if a
+    trainer, of this study or an earlier one, still writes it: then nothing is touched). A run
+    with a complete checkpoint is continued (True); anything else there is cleared (False)."""
+    if not run_dir.exists():
+        return False
+    with DirLock(run_dir, "klpo compare", option="the study's run directory"):
+        (run_dir / "result.yaml").unlink(missing_ok=True)
+        if (run_dir / "config.yaml").is_file() and latest_checkpoint(run_dir) is not None:
+            return True
+        for entry in run_dir.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    return False
+
+
 def _execute(
-    run: Run, out: Path, study: StudyConfig, on_start: Callable[[str, Path], None] | None = None
-) -> dict[str, Any]:
+    run: Run,
+    out: Path,
+    study: StudyConfig,
+    on_start: Callable[[str, Path], None] | None = None,
+    signals: _Signals | None = None,
+) -> dict[str, Any] | None:
+    """The run's row: read back if it finished before, else from its trainer; None if a signal
+    came before it started."""
     run_dir = out / "runs" / run.name
     done_marker = run_dir / "result.yaml"
-    if done_marker.exists():  # finished in an earlier invocation of the same study
-        return yaml.safe_load(done_marker.read_text())
-    if run_dir.exists():  # a run interrupted mid-way: start it again from scratch
-        shutil.rmtree(run_dir)
+    row = finished_row(run_dir)
+    if row is not None:  # finished in an earlier invocation of the same study
+        return row
+    signals = signals or _Signals()
+    if signals.signum is not None:
+        return None
+    resume = _prepare(run_dir)  # continued from its checkpoint, or started again
     log_path = out / "logs" / f"{run.name}.txt"  # beside the run: klpo train wants it empty
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    if on_start is not None:
-        on_start(run.name, log_path)
-    cmd = [sys.executable, "-m", "klpo", "train", "--set", f"run.out_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "klpo", "train"]
+    cmd += ["--resume", str(run_dir)] if resume else []
+    cmd += ["--set", f"run.out_dir={run_dir}"]
     for o in run.overrides:
         cmd += ["--set", o]
     env = {
@@ -118,17 +254,28 @@ def _execute(
         "TOKENIZERS_PARALLELISM": "false",
     }
     t0 = time.perf_counter()
-    with log_path.open("w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    with log_path.open("a" if resume else "w") as log:
+        if resume:
+            log.write(f"\n# continued from its last checkpoint: klpo train --resume {run_dir}\n")
+            log.flush()
+        proc = signals.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if proc is None:
+            return None
+        if on_start is not None:
+            on_start(run.name, log_path)
+        try:
+            returncode = proc.wait()
+        finally:
+            signals.done(proc)
     wall = time.perf_counter() - t0
     error = ""
-    if proc.returncode != 0:
+    if returncode != 0:
         lines = log_path.read_text().strip().splitlines()
-        error = (lines[-1] if lines else f"exit code {proc.returncode}")[:300]
+        error = (lines[-1] if lines else f"exit code {returncode}")[:300]
     row = summarise_run(
         run,
         run_dir,
-        returncode=proc.returncode,
+        returncode=returncode,
         wall_s=wall,
         steps=study.steps,
         collapse_drop=study.collapse_drop,
@@ -136,6 +283,8 @@ def _execute(
         target_accuracy=study.convergence_target()[1],
         target_metric=study.convergence_target()[0],
     )
+    if returncode in INTERRUPTED_CODES or (returncode != 0 and signals.signum is not None):
+        row["status"] = "interrupted"  # not a result: a re-run continues it
     write_text_atomic(done_marker, yaml.safe_dump(row, sort_keys=False))
     return row
 
@@ -201,7 +350,25 @@ def run_study(
     if state == "own" and (changed := study_changes(study, out)):
         _refuse_other_study(out, "a study with other settings", changed)
     with DirLock(out, "klpo compare", option="--out"):
+        _check_run_locks(runs, out)
         return _run_all(study, runs, configs, out, on_result, on_start, show_progress)
+
+
+def _check_run_locks(runs: list[Run], out: Path) -> None:
+    """Refuse, before any run starts, a run directory that a live process still writes (a
+    trainer an earlier study left running): it is neither cleared nor written beside."""
+    for run in runs:
+        run_dir = out / "runs" / run.name
+        if not (run_dir / LOCK_FILE).exists() or finished_row(run_dir) is not None:
+            continue
+        try:
+            with DirLock(run_dir, "klpo compare", option="the study's run directory"):
+                pass
+        except DirBusy as err:
+            raise ConfigError(
+                f"{err}. It is a trainer of an earlier klpo compare of {out}, still running; "
+                "let it end, or stop it (kill the pid), then re-run the study"
+            ) from None
 
 
 def _run_all(
@@ -221,26 +388,43 @@ def _run_all(
         + dump_config(configs[0]),
     )
     rows: list[dict[str, Any] | None] = [None] * len(runs)
-    finished = sum((out / "runs" / r.name / "result.yaml").exists() for r in runs)
+    finished = sum(finished_row(out / "runs" / r.name) is not None for r in runs)
     units = len(runs) * study.steps
     with (
+        _Signals() as signals,
         Progress("compare", units, done=finished * study.steps, show=show_progress) as bar,
         ThreadPoolExecutor(max_workers=study.workers) as pool,
     ):
-        futures = {pool.submit(_execute, r, out, study, on_start): i for i, r in enumerate(runs)}
+        futures = {
+            pool.submit(_execute, r, out, study, on_start, signals): i for i, r in enumerate(runs)
+        }
         pending, n = set(futures), 0
         while pending:
             done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
             for fut in done:
-                i, n = futures[fut], n + 1
+                if fut.cancelled():
+                    continue
+                i = futures[fut]
                 rows[i] = _result(fut, runs[i])
+                if rows[i] is None:  # not started: a signal came first
+                    continue
+                n += 1
                 if on_result is not None:
                     on_result(rows[i], n, len(runs))
+            if signals.signum is not None:
+                for fut in pending:
+                    fut.cancel()  # those not yet started; the others end after their step
             steps = sum(
-                study.steps if rows[i] is not None else last_step(out / "runs" / r.name)
+                study.steps
+                if rows[i] is not None and rows[i]["status"] != "interrupted"
+                else last_step(out / "runs" / r.name)
                 for i, r in enumerate(runs)
             )
             bar.update(steps, info=f"{n}/{len(runs)} runs finished")
-    results = [r for r in rows if r is not None]
-    write_results(results, out, study)
+    results = [r for r in rows if r is not None and r["status"] != "interrupted"]
+    unfinished = [r.name for r, row in zip(runs, rows, strict=True) if row not in results]
+    if results:
+        write_results(results, out, study, unfinished=unfinished)
+    if signals.signum is not None:
+        raise StudyInterrupted(signals.signum, [r["name"] for r in results], unfinished)
     return results

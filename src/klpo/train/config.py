@@ -571,6 +571,14 @@ class RunConfig(_Section):
             )
         return v
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _a_list_of_trackers(cls, v: Any) -> Any:
+        # A single name as a string (transformers' report_to="wandb"); none: metrics.jsonl only.
+        if isinstance(v, str):
+            return [] if v.strip().lower() in ("none", "") else [v.strip()]
+        return v
+
 
 class DistConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(

@@ -198,6 +198,15 @@ def evaluate(
         mine = list(examples[k * batch_size : (k + 1) * batch_size])
         scores += rewards.score(fn, name, reward_batch(r, mine, state))
     got = [x for x in scores if x is not None]
+    if scores and not got and (state is None or state.global_step == 0):
+        # Before any training (step 0): an accuracy of 0.0 would be no measurement. (Later, a
+        # run with minutes of training behind it is not stopped over its evaluation.)
+        raise rewards.RewardError(
+            f"reward function {name!r}, which scores the held-out accuracy, returned None for "
+            f"every one of the {len(scores)} held-out completions, so there is nothing to "
+            "measure; return a number for the samples it can score (None only for those it "
+            "cannot), or set gold_reward to a reward that scores them"
+        )
     accuracy = math.fsum(got) / len(got) if got else 0.0
     return Evaluation(accuracy, name, rollouts[0], scores)
 

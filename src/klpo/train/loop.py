@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 
 from klpo.train.config import TrainConfig
+from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
+from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal
 from klpo.train.setup import (
@@ -105,6 +107,7 @@ def check_run(
     without loading a model or writing a file; raises what a run would raise before it starts."""
     dist = Dist(world=int(os.environ.get("WORLD_SIZE", "1")))
     preflight(cfg, dist, resume=resume, log=log, allow_config_change=allow_config_change)
+    DirLock.probe(cfg.run.out_dir, "run.out_dir")  # a run would be refused while it is held
     names = [t.name for t in cfg.rewards if t.name != "model"] + [cfg.gold_reward or "exact_match"]
     for name in names:
         get_reward(name)
@@ -125,14 +128,42 @@ def _train(
     with hold_run_dir(
         cfg, dist, plan, resume=resume, allow_config_change=allow_config_change, log=log
     ) as plan:  # one process at a time writes a run directory
-        run = setup(cfg, dist, plan, examples, log)
-        finished = False
         try:
-            run_steps(run, stopper)
-            finished = True
-        finally:
-            teardown(run, finished=finished)
+            run = setup(cfg, dist, plan, examples, log)
+            finished = False
+            try:
+                run_steps(run, stopper)
+                finished = True
+            finally:
+                teardown(run, finished=finished)
+        except OSError as err:
+            if isinstance(err, ckpt_io.CheckpointError) or not ckpt_io.disk_full(err):
+                raise
+            raise ckpt_io.CheckpointError(_disk_full(Path(cfg.run.out_dir), err)) from None
     return run.dir
+
+
+def _disk_full(run_dir: Path, err: OSError) -> str:
+    """What a full disk outside a checkpoint save says (a checkpoint's own failure says more,
+    :class:`klpo.train.runtime.checkpoint.CheckpointError`): the file, what is kept, the free
+    space, how to go on; the run directory is left as ``--resume`` continues it."""
+    import shutil
+
+    where = f" {err.filename}" if getattr(err, "filename", None) else " a file"
+    last = ckpt_io.latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    kept = (
+        f"the last complete checkpoint {last.name} is intact, and the resume continues from it"
+        if last is not None
+        else "no checkpoint was written yet, so the resume starts again from step 0 (the "
+        "metrics so far are kept aside)"
+    )
+    probe = run_dir if run_dir.is_dir() else run_dir.parent
+    free = shutil.disk_usage(probe).free if probe.is_dir() else 0
+    return (
+        f"could not write{where} in {run_dir}: No space left on device (the disk is full: "
+        f"{ckpt_io.format_size(free)} free there); nothing already written was changed, and "
+        f"{kept}. Free space and continue with klpo train --resume {run_dir}"
+    )
 
 
 def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Scored]:
@@ -184,9 +215,13 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
     and after a step in which ``stopper`` caught SIGINT/SIGTERM on any rank (then stop)."""
     cfg = run.cfg
     t_start = time.perf_counter()
+    unscored_said = False
     for step in range(run.step0 + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
         metrics, tokens, scored = train_step(run, step)
+        if metrics.get("reward/unscored", 0.0) >= 1.0 and not unscored_said:
+            unscored_said = True  # said once: the user's reward returns None for everything
+            run.log(_unscored_warning(run, step))
         last = step == cfg.run.steps or (
             cfg.run.time_limit is not None and time.perf_counter() - t_start > cfg.run.time_limit
         )
@@ -213,6 +248,16 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
             raise _interrupted(run.dir, step, stopper)
         if last:
             break
+
+
+def _unscored_warning(run: TrainRun, step: int) -> str:
+    names = ", ".join(repr(t.name) for t in run.cfg.rewards)
+    return (
+        f"warning: step {step}: no reward function ({names}) scored any of the step's "
+        "completions (each returned None for every one), so the step had no reward signal and "
+        "its reward/mean of 0.0 is no measurement; a function returns None only for a sample "
+        "it cannot score (see reward/unscored), so check what it returns"
+    )
 
 
 def _check_finite(run: TrainRun, step: int, metrics: dict[str, float]) -> None:

@@ -38,6 +38,7 @@ from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig, build_config, flat
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
+from klpo.train.lr_schedule import check_lr_schedule
 from klpo.train.models import gguf
 from klpo.train.models.describe import config_lines
 from klpo.train.models.fsdp import is_sharded_checkpoint
@@ -153,6 +154,7 @@ def plan_run_dir(
         )
     else:
         plan.meta = ckpt_io.load_state(plan.start)
+        _check_resume_step(cfg, run_dir, plan)
         plan.saved_world = len(plan.meta["rng"])
         if plan.saved_world != world:
             plan.changes["processes"] = [plan.saved_world, world]
@@ -170,6 +172,26 @@ def plan_run_dir(
             f"the change recorded in {run_dir / CHANGES_FILE}"
         )
     return plan
+
+
+def _check_resume_step(cfg: TrainConfig, run_dir: Path, plan: RunPlan) -> None:
+    """A resume goes on from its checkpoint's step: refuse a ``run.steps`` behind it (nothing
+    would train, and config.yaml would say a length the run is not), and say when the metrics
+    of the steps before it are gone."""
+    step = int(plan.meta.get("step", 0))
+    if cfg.run.steps < step:
+        raise ConfigError(
+            f"--resume {run_dir}: run.steps={cfg.run.steps} is behind its checkpoint, which is "
+            f"at step {step} ({plan.start.name}); a resume continues to a later step. Give "
+            f"run.steps above {step} (or drop the --set to keep {step}), or start a new run in "
+            "another run.out_dir"
+        )
+    if not has_metrics(run_dir):
+        plan.notes.append(
+            f"{run_dir / 'metrics.jsonl'} is missing or empty: the metrics of steps 1–{step} "
+            f"are lost; the run continues from step {step} and the file will hold steps "
+            f"{step + 1}–{cfg.run.steps} only"
+        )
 
 
 def record_config_change(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> None:
@@ -477,6 +499,7 @@ def preflight(
             "one process, so nothing would be sharded; launch it with torchrun --nproc_per_node "
             "N -m klpo train (N >= 2), or set dist.strategy=ddp for one process"
         )
+    schedule_warnings = check_lr_schedule(cfg)  # its kwargs, and whether any step trains
     plan = plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
@@ -501,7 +524,7 @@ def preflight(
         log(line)
     for line in plan.notes:
         log(f"note: {line}")
-    for line in config_warnings(cfg, dist.world):
+    for line in [*config_warnings(cfg, dist.world), *schedule_warnings]:
         log(f"warning: {line}")
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)
@@ -549,6 +572,14 @@ def check_rewards_and_trackers(cfg: TrainConfig, examples: list[Example]) -> Non
             (r,) = rewards.resolve_rewards([term.name])
         except ValueError as err:
             raise ConfigError(f"rewards[{i}]: {err}") from None
+        clash = [c for c in columns if c in rewards.KEYWORDS and c not in ("completion_ids",)]
+        if clash and rewards.reward_form(r.fn, term.name) == "trl":
+            e = next(e for e in examples if clash[0] in e.columns)
+            raise ConfigError(
+                f"{e.where or 'the data'}: the data has a column {clash[0]!r}, the name of an "
+                f"argument the trainer gives every TRL-form reward function such as rewards[{i}] "
+                f"{term.name!r} ({', '.join(rewards.KEYWORDS)}); rename that column"
+            )
         missing = rewards.missing_keywords(r.fn, [*columns, *rewards.KEYWORDS])
         if missing:
             raise ConfigError(

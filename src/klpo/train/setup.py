@@ -428,7 +428,12 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
     run.engine.close()
     if run.writer is None:
         return
-    run.writer.close()
+    try:
+        run.writer.close()
+    except OSError:
+        if finished:
+            raise
+        # (the run already stopped on an error, e.g. a full disk: that one is the one to say)
     if finished:
         run.log(f"wrote {write_run_report(run)}")
 

@@ -46,6 +46,10 @@ def read_jsonl(
 ) -> list[Example]:
     """Examples from a JSONL file, one JSON object per line with the two fields (strings)."""
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"JSONL file {str(path)!r} is a directory; give the path of the JSONL file in it"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"JSONL file {str(path)!r} does not exist")
     out = []
@@ -58,6 +62,8 @@ def read_jsonl(
                     f"{path}:{n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
                     f"{err.start + 1}); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
                 ) from None
+            if n == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark (Windows editors)
             if not line.strip():
                 continue
             try:
@@ -84,6 +90,11 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
                 f"set data.prompt_field / data.answer_field to the right names"
             )
     prompt, answer = row[prompt_field], row[answer_field]
+    if answer is None:  # str(None) would become the answer text "None"
+        raise ValueError(
+            f"{where}: field {answer_field!r} is null; give the example its answer (a string "
+            "or a number), or drop it"
+        )
     if isinstance(prompt, list):
         return Example(
             prompt="", answer=str(answer), messages=_messages(prompt, where), where=where, row=row

@@ -455,6 +455,30 @@ def _import_from_cwd(module_name: str):
         return importlib.import_module(module_name)
 
 
+def _import_failure(name: str, module_name: str, err: BaseException) -> str:
+    """One paragraph for a module that exists but fails as it is imported: the file and line
+    (of the module, or of the deepest frame in a file of the user's) and the error."""
+    import traceback
+
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename}:{err.lineno}"
+        text = f"{err.msg}" + (f": {err.text.strip()!r}" if err.text else "")
+        kind = type(err).__name__
+    else:
+        frames = [
+            f
+            for f in traceback.extract_tb(err.__traceback__)
+            if not f.filename.startswith("<frozen") and "importlib" not in f.filename
+        ]
+        mine = [f for f in frames if "site-packages" not in f.filename] or frames
+        where = f"{mine[-1].filename}:{mine[-1].lineno}" if mine else module_name
+        text, kind = str(err), type(err).__name__
+    return (
+        f"reward {name!r}: importing module {module_name!r} failed with {kind} at {where}: "
+        f"{text}; fix the module (python -c 'import {module_name}' shows the whole traceback)"
+    )
+
+
 def get_reward(name: str) -> RewardFn:
     """A reward function by name: a registered one (:data:`REWARDS`) or ``"package.module:function"``.
 
@@ -475,10 +499,14 @@ def get_reward(name: str) -> RewardFn:
     try:
         module = _import_from_cwd(module_name)
     except ImportError as err:
+        if not isinstance(err, ModuleNotFoundError) or err.name != module_name.partition(".")[0]:
+            raise ValueError(_import_failure(name, module_name, err)) from None
         raise ValueError(
             f"reward {name!r}: cannot import module {module_name!r} ({err}); give a module in "
             f"the working directory ({os.getcwd()}) or an installed package"
         ) from err
+    except Exception as err:  # the user's module is there but fails as it is imported
+        raise ValueError(_import_failure(name, module_name, err)) from None
     fn = module
     for part in attr.split("."):
         if not part or not hasattr(fn, part):
@@ -533,19 +561,38 @@ def score(
         raise RewardError(
             f"reward function {name!r} raised {type(err).__name__} {at}: {err}"
         ) from err
-    try:
-        values = list(values)
-    except TypeError:
-        raise RewardError(
-            f"reward function {name!r} returned a {type(values).__name__}, expected a list of "
-            f"{n} floats (one per completion)"
-        ) from None
+    values = _as_list(name, values, n)
     if len(values) != n:
         raise RewardError(
             f"reward function {name!r} returned {len(values)} values for {n} completions; it "
             f"must return exactly one float (or None) per completion"
         )
     return [_checked(name, v, i, batch.completions[i]) for i, v in enumerate(values)]
+
+
+def _as_list(name: str, values: object, n: int) -> list[object]:
+    """The values of a list, tuple, 1-d numpy array or 1-d torch tensor; anything else (a dict,
+    whose iteration gives its keys; a set, with no order; a generator, a string, a number) is
+    refused, naming the function and the type."""
+    if isinstance(values, list | tuple):
+        return list(values)
+    ndim = getattr(values, "ndim", None)
+    tolist = getattr(values, "tolist", None)
+    kind = type(values).__module__.split(".")[0]
+    if kind in ("numpy", "torch") and callable(tolist) and ndim == 1:
+        return list(tolist())
+    shape = f" of shape {tuple(values.shape)}" if kind in ("numpy", "torch") and ndim else ""
+    hint = (
+        " (iterating a dict gives its keys, not its values: return list(d.values()) in the "
+        "completions' order)"
+        if isinstance(values, Mapping)
+        else ""
+    )
+    raise RewardError(
+        f"reward function {name!r} returned a {type(values).__name__}{shape}; it must return a "
+        f"list (or tuple, 1-d array or tensor) of {n} numbers or None, one per completion in "
+        f"order{hint}"
+    )
 
 
 def _checked(name: str, v: object, i: int, completion: str) -> float | None:

@@ -234,6 +234,11 @@ def _nbytes(parts: list[Any]) -> int:
     return total
 
 
+def format_size(n: float) -> str:
+    """A byte count in words: ``93.4 kB``."""
+    return _size(n)
+
+
 def _size(n: float) -> str:
     for unit in ("bytes", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":

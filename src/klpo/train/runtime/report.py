@@ -228,7 +228,9 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
     rows = read_metrics(run_dir / "metrics.jsonl")
     plots, notes = write_plots(run_dir, rows, estimator)
     steps = [r["step"] for r in rows if r.get("step", 0) > 0]
-    upto = f"steps 1–{steps[-1]}" if steps else "no steps yet"
+    upto = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps yet"
+    if steps and steps[0] > 1:  # (a resume after metrics.jsonl was lost: the rest is gone)
+        upto += f"; those of steps 1–{steps[0] - 1} are not in the file"
     lines = [
         f"# {title}",
         "",

@@ -73,10 +73,33 @@ class RunInfo:
     resume_step: int  # 0 for a fresh run
 
 
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes from a thread of its own; when a write fails (a full disk) the thread
+    stores the error, which the next ``add_scalar`` or ``flush`` raises in the run's thread
+    (where the trainer reports it), and also lets it escape, so that Python prints the thread's
+    traceback. Keep that second copy quiet: the error is said once, where it is handled."""
+    import threading
+
+    from tensorboard.summary.writer import event_file_writer as efw
+
+    previous = threading.excepthook
+    if getattr(previous, "_klpo_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.thread, efw._AsyncWriterThread) and args.thread.exception is not None:
+            return
+        previous(args)
+
+    hook._klpo_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class _TensorBoard:
     def __init__(self, info: RunInfo):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_tensorboard_thread()
         purge = info.resume_step + 1 if info.resume_step else None
         self._w = SummaryWriter(str(info.dir / "tensorboard"), purge_step=purge)
 

@@ -190,7 +190,11 @@ def config_page() -> str:
         + ", ".join(f"`{k}`" for k in sorted(RESUMABLE_KEYS))
         + ". Any other change (or another number of processes) is refused unless "
         "`--allow-config-change` is given; the change is then recorded in "
-        f"`RUN_DIR/{CHANGES_FILE}` with the step it took effect.",
+        f"`RUN_DIR/{CHANGES_FILE}` with the step it took effect. The run continues in "
+        "`RUN_DIR` itself (`run.out_dir` follows a run directory that was moved; a `--set "
+        "run.out_dir` naming another directory is refused: copy the run there and resume the "
+        "copy), to a `run.steps` not behind its checkpoint; a missing `metrics.jsonl` is said "
+        "(the steps before the checkpoint are then not in the file).",
         "",
     ]
     for section, field in TrainConfig.model_fields.items():

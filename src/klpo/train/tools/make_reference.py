@@ -31,7 +31,7 @@ from klpo._io import atomic_dir, write_text_atomic
 from klpo.train.data.task import ArithmeticTask, Example
 from klpo.train.evaluate import heldout_accuracy
 from klpo.train.models.load import default_reference_path
-from klpo.train.outdir import claim_dir
+from klpo.train.outdir import claim_dir, written_before
 
 __all__ = [
     "ReferenceConfig",
@@ -291,8 +291,9 @@ def make_reference(
 
     The directory is written atomically: everything goes to a temporary sibling first, which
     replaces ``out_dir`` only when complete. ``out_dir`` is new or empty, or with ``overwrite``
-    holds an earlier reference (its ``reference.json``), which is replaced whole; anything else
-    is refused (:func:`klpo.train.outdir.claim_dir`, a FileExistsError).
+    holds an earlier reference (its ``reference.json``), whose files are replaced (the user's
+    other files there stay); anything else is refused (:func:`klpo.train.outdir.claim_dir`, a
+    FileExistsError).
     It holds ``model.safetensors``, ``config.json``, ``generation_config.json``, the tokenizer
     files and ``reference.json`` (the :class:`ReferenceConfig`, the steps taken, the validation
     and held-out accuracies, the number of parameters, the seconds taken and the
@@ -370,9 +371,12 @@ def make_reference(
 def _save(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
     """The model, its tokenizer and ``reference.json``, into ``out`` atomically, as package data
     (readable whatever the umask)."""
-    with atomic_dir(out) as tmp:
+    # Replaces only what klpo wrote there: the user's other files stay (klpo.train.outdir).
+    with atomic_dir(out, replaces=written_before(out / "reference.json")) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        files = sorted([p.name for p in tmp.iterdir()] + ["reference.json"])
+        meta = {**meta, "files": files}
         write_text_atomic(tmp / "reference.json", json.dumps(meta, indent=2) + "\n")
         tmp.chmod(0o755)
         for f in tmp.iterdir():

@@ -36,7 +36,7 @@ from klpo.train.models.load import (
     quiet_transformers,
     resolve_model_path,
 )
-from klpo.train.outdir import claim_dir
+from klpo.train.outdir import claim_dir, written_before
 from klpo.train.rewards.model import RewardModel
 from klpo.train.runtime.progress import Progress
 
@@ -180,7 +180,8 @@ def make_reward_model(
         opt.step()
         bar.update(step + 1, info=f"loss {loss.item():.4f}", part="training")
     model.eval()
-    with atomic_dir(out) as tmp:  # built beside out, renamed into place when complete
+    # Built beside out, renamed into place when complete; replaces only what klpo wrote there.
+    with atomic_dir(out, replaces=written_before(out / "reward_model.json")) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         rm = RewardModel(tmp)
@@ -197,6 +198,7 @@ def make_reward_model(
             "heldout_pairs": len(eval_pairs),
             "seconds": round(seconds, 1),
             "torch": torch.__version__,
+            "files": sorted([p.name for p in tmp.iterdir()] + ["reward_model.json"]),
         }
         (tmp / "reward_model.json").write_text(json.dumps(meta, indent=2) + "\n")
         tmp.chmod(0o755)
