@@ -158,6 +158,7 @@ def diagnosis(reading: Reading) -> dict[str, Any]:
         "group_size": reading.group_size,
         "updates_per_batch": reading.updates_per_batch,
         "off_policy": reading.off_policy,
+        "asynchronous": reading.asynchronous,
         "terms": [_term_record(t, reading) for t in reading.terms],
         "group_scaling": reading.group_scaling,
         "findings": findings,
@@ -271,7 +272,13 @@ def render(diag: dict[str, Any]) -> str:
     lines.append(
         f"algorithm: {diag['algorithm']}, {diag['group_size']} completion(s) per prompt, "
         f"{ups} optimiser step(s) per batch of rollouts"
-        + (" (tokens are off-policy from the 2nd)" if diag["off_policy"] else " (on-policy)")
+        + (
+            " (asynchronous: tokens are off-policy from the 1st)"
+            if diag.get("asynchronous")
+            else " (tokens are off-policy from the 2nd)"
+            if diag["off_policy"]
+            else " (on-policy)"
+        )
     )
     lines.append("")
     if not diag["terms"]:

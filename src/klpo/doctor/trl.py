@@ -17,7 +17,7 @@ from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten, nearest
 
-__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_grpo", "read_rloo", "updates"]
+__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_cli", "read_grpo", "read_rloo", "updates"]
 
 VERSION = "1.16.0"
 
@@ -39,6 +39,24 @@ SCALE_REWARDS = {
     "none": "none",
     "false": "none",
     "batch": None,
+}
+
+# Keys a `trl grpo|rloo --config` file may hold besides the config dataclass's: the script's
+# own arguments (trl/scripts/grpo.py: GRPOScriptArguments) and `accelerate launch`'s, which the
+# TRL CLI passes on (trl/cli.py). num_processes enters the generation batch.
+SCRIPT_KEYS: dict[str, object] = {"reward_funcs": None, "reward_model_name_or_path": None}
+LAUNCH_KEYS: dict[str, object] = {
+    "num_processes": 1,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_ip": None,
+    "main_process_port": None,
+    "mixed_precision": None,
+    "multi_gpu": False,
+    "config_file": None,
+    "accelerate_config": None,
+    "deepspeed_config_file": None,
+    "zero_stage": None,
 }
 
 # TRL field -> klpo key: what the "same thing" config carries.
@@ -75,15 +93,17 @@ def updates(s: Settings) -> tuple[int, int, str | None]:
     iters = s.int("num_iterations") or 1
     accum = s.int("gradient_accumulation_steps") or 1
     spg, gbs = s.int("steps_per_generation"), s.int("generation_batch_size")
+    procs = s.int("num_processes") or 1
     assumption = None
     if spg is None and gbs is not None:
         per_device = s.int("per_device_train_batch_size") or 1
-        spg = max(1, gbs // per_device)
-        assumption = (
-            f"generation_batch_size={gbs} with per_device_train_batch_size={per_device}: "
-            f"{spg} steps per generation on 1 process (on P processes, {spg}/P): the config does "
-            "not hold the process count"
-        )
+        spg = max(1, gbs // (per_device * procs))
+        if not s.given("num_processes"):
+            assumption = (
+                f"generation_batch_size={gbs} with per_device_train_batch_size={per_device}: "
+                f"{spg} steps per generation on 1 process (on P processes, {spg}/P): the "
+                "config does not hold the process count (num_processes)"
+            )
     spg = spg or accum
     return iters, max(1, spg // accum), assumption
 
@@ -94,7 +114,7 @@ def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[s
     cli = table.cli or {}
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        if key in table.defaults or key in cli:
+        if key in table.defaults or key in cli or key in SCRIPT_KEYS or key in LAUNCH_KEYS:
             out[key] = value
             continue
         near = nearest(key, [*table.defaults, *cli])
@@ -118,7 +138,7 @@ def _setup(
     )
     if note:
         r.warn("warning", ["--framework-version"], note)
-    defaults = {**(table.cli or {}), **table.defaults}
+    defaults = {**SCRIPT_KEYS, **LAUNCH_KEYS, **(table.cli or {}), **table.defaults}
     return r, Settings(_check_keys(r, data, table), defaults, source)
 
 
@@ -142,9 +162,24 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
     # process (1 process assumed, as in updates()): that many / num_generations prompts.
     per_device = s.int("per_device_train_batch_size") or 1
     spg = s.int("steps_per_generation") or s.int("gradient_accumulation_steps") or 1
-    gbs = s.int("generation_batch_size") or per_device * spg
     g = max(1, rollout["group_size"])
-    processes = g // math.gcd(gbs, g)
+    if s.given("num_processes"):
+        # The `trl` CLI's accelerate settings: the whole generation batch is
+        # per_device_train_batch_size × num_processes × steps_per_generation.
+        procs = s.int("num_processes") or 1
+        total = s.int("generation_batch_size") or per_device * spg * procs
+        if total % g:
+            r.warn(
+                "error",
+                ["per_device_train_batch_size", "num_generations", "num_processes"],
+                f"one generation holds {total} completions on {procs} processes, not a "
+                f"multiple of num_generations={g}: TRL refuses this config "
+                "(GRPOConfig.__post_init__) and does not start",
+            )
+        gbs, processes = total, 1
+    else:
+        gbs = s.int("generation_batch_size") or per_device * spg
+        processes = g // math.gcd(gbs, g)
     if processes > 1:
         # GRPOConfig.__post_init__: the generation batch must hold whole groups.
         r.warn(
@@ -154,7 +189,7 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
             f"num_generations={g}: TRL refuses this config on one process; it runs on a multiple "
             f"of {processes} processes, and the klpo config is shown for {processes}",
         )
-    rollout["prompts_per_step"] = gbs * processes // g
+    rollout["prompts_per_step"] = max(1, gbs * processes // g)
     if not s.bool("use_peft"):
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     eps_high = s.float("epsilon_high")
@@ -234,6 +269,16 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
             "logged" + (f"; {', '.join(ignored)} is ignored" if ignored else ""),
         )
     _grpo_findings(r, beta, bias, level, loss_type)
+    if loss_type == "dr_grpo" and beta > 0 and not s.given("max_completion_length"):
+        length = s.int("max_completion_length")
+        r.warn(
+            "warning",
+            ["loss_type", "beta", "max_completion_length"],
+            f"dr_grpo divides each completion's summed loss, KL included, by "
+            f"max_completion_length, here TRL's default {length} (the file does not set it): a "
+            f"completion of L tokens gets beta·L/{length} of the KL weight a token mean would "
+            "give it; set max_completion_length to the length you generate",
+        )
     std = SCALE_REWARDS[scale]
     algo: dict[str, Any] = {
         "name": "grpo",
@@ -324,3 +369,63 @@ def read_rloo(data: dict[str, Any], source: str, version: str | None = None) -> 
     rollout: dict[str, Any] = {"group_size": g}
     _finish(r, s, algo, rollout)
     return r
+
+
+def read_cli(
+    text: str,
+    source: str,
+    path: Any,
+    version: str | None = None,
+    variables: dict[str, str] | None = None,
+) -> Reading:
+    """A launch script running ``trl grpo|rloo --config FILE [--field value ...]``.
+
+    The config file is found as written, else beside the script; the command line's
+    ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
+    the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
+    """
+    from pathlib import Path
+
+    from klpo.doctor.launch import entry_point
+    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+    from klpo.doctor.shell import read_script
+
+    try:
+        script = read_script(text, variables)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    ep = entry_point(script)
+    if ep is None or not ep.framework.startswith("trl-"):
+        raise DoctorError(f"{source}: no `trl grpo` or `trl rloo` command found")
+    words = ep.command.words[ep.at + 1 :]
+    data: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue
+        name, eq, value = word[2:].partition("=")
+        if not eq:
+            if i < len(words) and not words[i].startswith("--"):
+                value = words[i]
+                i += 1
+            else:
+                value = "true"
+        if name == "config":
+            given = Path(value)
+            beside = Path(path).parent / value
+            found = given if given.exists() else beside if beside.exists() else None
+            if found is None:
+                raise DoctorError(
+                    f"{source}: line {ep.command.line}: --config {value} is neither a file as "
+                    f"written nor beside the script ({beside}); give the config's path"
+                )
+            data = load_mapping(found)
+            continue
+        flags[name] = scalar(value)
+    merged = {**data, **flags}
+    if ep.framework == "trl-rloo":
+        return read_rloo(merged, source, version)
+    return read_grpo(merged, source, version)

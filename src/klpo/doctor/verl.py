@@ -107,7 +107,6 @@ CARRIED: list[tuple[str, str]] = [
     ("critic.optim.lr", "optim.critic_lr"),
     ("trainer.total_training_steps", "run.steps"),
 ]
-_MODULES = ("verl.trainer.main_ppo", "main_ppo", "main_dapo", "verl.trainer.")
 
 
 def _clamps(name: str) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
@@ -124,11 +123,13 @@ def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tu
         script = read_script(text, given)
     except ValueError as err:
         raise DoctorError(f"{source}: {err}") from None
-    cmd = script.find(*_MODULES)
-    words = cmd.words if cmd else [w for c in script.commands for w in c.words]
-    if cmd is not None:
-        at = max(i for i, w in enumerate(words) if any(m in w for m in _MODULES))
-        words = words[at + 1 :]
+    from klpo.doctor.launch import entry_point
+
+    ep = entry_point(script)
+    if ep is not None and ep.framework == "verl":
+        words = ep.command.words[ep.at + 1 :]
+    else:
+        words = [w for c in script.commands for w in c.words]
     out: dict[str, Any] = {}
     for word in words:
         if "=" not in word or word.startswith("-"):
