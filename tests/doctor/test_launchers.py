@@ -67,7 +67,7 @@ def _texts(d, level=None):
         'srun -N 2 --gres=gpu:8 bash -c "ray job submit --address=http://127.0.0.1:8265 '
         '-- python3 -m openrlhf.cli.train_ppo_ray {flags}"',
         "bash -lc 'python3 -m openrlhf.cli.train_ppo_ray {flags}'",
-        "ray job submit --runtime-env-json='{{\"working_dir\": \"/x\"}}' -- python3 -m "
+        'ray job submit --runtime-env-json=\'{{"working_dir": "/x"}}\' -- python3 -m '
         "openrlhf.cli.train_ppo_ray {flags}",
         "deepspeed --num_gpus 8 --module openrlhf.cli.train_ppo_ray {flags}",
     ],
@@ -299,8 +299,7 @@ def _all_fixtures():
     return sorted(
         p
         for p in [*FIX.glob("*"), *EX.glob("*")]
-        if p.is_file() and p.suffix in (".sh", ".yaml", ".json")
-        and "ignored" not in p.name
+        if p.is_file() and p.suffix in (".sh", ".yaml", ".json") and "ignored" not in p.name
     )
 
 
@@ -311,9 +310,7 @@ def test_equivalent_carries_every_setting_klpo_has_a_key_for(path):
     from klpo.doctor import openrlhf, trl, verl
 
     d = diagnose(path)
-    carried = {"verl": verl.CARRIED, "openrlhf": openrlhf.CARRIED}.get(
-        d["framework"], trl.CARRIED
-    )
+    carried = {"verl": verl.CARRIED, "openrlhf": openrlhf.CARRIED}.get(d["framework"], trl.CARRIED)
     flat = _flat(d["equivalent"]["config"])
     keys = klpo_keys()
     for fw_key, klpo_key in carried:
@@ -359,7 +356,7 @@ def test_trl_cli_config_keys_of_the_script_and_accelerate_are_trls(tmp_path):
 
 def test_trl_cli_config_file_not_found_names_where_it_looked(tmp_path):
     p = _write(tmp_path, "run.sh", "trl grpo --config missing.yaml\n")
-    with pytest.raises(DoctorError, match="missing.yaml.*beside the script"):
+    with pytest.raises(DoctorError, match=r"missing.yaml.*beside the script"):
         diagnose(p)
 
 
@@ -367,3 +364,37 @@ def test_trl_ppo_config_is_not_read_as_grpo(tmp_path):
     p = _write(tmp_path, "ppo.yaml", "kl_coef: 0.05\nvf_coef: 0.1\nnum_ppo_epochs: 4\n")
     with pytest.raises(DoctorError, match="PPOConfig"):
         diagnose(p)
+
+
+# -- "refuses it and does not start" only where it is so ---------------------------------------
+
+
+def test_keys_of_another_config_name_are_not_said_to_be_refused(tmp_path):
+    p = _write(
+        tmp_path,
+        "m.sh",
+        "python3 -m verl.trainer.main_ppo --config-path=config "
+        "--config-name='ppo_megatron_trainer.yaml' algorithm.adv_estimator=grpo "
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 "
+        "actor_rollout_ref.actor.use_kl_loss=true\n",
+    )
+    d = diagnose(p)
+    assert not [f for f in d["findings"] if f["level"] == "error"]
+    texts = _texts(d, "warning")
+    assert any("ppo_megatron_trainer.yaml" in t and "may define it" in t for t in texts)
+    assert any("defaults here are ppo_trainer's" in t for t in texts)
+    # Without --config-name the same unknown key is verl's refusal.
+    q = _write(
+        tmp_path,
+        "n.sh",
+        "python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.megatron_x.tp=4\n",
+    )
+    assert any("does not start" in t for t in _texts(diagnose(q), "error"))
+
+
+def test_no_did_you_mean_from_another_section():
+    from klpo.doctor.reading import nearest
+
+    pool = ["qat.mode", "algorithm.adv_estimator", "algorithm.kl_penalty"]
+    assert nearest("algorithm.mode", pool) is None
+    assert nearest("algorithm.kl_penalti", pool) == "algorithm.kl_penalty"

@@ -63,9 +63,7 @@ def classify(cmd: Command) -> EntryPoint | None:
         if w == "openrlhf.cli.train_ppo_ray" or w.endswith("openrlhf/cli/train_ppo_ray.py"):
             return EntryPoint("openrlhf", cmd, i, w)
         if re.fullmatch(r"openrlhf\.cli\.\w+", w):
-            raise _refusal(
-                w, cmd.line, "not OpenRLHF's PPO trainer (openrlhf.cli.train_ppo_ray)"
-            )
+            raise _refusal(w, cmd.line, "not OpenRLHF's PPO trainer (openrlhf.cli.train_ppo_ray)")
         if re.fullmatch(r"skyrl(_train)?(\.train)?\.entrypoints\.main_base", w):
             return EntryPoint("skyrl", cmd, i, w)
         if base in ("train.py", "train_async.py") and any(

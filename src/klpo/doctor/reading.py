@@ -259,11 +259,14 @@ def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | Non
     hit = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
     if hit:
         return hit[0]
-    tail = key.rsplit(".", 1)[-1]
+    # By the last part only within the same section (a first part in common): a suggestion
+    # from another section (``qat.mode`` for a recipe's ``algorithm.mode``) misleads.
+    tail, head = key.rsplit(".", 1)[-1], key.split(".", 1)[0]
     by_tail: dict[str, str] = {}
     for k in pool:
-        by_tail.setdefault(k.rsplit(".", 1)[-1], k)
-    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.75)
+        if "." not in key or k.split(".", 1)[0] == head:
+            by_tail.setdefault(k.rsplit(".", 1)[-1], k)
+    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.8)
     return by_tail[hit[0]] if hit else None
 
 

@@ -76,6 +76,7 @@ class Script:
     variables: dict[str, str | list[str]] = field(default_factory=dict)
     unresolved: list[Unresolved] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    hydra: dict[str, str] = field(default_factory=dict)  # --config-name / --config-path given
 
     def find(self, *markers: str) -> Command | None:
         """The last command with a word containing one of ``markers`` (a module or script)."""
