@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from klpo.doctor import klpo_config, openrlhf, trl, verl
+from klpo.doctor import areal, klpo_config, nemo_rl, openrlhf, prime_rl, skyrl, slime, trl, verl
 from klpo.doctor.reading import (
     DoctorError,
     Reading,
@@ -36,7 +36,19 @@ from klpo.doctor.report import diagnosis, render
 
 __all__ = ["FRAMEWORKS", "DoctorError", "detect", "diagnose", "read", "render"]
 
-FRAMEWORKS: tuple[str, ...] = ("verl", "trl-grpo", "trl-rloo", "openrlhf", "klpo")
+FRAMEWORKS: tuple[str, ...] = (
+    "verl",
+    "trl-grpo",
+    "trl-rloo",
+    "openrlhf",
+    "klpo",
+    "nemo-rl",
+    "slime",
+    "skyrl",
+    "prime-rl",
+    "areal",
+    "unsloth",
+)
 
 _TEXT_SUFFIXES = (".sh", ".txt", ".args", ".cmd", ".bash", "")
 
@@ -78,6 +90,13 @@ def detect_mapping(data: dict[str, Any], path: Path) -> str:
     """The framework a YAML/JSON mapping of settings belongs to, from its keys."""
     keys = set(data)
     flat = " ".join(keys)
+    if "loss_fn" in keys and keys & {"grpo", "policy", "defaults", "ppo"}:
+        return "nemo-rl"
+    if "loss_fn" not in keys and "defaults" in keys and isinstance(data["defaults"], str):
+        return "nemo-rl"  # a NeMo-RL child config: its parent holds loss_fn
+    actor = data.get("actor")
+    if isinstance(actor, dict) and ("gconfig" in keys or "kl_ctl" in actor):
+        return "areal"
     if "actor_rollout_ref" in keys or "algorithm" in keys or "actor_rollout_ref." in flat:
         return "verl"
     if isinstance(data.get("kl"), dict) or isinstance(data.get("algo"), dict):
@@ -113,6 +132,13 @@ def detect(path: Path) -> str:
     text = read_text(path)
     if path.suffix in _TEXT_SUFFIXES:
         return _detect_script(text, path)
+    if path.suffix == ".toml":
+        return "prime-rl"
+    if path.suffix == ".py":
+        from klpo.doctor.pyscript import config_call
+
+        cls, _, unsloth, _ = config_call(text, str(path))
+        return "unsloth" if unsloth else "trl-grpo" if cls == "GRPOConfig" else "trl-rloo"
     data = load_mapping(path)
     if isinstance(data.get("run"), str):
         return _detect_script(data["run"], path)
@@ -152,6 +178,8 @@ def read(
     src = str(path)
     text = read_text(p)
     data = None
+    if p.suffix in (".toml", ".py"):
+        return _read_other(p, text, src, framework, version)
     if p.suffix not in _TEXT_SUFFIXES:
         data = load_mapping(p)
         if isinstance(data.get("run"), str):
@@ -166,6 +194,10 @@ def read(
     if data is None:
         return _read_script(fw, text, src, p, version, variables)
     dups = _refuse_duplicates(p, text, fw)
+    if fw == "nemo-rl":
+        return nemo_rl.read(nemo_rl.load(p), src, version)
+    if fw == "areal":
+        return areal.read(data, src, version)
     if fw == "verl":
         r = verl.read(data, src, version)
     elif fw == "trl-grpo":
@@ -186,6 +218,26 @@ def read(
     return r
 
 
+def _read_other(
+    p: Path, text: str, src: str, framework: str | None, version: str | None
+) -> Reading:
+    """prime-rl's TOML, and a Python script's GRPOConfig(...) call (TRL, or Unsloth's TRL)."""
+    if p.suffix == ".toml":
+        if framework not in (None, "prime-rl"):
+            raise DoctorError(f"{src}: a TOML config; the doctor reads TOML as prime-rl's only")
+        return prime_rl.read(prime_rl.load(p), src, version)
+    from klpo.doctor.pyscript import config_call
+
+    cls, kwargs, unsloth, _ = config_call(text, src)
+    if framework == "unsloth" or (framework is None and unsloth):
+        if cls != "GRPOConfig":
+            raise DoctorError(f"{src}: Unsloth patches TRL's GRPO; the doctor reads its GRPOConfig")
+        return trl.read_grpo(kwargs, src, version, unsloth=True)
+    if cls == "RLOOConfig":
+        return trl.read_rloo(kwargs, src, version)
+    return trl.read_grpo(kwargs, src, version)
+
+
 def _read_script(
     fw: str,
     text: str,
@@ -202,6 +254,10 @@ def _read_script(
         return verl.read(data, src, version, script)
     if fw in ("trl-grpo", "trl-rloo"):
         return trl.read_cli(text, src, path, version, variables)
+    if fw == "slime":
+        return slime.read_script_text(text, src, version, variables)
+    if fw == "skyrl":
+        return skyrl.read_script_text(text, src, version, variables)
     raise DoctorError(
         f"{src}: a {fw} config, not a launch script; give the {fw} config file itself"
     )

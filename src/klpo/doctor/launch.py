@@ -66,6 +66,16 @@ def classify(cmd: Command) -> EntryPoint | None:
             raise _refusal(w, cmd.line, "not OpenRLHF's PPO trainer (openrlhf.cli.train_ppo_ray)")
         if re.fullmatch(r"skyrl(_train)?(\.train)?\.entrypoints\.main_base", w):
             return EntryPoint("skyrl", cmd, i, w)
+        if re.fullmatch(r"examples\.[\w.]*main_\w+", w) and any(
+            x.startswith("trainer.algorithm.") for x in words[i + 1 :]
+        ):
+            raise _refusal(
+                w,
+                cmd.line,
+                "a SkyRL example's own entry point, with its own trainer (a subclass of "
+                "main_base's); the doctor reads skyrl.train.entrypoints.main_base only and does "
+                "not apply its semantics to another trainer",
+            )
         if base in ("train.py", "train_async.py") and any(
             x.partition("=")[0] in _SLIME_FLAGS for x in words[i + 1 :]
         ):

@@ -108,16 +108,35 @@ def updates(s: Settings) -> tuple[int, int, str | None]:
     return iters, max(1, spg // accum), assumption
 
 
-def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[str, Any]:
+def _check_keys(
+    r: Reading, data: dict[str, Any], table: tables.Table, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """TRL refuses a field its config does not have; name it and the nearest real one."""
     flat = flatten(data)
     cli = table.cli or {}
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        if key in table.defaults or key in cli or key in SCRIPT_KEYS or key in LAUNCH_KEYS:
+        if (
+            key in table.defaults
+            or key in cli
+            or key in SCRIPT_KEYS
+            or key in LAUNCH_KEYS
+            or (extra and key.split(".")[0] in extra)
+        ):
             out[key] = value
             continue
         near = nearest(key, [*table.defaults, *cli])
+        if extra:
+            # Unsloth's config drops what TRL's rejects, with a printed notice
+            # (unsloth/models/rl_config_compat.py: filter_config_init_kwargs).
+            r.warn(
+                "warning",
+                [key],
+                f"{key}: not a field of TRL {table.version}'s GRPOConfig; Unsloth drops it with "
+                "a printed notice and the run starts without it: it does nothing"
+                + (f" (did you mean {near}?)" if near else ""),
+            )
+            continue
         r.warn(
             "error",
             [key],
@@ -130,7 +149,11 @@ def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[s
 
 
 def _setup(
-    kind: str, data: dict[str, Any], source: str, version: str | None
+    kind: str,
+    data: dict[str, Any],
+    source: str,
+    version: str | None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Reading, Settings]:
     table, note = tables.pick(f"trl-{kind}", version, VERSION)
     r = Reading(
@@ -138,8 +161,14 @@ def _setup(
     )
     if note:
         r.warn("warning", ["--framework-version"], note)
-    defaults = {**SCRIPT_KEYS, **LAUNCH_KEYS, **(table.cli or {}), **table.defaults}
-    return r, Settings(_check_keys(r, data, table), defaults, source)
+    defaults = {
+        **SCRIPT_KEYS,
+        **LAUNCH_KEYS,
+        **(extra or {}),
+        **(table.cli or {}),
+        **table.defaults,
+    }
+    return r, Settings(_check_keys(r, data, table, extra or {}), defaults, source)
 
 
 def _common(r: Reading, s: Settings, iters: int, reuse: int, assumption: str | None) -> None:
@@ -206,11 +235,52 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
     r.settings = s.read
 
 
-def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
-    """Read a ``GRPOConfig``'s fields into a :class:`Reading`."""
-    r, s = _setup("grpo", data, source, version)
+# Unsloth (unslothai/unsloth 2026.8.19 at 015bdef, unsloth-zoo 2026.8.13 at ce232d6) rewrites
+# GRPOConfig's defaults (unsloth/models/rl.py:3314-3326: loss_type bnpo, beta 0.001,
+# vllm_importance_sampling_correction off) and replaces the loss
+# (unsloth_zoo/rl_replacements.py:549-613): plain k3, beta · k3 added per token, never
+# use_bias_correction_kl.
+UNSLOTH_VERSION = "2026.8.19"
+UNSLOTH_DEFAULTS = {"loss_type": "bnpo", "beta": 0.001}
+# The fields UnslothGRPOConfig adds to GRPOConfig (unsloth/models/rl.py:487-507).
+UNSLOTH_FIELDS: dict[str, Any] = {
+    "vllm_sampling_params": None,
+    "unsloth_num_chunks": None,
+    "unsloth_logit_chunk_multiplier": None,
+    "unsloth_grpo_mini_batch": None,
+}
+
+
+def read_grpo(
+    data: dict[str, Any], source: str, version: str | None = None, unsloth: bool = False
+) -> Reading:
+    """Read a ``GRPOConfig``'s fields into a :class:`Reading` (``unsloth``: as Unsloth's
+    patched trainer runs them)."""
+    r, s = _setup("grpo", data, source, version, UNSLOTH_FIELDS if unsloth else None)
+    if unsloth:
+        r.framework = "unsloth"
+        s.defaults.update(UNSLOTH_DEFAULTS)
+        r.warn(
+            "note",
+            ["unsloth"],
+            f"the script imports Unsloth ({UNSLOTH_VERSION} read), which patches TRL "
+            f"{r.defaults_version}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
+            "KL is plain k3 in the loss",
+        )
     beta = s.float("beta") or 0.0
     bias = s.bool("use_bias_correction_kl")
+    if unsloth and bias and beta > 0:
+        r.warn(
+            "warning",
+            ["use_bias_correction_kl"],
+            "Unsloth's patched loss never reads use_bias_correction_kl (TRL 1.16's default "
+            "True): under TRL this config's k3 is weighted by the token ratio and follows grad "
+            "KL(pi_theta ‖ pi_ref); under Unsloth it is plain k3, whose gradient is grad "
+            "KL(pi_ref ‖ pi_theta). Fix: run it under TRL, or set beta 0 (klpo: k3+ or k3_is)",
+        )
+        bias = False
+    elif unsloth:
+        bias = False
     level = check_known(
         s.str("importance_sampling_level") or "",
         ("token", "sequence"),
@@ -301,13 +371,27 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
             f"loss_type={loss_type!r}: TRL's policy surrogate differs from klpo's PPO clip"
         )
     rollout: dict[str, Any] = {"group_size": g}
+    if unsloth:
+        per_device = s.int("per_device_train_batch_size") or 1
+        accum = s.int("gradient_accumulation_steps") or 1
+        procs = s.int("num_processes") or 1
+        if (accum * procs * per_device) % g and not s.given("steps_per_generation"):
+            # unsloth/models/rl.py:3466-3498: the batch is made a multiple of the group.
+            s.values["per_device_train_batch_size"] = g
+            r.warn(
+                "note",
+                ["per_device_train_batch_size", "num_generations"],
+                f"per_device_train_batch_size {per_device} × accumulation {accum} is not a "
+                f"multiple of num_generations={g}: Unsloth sets per_device_train_batch_size to "
+                f"{g} (and prints so)",
+            )
     _finish(r, s, algo, rollout)
     return r
 
 
 def _grpo_findings(r: Reading, beta: float, bias: bool, level: str, loss_type: str) -> None:
     """Off-policy steps and per-sequence reduction, as they touch the KL term."""
-    if r.off_policy and beta > 0 and not (bias and level == "token"):
+    if r.off_policy and beta > 0 and not (bias and level == "token"):  # fmt: skip
         r.warn(
             "warning",
             ["num_iterations", "steps_per_generation"],
