@@ -936,14 +936,16 @@ def doctor(
     config: list[str] = typer.Argument(
         ...,
         metavar="CONFIG...",
-        help="verl YAML or main_ppo command line, TRL GRPOConfig/"
-        "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config (several: one report each).",
+        help="A training config or launch script: verl, TRL (GRPO/RLOO, `trl grpo --config`), "
+        "OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, Unsloth or klpo (several: one "
+        "report each).",
     ),
     framework: str | None = typer.Option(
         None,
         "--framework",
         metavar="NAME",
-        help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected).",
+        help="verl, trl-grpo, trl-rloo, openrlhf, klpo, nemo-rl, slime, skyrl, prime-rl, "
+        "areal or unsloth (default: detected).",
     ),
     framework_version: str | None = typer.Option(
         None,

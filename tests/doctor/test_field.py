@@ -57,9 +57,9 @@ EXPECTED: dict[str, tuple] = {
     "areal/gsm8k_drgrpo.yaml": ("areal", "2.0.0", [], 4, 1, True, []),
     "areal/boba_grpo.yaml": ("areal", "2.0.0", [], 16, 4, True, []),
     # Unsloth: beta 0.001 (its default), plain k3; the batch made 4 (= num_generations): 1 step.
-    "unsloth/qwen3_4b_grpo.py": ("unsloth", "1.16.0", [("k3", "loss", 0.001)], 4, 1, False, []),
-    "unsloth/llama3_1_8b_grpo.py": ("unsloth", "1.16.0", [("k3", "loss", 0.001)], 6, 1, False, []),
-    "unsloth/gemma3_1b_grpo.py": ("unsloth", "1.16.0", [("k3", "loss", 0.001)], 4, 1, False, []),
+    "unsloth/qwen3_4b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 4, 1, False, []),
+    "unsloth/llama3_1_8b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 6, 1, False, []),
+    "unsloth/gemma3_1b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 4, 1, False, []),
 }  # fmt: skip
 
 

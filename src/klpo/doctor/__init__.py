@@ -198,10 +198,17 @@ def read(
         return nemo_rl.read(nemo_rl.load(p), src, version)
     if fw == "areal":
         return areal.read(data, src, version)
+    if fw == "prime-rl":
+        return prime_rl.read(data, src, version)
+    if fw in ("slime", "skyrl"):
+        raise DoctorError(
+            f"{src}: {fw} is read from its launch script (the training command's flags or "
+            "overrides), not from a YAML/JSON mapping; give the script"
+        )
     if fw == "verl":
         r = verl.read(data, src, version)
-    elif fw == "trl-grpo":
-        r = trl.read_grpo(data, src, version)
+    elif fw in ("trl-grpo", "unsloth"):
+        r = trl.read_grpo(data, src, version, unsloth=fw == "unsloth")
     elif fw == "trl-rloo":
         r = trl.read_rloo(data, src, version)
     else:

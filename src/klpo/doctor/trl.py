@@ -259,12 +259,13 @@ def read_grpo(
     r, s = _setup("grpo", data, source, version, UNSLOTH_FIELDS if unsloth else None)
     if unsloth:
         r.framework = "unsloth"
+        r.defaults_version = f"{UNSLOTH_VERSION} (TRL {r.defaults_version})"
         s.defaults.update(UNSLOTH_DEFAULTS)
         r.warn(
             "note",
             ["unsloth"],
             f"the script imports Unsloth ({UNSLOTH_VERSION} read), which patches TRL "
-            f"{r.defaults_version}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
+            f"{VERSION}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
             "KL is plain k3 in the loss",
         )
     beta = s.float("beta") or 0.0
