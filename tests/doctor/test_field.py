@@ -237,3 +237,38 @@ def test_unsloth_drops_fields_trl_lacks_instead_of_refusing():
     d = diagnose(FIELD / "unsloth" / "gemma3_1b_grpo.py")
     assert not _texts(d, "error")
     assert any("warmup_ratio" in t and "Unsloth drops it" in t for t in _texts(d, "warning"))
+
+
+def test_nemo_rl_and_areal_launch_commands_read_their_config_and_overrides(tmp_path):
+    import shutil
+
+    cfgs = tmp_path / "examples" / "configs"
+    cfgs.mkdir(parents=True)
+    for name in ("grpo_math_1B.yaml", "grpo_math_8B.yaml"):
+        shutil.copy(FIELD / "nemo_rl" / name, cfgs / name)
+    (tmp_path / "scripts").mkdir()
+    # NeMo-RL's README: the config path from the repository's root, overrides after it.
+    p = _write(
+        tmp_path / "scripts",
+        "launch.sh",
+        'COMMAND="uv run ./examples/run_grpo.py --config examples/configs/grpo_math_8B.yaml '
+        'loss_fn.reference_policy_kl_type=k2 grpo.num_prompts_per_step=16"\n'
+        'srun bash -c "$COMMAND"\n',
+    )
+    d = diagnose(p)
+    # k2 × w (biased, no klpo estimator); 16 × 32 / 512 = 1 step.
+    assert (d["framework"], [t["estimator"] for t in d["terms"]], d["updates_per_batch"]) == (
+        "nemo-rl", [None], 1,
+    )  # fmt: skip
+    (tmp_path / "examples" / "math").mkdir()
+    shutil.copy(FIELD / "areal" / "gsm8k_grpo.yaml", tmp_path / "examples" / "math" / "g.yaml")
+    q = _write(
+        tmp_path,
+        "areal.sh",
+        "python3 -m areal.infra.launcher.local examples/math/gsm8k_rl.py "
+        "--config examples/math/g.yaml actor.kl_ctl=0.02 gconfig.n_samples=8\n",
+    )
+    e = diagnose(q)
+    assert (e["framework"], [(t["estimator"], t["beta"]) for t in e["terms"]], e["group_size"]) == (
+        "areal", [("k1", 0.02)], 8,
+    )  # fmt: skip

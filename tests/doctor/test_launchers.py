@@ -298,8 +298,11 @@ def test_openrlhf_loss_aggregation_is_carried(tmp_path):
 def _all_fixtures():
     return sorted(
         p
-        for p in [*FIX.glob("*"), *EX.glob("*")]
-        if p.is_file() and p.suffix in (".sh", ".yaml", ".json") and "ignored" not in p.name
+        for p in [*FIX.glob("*"), *EX.glob("*"), *FIX.glob("field/*/*")]
+        if p.is_file()
+        and p.suffix in (".sh", ".yaml", ".json", ".toml", ".py")
+        and "ignored" not in p.name
+        and "dapo_gsm8k" not in p.name  # a named refusal (test_field.py)
     )
 
 
@@ -307,10 +310,19 @@ def _all_fixtures():
 def test_equivalent_carries_every_setting_klpo_has_a_key_for(path):
     """Walk the readings: a setting the file gives, which the reader maps to a klpo key, is in
     the equivalent config with the file's value (or a difference says why not)."""
-    from klpo.doctor import openrlhf, trl, verl
+    from klpo.doctor import areal, nemo_rl, openrlhf, prime_rl, skyrl, slime, trl, verl
 
     d = diagnose(path)
-    carried = {"verl": verl.CARRIED, "openrlhf": openrlhf.CARRIED}.get(d["framework"], trl.CARRIED)
+    carried = {
+        "verl": verl.CARRIED,
+        "openrlhf": openrlhf.CARRIED,
+        "nemo-rl": nemo_rl.CARRIED
+        + [(k.replace("grpo.", "ppo.", 1), v) for k, v in nemo_rl.CARRIED],
+        "slime": slime.CARRIED,
+        "skyrl": skyrl.CARRIED,
+        "prime-rl": prime_rl.CARRIED,
+        "areal": areal.CARRIED,
+    }.get(d["framework"], trl.CARRIED)
     flat = _flat(d["equivalent"]["config"])
     keys = klpo_keys()
     for fw_key, klpo_key in carried:

@@ -261,6 +261,16 @@ def _read_script(
         return verl.read(data, src, version, script)
     if fw in ("trl-grpo", "trl-rloo"):
         return trl.read_cli(text, src, path, version, variables)
+    if fw in ("nemo-rl", "areal"):
+        from klpo.doctor.launch import config_and_overrides, entry_point
+
+        ep = entry_point(_script(text, path, variables))
+        if ep is None or ep.framework != fw:
+            raise DoctorError(f"{src}: no {fw} training command with --config found")
+        cfg, over = config_and_overrides(ep, path, src)
+        if fw == "nemo-rl":
+            return nemo_rl.read(nemo_rl._merge(nemo_rl.load(cfg), over), src, version)
+        return areal.read(nemo_rl._merge(load_mapping(cfg), over), src, version)
     if fw == "slime":
         return slime.read_script_text(text, src, version, variables)
     if fw == "skyrl":

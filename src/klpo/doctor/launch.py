@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from klpo.doctor.reading import DoctorError
 from klpo.doctor.shell import Command, Script
 
-__all__ = ["EntryPoint", "entry_point"]
+__all__ = ["EntryPoint", "config_and_overrides", "entry_point"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ def classify(cmd: Command) -> EntryPoint | None:
                 "main_base's); the doctor reads skyrl.train.entrypoints.main_base only and does "
                 "not apply its semantics to another trainer",
             )
+        if re.fullmatch(r"run_(grpo|ppo)\w*\.py", base):
+            return EntryPoint("nemo-rl", cmd, i, w)
+        if re.fullmatch(r"areal\.(infra\.)?launcher\.\w+", w):
+            return EntryPoint("areal", cmd, i, w)
         if base in ("train.py", "train_async.py") and any(
             x.partition("=")[0] in _SLIME_FLAGS for x in words[i + 1 :]
         ):
@@ -99,3 +104,36 @@ def entry_point(script: Script) -> EntryPoint | None:
         if ep is not None:
             found = ep
     return found
+
+
+def config_and_overrides(ep: EntryPoint, script_path: Path, source: str) -> tuple[Path, dict]:
+    """The ``--config FILE`` of a NeMo-RL / AReaL command and its ``key=value`` overrides.
+
+    The file is looked for as written, then beside the script and in the folders above it (the
+    frameworks' examples give paths from their repository's root).
+    """
+    from klpo.doctor.reading import scalar
+
+    words = ep.command.words[ep.at + 1 :]
+    config: str | None = None
+    overrides: dict = {}
+    for j, w in enumerate(words):
+        flag, eq, value = w.partition("=")
+        if flag == "--config":
+            config = value if eq else (words[j + 1] if j + 1 < len(words) else None)
+        elif eq and not flag.startswith("-") and "." in flag:
+            node = overrides
+            *parents, last = flag.lstrip("+").split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = scalar(value)
+    if config is None:
+        raise DoctorError(f"{source}: line {ep.command.line}: {ep.name} without --config FILE")
+    tried = [Path(config)] + [d / config for d in [script_path.parent, *script_path.parent.parents]]
+    for cand in tried:
+        if cand.is_file():
+            return cand, overrides
+    raise DoctorError(
+        f"{source}: line {ep.command.line}: --config {config} is neither a file as written nor "
+        "beside the script or in a folder above it; give the config's path"
+    )
