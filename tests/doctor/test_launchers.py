@@ -410,3 +410,18 @@ def test_no_did_you_mean_from_another_section():
     pool = ["qat.mode", "algorithm.adv_estimator", "algorithm.kl_penalty"]
     assert nearest("algorithm.mode", pool) is None
     assert nearest("algorithm.kl_penalti", pool) == "algorithm.kl_penalty"
+
+
+def test_unreadable_batch_carries_the_default_and_says_so(tmp_path):
+    p = _write(
+        tmp_path,
+        "o.sh",
+        "python3 -m openrlhf.cli.train_ppo_ray --init_kl_coef 0.01 --rollout_batch_size $RBS\n",
+    )
+    d = diagnose(p, version="0.9.10")
+    flat = _flat(d["equivalent"]["config"])
+    # OpenRLHF 0.9.10's --rollout_batch_size default is 1024 (cli/train_ppo_ray.py).
+    assert flat["rollout.prompts_per_step"] == 1024
+    assert any("prompts_per_step is" in x and "--var" in x for x in d["equivalent"]["differences"])
+    given = diagnose(p, version="0.9.10", variables={"RBS": "64"})
+    assert _flat(given["equivalent"]["config"])["rollout.prompts_per_step"] == 64

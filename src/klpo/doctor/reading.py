@@ -163,6 +163,7 @@ class Settings:
         self.labels = labels or {}
         self.read: dict[str, dict[str, Any]] = {}
         self.findings: list[Finding] = []
+        self.stand_ins: list[str] = []  # klpo settings carried from a default, and why
 
     def label(self, key: str) -> str:
         return self.labels.get(key, key)
