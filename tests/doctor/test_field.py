@@ -3,7 +3,8 @@ variant of TRL. The fixtures are the frameworks' own example configs (fixtures/f
 the expected readings are written from each framework's source at the pinned commit:
 
 - NeMo-RL ``7ea279a``: the loss's defaults (``loss_functions.py:128-153``: k3, 0.01, token-level),
-  the KL weighted by exp(lp − sg lp) since ``33bce20`` (k3 × w is klpo's ``k3_is`` on-policy;
+  the KL weighted by exp(lp − sg lp) since ``33bce20`` (k3 × w has the per-token gradient
+  d·∇lp of klpo's ``k3+``;
   k2 × w has no klpo estimator and a biased gradient), steps = prompts × generations /
   ``train_global_batch_size`` (× ``ppo_epochs`` for PPO, default 4).
 - slime ``624b824``: ``--kl-loss-type`` k1 by default, low_var_kl = k3 with its value clamped to
@@ -30,10 +31,10 @@ FIELD = Path(__file__).parent / "fixtures" / "field"
 # file: (framework, version read, [(estimator, placement, beta)], group size,
 #        optimiser steps per batch of rollouts, asynchronous, keys of the error findings)
 EXPECTED: dict[str, tuple] = {
-    # 32 prompts × 16 = 512 = train_global_batch_size: 1 step; k3 × w, 0.01.
-    "nemo_rl/grpo_math_1B.yaml": ("nemo-rl", "0.6.0+7ea279a", [("k3_is", "loss", 0.01)], 16, 1, False, []),
+    # 32 prompts × 16 = 512 = train_global_batch_size: 1 step; k3 × w (= klpo's k3+), 0.01.
+    "nemo_rl/grpo_math_1B.yaml": ("nemo-rl", "0.6.0+7ea279a", [("k3+", "loss", 0.01)], 16, 1, False, []),
     # 64 × 32 / 512 = 4 steps; the KL from the parent config.
-    "nemo_rl/grpo_math_8B.yaml": ("nemo-rl", "0.6.0+7ea279a", [("k3_is", "loss", 0.01)], 32, 4, False, []),
+    "nemo_rl/grpo_math_8B.yaml": ("nemo-rl", "0.6.0+7ea279a", [("k3+", "loss", 0.01)], 32, 4, False, []),
     # ProRL v2: k2 × w, 1e-4 (no klpo estimator: biased); parent's 32 × 16 / 512 = 1.
     "nemo_rl/prorlv2.v2.yaml": ("nemo-rl", "0.6.0+7ea279a", [(None, "loss", 0.0001)], 16, 1, False, []),
     # PPO-DAPO: no KL; 32 × 16 / 512 = 1, times ppo_epochs 4.
@@ -111,7 +112,8 @@ def test_nemo_rl_k2_after_the_weight_is_biased_and_the_release_is_not(tmp_path):
     [t] = r["terms"]
     assert (t["estimator"], r["defaults_version"]) == ("k2", "0.6.0")
     assert t["on_policy"]["gradient"] == "grad KL(pi_theta ‖ pi_ref)"
-    # k3 in the release is verl's clamped low_var_kl; on main it is k3 × w = k3_is.
+    # k3 in the release is verl's clamped low_var_kl; on main k3 × exp(lp − sg lp) has the
+    # per-token gradient d·∇lp, klpo's k3+ (k3_is with use_on_policy_kl_approximation).
     g = diagnose(FIELD / "nemo_rl" / "grpo_math_1B.yaml", version="0.6.0")
     assert g["terms"][0]["estimator"] == "low_var_kl"
     m = diagnose(FIELD / "nemo_rl" / "grpo_math_1B.yaml")
@@ -272,3 +274,16 @@ def test_nemo_rl_and_areal_launch_commands_read_their_config_and_overrides(tmp_p
     assert (e["framework"], [(t["estimator"], t["beta"]) for t in e["terms"]], e["group_size"]) == (
         "areal", [("k1", 0.02)], 8,
     )  # fmt: skip
+
+
+def test_nemo_rl_on_policy_kl_approximation_is_k3_is(tmp_path):
+    import shutil
+
+    shutil.copy(FIELD / "nemo_rl" / "grpo_math_1B.yaml", tmp_path / "grpo_math_1B.yaml")
+    p = _write(
+        tmp_path,
+        "c.yaml",
+        'defaults: "grpo_math_1B.yaml"\nloss_fn:\n  use_on_policy_kl_approximation: true\n',
+    )
+    [t] = diagnose(p)["terms"]
+    assert (t["estimator"], t["corrected"]) == ("k3_is", True)

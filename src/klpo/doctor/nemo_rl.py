@@ -12,7 +12,8 @@ What the KL does (``loss_functions.py:469-510``, ``algorithms/utils.py:42-100``)
 w = exp(lp − sg(lp)) (value 1; with ``use_on_policy_kl_approximation``, w = pi_theta / pi_gen with
 the gradient through pi_theta) *before* the ±10 output clamp, so its gradient is
 E[(k + dk/dlp) ∇lp]: for k1 that is E[(d + 1)∇lp] = grad KL(pi_theta ‖ pi_ref), for k3
-E[(k3 + 1 − e^{−d})∇lp] = E[d ∇lp], the same, and for k2 E[(d + d²/2)∇lp], **biased**. The r0.6.0
+E[(k3 + 1 − e^{−d})∇lp] = E[d ∇lp], the same (per token it is d·∇lp: klpo's ``k3+``; with
+``use_on_policy_kl_approximation`` klpo's ``k3_is``), and for k2 E[(d + d²/2)∇lp], **biased**. The r0.6.0
 release (2026-04-14) predates it: there k3 is verl's clamped ``low_var_kl``, k1 has zero expected
 gradient and k2 is grad KL's. ``use_kl_in_reward`` moves the term to the reward (Reinforce++)
 and zeroes the loss's coefficient (``loss_functions.py:240``).
@@ -159,9 +160,15 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
 
 def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool, token: bool):
     red = "token-mean" if token else "seq-mean-token-mean"
-    if weighted:
+    if weighted and approx:
+        # w = pi_theta / pi_gen with the gradient through pi_theta: klpo's k3_is exactly.
         est = "k3_is" if kind == "k3" else None
-        name = f"{kind} × exp(lp − sg lp)" if not approx else f"{kind} × pi_theta/pi_gen"
+        name = f"{kind} × pi_theta/pi_gen"
+    elif weighted:
+        # w = exp(lp − sg lp) is 1 in value, so the gradient per token is
+        # k3·∇lp + (1 − e^{−d})∇lp = d·∇lp: klpo's k3+ exactly (value k3, k2's gradient).
+        est = "k3+" if kind == "k3" else None
+        name = f"{kind} × exp(lp − sg lp)"
     else:
         est, name = {"k3": "low_var_kl", "k1": "k1", "k2": "k2"}[kind], kind
     r.terms.append(

@@ -261,7 +261,8 @@ def render(diag: dict[str, Any]) -> str:
     lines = [f"klpo doctor: {diag['source']}"]
     named = diag["version"]
     lines.append(
-        f"framework: {fw}; defaults and semantics of {fw.split('-')[0]} {diag['defaults_version']}"
+        f"framework: {fw}; defaults and semantics of "
+        f"{fw.split('-')[0] if fw.startswith('trl-') else fw} {diag['defaults_version']}"
         + (
             f" (you named {named})"
             if named
