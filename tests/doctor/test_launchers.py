@@ -425,3 +425,22 @@ def test_unreadable_batch_carries_the_default_and_says_so(tmp_path):
     assert any("prompts_per_step is" in x and "--var" in x for x in d["equivalent"]["differences"])
     given = diagnose(p, version="0.9.10", variables={"RBS": "64"})
     assert _flat(given["equivalent"]["config"])["rollout.prompts_per_step"] == 64
+
+
+def test_accelerate_process_count_enters_the_generation_batch(tmp_path):
+    (tmp_path / "g.yaml").write_text(
+        "beta: 0.04\nnum_generations: 8\nper_device_train_batch_size: 2\n"
+    )
+    one = diagnose(_write(tmp_path, "a.sh", "trl grpo --config g.yaml\n"))
+    eight = diagnose(
+        _write(
+            tmp_path,
+            "b.sh",
+            "accelerate launch --num_processes 8 trl/scripts/grpo.py --config g.yaml\n",
+        )
+    )
+    # 2 per device × 8 processes = 16 completions: 2 prompts of 8; on one process TRL refuses
+    # 2 completions in groups of 8 (shown for the 4 processes it needs: 1 prompt).
+    assert _flat(eight["equivalent"]["config"])["rollout.prompts_per_step"] == 2
+    assert _flat(one["equivalent"]["config"])["rollout.prompts_per_step"] == 1
+    assert not _texts(eight, "error")

@@ -85,6 +85,10 @@ def classify(cmd: Command) -> EntryPoint | None:
             x.partition("=")[0] in _SLIME_FLAGS for x in words[i + 1 :]
         ):
             return EntryPoint("slime", cmd, i, w)
+        m = re.fullmatch(r"(.*/)?trl/scripts/(grpo|rloo)\.py|trl\.scripts\.(grpo|rloo)", w)
+        if m:
+            kind = m.group(2) or m.group(3)
+            return EntryPoint(f"trl-{kind}", cmd, i, w)
         if base == "trl" and i + 1 < len(words) and words[i + 1] in ("grpo", "rloo"):
             return EntryPoint(f"trl-{words[i + 1]}", cmd, i + 1, f"trl {words[i + 1]}")
         if base == "trl" and i + 1 < len(words) and words[i + 1] in ("ppo", "dpo", "sft"):

@@ -510,6 +510,15 @@ def read_cli(
             data = load_mapping(found)
             continue
         flags[name] = scalar(value)
+    # The launcher's process count (`accelerate launch --num_processes N`, `torchrun
+    # --nproc_per_node N`) is the generation batch's multiplier, as num_processes in the file.
+    launcher = ep.command.words[: ep.at]
+    for j, w in enumerate(launcher):
+        name, eq, value = w.partition("=")
+        if name in ("--num_processes", "--nproc_per_node", "--nproc-per-node"):
+            given = value if eq else (launcher[j + 1] if j + 1 < len(launcher) else "")
+            if given.isdigit():
+                flags.setdefault("num_processes", int(given))
     merged = {**data, **flags}
     if ep.framework == "trl-rloo":
         return read_rloo(merged, source, version)
