@@ -111,7 +111,16 @@ def explain(
         help="reward, loss or reward+loss; all three if omitted.",
     ),
     all_: bool = typer.Option(False, "--all", help="Explain every estimator in every placement."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+    ),
+    fail_on: str = typer.Option(
+        "error",
+        "--fail-on",
+        metavar="LEVEL",
+        help="Exit 1 on a finding at this level or above: error, warning or never.",
+    ),
     off_policy: bool = typer.Option(
         False, "--off-policy", help="Tokens sampled from an older policy pi_old, not pi_theta."
     ),
@@ -481,7 +490,16 @@ def lab_gaussian(
         1_000_000, "--samples", "-n", metavar="N", min=1, help="Monte Carlo samples."
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+    ),
+    fail_on: str = typer.Option(
+        "error",
+        "--fail-on",
+        metavar="LEVEL",
+        help="Exit 1 on a finding at this level or above: error, warning or never.",
+    ),
 ) -> None:
     """Schulman's experiment: every estimator on N(0, 1) vs N(mu, 1), true KL mu²/2."""
     from klpo.lab.distributions import SpecError
@@ -524,7 +542,16 @@ def lab_categorical(
         help="Add a Monte Carlo section with this many samples.",
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+    ),
+    fail_on: str = typer.Option(
+        "error",
+        "--fail-on",
+        metavar="LEVEL",
+        help="Exit 1 on a finding at this level or above: error, warning or never.",
+    ),
 ) -> None:
     """Every estimator on one categorical step: exact values and expected gradients."""
     from klpo.lab.distributions import SequencePair, SpecError
@@ -562,7 +589,16 @@ def lab_sequence(
         help="Add a Monte Carlo section with this many samples.",
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+    ),
+    fail_on: str = typer.Option(
+        "error",
+        "--fail-on",
+        metavar="LEVEL",
+        help="Exit 1 on a finding at this level or above: error, warning or never.",
+    ),
 ) -> None:
     """Every estimator on a tabular autoregressive model, enumerated: exact values and gradients.
 
@@ -988,17 +1024,19 @@ def compare(
 
 @app.command(cls=Command)
 def doctor(
-    config: str = typer.Argument(
+    config: list[str] = typer.Argument(
         ...,
-        metavar="CONFIG",
-        help="verl YAML or main_ppo command line, TRL GRPOConfig/"
-        "RLOOConfig YAML/JSON, OpenRLHF command line, or a klpo config.",
+        metavar="CONFIG...",
+        help="A training config or launch script: verl, TRL (GRPO/RLOO, `trl grpo --config`), "
+        "OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, Unsloth or klpo (several: one "
+        "report each).",
     ),
     framework: str | None = typer.Option(
         None,
         "--framework",
         metavar="NAME",
-        help="verl, trl-grpo, trl-rloo, openrlhf or klpo (default: detected).",
+        help="verl, trl-grpo, trl-rloo, openrlhf, klpo, nemo-rl, slime, skyrl, prime-rl, "
+        "areal or unsloth (default: detected).",
     ),
     framework_version: str | None = typer.Option(
         None,
@@ -1006,7 +1044,16 @@ def doctor(
         metavar="VERSION",
         help="The framework version the config is for (warns if the doctor knows another).",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+    ),
+    fail_on: str = typer.Option(
+        "error",
+        "--fail-on",
+        metavar="LEVEL",
+        help="Exit 1 on a finding at this level or above: error, warning or never.",
+    ),
     model: str | None = typer.Option(
         None, "--model", metavar="DIR", help="Policy model directory to measure on."
     ),
@@ -1054,6 +1101,8 @@ def doctor(
         max_new_tokens=max_new_tokens,
         seed=seed,
         variables=variables,
+        fail_on=fail_on,
+        fmt=fmt,
     )
     if code:
         raise typer.Exit(code)

@@ -100,7 +100,17 @@ def carry(s: Settings, mapping: list[tuple[str, str]]) -> tuple[dict[str, Any], 
         ):
             continue
         value = s.get(fw_key)
-        if value is None or s.read[fw_key]["from"].startswith("default ("):
+        if s.read[fw_key]["from"].startswith("default ("):
+            # The file's value depends on a name the script does not define: the framework's
+            # default stands in for it, and a difference says so.
+            if value is not None and klpo_key in known:
+                carried[klpo_key] = value
+                s.stand_ins.append(
+                    f"{klpo_key} is {fw_key}'s default {value!r}: the script's value "
+                    f"{s.values[fw_key]!r} could not be read (give it with --var)"
+                )
+            continue
+        if value is None:
             continue
         if klpo_key == "run.steps" and (not isinstance(value, int) or value <= 0):
             continue  # -1 / null: the framework counts epochs instead
@@ -166,6 +176,8 @@ def build_equivalent(
     _merge(equivalent, _nest(carried or {}))
     reading.equivalent = equivalent
     reading.equivalent_differences.extend(diffs)
+    if settings is not None:
+        reading.equivalent_differences.extend(settings.stand_ins)
     if settings is not None:
         reading.equivalent_unmapped = sorted(
             settings.label(k) for k in settings.values if k not in settings.read

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import typer
@@ -28,7 +27,7 @@ def _variables(pairs: list[str]) -> dict[str, str]:
 
 
 def run(
-    config: str,
+    config: str | list[str],
     *,
     framework: str | None = None,
     version: str | None = None,
@@ -42,8 +41,67 @@ def run(
     max_new_tokens: int = 16,
     seed: int = 0,
     variables: list[str] | None = None,
+    fail_on: str = "error",
+    fmt: str | None = None,
 ) -> int:
-    """Print the diagnosis of ``config``; 2 on bad input (the message on stderr), else 0."""
+    """Print the diagnosis of each config; the exit status is :mod:`klpo.doctor.gate`'s (0 clean,
+    1 a finding at or above ``fail_on``, 2 a file that could not be read)."""
+    from klpo.doctor import gate
+
+    configs = [config] if isinstance(config, str) else list(config)
+    fmt = fmt or ("json" if as_json else "text")
+    if fail_on not in gate.FAIL_ON or fmt not in gate.FORMATS:
+        typer.echo(
+            f"error: --fail-on takes {'|'.join(gate.FAIL_ON)}, --format {'|'.join(gate.FORMATS)}",
+            err=True,
+        )
+        return 2
+    if len(configs) > 1 and (model or reference or data):
+        typer.echo("error: --model measures one config; give one CONFIG with it", err=True)
+        return 2
+    diags: list[dict] = []
+    errors: list[tuple[str, str]] = []
+    texts: list[str] = []
+    for one in configs:
+        diag, text = _one(
+            one, framework, version, model, reference, data, layer, prompts, samples,
+            max_new_tokens, seed, variables,
+        )  # fmt: skip
+        if diag is None:
+            errors.append((one, text))
+            continue
+        diags.append(diag)
+        texts.append(text)
+    if fmt == "json":
+        out = diags[0] if len(configs) == 1 and diags else diags
+        if diags or len(configs) > 1:
+            sys.stdout.write(gate.dumps(out) + "\n")
+    elif fmt == "sarif":
+        sys.stdout.write(gate.dumps(gate.sarif(diags, errors)) + "\n")
+    elif fmt == "github":
+        lines = gate.github(diags, errors)
+        if lines:
+            typer.echo(lines)
+    elif texts:
+        typer.echo("\n\n".join(texts))
+    return gate.exit_code(diags, len(errors), fail_on)
+
+
+def _one(
+    config,
+    framework,
+    version,
+    model,
+    reference,
+    data,
+    layer,
+    prompts,
+    samples,
+    max_new_tokens,
+    seed,
+    variables,
+) -> tuple[dict | None, str]:
+    """One config: (its diagnosis, its text), or (None, the message, already on stderr)."""  # fmt: skip
     given = [
         name for name, v in (("--model", model), ("--reference", reference), ("--data", data)) if v
     ]
@@ -73,13 +131,8 @@ def run(
             )
     except (DoctorError, ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
-        return 2
-    if as_json:
-        json.dump(diag, sys.stdout, indent=2, ensure_ascii=False, default=str)
-        sys.stdout.write("\n")
-        return 0
+        return None, str(err)
     text = render(diag)
     if "measurement" in diag:
         text += "\n\n" + render_measurement(diag["measurement"])
-    typer.echo(text)
-    return 0
+    return diag, text

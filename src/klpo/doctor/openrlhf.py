@@ -78,6 +78,7 @@ FLAT: dict[str, str] = {
     "data.apply_chat_template": "apply_chat_template",
     "actor.policy_loss_type": "policy_loss_type",
     "train.async_enable": "async_train",
+    "data.max_len": "max_len",
 }
 
 # OpenRLHF flag (grouped name) -> klpo key: what the "same thing" config carries.
@@ -118,7 +119,6 @@ ADVANTAGES: dict[str, tuple[str | None, str]] = {
     "dr_grpo": ("grpo", "per token, returns-to-go, after the group mean is subtracted"),
     "flash_reinforce": (None, "per token, returns-to-go, after the batch mean is subtracted"),
 }
-_MODULES = ("openrlhf.cli.train_ppo_ray", "train_ppo_ray")
 
 
 def parse_args(words: list[str], table: tables.Table) -> tuple[dict[str, Any], list[str]]:
@@ -177,11 +177,12 @@ def _style(words: list[str]) -> str | None:
 
 def _arguments(script: Script) -> list[str]:
     """The words after ``train_ppo_ray`` in its command (all words where there is none)."""
-    cmd = script.find(*_MODULES)
-    if cmd is None:
+    from klpo.doctor.launch import entry_point
+
+    ep = entry_point(script)
+    if ep is None or ep.framework != "openrlhf":
         return [w for c in script.commands for w in c.words]
-    at = max(i for i, w in enumerate(cmd.words) if any(m in w for m in _MODULES))
-    return cmd.words[at + 1 :]
+    return ep.command.words[ep.at + 1 :]
 
 
 def _best_fit(words: list[str]) -> tables.Table:
@@ -236,6 +237,11 @@ def read(
     """Read OpenRLHF's arguments (from :func:`parse_args`) into a :class:`Reading`."""
     flat = "init_kl_coef" in table.defaults
     to_table = {g: (f if flat else g) for g, f in FLAT.items()}
+    if "generate_max_len" in table.defaults:
+        # Up to 0.9.0 the completion length is --generate_max_len and the prompt's
+        # --prompt_max_len; 0.9.10 renamed the first --max_new_tokens (None: max_len − prompt).
+        to_table["rollout.max_new_tokens"] = "generate_max_len"
+        to_table["data.prompt_max_len"] = "prompt_max_len"
     values = {g: args[t] for g, t in to_table.items() if t in args}
     values.update({k: v for k, v in args.items() if k not in to_table.values()})
     defaults = {g: table.defaults.get(t) for g, t in to_table.items()}
@@ -308,6 +314,16 @@ def _terms(r: Reading, s: Settings, table: tables.Table) -> None:
     name = check_known(s.str(est_key) or "", ESTIMATORS, s.label(est_key), s.source)
     use_loss = s.bool("algo.kl.use_loss")
     unbiased = "algo.kl.unbiased_gradient" in table.defaults and s.bool("algo.kl.unbiased_gradient")
+    if unbiased and not use_loss:
+        # Only the KL loss (ppo_actor.py) reads it; the reward-side KL never does.
+        r.warn(
+            "warning",
+            [s.label("algo.kl.unbiased_gradient")],
+            f"set but does nothing: {s.label('algo.kl.unbiased_gradient')} changes only the KL "
+            f"loss, and without {s.label('algo.kl.use_loss')} the KL is in the reward; add "
+            f"{s.label('algo.kl.use_loss')} or drop the flag",
+        )
+        unbiased = False
     target, horizon = s.float("algo.kl.target"), s.float("algo.kl.horizon")
     adv_key = "algo.advantage.estimator"
     adv = check_known(s.str(adv_key) or "", ADVANTAGES, s.label(adv_key), s.source)
@@ -317,6 +333,7 @@ def _terms(r: Reading, s: Settings, table: tables.Table) -> None:
     rollout_batch, train_batch = s.int("rollout.batch_size") or 1, s.int("train.batch_size") or 1
     steps = max(1, (rollout_batch * n) // train_batch)
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * steps
+    r.asynchronous = s.get("train.async_enable") is True
     L = s.label
 
     if coef > 0:
@@ -429,7 +446,7 @@ def _run_findings(
         r.equivalent_differences.append(
             f"{L('actor.policy_loss_type')} {loss_type}: klpo's policy loss is PPO clip"
         )
-    if s.get("train.async_enable") is True and coef > 0:
+    if r.asynchronous and coef > 0:
         r.warn(
             "warning",
             [L("train.async_enable")],
@@ -466,10 +483,21 @@ def _equivalent(
     }
     if algo_name == "grpo":
         # group_norm divides by the group's std whatever no_std_norm says; dr_grpo never does.
+        # No batch whitening follows either: experience_maker.py whitens only for gae,
+        # reinforce and reinforce_baseline (0.8.11 to 0.11.2).
         algo["std"] = "none" if adv == "dr_grpo" else "sample"
-        if not no_std:
+    if adv in ("reinforce", "reinforce_baseline") and not no_std:
+        r.equivalent_differences.append(
+            f"OpenRLHF whitens {adv}'s advantages over the batch (experience_maker.py)"
+            + ("; klpo's reinforce++ does too" if adv == "reinforce" else "")
+        )
+    agg = s.str("actor.loss_agg_mode") if "actor.loss_agg_mode" in s.defaults else None
+    if agg is not None:
+        algo["loss_reduction"] = agg
+        if agg != "token-mean" and any(t.placement == "loss" for t in r.terms):
             r.equivalent_differences.append(
-                "OpenRLHF then whitens the advantages over the batch; klpo's grpo does not"
+                f"OpenRLHF reduces the policy loss by {agg} but the KL loss by token-mean; klpo "
+                f"reduces both by {agg}"
             )
     if algo_name == "ppo":
         algo["gamma"] = s.float("algo.advantage.gamma")
@@ -491,6 +519,18 @@ def _equivalent(
     if target is not None and coef > 0:
         controller = {"controller": "adaptive", "target": target, "horizon": horizon}
     mapping = [(k, v) for k, v in CARRIED if algo_name == "ppo" or not k.startswith("critic.")]
+    if "generate_max_len" in s.defaults:
+        mapping.append(("data.prompt_max_len", "data.max_prompt_tokens"))
+    elif s.get("rollout.max_new_tokens") is None:
+        # max_new_tokens None: OpenRLHF generates up to max_len minus the prompt's length.
+        mapping = [(k, v) for k, v in mapping if v != "rollout.max_new_tokens"]
+        mapping.append(("data.max_len", "rollout.max_new_tokens"))
+        L = s.label
+        r.equivalent_differences.append(
+            f"{L('rollout.max_new_tokens')} not set: OpenRLHF generates up to "
+            f"{L('data.max_len')} ({s.get('data.max_len')}) minus each prompt's length; klpo "
+            "up to rollout.max_new_tokens whatever the prompt (shown as the whole max_len)"
+        )
     if not (s.int("ds.lora.rank") or 0) > 0:
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     carried, missing = carry(s, mapping)

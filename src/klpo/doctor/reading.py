@@ -24,6 +24,7 @@ __all__ = [
     "Finding",
     "Reading",
     "Term",
+    "duplicate_keys",
     "flatten",
     "load_mapping",
     "nearest",
@@ -98,6 +99,8 @@ class Reading:
         updates_per_batch: optimiser steps taken on one batch of rollouts.
         terms: the KL terms in effect.
         group_scaling: how the group normalisation scales a KL that is in the reward, or None.
+        asynchronous: whether rollouts come from an older policy from the first step on (a
+            rollout queue, a stale-rollout bound).
         findings: see :class:`Finding`.
         equivalent: the klpo config (a nested dict, ``klpo train -c``) that does the same thing,
             as far as klpo can; ``equivalent_differences`` says where it cannot, and
@@ -115,6 +118,7 @@ class Reading:
     updates_per_batch: int = 1
     terms: list[Term] = field(default_factory=list)
     group_scaling: str | None = None
+    asynchronous: bool = False
     findings: list[Finding] = field(default_factory=list)
     equivalent: dict[str, Any] = field(default_factory=dict)
     equivalent_differences: list[str] = field(default_factory=list)
@@ -124,8 +128,10 @@ class Reading:
 
     @property
     def off_policy(self) -> bool:
-        """Whether a KL term in the loss sees tokens sampled by an older policy."""
-        return self.updates_per_batch > 1
+        """Whether a KL term in the loss sees tokens sampled by an older policy: several
+        optimiser steps per batch, or rollouts generated while the policy trains
+        (:attr:`asynchronous`)."""
+        return self.updates_per_batch > 1 or self.asynchronous
 
     def warn(self, level: str, keys: tuple[str, ...] | list[str], text: str) -> None:
         self.findings.append(Finding(level, tuple(keys), text))
@@ -157,6 +163,7 @@ class Settings:
         self.labels = labels or {}
         self.read: dict[str, dict[str, Any]] = {}
         self.findings: list[Finding] = []
+        self.stand_ins: list[str] = []  # klpo settings carried from a default, and why
 
     def label(self, key: str) -> str:
         return self.labels.get(key, key)
@@ -253,11 +260,14 @@ def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | Non
     hit = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
     if hit:
         return hit[0]
-    tail = key.rsplit(".", 1)[-1]
+    # By the last part only within the same section (a first part in common): a suggestion
+    # from another section (``qat.mode`` for a recipe's ``algorithm.mode``) misleads.
+    tail, head = key.rsplit(".", 1)[-1], key.split(".", 1)[0]
     by_tail: dict[str, str] = {}
     for k in pool:
-        by_tail.setdefault(k.rsplit(".", 1)[-1], k)
-    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.75)
+        if "." not in key or k.split(".", 1)[0] == head:
+            by_tail.setdefault(k.rsplit(".", 1)[-1], k)
+    hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.8)
     return by_tail[hit[0]] if hit else None
 
 
@@ -316,6 +326,53 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _looks_numeric(text: str) -> bool:
     return bool(re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", text))
+
+
+def duplicate_keys(text: str, is_json: bool = False) -> list[tuple[str, int, int]]:
+    """Keys a YAML (or JSON) mapping holds twice: (dotted key, first line, repeated line).
+
+    PyYAML and :mod:`json` keep the last value silently; OmegaConf (verl, NeMo-RL, SkyRL,
+    AReaL) refuses the file. The YAML is walked as composed nodes, so lines are the file's.
+    """
+    if is_json:
+        found: list[tuple[str, int, int]] = []
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            seen: set[str] = set()
+            for k, _ in pairs:
+                if k in seen:
+                    found.append((k, 0, 0))
+                seen.add(k)
+            return dict(pairs)
+
+        try:
+            json.loads(text, object_pairs_hook=hook)
+        except json.JSONDecodeError:
+            return []
+        return found
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return []
+    out: list[tuple[str, int, int]] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else prefix
+                line = key.start_mark.line + 1
+                if name in first:
+                    out.append((name, first[name], line))
+                else:
+                    first[name] = line
+                walk(value, name + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item, prefix)
+
+    walk(root, "")
+    return out
 
 
 def load_mapping(path: Path) -> dict[str, Any]:

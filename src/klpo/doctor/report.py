@@ -158,6 +158,7 @@ def diagnosis(reading: Reading) -> dict[str, Any]:
         "group_size": reading.group_size,
         "updates_per_batch": reading.updates_per_batch,
         "off_policy": reading.off_policy,
+        "asynchronous": reading.asynchronous,
         "terms": [_term_record(t, reading) for t in reading.terms],
         "group_scaling": reading.group_scaling,
         "findings": findings,
@@ -260,7 +261,8 @@ def render(diag: dict[str, Any]) -> str:
     lines = [f"klpo doctor: {diag['source']}"]
     named = diag["version"]
     lines.append(
-        f"framework: {fw}; defaults and semantics of {fw.split('-')[0]} {diag['defaults_version']}"
+        f"framework: {fw}; defaults and semantics of "
+        f"{fw.split('-')[0] if fw.startswith('trl-') else fw} {diag['defaults_version']}"
         + (
             f" (you named {named})"
             if named
@@ -271,7 +273,13 @@ def render(diag: dict[str, Any]) -> str:
     lines.append(
         f"algorithm: {diag['algorithm']}, {diag['group_size']} completion(s) per prompt, "
         f"{ups} optimiser step(s) per batch of rollouts"
-        + (" (tokens are off-policy from the 2nd)" if diag["off_policy"] else " (on-policy)")
+        + (
+            " (asynchronous: tokens are off-policy from the 1st)"
+            if diag.get("asynchronous")
+            else " (tokens are off-policy from the 2nd)"
+            if diag["off_policy"]
+            else " (on-policy)"
+        )
     )
     lines.append("")
     if not diag["terms"]:

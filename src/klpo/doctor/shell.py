@@ -76,6 +76,7 @@ class Script:
     variables: dict[str, str | list[str]] = field(default_factory=dict)
     unresolved: list[Unresolved] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    hydra: dict[str, str] = field(default_factory=dict)  # --config-name / --config-path given
 
     def find(self, *markers: str) -> Command | None:
         """The last command with a word containing one of ``markers`` (a module or script)."""
@@ -439,6 +440,7 @@ class _Frame:
     cond: list[tuple[str, list[str]]] | None = None  # (separator, words) until `then`
     line: int = 0
     value: str = ""  # a case's word
+    unknown: bool = False  # the case's word holds a name the script does not define
 
 
 def read_script(text: str, given: dict[str, str] | None = None) -> Script:
@@ -503,14 +505,24 @@ def _control(script, ex, stack, line, sep, words, active) -> None:
             words = words[1:]
             continue
         if head == "case" and len(words) >= 3:
+            before = len(script.unresolved)
             value = " ".join(ex.words(words[1], line))
-            stack.append(_Frame("case", active(), line=line, value=value))
+            unknown = len(script.unresolved) > before or "${" in value
+            stack.append(_Frame("case", active(), line=line, value=value, unknown=unknown))
             return
         if top is not None and top.kind == "case" and head.endswith(")") and sep in (";", ";;"):
             import fnmatch
 
             patterns = head[:-1].lstrip("(").split("|")
-            hit = not top.taken and any(fnmatch.fnmatchcase(top.value, p) for p in patterns)
+            if top.unknown and not top.taken:
+                # As an `if` it cannot evaluate: the first branch is read, and said.
+                hit = True
+                script.notes.append(
+                    f"line {top.line}: `case {top.value}` tests a name the script does not "
+                    f"define: its first branch (`{head}`) is read; give the value with --var"
+                )
+            else:
+                hit = not top.taken and any(fnmatch.fnmatchcase(top.value, p) for p in patterns)
             top.active, top.taken = top.parent_active and hit, top.taken or hit
             words = words[1:]
             continue
@@ -615,7 +627,39 @@ def _command(script: Script, ex: _Expander, words: list[str], line: int) -> None
     expanded: list[str] = []
     for w in words[i:]:
         expanded.extend(ex.words(w, line))
-    script.commands.append(Command(expanded, line))
+    inner = _shell_string(expanded)
+    if inner is None:
+        script.commands.append(Command(expanded, line))
+        return
+    # `bash -c "…"` (often after `srun …`): the string is a script of its own, run by a new
+    # shell that inherits the variables this one exported (all of them, as far as the doctor
+    # can tell: it reads every assignment as exported).
+    known = {k: v if isinstance(v, str) else " ".join(v) for k, v in script.variables.items()}
+    try:
+        sub = read_script(inner, {**ex.given, **known})
+    except ValueError as err:
+        raise ValueError(f"line {line}: in the `-c` string: {err}") from None
+    script.notes.append(
+        f"line {line}: the command runs `{' '.join(expanded[: expanded.index(inner)])} …`: "
+        "the doctor reads the commands inside its string"
+    )
+    for cmd in sub.commands:
+        script.commands.append(Command(cmd.words, line + cmd.line - 1))
+    script.unresolved.extend(
+        Unresolved(u.name, line + u.line - 1, u.assumed) for u in sub.unresolved
+    )
+    script.notes.extend(sub.notes)
+
+
+_SHELLS = {"bash", "sh", "zsh", "dash", "ksh"}
+
+
+def _shell_string(words: list[str]) -> str | None:
+    """The script string of a ``bash -c STRING`` (``sh -lc``, ``/bin/bash -ec``) in ``words``."""
+    for j, w in enumerate(words[:-2]):
+        if w.rsplit("/", 1)[-1] in _SHELLS and re.fullmatch(r"-[a-z]*c[a-z]*", words[j + 1]):
+            return words[j + 2]
+    return None
 
 
 def _assign(script: Script, ex: _Expander, word: str, line: int) -> None:

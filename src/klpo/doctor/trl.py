@@ -17,7 +17,7 @@ from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten, nearest
 
-__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_grpo", "read_rloo", "updates"]
+__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_cli", "read_grpo", "read_rloo", "updates"]
 
 VERSION = "1.16.0"
 
@@ -39,6 +39,24 @@ SCALE_REWARDS = {
     "none": "none",
     "false": "none",
     "batch": None,
+}
+
+# Keys a `trl grpo|rloo --config` file may hold besides the config dataclass's: the script's
+# own arguments (trl/scripts/grpo.py: GRPOScriptArguments) and `accelerate launch`'s, which the
+# TRL CLI passes on (trl/cli.py). num_processes enters the generation batch.
+SCRIPT_KEYS: dict[str, object] = {"reward_funcs": None, "reward_model_name_or_path": None}
+LAUNCH_KEYS: dict[str, object] = {
+    "num_processes": 1,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_ip": None,
+    "main_process_port": None,
+    "mixed_precision": None,
+    "multi_gpu": False,
+    "config_file": None,
+    "accelerate_config": None,
+    "deepspeed_config_file": None,
+    "zero_stage": None,
 }
 
 # TRL field -> klpo key: what the "same thing" config carries.
@@ -75,29 +93,50 @@ def updates(s: Settings) -> tuple[int, int, str | None]:
     iters = s.int("num_iterations") or 1
     accum = s.int("gradient_accumulation_steps") or 1
     spg, gbs = s.int("steps_per_generation"), s.int("generation_batch_size")
+    procs = s.int("num_processes") or 1
     assumption = None
     if spg is None and gbs is not None:
         per_device = s.int("per_device_train_batch_size") or 1
-        spg = max(1, gbs // per_device)
-        assumption = (
-            f"generation_batch_size={gbs} with per_device_train_batch_size={per_device}: "
-            f"{spg} steps per generation on 1 process (on P processes, {spg}/P): the config does "
-            "not hold the process count"
-        )
+        spg = max(1, gbs // (per_device * procs))
+        if not s.given("num_processes"):
+            assumption = (
+                f"generation_batch_size={gbs} with per_device_train_batch_size={per_device}: "
+                f"{spg} steps per generation on 1 process (on P processes, {spg}/P): the "
+                "config does not hold the process count (num_processes)"
+            )
     spg = spg or accum
     return iters, max(1, spg // accum), assumption
 
 
-def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[str, Any]:
+def _check_keys(
+    r: Reading, data: dict[str, Any], table: tables.Table, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """TRL refuses a field its config does not have; name it and the nearest real one."""
     flat = flatten(data)
     cli = table.cli or {}
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        if key in table.defaults or key in cli:
+        if (
+            key in table.defaults
+            or key in cli
+            or key in SCRIPT_KEYS
+            or key in LAUNCH_KEYS
+            or (extra and key.split(".")[0] in extra)
+        ):
             out[key] = value
             continue
         near = nearest(key, [*table.defaults, *cli])
+        if extra:
+            # Unsloth's config drops what TRL's rejects, with a printed notice
+            # (unsloth/models/rl_config_compat.py: filter_config_init_kwargs).
+            r.warn(
+                "warning",
+                [key],
+                f"{key}: not a field of TRL {table.version}'s GRPOConfig; Unsloth drops it with "
+                "a printed notice and the run starts without it: it does nothing"
+                + (f" (did you mean {near}?)" if near else ""),
+            )
+            continue
         r.warn(
             "error",
             [key],
@@ -110,7 +149,11 @@ def _check_keys(r: Reading, data: dict[str, Any], table: tables.Table) -> dict[s
 
 
 def _setup(
-    kind: str, data: dict[str, Any], source: str, version: str | None
+    kind: str,
+    data: dict[str, Any],
+    source: str,
+    version: str | None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Reading, Settings]:
     table, note = tables.pick(f"trl-{kind}", version, VERSION)
     r = Reading(
@@ -118,8 +161,14 @@ def _setup(
     )
     if note:
         r.warn("warning", ["--framework-version"], note)
-    defaults = {**(table.cli or {}), **table.defaults}
-    return r, Settings(_check_keys(r, data, table), defaults, source)
+    defaults = {
+        **SCRIPT_KEYS,
+        **LAUNCH_KEYS,
+        **(extra or {}),
+        **(table.cli or {}),
+        **table.defaults,
+    }
+    return r, Settings(_check_keys(r, data, table, extra or {}), defaults, source)
 
 
 def _common(r: Reading, s: Settings, iters: int, reuse: int, assumption: str | None) -> None:
@@ -142,9 +191,24 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
     # process (1 process assumed, as in updates()): that many / num_generations prompts.
     per_device = s.int("per_device_train_batch_size") or 1
     spg = s.int("steps_per_generation") or s.int("gradient_accumulation_steps") or 1
-    gbs = s.int("generation_batch_size") or per_device * spg
     g = max(1, rollout["group_size"])
-    processes = g // math.gcd(gbs, g)
+    if s.given("num_processes"):
+        # The `trl` CLI's accelerate settings: the whole generation batch is
+        # per_device_train_batch_size × num_processes × steps_per_generation.
+        procs = s.int("num_processes") or 1
+        total = s.int("generation_batch_size") or per_device * spg * procs
+        if total % g:
+            r.warn(
+                "error",
+                ["per_device_train_batch_size", "num_generations", "num_processes"],
+                f"one generation holds {total} completions on {procs} processes, not a "
+                f"multiple of num_generations={g}: TRL refuses this config "
+                "(GRPOConfig.__post_init__) and does not start",
+            )
+        gbs, processes = total, 1
+    else:
+        gbs = s.int("generation_batch_size") or per_device * spg
+        processes = g // math.gcd(gbs, g)
     if processes > 1:
         # GRPOConfig.__post_init__: the generation batch must hold whole groups.
         r.warn(
@@ -154,7 +218,7 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
             f"num_generations={g}: TRL refuses this config on one process; it runs on a multiple "
             f"of {processes} processes, and the klpo config is shown for {processes}",
         )
-    rollout["prompts_per_step"] = gbs * processes // g
+    rollout["prompts_per_step"] = max(1, gbs * processes // g)
     if not s.bool("use_peft"):
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     eps_high = s.float("epsilon_high")
@@ -171,11 +235,53 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
     r.settings = s.read
 
 
-def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
-    """Read a ``GRPOConfig``'s fields into a :class:`Reading`."""
-    r, s = _setup("grpo", data, source, version)
+# Unsloth (unslothai/unsloth 2026.8.19 at 015bdef, unsloth-zoo 2026.8.13 at ce232d6) rewrites
+# GRPOConfig's defaults (unsloth/models/rl.py:3314-3326: loss_type bnpo, beta 0.001,
+# vllm_importance_sampling_correction off) and replaces the loss
+# (unsloth_zoo/rl_replacements.py:549-613): plain k3, beta · k3 added per token, never
+# use_bias_correction_kl.
+UNSLOTH_VERSION = "2026.8.19"
+UNSLOTH_DEFAULTS = {"loss_type": "bnpo", "beta": 0.001}
+# The fields UnslothGRPOConfig adds to GRPOConfig (unsloth/models/rl.py:487-507).
+UNSLOTH_FIELDS: dict[str, Any] = {
+    "vllm_sampling_params": None,
+    "unsloth_num_chunks": None,
+    "unsloth_logit_chunk_multiplier": None,
+    "unsloth_grpo_mini_batch": None,
+}
+
+
+def read_grpo(
+    data: dict[str, Any], source: str, version: str | None = None, unsloth: bool = False
+) -> Reading:
+    """Read a ``GRPOConfig``'s fields into a :class:`Reading` (``unsloth``: as Unsloth's
+    patched trainer runs them)."""
+    r, s = _setup("grpo", data, source, version, UNSLOTH_FIELDS if unsloth else None)
+    if unsloth:
+        r.framework = "unsloth"
+        r.defaults_version = f"{UNSLOTH_VERSION} (TRL {r.defaults_version})"
+        s.defaults.update(UNSLOTH_DEFAULTS)
+        r.warn(
+            "note",
+            ["unsloth"],
+            f"the script imports Unsloth ({UNSLOTH_VERSION} read), which patches TRL "
+            f"{VERSION}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
+            "KL is plain k3 in the loss",
+        )
     beta = s.float("beta") or 0.0
     bias = s.bool("use_bias_correction_kl")
+    if unsloth and bias and beta > 0:
+        r.warn(
+            "warning",
+            ["use_bias_correction_kl"],
+            "Unsloth's patched loss never reads use_bias_correction_kl (TRL 1.16's default "
+            "True): under TRL this config's k3 is weighted by the token ratio and follows grad "
+            "KL(pi_theta ‖ pi_ref); under Unsloth it is plain k3, whose gradient is grad "
+            "KL(pi_ref ‖ pi_theta). Fix: run it under TRL, or set beta 0 (klpo: k3+ or k3_is)",
+        )
+        bias = False
+    elif unsloth:
+        bias = False
     level = check_known(
         s.str("importance_sampling_level") or "",
         ("token", "sequence"),
@@ -234,6 +340,16 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
             "logged" + (f"; {', '.join(ignored)} is ignored" if ignored else ""),
         )
     _grpo_findings(r, beta, bias, level, loss_type)
+    if loss_type == "dr_grpo" and beta > 0 and not s.given("max_completion_length"):
+        length = s.int("max_completion_length")
+        r.warn(
+            "warning",
+            ["loss_type", "beta", "max_completion_length"],
+            f"dr_grpo divides each completion's summed loss, KL included, by "
+            f"max_completion_length, here TRL's default {length} (the file does not set it): a "
+            f"completion of L tokens gets beta·L/{length} of the KL weight a token mean would "
+            "give it; set max_completion_length to the length you generate",
+        )
     std = SCALE_REWARDS[scale]
     algo: dict[str, Any] = {
         "name": "grpo",
@@ -256,13 +372,27 @@ def read_grpo(data: dict[str, Any], source: str, version: str | None = None) -> 
             f"loss_type={loss_type!r}: TRL's policy surrogate differs from klpo's PPO clip"
         )
     rollout: dict[str, Any] = {"group_size": g}
+    if unsloth:
+        per_device = s.int("per_device_train_batch_size") or 1
+        accum = s.int("gradient_accumulation_steps") or 1
+        procs = s.int("num_processes") or 1
+        if (accum * procs * per_device) % g and not s.given("steps_per_generation"):
+            # unsloth/models/rl.py:3466-3498: the batch is made a multiple of the group.
+            s.values["per_device_train_batch_size"] = g
+            r.warn(
+                "note",
+                ["per_device_train_batch_size", "num_generations"],
+                f"per_device_train_batch_size {per_device} × accumulation {accum} is not a "
+                f"multiple of num_generations={g}: Unsloth sets per_device_train_batch_size to "
+                f"{g} (and prints so)",
+            )
     _finish(r, s, algo, rollout)
     return r
 
 
 def _grpo_findings(r: Reading, beta: float, bias: bool, level: str, loss_type: str) -> None:
     """Off-policy steps and per-sequence reduction, as they touch the KL term."""
-    if r.off_policy and beta > 0 and not (bias and level == "token"):
+    if r.off_policy and beta > 0 and not (bias and level == "token"):  # fmt: skip
         r.warn(
             "warning",
             ["num_iterations", "steps_per_generation"],
@@ -324,3 +454,72 @@ def read_rloo(data: dict[str, Any], source: str, version: str | None = None) -> 
     rollout: dict[str, Any] = {"group_size": g}
     _finish(r, s, algo, rollout)
     return r
+
+
+def read_cli(
+    text: str,
+    source: str,
+    path: Any,
+    version: str | None = None,
+    variables: dict[str, str] | None = None,
+) -> Reading:
+    """A launch script running ``trl grpo|rloo --config FILE [--field value ...]``.
+
+    The config file is found as written, else beside the script; the command line's
+    ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
+    the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
+    """
+    from pathlib import Path
+
+    from klpo.doctor.launch import entry_point
+    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+    from klpo.doctor.shell import read_script
+
+    try:
+        script = read_script(text, variables)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    ep = entry_point(script)
+    if ep is None or not ep.framework.startswith("trl-"):
+        raise DoctorError(f"{source}: no `trl grpo` or `trl rloo` command found")
+    words = ep.command.words[ep.at + 1 :]
+    data: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue
+        name, eq, value = word[2:].partition("=")
+        if not eq:
+            if i < len(words) and not words[i].startswith("--"):
+                value = words[i]
+                i += 1
+            else:
+                value = "true"
+        if name == "config":
+            given = Path(value)
+            beside = Path(path).parent / value
+            found = given if given.exists() else beside if beside.exists() else None
+            if found is None:
+                raise DoctorError(
+                    f"{source}: line {ep.command.line}: --config {value} is neither a file as "
+                    f"written nor beside the script ({beside}); give the config's path"
+                )
+            data = load_mapping(found)
+            continue
+        flags[name] = scalar(value)
+    # The launcher's process count (`accelerate launch --num_processes N`, `torchrun
+    # --nproc_per_node N`) is the generation batch's multiplier, as num_processes in the file.
+    launcher = ep.command.words[: ep.at]
+    for j, w in enumerate(launcher):
+        name, eq, value = w.partition("=")
+        if name in ("--num_processes", "--nproc_per_node", "--nproc-per-node"):
+            given = value if eq else (launcher[j + 1] if j + 1 < len(launcher) else "")
+            if given.isdigit():
+                flags.setdefault("num_processes", int(given))
+    merged = {**data, **flags}
+    if ep.framework == "trl-rloo":
+        return read_rloo(merged, source, version)
+    return read_grpo(merged, source, version)

@@ -107,7 +107,6 @@ CARRIED: list[tuple[str, str]] = [
     ("critic.optim.lr", "optim.critic_lr"),
     ("trainer.total_training_steps", "run.steps"),
 ]
-_MODULES = ("verl.trainer.main_ppo", "main_ppo", "main_dapo", "verl.trainer.")
 
 
 def _clamps(name: str) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
@@ -124,13 +123,21 @@ def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tu
         script = read_script(text, given)
     except ValueError as err:
         raise DoctorError(f"{source}: {err}") from None
-    cmd = script.find(*_MODULES)
-    words = cmd.words if cmd else [w for c in script.commands for w in c.words]
-    if cmd is not None:
-        at = max(i for i, w in enumerate(words) if any(m in w for m in _MODULES))
-        words = words[at + 1 :]
+    from klpo.doctor.launch import entry_point
+
+    ep = entry_point(script)
+    if ep is not None and ep.framework == "verl":
+        words = ep.command.words[ep.at + 1 :]
+    else:
+        words = [w for c in script.commands for w in c.words]
     out: dict[str, Any] = {}
-    for word in words:
+    for j, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in ("--config-name", "-cn", "--config-path", "-cp"):
+            # Hydra's own flags: a config other than ppo_trainer's (megatron's, a user's).
+            given = value if eq else (words[j + 1] if j + 1 < len(words) else "")
+            script.hydra["name" if flag in ("--config-name", "-cn") else "path"] = given
+            continue
         if "=" not in word or word.startswith("-"):
             continue
         key, _, value = word.partition("=")
@@ -156,8 +163,13 @@ def _known(key: str, defaults: dict[str, Any]) -> bool:
     return any(k.startswith(key + ".") for k in defaults)
 
 
-def _check_keys(r: Reading, values: dict[str, Any], table: tables.Table) -> dict[str, Any]:
-    """Hydra's rules for each key: ``+`` adds, ``~`` deletes, anything else must exist."""
+def _check_keys(
+    r: Reading, values: dict[str, Any], table: tables.Table, config_name: str | None = None
+) -> dict[str, Any]:
+    """Hydra's rules for each key: ``+`` adds, ``~`` deletes, anything else must exist.
+
+    With ``config_name`` (``--config-name``, not ppo_trainer) a key ppo_trainer lacks may be
+    that config's own: a warning that says so, never "verl refuses it"."""
     out: dict[str, Any] = {}
     added: list[str] = []
     for key, value in values.items():
@@ -169,6 +181,15 @@ def _check_keys(r: Reading, values: dict[str, Any], table: tables.Table) -> dict
             out[bare] = value
             continue
         if bare in ("defaults", "hydra") or bare.startswith(("hydra.", "defaults.")):
+            continue
+        if not _known(bare, table.defaults) and config_name:
+            r.warn(
+                "warning",
+                [bare],
+                f"{bare}: not in verl {table.version}'s ppo_trainer config; the script composes "
+                f"--config-name {config_name}, which the doctor does not read, and which may "
+                "define it: the doctor cannot say what it does",
+            )
             continue
         if not _known(bare, table.defaults):
             near = nearest(bare, table.defaults)
@@ -203,7 +224,17 @@ def read(
     r = Reading(framework="verl", defaults_version=table.version, version=version, source=source)
     if note:
         r.warn("warning", ["--framework-version"], note)
-    s = Settings(_check_keys(r, flatten(data), table), table.defaults, source)
+    name = (script.hydra.get("name") if script is not None else None) or "ppo_trainer"
+    other = None if name.removesuffix(".yaml") == "ppo_trainer" else name
+    if other:
+        r.warn(
+            "warning",
+            ["--config-name"],
+            f"the script composes --config-name {other}, not ppo_trainer: the defaults here are "
+            f"ppo_trainer's (verl {table.version}); a setting the script leaves out may have "
+            f"another default in {other}",
+        )
+    s = Settings(_check_keys(r, flatten(data), table, other), table.defaults, source)
     if script is not None:
         script_notes(r, script)
 

@@ -1,0 +1,125 @@
+"""prime-rl's TOML configs (``uv run rl @ rl.toml``), read for the doctor.
+
+Pinned: PrimeIntellect-ai/prime-rl main at ``559b447`` (2026-08-21; ``prime-rl`` 0.8.0).
+Defaults: ``packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-507`` (the default loss:
+``dppo_mask_low`` / ``dppo_mask_high`` 0.2, ``adv_tau`` 1.0, ``kl_tau`` 1e-3), and
+``configs/orchestrator.py`` (``group_size`` 1, :517; ``max_off_policy_steps`` 8, :532: rollouts
+up to 8 policy versions old are trained on).
+
+What the loss does (``src/prime_rl/trainer/rl/loss.py:100-150``, ``default_loss_fn``): there is
+**no reference model**. Tokens whose probability moved more than the DPPO threshold from the
+sampler's (binary TV, on the side of the advantage's sign) are masked from the policy term, and
+every token adds kl_tau · (log pi_trainer − log pi_inference)²: a k2 penalty (coefficient
+2 · kl_tau) toward the *sampling* policy, not toward a reference. ``ipo`` is the same with one
+threshold; ``custom`` is the user's function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.reading import DoctorError, Reading, Settings, flatten
+
+__all__ = ["DEFAULTS", "VERSION", "load", "read"]
+
+VERSION = "0.8.0"
+DEFAULTS: dict[str, Any] = {
+    "trainer.loss.type": "default",
+    "trainer.loss.kl_tau": 1e-3,
+    "trainer.loss.dppo_mask_low": 0.2,
+    "trainer.loss.dppo_mask_high": 0.2,
+    "trainer.loss.adv_tau": 1.0,
+    "orchestrator.group_size": 1,
+    "orchestrator.batch_size": None,
+    "orchestrator.max_off_policy_steps": 8,
+    "orchestrator.algo.type": "grpo",
+    "orchestrator.train.sampling.max_completion_tokens": None,
+    "orchestrator.train.sampling.temperature": None,
+    "model.name": None,
+    "trainer.optim.lr": None,
+    "max_steps": None,
+}
+CARRIED = [
+    ("model.name", "model.policy"),
+    ("orchestrator.train.sampling.max_completion_tokens", "rollout.max_new_tokens"),
+    ("orchestrator.train.sampling.temperature", "rollout.temperature"),
+    ("trainer.optim.lr", "optim.lr"),
+    ("max_steps", "run.steps"),
+]
+
+
+def load(path: Path) -> dict[str, Any]:
+    from klpo.doctor.reading import read_text
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise DoctorError(
+                f"{path}: reading TOML needs Python 3.11 or later (tomllib), or the tomli package"
+            ) from None
+    try:
+        return tomllib.loads(read_text(path))
+    except tomllib.TOMLDecodeError as err:
+        raise DoctorError(f"{path}: not valid TOML: {err}") from None
+
+
+def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+    """Read a prime-rl ``rl`` config."""
+    r = Reading(framework="prime-rl", defaults_version=VERSION, version=version, source=source)
+    s = Settings(flatten(data), DEFAULTS, source)
+    loss = s.str("trainer.loss.type") or "default"
+    tau = s.float("trainer.loss.kl_tau") or 0.0
+    g = s.int("orchestrator.group_size") or 1
+    stale = s.int("orchestrator.max_off_policy_steps") or 0
+    algo_type = s.str("orchestrator.algo.type") or "grpo"
+    r.algorithm, r.group_size, r.updates_per_batch = algo_type, g, 1
+    r.asynchronous = stale > 0
+    r.warn(
+        "note",
+        ["trainer.loss"],
+        "no reference model: prime-rl's RL loss has no KL to a reference; nothing holds the "
+        "policy near its start",
+    )
+    if loss in ("default", "ipo") and tau > 0:
+        r.warn(
+            "note",
+            ["trainer.loss.kl_tau"],
+            f"kl_tau {tau:g} · (log pi_trainer − log pi_inference)² per token: a k2 penalty "
+            f"(coefficient {2 * tau:g}) toward the sampling policy, a trust region on "
+            "the sampler–trainer drift, not a KL to a reference",
+        )
+    elif loss == "custom":
+        r.warn("note", ["trainer.loss.type"], "a custom loss: what it does is the user's code")
+    if r.asynchronous:
+        r.warn(
+            "note",
+            ["orchestrator.max_off_policy_steps"],
+            f"asynchronous: rollouts up to {stale} policy versions old are trained on; the "
+            "importance ratio is to the sampler's log-probs",
+        )
+    if algo_type in ("opd", "opsd"):
+        r.warn(
+            "note",
+            ["orchestrator.algo.type"],
+            f"{algo_type}: a teacher's log-probs enter the advantage as sg(log pi_teacher − "
+            "log pi_theta); distillation, not a KL penalty klpo reads",
+        )
+    algo = {"name": "grpo", "epochs": 1, "minibatches": 1, "loss_reduction": "token-mean"}
+    r.equivalent_differences.append(
+        "the DPPO mask and the sampler-KL term have no klpo keys; klpo's PPO clip and no KL shown"
+    )
+    carried, _ = carry(s, CARRIED)
+    bs = s.int("orchestrator.batch_size")
+    rollout: dict[str, Any] = {"group_size": max(g, 2)}
+    if bs:
+        rollout["prompts_per_step"] = max(1, bs // g)
+    build_equivalent(r, algo, rollout, {}, carried, s)
+    build_intended(r)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r

@@ -1,0 +1,181 @@
+"""SkyRL's launch scripts (``skyrl.train.entrypoints.main_base key=value ...``), read for the doctor.
+
+Pinned: NovaSky-AI/SkyRL main at ``a956457`` (2026-08-21; the ``skyrl`` package 0.3.0). Defaults
+are its config dataclasses' (``skyrl/train/config/config.py``): ``trainer.algorithm``
+``advantage_estimator`` grpo (:823), ``kl_estimator_type`` k3 (:828), ``use_kl_in_reward`` false
+(:830), ``use_kl_loss`` **true** (:833), ``kl_loss_coef`` 0.001 (:836); ``trainer``
+``update_epochs_per_batch`` 1 (:1387), ``train_batch_size`` 1024 (:1390), ``policy_mini_batch_size``
+256 (:1396: train_batch_size / policy_mini_batch_size optimiser steps per epoch); ``generator``
+``n_samples_per_prompt`` 5 (:1225), ``sampling_params.max_generate_length`` 1024 (:999).
+
+What they do: ``skyrl/backends/skyrl_train/utils/ppo_utils.py:88-125`` (``compute_approx_kl``: k1
+= d, abs, k2 = d²/2, k3 with log-ratio clamped to ±20 and value to ±10, verl's ``low_var_kl``) and
+``workers/worker.py:1069-1080`` (the KL loss: a token mean per sequence, then the batch mean, times
+``kl_loss_coef``; in the reward, ``rewards − kl · kl_loss_coef``). Version trap: from PR #137
+(2025-08-14) to PR #1353 (commit ``9d7bca9``, 2026-03-20) ``compute_approx_kl`` ran under
+``@torch.no_grad``: in ``skyrl-train`` 0.1.0 to 0.4.0 and ``skyrl`` 0.1.0 the KL loss has **no
+gradient at all**; ``skyrl`` 0.2.0 (2026-04-22) and later have it. SkyRL's config is a set of
+dataclasses, not one table: keys the doctor does not read are listed, not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.launch import entry_point
+from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, scalar
+from klpo.doctor.shell import read_script
+from klpo.doctor.tables import version_key
+
+__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read_script_text"]
+
+VERSION = "0.3.0"
+A = "trainer.algorithm"
+DEFAULTS: dict[str, Any] = {
+    f"{A}.advantage_estimator": "grpo",
+    f"{A}.kl_estimator_type": "k3",
+    f"{A}.use_kl_in_reward": False,
+    f"{A}.use_kl_loss": True,
+    f"{A}.kl_loss_coef": 0.001,
+    f"{A}.policy_loss_type": "regular",
+    f"{A}.loss_reduction": "token_mean",
+    "trainer.update_epochs_per_batch": 1,
+    "trainer.train_batch_size": 1024,
+    "trainer.policy_mini_batch_size": 256,
+    "generator.n_samples_per_prompt": 5,
+    "generator.sampling_params.max_generate_length": 1024,
+    "generator.sampling_params.temperature": 1.0,
+    "trainer.policy.model.path": None,
+    "trainer.policy.optimizer_config.lr": None,
+    "trainer.max_prompt_length": None,
+}
+ESTIMATORS = {"k1": "k1", "abs": "abs", "k2": "k2", "k3": "low_var_kl"}
+ADVANTAGES = {"grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce++", "gae": "ppo"}
+CARRIED = [
+    ("trainer.policy.model.path", "model.policy"),
+    ("trainer.train_batch_size", "rollout.prompts_per_step"),
+    ("generator.sampling_params.max_generate_length", "rollout.max_new_tokens"),
+    ("generator.sampling_params.temperature", "rollout.temperature"),
+    ("trainer.max_prompt_length", "data.max_prompt_tokens"),
+    ("trainer.policy.optimizer_config.lr", "optim.lr"),
+]
+
+
+def no_gradient_version(version: str) -> bool:
+    """Whether a named SkyRL version runs its KL loss under ``torch.no_grad``."""
+    v = version.removeprefix("skyrl-train-").removeprefix("skyrl_train-")
+    if version.startswith(("skyrl-train", "skyrl_train")):
+        return version_key(v) <= version_key("0.4.0")
+    return version_key(v) < version_key("0.2.0")
+
+
+def read_script_text(
+    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
+) -> Reading:
+    """Read a SkyRL launch script's ``main_base`` command and its ``key=value`` overrides."""
+    try:
+        script = read_script(text, given)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    ep = entry_point(script)
+    if ep is None or ep.framework != "skyrl":
+        raise DoctorError(f"{source}: no SkyRL `main_base` command found")
+    values = {}
+    for w in ep.command.words[ep.at + 1 :]:
+        key, eq, value = w.partition("=")
+        if eq and not key.startswith("-"):
+            values[key.lstrip("+")] = scalar(value)
+    r = Reading(framework="skyrl", defaults_version=VERSION, version=version, source=source)
+    script_notes(r, script)
+    s = Settings(values, DEFAULTS, source)
+    adv = s.str(f"{A}.advantage_estimator") or "grpo"  # a registry: custom names too
+    kind = check_known(
+        s.str(f"{A}.kl_estimator_type") or "", ESTIMATORS, f"{A}.kl_estimator_type", source
+    )
+    use_loss, use_reward = s.bool(f"{A}.use_kl_loss"), s.bool(f"{A}.use_kl_in_reward")
+    coef = s.float(f"{A}.kl_loss_coef") or 0.0
+    n = s.int("generator.n_samples_per_prompt") or 1
+    epochs = s.int("trainer.update_epochs_per_batch") or 1
+    tb, mb = s.int("trainer.train_batch_size") or 1, s.int("trainer.policy_mini_batch_size") or 1
+    steps = max(1, -(-tb // mb))
+    r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * steps
+    if use_loss and use_reward:
+        r.warn(
+            "error",
+            [f"{A}.use_kl_loss", f"{A}.use_kl_in_reward"],
+            "use_kl_loss and use_kl_in_reward are mutually exclusive in SkyRL (config.py:831-835); "
+            "its config validation refuses both",
+        )
+    for placement, on in (("loss", use_loss), ("reward", use_reward)):
+        if not on:
+            continue
+        if coef == 0:
+            r.warn("warning", [f"{A}.kl_loss_coef"], "kl_loss_coef is 0: the KL term has no effect")
+            continue
+        r.terms.append(
+            Term(
+                option=f"use_kl_{'loss' if placement == 'loss' else 'in_reward'}=true, "
+                f"kl_estimator_type={kind}",
+                framework_name=kind,
+                estimator=ESTIMATORS[kind],
+                placement=placement,
+                beta=coef,
+                beta_option=f"{A}.kl_loss_coef",
+                reduction="seq-mean-token-mean"
+                if placement == "loss"
+                else "per token subtracted from the reward (rewards − kl · kl_loss_coef)",
+                value_clamp=(-10.0, 10.0) if kind == "k3" else None,
+                log_ratio_clamp=(-20.0, 20.0) if kind == "k3" else None,
+                logged_as="policy_kl" if placement == "loss" else "reward_kl",
+            )
+        )
+    if use_loss and coef > 0:
+        if version is not None and no_gradient_version(version):
+            r.warn(
+                "error",
+                [f"{A}.use_kl_loss", "--framework-version"],
+                f"SkyRL {version}: compute_approx_kl runs under @torch.no_grad (PR #137, "
+                "2025-08-14, to PR #1353, 2026-03-20): the KL loss contributes no gradient at "
+                "all. Fix: skyrl >= 0.2.0, or use_kl_in_reward=true with kl_estimator_type=k1",
+            )
+        elif version is None:
+            r.warn(
+                "warning",
+                [f"{A}.use_kl_loss"],
+                "version not named: in skyrl-train 0.1.0 to 0.4.0 and skyrl 0.1.0 (PR #137, "
+                "2025-08-14, to PR #1353, 2026-03-20) this KL loss runs under @torch.no_grad "
+                "and has no gradient at all; the reading below is skyrl 0.3.0's. Fix on an old "
+                "version: upgrade to skyrl >= 0.2.0",
+            )
+    if s.str(f"{A}.policy_loss_type") not in (None, "regular"):
+        r.warn(
+            "note",
+            [f"{A}.policy_loss_type"],
+            f"policy loss {s.str(f'{A}.policy_loss_type')!r} is not klpo's PPO clip; the KL "
+            "diagnosis holds, the equivalent config's policy loss differs",
+        )
+    if r.off_policy and any(t.placement == "loss" for t in r.terms):
+        r.warn(
+            "warning",
+            ["trainer.train_batch_size", "trainer.policy_mini_batch_size"],
+            f"{r.updates_per_batch} optimiser steps per batch: from the second on the KL loss "
+            "sees tokens of an older policy, and SkyRL does not weight it for that",
+        )
+    name = ADVANTAGES.get(adv, "grpo")
+    algo = {"name": name, "epochs": epochs, "minibatches": steps,
+            "loss_reduction": "token-mean"}  # fmt: skip
+    if adv not in ADVANTAGES:
+        r.equivalent_differences.append(f"klpo has no advantage estimator {adv!r}; grpo shown")
+    if use_loss:
+        r.equivalent_differences.append(
+            "SkyRL reduces the KL loss per sequence then over the batch, the policy loss by "
+            f"{s.str(f'{A}.loss_reduction')}; klpo reduces both one way (token-mean shown)"
+        )
+    carried, _ = carry(s, CARRIED)
+    build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
+    build_intended(r)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r

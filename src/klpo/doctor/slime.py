@@ -1,0 +1,242 @@
+"""slime's launch scripts (``python3 train.py`` / ``train_async.py`` with its flags), read for
+the doctor.
+
+Pinned: THUDM/slime main at ``624b824`` (2026-08-21, after v0.3.1). Defaults are its argument
+parser's (``slime/utils/arguments.py``): ``--kl-coef`` 0.0 (:909), ``--kl-loss-type`` **k1**
+(:934-938; choices k1, k2, k3, low_var_kl), ``--advantage-estimator`` grpo (:941), ``--use-kl-loss``
+off (:981), ``--kl-loss-coef`` 0.0 (:984), ``--use-unbiased-kl`` off (:990),
+``--ref-update-interval`` None (:996), ``--n-samples-per-prompt`` 1 (:700), ``--global-batch-size``
+None and ``--num-steps-per-rollout`` None (:706-714: steps = rollout_batch_size ×
+n_samples_per_prompt / global_batch_size).
+
+What the settings do: ``slime/utils/ppo_utils.py:12-51`` (``compute_approx_kl``: k1 = d, k2 = d²/2,
+k3 and low_var_kl = exp(−d) + d − 1, only low_var_kl clamped to ±10, times the differentiable
+ratio exp(lp − lp_old) under ``--use-unbiased-kl``), ``slime/backends/megatron_utils/loss.py``
+(the KL loss added as ``kl_loss_coef × sum_of_sample_mean(kl)``, :1116-1131; the reward-side KL
+with ``--kl-coef`` used by ppo and reinforce_plus_plus(_baseline) but dropped by
+``get_grpo_returns`` for grpo, gspo and cispo, :743-800).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.launch import entry_point
+from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, scalar
+from klpo.doctor.shell import read_script
+
+__all__ = ["DEFAULTS", "VERSION", "read_script_text"]
+
+VERSION = "0.3.1+624b824"
+DEFAULTS: dict[str, Any] = {
+    "kl-coef": 0.0,
+    "kl-loss-type": "k1",
+    "advantage-estimator": "grpo",
+    "use-kl-loss": False,
+    "kl-loss-coef": 0.0,
+    "use-unbiased-kl": False,
+    "ref-update-interval": None,
+    "n-samples-per-prompt": 1,
+    "rollout-batch-size": None,
+    "global-batch-size": None,
+    "num-steps-per-rollout": None,
+    "hf-checkpoint": None,
+    "lr": None,
+    "weight-decay": None,
+    "clip-grad": None,
+    "eps-clip": 0.2,
+    "eps-clip-high": None,
+    "rollout-max-response-len": None,
+    "rollout-max-prompt-len": None,
+    "rollout-temperature": None,
+    "rollout-top-p": None,
+    "entropy-coef": 0.0,
+}
+SWITCHES = {"use-kl-loss", "use-unbiased-kl"}
+ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
+ADVANTAGES = {
+    "grpo": "grpo",
+    "gspo": "grpo",
+    "cispo": "grpo",
+    "reinforce_plus_plus": "reinforce++",
+    "reinforce_plus_plus_baseline": "reinforce++",
+    "ppo": "ppo",
+}
+CARRIED = [
+    ("hf-checkpoint", "model.policy"),
+    ("rollout-batch-size", "rollout.prompts_per_step"),
+    ("rollout-max-response-len", "rollout.max_new_tokens"),
+    ("rollout-max-prompt-len", "data.max_prompt_tokens"),
+    ("rollout-temperature", "rollout.temperature"),
+    ("rollout-top-p", "rollout.top_p"),
+    ("eps-clip", "algo.clip_low"),
+    ("eps-clip-high", "algo.clip_high"),
+    ("entropy-coef", "algo.entropy_coef"),
+    ("lr", "optim.lr"),
+    ("weight-decay", "optim.weight_decay"),
+    ("clip-grad", "optim.grad_clip"),
+]
+
+
+def parse_flags(words: list[str]) -> dict[str, Any]:
+    """``--flag value`` / ``--flag=value`` / switches, argparse's way for slime's flags."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        i += 1
+        if not w.startswith("--"):
+            continue
+        name, eq, value = w[2:].partition("=")
+        if eq:
+            out[name] = scalar(value)
+        elif name in SWITCHES or i >= len(words) or words[i].startswith("--"):
+            out[name] = True
+        else:
+            out[name] = scalar(words[i])
+            i += 1
+    return out
+
+
+def read_script_text(
+    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
+) -> Reading:
+    """Read a slime launch script's ``train.py`` / ``train_async.py`` command."""
+    try:
+        script = read_script(text, given)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    ep = entry_point(script)
+    if ep is None or ep.framework != "slime":
+        raise DoctorError(f"{source}: no slime `train.py` / `train_async.py` command found")
+    flags = parse_flags(ep.command.words[ep.at + 1 :])
+    r = Reading(framework="slime", defaults_version=VERSION, version=version, source=source)
+    if version is not None and not version.startswith("0.3"):
+        r.warn(
+            "warning",
+            ["--framework-version"],
+            f"the doctor knows slime {VERSION}; {version} is read with its defaults",
+        )
+    labels = {k: "--" + k for k in {*DEFAULTS, *flags}}
+    s = Settings(flags, DEFAULTS, source, labels)
+    script_notes(r, script)
+    adv = check_known(
+        s.str("advantage-estimator") or "", ADVANTAGES, "--advantage-estimator", source
+    )
+    kind = check_known(s.str("kl-loss-type") or "", ESTIMATORS, "--kl-loss-type", source)
+    use_loss, unbiased = s.bool("use-kl-loss"), s.bool("use-unbiased-kl")
+    loss_coef, reward_coef = s.float("kl-loss-coef") or 0.0, s.float("kl-coef") or 0.0
+    n = s.int("n-samples-per-prompt") or 1
+    rb, gbs, nsteps = (
+        s.int("rollout-batch-size"),
+        s.int("global-batch-size"),
+        s.int("num-steps-per-rollout"),
+    )
+    steps = nsteps or (max(1, (rb * n) // gbs) if rb and gbs else 1)
+    r.algorithm, r.group_size, r.updates_per_batch = adv, n, steps
+    r.asynchronous = ep.name.rsplit("/", 1)[-1] == "train_async.py"
+    if use_loss and loss_coef > 0:
+        if unbiased:
+            est = {"k3": "k3_is", "low_var_kl": "k3_is"}.get(kind)
+            name = f"{kind} × exp(lp − lp_old)"
+        else:
+            est, name = ESTIMATORS[kind] if kind != "low_var_kl" else "k3", kind
+        r.terms.append(
+            Term(
+                option="--use-kl-loss, --kl-loss-type "
+                + kind
+                + (", --use-unbiased-kl" if unbiased else ""),
+                framework_name=name,
+                estimator=est,
+                placement="loss",
+                beta=loss_coef,
+                beta_option="--kl-loss-coef",
+                reduction="seq-mean-token-mean",
+                value_clamp=(-10.0, 10.0) if kind == "low_var_kl" else None,
+                corrected=unbiased and est == "k3_is",
+                logged_as="kl_loss",
+            )
+        )
+        if kind == "k1" and not unbiased:
+            r.warn(
+                "error",
+                ["--kl-loss-type", "--use-kl-loss"],
+                ("--kl-loss-type is not given: slime's default is k1 (arguments.py:937)"
+                 if not s.given("kl-loss-type") else "--kl-loss-type k1")
+                + " in the loss: its expected gradient is zero, the KL loss regularises "
+                "nothing. Fix: --kl-loss-type k2 (or low_var_kl), or k3 with --use-unbiased-kl",
+            )  # fmt: skip
+        if unbiased and kind in ("k1", "k2"):
+            r.warn(
+                "warning" if kind == "k2" else "note",
+                ["--use-unbiased-kl", "--kl-loss-type"],
+                f"{kind} × the differentiable ratio: on-policy its gradient is "
+                + ("E[(d + d²/2)∇log pi_theta], biased; use k3 with --use-unbiased-kl"
+                   if kind == "k2" else "E[(d + 1)∇log pi_theta] = grad KL(pi_theta ‖ pi_ref)"),
+            )  # fmt: skip
+    elif use_loss:
+        r.warn(
+            "warning",
+            ["--use-kl-loss", "--kl-loss-coef"],
+            "--use-kl-loss with --kl-loss-coef 0: the reference model is loaded and its log-probs "
+            "computed, but the KL loss has no effect",
+        )
+    elif s.given("kl-loss-type") or s.given("kl-loss-coef") or unbiased:
+        r.warn(
+            "warning",
+            ["--use-kl-loss"],
+            "set but ignored: --kl-loss-type / --kl-loss-coef / --use-unbiased-kl take effect "
+            "only with --use-kl-loss",
+        )
+    if reward_coef > 0 and adv in ("grpo", "gspo", "cispo"):
+        r.warn(
+            "warning",
+            ["--kl-coef", "--advantage-estimator"],
+            f"--kl-coef {reward_coef:g} is ignored for {adv}: get_grpo_returns drops the "
+            "reward-side KL (megatron_utils/loss.py); use --use-kl-loss, or an estimator that "
+            "reads it (ppo, reinforce_plus_plus)",
+        )
+    elif reward_coef > 0:
+        r.terms.append(
+            Term(
+                option=f"--kl-coef {reward_coef:g}, --kl-loss-type {kind}",
+                framework_name=kind,
+                estimator=ESTIMATORS[kind] if kind != "low_var_kl" else "low_var_kl",
+                placement="reward",
+                beta=reward_coef,
+                beta_option="--kl-coef",
+                reduction="per token into the reward, before the advantage",
+                logged_as="kl",
+            )
+        )
+    if s.get("ref-update-interval"):
+        r.warn(
+            "note",
+            ["--ref-update-interval"],
+            f"the reference is reset to the actor every {s.get('ref-update-interval')} rollouts: "
+            "the KL is to a moving reference",
+        )
+    if r.off_policy and any(t.placement == "loss" and not t.corrected for t in r.terms):
+        r.warn(
+            "warning",
+            ["--global-batch-size", "--num-steps-per-rollout"],
+            f"{'asynchronous rollouts' if r.asynchronous else f'{steps} optimiser steps per rollout'}"
+            ": the KL loss sees tokens of an older policy and slime does not weight it for that "
+            "(--use-unbiased-kl with k3 does)",
+        )
+    algo = {
+        "name": ADVANTAGES[adv],
+        "epochs": 1,
+        "minibatches": steps,
+        "loss_reduction": "seq-mean-token-mean",
+    }
+    if adv != "grpo":
+        r.equivalent_differences.append(f"slime's {adv}: klpo's {ADVANTAGES[adv]} shown")
+    carried, _missing = carry(s, CARRIED)
+    build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
+    build_intended(r)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
