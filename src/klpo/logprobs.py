@@ -220,6 +220,26 @@ def default_vocab_chunk(tokens: int) -> int:
     return min(VOCAB_CHUNK_MAX, max(512, 1 << max(width.bit_length() - 1, 0)))
 
 
+SUM_BLOCK = 512
+"""The vocabulary sums of the fused path add :data:`SUM_BLOCK` entries at a time, in order."""
+
+
+def _add_column_sums(out: Tensor, t: Tensor, ones: Tensor) -> None:
+    """``out += t.sum(0)`` for a tile ``t [vc, n]``, in blocks of :data:`SUM_BLOCK` rows added in
+    order (one ``ones @ block`` each; ``ones`` holds at least ``SUM_BLOCK`` ones).
+
+    The order of the additions is then a function of the vocabulary position alone: a token's
+    sums are the same bits whatever the tile's width (a multiple of the block), the number of
+    tokens in the call, or whether the vocabulary comes in one tile (:func:`fused_loss`) or many
+    (:func:`fused`). So a row scored alone, in a micro-batch or in the whole batch, and by either
+    function, has one log-prob, and two identical models have an exact KL of exactly 0.
+    """
+    rows = t.shape[0]
+    for b0 in range(0, rows, SUM_BLOCK):
+        block = t[b0 : b0 + SUM_BLOCK]
+        out += ones[: block.shape[0]] @ block
+
+
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
@@ -858,7 +878,7 @@ def _sums(
     s_d = None if ref is None else zeros()
     s_ref = None if ref is None else zeros()
     keep_x = with_entropy or ref is not None
-    ones = torch.ones(min(vocab_chunk, vocab), dtype=pol.cd, device=m.device)
+    ones = torch.ones(SUM_BLOCK, dtype=pol.cd, device=m.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
@@ -867,15 +887,13 @@ def _sums(
             t = slice(t0, min(t0 + token_chunk, n))
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            if e.shape[0] < ones.shape[0]:
-                ones = ones[: e.shape[0]]
-            s[t] += ones @ e
+            _add_column_sums(s[t], e, ones)
             if s_x is not None:
-                s_x[t] += torch.linalg.vecdot(e, x, dim=0)
+                _add_column_sums(s_x[t], e * x, ones)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref), dim=0)
-                s_ref[t] += x_ref.exp_().sum(0)
+                _add_column_sums(s_d[t], x.sub_(x_ref).mul_(e), ones)
+                _add_column_sums(s_ref[t], x_ref.exp_(), ones)
     return s, s_x, s_d, s_ref
 
 
@@ -893,16 +911,24 @@ def _finish(
     return logp, m + log_s, ent, kl
 
 
+PLAN_TOKENS = 256
+"""A head is measured for its GEMM plan when this many tokens' logits cost ``gemm.MIN_FLOPS``."""
+
+
 def _plan(hidden: Tensor, weight: Tensor, cd: torch.dtype) -> gemm.Plan:
-    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for calls
-    big enough to gain from it, the static default for small ones, torch.mm where ``_ONEDNN`` is
-    off."""
+    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for heads
+    big enough to gain from it (:data:`PLAN_TOKENS`), the static default for small ones,
+    torch.mm where ``_ONEDNN`` is off.
+
+    Chosen by the head alone, never by the number of tokens in the call: two backends round a
+    logit differently, so a row's log-prob would depend on the batch it came in (the scoring
+    pass's whole batch against the update's micro-batch)."""
     if not _ONEDNN:
         return gemm.Plan("mm", "mm", "mm", False)
     low = hidden.dtype == weight.dtype == torch.bfloat16
     dtype = torch.bfloat16 if low else cd
-    n, (vocab, h) = hidden.shape[0], weight.shape
-    if 2.0 * n * vocab * h < gemm.MIN_FLOPS:
+    vocab, h = weight.shape
+    if 2.0 * PLAN_TOKENS * vocab * h < gemm.MIN_FLOPS:
         return gemm.default_plan(dtype, hidden.device)
     return gemm.plan(h, dtype, hidden.device)
 
@@ -1362,7 +1388,9 @@ def _shifted_tile(
     """
     x, slope = head.tile_slope(w, 0, t, m, want_slope)
     e = torch.exp(x) if keep_x else x.exp_()
-    s = e.sum(0)
+    ones = torch.ones(SUM_BLOCK, dtype=e.dtype, device=e.device)
+    s = e.new_zeros(e.shape[1])
+    _add_column_sums(s, e, ones)  # in fused's order (a token's log-prob is one number)
     if not bool(torch.isfinite(s).all()):
         if not keep_x:
             x = head.tile(w, 0, t, m)
@@ -1370,7 +1398,8 @@ def _shifted_tile(
         x.sub_(shift)
         m[t] += shift
         e = torch.exp(x) if keep_x else x.exp_()
-        s = e.sum(0)
+        s = e.new_zeros(e.shape[1])
+        _add_column_sums(s, e, ones)
     return (x if keep_x else None), e, s, slope
 
 
@@ -1443,18 +1472,21 @@ class _FusedLoss(torch.autograd.Function):
             x, e, s, slope = _shifted_tile(pol, w, t, m, keep_x, need_any)  # [V, k], x - m[t]
             log_s = torch.log(s)
             logp[t] = (x_y[t] - m[t]) - log_s
-            s_x = None
-            if ent is not None or ref is not None:
-                s_x = torch.linalg.vecdot(e, x, dim=0)
+            ones = torch.ones(SUM_BLOCK, dtype=cd, device=device)
             if ent is not None:
+                s_x = torch.zeros_like(s)
+                _add_column_sums(s_x, e * x, ones)
                 ent[t] = log_s - s_x / s
             x_ref = log_s_ref = None
             if ref is not None:
                 x_ref, e_ref, s_ref, _ = _shifted_tile(ref, w_ref, t, m_ref, True)
                 log_s_ref = torch.log(s_ref)
                 del e_ref
-                # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers.
-                kl[t] = (s_x - torch.linalg.vecdot(e, x_ref, dim=0)) / s + (log_s_ref - log_s)
+                # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers: the
+                # arithmetic of fused's, so two identical models give exactly 0.
+                s_d = torch.zeros_like(s)
+                _add_column_sums(s_d, torch.sub(x, x_ref).mul_(e), ones)
+                kl[t] = s_d / s + (log_s_ref - log_s)
             if not need_any:
                 del x, e, x_ref
                 continue
