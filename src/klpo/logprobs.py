@@ -343,8 +343,15 @@ def _coefficients(
     inv_t: float,
     dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma log pi_ref)
-    + delta 1[v = y]``, from the module's gradient formula; None where a term is absent.
+    """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma (log pi -
+    log pi_ref)) + delta 1[v = y]``, from the module's gradient formula; None where a term is
+    absent (beta: no entropy gradient; gamma: no KL gradient).
+
+    The KL's part multiplies the difference ``log pi - log pi_ref``, formed first: where the two
+    models are one (the reference at step 1), it is exactly 0 at every entry and so is the KL's
+    gradient (``kl`` is exactly 0 there too), where ``beta log pi + gamma' log pi_ref`` would
+    leave the rounding of two products that should cancel, a gradient of ~1e-9 that an adaptive
+    optimizer scales up to steps of the learning rate's size.
 
     ``inv_t`` is ``dx/dz`` where it is constant (:attr:`_Affine.coef`: ``scale / T``); a capped
     head passes 1 and multiplies ``G`` by its slope tile by tile."""
@@ -362,8 +369,7 @@ def _coefficients(
         # kl may be +inf (pi_ref = 0 on pi's support): 0 * inf would be NaN where the upstream
         # gradient is 0, and a masked-out position must get exactly zero gradient.
         alpha = alpha - torch.where(c == 0, 0.0, c * kl)
-        beta = c if beta is None else beta + c
-    gamma = None if c is None else -c * inv_t
+    gamma = None if c is None else c * inv_t
     delta = None if a is None else a * inv_t
     return (
         alpha * inv_t,
@@ -494,13 +500,19 @@ class _FromLogits(torch.autograd.Function):
                 grad[r] = g if slope is None else g.mul_(slope)
                 continue
             pi = torch.exp(log_pi)
-            if beta is None:
+            if beta is None and gamma is None:
                 g = pi.mul_(alpha[r, None])
             else:
-                inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
+                d = None  # log pi - log pi_ref: exactly 0 where the two models are one
                 if gamma is not None:
                     log_pi_ref = _transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
-                    inner.addcmul_(log_pi_ref, gamma[r, None])
+                    d = torch.sub(log_pi, log_pi_ref, out=log_pi_ref)
+                if beta is not None:
+                    inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
+                    if d is not None:
+                        inner.addcmul_(d, gamma[r, None])
+                else:
+                    inner = torch.addcmul(alpha[r, None], d, gamma[r, None], out=d)
                 g = pi.mul_(inner)
             if delta is not None:
                 g.scatter_add_(1, tokens[r, None], delta[r, None])
@@ -574,7 +586,7 @@ def _masked_grad(
     if beta is not None:
         inner.addcmul_(log_pi, beta[:, None])
     if gamma is not None:
-        ref_term = log_pi_ref.masked_fill(off, 0.0).mul_(gamma[:, None])
+        ref_term = torch.sub(log_pi, log_pi_ref.masked_fill(off, 0.0)).mul_(gamma[:, None])
         inner.add_(torch.where((gamma == 0)[:, None], 0.0, ref_term))
     g = pi.mul_(inner).masked_fill_(off, 0.0)
     if gamma is not None:
@@ -1120,7 +1132,7 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         one_token_chunk = n <= token_chunk
         bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
-        if beta is None and not bf16_w:
+        if beta is None and gamma is None and not bf16_w:
             _backward_logp(pol, tokens, log_z, alpha[0], delta, grad_h, grad_w, grad_b, ctx)
             return (
                 None if grad_h is None else grad_h.to(hidden.dtype),
@@ -1142,13 +1154,20 @@ class _Fused(torch.autograd.Function):
                 t = slice(t0, min(t0 + token_chunk, n))
                 tc = (col, t)
                 log_pi, slope = pol.tile_slope(w, v0, t, log_z)  # [vc, n]
-                if beta is None:
+                if beta is None and gamma is None:
                     g = log_pi.exp_().mul_(alpha[tc])
                 else:
                     pi = torch.exp(log_pi)
-                    inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
+                    d = None  # log pi - log pi_ref: exactly 0 where the two models are one
                     if gamma is not None:
-                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[tc])
+                        log_pi_ref = ref.tile(w_ref, v0, t, log_z_ref)
+                        d = torch.sub(log_pi, log_pi_ref, out=log_pi_ref)
+                    if beta is not None:
+                        inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
+                        if d is not None:
+                            inner.addcmul_(d, gamma[tc])
+                    else:
+                        inner = torch.addcmul(alpha[tc], d, gamma[tc], out=d)
                     g = pi.mul_(inner)
                 if slope is not None:
                     g.mul_(slope)
@@ -1477,18 +1496,19 @@ class _FusedLoss(torch.autograd.Function):
                 s_x = torch.zeros_like(s)
                 _add_column_sums(s_x, e * x, ones)
                 ent[t] = log_s - s_x / s
-            x_ref = log_s_ref = None
+            d = log_s_ref = None
             if ref is not None:
                 x_ref, e_ref, s_ref, _ = _shifted_tile(ref, w_ref, t, m_ref, True)
                 log_s_ref = torch.log(s_ref)
                 del e_ref
                 # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers: the
                 # arithmetic of fused's, so two identical models give exactly 0.
+                d = x_ref.neg_().add_(x)  # x - x_ref, kept for the KL's gradient
                 s_d = torch.zeros_like(s)
-                _add_column_sums(s_d, torch.sub(x, x_ref).mul_(e), ones)
+                _add_column_sums(s_d, d * e, ones)
                 kl[t] = s_d / s + (log_s_ref - log_s)
             if not need_any:
-                del x, e, x_ref
+                del x, e, d
                 continue
             alpha, beta, gamma, delta = _coefficients(
                 None if a is None else a[t],
@@ -1501,8 +1521,8 @@ class _FusedLoss(torch.autograd.Function):
             )
             if delta is not None and slope_y is not None:
                 delta = delta * slope_y[t]
-            # G / T = pi (alpha + beta log pi + gamma log pi_ref) + delta 1[v = y], with
-            # pi = e / s, log pi = x - log s, log pi_ref = x_ref - log s_ref.
+            # G / T = pi (alpha + beta log pi + gamma (log pi - log pi_ref)) + delta 1[v = y],
+            # with pi = e / s, log pi = x - log s, log pi - log pi_ref = d - (log s - log s_ref).
             alpha = alpha.expand(log_s.shape) / s
             if beta is None and gamma is None:
                 # Only logp: G / T = (alpha / s) e + delta 1[v = y]; alpha / s is taken out of the
@@ -1521,13 +1541,13 @@ class _FusedLoss(torch.autograd.Function):
                 if beta is not None:
                     const -= beta * log_s / s
                 if gamma is not None:
-                    const -= gamma * log_s_ref / s
+                    const -= gamma * (log_s - log_s_ref) / s  # exactly 0 for one model
                 if beta is not None:
                     inner = torch.addcmul(const[None, :], x, (beta / s)[None, :], out=x)
+                    if gamma is not None:
+                        inner.addcmul_(d, (gamma / s)[None, :])
                 else:
-                    inner = x.copy_(const[None, :].expand_as(x))
-                if gamma is not None:
-                    inner.addcmul_(x_ref, (gamma / s)[None, :])
+                    inner = torch.addcmul(const[None, :], d, (gamma / s)[None, :], out=d)
                 g = e.mul_(inner)
                 if slope is not None:
                     g.mul_(slope)
@@ -1537,7 +1557,8 @@ class _FusedLoss(torch.autograd.Function):
                     grad_w = _add_grad_weight(grad_w, g, pol.hidden[t], plan)
                 if need_b:
                     grad_b += g.sum(1)
-            del x, e, x_ref, g, slope  # before the next tile: one tile (two capped) at a time
+                del inner
+            del x, e, d, g, slope  # before the next tile: one tile (two capped) at a time
             if delta is not None:
                 # The targets' part, delta 1[v = y], without a pass over the tile.
                 d = delta
