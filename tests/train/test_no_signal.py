@@ -51,8 +51,16 @@ def test_all_zero_rewards_leave_the_policy_bit_identical(tiny_model, quick, tmp_
 
 
 def test_skipping_can_be_turned_off_and_a_step_with_signal_is_taken(tiny_model, quick, tmp_path):
-    rows = _run(tiny_model, quick, tmp_path / "off", **{"algo.skip_no_signal": "false"})
+    # With the skip off the steps are taken, and still nothing moves: at the reference the exact
+    # KL's gradient is exactly 0 (klpo.logprobs), so AdamW's step is 0, as in TRL. (Before, its
+    # rounding, a gradient norm of 7e-10, drifted this run to an exact KL of 2e-3 by step 3.)
+    out = tmp_path / "off"
+    rows = _run(tiny_model, quick, out, **{"algo.skip_no_signal": "false"})
     assert [r["step/skipped"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["grad_norm"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["kl/ref/exact"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    start, final = load_file(tiny_model / "model.safetensors"), _final_policy(out)
+    assert all(torch.equal(final[k], start[k]) for k in start)
     # A reward that varies within groups: steps are taken (and the policy moves off the reference).
     rows = _run(
         tiny_model, quick, tmp_path / "signal", rewards="[{name: 'klpo_test_rewards:digits'}]"

@@ -167,7 +167,7 @@ def assert_exact(combo: dict[str, Any], got: dict[str, float]) -> None:
 
 # The tiny model's prompts (its character tokenizer) and SmolLM2's: plain text, a few tokens.
 TINY_PROMPTS = ["12+7=", "3+4="]
-REAL_PROMPTS = ["2+3=", "Red, blue,"]
+REAL_PROMPTS = ["What is 2 + 3?", "Name a colour."]
 
 
 def test_step_one_is_exact_in_every_combination_on_the_tiny_model(tiny_model):
@@ -201,5 +201,6 @@ def test_step_one_is_exact_on_smollm2(smollm2_dir):
     # Before: 3.3e-4 per token of exact KL and |d| up to 0.13 nats with the shipped LoRA config,
     # 1.5e-5 of KL(p‖p) in float32, 3e-5 nats of d with the fused loss (docs/real-models.md).
     combos = sorted(REAL_COMBOS, key=build_switches)
-    for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3):
+    chat = ("data.chat=true",)  # the model's template, its default system prompt included
+    for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3, extra=chat):
         assert_exact(combo, got)
