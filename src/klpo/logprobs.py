@@ -240,6 +240,17 @@ def _add_column_sums(out: Tensor, t: Tensor, ones: Tensor) -> None:
         out += ones[: block.shape[0]] @ block
 
 
+def _add_column_dots(out: Tensor, a: Tensor, b: Tensor, ones: Tensor) -> None:
+    """``out += (a * b).sum(0)`` for tiles ``[vc, n]``, in the order of :func:`_add_column_sums`;
+    each block's product goes through one small buffer (no tile-sized temporary)."""
+    rows = a.shape[0]
+    buf = torch.empty(min(SUM_BLOCK, rows), a.shape[1], dtype=a.dtype, device=a.device)
+    for b0 in range(0, rows, SUM_BLOCK):
+        b1 = min(b0 + SUM_BLOCK, rows)
+        block = torch.mul(a[b0:b1], b[b0:b1], out=buf[: b1 - b0])
+        out += ones[: b1 - b0] @ block
+
+
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
@@ -901,10 +912,10 @@ def _sums(
             e = torch.exp(x) if keep_x else x.exp_()
             _add_column_sums(s[t], e, ones)
             if s_x is not None:
-                _add_column_sums(s_x[t], e * x, ones)
+                _add_column_dots(s_x[t], e, x, ones)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                _add_column_sums(s_d[t], x.sub_(x_ref).mul_(e), ones)
+                _add_column_dots(s_d[t], x.sub_(x_ref), e, ones)
                 _add_column_sums(s_ref[t], x_ref.exp_(), ones)
     return s, s_x, s_d, s_ref
 
@@ -1494,7 +1505,7 @@ class _FusedLoss(torch.autograd.Function):
             ones = torch.ones(SUM_BLOCK, dtype=cd, device=device)
             if ent is not None:
                 s_x = torch.zeros_like(s)
-                _add_column_sums(s_x, e * x, ones)
+                _add_column_dots(s_x, e, x, ones)
                 ent[t] = log_s - s_x / s
             d = log_s_ref = None
             if ref is not None:
@@ -1505,7 +1516,7 @@ class _FusedLoss(torch.autograd.Function):
                 # arithmetic of fused's, so two identical models give exactly 0.
                 d = x_ref.neg_().add_(x)  # x - x_ref, kept for the KL's gradient
                 s_d = torch.zeros_like(s)
-                _add_column_sums(s_d, d * e, ones)
+                _add_column_dots(s_d, d, e, ones)
                 kl[t] = s_d / s + (log_s_ref - log_s)
             if not need_any:
                 del x, e, d
