@@ -67,3 +67,29 @@ def test_skipping_can_be_turned_off_and_a_step_with_signal_is_taken(tiny_model, 
     )
     assert rows[0]["step/skipped"] == 0.0
     assert rows[-1]["kl/ref/exact"] > 0
+
+
+def test_skipped_steps_advance_the_schedule_and_resume_exactly(tiny_model, quick, tmp_path):
+    # A skipped step is a step: the learning-rate schedule (a function of the step number)
+    # advances, and a run resumed after skipped steps logs what the whole run logs.
+    from klpo.train.runtime.metrics import is_timing
+
+    sched = {"optim.warmup_steps": 3, "run.save_every": 2}  # the warm-up: the step's alone
+    whole = _run(tiny_model, quick, tmp_path / "whole", **sched)
+    assert [r["step/skipped"] for r in whole] == [1.0, 1.0, 1.0, 1.0]
+    lrs = [r["lr"] for r in whole]
+    assert lrs[0] < lrs[1] < lrs[2] == lrs[3] == 1e-2  # warmed up step by step, skipped or not
+    part = tmp_path / "part"
+    _run(tiny_model, quick, part, **sched, **{"run.steps": 2})
+    overrides = quick(
+        tiny_model, part, rewards="[{name: 'klpo_test_rewards:zeros'}]", **{
+            "run.steps": 4, "run.eval_every": 0, "kl.estimator": "full", "kl.beta": 0.1,
+            "optim.lr": 1e-2, **sched,
+        },
+    )  # fmt: skip
+    loop.train(build_config(overrides=overrides), log=lambda *_: None, resume=True)
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in run]
+
+    assert rows(read_metrics(part / "metrics.jsonl")) == rows(whole)
