@@ -183,23 +183,24 @@ def test_step_one_is_exact_in_every_combination_on_the_tiny_model(tiny_model):
     assert seen == 64
 
 
-# The real model: the shipped LoRA config (bf16, checkpointing, shared prompt) with the KL in the
-# loss (the update fills pi_old) and in the reward (scoring does), the fused loss, a full
-# fine-tune in float32 (whose reference is a second copy), and the unshared bf16 forward.
+# The real model, four combinations (the tiny model sweeps all 64): the shipped LoRA config
+# (bf16, checkpointing, shared prompt) with the KL in the loss (the update fills pi_old) and in
+# the reward (scoring does), the same in float32, and a full fine-tune in float32 with the fused
+# loss (its reference a second copy of the model).
 REAL_COMBOS = [
     dict(dtype="bfloat16", checkpointing=True, share_prompt=True, fused=False, lora=True, placement="loss"),
     dict(dtype="bfloat16", checkpointing=True, share_prompt=True, fused=False, lora=True, placement="reward"),
-    dict(dtype="bfloat16", checkpointing=True, share_prompt=True, fused=True, lora=True, placement="loss"),
-    dict(dtype="bfloat16", checkpointing=False, share_prompt=False, fused=False, lora=True, placement="reward"),
+    dict(dtype="float32", checkpointing=True, share_prompt=True, fused=False, lora=True, placement="reward"),
     dict(dtype="float32", checkpointing=False, share_prompt=True, fused=True, lora=False, placement="loss"),
-    dict(dtype="float32", checkpointing=False, share_prompt=True, fused=False, lora=False, placement="reward"),
 ]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_step_one_is_exact_on_smollm2(smollm2_dir):
-    # Before: 3.3e-4 per token of exact KL and |d| up to 0.13 nats with the shipped LoRA config,
-    # 1.5e-5 of KL(p‖p) in float32, 3e-5 nats of d with the fused loss (docs/real-models.md).
+    # Before (these prompts, docs/real-models.md): an exact KL of 1.7e-5 per token with the
+    # shipped LoRA config (KL(p‖p) of the fused head), |d| = 3e-5 nats with the fused loss, and
+    # |ratio - 1| = 6.5e-6 in float32 with checkpointing and the KL in the reward (scoring shared
+    # the prompt, the checkpointed update did not). Six combinations took 11 minutes on a busy 2-core machine.
     combos = sorted(REAL_COMBOS, key=build_switches)
     chat = ("data.chat=true",)  # the model's template, its default system prompt included
     for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3, extra=chat):
