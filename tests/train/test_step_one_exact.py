@@ -200,7 +200,7 @@ def test_step_one_is_exact_on_smollm2(smollm2_dir):
     # Before (these prompts, docs/real-models.md): an exact KL of 1.7e-5 per token with the
     # shipped LoRA config (KL(p‖p) of the fused head), |d| = 3e-5 nats with the fused loss, and
     # |ratio - 1| = 6.5e-6 in float32 with checkpointing and the KL in the reward (scoring shared
-    # the prompt, the checkpointed update did not). Six combinations took 11 minutes on a busy 2-core machine.
+    # the prompt, the checkpointed update did not). Three minutes on a busy 2-core machine.
     combos = sorted(REAL_COMBOS, key=build_switches)
     chat = ("data.chat=true",)  # the model's template, its default system prompt included
     for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3, extra=chat):
