@@ -1428,3 +1428,82 @@ def test_transform_errors_name_the_problem():
             lp.fused_loss(p.hidden, p.weight, p.tokens, logp_weight=torch.ones(4), transform=bad)
     with pytest.raises(ValueError, match="divisor must be finite and > 0"):
         LogitTransform.divided_by(0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# One number per row: the same bits whatever the batch, the tiles or the function, and exactly
+# zero KL (value and gradient) between a model and itself.
+
+
+def _head_case(dtype: torch.dtype, n: int = 40, h: int = 24, vocab: int = 2600):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(vocab, h, generator=g) * 0.4).to(dtype)
+    hid = torch.randn(n, h, generator=g).to(dtype)
+    w_ref = (w.float() + 0.05 * torch.randn(vocab, h, generator=g)).to(dtype)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    return hid, w, w_ref, tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_outputs_do_not_depend_on_its_batch_its_tiles_or_the_function(dtype):
+    # The vocabulary sums are added in blocks of SUM_BLOCK, in vocabulary order, so a row scored
+    # alone, in a micro-batch or in the whole batch, in tiles of 512 or 2048 entries or in one
+    # tile of the whole vocabulary (fused_loss), has one log-prob, entropy and KL. Before, the
+    # sums followed the tiles (a row's log-prob moved by ~1e-6 between a batch of 40 and 600
+    # tokens at V = 49152), and fused_loss's column sums differed from fused's.
+    hid, w, w_ref, tokens = _head_case(dtype)
+    whole = lp.fused(hid, w, tokens, hidden_ref=hid, weight_ref=w_ref, vocab_chunk=512)
+    for rows, chunk in ((slice(0, 40), 2048), (slice(3, 5), 1024), (slice(7, 30), None)):
+        part = lp.fused(
+            hid[rows], w, tokens[rows], hidden_ref=hid[rows], weight_ref=w_ref, vocab_chunk=chunk
+        )
+        for a, b in zip(part, whole, strict=True):
+            assert torch.equal(a, b[rows])
+    fl = lp.fused_loss(
+        hid, w, tokens, hidden_ref=hid, weight_ref=w_ref, logp_weight=torch.ones(40),
+        entropy_weight=torch.ones(40), kl_weight=torch.ones(40), token_chunk=16,
+    )  # fmt: skip
+    for a, b in zip((fl.logp, fl.entropy, fl.kl), whole, strict=True):
+        assert torch.equal(a, b)
+    # and they are the right numbers: the float64 logits' (module docstring's precision)
+    x = hid.double() @ w.double().T
+    logp = x.log_softmax(-1)
+    lp_ref = (hid.double() @ w_ref.double().T).log_softmax(-1)
+    want_kl = (logp.exp() * (logp - lp_ref)).sum(-1)
+    torch.testing.assert_close(whole.logp.double(), logp.gather(1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(whole.kl.double(), want_kl, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["fused", "fused_loss", "logits"])
+def test_the_kl_of_a_model_and_itself_is_exactly_zero_and_so_is_its_gradient(dtype, path):
+    # KL(p‖p) = 0 in exact arithmetic; computed the same way for both models (the reference's
+    # normaliser summed as the policy's, log pi - log pi_ref formed before it is weighted) it is
+    # 0 in floating point too: value and gradient. Before, fused's reference normaliser was
+    # summed in another order (KL(p‖p) ~1e-7 per token here, 1.5e-5 on SmolLM2 in float32), and
+    # the gradient was beta log pi - beta log pi_ref rounded twice (a norm of ~1e-9, which AdamW
+    # turns into steps of the learning rate's size).
+    hid, w, _, tokens = _head_case(dtype)
+    h = hid.clone().requires_grad_()
+    wt = w.clone().requires_grad_()
+    if path == "fused":
+        kl = lp.fused(h, wt, tokens, hidden_ref=hid, weight_ref=w, vocab_chunk=512).kl
+        kl.sum().backward()
+    elif path == "fused_loss":
+        kl = lp.fused_loss(
+            h, wt, tokens, hidden_ref=hid, weight_ref=w, kl_weight=torch.ones(40),
+            logp_weight=torch.zeros(40),
+        ).kl  # fmt: skip
+        lp.fused_loss(
+            h, wt, tokens, hidden_ref=hid, weight_ref=w, kl_weight=torch.ones(40)
+        ).loss.backward()
+    else:
+        kl = lp.exact_kl(h @ wt.T, hid @ w.T)
+        kl.sum().backward()
+    assert torch.count_nonzero(kl) == 0
+    assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(wt.grad) == 0
+    # a second model that differs gets a nonzero KL and gradient (the test can fail)
+    h.grad = wt.grad = None
+    other = lp.fused(h, wt, tokens, hidden_ref=hid, weight_ref=w * 1.1).kl
+    other.sum().backward()
+    assert bool((other > 0).any()) and torch.count_nonzero(h.grad) > 0

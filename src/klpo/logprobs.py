@@ -220,6 +220,37 @@ def default_vocab_chunk(tokens: int) -> int:
     return min(VOCAB_CHUNK_MAX, max(512, 1 << max(width.bit_length() - 1, 0)))
 
 
+SUM_BLOCK = 512
+"""The vocabulary sums of the fused path add :data:`SUM_BLOCK` entries at a time, in order."""
+
+
+def _add_column_sums(out: Tensor, t: Tensor, ones: Tensor) -> None:
+    """``out += t.sum(0)`` for a tile ``t [vc, n]``, in blocks of :data:`SUM_BLOCK` rows added in
+    order (one ``ones @ block`` each; ``ones`` holds at least ``SUM_BLOCK`` ones).
+
+    The order of the additions is then a function of the vocabulary position alone: a token's
+    sums are the same bits whatever the tile's width (a multiple of the block), the number of
+    tokens in the call, or whether the vocabulary comes in one tile (:func:`fused_loss`) or many
+    (:func:`fused`). So a row scored alone, in a micro-batch or in the whole batch, and by either
+    function, has one log-prob, and two identical models have an exact KL of exactly 0.
+    """
+    rows = t.shape[0]
+    for b0 in range(0, rows, SUM_BLOCK):
+        block = t[b0 : b0 + SUM_BLOCK]
+        out += ones[: block.shape[0]] @ block
+
+
+def _add_column_dots(out: Tensor, a: Tensor, b: Tensor, ones: Tensor) -> None:
+    """``out += (a * b).sum(0)`` for tiles ``[vc, n]``, in the order of :func:`_add_column_sums`;
+    each block's product goes through one small buffer (no tile-sized temporary)."""
+    rows = a.shape[0]
+    buf = torch.empty(min(SUM_BLOCK, rows), a.shape[1], dtype=a.dtype, device=a.device)
+    for b0 in range(0, rows, SUM_BLOCK):
+        b1 = min(b0 + SUM_BLOCK, rows)
+        block = torch.mul(a[b0:b1], b[b0:b1], out=buf[: b1 - b0])
+        out += ones[: b1 - b0] @ block
+
+
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
@@ -323,8 +354,15 @@ def _coefficients(
     inv_t: float,
     dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
-    """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma log pi_ref)
-    + delta 1[v = y]``, from the module's gradient formula; None where a term is absent.
+    """Per-token (alpha, beta, gamma, delta) with ``G / T = pi (alpha + beta log pi + gamma (log pi -
+    log pi_ref)) + delta 1[v = y]``, from the module's gradient formula; None where a term is
+    absent (beta: no entropy gradient; gamma: no KL gradient).
+
+    The KL's part multiplies the difference ``log pi - log pi_ref``, formed first: where the two
+    models are one (the reference at step 1), it is exactly 0 at every entry and so is the KL's
+    gradient (``kl`` is exactly 0 there too), where ``beta log pi + gamma' log pi_ref`` would
+    leave the rounding of two products that should cancel, a gradient of ~1e-9 that an adaptive
+    optimizer scales up to steps of the learning rate's size.
 
     ``inv_t`` is ``dx/dz`` where it is constant (:attr:`_Affine.coef`: ``scale / T``); a capped
     head passes 1 and multiplies ``G`` by its slope tile by tile."""
@@ -342,8 +380,7 @@ def _coefficients(
         # kl may be +inf (pi_ref = 0 on pi's support): 0 * inf would be NaN where the upstream
         # gradient is 0, and a masked-out position must get exactly zero gradient.
         alpha = alpha - torch.where(c == 0, 0.0, c * kl)
-        beta = c if beta is None else beta + c
-    gamma = None if c is None else -c * inv_t
+    gamma = None if c is None else c * inv_t
     delta = None if a is None else a * inv_t
     return (
         alpha * inv_t,
@@ -474,13 +511,19 @@ class _FromLogits(torch.autograd.Function):
                 grad[r] = g if slope is None else g.mul_(slope)
                 continue
             pi = torch.exp(log_pi)
-            if beta is None:
+            if beta is None and gamma is None:
                 g = pi.mul_(alpha[r, None])
             else:
-                inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
+                d = None  # log pi - log pi_ref: exactly 0 where the two models are one
                 if gamma is not None:
                     log_pi_ref = _transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
-                    inner.addcmul_(log_pi_ref, gamma[r, None])
+                    d = torch.sub(log_pi, log_pi_ref, out=log_pi_ref)
+                if beta is not None:
+                    inner = torch.addcmul(alpha[r, None], log_pi, beta[r, None], out=log_pi)
+                    if d is not None:
+                        inner.addcmul_(d, gamma[r, None])
+                else:
+                    inner = torch.addcmul(alpha[r, None], d, gamma[r, None], out=d)
                 g = pi.mul_(inner)
             if delta is not None:
                 g.scatter_add_(1, tokens[r, None], delta[r, None])
@@ -554,7 +597,7 @@ def _masked_grad(
     if beta is not None:
         inner.addcmul_(log_pi, beta[:, None])
     if gamma is not None:
-        ref_term = log_pi_ref.masked_fill(off, 0.0).mul_(gamma[:, None])
+        ref_term = torch.sub(log_pi, log_pi_ref.masked_fill(off, 0.0)).mul_(gamma[:, None])
         inner.add_(torch.where((gamma == 0)[:, None], 0.0, ref_term))
     g = pi.mul_(inner).masked_fill_(off, 0.0)
     if gamma is not None:
@@ -858,7 +901,7 @@ def _sums(
     s_d = None if ref is None else zeros()
     s_ref = None if ref is None else zeros()
     keep_x = with_entropy or ref is not None
-    ones = torch.ones(min(vocab_chunk, vocab), dtype=pol.cd, device=m.device)
+    ones = torch.ones(SUM_BLOCK, dtype=pol.cd, device=m.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
@@ -867,15 +910,13 @@ def _sums(
             t = slice(t0, min(t0 + token_chunk, n))
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            if e.shape[0] < ones.shape[0]:
-                ones = ones[: e.shape[0]]
-            s[t] += ones @ e
+            _add_column_sums(s[t], e, ones)
             if s_x is not None:
-                s_x[t] += torch.linalg.vecdot(e, x, dim=0)
+                _add_column_dots(s_x[t], e, x, ones)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                s_d[t] += torch.linalg.vecdot(e, x.sub_(x_ref), dim=0)
-                s_ref[t] += x_ref.exp_().sum(0)
+                _add_column_dots(s_d[t], x.sub_(x_ref), e, ones)
+                _add_column_sums(s_ref[t], x_ref.exp_(), ones)
     return s, s_x, s_d, s_ref
 
 
@@ -893,16 +934,24 @@ def _finish(
     return logp, m + log_s, ent, kl
 
 
+PLAN_TOKENS = 256
+"""A head is measured for its GEMM plan when this many tokens' logits cost ``gemm.MIN_FLOPS``."""
+
+
 def _plan(hidden: Tensor, weight: Tensor, cd: torch.dtype) -> gemm.Plan:
-    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for calls
-    big enough to gain from it, the static default for small ones, torch.mm where ``_ONEDNN`` is
-    off."""
+    """The GEMM backends of a fused call (:mod:`klpo.gemm`): measured once per machine for heads
+    big enough to gain from it (:data:`PLAN_TOKENS`), the static default for small ones,
+    torch.mm where ``_ONEDNN`` is off.
+
+    Chosen by the head alone, never by the number of tokens in the call: two backends round a
+    logit differently, so a row's log-prob would depend on the batch it came in (the scoring
+    pass's whole batch against the update's micro-batch)."""
     if not _ONEDNN:
         return gemm.Plan("mm", "mm", "mm", False)
     low = hidden.dtype == weight.dtype == torch.bfloat16
     dtype = torch.bfloat16 if low else cd
-    n, (vocab, h) = hidden.shape[0], weight.shape
-    if 2.0 * n * vocab * h < gemm.MIN_FLOPS:
+    vocab, h = weight.shape
+    if 2.0 * PLAN_TOKENS * vocab * h < gemm.MIN_FLOPS:
         return gemm.default_plan(dtype, hidden.device)
     return gemm.plan(h, dtype, hidden.device)
 
@@ -1094,7 +1143,7 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         one_token_chunk = n <= token_chunk
         bf16_w = need_w and plan.bf16_grad_weight and one_token_chunk
-        if beta is None and not bf16_w:
+        if beta is None and gamma is None and not bf16_w:
             _backward_logp(pol, tokens, log_z, alpha[0], delta, grad_h, grad_w, grad_b, ctx)
             return (
                 None if grad_h is None else grad_h.to(hidden.dtype),
@@ -1116,13 +1165,20 @@ class _Fused(torch.autograd.Function):
                 t = slice(t0, min(t0 + token_chunk, n))
                 tc = (col, t)
                 log_pi, slope = pol.tile_slope(w, v0, t, log_z)  # [vc, n]
-                if beta is None:
+                if beta is None and gamma is None:
                     g = log_pi.exp_().mul_(alpha[tc])
                 else:
                     pi = torch.exp(log_pi)
-                    inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
+                    d = None  # log pi - log pi_ref: exactly 0 where the two models are one
                     if gamma is not None:
-                        inner.addcmul_(ref.tile(w_ref, v0, t, log_z_ref), gamma[tc])
+                        log_pi_ref = ref.tile(w_ref, v0, t, log_z_ref)
+                        d = torch.sub(log_pi, log_pi_ref, out=log_pi_ref)
+                    if beta is not None:
+                        inner = torch.addcmul(alpha[tc], log_pi, beta[tc], out=log_pi)
+                        if d is not None:
+                            inner.addcmul_(d, gamma[tc])
+                    else:
+                        inner = torch.addcmul(alpha[tc], d, gamma[tc], out=d)
                     g = pi.mul_(inner)
                 if slope is not None:
                     g.mul_(slope)
@@ -1362,7 +1418,9 @@ def _shifted_tile(
     """
     x, slope = head.tile_slope(w, 0, t, m, want_slope)
     e = torch.exp(x) if keep_x else x.exp_()
-    s = e.sum(0)
+    ones = torch.ones(SUM_BLOCK, dtype=e.dtype, device=e.device)
+    s = e.new_zeros(e.shape[1])
+    _add_column_sums(s, e, ones)  # in fused's order (a token's log-prob is one number)
     if not bool(torch.isfinite(s).all()):
         if not keep_x:
             x = head.tile(w, 0, t, m)
@@ -1370,7 +1428,8 @@ def _shifted_tile(
         x.sub_(shift)
         m[t] += shift
         e = torch.exp(x) if keep_x else x.exp_()
-        s = e.sum(0)
+        s = e.new_zeros(e.shape[1])
+        _add_column_sums(s, e, ones)
     return (x if keep_x else None), e, s, slope
 
 
@@ -1443,20 +1502,24 @@ class _FusedLoss(torch.autograd.Function):
             x, e, s, slope = _shifted_tile(pol, w, t, m, keep_x, need_any)  # [V, k], x - m[t]
             log_s = torch.log(s)
             logp[t] = (x_y[t] - m[t]) - log_s
-            s_x = None
-            if ent is not None or ref is not None:
-                s_x = torch.linalg.vecdot(e, x, dim=0)
+            ones = torch.ones(SUM_BLOCK, dtype=cd, device=device)
             if ent is not None:
+                s_x = torch.zeros_like(s)
+                _add_column_dots(s_x, e, x, ones)
                 ent[t] = log_s - s_x / s
-            x_ref = log_s_ref = None
+            d = log_s_ref = None
             if ref is not None:
                 x_ref, e_ref, s_ref, _ = _shifted_tile(ref, w_ref, t, m_ref, True)
                 log_s_ref = torch.log(s_ref)
                 del e_ref
-                # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers.
-                kl[t] = (s_x - torch.linalg.vecdot(e, x_ref, dim=0)) / s + (log_s_ref - log_s)
+                # sum_v pi (x - x_ref) relative to the two offsets, then the normalisers: the
+                # arithmetic of fused's, so two identical models give exactly 0.
+                d = x_ref.neg_().add_(x)  # x - x_ref, kept for the KL's gradient
+                s_d = torch.zeros_like(s)
+                _add_column_dots(s_d, d, e, ones)
+                kl[t] = s_d / s + (log_s_ref - log_s)
             if not need_any:
-                del x, e, x_ref
+                del x, e, d
                 continue
             alpha, beta, gamma, delta = _coefficients(
                 None if a is None else a[t],
@@ -1469,8 +1532,8 @@ class _FusedLoss(torch.autograd.Function):
             )
             if delta is not None and slope_y is not None:
                 delta = delta * slope_y[t]
-            # G / T = pi (alpha + beta log pi + gamma log pi_ref) + delta 1[v = y], with
-            # pi = e / s, log pi = x - log s, log pi_ref = x_ref - log s_ref.
+            # G / T = pi (alpha + beta log pi + gamma (log pi - log pi_ref)) + delta 1[v = y],
+            # with pi = e / s, log pi = x - log s, log pi - log pi_ref = d - (log s - log s_ref).
             alpha = alpha.expand(log_s.shape) / s
             if beta is None and gamma is None:
                 # Only logp: G / T = (alpha / s) e + delta 1[v = y]; alpha / s is taken out of the
@@ -1489,13 +1552,13 @@ class _FusedLoss(torch.autograd.Function):
                 if beta is not None:
                     const -= beta * log_s / s
                 if gamma is not None:
-                    const -= gamma * log_s_ref / s
+                    const -= gamma * (log_s - log_s_ref) / s  # exactly 0 for one model
                 if beta is not None:
                     inner = torch.addcmul(const[None, :], x, (beta / s)[None, :], out=x)
+                    if gamma is not None:
+                        inner.addcmul_(d, (gamma / s)[None, :])
                 else:
-                    inner = x.copy_(const[None, :].expand_as(x))
-                if gamma is not None:
-                    inner.addcmul_(x_ref, (gamma / s)[None, :])
+                    inner = torch.addcmul(const[None, :], d, (gamma / s)[None, :], out=d)
                 g = e.mul_(inner)
                 if slope is not None:
                     g.mul_(slope)
@@ -1505,7 +1568,8 @@ class _FusedLoss(torch.autograd.Function):
                     grad_w = _add_grad_weight(grad_w, g, pol.hidden[t], plan)
                 if need_b:
                     grad_b += g.sum(1)
-            del x, e, x_ref, g, slope  # before the next tile: one tile (two capped) at a time
+                del inner
+            del x, e, d, g, slope  # before the next tile: one tile (two capped) at a time
             if delta is not None:
                 # The targets' part, delta 1[v = y], without a pass over the tile.
                 d = delta

@@ -42,3 +42,8 @@ def trl_digits_by_task(completions, task, completion_ids, trainer_state, **kwarg
         sum(ch.isdigit() for ch in c) / max(1, len(c)) if t == "digits" else None
         for c, t in zip(completions, task, strict=True)
     ]
+
+
+def zeros(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """0 for every completion: a batch with no advantage signal."""
+    return [0.0 for _ in completions]

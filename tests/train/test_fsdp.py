@@ -65,6 +65,9 @@ def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # (every rank evaluates: collective)
     assert "accuracy/heldout" in rows[0] and "accuracy/heldout" in rows[2]
+    # Step 1, sharded over two ranks: the policy is the reference and pi_old, exactly.
+    step1 = rows[1]
+    assert [step1[k] for k in ("kl/ref/exact", "kl/ref/k1", "kl/ref/k3", "kl/old/k3")] == [0.0] * 4
     ckpt = run / "checkpoints" / "step_000003" / "policy"
     assert (ckpt / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
 

@@ -291,6 +291,14 @@ class AlgoConfig(_Section):
         "(docs/performance.md); on: wherever it applies; off: never (the "
         "per-token path). The same gradients and metrics either way.",
     )
+    skip_no_signal: bool = Field(
+        True,
+        description="Skip the optimizer steps of a step whose batch has no advantage signal "
+        "(every advantage of every completion token exactly 0: with a group baseline, every "
+        "group's rewards equal; with a critic, returns equal to the values): the policy does not "
+        "move on rounding noise or on the KL term alone (metric step/skipped). The step's "
+        "forward and backward passes still run; the learning-rate schedule still advances.",
+    )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above (DAPO clip-higher).")
     dual_clip: float | None = Field(

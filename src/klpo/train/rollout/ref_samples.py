@@ -17,7 +17,7 @@ from torch import Tensor
 
 from klpo import reduce
 from klpo.train.config import TrainConfig
-from klpo.train.models.backbone import ModelHead, token_outputs
+from klpo.train.models.backbone import ModelHead, shares_prompt, token_outputs
 from klpo.train.models.tokens import Codec
 from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 
@@ -78,7 +78,7 @@ def sample_reference(
         reference.head(),
         r,
         cfg.rollout.temperature,
-        share_prompt=cfg.rollout.share_prompt,
+        share_prompt=shares_prompt(cfg),
     )
     mask = policy.mask
     mean_len = float(mask.sum()) / mask.shape[0]

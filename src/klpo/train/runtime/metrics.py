@@ -81,7 +81,10 @@ METRICS: dict[str, str] = {
     "beta": "the KL coefficient used this step (after the controller's last update)",
     "beta_old": "kl-penalty: PPO's penalty coefficient beta_old used this step (its adaptive rule "
     "then moves it by the step's kl/old/k3)",
-    "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps",
+    "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps "
+    "(on a skipped step, the norm of the gradient that was not applied)",
+    "step/skipped": "1 when the step's optimizer steps were skipped because its batch had no "
+    "advantage signal (algo.skip_no_signal: every advantage exactly 0), else 0",
     "lr": "the policy's learning rate this step",
     "completion/length": "mean completion length in tokens (its stop token included)",
     "completion/truncated": "fraction of completions that hit max_new_tokens without a stop token",

@@ -36,7 +36,7 @@ import torch
 from klpo import ref_kl
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
-from klpo.train.models.backbone import ModelHead
+from klpo.train.models.backbone import ModelHead, shares_prompt
 from klpo.train.models.build import Models
 from klpo.train.rollout.ref_samples import RefBatch, sample_reference, sequence_logp
 from klpo.train.rollout.samplers import Rollout
@@ -163,7 +163,7 @@ def ref_term(
             head,
             batch.rollout,
             cfg.rollout.temperature,
-            share_prompt=cfg.rollout.share_prompt,
+            share_prompt=shares_prompt(cfg),
         )
         est = ref_kl.ref_is(
             logp,

@@ -17,7 +17,7 @@ from klpo import kl, losses
 from klpo.train.algorithms import ALGORITHMS, AdvantageInputs
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
-from klpo.train.models.backbone import token_outputs
+from klpo.train.models.backbone import shares_prompt, token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import gold_metrics
@@ -46,12 +46,12 @@ def reference_and_old(
     filled here unless the update's forward fills it (``fill_old``: always, or never)."""
     tokens, temperature = rollout.completion_ids, cfg.rollout.temperature
     head_ref = m.reference.head()
-    hidden_ref = completion_hidden(m.reference, rollout, share_prompt=cfg.rollout.share_prompt)
+    hidden_ref = completion_hidden(m.reference, rollout, share_prompt=shares_prompt(cfg))
     ref = token_outputs(hidden_ref, head_ref, tokens, temperature=temperature, with_entropy=False)
     old = SamplingPass.empty(ref.logp)
     if fill_old if fill_old is not None else not update_gives_logp_old(cfg):
         out = token_outputs(
-            completion_hidden(unwrap(m.backbone), rollout, share_prompt=cfg.rollout.share_prompt),
+            completion_hidden(unwrap(m.backbone), rollout, share_prompt=shares_prompt(cfg)),
             unwrap(m.backbone).head(),
             tokens,
             temperature=temperature,

@@ -36,7 +36,7 @@ from klpo.heads import Head
 from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
 from klpo.train.models import fsdp
-from klpo.train.models.backbone import reference_args, token_outputs
+from klpo.train.models.backbone import reference_args, shares_prompt, token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rollout.samplers import Rollout, completion_hidden
 from klpo.train.runtime.dist import Dist
@@ -51,6 +51,7 @@ __all__ = [
     "MicroBatch",
     "critic_step",
     "forward",
+    "has_signal",
     "micro_metrics",
     "micro_step",
     "policy_loss",
@@ -108,6 +109,7 @@ def update(
     term = term if term is not None else kl_term(cfg)
     a = cfg.algo
     mask = s.rollout.mask
+    skip = a.skip_no_signal and not has_signal(s, dist)
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     tally = Tally()
@@ -143,17 +145,40 @@ def update(
             # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
             for k, v in step_losses.items():
                 tally.add(k, v, 1.0 / dist.world)
-            _optimizer_step(m, opt, clip, tally)
+            _optimizer_step(m, opt, clip, tally, skip=skip)
     if term.ref is not None:
         tally.add("time/ref_update", ref_seconds, 1.0)
+    tally.add("step/skipped", float(skip), 1.0)
     return tally
 
 
-def _optimizer_step(m: Models, opt: Optimizers, clip: float, tally: Tally) -> None:
-    """Clip the accumulated gradients, log the policy's norm, step the optimizers."""
+def has_signal(s: Scored, dist: Dist) -> bool:
+    """Whether the step's batch has an advantage signal: some completion token, on some rank,
+    with a nonzero advantage (a collective: every rank must call it).
+
+    Without one the policy-gradient term is zero everywhere and the gradient is the KL and
+    entropy terms' alone: at the reference, the rounding noise of a KL that is zero, which an
+    adaptive optimizer (AdamW divides by the gradient's own running scale) turns into steps of
+    the learning rate's size. Group baselines give exactly 0 to a group of equal rewards
+    (:func:`klpo.advantages.group_relative`, :func:`klpo.advantages.rloo`), so with GRPO, Dr.
+    GRPO and RLOO this is "some group's rewards differ" (or a KL penalty in the reward is
+    nonzero somewhere); with a critic (PPO) it is "some return differs from its value".
+    """
+    local = bool((s.adv[s.rollout.mask] != 0).any())
+    return dist.any(local)
+
+
+def _optimizer_step(m: Models, opt: Optimizers, clip: float, tally: Tally, *, skip: bool) -> None:
+    """Clip the accumulated gradients, log the policy's norm, step the optimizers (``skip``:
+    drop the gradients instead, leaving every parameter and the optimizers' state as they were)."""
     policy_params = [p for p in m.policy.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(policy_params, clip)
     tally.add("grad_norm", fsdp.to_float(norm), 1.0)  # a DTensor under FSDP
+    if skip:
+        opt.policy.zero_grad(set_to_none=True)
+        if opt.critic is not None:
+            opt.critic.zero_grad(set_to_none=True)
+        return
     opt.policy.step()
     if opt.critic is not None:
         torch.nn.utils.clip_grad_norm_(m.critic_core.parameters(), clip)
@@ -284,7 +309,7 @@ def forward(
     weights = None
     if isinstance(head, Head) and takes_fused_loss(cfg, head.weight.shape[0], applies=applies):
         weights = on_policy_weights(cfg, mb.adv, mask, mb.red, kl_coef, beta_old, dist.world)
-    hidden = completion_hidden(m.backbone, r, share_prompt=cfg.rollout.share_prompt)
+    hidden = completion_hidden(m.backbone, r, share_prompt=shares_prompt(cfg))
     fused = None
     if weights is not None:
         fl = logprobs.fused_loss(

@@ -1,0 +1,95 @@
+"""No signal, no step: a batch whose every advantage is exactly 0 does not move the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from klpo.train import loop
+from klpo.train.config import build_config
+from klpo.train.runtime.metrics import read_metrics
+
+
+def _final_policy(out) -> dict[str, torch.Tensor]:
+    step = (out / "checkpoints" / "latest").read_text().strip()
+    return load_file(out / "checkpoints" / step / "policy" / "model.safetensors")
+
+
+def _run(tiny_model, quick, out, **extra):
+    overrides = {
+        "rewards": "[{name: 'klpo_test_rewards:zeros'}]",
+        "run.steps": 4,
+        "run.eval_every": 0,
+        "kl.estimator": "full",
+        "kl.beta": 0.1,
+        "optim.lr": 1e-2,
+        **extra,
+    }
+    loop.train(build_config(overrides=quick(tiny_model, out, **overrides)), log=lambda *_: None)
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("extra", [{}, {"model.dtype": "bfloat16", "model.lora": "{r: 4}"}])
+def test_all_zero_rewards_leave_the_policy_bit_identical(tiny_model, quick, tmp_path, extra):
+    # Every reward 0: every group's advantages are exactly 0, so the only gradient is the KL
+    # term's at the reference, rounding noise that AdamW would scale up to lr-sized steps (a full
+    # fine-tune of a 135M model drifted to an exact KL of 4e-3 per token in four steps). TRL's
+    # GRPO stays at the reference there; so does klpo, by skipping those optimizer steps.
+    out = tmp_path / "run"
+    rows = _run(tiny_model, quick, out, **extra)
+    assert [r["step/skipped"] for r in rows] == [1.0, 1.0, 1.0, 1.0]
+    assert [r["kl/ref/exact"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    assert all(r["kl/old/k3"] == 0.0 and r["kl/ref/k3"] == 0.0 for r in rows)
+    if "model.lora" in extra:
+        return  # the checkpoint holds the adapters; the KL of exactly 0 says they did not move
+    start = load_file(tiny_model / "model.safetensors")
+    final = _final_policy(out)
+    assert final.keys() == start.keys()
+    for k in start:
+        assert torch.equal(final[k], start[k]), k
+
+
+def test_skipping_can_be_turned_off_and_a_step_with_signal_is_taken(tiny_model, quick, tmp_path):
+    # With the skip off the steps are taken, and still nothing moves: at the reference the exact
+    # KL's gradient is exactly 0 (klpo.logprobs), so AdamW's step is 0, as in TRL. (Before, its
+    # rounding, a gradient norm of 7e-10, drifted this run to an exact KL of 2e-3 by step 3.)
+    out = tmp_path / "off"
+    rows = _run(tiny_model, quick, out, **{"algo.skip_no_signal": "false"})
+    assert [r["step/skipped"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["grad_norm"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["kl/ref/exact"] for r in rows] == [0.0, 0.0, 0.0, 0.0]
+    start, final = load_file(tiny_model / "model.safetensors"), _final_policy(out)
+    assert all(torch.equal(final[k], start[k]) for k in start)
+    # A reward that varies within groups: steps are taken (and the policy moves off the reference).
+    rows = _run(
+        tiny_model, quick, tmp_path / "signal", rewards="[{name: 'klpo_test_rewards:digits'}]"
+    )
+    assert rows[0]["step/skipped"] == 0.0
+    assert rows[-1]["kl/ref/exact"] > 0
+
+
+def test_skipped_steps_advance_the_schedule_and_resume_exactly(tiny_model, quick, tmp_path):
+    # A skipped step is a step: the learning-rate schedule (a function of the step number)
+    # advances, and a run resumed after skipped steps logs what the whole run logs.
+    from klpo.train.runtime.metrics import is_timing
+
+    sched = {"optim.warmup_steps": 3, "run.save_every": 2}  # the warm-up: the step's alone
+    whole = _run(tiny_model, quick, tmp_path / "whole", **sched)
+    assert [r["step/skipped"] for r in whole] == [1.0, 1.0, 1.0, 1.0]
+    lrs = [r["lr"] for r in whole]
+    assert lrs[0] < lrs[1] < lrs[2] == lrs[3] == 1e-2  # warmed up step by step, skipped or not
+    part = tmp_path / "part"
+    _run(tiny_model, quick, part, **sched, **{"run.steps": 2})
+    overrides = quick(
+        tiny_model, part, rewards="[{name: 'klpo_test_rewards:zeros'}]", **{
+            "run.steps": 4, "run.eval_every": 0, "kl.estimator": "full", "kl.beta": 0.1,
+            "optim.lr": 1e-2, **sched,
+        },
+    )  # fmt: skip
+    loop.train(build_config(overrides=overrides), log=lambda *_: None, resume=True)
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if not is_timing(k)} for r in run]
+
+    assert rows(read_metrics(part / "metrics.jsonl")) == rows(whole)
