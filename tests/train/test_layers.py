@@ -20,6 +20,7 @@ LAYERS = (
     "klpo.train.algorithms",
     "klpo.train.config",
     "klpo.train.config_files",
+    "klpo.train.lr_schedule",
     "klpo.train.outdir",
     "klpo.train.models",
     "klpo.train.data",

@@ -13,11 +13,20 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from klpo.train.config import ConfigError
 
-__all__ = ["check_lr_schedule", "lr_factors", "schedule_kwargs"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "advance_lr",
+    "check_lr_schedule",
+    "lr_factors",
+    "make_lr_scheduler",
+    "schedule_kwargs",
+]
 
 # Arguments get_scheduler fills itself; the rest of a schedule function's are the user's.
 _FILLED = frozenset({"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"})
@@ -37,10 +46,8 @@ def schedule_kwargs(name: str) -> list[str]:
 
 def lr_factors(cfg: Any) -> list[float]:
     """``lambda(s)`` for steps s = 1..run.steps, as the trainer steps the schedule
-    (:func:`klpo.train.setup.advance_lr` before each update), on a stand-in parameter."""
+    (:func:`advance_lr` before each update), on a stand-in parameter."""
     import torch
-
-    from klpo.train.setup import advance_lr, make_lr_scheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=1.0)
@@ -93,3 +100,33 @@ def check_lr_schedule(cfg: Any) -> list[str]:
             "optim.warmup_steps (e.g. to a tenth of run.steps), or raise run.steps"
         ]
     return []
+
+
+def make_lr_scheduler(
+    cfg: Any, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The policy's schedule (``optim.lr_scheduler``) from transformers' ``get_scheduler``,
+    over ``run.steps`` with ``optim.warmup_steps`` of warm-up. :func:`advance_lr` before step s
+    sets lr · lambda(s): the default, constant_with_warmup, is lr · min(1, s / warmup_steps)."""
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    return get_scheduler(
+        o.lr_scheduler,
+        optimizer,
+        num_warmup_steps=o.warmup_steps,
+        num_training_steps=cfg.run.steps,
+        scheduler_specific_kwargs=dict(o.lr_scheduler_kwargs) or None,
+    )
+
+
+def advance_lr(opt: Any) -> float:
+    """Move the schedule on to the next step (before its update; the optimizer's own order of
+    step calls does not apply here) and return the policy's learning rate for it. ``opt`` holds
+    ``policy`` (the optimizer) and ``lr_scheduler`` (:class:`klpo.train.setup.Optimizers`)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        opt.lr_scheduler.step()
+    return float(opt.policy.param_groups[0]["lr"])

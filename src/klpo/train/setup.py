@@ -26,6 +26,7 @@ from klpo.train import preflight as checks
 from klpo.train.config import ConfigError, TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
 from klpo.train.evaluate import policy_evaluation
+from klpo.train.lr_schedule import advance_lr, make_lr_scheduler
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
 from klpo.train.models.build import Models, build_models
@@ -383,35 +384,6 @@ def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
     policy = adamw([p for p in m.policy.parameters() if p.requires_grad], o.lr)
     critic = adamw(m.critic_core.parameters(), o.critic_lr or o.lr) if m.critic_core else None
     return Optimizers(policy, critic, make_lr_scheduler(cfg, policy))
-
-
-def make_lr_scheduler(
-    cfg: TrainConfig, optimizer: torch.optim.Optimizer
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """The policy's schedule (``optim.lr_scheduler``) from transformers' ``get_scheduler``,
-    over ``run.steps`` with ``optim.warmup_steps`` of warm-up. :func:`advance_lr` before step s
-    sets lr · lambda(s): the default, constant_with_warmup, is lr · min(1, s / warmup_steps)."""
-    from transformers import get_scheduler
-
-    o = cfg.optim
-    return get_scheduler(
-        o.lr_scheduler,
-        optimizer,
-        num_warmup_steps=o.warmup_steps,
-        num_training_steps=cfg.run.steps,
-        scheduler_specific_kwargs=dict(o.lr_scheduler_kwargs) or None,
-    )
-
-
-def advance_lr(opt: Optimizers) -> float:
-    """Move the schedule on to the next step (before its update; the optimizer's own order of
-    step calls does not apply here) and return the policy's learning rate for it."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-        opt.lr_scheduler.step()
-    return float(opt.policy.param_groups[0]["lr"])
 
 
 def evaluates(run: TrainRun) -> bool:
