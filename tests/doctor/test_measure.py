@@ -147,14 +147,16 @@ def test_read_prompts_errors(tmp_path):
 def test_cli_measures_on_the_shipped_model(perturbed, prompts):
     fixture = "tests/doctor/fixtures/verl_grpo.yaml"
     args = ["doctor", fixture, "--model", perturbed, "--reference", REF, "--data", prompts,
-            "--samples", "4", "--max-new-tokens", "4", "--layer", "model.norm"]  # fmt: skip
+            "--samples", "4", "--max-new-tokens", "4"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     out = result.output
     assert "measured on your models: 12 completions" in out
     assert "*low_var_kl   loss" in out  # the config's own term is marked
+    assert "the MLP of the last decoder layer (model.layers.3.mlp)" in out
+    assert "memory: about" in out
     json_out = CliRunner().invoke(app, [*args, "--json"])
-    m = json.loads(json_out.output)["measurement"]
+    m = json.loads(json_out.stdout)["measurement"]
     assert m["sequences"] == 12 and m["exact"]["token_mean_kl_theta_ref"] > 0
     # k1 is unbiased per token: its bias within 4 standard errors of zero.
     k1 = m["values"]["k1"]["token"]
@@ -169,3 +171,173 @@ def test_cli_measurement_needs_all_three(prompts):
     )
     assert result.exit_code == 2
     assert "missing: --data, --reference" in result.output
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path (per-completion gradients of linear layers, sketched) against autograd.
+
+
+@pytest.fixture(scope="module")
+def sampled(perturbed):
+    """The perturbed pair with 4 prompts × 4 completions of up to 5 tokens (seed=0)."""
+    from klpo.train.rollout.samplers import generate
+
+    policy, ref, tok = load_causal_lm(perturbed), load_causal_lm(REF), load_tokenizer(perturbed)
+    policy.requires_grad_(False)
+    ref.requires_grad_(False)
+    texts = ["12+34=", "7+8=", "56+21=", "3+4="]
+    codec = M._prompt_codec(tok, policy, texts, "test")
+    torch.manual_seed(0)
+    rollout = generate(policy, tok, texts, [""] * 4, group_size=4, max_new_tokens=5, codec=codec)
+    return policy, ref, rollout
+
+
+def _direct(policy, ref, rollout, rows, subset):
+    """Oracle: every objective's exact gradient on the subset's weights by autograd through the
+    model's own logits (:func:`M.token_terms`), per-token weights 1 (sums, as the fast path)."""
+    sub = Rollout(
+        prompt_ids=rollout.prompt_ids[rows],
+        prompt_mask=rollout.prompt_mask[rows],
+        completion_ids=rollout.completion_ids[rows],
+        mask=rollout.mask[rows],
+        prompts=[rollout.prompts[i] for i in rows.tolist()],
+        completions=[rollout.completions[i] for i in rows.tolist()],
+        answers=[""] * len(rows),
+        group_size=1,
+    )
+    params = [m.weight for m in subset.modules]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        t = M.token_terms(policy, ref, sub)
+        return torch.stack(M.objective_gradients(t, params, weights=torch.ones_like(t.logp)))
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def test_fast_path_equals_autograd(sampled):
+    policy, ref, rollout = sampled
+    subset = M.choose_subset(policy, "model.layers.2.mlp.down_proj")
+    exact = M.Sketch(subset.modules, 0, 0)
+    rows = torch.tensor([1, 6, 11])
+    vec, arrays, _ = M.group_vectors(policy, ref, rollout, rows, subset, exact)
+    direct = _direct(policy, ref, rollout, rows, subset)
+    scale = direct.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    # One vector per completion: their sum is the batch gradient (rows are independent).
+    torch.testing.assert_close(vec.sum(1) / scale, direct / scale, atol=2e-5, rtol=0)
+    # ... and each completion alone is its own gradient.
+    one = _direct(policy, ref, rollout, rows[1:2], subset)
+    torch.testing.assert_close(vec[:, 1] / scale, one / scale, atol=2e-5, rtol=0)
+    assert float(direct[M.objective_names().index(("k2", "loss"))].norm()) > 0
+    # The values are the estimators' own on the sampled tokens.
+    k3 = torch.exp(-(arrays["logp"] - arrays["logp_ref"])) + arrays["logp"] - arrays["logp_ref"] - 1
+    m = rollout.mask[rows]
+    torch.testing.assert_close(arrays["value:k3"][m], k3.double()[m], atol=1e-5, rtol=1e-5)
+
+
+def test_sketch_is_unbiased_and_close(sampled):
+    """Oracle: the exact (unsketched) vectors. Each sketch's inner products are unbiased (their
+    mean over 16 seeded sketches within 4 standard errors of the exact one) and the cosines'
+    spread over sketches is within a Johnson–Lindenstrauss bound: a dense Gaussian projection to
+    D numbers has sd (1 - c²)/sqrt(D) on a cosine c (first order); the Kronecker blocks are
+    allowed 4 times that."""
+    policy, ref, rollout = sampled
+    subset = M.choose_subset(policy, None)
+    rows = torch.arange(16)
+    exact, _, _ = M.group_vectors(
+        policy, ref, rollout, rows, subset, M.Sketch(subset.modules, 0, 0)
+    )
+    names = M.objective_names()
+    a, b = names.index(("k3", "loss")), names.index(("target", M.TARGETS[0]))
+    ea, eb = exact[a].sum(0), exact[b].sum(0)
+    dot, cos = float(ea @ eb), float(ea @ eb / (ea.norm() * eb.norm()))
+    dots, coss = [], []
+    for seed in range(16):
+        sk = M.Sketch(subset.modules, 1024, seed)
+        v, _, _ = M.group_vectors(policy, ref, rollout, rows, subset, sk)
+        sa, sb = v[a].sum(0), v[b].sum(0)
+        dots.append(float(sa @ sb))
+        coss.append(float(sa @ sb / (sa.norm() * sb.norm())))
+    d = torch.tensor(dots, dtype=F64)
+    assert abs(float(d.mean()) - dot) <= 4 * float(d.std()) / 4  # se = sd / sqrt(16)
+    dim = M.Sketch(subset.modules, 1024, 0).dim
+    bound = 4 * (1 - cos**2) / math.sqrt(dim)
+    assert float(torch.tensor(coss).std()) <= bound
+    assert abs(float(torch.tensor(coss).mean()) - cos) <= 4 * bound / 4
+
+
+# --------------------------------------------------------------------------------------------
+# Intervals.
+
+
+def test_t_quantile_closed_forms():
+    # df = 1 is Cauchy: tan(pi (p - 1/2)); df = 2: (2p - 1) / sqrt(2 p (1 - p)).
+    for p in (0.9, 0.975, 0.995):
+        assert M.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-6)
+        assert M.t_quantile(p, 2) == pytest.approx(
+            (2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-6
+        )
+    from statistics import NormalDist
+
+    assert M.t_quantile(0.975, 10_000) == pytest.approx(NormalDist().inv_cdf(0.975), rel=1e-3)
+    assert M.t_quantile(0.975, 7) == pytest.approx(2.364624, rel=1e-5)  # printed tables
+
+
+def test_u_statistics_by_hand():
+    g = torch.randn(3, 5, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
+    full, loo = M._u_stats(g)
+    for p in range(3):
+        off = [float(g[p, k, l]) for k in range(5) for l in range(5) if k != l]  # noqa: E741
+        assert float(full[p]) == pytest.approx(sum(off) / 20)
+        for drop in range(5):
+            keep = [k for k in range(5) if k != drop]
+            off = [float(g[p, k, l]) for k in keep for l in keep if k != l]  # noqa: E741
+            assert float(loo[p, drop]) == pytest.approx(sum(off) / 12)
+
+
+@pytest.mark.parametrize(("groups", "noise"), [(8, 0.15), (32, 0.3)])
+def test_interval_coverage(groups, noise):
+    """Seeded: 600 data sets of G Gaussian replicates of two 40-dimensional vectors with known
+    expected vectors (cosine 0.6, projection 0.75; the a-noise correlated with b's). With 32
+    groups each interval's coverage of the truth is 0.95 within 3 binomial standard errors
+    (0.027); with 8 it may only err on the safe side (the jackknife variance is biased upward,
+    Efron & Stein 1981): at least 0.95 - 3 se, at most 0.99. The plain cosine of the sums, which
+    the doctor printed before, is biased by the noise in its norms."""
+    gen = torch.Generator().manual_seed(0)
+    d = 40
+    mu_b = torch.zeros(d, dtype=F64)
+    mu_b[0] = 1.0
+    mu_a = torch.zeros(d, dtype=F64)
+    mu_a[0], mu_a[1] = 0.75, 1.0  # cos = 0.75 / 1.25 = 0.6, projection 0.75
+    reps, hits = 600, {"cos": 0, "beta": 0}
+    plain = []
+    for _ in range(reps):
+        nb = noise * torch.randn(groups, d, generator=gen, dtype=F64)
+        na = 0.5 * nb + noise * torch.randn(groups, d, generator=gen, dtype=F64)
+        v = torch.stack([mu_a + na, mu_b + nb])
+        (s,) = M.interval_stats(v, [(0, 1)])
+        hits["cos"] += abs(s["cos"] - 0.6) <= s["half_width"]["cos"]
+        hits["beta"] += abs(s["beta"] - 0.75) <= s["half_width"]["beta"]
+        plain.append(s["cos_plain"])
+    se = math.sqrt(0.95 * 0.05 / reps)
+    for key, n in hits.items():
+        cover = n / reps
+        assert cover >= 0.95 - 3 * se, (key, cover)
+        assert cover <= (0.95 + 3 * se if groups >= 32 else 0.99), (key, cover)
+    p = torch.tensor(plain)
+    assert abs(float(p.mean()) - 0.6) > 4 * float(p.std()) / math.sqrt(reps)
+
+
+def test_verdicts():
+    # Excluded: inconsistent. Inside: consistent, and the completions that would decide it:
+    # n (half / |beta - exact|)² = 64 · (0.2 / 0.1)² = 256.
+    assert M.verdict(0.5, 0.2, 1.0, 64)["status"] == "inconsistent"
+    v = M.verdict(0.9, 0.2, 1.0, 64)
+    assert v == {"status": "consistent", "decide_at": 256}
+    assert M.verdict(1.0, 0.0, 1.0, 64) == {"status": "consistent", "decide_at": None}
+    assert M.claim("k3", "loss")[1:] == (1, 1.0)
+    assert M.claim("k1", "loss")[1:] == (0, 0.0)
+    assert M.claim("full", "reward")[1:] == (0, 0.0)
+    assert M.claim("k1", "reward-to-go")[1:] == (2, 1.0)
+    assert M.claim("k3", "reward-to-go") is None

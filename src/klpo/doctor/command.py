@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import typer
 
@@ -37,13 +38,20 @@ def run(
     reference: str | None = None,
     data: str | None = None,
     layer: str | None = None,
+    sketch: int | None = None,
+    chat: bool | None = None,
     prompts: int = 8,
     samples: int = 8,
     max_new_tokens: int = 16,
     seed: int = 0,
     variables: list[str] | None = None,
 ) -> int:
-    """Print the diagnosis of ``config``; 2 on bad input (the message on stderr), else 0."""
+    """Print the diagnosis of ``config``; 2 on bad input (the message on stderr), else 0.
+
+    With ``--model`` the reading of the config is printed (and flushed) first, then the
+    measurement, which loads two models and takes a while; ``chat`` None follows a klpo config's
+    ``data.chat`` (and its ``data.system_prompt``), else plain prompts.
+    """
     given = [
         name for name, v in (("--model", model), ("--reference", reference), ("--data", data)) if v
     ]
@@ -57,14 +65,21 @@ def run(
         given_vars = _variables(variables or [])
         diag = diagnose(config, framework, version, given_vars)
         if given:
-            from klpo.doctor.measure import measure, render_measurement
+            from klpo.doctor.measure import SKETCH, measure, render_measurement
 
+            if not as_json:  # the reading first: the measurement takes a while
+                typer.echo(render(diag))
+                sys.stdout.flush()
+            use_chat, system_prompt = _chat(config, diag, chat)
             terms = [(t["estimator"], t["placement"]) for t in diag["terms"] if t["estimator"]]
             diag["measurement"] = measure(
                 model,
                 reference,
                 data,
                 layer=layer,
+                sketch=SKETCH if sketch is None else sketch,
+                chat=use_chat,
+                system_prompt=system_prompt,
                 prompts=prompts,
                 samples=samples,
                 max_new_tokens=max_new_tokens,
@@ -78,8 +93,22 @@ def run(
         json.dump(diag, sys.stdout, indent=2, ensure_ascii=False, default=str)
         sys.stdout.write("\n")
         return 0
-    text = render(diag)
     if "measurement" in diag:
-        text += "\n\n" + render_measurement(diag["measurement"])
-    typer.echo(text)
+        typer.echo("\n" + render_measurement(diag["measurement"]))
+    else:
+        typer.echo(render(diag))
     return 0
+
+
+def _chat(config: str, diag: dict, chat: bool | None) -> tuple[bool, str | None]:
+    """``(chat, system prompt)`` for the measurement: ``--chat``/``--no-chat`` where given, else
+    a klpo config's ``data.chat`` and ``data.system_prompt``."""
+    if diag.get("framework") != "klpo":
+        return bool(chat), None
+    from klpo.doctor.reading import load_mapping
+
+    section = load_mapping(Path(config)).get("data") or {}
+    section = section if isinstance(section, dict) else {}
+    use = bool(section.get("chat", False)) if chat is None else chat
+    system = section.get("system_prompt") if use else None
+    return use, system if isinstance(system, str) else None
