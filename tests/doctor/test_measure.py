@@ -236,6 +236,24 @@ def test_fast_path_equals_autograd(sampled):
     torch.testing.assert_close(arrays["value:k3"][m], k3.double()[m], atol=1e-5, rtol=1e-5)
 
 
+def test_prompt_cache_is_exact_where_the_layers_see_no_prompt(sampled):
+    """The last layer's MLP is position-wise: the prompts' key/value caches give the same
+    vectors as whole sequences; a layer below sees the prompt through attention, and is refused
+    the cache."""
+    policy, ref, rollout = sampled
+    last, below = M.choose_subset(policy, None), M.choose_subset(policy, "model.layers.2.mlp")
+    assert M.prompt_free(policy, rollout, last)
+    assert not M.prompt_free(policy, rollout, below)
+    rows = torch.tensor([2, 5, 8, 15])
+    sk = M.Sketch(last.modules, 0, 0)
+    whole, arr, _ = M.group_vectors(policy, ref, rollout, rows, last, sk)
+    prefix = (M.prompt_caches(policy, rollout, rows), M.prompt_caches(ref, rollout, rows))
+    cached, arr_c, _ = M.group_vectors(policy, ref, rollout, rows, last, sk, prefix)
+    scale = whole.abs().amax((1, 2), keepdim=True).clamp(min=1e-12)
+    torch.testing.assert_close(cached / scale, whole / scale, atol=1e-5, rtol=0)
+    torch.testing.assert_close(arr_c["exact"], arr["exact"], atol=1e-6, rtol=1e-5)
+
+
 def test_sketch_is_unbiased_and_close(sampled):
     """Oracle: the exact (unsketched) vectors. Each sketch's inner products are unbiased (their
     mean over 16 seeded sketches within 4 standard errors of the exact one) and the cosines'

@@ -36,6 +36,7 @@ gradients are flattened over the chosen parameters (``--layer`` restricts them).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -739,7 +740,9 @@ def _gb(n: float) -> str:
 
 
 def _logits(head: Any, hidden: Tensor) -> Tensor:
-    z = hidden @ head.weight.T
+    """The model's logits from its last hidden states ``[..., H]``: one 2-D matmul (a batched
+    one would copy the ``[V, H]`` weight per row in its backward pass)."""
+    z = (hidden.flatten(0, -2) @ head.weight.T).unflatten(0, hidden.shape[:-1])
     if head.bias is not None:
         z = z + head.bias
     return z if head.transform is None else head.transform.apply(z)
@@ -752,8 +755,14 @@ def group_vectors(
     rows: Tensor,
     subset: Subset,
     sketch: Sketch,
+    prefix: tuple[Any, Any] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, int]]:
     """``(vectors [O, R, D], per-token arrays [R, C], sizes)`` for ``rows`` of ``rollout``.
+
+    ``prefix``: both models' key/value caches of the prompts but their last token, one row per
+    row of ``rows`` (:func:`prompt_caches`); the forward passes then run on the completion
+    window only. Exact where no measured layer's output at a prompt position reaches the
+    completions' hidden states (:func:`prompt_free`).
 
     The policy runs with its weights frozen and the measured layers' outputs made to require a
     gradient (forward hooks), so autograd keeps only the graph above them; the output head is
@@ -762,7 +771,8 @@ def group_vectors(
     its hidden state; each objective's gradient at the hidden states is their combination with
     :func:`coefficients`, sent down to the measured layers by one backward pass each.
     """
-    from klpo.heads import checked_head, last_hidden
+    from klpo.heads import backbone, checked_head, last_hidden
+    from klpo.train.models.load import cache_kwargs
     from klpo.train.rollout.samplers import position_ids
 
     ids, att = rollout.input_ids[rows], rollout.attention_mask[rows]
@@ -779,9 +789,24 @@ def group_vectors(
 
         return fn
 
+    start = p - 1 if prefix is not None else 0
+
+    def hidden(model: Any, cache: Any) -> Tensor:
+        if cache is None:
+            return last_hidden(model, ids, att, pos)[:, p - 1 : p - 1 + c]
+        base = backbone(model)
+        out = base(
+            input_ids=ids[:, start:],
+            attention_mask=att,
+            position_ids=pos[:, start:],
+            use_cache=True,
+            **cache_kwargs(base, copy.deepcopy(cache)),
+        )
+        return out.last_hidden_state[:, :c]
+
     handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(subset.modules)]
     try:
-        h = last_hidden(policy, ids, att, pos)[:, p - 1 : p - 1 + c]
+        h = hidden(policy, prefix[0] if prefix else None)
     finally:
         for handle in handles:
             handle.remove()
@@ -791,7 +816,7 @@ def group_vectors(
         )
     head, head_ref = checked_head(policy), checked_head(reference)
     with torch.no_grad():
-        hr = last_hidden(reference, ids, att, pos)[:, p - 1 : p - 1 + c]
+        hr = hidden(reference, prefix[1] if prefix else None)
         logits_ref = _logits(head_ref, hr).float()
     leaf = h.detach().requires_grad_(True)
     logits = _logits(head, leaf).float()
@@ -813,7 +838,7 @@ def group_vectors(
     ys = [seen[i][1] for i in range(len(subset.modules))]
     probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(0), dtype=h.dtype)
     reach = torch.autograd.grad(h, ys, grad_outputs=probe, retain_graph=True)
-    used = att.bool() & torch.stack([(g != 0).any(-1) for g in reach]).any(0)
+    used = att[:, start:].bool() & torch.stack([(g != 0).any(-1) for g in reach]).any(0)
     row = used.nonzero()[:, 0]
     xs = [sketch.inputs(i, seen[i][0][used]) for i in range(len(subset.modules))]
     vectors = torch.zeros(coef.shape[0], len(rows), sketch.dim, dtype=torch.float64)
@@ -835,6 +860,60 @@ def group_vectors(
         **{f"value:{k}": v for k, v in values.items()},
     }
     return vectors, arrays, sizes
+
+
+def prompt_free(policy: Any, rollout: Any, subset: Subset) -> bool:
+    """Whether no measured layer's output at a prompt position (but the last) reaches the
+    completions' hidden states: true for the last decoder layer's MLP (position-wise), false as
+    soon as an attention layer is measured or anything below the last layer. Found on one
+    completion by one backward pass of a random direction (its zeros are structural)."""
+    from klpo.heads import last_hidden
+    from klpo.train.rollout.samplers import position_ids
+
+    p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    ids, att = rollout.input_ids[:1], rollout.attention_mask[:1]
+    seen: list[Tensor] = []
+
+    def fn(_mod: Any, _args: Any, out: Tensor) -> None:
+        if not out.requires_grad:
+            out.requires_grad_(True)
+        seen.append(out)
+
+    handles = [m.register_forward_hook(fn) for m in subset.modules]
+    try:
+        h = last_hidden(policy, ids, att, position_ids(att))[:, p - 1 : p - 1 + c]
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not h.requires_grad:
+        return False
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(0), dtype=h.dtype)
+    reach = torch.autograd.grad(h, seen, grad_outputs=probe, allow_unused=True)
+    return all(g is None or not bool((g[:, : p - 1] != 0).any()) for g in reach)
+
+
+def prompt_caches(model: Any, rollout: Any, rows: Tensor) -> Any:
+    """The key/value cache of ``model`` on the prompts of ``rows`` but their last token (no
+    gradient), or None where the model's cache cannot be reused
+    (:func:`klpo.train.models.cache.cache_support`) or the prompts are one token long."""
+    from klpo.heads import backbone
+    from klpo.train.models.cache import cache_support
+    from klpo.train.models.load import output_cache
+    from klpo.train.rollout.samplers import position_ids
+
+    p = rollout.prompt_ids.shape[1]
+    if p < 2 or not cache_support(model).shared:
+        return None
+    att = rollout.prompt_mask[rows].long()
+    base = backbone(model)
+    with torch.no_grad():
+        out = base(
+            input_ids=rollout.prompt_ids[rows, : p - 1],
+            attention_mask=att[:, : p - 1],
+            position_ids=position_ids(att)[:, : p - 1],
+            use_cache=True,
+        )
+    return output_cache(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1031,10 +1110,20 @@ def measure(
         if int(rollout.mask.sum()) == 0:
             raise DoctorError("the sampled completions hold no tokens; raise --max-new-tokens")
         bar.advance(part="gradients")
+        # Each group holds every prompt once, in order: the prompts' caches serve every group,
+        # where the measured layers see no prompt position (the default's do not).
+        first_rows = torch.arange(n_prompts) * samples
+        prefix = None
+        if prompt_free(policy, rollout, subset):
+            caches = (
+                prompt_caches(policy, rollout, first_rows),
+                prompt_caches(ref, rollout, first_rows),
+            )
+            prefix = caches if all(x is not None for x in caches) else None
         order = []
         for k in range(samples):  # group k: the k-th completion of every prompt (iid groups)
-            idx = torch.arange(n_prompts) * samples + k
-            vec, arr, sizes = group_vectors(policy, ref, rollout, idx, subset, sk)
+            idx = first_rows + k
+            vec, arr, sizes = group_vectors(policy, ref, rollout, idx, subset, sk, prefix)
             sizes["group_vectors"] = vec.nbytes
             vectors[:, k] = vec.sum(1)
             for key, v in arr.items():
