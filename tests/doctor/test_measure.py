@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +164,21 @@ def test_cli_measures_on_the_shipped_model(perturbed, prompts):
     assert abs(k1["bias"]) <= 4 * k1["bias_se"] + 1e-9
     # `full` is the exact value itself.
     assert m["values"]["full"]["token"]["bias"] == pytest.approx(0.0, abs=1e-6)
+    # The memory estimate against the sizes measured: the weights from the safetensors headers
+    # are the loaded parameters' bytes; the gradient store is what was allocated; one group's
+    # pass holds eight of its [R, C, V] logits.
+    mem = m["memory"]
+    assert M.weights_bytes(perturbed) + M.weights_bytes(REF) == mem["measured"]["weights"]
+    assert mem["estimate"]["store"] == mem["measured"]["store"]
+    assert mem["estimate"]["pass"] >= 8 * mem["measured"]["logits"] > 0
+    assert mem["estimate"]["total"] >= mem["estimate"]["weights"] + mem["estimate"]["store"]
+    # The verdicts: `full` in the loss is the per-position gradient itself (projection 1, no
+    # noise); k1 in the loss and `full` in the reward have a zero expected gradient.
+    rows = {(r["estimator"], r["placement"]): r for r in m["gradients"]["rows"]}
+    full = rows["full", "loss"]["targets"][M.TARGETS[0]]
+    assert full["beta"] == pytest.approx(1.0, abs=1e-9) and full["beta_se"] < 1e-9
+    assert rows["full", "loss"]["claim"]["status"] == "consistent"
+    assert rows["k1", "loss"]["claim"]["projection"] == 0.0
 
 
 def test_cli_measurement_needs_all_three(prompts):
@@ -359,3 +375,90 @@ def test_verdicts():
     assert M.claim("full", "reward")[1:] == (0, 0.0)
     assert M.claim("k1", "reward-to-go")[1:] == (2, 1.0)
     assert M.claim("k3", "reward-to-go") is None
+
+
+# --------------------------------------------------------------------------------------------
+# The command: the reading first, the memory estimate, chat prompts, a real model.
+
+
+def test_reading_is_printed_before_the_measurement(perturbed, prompts):
+    """Through a pipe (block-buffered), the reading's last line arrives while the measurement,
+    which loads two models, still runs: it was flushed first."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "klpo", "doctor", "tests/doctor/fixtures/verl_grpo.yaml",
+            "--model", perturbed, "--reference", REF, "--data", prompts, "--prompts", "1",
+            "--samples", "3", "--max-new-tokens", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+    )
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("klpo doctor: tests/doctor/fixtures/verl_grpo.yaml")
+        for line in proc.stdout:
+            if line.startswith("klpo config that does what"):
+                break
+        assert proc.poll() is None  # still measuring
+        rest = proc.stdout.read()
+        assert "measured on your models: 3 completions" in rest
+    finally:
+        proc.stdout.close()
+        assert proc.wait(timeout=600) == 0
+
+
+def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
+    """Oracle: the tokenizer's own apply_chat_template; the rendered ids carry no added token."""
+    tok = load_tokenizer(str(smollm2_dir))
+    text = "What is 17 + 25?"
+    (got,) = M.render_prompts(tok, [text], chat=True)
+    msgs = [{"role": "user", "content": text}]
+    assert got == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert got.rstrip().endswith("<|im_start|>assistant")
+    (sys_,) = M.render_prompts(tok, [text], chat=True, system_prompt="Be brief.")
+    assert sys_.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    model = load_causal_lm(REF)  # any model: the codec reads only its generation config
+    codec = M._prompt_codec(tok, model, [got], "test", chat=True)
+    assert codec.ids([got])[0] == tok(got, add_special_tokens=False)["input_ids"]
+    # No template, no chat: the shipped model's tokenizer has none.
+    with pytest.raises(DoctorError, match="--chat needs a tokenizer with a chat template"):
+        M.render_prompts(load_tokenizer(REF), [text], chat=True)
+
+
+def test_a_klpo_configs_data_chat_is_honoured(tmp_path):
+    from klpo.doctor import diagnose
+    from klpo.doctor.command import _chat
+
+    cfg = tmp_path / "run.yaml"
+    base = Path("configs/grpo-k3-loss.yaml").read_text()
+    cfg.write_text(base + "\ndata:\n  chat: true\n  system_prompt: Be brief.\n")
+    diag = diagnose(cfg)
+    assert diag["framework"] == "klpo"
+    assert _chat(str(cfg), diag, None) == (True, "Be brief.")
+    assert _chat(str(cfg), diag, False) == (False, None)
+    plain = diagnose("tests/doctor/fixtures/verl_grpo.yaml")
+    assert _chat("tests/doctor/fixtures/verl_grpo.yaml", plain, None) == (False, None)
+
+
+def test_real_model_identical_pair_measures_zero(smollm2_dir, tmp_path):
+    """SmolLM2-135M-Instruct against itself, chat prompts: the KL is exactly zero at every
+    position, so is every gradient, and the doctor says no cosine is defined (cheap: 2 prompts
+    × 3 completions of 3 tokens)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "What is 17 + 25?"}\n{"prompt": "Name a colour."}\n')
+    d = str(smollm2_dir)
+    args = ["doctor", "tests/doctor/fixtures/verl_grpo.yaml", "--model", d, "--reference", d,
+            "--data", str(data), "--chat", "--prompts", "2", "--samples", "3",
+            "--max-new-tokens", "3", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.stdout)["measurement"]
+    assert m["chat"] and m["sequences"] == 6
+    assert m["exact"]["token_mean_kl_theta_ref"] == 0.0
+    assert m["gradients"]["subset"] == "the MLP of the last decoder layer (model.layers.29.mlp)"
+    for row in m["gradients"]["rows"]:
+        for s in row["targets"].values():
+            assert s["cos"] is None and s["beta"] is None
+    assert m["memory"]["estimate"]["weights"] == m["memory"]["measured"]["weights"]

@@ -703,8 +703,8 @@ def memory_estimate(
 
     ``weights``: both models; ``sampling``: the key/value cache of ``rows`` sequences and the
     prompt's logits (float32, as the sampler's first forward returns them for every prompt
-    position); ``pass``: one group's two ``[R, C, V]`` logits with their softmax copies and
-    gradients (eight of that size), the graph above the first measured layer (``depth`` decoder
+    position); ``pass``: one group's two ``[R, C, V]`` float64 logits with their softmax
+    copies and gradients (eight of that size), the graph above the first measured layer (``depth`` decoder
     layers of hidden states, about 12 ``[R, T, H]`` and 4 ``[R, T, I]`` each) and the measured
     layers' inputs and outputs; ``store``: the (sketched) gradient of every objective for each
     group, and for each completion of the group in hand, float64.
@@ -718,7 +718,7 @@ def memory_estimate(
     head_dim = int(getattr(config, "head_dim", 0) or hidden // heads)
     seq = prompt_tokens + new_tokens
     sampling = 4 * rows * seq * layers * 2 * kv * head_dim + 2 * 4 * rows * prompt_tokens * vocab
-    logits = 8 * 4 * group_rows * new_tokens * vocab
+    logits = 8 * 8 * group_rows * new_tokens * vocab
     graph = 4 * group_rows * seq * depth * (12 * hidden + 4 * inter)
     io = 4 * group_rows * seq * sum(m.in_features + m.out_features for m in subset.modules)
     store = 8 * len(objective_names()) * dim * (groups + group_rows)
@@ -817,9 +817,11 @@ def group_vectors(
     head, head_ref = checked_head(policy), checked_head(reference)
     with torch.no_grad():
         hr = hidden(reference, prefix[1] if prefix else None)
-        logits_ref = _logits(head_ref, hr).float()
+        logits_ref = _logits(head_ref, hr).double()
     leaf = h.detach().requires_grad_(True)
-    logits = _logits(head, leaf).float()
+    # float64 from the logits on: a KL gradient that is zero in exact arithmetic (the policy is
+    # the reference) stays at float64 rounding, and the three backward passes are cheap.
+    logits = _logits(head, leaf).double()
     logp = token_logprobs(logits, tokens)
     exact = exact_kl(logits, logits_ref)
     lq, lr = torch.log_softmax(logits, -1), torch.log_softmax(logits_ref, -1)
@@ -914,6 +916,23 @@ def prompt_caches(model: Any, rollout: Any, rows: Tensor) -> Any:
             use_cache=True,
         )
     return output_cache(out)
+
+
+#: Relative size below which an objective's vectors are float32 rounding, not a gradient.
+FLOOR = 1e-6
+
+
+def rounding_floor(vectors: Tensor) -> Tensor:
+    """``vectors [O, G, D]`` with every objective whose vectors all lie below ``FLOOR`` times the
+    scale of a gradient set to zero. The scale is the root mean square norm of the score
+    function's vectors (sum_t grad logp_t: k1 in the loss), which are O(1) per token whatever the
+    KL; an objective that is zero in exact arithmetic (every gradient of the KL where the policy
+    is the reference) comes out of the float64 softmax at about 1e-14 of it, and a cosine of two
+    rounding errors means nothing."""
+    k1 = objective_names().index(("k1", "loss"))
+    scale = float(vectors[k1].norm(dim=-1).pow(2).mean().sqrt())
+    small = vectors.norm(dim=-1).amax(-1) <= FLOOR * scale
+    return torch.where(small[:, None, None], 0.0, vectors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1130,6 +1149,7 @@ def measure(
                 arrays.setdefault(key, []).append(v)
             order.append(idx)
             bar.advance()
+    vectors = rounding_floor(vectors)
     perm = torch.argsort(torch.cat(order))
     cat = {k: torch.cat(v)[perm] for k, v in arrays.items()}
     mask = rollout.mask
