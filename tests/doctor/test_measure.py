@@ -409,6 +409,18 @@ def test_reading_is_printed_before_the_measurement(perturbed, prompts):
         assert proc.wait(timeout=600) == 0
 
 
+def test_a_measurement_beyond_the_free_memory_is_refused(perturbed, prompts, monkeypatch):
+    weights = M.weights_bytes(perturbed) + M.weights_bytes(REF)
+    monkeypatch.setattr(M, "available_bytes", lambda: weights - 1)
+    with pytest.raises(DoctorError, match=r"the two models need .* GB in float32"):
+        M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lambda _: None)
+    monkeypatch.setattr(M, "available_bytes", lambda: weights + 1000)
+    lines: list[str] = []
+    with pytest.raises(DoctorError, match=r"lower it with fewer --prompts, --samples"):
+        M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lines.append)
+    assert lines[1].startswith("memory: about") and "available" in lines[1]
+
+
 def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
     """Oracle: the tokenizer's own apply_chat_template; the rendered ids carry no added token."""
     tok = load_tokenizer(str(smollm2_dir))

@@ -1230,7 +1230,7 @@ def _pm(x: float | None, half: float | None) -> str:
     """``+0.41±0.20``: an estimate and its interval's half-width (``—``: not estimable)."""
     if x is None or half is None or not math.isfinite(half):
         return "—"
-    return f"{x:+.2f}±{half:.2f}" if half >= 0.005 or half == 0 else f"{x:+.3f}±{half:.3f}"
+    return f"{x:+.2f}±{half:.2f}" if half >= 0.005 or half == 0 else f"{x:+.3f}±{half:.0e}"
 
 
 _SHORT = {TARGETS[0]: "θ‖ref", TARGETS[1]: "ref‖θ", TARGETS[2]: "seq θ‖ref"}
