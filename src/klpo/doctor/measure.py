@@ -13,8 +13,9 @@ mean is the bias, exactly 0 in expectation for k1, k3; "sd", heavy-tail statisti
 S_b = sum_t est_t against sum_t K_t, whose batch mean is the Rao-Blackwellised estimate of the
 sequence KL(pi_theta ‖ pi_ref) (exact given the sampled prefixes).
 
-Gradients, on the policy's parameters (or those whose name starts with ``layer``), with N the
-number of completion tokens and each objective a token mean (Monte Carlo over the batch):
+Gradients, on the weights of some linear layers of the policy (:func:`choose_subset`: by
+default the last decoder layer's MLP; ``--layer``), with N the number of completion tokens and
+each objective a token mean:
 
 - targets: ``per-position θ‖ref`` = grad (1/N) sum_t K_t, ``per-position ref‖θ`` = grad (1/N)
   sum_t K'_t (exact per position), and ``sequence θ‖ref`` = grad (1/N) [sum_t K_t + sum_t log
@@ -25,13 +26,19 @@ number of completion tokens and each objective a token mean (Monte Carlo over th
   pi_old = pi_theta); ``reward-to-go`` = grad (1/N) sum_t log pi_theta(y_t) · sg(sum_{t' >= t}
   est_t') (the penalty's returns-to-go, as klpo's GRPO credits it).
 
-The cosine of each with each target says which gradient the choice follows *on this model pair*,
-with this batch's Monte Carlo noise (rerun with another ``--seed`` or more ``--samples`` to see
-it). ``klpo.kl.explain`` says what each follows in expectation on small categoricals; this is
-the lab on a real model (Schulman 2020; Tang & Munos 2025, arXiv:2506.09477).
+How (:func:`group_vectors`): every objective's gradient is a per-token combination of grad
+logp_t, grad K_t and grad K'_t (:func:`coefficients`), taken at the last hidden states by three
+backward passes through the output head; one backward pass per objective takes it down to the
+measured layers, whose per-completion weight gradients are sketched without being formed
+(:class:`Sketch`). The completions form ``--samples`` independent groups (one completion of
+every prompt each), and :func:`interval_stats` turns the groups' vectors into cosines of the
+*expected* gradients and projections on them, with jackknife intervals; :func:`claim` gives
+``klpo.kl.explain``'s answer for a row and :func:`verdict` whether the interval excludes it.
+This is the lab on a real model (Schulman 2020; Tang & Munos 2025, arXiv:2506.09477).
 
-Memory: both models' logits over the batch, ``[B, C, V]`` float32, plus the policy's graph; the
-gradients are flattened over the chosen parameters (``--layer`` restricts them).
+Memory (:func:`memory_estimate`, printed before the work): both models' weights, the sampler's
+cache, one group's ``[R, C, V]`` logits (float64) and the graph above the measured layers, and
+``[O, G + R, D]`` float64 sketches; nothing of the size of the parameters is kept.
 """
 
 from __future__ import annotations
