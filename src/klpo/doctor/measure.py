@@ -693,6 +693,17 @@ def available_bytes() -> int | None:
         return None
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory now (``/proc/self/statm``), or None where unknown."""
+    import os
+
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def memory_estimate(
     config: Any,
     *,
@@ -1105,15 +1116,20 @@ def measure(
         f"{rows} completions ({n_prompts} prompts × {samples}) of up to {max_new_tokens} tokens"
         + (", chat template" if chat else "")
     )
+    resident = resident_bytes()
+    more = max(est["sampling"], est["pass"]) + est["store"]
+    if resident is not None:
+        est["resident"], est["peak"] = resident, resident + more
     avail = f"; {_gb(free)} available" if free is not None else ""
+    now = f"{_gb(resident)} now, with both models loaded" if resident else "the process"
     say(
-        f"memory: about {_gb(est['total'])} (weights {_gb(est['weights'])}, sampling "
-        f"{_gb(est['sampling'])}, one group {_gb(est['pass'])}, gradients "
-        f"{_gb(est['store'])}){avail}"
+        f"memory: about {_gb(est.get('peak', est['total']))} at the peak: {now} (weights "
+        f"{_gb(est['weights'])}), then sampling +{_gb(est['sampling'])} or one group "
+        f"+{_gb(est['pass'])}, and gradients +{_gb(est['store'])}{avail}"
     )
-    if free is not None and est["total"] > free:
+    if free is not None and more > free:
         raise DoctorError(
-            f"the measurement needs about {_gb(est['total'])} and {_gb(free)} is available; lower "
+            f"the measurement needs about {_gb(more)} more and {_gb(free)} is available; lower "
             "it with fewer --prompts, --samples or --max-new-tokens, a smaller --sketch, or "
             "fewer parameters (--layer)"
         )
