@@ -1067,7 +1067,20 @@ def doctor(
         None,
         "--layer",
         metavar="PREFIX",
-        help="Measure gradients on the parameters whose name starts with this (default: all).",
+        help="Measure gradients on the linear layers whose name starts with this, or 'all' "
+        "(default: the last decoder layer's MLP).",
+    ),
+    sketch: int | None = typer.Option(
+        None,
+        "--sketch",
+        metavar="K",
+        help="Sketch each weight's gradient to K×K numbers (default 32; 0: exact).",
+    ),
+    chat: bool | None = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Render the prompts with the tokenizer's chat template (default: a klpo config's "
+        "data.chat, else off).",
     ),
     prompts: int = typer.Option(8, "--prompts", metavar="N", help="Prompts taken from --data."),
     samples: int = typer.Option(
@@ -1096,6 +1109,8 @@ def doctor(
         reference=reference,
         data=data,
         layer=layer,
+        sketch=sketch,
+        chat=chat,
         prompts=prompts,
         samples=samples,
         max_new_tokens=max_new_tokens,

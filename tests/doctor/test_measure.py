@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,20 +148,40 @@ def test_read_prompts_errors(tmp_path):
 def test_cli_measures_on_the_shipped_model(perturbed, prompts):
     fixture = "tests/doctor/fixtures/verl_grpo.yaml"
     args = ["doctor", fixture, "--model", perturbed, "--reference", REF, "--data", prompts,
-            "--samples", "4", "--max-new-tokens", "4", "--layer", "model.norm"]  # fmt: skip
+            "--samples", "4", "--max-new-tokens", "4"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     out = result.output
     assert "measured on your models: 12 completions" in out
     assert "*low_var_kl   loss" in out  # the config's own term is marked
+    assert "the MLP of the last decoder layer (model.layers.3.mlp)" in out
+    assert "memory: about" in out
     json_out = CliRunner().invoke(app, [*args, "--json"])
-    m = json.loads(json_out.output)["measurement"]
+    m = json.loads(json_out.stdout)["measurement"]
     assert m["sequences"] == 12 and m["exact"]["token_mean_kl_theta_ref"] > 0
     # k1 is unbiased per token: its bias within 4 standard errors of zero.
     k1 = m["values"]["k1"]["token"]
     assert abs(k1["bias"]) <= 4 * k1["bias_se"] + 1e-9
     # `full` is the exact value itself.
     assert m["values"]["full"]["token"]["bias"] == pytest.approx(0.0, abs=1e-6)
+    # The memory estimate against the sizes measured: the weights from the safetensors headers
+    # are the loaded parameters' bytes; the gradient store is what was allocated; one group's
+    # pass holds eight of its [R, C, V] logits.
+    mem = m["memory"]
+    assert M.weights_bytes(perturbed) + M.weights_bytes(REF) == mem["measured"]["weights"]
+    assert mem["estimate"]["store"] == mem["measured"]["store"]
+    assert mem["estimate"]["pass"] >= 8 * mem["measured"]["logits"] > 0
+    assert mem["estimate"]["total"] >= mem["estimate"]["weights"] + mem["estimate"]["store"]
+    # The peak: the process as it stands once both models are loaded, plus the estimate; the
+    # process's own peak (measured, ru_maxrss) includes the pytest process, so only a bound.
+    assert mem["estimate"]["peak"] > mem["estimate"]["resident"] > mem["measured"]["weights"]
+    # The verdicts: `full` in the loss is the per-position gradient itself (projection 1, no
+    # noise); k1 in the loss and `full` in the reward have a zero expected gradient.
+    rows = {(r["estimator"], r["placement"]): r for r in m["gradients"]["rows"]}
+    full = rows["full", "loss"]["targets"][M.TARGETS[0]]
+    assert full["beta"] == pytest.approx(1.0, abs=1e-9) and full["beta_se"] < 1e-9
+    assert rows["full", "loss"]["claim"]["status"] == "consistent"
+    assert rows["k1", "loss"]["claim"]["projection"] == 0.0
 
 
 def test_cli_measurement_needs_all_three(prompts):
@@ -169,3 +190,290 @@ def test_cli_measurement_needs_all_three(prompts):
     )
     assert result.exit_code == 2
     assert "missing: --data, --reference" in result.output
+
+
+# --------------------------------------------------------------------------------------------
+# The fast path (per-completion gradients of linear layers, sketched) against autograd.
+
+
+@pytest.fixture(scope="module")
+def sampled(perturbed):
+    """The perturbed pair with 4 prompts × 4 completions of up to 5 tokens (seed=0)."""
+    from klpo.train.rollout.samplers import generate
+
+    policy, ref, tok = load_causal_lm(perturbed), load_causal_lm(REF), load_tokenizer(perturbed)
+    policy.requires_grad_(False)
+    ref.requires_grad_(False)
+    texts = ["12+34=", "7+8=", "56+21=", "3+4="]
+    codec = M._prompt_codec(tok, policy, texts, "test")
+    torch.manual_seed(0)
+    rollout = generate(policy, tok, texts, [""] * 4, group_size=4, max_new_tokens=5, codec=codec)
+    return policy, ref, rollout
+
+
+def _direct(policy, ref, rollout, rows, subset):
+    """Oracle: every objective's exact gradient on the subset's weights by autograd through the
+    model's own logits (:func:`M.token_terms`), per-token weights 1 (sums, as the fast path)."""
+    sub = Rollout(
+        prompt_ids=rollout.prompt_ids[rows],
+        prompt_mask=rollout.prompt_mask[rows],
+        completion_ids=rollout.completion_ids[rows],
+        mask=rollout.mask[rows],
+        prompts=[rollout.prompts[i] for i in rows.tolist()],
+        completions=[rollout.completions[i] for i in rows.tolist()],
+        answers=[""] * len(rows),
+        group_size=1,
+    )
+    params = [m.weight for m in subset.modules]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        t = M.token_terms(policy, ref, sub)
+        return torch.stack(M.objective_gradients(t, params, weights=torch.ones_like(t.logp)))
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def test_fast_path_equals_autograd(sampled):
+    policy, ref, rollout = sampled
+    subset = M.choose_subset(policy, "model.layers.2.mlp.down_proj")
+    exact = M.Sketch(subset.modules, 0, 0)
+    rows = torch.tensor([1, 6, 11])
+    vec, arrays, _ = M.group_vectors(policy, ref, rollout, rows, subset, exact)
+    direct = _direct(policy, ref, rollout, rows, subset)
+    scale = direct.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    # One vector per completion: their sum is the batch gradient (rows are independent).
+    torch.testing.assert_close(vec.sum(1) / scale, direct / scale, atol=2e-5, rtol=0)
+    # ... and each completion alone is its own gradient.
+    one = _direct(policy, ref, rollout, rows[1:2], subset)
+    torch.testing.assert_close(vec[:, 1] / scale, one / scale, atol=2e-5, rtol=0)
+    assert float(direct[M.objective_names().index(("k2", "loss"))].norm()) > 0
+    # The values are the estimators' own on the sampled tokens.
+    k3 = torch.exp(-(arrays["logp"] - arrays["logp_ref"])) + arrays["logp"] - arrays["logp_ref"] - 1
+    m = rollout.mask[rows]
+    torch.testing.assert_close(arrays["value:k3"][m], k3.double()[m], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_cache_is_exact_where_the_layers_see_no_prompt(sampled):
+    """The last layer's MLP is position-wise: the prompts' key/value caches give the same
+    vectors as whole sequences; a layer below sees the prompt through attention, and is refused
+    the cache."""
+    policy, ref, rollout = sampled
+    last, below = M.choose_subset(policy, None), M.choose_subset(policy, "model.layers.2.mlp")
+    assert M.prompt_free(policy, rollout, last)
+    assert not M.prompt_free(policy, rollout, below)
+    rows = torch.tensor([2, 5, 8, 15])
+    sk = M.Sketch(last.modules, 0, 0)
+    whole, arr, _ = M.group_vectors(policy, ref, rollout, rows, last, sk)
+    prefix = (M.prompt_caches(policy, rollout, rows), M.prompt_caches(ref, rollout, rows))
+    cached, arr_c, _ = M.group_vectors(policy, ref, rollout, rows, last, sk, prefix)
+    scale = whole.abs().amax((1, 2), keepdim=True).clamp(min=1e-12)
+    torch.testing.assert_close(cached / scale, whole / scale, atol=1e-5, rtol=0)
+    torch.testing.assert_close(arr_c["exact"], arr["exact"], atol=1e-6, rtol=1e-5)
+
+
+def test_sketch_is_unbiased_and_close(sampled):
+    """Oracle: the exact (unsketched) vectors. Each sketch's inner products are unbiased (their
+    mean over 16 seeded sketches within 4 standard errors of the exact one) and the cosines'
+    spread over sketches is within a Johnson–Lindenstrauss bound: a dense Gaussian projection to
+    D numbers has sd (1 - c²)/sqrt(D) on a cosine c (first order); the Kronecker blocks are
+    allowed 4 times that."""
+    policy, ref, rollout = sampled
+    subset = M.choose_subset(policy, None)
+    rows = torch.arange(16)
+    exact, _, _ = M.group_vectors(
+        policy, ref, rollout, rows, subset, M.Sketch(subset.modules, 0, 0)
+    )
+    names = M.objective_names()
+    a, b = names.index(("k3", "loss")), names.index(("target", M.TARGETS[0]))
+    ea, eb = exact[a].sum(0), exact[b].sum(0)
+    dot, cos = float(ea @ eb), float(ea @ eb / (ea.norm() * eb.norm()))
+    dots, coss = [], []
+    for seed in range(16):
+        sk = M.Sketch(subset.modules, 1024, seed)
+        v, _, _ = M.group_vectors(policy, ref, rollout, rows, subset, sk)
+        sa, sb = v[a].sum(0), v[b].sum(0)
+        dots.append(float(sa @ sb))
+        coss.append(float(sa @ sb / (sa.norm() * sb.norm())))
+    d = torch.tensor(dots, dtype=F64)
+    assert abs(float(d.mean()) - dot) <= 4 * float(d.std()) / 4  # se = sd / sqrt(16)
+    dim = M.Sketch(subset.modules, 1024, 0).dim
+    bound = 4 * (1 - cos**2) / math.sqrt(dim)
+    assert float(torch.tensor(coss).std()) <= bound
+    assert abs(float(torch.tensor(coss).mean()) - cos) <= 4 * bound / 4
+
+
+# --------------------------------------------------------------------------------------------
+# Intervals.
+
+
+def test_t_quantile_closed_forms():
+    # df = 1 is Cauchy: tan(pi (p - 1/2)); df = 2: (2p - 1) / sqrt(2 p (1 - p)).
+    for p in (0.9, 0.975, 0.995):
+        assert M.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-6)
+        assert M.t_quantile(p, 2) == pytest.approx(
+            (2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-6
+        )
+    from statistics import NormalDist
+
+    assert M.t_quantile(0.975, 10_000) == pytest.approx(NormalDist().inv_cdf(0.975), rel=1e-3)
+    assert M.t_quantile(0.975, 7) == pytest.approx(2.364624, rel=1e-5)  # printed tables
+
+
+def test_u_statistics_by_hand():
+    g = torch.randn(3, 5, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
+    full, loo = M._u_stats(g)
+    for p in range(3):
+        off = [float(g[p, k, l]) for k in range(5) for l in range(5) if k != l]  # noqa: E741
+        assert float(full[p]) == pytest.approx(sum(off) / 20)
+        for drop in range(5):
+            keep = [k for k in range(5) if k != drop]
+            off = [float(g[p, k, l]) for k in keep for l in keep if k != l]  # noqa: E741
+            assert float(loo[p, drop]) == pytest.approx(sum(off) / 12)
+
+
+@pytest.mark.parametrize(("groups", "noise"), [(8, 0.15), (32, 0.3)])
+def test_interval_coverage(groups, noise):
+    """Seeded: 600 data sets of G Gaussian replicates of two 40-dimensional vectors with known
+    expected vectors (cosine 0.6, projection 0.75; the a-noise correlated with b's). With 32
+    groups each interval's coverage of the truth is 0.95 within 3 binomial standard errors
+    (0.027); with 8 it may only err on the safe side (the jackknife variance is biased upward,
+    Efron & Stein 1981): at least 0.95 - 3 se, at most 0.99. The plain cosine of the sums, which
+    the doctor printed before, is biased by the noise in its norms."""
+    gen = torch.Generator().manual_seed(0)
+    d = 40
+    mu_b = torch.zeros(d, dtype=F64)
+    mu_b[0] = 1.0
+    mu_a = torch.zeros(d, dtype=F64)
+    mu_a[0], mu_a[1] = 0.75, 1.0  # cos = 0.75 / 1.25 = 0.6, projection 0.75
+    reps, hits = 600, {"cos": 0, "beta": 0}
+    plain = []
+    for _ in range(reps):
+        nb = noise * torch.randn(groups, d, generator=gen, dtype=F64)
+        na = 0.5 * nb + noise * torch.randn(groups, d, generator=gen, dtype=F64)
+        v = torch.stack([mu_a + na, mu_b + nb])
+        (s,) = M.interval_stats(v, [(0, 1)])
+        hits["cos"] += abs(s["cos"] - 0.6) <= s["half_width"]["cos"]
+        hits["beta"] += abs(s["beta"] - 0.75) <= s["half_width"]["beta"]
+        plain.append(s["cos_plain"])
+    se = math.sqrt(0.95 * 0.05 / reps)
+    for key, n in hits.items():
+        cover = n / reps
+        assert cover >= 0.95 - 3 * se, (key, cover)
+        assert cover <= (0.95 + 3 * se if groups >= 32 else 0.99), (key, cover)
+    p = torch.tensor(plain)
+    assert abs(float(p.mean()) - 0.6) > 4 * float(p.std()) / math.sqrt(reps)
+
+
+def test_verdicts():
+    # Excluded: inconsistent. Inside: consistent, and the completions that would decide it:
+    # n (half / |beta - exact|)² = 64 · (0.2 / 0.1)² = 256.
+    assert M.verdict(0.5, 0.2, 1.0, 64)["status"] == "inconsistent"
+    v = M.verdict(0.9, 0.2, 1.0, 64)
+    assert v == {"status": "consistent", "decide_at": 256}
+    assert M.verdict(1.0, 0.0, 1.0, 64) == {"status": "consistent", "decide_at": None}
+    assert M.claim("k3", "loss")[1:] == (1, 1.0)
+    assert M.claim("k1", "loss")[1:] == (0, 0.0)
+    assert M.claim("full", "reward")[1:] == (0, 0.0)
+    assert M.claim("k1", "reward-to-go")[1:] == (2, 1.0)
+    assert M.claim("k3", "reward-to-go") is None
+
+
+# --------------------------------------------------------------------------------------------
+# The command: the reading first, the memory estimate, chat prompts, a real model.
+
+
+def test_reading_is_printed_before_the_measurement(perturbed, prompts):
+    """Through a pipe (block-buffered), the reading's last line arrives while the measurement,
+    which loads two models, still runs: it was flushed first."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "klpo", "doctor", "tests/doctor/fixtures/verl_grpo.yaml",
+            "--model", perturbed, "--reference", REF, "--data", prompts, "--prompts", "1",
+            "--samples", "3", "--max-new-tokens", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+    )
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("klpo doctor: tests/doctor/fixtures/verl_grpo.yaml")
+        for line in proc.stdout:
+            if line.startswith("klpo config that does what"):
+                break
+        assert proc.poll() is None  # still measuring
+        rest = proc.stdout.read()
+        assert "measured on your models: 3 completions" in rest
+    finally:
+        proc.stdout.close()
+        assert proc.wait(timeout=600) == 0
+
+
+def test_a_measurement_beyond_the_free_memory_is_refused(perturbed, prompts, monkeypatch):
+    weights = M.weights_bytes(perturbed) + M.weights_bytes(REF)
+    monkeypatch.setattr(M, "available_bytes", lambda: weights - 1)
+    with pytest.raises(DoctorError, match=r"the two models need .* GB in float32"):
+        M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lambda _: None)
+    monkeypatch.setattr(M, "available_bytes", lambda: 1000 + weights)
+    lines: list[str] = []
+    with pytest.raises(DoctorError, match=r"lower it with fewer --prompts, --samples"):
+        M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lines.append)
+    assert lines[1].startswith("memory: about") and "available" in lines[1]
+
+
+def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
+    """Oracle: the tokenizer's own apply_chat_template; the rendered ids carry no added token."""
+    tok = load_tokenizer(str(smollm2_dir))
+    text = "What is 17 + 25?"
+    (got,) = M.render_prompts(tok, [text], chat=True)
+    msgs = [{"role": "user", "content": text}]
+    assert got == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert got.rstrip().endswith("<|im_start|>assistant")
+    (sys_,) = M.render_prompts(tok, [text], chat=True, system_prompt="Be brief.")
+    assert sys_.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    model = load_causal_lm(REF)  # any model: the codec reads only its generation config
+    codec = M._prompt_codec(tok, model, [got], "test", chat=True)
+    assert codec.ids([got])[0] == tok(got, add_special_tokens=False)["input_ids"]
+    # No template, no chat: the shipped model's tokenizer has none.
+    with pytest.raises(DoctorError, match="--chat needs a tokenizer with a chat template"):
+        M.render_prompts(load_tokenizer(REF), [text], chat=True)
+
+
+def test_a_klpo_configs_data_chat_is_honoured(tmp_path):
+    from klpo.doctor import diagnose
+    from klpo.doctor.command import _chat
+
+    cfg = tmp_path / "run.yaml"
+    base = Path("configs/grpo-k3-loss.yaml").read_text()
+    cfg.write_text(base + "\ndata:\n  chat: true\n  system_prompt: Be brief.\n")
+    diag = diagnose(cfg)
+    assert diag["framework"] == "klpo"
+    assert _chat(str(cfg), diag, None) == (True, "Be brief.")
+    assert _chat(str(cfg), diag, False) == (False, None)
+    plain = diagnose("tests/doctor/fixtures/verl_grpo.yaml")
+    assert _chat("tests/doctor/fixtures/verl_grpo.yaml", plain, None) == (False, None)
+
+
+def test_real_model_identical_pair_measures_zero(smollm2_dir, tmp_path):
+    """SmolLM2-135M-Instruct against itself, chat prompts: the KL is exactly zero at every
+    position, so is every gradient, and the doctor says no cosine is defined (cheap: 2 prompts
+    × 3 completions of 3 tokens)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "What is 17 + 25?"}\n{"prompt": "Name a colour."}\n')
+    d = str(smollm2_dir)
+    args = ["doctor", "tests/doctor/fixtures/verl_grpo.yaml", "--model", d, "--reference", d,
+            "--data", str(data), "--chat", "--prompts", "2", "--samples", "3",
+            "--max-new-tokens", "3", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    m = json.loads(result.stdout)["measurement"]
+    assert m["chat"] and m["sequences"] == 6
+    assert m["exact"]["token_mean_kl_theta_ref"] == 0.0
+    assert m["gradients"]["subset"] == "the MLP of the last decoder layer (model.layers.29.mlp)"
+    for row in m["gradients"]["rows"]:
+        for s in row["targets"].values():
+            assert s["cos"] is None and s["beta"] is None
+    assert m["memory"]["estimate"]["weights"] == m["memory"]["measured"]["weights"]

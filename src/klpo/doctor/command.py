@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -36,6 +37,8 @@ def run(
     reference: str | None = None,
     data: str | None = None,
     layer: str | None = None,
+    sketch: int | None = None,
+    chat: bool | None = None,
     prompts: int = 8,
     samples: int = 8,
     max_new_tokens: int = 16,
@@ -45,7 +48,12 @@ def run(
     fmt: str | None = None,
 ) -> int:
     """Print the diagnosis of each config; the exit status is :mod:`klpo.doctor.gate`'s (0 clean,
-    1 a finding at or above ``fail_on``, 2 a file that could not be read)."""
+    1 a finding at or above ``fail_on``, 2 a file that could not be read).
+
+    With ``--model`` the reading of the config is printed (and flushed) first, then the
+    measurement, which loads two models and takes a while; ``chat`` None follows a klpo config's
+    ``data.chat`` (and its ``data.system_prompt``), else plain prompts.
+    """
     from klpo.doctor import gate
 
     configs = [config] if isinstance(config, str) else list(config)
@@ -64,8 +72,8 @@ def run(
     texts: list[str] = []
     for one in configs:
         diag, text = _one(
-            one, framework, version, model, reference, data, layer, prompts, samples,
-            max_new_tokens, seed, variables,
+            one, framework, version, model, reference, data, layer, sketch, chat, prompts,
+            samples, max_new_tokens, seed, variables, fmt,
         )  # fmt: skip
         if diag is None:
             errors.append((one, text))
@@ -95,11 +103,14 @@ def _one(
     reference,
     data,
     layer,
+    sketch,
+    chat,
     prompts,
     samples,
     max_new_tokens,
     seed,
     variables,
+    fmt,
 ) -> tuple[dict | None, str]:
     """One config: (its diagnosis, its text), or (None, the message, already on stderr)."""  # fmt: skip
     given = [
@@ -115,14 +126,21 @@ def _one(
         given_vars = _variables(variables or [])
         diag = diagnose(config, framework, version, given_vars)
         if given:
-            from klpo.doctor.measure import measure, render_measurement
+            from klpo.doctor.measure import SKETCH, measure, render_measurement
 
+            if fmt == "text":  # the reading first: the measurement takes a while
+                typer.echo(render(diag))
+                sys.stdout.flush()
+            use_chat, system_prompt = _chat(config, diag, chat)
             terms = [(t["estimator"], t["placement"]) for t in diag["terms"] if t["estimator"]]
             diag["measurement"] = measure(
                 model,
                 reference,
                 data,
                 layer=layer,
+                sketch=SKETCH if sketch is None else sketch,
+                chat=use_chat,
+                system_prompt=system_prompt,
                 prompts=prompts,
                 samples=samples,
                 max_new_tokens=max_new_tokens,
@@ -132,7 +150,21 @@ def _one(
     except (DoctorError, ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         return None, str(err)
-    text = render(diag)
-    if "measurement" in diag:
-        text += "\n\n" + render_measurement(diag["measurement"])
-    return diag, text
+    if "measurement" in diag:  # (the reading is on the screen already in text form)
+        text = render_measurement(diag["measurement"])
+        return diag, text if fmt == "text" else render(diag) + "\n\n" + text
+    return diag, render(diag)
+
+
+def _chat(config: str, diag: dict, chat: bool | None) -> tuple[bool, str | None]:
+    """``(chat, system prompt)`` for the measurement: ``--chat``/``--no-chat`` where given, else
+    a klpo config's ``data.chat`` and ``data.system_prompt``."""
+    if diag.get("framework") != "klpo":
+        return bool(chat), None
+    from klpo.doctor.reading import load_mapping
+
+    section = load_mapping(Path(config)).get("data") or {}
+    section = section if isinstance(section, dict) else {}
+    use = bool(section.get("chat", False)) if chat is None else chat
+    system = section.get("system_prompt") if use else None
+    return use, system if isinstance(system, str) else None
