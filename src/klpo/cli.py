@@ -53,9 +53,33 @@ class Command(typer.core.TyperCommand):
                     formatter.write_dl(records)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from klpo import __version__
+
+        typer.echo(f"klpo {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        help="Print klpo's version and exit.",
+    ),
+) -> None:
     """KL-regularised policy optimisation for language models: estimators, lab, trainer."""
+
+
+def _free_cores() -> None:
+    """Torch threads from the cores free now, with one line on stderr when the machine is loaded
+    (:mod:`klpo._threads`; ``klpo train`` does the same through ``run.threads=0``)."""
+    from klpo._threads import use_free_cores
+
+    use_free_cores(log=lambda msg: typer.echo(msg, err=True))
 
 
 def console() -> Console:
@@ -417,6 +441,7 @@ def lab_gaussian(
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Schulman's experiment: every estimator on N(0, 1) vs N(mu, 1), true KL mu²/2."""
+    _free_cores()
     from klpo.lab.distributions import SpecError
     from klpo.lab.summaries import gaussian_summary
 
@@ -460,6 +485,7 @@ def lab_categorical(
     as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Every estimator on one categorical step: exact values and expected gradients."""
+    _free_cores()
     from klpo.lab.distributions import SequencePair, SpecError
     from klpo.lab.summaries import pair_summary
 
@@ -503,6 +529,7 @@ def lab_sequence(
     reward with returns-to-go (REINFORCE, gamma 1), "loss" the per-token term summed over the
     sequence and differentiated with the samples held fixed.
     """
+    _free_cores()
     from pathlib import Path
 
     from klpo.lab.distributions import SequencePair, SpecError
@@ -557,6 +584,7 @@ def lab_report(
     ),
 ) -> None:
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
+    _free_cores()
     from pathlib import Path
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
@@ -949,6 +977,8 @@ def doctor(
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     from klpo.doctor.command import run
 
+    if model is not None:
+        _free_cores()
     code = run(
         config,
         framework=framework,
@@ -969,7 +999,11 @@ def doctor(
 
 
 def main() -> None:
-    """Entry point of the ``klpo`` console script."""
+    """Entry point of the ``klpo`` console script (and of ``python -m klpo``, ``torchrun -m
+    klpo``): OpenMP's threads wait passively, set before anything imports torch."""
+    from klpo._threads import passive_openmp_wait
+
+    passive_openmp_wait()
     app()
 
 

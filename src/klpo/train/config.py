@@ -519,7 +519,11 @@ class RunConfig(_Section):
     save_every: int = Field(
         500, ge=0, description="Checkpoint period in steps (0: only at the end)."
     )
-    threads: int = Field(0, ge=0, description="torch threads per process (0: torch's default).")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads per process (0: the cores free at the start, shared between the processes; one line says so when the machine is loaded).",
+    )
     time_limit: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds of training."
     )

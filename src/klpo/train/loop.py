@@ -71,7 +71,7 @@ def train(
     (recorded in the run's ``config-changes.jsonl``); without it such a resume is refused.
     SIGINT/SIGTERM stop the run after the current step with a checkpoint.
     """
-    dist = init_distributed(cfg.run.threads)
+    dist = init_distributed(cfg.run.threads, log=log)
     failed = True
     try:
         with StopOnSignal() as stopper:
