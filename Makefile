@@ -1,7 +1,12 @@
 # The two commands of the README.  Each creates the virtual environment on first use.
 #   make run    set up, then run the main job (klpo train) on the built-in defaults
 #   make test   set up, then lint, format-check and run the whole test suite
+# torch comes from wherever your pip is set to look. A stock pip on Linux resolves torch==2.13.0 to
+# its CUDA build (about twenty nvidia-*, cuda-* and triton packages, several GB; it runs on CPU too).
+# For the CPU-only build, name PyTorch's own CPU wheel index (an option; CI does not use it):
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.klpo-installed
@@ -10,11 +15,12 @@ STAMP   = $(VENV)/.klpo-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet --index-url $(TORCH_INDEX) -c constraints.txt torch)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
