@@ -89,6 +89,41 @@ class RunPlan:
     changes: dict[str, list[Any]] = field(default_factory=dict)  # key -> [saved, now]
     saved_world: int | None = None  # processes that wrote the checkpoint
     restart: bool = False  # --resume of a run that never reached a checkpoint
+    replace: list[str] = field(default_factory=list)  # a fresh run's: the unstarted run's files
+
+
+# What a run writes before its first checkpoint (config, metrics, samples, TensorBoard events,
+# report and plots): a directory holding only these, with no checkpoint and no trained step, holds
+# a run that never got going, which the same command replaces (see :func:`unstarted_run`).
+_UNSTARTED_FILES = frozenset(
+    {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "report.md"}
+)
+
+
+def unstarted_run(run_dir: Path) -> list[str] | None:
+    """The files of the run in ``run_dir`` when it never reached a checkpoint nor finished a
+    step (a reward that raised at step 1, a model that failed to load): nothing there can be
+    resumed, and nothing in it is the user's. None for anything else (a checkpoint, a trained
+    step in ``metrics.jsonl``, a file a run would not write), which stays refused."""
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != ".klpo.lock")
+    if "config.yaml" not in names or not all(
+        n in _UNSTARTED_FILES or n.endswith(".png") for n in names
+    ):
+        return None
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        return None
+    try:
+        text = (
+            (run_dir / "metrics.jsonl").read_text(encoding="utf-8")
+            if "metrics.jsonl" in names
+            else ""
+        )
+        if any(json.loads(line).get("step", 0) > 0 for line in text.splitlines() if line.strip()):
+            return None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return names
 
 
 def has_metrics(run_dir: Path) -> bool:
@@ -129,9 +164,17 @@ def plan_run_dir(
     ``allow_config_change`` is set (the change is then recorded in the run directory).
     """
     run_dir = Path(cfg.run.out_dir)
+    plan = RunPlan()
+    # A run that never got going (no checkpoint, no trained step) is replaced by a fresh one.
+    if not resume and run_dir.is_dir() and (files := unstarted_run(run_dir)):
+        plan.replace = files
+        plan.notes.append(
+            f"{run_dir} holds a run that stopped before its first step ({', '.join(files)}): "
+            "this run replaces it (nothing there could be resumed)"
+        )
+        return plan
     # New or empty for a fresh run, a run for --resume, nothing else (klpo.train.outdir).
     state = claim_dir(run_dir, "train", proceed=resume)
-    plan = RunPlan()
     if not resume:
         return plan
     if state == "new":
