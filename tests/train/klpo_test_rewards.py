@@ -42,3 +42,19 @@ def trl_digits_by_task(completions, task, completion_ids, trainer_state, **kwarg
         sum(ch.isdigit() for ch in c) / max(1, len(c)) if t == "digits" else None
         for c, t in zip(completions, task, strict=True)
     ]
+
+
+def solution_digits(completions, solution, **kwargs):
+    """TRL's form, reading the data's own ``solution`` column (no ``answer`` anywhere): the
+    share of the solution's digits the completion contains; message-list completions (chat
+    data) are read as TRL's reward functions read them, ``completion[0]["content"]``."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [
+        sum(d in t for d in s if d.isdigit()) / max(1, len(s))
+        for t, s in zip(texts, solution, strict=True)
+    ]
+
+
+def strips_completions(completions, **kwargs):
+    """TRL's form written for plain-text completions: fails on chat data's message lists."""
+    return [float(bool(c.strip())) for c in completions]

@@ -138,14 +138,25 @@ class DataConfig(_Section):
         "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
         "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
     )
-    path: str | None = Field(None, description="The JSONL file or datasets name/path.")
+    path: str | None = Field(
+        None, description="The JSONL (or parquet) file, or the datasets name/path."
+    )
     split: str = Field("train", description="datasets split to train on.")
     eval_split: str | None = Field(
         None, description="datasets split for held-out evaluation (default: none for datasets)."
     )
     eval_path: str | None = Field(None, description="JSONL file of held-out problems.")
-    prompt_field: str = Field("prompt", description="Field holding the prompt text.")
-    answer_field: str = Field("answer", description="Field holding the reference answer.")
+    prompt_field: str = Field(
+        "prompt",
+        description="Field holding the prompt (text or chat messages); a dotted path reaches "
+        "into a nested record.",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Field holding the reference answer; a dotted path reaches into a nested "
+        "record (verl's reward_model.ground_truth). Optional where no reward reads it "
+        "(docs/frameworks.md).",
+    )
     eval_size: int = Field(500, ge=0, description="Held-out problems evaluated (greedy).")
     max_prompt_tokens: int = Field(
         256, gt=0, description="Longer prompts are an error naming the line or sample."

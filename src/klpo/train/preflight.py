@@ -314,6 +314,19 @@ def check_answers(cfg: TrainConfig, train: list[Example], heldout: list[Example]
     others fail too."""
     trained = [t.name for t in cfg.rewards] + ([cfg.gold_reward] if cfg.gold_reward else [])
     for examples, names in ((train, trained), (heldout, [eval_reward(cfg)])):
+        lacking = [e for e in examples if e.answer is None]
+        needs = [n for n in dict.fromkeys(names) if reads_answers(n)]
+        if lacking and needs:
+            e, more = lacking[0], len(lacking) - 1
+            held = " (held-out accuracy is scored with it)" if examples is heldout else ""
+            raise ConfigError(
+                f"{e.where or 'an example'}: missing field {cfg.data.answer_field!r} (fields "
+                f"present: {', '.join(map(str, e.columns))}){f'; {more} more lack it' if more else ''}"
+                f", and the reward {needs[0]!r} reads each example's answer{held}; set "
+                "data.answer_field to the field that holds it (a dotted path such as "
+                "reward_model.ground_truth reaches into a nested record), or use rewards that "
+                "read the data's columns by name (TRL's form, docs/rewards.md)"
+            )
         for name in dict.fromkeys(n for n in names if n in ANSWER_PROBLEMS):
             problem = ANSWER_PROBLEMS[name]
             bad = [(e, why) for e in examples if (why := problem(e.answer)) is not None]
@@ -325,6 +338,23 @@ def check_answers(cfg: TrainConfig, train: list[Example], heldout: list[Example]
                 f"{e.where or 'an example'}: {why} by the reward {name!r}{others}; give every "
                 f"example a real answer ({cfg.data.answer_field!r}), or drop these examples"
             )
+
+
+def reads_answers(name: str) -> bool:
+    """Whether the reward ``name`` reads each example's answer: a built-in that scores against
+    it, or any function of klpo's three-list form (``fn(prompts, completions, answers)``); a
+    TRL-form function reads the data's columns by name instead, and ``model`` none."""
+    from klpo.train.rewards import functions as rewards
+
+    if name == "model" or name == "format":
+        return False
+    if name in rewards.BUILTIN:
+        return True
+    try:
+        (r,) = rewards.resolve_rewards([name])
+        return rewards.reward_form(r.fn, name) == "klpo"
+    except ValueError:  # an unknown name is check_rewards_and_trackers' error
+        return False
 
 
 def check_prompts(
