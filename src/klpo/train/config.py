@@ -466,6 +466,9 @@ class KLConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
+        if v in FOREIGN_ESTIMATORS and v not in kl.ESTIMATORS:
+            mine, note = FOREIGN_ESTIMATORS[v]
+            raise ValueError(f"unknown estimator {v!r}: did you mean {mine!r}? ({note})")
         return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
 
     @field_validator("ref_is_clip")
@@ -571,6 +574,14 @@ class RunConfig(_Section):
         description="Checkpoints kept: the newest N complete ones (the one a resume starts "
         "from is the newest); older ones are deleted after each save (null: keep all).",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trl_string(cls, v: Any) -> Any:
+        """TRL's ``report_to`` is also a string: ``"none"`` (no tracker) or one tracker's name."""
+        if isinstance(v, str):
+            return [] if v.strip().lower() == "none" else [v.strip()]
+        return v
 
     @field_validator("out_dir")
     @classmethod
@@ -752,11 +763,65 @@ def _sub_models(annotation: Any, listed: bool = False) -> list[tuple[type[BaseMo
     return [m for arg in get_args(annotation) for m in _sub_models(arg, inner)]
 
 
+FOREIGN_KEYS: dict[str, tuple[str, str]] = {
+    # TRL's GRPOConfig / TrainingArguments names
+    "num_generations": ("rollout.group_size", "TRL"),
+    "learning_rate": ("optim.lr", "TRL"),
+    "max_completion_length": ("rollout.max_new_tokens", "TRL"),
+    "max_prompt_length": ("data.max_prompt_tokens", "TRL and verl"),
+    "max_steps": ("run.steps", "TRL"),
+    "output_dir": ("run.out_dir", "TRL"),
+    "save_steps": ("run.save_every", "TRL"),
+    "eval_steps": ("run.eval_every", "TRL"),
+    "max_grad_norm": ("optim.grad_clip", "TRL"),
+    "num_iterations": ("algo.epochs", "TRL"),
+    "epsilon": ("algo.clip_low", "TRL"),
+    "epsilon_high": ("algo.clip_high", "TRL"),
+    "loss_type": ("algo.loss_reduction", "TRL"),
+    "lr_scheduler_type": ("optim.lr_scheduler", "TRL"),
+    # verl's names
+    "n": ("rollout.group_size", "verl (actor_rollout_ref.rollout.n)"),
+    "response_length": ("rollout.max_new_tokens", "verl"),
+    "max_response_length": ("rollout.max_new_tokens", "verl"),
+    "total_training_steps": ("run.steps", "verl"),
+    "kl_coef": ("kl.beta", "verl"),
+    "kl_loss_coef": ("kl.beta", "verl"),
+    "kl_loss_type": ("kl.estimator", "verl"),
+    "kl_penalty": ("kl.estimator", "verl"),
+    "use_kl_loss": ("kl.placement", "verl"),
+    "use_kl_in_reward": ("kl.placement", "verl"),
+    "clip_ratio": ("algo.clip_low", "verl"),  # both ends in verl: algo.clip_low and clip_high
+    "clip_ratio_low": ("algo.clip_low", "verl"),
+    "clip_ratio_high": ("algo.clip_high", "verl"),
+    "loss_agg_mode": ("algo.loss_reduction", "verl"),
+    "ppo_epochs": ("algo.epochs", "verl"),
+    "save_freq": ("run.save_every", "verl"),
+    "test_freq": ("run.eval_every", "verl"),
+}
+"""TRL's and verl's names for klpo's keys (docs/frameworks.md has the full table): an unknown key
+of one of these names gets "did you mean" with klpo's, saying whose name it is."""
+
+FOREIGN_ESTIMATORS: dict[str, tuple[str, str]] = {
+    "kl": ("k1", "verl's 'kl' is k1"),
+    "mse": ("k2", "verl's 'mse' is k2"),
+    "kl+": ("k1+", "verl's 'kl+' is k1+"),
+    "mse+": ("k2+", "verl's 'mse+' is k2+"),
+    "low_var_kl+": (
+        "k3+",
+        "verl's 'low_var_kl+' is k3+ with its value clamped to [-10, 10]: the same k2 gradient",
+    ),
+}
+"""verl's ``kl_penalty`` / ``kl_loss_type`` spellings klpo names otherwise."""
+
+
 def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:
-    """What an unknown key was meant to be: the same name in another section (``lr`` or
-    ``kl.lr``: ``optim.lr``), else a close name in its own section (``kl.betta``: ``beta``),
-    else a close full path (``optim.lerning_rate``...)."""
+    """What an unknown key was meant to be: TRL's or verl's name for a klpo key
+    (:data:`FOREIGN_KEYS`: ``num_generations``: ``rollout.group_size``), the same name in
+    another section (``lr`` or ``kl.lr``: ``optim.lr``), else a close name in its own section
+    (``kl.betta``: ``beta``), else a close full path (``optim.lerning_rate``...)."""
     name = str(loc[-1])
+    if name in FOREIGN_KEYS:
+        return FOREIGN_KEYS[name][0]
     paths = [p for p in key_paths() if "[]" not in p]
     elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == name and "." in p]
     if elsewhere:
@@ -779,7 +844,9 @@ def _format_errors(err: ValidationError) -> str:
             parent = _section_model(loc[:-1])
             allowed = _allowed_keys(parent) if parent else []
             guess = _guess_key(loc, allowed)
+            whose = FOREIGN_KEYS.get(str(loc[-1]), (None, None))[1]
             hint = f" (did you mean {guess!r}?)" if guess else ""
+            hint = f" (did you mean {guess!r}? {loc[-1]} is {whose}'s name)" if whose else hint
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
             lines.append(
                 f"unknown key {key!r}{hint}; allowed keys in {where}: {', '.join(allowed)}"
