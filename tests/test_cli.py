@@ -67,3 +67,21 @@ def test_import_klpo_kl_stays_light():
         " & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_explain_all_fits_80_columns_and_keeps_the_directions_apart():
+    result = runner.invoke(app, ["explain", "--all"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    row = {line.split()[0]: line.split() for line in lines if line.split()}
+    # k3: unbiased for KL(pi_theta ‖ pi_ref); in the loss it follows the other direction.
+    assert row["k3"][:4] == ["k3", "KL(θ‖ref)", "yes", "yes"]
+    assert row["k3"][6:8] == ["∇KL(ref‖θ)", "*"]
+    assert row["kl_ref_theta"][1] == "KL(ref‖θ)" and row["kl_ref_theta"][-1] == "∇KL(ref‖θ)"
+    assert "θ = pi_theta, ref = pi_ref" in result.output
+    text = " ".join(result.output.split())
+    assert "k3: exp(-d) + d - 1;" in text  # the values follow the table
+    # Wide enough (or piped): the full table, directions written out.
+    wide = runner.invoke(app, ["explain", "--all"], env={"COLUMNS": "240"})
+    assert "grad KL(pi_ref ‖ pi_theta) *" in wide.output and "∇" not in wide.output

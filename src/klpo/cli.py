@@ -7,6 +7,7 @@ Heavy imports (transformers, matplotlib) happen inside the commands that need th
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,9 +84,10 @@ def _free_cores() -> None:
 
 
 def console() -> Console:
-    """A console that does not wrap tables to 80 columns when stdout is a file or pipe."""
+    """A console that does not wrap tables to 80 columns when stdout is a file or pipe (unless
+    ``COLUMNS`` sets the width)."""
     c = Console()
-    return c if c.is_terminal else Console(width=200)
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=200)
 
 
 @app.command()
@@ -141,7 +143,74 @@ def explain(
     if len(rows) <= len(kl.PLACEMENTS) and len(names) == 1:
         out.print("\n\n".join(r.text() for r in rows), highlight=False)
         return
-    out.print(_table(rows, kl.PLACEMENTS if placement is None else placements, off_policy))
+    shown = kl.PLACEMENTS if placement is None else placements
+    wide = _table(rows, shown, off_policy)
+    if Console(width=10_000).measure(wide).maximum <= out.width:  # its natural width fits
+        out.print(wide)
+        return
+    # A narrow terminal: the compact layout (the directions spelled short, values listed below)
+    # rather than cells cut to "KL(pi_…", where the two directions cannot be told apart.
+    out.print(_narrow_table(rows, shown, off_policy))
+    for line in _value_lines(rows, out.width):
+        out.print(line, highlight=False)
+
+
+_SHORT = (
+    ("grad KL(pi_theta ‖ pi_ref)", "∇KL(θ‖ref)"),
+    ("grad KL(pi_ref ‖ pi_theta)", "∇KL(ref‖θ)"),
+    ("KL(pi_theta ‖ pi_ref)", "KL(θ‖ref)"),
+    ("KL(pi_ref ‖ pi_theta)", "KL(ref‖θ)"),
+    ("other (biased)", "other"),
+)
+
+
+def _short(text: str) -> str:
+    for long, short in _SHORT:
+        text = text.replace(long, short)
+    return text
+
+
+def _narrow_table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool) -> Table:
+    """:func:`_table` in under 80 columns: KL(θ‖ref) is KL(pi_theta ‖ pi_ref), KL(ref‖θ) the
+    other direction, ∇ its gradient; the values follow the table (:func:`_value_lines`)."""
+    from rich import box
+
+    sampling = "pi_old" if off_policy else "pi_theta"
+    table = Table(
+        title=f"KL estimators, tokens from {sampling}; θ = pi_theta, ref = pi_ref",
+        caption="'*': not the gradient of the KL it estimates. Exact enumeration "
+        "(klpo.kl.explain).",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("estimator", style="bold")
+    table.add_column("estimates")
+    table.add_column("unb.")
+    table.add_column("≥0")
+    for p in placements:
+        table.add_column({"reward+loss": "rwd+loss"}.get(p, p))
+    by_name: dict[str, list] = {}
+    for r in rows:
+        by_name.setdefault(r.estimator, []).append(r)
+    for name, rs in by_name.items():
+        first = rs[0]
+        table.add_row(
+            name,
+            _short(first.estimates),
+            "yes" if first.unbiased else "no",
+            "yes" if first.nonnegative else "no",
+            *[_short(r.gradient) + (" *" if r.mismatch else "") for r in rs],
+        )
+    return table
+
+
+def _value_lines(rows: list, width: int) -> list[str]:
+    """``name: value`` of each estimator, d = logp - logp_ref, wrapped to ``width``."""
+    import textwrap
+
+    seen = dict.fromkeys((r.estimator, r.equation) for r in rows)
+    text = "Values, d = logp - logp_ref: " + "; ".join(f"{n}: {eq}" for n, eq in seen) + "."
+    return textwrap.wrap(text, width=width, break_on_hyphens=False)
 
 
 def _table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool) -> Table:
