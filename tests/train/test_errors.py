@@ -687,7 +687,7 @@ def test_plain_progress_lines_when_not_a_terminal(tiny_model, quick, tmp_path):
     assert lines[0] == f"run directory: {out}"
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
-    assert "reward " in steps[0] and " kl " in steps[0]
+    assert "reward " in steps[0] and " exact KL " in steps[0]
 
 
 def test_config_and_study_files_that_cannot_be_read(tmp_path):
