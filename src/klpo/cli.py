@@ -968,16 +968,21 @@ def compare(
         return
     typer.echo(f"{len(grid)} runs, {study.workers} at a time, into {out}", err=True)
 
+    # Through sys.stderr as it is at the call: under the live bar that is rich's proxy, which
+    # prints each line above the bar (click's echo writes past it, into the bar's line).
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     def on_start(name: str, log_path: Path) -> None:
-        typer.echo(f"start {name} (log: {log_path})", err=True)
+        say(f"start {name} (log: {log_path})")
 
     def on_result(row: dict, n: int, total: int) -> None:
         gold = f"gold {num(row.get('gold_final')):.3f}, " if study.task == "overopt" else ""
-        typer.echo(
-            f"[{n}/{total}] {row['name']}: {row['status']}, {gold}held-out "
+        why = f" ({row['error']})" if row.get("error") and row["status"] != "ok" else ""
+        say(
+            f"[{n}/{total}] {row['name']}: {row['status']}{why}, {gold}held-out "
             f"{num(row.get('acc_final')):.3f}, exact KL {num(row.get('kl_exact_final')):.4f}, "
-            f"{num(row.get('wall_s')):.0f} s",
-            err=True,
+            f"{num(row.get('wall_s')):.0f} s"
         )
 
     try:

@@ -132,6 +132,7 @@ def _execute(
         wall_s=wall,
         steps=study.steps,
         collapse_drop=study.collapse_drop,
+        eval_size=study.eval_size,
         error=error,
         target_accuracy=study.convergence_target()[1],
         target_metric=study.convergence_target()[0],
