@@ -188,3 +188,22 @@ def test_kl_png_on_a_robust_scale_with_the_exact_kl_on_top(tmp_path, monkeypatch
     assert top.get_label().startswith("exact (full vocabulary)")
     assert ax.get_ylim()[1] < 1.0  # not stretched to the spikes at 6
     assert ax.get_title(loc="right") == "20 raw values outside the range shown"  # k1 and k3
+
+
+def test_logged_completions_are_spread_over_the_prompts():
+    from klpo.train.step.samples import spread_rows
+
+    # 4 of a step of 4 prompts x 8 completions: the first of each prompt, not 4 copies of one.
+    assert spread_rows(4, 32, 8) == [0, 8, 16, 24]
+    # More than the prompts: then each prompt's second completion, in batch order.
+    assert spread_rows(5, 8, 4) == [0, 1, 2, 4, 5]
+    assert spread_rows(3, 2, 8) == [0, 1] and spread_rows(0, 8, 4) == []
+    assert spread_rows(6, 6, 1) == list(range(6))  # groups of one: the batch's order
+
+
+def test_one_evaluation_is_one_row_of_the_report(tmp_path):
+    from klpo.train.runtime.report import RunReport, heldout_section
+
+    rows = [{"step": 0, "accuracy/heldout": 0.3}, {"step": 1, "reward/mean": 0.1}]
+    lines = heldout_section(RunReport(tmp_path, rows, "k3", [], []))
+    assert [x for x in lines if x.startswith("| at step")] == ["| at step 0 | 0.300 |"]

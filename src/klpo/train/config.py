@@ -559,7 +559,7 @@ class RunConfig(_Section):
         4,
         ge=0,
         description="Completions written to samples.jsonl (and the trackers, and report.md) "
-        "each time: the first of a step's batch, the first held-out problems at an "
+        "each time: a step's, spread over its prompts, the first held-out problems at an "
         "evaluation (0: none).",
     )
     log_samples_every: int = Field(

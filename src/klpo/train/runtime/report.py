@@ -166,6 +166,13 @@ def heldout_section(r: RunReport) -> list[str]:
     if not steps:
         return []
     first, latest, best = accs[0], accs[-1], max(accs)
+    if len(steps) == 1:  # one evaluation: one row, not the same step twice
+        return [
+            "| held-out accuracy (greedy) | value |",
+            "| --- | --- |",
+            f"| at step {steps[0]} | {first:.3f} |",
+            "",
+        ]
     return [
         "| held-out accuracy (greedy) | value |",
         "| --- | --- |",
