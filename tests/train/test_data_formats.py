@@ -242,3 +242,10 @@ def test_trl_jsonl_without_answer_trains_as_it_is(chat_model, quick, tmp_path):
     loop.train(cfg, log=lambda *_: None)
     rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2] and all("reward/mean" in r for r in rows)
+
+
+def test_reading_a_dataset_prints_no_progress_bars(tmp_path, capfd):
+    f = write_trl_jsonl(tmp_path / "rows.jsonl", 3)
+    read_dataset(str(f), "train")
+    err = capfd.readouterr().err
+    assert "Generating" not in err and "it/s" not in err and "examples/s" not in err

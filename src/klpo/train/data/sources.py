@@ -295,6 +295,7 @@ def read_dataset(
     functions (:attr:`Example.columns`)."""
     import datasets
 
+    datasets.disable_progress_bars()  # no "Generating train split" bars in the run's output
     path = Path(name_or_path)
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         ds = datasets.load_from_disk(str(path))
