@@ -116,18 +116,16 @@ def robust_limits(
 ) -> tuple[float, float] | None:
     """The y range that shows every series' trend when a few raw values spike far out (a k3
     estimate after 1,500 steps: spikes at 6, the trend in 0-0.4): from the smallest to the
-    largest of the running means (as :func:`plot_series` draws them) and the ``1 - q`` and ``q``
-    quantiles of the raw values, with ``margin`` of the span on each side. None when no raw
+    largest of the running means over complete windows (as :func:`plot_series` draws them) and
+    the ``1 - q`` and ``q`` quantiles of the raw values, with ``margin`` of the span on each side. None when no raw
     value falls outside it (the automatic range already fits)."""
     raw = sorted(y for ys in series for y in ys if math.isfinite(y))
     if len(raw) < SMOOTH_FROM:
         return None
-    smooth = [
-        y
-        for ys in series
-        for y in running_mean(list(ys), smoothing_window(len(ys)))
-        if math.isfinite(y)
-    ]
+    smooth = []  # over complete windows only: the first few means of a spike are the spike
+    for ys in series:
+        w = smoothing_window(len(ys))
+        smooth += [y for y in running_mean(list(ys), w)[w - 1 :] if math.isfinite(y)]
     lo = min([_quantile(raw, 1 - q), *smooth])
     hi = max([_quantile(raw, q), *smooth])
     pad = margin * ((hi - lo) or abs(hi) or 1.0)
