@@ -321,3 +321,12 @@ def test_cli_dry_run_and_bad_options():
     assert names and all(n.endswith("_s3") for n in names)
     bad = CliRunner().invoke(app, ["compare", "--dry-run", "--betas", "0,0.1"])
     assert bad.exit_code == 2 and "positive" in bad.output
+
+
+def test_the_time_left_counts_whole_runs_start_up_included():
+    from klpo.study.runner import runs_left_s
+
+    # Two finished runs of 30 s and 50 s (start-up in each), 5 left, 2 at a time: 3 rounds of 40 s.
+    assert runs_left_s([30.0, 50.0], 5, 2) == 120.0
+    assert runs_left_s([], 5, 2) is None and runs_left_s([30.0], 0, 2) is None
+    assert runs_left_s([float("nan"), 10.0], 1, 1) == 10.0  # an untimed row is skipped

@@ -10,6 +10,7 @@ run with now (:func:`changed_runs`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -26,12 +27,12 @@ from klpo._io import write_text_atomic
 from klpo.study.grid import Run, study_grid
 from klpo.study.report import write_results
 from klpo.study.spec import StudyConfig
-from klpo.study.summary import RESULT_FIELDS, summarise_run
+from klpo.study.summary import RESULT_FIELDS, num, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
 from klpo.train.outdir import DirLock, claim_dir, fresh_name
-from klpo.train.runtime.progress import Progress
+from klpo.train.runtime.progress import Progress, fmt_duration
 
-__all__ = ["POLL_S", "PRESENTATION_KEYS", "changed_runs", "last_step", "run_study"]
+__all__ = ["POLL_S", "PRESENTATION_KEYS", "changed_runs", "last_step", "run_study", "runs_left_s"]
 
 POLL_S = 2.0
 """Seconds between two looks at the runs under way (their progress)."""
@@ -205,6 +206,16 @@ def run_study(
         return _run_all(study, runs, configs, out, on_result, on_start, show_progress)
 
 
+def runs_left_s(walls: list[float], left: int, workers: int) -> float | None:
+    """Seconds the ``left`` runs not yet finished take at the mean wall time of the finished
+    ones (``walls``, each a whole run: its start-up, model load and step-0 evaluation included,
+    which a count of steps leaves out), ``workers`` at a time; None before any has finished."""
+    done = [w for w in walls if w == w and w > 0]  # finished and timed (not NaN)
+    if not done or left <= 0:
+        return None
+    return sum(done) / len(done) * math.ceil(left / max(1, workers))
+
+
 def _run_all(
     study: StudyConfig,
     runs: list[Run],
@@ -241,7 +252,10 @@ def _run_all(
                 study.steps if rows[i] is not None else last_step(out / "runs" / r.name)
                 for i, r in enumerate(runs)
             )
-            bar.update(steps, info=f"{n}/{len(runs)} runs finished")
+            walls = [num(r.get("wall_s")) for r in rows if r is not None]
+            left = runs_left_s(walls, len(runs) - n, study.workers)
+            by_runs = f", about {fmt_duration(left)} left by the runs' own times" if left else ""
+            bar.update(steps, info=f"{n}/{len(runs)} runs finished{by_runs}")
     results = [r for r in rows if r is not None]
     write_results(results, out, study)
     return results
