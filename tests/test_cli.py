@@ -67,3 +67,53 @@ def test_import_klpo_kl_stays_light():
         " & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_explain_all_fits_80_columns_and_keeps_the_directions_apart():
+    result = runner.invoke(app, ["explain", "--all"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    row = {line.split()[0]: line.split() for line in lines if line.split()}
+    # k3: unbiased for KL(pi_theta ‖ pi_ref); in the loss it follows the other direction.
+    assert row["k3"][:4] == ["k3", "KL(θ‖ref)", "yes", "yes"]
+    assert row["k3"][6:8] == ["∇KL(ref‖θ)", "*"]
+    assert row["kl_ref_theta"][1] == "KL(ref‖θ)" and row["kl_ref_theta"][-1] == "∇KL(ref‖θ)"
+    assert "θ = pi_theta, ref = pi_ref" in result.output
+    text = " ".join(result.output.split())
+    assert "k3: exp(-d) + d - 1;" in text  # the values follow the table
+    # Wide enough (or piped): the full table, directions written out.
+    wide = runner.invoke(app, ["explain", "--all"], env={"COLUMNS": "240"})
+    assert "grad KL(pi_ref ‖ pi_theta) *" in wide.output and "∇" not in wide.output
+
+
+def test_compare_prints_its_lines_through_the_current_stderr(tmp_path, monkeypatch):
+    """Under rich's live bar sys.stderr is rich's proxy, which puts each line above the bar;
+    click's echo bypasses it and writes into the bar's line. The lines go through sys.stderr."""
+    import io
+
+    from klpo.study import runner
+
+    def fake(study, out, *, on_result, on_start, show_progress):
+        on_start("run-a", out / "runs" / "run-a" / "log.txt")
+        row = {"name": "run-a", "status": "collapsed", "error": "fell", "acc_final": 0.2,
+               "kl_exact_final": 0.01, "wall_s": 3.0}  # fmt: skip
+        on_result(row, 1, 1)
+
+    monkeypatch.setattr(runner, "run_study", fake)
+    # rich's own proxy, as its live bar installs it, over a stream with a binary buffer
+    from rich.console import Console
+    from rich.file_proxy import FileProxy
+
+    shown = io.StringIO()
+    real = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    monkeypatch.setattr("sys.stderr", FileProxy(Console(file=shown, width=200), real))
+    from klpo.cli import compare
+
+    compare(
+        study_file=None, quick=True, task="builtin", out=tmp_path / "s", workers=None, steps=None,
+        seeds=None, betas=None, dry_run=False,
+    )  # fmt: skip
+    lines = shown.getvalue().splitlines()
+    assert any(x.startswith("start run-a (log: ") for x in lines)
+    assert "[1/1] run-a: collapsed (fell), held-out 0.200, exact KL 0.0100, 3 s" in lines

@@ -7,6 +7,7 @@ Heavy imports (transformers, matplotlib) happen inside the commands that need th
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -87,15 +88,40 @@ class Command(typer.core.TyperCommand):
                     formatter.write_dl(records)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from klpo import __version__
+
+        typer.echo(f"klpo {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        help="Print klpo's version and exit.",
+    ),
+) -> None:
     """KL-regularised policy optimisation for language models: estimators, lab, trainer."""
 
 
+def _free_cores() -> None:
+    """Torch threads from the cores free now, with one line on stderr when the machine is loaded
+    (:mod:`klpo._threads`; ``klpo train`` does the same through ``run.threads=0``)."""
+    from klpo._threads import use_free_cores
+
+    use_free_cores(log=lambda msg: typer.echo(msg, err=True))
+
+
 def console() -> Console:
-    """A console that does not wrap tables to 80 columns when stdout is a file or pipe."""
+    """A console that does not wrap tables to 80 columns when stdout is a file or pipe (unless
+    ``COLUMNS`` sets the width)."""
     c = Console()
-    return c if c.is_terminal else Console(width=200)
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=200)
 
 
 @app.command()
@@ -160,7 +186,74 @@ def explain(
     if len(rows) <= len(kl.PLACEMENTS) and len(names) == 1:
         out.print("\n\n".join(r.text() for r in rows), highlight=False)
         return
-    out.print(_table(rows, kl.PLACEMENTS if placement is None else placements, off_policy))
+    shown = kl.PLACEMENTS if placement is None else placements
+    wide = _table(rows, shown, off_policy)
+    if Console(width=10_000).measure(wide).maximum <= out.width:  # its natural width fits
+        out.print(wide)
+        return
+    # A narrow terminal: the compact layout (the directions spelled short, values listed below)
+    # rather than cells cut to "KL(pi_…", where the two directions cannot be told apart.
+    out.print(_narrow_table(rows, shown, off_policy))
+    for line in _value_lines(rows, out.width):
+        out.print(line, highlight=False)
+
+
+_SHORT = (
+    ("grad KL(pi_theta ‖ pi_ref)", "∇KL(θ‖ref)"),
+    ("grad KL(pi_ref ‖ pi_theta)", "∇KL(ref‖θ)"),
+    ("KL(pi_theta ‖ pi_ref)", "KL(θ‖ref)"),
+    ("KL(pi_ref ‖ pi_theta)", "KL(ref‖θ)"),
+    ("other (biased)", "other"),
+)
+
+
+def _short(text: str) -> str:
+    for long, short in _SHORT:
+        text = text.replace(long, short)
+    return text
+
+
+def _narrow_table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool) -> Table:
+    """:func:`_table` in under 80 columns: KL(θ‖ref) is KL(pi_theta ‖ pi_ref), KL(ref‖θ) the
+    other direction, ∇ its gradient; the values follow the table (:func:`_value_lines`)."""
+    from rich import box
+
+    sampling = "pi_old" if off_policy else "pi_theta"
+    table = Table(
+        title=f"KL estimators, tokens from {sampling}; θ = pi_theta, ref = pi_ref",
+        caption="'*': not the gradient of the KL it estimates. Exact enumeration "
+        "(klpo.kl.explain).",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("estimator", style="bold")
+    table.add_column("estimates")
+    table.add_column("unb.")
+    table.add_column("≥0")
+    for p in placements:
+        table.add_column({"reward+loss": "rwd+loss"}.get(p, p))
+    by_name: dict[str, list] = {}
+    for r in rows:
+        by_name.setdefault(r.estimator, []).append(r)
+    for name, rs in by_name.items():
+        first = rs[0]
+        table.add_row(
+            name,
+            _short(first.estimates),
+            "yes" if first.unbiased else "no",
+            "yes" if first.nonnegative else "no",
+            *[_short(r.gradient) + (" *" if r.mismatch else "") for r in rs],
+        )
+    return table
+
+
+def _value_lines(rows: list, width: int) -> list[str]:
+    """``name: value`` of each estimator, d = logp - logp_ref, wrapped to ``width``."""
+    import textwrap
+
+    seen = dict.fromkeys((r.estimator, r.equation) for r in rows)
+    text = "Values, d = logp - logp_ref: " + "; ".join(f"{n}: {eq}" for n, eq in seen) + "."
+    return textwrap.wrap(text, width=width, break_on_hyphens=False)
 
 
 def _table(rows: list, placements: list[str] | tuple[str, ...], off_policy: bool) -> Table:
@@ -502,6 +595,7 @@ def lab_gaussian(
     ),
 ) -> None:
     """Schulman's experiment: every estimator on N(0, 1) vs N(mu, 1), true KL mu²/2."""
+    _free_cores()
     from klpo.lab.distributions import SpecError
     from klpo.lab.summaries import gaussian_summary
 
@@ -554,6 +648,7 @@ def lab_categorical(
     ),
 ) -> None:
     """Every estimator on one categorical step: exact values and expected gradients."""
+    _free_cores()
     from klpo.lab.distributions import SequencePair, SpecError
     from klpo.lab.summaries import pair_summary
 
@@ -606,6 +701,7 @@ def lab_sequence(
     reward with returns-to-go (REINFORCE, gamma 1), "loss" the per-token term summed over the
     sequence and differentiated with the samples held fixed.
     """
+    _free_cores()
     from pathlib import Path
 
     from klpo.lab.distributions import SequencePair, SpecError
@@ -660,6 +756,7 @@ def lab_report(
     ),
 ) -> None:
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
+    _free_cores()
     from pathlib import Path
 
     from klpo.lab.report import PLOTS, PRESETS, run_report
@@ -990,16 +1087,21 @@ def compare(
         return
     typer.echo(f"{len(grid)} runs, {study.workers} at a time, into {out}", err=True)
 
+    # Through sys.stderr as it is at the call: under the live bar that is rich's proxy, which
+    # prints each line above the bar (click's echo writes past it, into the bar's line).
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     def on_start(name: str, log_path: Path) -> None:
-        typer.echo(f"start {name} (log: {log_path})", err=True)
+        say(f"start {name} (log: {log_path})")
 
     def on_result(row: dict, n: int, total: int) -> None:
         gold = f"gold {num(row.get('gold_final')):.3f}, " if study.task == "overopt" else ""
-        typer.echo(
-            f"[{n}/{total}] {row['name']}: {row['status']}, {gold}held-out "
+        why = f" ({row['error']})" if row.get("error") and row["status"] != "ok" else ""
+        say(
+            f"[{n}/{total}] {row['name']}: {row['status']}{why}, {gold}held-out "
             f"{num(row.get('acc_final')):.3f}, exact KL {num(row.get('kl_exact_final')):.4f}, "
-            f"{num(row.get('wall_s')):.0f} s",
-            err=True,
+            f"{num(row.get('wall_s')):.0f} s"
         )
 
     try:
@@ -1100,6 +1202,8 @@ def doctor(
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     from klpo.doctor.command import run
 
+    if model is not None:
+        _free_cores()
     code = run(
         config,
         framework=framework,
@@ -1124,7 +1228,11 @@ def doctor(
 
 
 def main() -> None:
-    """Entry point of the ``klpo`` console script."""
+    """Entry point of the ``klpo`` console script (and of ``python -m klpo``, ``torchrun -m
+    klpo``): OpenMP's threads wait passively, set before anything imports torch."""
+    from klpo._threads import passive_openmp_wait
+
+    passive_openmp_wait()
     app()
 
 

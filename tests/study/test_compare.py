@@ -215,6 +215,32 @@ def test_summarise_run_statuses(tmp_path):
     )
 
 
+def test_collapsed_needs_a_drop_beyond_the_noise_of_the_evaluation(tmp_path):
+    from klpo.study.summary import collapse_threshold
+
+    # Hand arithmetic: 0.5 -> 0.35 on 40 problems: sqrt((0.25 + 0.2275) / 40) = 0.1093, two
+    # standard errors 0.2185 > collapse_drop 0.1; on 500 problems 2 * 0.0309 = 0.0618 < 0.1.
+    assert collapse_threshold(0.5, 0.35, 40, 0.1) == pytest.approx(0.21852, abs=1e-5)
+    assert collapse_threshold(0.5, 0.35, 500, 0.1) == 0.1
+    assert collapse_threshold(0.5, 0.35, None, 0.1) == 0.1
+    metrics = [{"step": 0, "accuracy/heldout": 0.5}]
+    metrics += [{"step": s, "kl/ref/exact": 0.1, "kl/ref/k3": 0.1} for s in range(1, 6)]
+    metrics[-1]["accuracy/heldout"] = 0.35
+    _write_metrics(tmp_path / "r", metrics)
+
+    def row(n):
+        return summarise_run(_run(), tmp_path / "r", returncode=0, wall_s=1, steps=5,
+                             collapse_drop=0.1, eval_size=n)  # fmt: skip
+
+    assert row(40)["status"] == "ok" and row(40)["error"] == ""  # a 12-step smoke run's noise
+    collapsed = row(500)
+    assert collapsed["status"] == "collapsed"
+    assert collapsed["error"] == (
+        "held-out accuracy fell from 0.500 to 0.350, more than 0.100 (the larger of collapse_drop "
+        "0.1 and 2 standard errors on 500 problems)"
+    )
+
+
 def test_cells_and_report(tmp_path):
     def row(choice, seed, acc, status="ok", algo="grpo", beta=0.1):
         return {
@@ -295,3 +321,12 @@ def test_cli_dry_run_and_bad_options():
     assert names and all(n.endswith("_s3") for n in names)
     bad = CliRunner().invoke(app, ["compare", "--dry-run", "--betas", "0,0.1"])
     assert bad.exit_code == 2 and "positive" in bad.output
+
+
+def test_the_time_left_counts_whole_runs_start_up_included():
+    from klpo.study.runner import runs_left_s
+
+    # Two finished runs of 30 s and 50 s (start-up in each), 5 left, 2 at a time: 3 rounds of 40 s.
+    assert runs_left_s([30.0, 50.0], 5, 2) == 120.0
+    assert runs_left_s([], 5, 2) is None and runs_left_s([30.0], 0, 2) is None
+    assert runs_left_s([float("nan"), 10.0], 1, 1) == 10.0  # an untimed row is skipped

@@ -47,3 +47,19 @@ def trl_digits_by_task(completions, task, completion_ids, trainer_state, **kwarg
 def zeros(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """0 for every completion: a batch with no advantage signal."""
     return [0.0 for _ in completions]
+
+
+def solution_digits(completions, solution, **kwargs):
+    """TRL's form, reading the data's own ``solution`` column (no ``answer`` anywhere): the
+    share of the solution's digits the completion contains; message-list completions (chat
+    data) are read as TRL's reward functions read them, ``completion[0]["content"]``."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [
+        sum(d in t for d in s if d.isdigit()) / max(1, len(s))
+        for t, s in zip(texts, solution, strict=True)
+    ]
+
+
+def strips_completions(completions, **kwargs):
+    """TRL's form written for plain-text completions: fails on chat data's message lists."""
+    return [float(bool(c.strip())) for c in completions]

@@ -121,3 +121,29 @@ def test_key_paths_are_every_key_of_the_config():
     flat = dump_config(TrainConfig())
     for section in TrainConfig.model_fields:
         assert section in paths and f"{section}:" in flat
+
+
+@pytest.mark.parametrize(
+    ("override", "want"),
+    [
+        ("rollout.num_generations=4", "'rollout.num_generations' (did you mean 'rollout.group_size'? num_generations is TRL's name)"),
+        ("learning_rate=1e-6", "'learning_rate' (did you mean 'optim.lr'? learning_rate is TRL's name)"),
+        ("optim.learning_rate=1e-6", "(did you mean 'optim.lr'? learning_rate is TRL's name)"),
+        ("algo.kl_loss_coef=0.001", "(did you mean 'kl.beta'? kl_loss_coef is verl's name)"),
+        ("algo.clip_ratio=0.28", "(did you mean 'algo.clip_low'? clip_ratio is verl's name)"),
+        ("kl.estimator=low_var_kl+", "did you mean 'k3+'? (verl's 'low_var_kl+' is k3+"),
+        ("kl.estimator=mse", "did you mean 'k2'? (verl's 'mse' is k2)"),
+    ],
+)  # fmt: skip
+def test_trl_and_verl_spellings_get_klpos_name(override, want):
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[override])
+    assert want in str(err.value)
+
+
+def test_report_to_as_trl_writes_it():
+    assert build_config(overrides=["run.report_to=none"]).run.report_to == []
+    assert build_config(overrides=["run.report_to=wandb"]).run.report_to == ["wandb"]
+    assert build_config(overrides=["run.report_to=[tensorboard]"]).run.report_to == ["tensorboard"]
+    with pytest.raises(ConfigError, match="report_to"):
+        build_config(overrides=["run.report_to=neptune"])

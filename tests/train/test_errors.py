@@ -107,6 +107,42 @@ def test_a_fresh_run_never_replaces_metrics_and_resume_has_no_dead_end(tiny_mode
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
 
 
+def test_a_run_that_failed_before_its_first_step_is_replaced_by_the_same_command(
+    tiny_model, quick, tmp_path
+):
+    out = tmp_path / "run"
+    broken = quick(tiny_model, out, rewards="[{name: 'klpo_test_rewards:nan_reward'}]")
+    with pytest.raises(Exception, match="must be finite"):
+        train(build_config(overrides=broken))
+    assert (out / "config.yaml").is_file() and not (out / "checkpoints" / "step_000001").exists()
+    # The reward fixed, the same command (a changed config: nothing of the first can resume).
+    fixed = quick(tiny_model, out, **{"run.steps": 1})
+    lines = train(build_config(overrides=fixed))
+    said = [x for x in lines if "stopped before its first step" in x]
+    assert len(said) == 1 and said[0].endswith(
+        "this run replaces it (nothing there could be resumed)"
+    )
+    assert "config.yaml" in said[0] and "metrics.jsonl" in said[0]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1]
+    assert "nan_reward" not in (out / "config.yaml").read_text(encoding="utf-8")
+    assert not list(out.glob("metrics.before-restart-*"))
+    # Once it has a trained step (and a checkpoint), the same command is refused again.
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(build_config(overrides=fixed))
+
+
+def test_an_unstarted_run_beside_a_users_file_is_not_replaced(tiny_model, quick, tmp_path):
+    out = tmp_path / "run"
+    broken = quick(tiny_model, out, rewards="[{name: 'klpo_test_rewards:nan_reward'}]")
+    with pytest.raises(Exception, match="must be finite"):
+        train(build_config(overrides=broken))
+    (out / "notes.txt").write_text("mine\n")
+    before = snapshot(out)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(build_config(overrides=quick(tiny_model, out, **{"run.steps": 1})))
+    assert snapshot(out) == before
+
+
 @pytest.mark.slow
 def test_sigterm_before_the_first_checkpoint_saves_one_and_says_where(tiny_model, quick, tmp_path):
     out = tmp_path / "run"
@@ -651,7 +687,7 @@ def test_plain_progress_lines_when_not_a_terminal(tiny_model, quick, tmp_path):
     assert lines[0] == f"run directory: {out}"
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
-    assert "reward " in steps[0] and " kl " in steps[0]
+    assert "reward " in steps[0] and " exact KL " in steps[0]
 
 
 def test_config_and_study_files_that_cannot_be_read(tmp_path):

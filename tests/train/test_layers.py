@@ -18,6 +18,7 @@ LAYERS = (
     "klpo",  # the library (kl, logprobs, advantages, losses, reduce, control, ...)
     "klpo.train.runtime",
     "klpo.train.algorithms",
+    "klpo.train.spellings",
     "klpo.train.config",
     "klpo.train.config_files",
     "klpo.train.lr_schedule",

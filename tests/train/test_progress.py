@@ -118,16 +118,31 @@ def test_a_terminal_gets_a_rich_bar_with_eta(capsys):
 
 def test_training_lines_carry_the_gold_reward_on_the_overoptimisation_task():
     base = {"reward/mean": 1.25, "kl/ref/exact": 0.01234}
-    assert train_info(base) == "reward 1.250  kl 0.0123"
+    assert train_info(base) == "reward 1.250  exact KL 0.0123"
     over = {**base, "reward/gold": 0.375, "accuracy/heldout": 0.5}
-    assert train_info(over) == "reward 1.250  gold 0.375  kl 0.0123  heldout 0.500"
+    assert train_info(over) == "reward 1.250  gold 0.375  exact KL 0.0123"
     lines: list[str] = []
     report = progress(2, 0, show=True, log=lines.append, terminal=False)
     report(1, over)
     report(2, base)
     report(None, None)
-    assert [x.split("  ")[0] for x in lines] == ["step 1/2 (50%)", "step 2/2 (100%)"]
+    # The mid-run evaluation is a line of its own, after its step's line.
+    assert [x.split("  ")[0] for x in lines] == [
+        "step 1/2 (50%)",
+        "held-out accuracy at step 1: 0.500",
+        "step 2/2 (100%)",
+    ]
     assert "gold 0.375" in lines[0] and "ETA" in lines[0]
+
+
+def test_a_mid_run_evaluation_prints_above_the_terminal_bar(capsys):
+    report = progress(3, 0, show=True, terminal=True)
+    report(1, {"reward/mean": 0.5, "kl/ref/exact": 0.001})
+    report(2, {"reward/mean": 0.5, "kl/ref/exact": 0.001, "accuracy/heldout": 0.625})
+    report(3, {"reward/mean": 0.5, "kl/ref/exact": 0.001})
+    report(None, None)
+    err = capsys.readouterr().err
+    assert err.count("held-out accuracy at step 2: 0.625") == 1 and "exact KL 0.0010" in err
 
 
 def test_the_runs_of_a_study_under_way_are_read_from_their_metrics_tail(tmp_path):

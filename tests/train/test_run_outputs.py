@@ -158,7 +158,7 @@ def test_a_tracker_that_is_not_installed_is_named_before_the_run(tmp_path, monke
         trackers.TRACKERS, "mlflow", trackers.TrackerSpec(_Recorder, "klpo_no_such_module", "mlflow")
     )  # fmt: skip
     cfg = build_config(overrides=["run.report_to=[tensorboard, mlflow]"])
-    with pytest.raises(ConfigError, match=r"pip install 'klpo\[mlflow\]'"):
+    with pytest.raises(ConfigError, match=r"from the klpo checkout: pip install -e '\.\[mlflow\]'"):
         check_rewards_and_trackers(cfg, [])
     with pytest.raises(ConfigError, match=r"report_to"):
         build_config(overrides=["run.report_to=[neptune]"])

@@ -17,6 +17,7 @@ from klpo.train.runtime.plots import (
     SMOOTH_FROM,
     constant_value,
     plot_series,
+    robust_limits,
     running_mean,
     smoothing_window,
     styles,
@@ -142,3 +143,68 @@ def test_an_interrupted_run_has_its_report_and_plots(tiny_model, quick, tmp_path
     assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 2
     report = (out / "report.md").read_text()
     assert "metrics (steps 1–2)" in report and (out / "kl.png").is_file()
+
+
+def _spiky_kl(steps: int = 1500) -> tuple[list[float], list[float]]:
+    """A k3 estimate whose trend rises 0 -> 0.4 with rare spikes to 6, and the exact KL under it."""
+    rng = np.random.default_rng(0)
+    exact = [0.4 * s / steps for s in range(1, steps + 1)]
+    k3 = [e + abs(rng.normal(0, 0.02)) for e in exact]
+    for i in range(7, steps, 150):  # 10 spikes
+        k3[i] = 6.0
+    return exact, k3
+
+
+def test_robust_limits_show_the_trend_not_the_spikes():
+    exact, k3 = _spiky_kl()
+    lo, hi = robust_limits([exact, k3])
+    # The range holds every running mean over a complete window (the trend reaches ~0.4, the
+    # spikes lift k3's mean a little) and the 98% quantile, and leaves the ten spikes at 6 out.
+    w = smoothing_window(len(k3))  # 50; the first means of a spike are the spike: not counted
+    smooth_max = max(max(running_mean(ys, w)[w - 1 :]) for ys in (exact, k3))
+    assert smooth_max < hi < 1.0 and lo < 0.0 < hi
+    assert sum(y > hi for y in k3) == 10
+    # No value outside: the automatic range stands (None).
+    assert robust_limits([exact, [e + 0.01 for e in exact]]) is None
+    assert robust_limits([[1.0, 2.0]]) is None  # too few points to judge
+
+
+def test_kl_png_on_a_robust_scale_with_the_exact_kl_on_top(tmp_path, monkeypatch):
+    from klpo.train.runtime import report
+
+    exact, k3 = _spiky_kl()
+    rows = [{"step": s, "kl/ref/exact": e, "kl/ref/k3": k, "kl/ref/k1": k - 0.01}
+            for s, (e, k) in enumerate(zip(exact, k3, strict=True), start=1)]  # fmt: skip
+    figures = {}
+
+    def keep(fig, path):
+        figures[path.name] = fig
+
+    monkeypatch.setattr(report, "save_figure", keep)
+    monkeypatch.setattr("matplotlib.pyplot.close", lambda fig: None)
+    written, _ = report.write_plots(tmp_path, rows, "k3")
+    assert "kl.png" in written
+    ax = figures["kl.png"].axes[0]
+    top = max(ax.lines, key=lambda line: line.get_zorder())
+    assert top.get_label().startswith("exact (full vocabulary)")
+    assert ax.get_ylim()[1] < 1.0  # not stretched to the spikes at 6
+    assert ax.get_title(loc="right") == "20 raw values outside the range shown"  # k1 and k3
+
+
+def test_logged_completions_are_spread_over_the_prompts():
+    from klpo.train.step.samples import spread_rows
+
+    # 4 of a step of 4 prompts x 8 completions: the first of each prompt, not 4 copies of one.
+    assert spread_rows(4, 32, 8) == [0, 8, 16, 24]
+    # More than the prompts: then each prompt's second completion, in batch order.
+    assert spread_rows(5, 8, 4) == [0, 1, 2, 4, 5]
+    assert spread_rows(3, 2, 8) == [0, 1] and spread_rows(0, 8, 4) == []
+    assert spread_rows(6, 6, 1) == list(range(6))  # groups of one: the batch's order
+
+
+def test_one_evaluation_is_one_row_of_the_report(tmp_path):
+    from klpo.train.runtime.report import RunReport, heldout_section
+
+    rows = [{"step": 0, "accuracy/heldout": 0.3}, {"step": 1, "reward/mean": 0.1}]
+    lines = heldout_section(RunReport(tmp_path, rows, "k3", [], []))
+    assert [x for x in lines if x.startswith("| at step")] == ["| at step 0 | 0.300 |"]

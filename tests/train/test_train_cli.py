@@ -41,6 +41,10 @@ def test_check_runs_the_preflight_and_trains_nothing(tiny_model, quick, tmp_path
     assert code == 0, err
     assert f"run directory: {out}" in err and "check passed: grpo for 3 steps" in err
     assert not out.exists()  # nothing written
+    # The start-up note a run prints for a KL whose gradient is not that of the KL it logs.
+    k3 = invoke("train", *sets, "--set", "kl.estimator=k3", "--set", "kl.placement=loss", "--check")
+    assert k3[0] == 0 and "its expected gradient is not that of the KL it logs" in k3[2]
+    assert "expected gradient is not" not in err  # the default, full in the loss: none
     # What a run would refuse before it starts, --check refuses: a missing model, a missing
     # reward function, a directory that holds another run.
     missing = invoke("train", *sets, "--set", f"model.policy={tmp_path / 'none'}", "--check")

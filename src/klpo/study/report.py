@@ -22,6 +22,7 @@ from klpo.study.plots import metric_curve, plot_results, seed_band
 from klpo.study.spec import StudyConfig
 from klpo.study.summary import (
     BUDGET_TOLERANCE,
+    COLLAPSE_Z,
     RESULT_FIELDS,
     WINDOW,
     nan_low,
@@ -95,7 +96,10 @@ def _main_table(
         f"{len(results)} runs ({len(study.seeds)} seeds per cell, {study.steps} steps each, "
         f"{study.workers} in parallel with one thread each): {run_s / 60:.1f} minutes of runs, "
         f"about {run_s / 60 / study.workers:.1f} minutes elapsed; "
-        f"{n_fail} failed (crashed, diverged or collapsed). Study: `study.yaml`; the shared "
+        f"{n_fail} failed (crashed, diverged or collapsed: held-out accuracy below its start by "
+        f"more than collapse_drop {study.collapse_drop:g} and {COLLAPSE_Z:g} standard errors on "
+        f"{study.eval_size} problems, the error column says by how much). Study: `study.yaml`; "
+        "the shared "
         "training config: `train-config.yaml`; one row per run: `results.csv`.",
         "",
         "Columns: held-out accuracy (greedy) at the start and at the end, mean ± sd over seeds; "

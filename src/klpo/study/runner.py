@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -37,11 +38,11 @@ from klpo._io import write_text_atomic
 from klpo.study.grid import Run, study_grid
 from klpo.study.report import write_results
 from klpo.study.spec import StudyConfig
-from klpo.study.summary import RESULT_FIELDS, summarise_run
+from klpo.study.summary import RESULT_FIELDS, num, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
 from klpo.train.outdir import LOCK_FILE, DirBusy, DirLock, claim_dir, fresh_name
 from klpo.train.runtime.checkpoint import latest_checkpoint
-from klpo.train.runtime.progress import Progress
+from klpo.train.runtime.progress import Progress, fmt_duration
 
 __all__ = [
     "POLL_S",
@@ -51,6 +52,7 @@ __all__ = [
     "finished_row",
     "last_step",
     "run_study",
+    "runs_left_s",
 ]
 
 POLL_S = 2.0
@@ -279,6 +281,7 @@ def _execute(
         wall_s=wall,
         steps=study.steps,
         collapse_drop=study.collapse_drop,
+        eval_size=study.eval_size,
         error=error,
         target_accuracy=study.convergence_target()[1],
         target_metric=study.convergence_target()[0],
@@ -371,6 +374,16 @@ def _check_run_locks(runs: list[Run], out: Path) -> None:
             ) from None
 
 
+def runs_left_s(walls: list[float], left: int, workers: int) -> float | None:
+    """Seconds the ``left`` runs not yet finished take at the mean wall time of the finished
+    ones (``walls``, each a whole run: its start-up, model load and step-0 evaluation included,
+    which a count of steps leaves out), ``workers`` at a time; None before any has finished."""
+    done = [w for w in walls if w == w and w > 0]  # finished and timed (not NaN)
+    if not done or left <= 0:
+        return None
+    return sum(done) / len(done) * math.ceil(left / max(1, workers))
+
+
 def _run_all(
     study: StudyConfig,
     runs: list[Run],
@@ -420,7 +433,10 @@ def _run_all(
                 else last_step(out / "runs" / r.name)
                 for i, r in enumerate(runs)
             )
-            bar.update(steps, info=f"{n}/{len(runs)} runs finished")
+            walls = [num(r.get("wall_s")) for r in rows if r is not None]
+            left = runs_left_s(walls, len(runs) - n, study.workers)
+            by_runs = f", about {fmt_duration(left)} left by the runs' own times" if left else ""
+            bar.update(steps, info=f"{n}/{len(runs)} runs finished{by_runs}")
     results = [r for r in rows if r is not None and r["status"] != "interrupted"]
     unfinished = [r.name for r, row in zip(runs, rows, strict=True) if row not in results]
     if results:

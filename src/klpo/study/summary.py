@@ -18,8 +18,10 @@ from klpo.train.runtime.metrics import CONTROLLED_KL, read_metrics
 
 __all__ = [
     "BUDGET_TOLERANCE",
+    "COLLAPSE_Z",
     "RESULT_FIELDS",
     "WINDOW",
+    "collapse_threshold",
     "gold_summary",
     "kl_budget_summary",
     "nan_low",
@@ -99,13 +101,17 @@ def summarise_run(
     error: str = "",
     target_accuracy: float = 0.4,
     target_metric: str = "accuracy/train",
+    eval_size: int | None = None,
 ) -> dict[str, Any]:
     """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``.
 
     ``steps_to_target`` is the first step at which the WINDOW-step running mean of
     ``target_metric`` (``accuracy/train``, or ``reward/gold`` on the over-optimisation task)
     reaches ``target_accuracy`` (NaN if never); the ``kl_budget_*`` columns judge the run's exact
-    KL against ``run.kl_target`` (:func:`kl_budget_summary`)."""
+    KL against ``run.kl_target`` (:func:`kl_budget_summary`). A finished run is ``collapsed``
+    when its held-out accuracy fell below its start by more than :func:`collapse_threshold`
+    (``collapse_drop``, and two standard errors on ``eval_size`` problems); its error cell
+    says by how much."""
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "kl/ref/exact" in r]
@@ -120,8 +126,21 @@ def summarise_run(
         status = "crashed"
     elif not all(map(math.isfinite, kl_exact)) or not math.isfinite(acc_final):
         status = "diverged"
-    elif acc_final < acc_start - collapse_drop:
+    elif acc_final < acc_start - (
+        limit := collapse_threshold(acc_start, acc_final, eval_size, collapse_drop)
+    ):
         status = "collapsed"
+        error = error or (
+            f"held-out accuracy fell from {acc_start:.3f} to {acc_final:.3f}, more than "
+            f"{limit:.3f} ("
+            + (
+                f"the larger of collapse_drop {collapse_drop:g} and {COLLAPSE_Z:g} standard "
+                f"errors on {eval_size} problems"
+                if eval_size
+                else f"collapse_drop {collapse_drop:g}"
+            )
+            + ")"
+        )
     else:
         status = "ok"
     reached = steps_to_reach(steps_rows, target_metric, target_accuracy)
@@ -152,6 +171,23 @@ def summarise_run(
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+COLLAPSE_Z = 2.0
+"""Standard errors a drop in held-out accuracy must exceed to count as a collapse."""
+
+
+def collapse_threshold(
+    acc_start: float, acc_final: float, eval_size: int | None, collapse_drop: float
+) -> float:
+    """How far held-out accuracy must fall to be a collapse rather than noise: the larger of
+    ``collapse_drop`` and :data:`COLLAPSE_Z` standard errors of the difference of two accuracies
+    on ``eval_size`` problems each, sqrt((p0 (1 - p0) + p1 (1 - p1)) / n) (binomial; the two
+    evaluations treated as independent). Only ``collapse_drop`` without ``eval_size``."""
+    if not eval_size:
+        return collapse_drop
+    var = (acc_start * (1 - acc_start) + acc_final * (1 - acc_final)) / eval_size
+    return max(collapse_drop, COLLAPSE_Z * math.sqrt(max(var, 0.0)))
 
 
 def _kl_columns(steps_rows: list[dict[str, Any]], logged_key: str) -> dict[str, float]:

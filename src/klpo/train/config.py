@@ -22,6 +22,7 @@ from klpo import control, kl, reduce
 from klpo.kl import Placement
 from klpo.train.algorithms import ALGORITHMS, Algorithm, PolicyLoss
 from klpo.train.runtime.trackers import TRACKERS
+from klpo.train.spellings import FOREIGN_ESTIMATORS, FOREIGN_KEYS
 
 Tracker = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]
 """The names of :data:`klpo.train.runtime.trackers.TRACKERS`, as the config's type."""
@@ -140,14 +141,25 @@ class DataConfig(_Section):
         "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
         "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
     )
-    path: str | None = Field(None, description="The JSONL file or datasets name/path.")
+    path: str | None = Field(
+        None, description="The JSONL (or parquet) file, or the datasets name/path."
+    )
     split: str = Field("train", description="datasets split to train on.")
     eval_split: str | None = Field(
         None, description="datasets split for held-out evaluation (default: none for datasets)."
     )
     eval_path: str | None = Field(None, description="JSONL file of held-out problems.")
-    prompt_field: str = Field("prompt", description="Field holding the prompt text.")
-    answer_field: str = Field("answer", description="Field holding the reference answer.")
+    prompt_field: str = Field(
+        "prompt",
+        description="Field holding the prompt (text or chat messages); a dotted path reaches "
+        "into a nested record.",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Field holding the reference answer; a dotted path reaches into a nested "
+        "record (verl's reward_model.ground_truth). Optional where no reward reads it "
+        "(docs/frameworks.md).",
+    )
     eval_size: int = Field(500, ge=0, description="Held-out problems evaluated (greedy).")
     max_prompt_tokens: int = Field(
         256, gt=0, description="Longer prompts are an error naming the line or sample."
@@ -467,6 +479,9 @@ class KLConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
+        if v in FOREIGN_ESTIMATORS and v not in kl.ESTIMATORS:
+            mine, note = FOREIGN_ESTIMATORS[v]
+            raise ValueError(f"unknown estimator {v!r}: did you mean {mine!r}? ({note})")
         return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
 
     @field_validator("ref_is_clip")
@@ -531,7 +546,11 @@ class RunConfig(_Section):
     save_every: int = Field(
         500, ge=0, description="Checkpoint period in steps (0: only at the end)."
     )
-    threads: int = Field(0, ge=0, description="torch threads per process (0: torch's default).")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="torch threads per process (0: the cores free at the start, shared between the processes; one line says so when the machine is loaded).",
+    )
     time_limit: float | None = Field(
         None, gt=0, description="Stop cleanly after this many seconds of training."
     )
@@ -553,7 +572,7 @@ class RunConfig(_Section):
         4,
         ge=0,
         description="Completions written to samples.jsonl (and the trackers, and report.md) "
-        "each time: the first of a step's batch, the first held-out problems at an "
+        "each time: a step's, spread over its prompts, the first held-out problems at an "
         "evaluation (0: none).",
     )
     log_samples_every: int = Field(
@@ -568,6 +587,14 @@ class RunConfig(_Section):
         description="Checkpoints kept: the newest N complete ones (the one a resume starts "
         "from is the newest); older ones are deleted after each save (null: keep all).",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trl_string(cls, v: Any) -> Any:
+        """TRL's ``report_to`` is also a string: ``"none"`` (no tracker) or one tracker's name."""
+        if isinstance(v, str):
+            return [] if v.strip().lower() == "none" else [v.strip()]
+        return v
 
     @field_validator("out_dir")
     @classmethod
@@ -758,10 +785,13 @@ def _sub_models(annotation: Any, listed: bool = False) -> list[tuple[type[BaseMo
 
 
 def _guess_key(loc: tuple[str | int, ...], allowed: list[str]) -> str | None:
-    """What an unknown key was meant to be: the same name in another section (``lr`` or
-    ``kl.lr``: ``optim.lr``), else a close name in its own section (``kl.betta``: ``beta``),
-    else a close full path (``optim.lerning_rate``...)."""
+    """What an unknown key was meant to be: TRL's or verl's name for a klpo key
+    (:data:`FOREIGN_KEYS`: ``num_generations``: ``rollout.group_size``), the same name in
+    another section (``lr`` or ``kl.lr``: ``optim.lr``), else a close name in its own section
+    (``kl.betta``: ``beta``), else a close full path (``optim.lerning_rate``...)."""
     name = str(loc[-1])
+    if name in FOREIGN_KEYS:
+        return FOREIGN_KEYS[name][0]
     paths = [p for p in key_paths() if "[]" not in p]
     elsewhere = [p for p in paths if p.rsplit(".", 1)[-1] == name and "." in p]
     if elsewhere:
@@ -789,7 +819,9 @@ def _format_errors(err: ValidationError, source_of: Callable[..., str | None] | 
             parent = _section_model(loc[:-1])
             allowed = _allowed_keys(parent) if parent else []
             guess = _guess_key(loc, allowed)
+            whose = FOREIGN_KEYS.get(str(loc[-1]), (None, None))[1]
             hint = f" (did you mean {guess!r}?)" if guess else ""
+            hint = f" (did you mean {guess!r}? {loc[-1]} is {whose}'s name)" if whose else hint
             where = ".".join(str(p) for p in loc[:-1]) or "the top level"
             given = f" in {src}" if src else ""
             lines.append(

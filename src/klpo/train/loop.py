@@ -38,10 +38,11 @@ from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
-from klpo.train.runtime.stop import Interrupted, StopOnSignal
+from klpo.train.runtime.stop import Interrupted, StopOnSignal, klpo_command
 from klpo.train.setup import (
     TrainRun,
     advance_lr,
+    announce,
     evaluate_policy,
     evaluates,
     hold_run_dir,
@@ -73,7 +74,7 @@ def train(
     (recorded in the run's ``config-changes.jsonl``); without it such a resume is refused.
     SIGINT/SIGTERM stop the run after the current step with a checkpoint.
     """
-    dist = init_distributed(cfg.run.threads)
+    dist = init_distributed(cfg.run.threads, log=log)
     failed = True
     try:
         with StopOnSignal() as stopper:
@@ -111,6 +112,9 @@ def check_run(
     names = [t.name for t in cfg.rewards if t.name != "model"] + [cfg.gold_reward or "exact_match"]
     for name in names:
         get_reward(name)
+    note = announce(cfg)  # the start-up note of a run, for a KL whose gradient is not its value's
+    if note:
+        log(note)
 
 
 def _train(
@@ -277,6 +281,7 @@ def _interrupted(run_dir: Path, step: int, stopper: StopOnSignal | None) -> Inte
     return Interrupted(
         f"stopped by {stopper.name if mine else 'a signal to another rank'} after step {step}; "
         f"the checkpoint is {run_dir / 'checkpoints' / f'step_{step:06d}'} and the metrics up "
-        f"to it are in {run_dir / 'metrics.jsonl'}. Continue with: klpo train --resume {run_dir}",
+        f"to it are in {run_dir / 'metrics.jsonl'}. Continue with: {klpo_command()} train "
+        f"--resume {run_dir}",
         stopper.signum if mine else signal.SIGTERM,
     )

@@ -79,7 +79,8 @@ PRODUCTS: dict[str, Product] = {
         "run.out_dir",
         "run",
         (("config.yaml", "metrics.jsonl"), ("config.yaml", "checkpoints")),
-        "`klpo train --resume DIR` continues it",
+        "`klpo train --resume DIR` continues it; a run that stopped before its first step "
+        "(no checkpoint, no trained step, only a run's own files) is replaced by a fresh run",
         resume="--resume {path}",
         fresh="runs/train",  # as `make run` names its runs
     ),

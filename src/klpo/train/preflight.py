@@ -92,6 +92,41 @@ class RunPlan:
     changes: dict[str, list[Any]] = field(default_factory=dict)  # key -> [saved, now]
     saved_world: int | None = None  # processes that wrote the checkpoint
     restart: bool = False  # --resume of a run that never reached a checkpoint
+    replace: list[str] = field(default_factory=list)  # a fresh run's: the unstarted run's files
+
+
+# What a run writes before its first checkpoint (config, metrics, samples, TensorBoard events,
+# report and plots): a directory holding only these, with no checkpoint and no trained step, holds
+# a run that never got going, which the same command replaces (see :func:`unstarted_run`).
+_UNSTARTED_FILES = frozenset(
+    {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "report.md"}
+)
+
+
+def unstarted_run(run_dir: Path) -> list[str] | None:
+    """The files of the run in ``run_dir`` when it never reached a checkpoint nor finished a
+    step (a reward that raised at step 1, a model that failed to load): nothing there can be
+    resumed, and nothing in it is the user's. None for anything else (a checkpoint, a trained
+    step in ``metrics.jsonl``, a file a run would not write), which stays refused."""
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != ".klpo.lock")
+    if "config.yaml" not in names or not all(
+        n in _UNSTARTED_FILES or n.endswith(".png") for n in names
+    ):
+        return None
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        return None
+    try:
+        text = (
+            (run_dir / "metrics.jsonl").read_text(encoding="utf-8")
+            if "metrics.jsonl" in names
+            else ""
+        )
+        if any(json.loads(line).get("step", 0) > 0 for line in text.splitlines() if line.strip()):
+            return None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return names
 
 
 def has_metrics(run_dir: Path) -> bool:
@@ -132,9 +167,17 @@ def plan_run_dir(
     ``allow_config_change`` is set (the change is then recorded in the run directory).
     """
     run_dir = Path(cfg.run.out_dir)
+    plan = RunPlan()
+    # A run that never got going (no checkpoint, no trained step) is replaced by a fresh one.
+    if not resume and run_dir.is_dir() and (files := unstarted_run(run_dir)):
+        plan.replace = files
+        plan.notes.append(
+            f"{run_dir} holds a run that stopped before its first step ({', '.join(files)}): "
+            "this run replaces it (nothing there could be resumed)"
+        )
+        return plan
     # New or empty for a fresh run, a run for --resume, nothing else (klpo.train.outdir).
     state = claim_dir(run_dir, "train", proceed=resume)
-    plan = RunPlan()
     if not resume:
         return plan
     if state == "new":
@@ -295,6 +338,26 @@ def check_answers(cfg: TrainConfig, train: list[Example], heldout: list[Example]
     others fail too."""
     trained = [t.name for t in cfg.rewards] + ([cfg.gold_reward] if cfg.gold_reward else [])
     for examples, names in ((train, trained), (heldout, [eval_reward(cfg)])):
+        lacking = [e for e in examples if e.answer is None]
+        needs = [n for n in dict.fromkeys(names) if reads_answers(n)]
+        if lacking and needs:
+            e, more = lacking[0], len(lacking) - 1
+            held = " (held-out accuracy is scored with it)" if examples is heldout else ""
+            if _is_null(e, cfg.data.answer_field):  # str(None) would be the answer text "None"
+                raise ConfigError(
+                    f"{e.where or 'an example'}: field {cfg.data.answer_field!r} is null"
+                    f"{f'; {more} more lack an answer' if more else ''}, and the reward "
+                    f"{needs[0]!r} reads each example's answer{held}; give the example its "
+                    "answer (a string or a number), or drop it"
+                )
+            raise ConfigError(
+                f"{e.where or 'an example'}: missing field {cfg.data.answer_field!r} (fields "
+                f"present: {', '.join(map(str, e.columns))}){f'; {more} more lack it' if more else ''}"
+                f", and the reward {needs[0]!r} reads each example's answer{held}; set "
+                "data.answer_field to the field that holds it (a dotted path such as "
+                "reward_model.ground_truth reaches into a nested record), or use rewards that "
+                "read the data's columns by name (TRL's form, docs/rewards.md)"
+            )
         for name in dict.fromkeys(n for n in names if n in ANSWER_PROBLEMS):
             problem = ANSWER_PROBLEMS[name]
             bad = [(e, why) for e in examples if (why := problem(e.answer)) is not None]
@@ -306,6 +369,33 @@ def check_answers(cfg: TrainConfig, train: list[Example], heldout: list[Example]
                 f"{e.where or 'an example'}: {why} by the reward {name!r}{others}; give every "
                 f"example a real answer ({cfg.data.answer_field!r}), or drop these examples"
             )
+
+
+def _is_null(example: Example, name: str) -> bool:
+    """Whether the data row holds field ``name`` with a null value (not: lacks it)."""
+    from klpo.train.data.sources import field_value
+
+    try:
+        return field_value(example.columns, name) is None
+    except KeyError:
+        return False
+
+
+def reads_answers(name: str) -> bool:
+    """Whether the reward ``name`` reads each example's answer: a built-in that scores against
+    it, or any function of klpo's three-list form (``fn(prompts, completions, answers)``); a
+    TRL-form function reads the data's columns by name instead, and ``model`` none."""
+    from klpo.train.rewards import functions as rewards
+
+    if name == "model" or name == "format":
+        return False
+    if name in rewards.BUILTIN:
+        return True
+    try:
+        (r,) = rewards.resolve_rewards([name])
+        return rewards.reward_form(r.fn, name) == "klpo"
+    except ValueError:  # an unknown name is check_rewards_and_trackers' error
+        return False
 
 
 def check_prompts(

@@ -11,6 +11,7 @@ window (:mod:`klpo.train.runtime.checkpoint`). :func:`teardown` ends the run.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -319,6 +320,9 @@ def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
     if not run.dist.is_main:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
+    for name in plan.replace:  # an unstarted run's files (checks.unstarted_run), said so before
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     for orphan in ckpt_io.remove_orphans(run_dir):
         log(f"note: removed {orphan}, the remains of a checkpoint save that did not finish")
     if plan.restart and (kept := checks.keep_old_metrics(run_dir)) is not None:

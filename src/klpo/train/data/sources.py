@@ -2,6 +2,11 @@
 
 Every source yields :class:`Example` (prompt text, reference answer). Bad input is an error that
 names the file and line (JSONL) or the sample index (datasets) and says what is missing.
+
+Field names (``data.prompt_field``, ``data.answer_field``) are a column's name, or a dotted path
+into a nested record, as verl's parquet files keep the answer in ``reward_model.ground_truth``
+(:func:`field_value`). The answer is optional: an example without one has ``answer=None``, and
+the preflight refuses it only where a reward reads it (:func:`klpo.train.preflight.check_answers`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class Example:
     """
 
     prompt: str
-    answer: str
+    answer: str | None  # None: the row has no answer field (TRL-form rewards read other columns)
     messages: tuple[tuple[str, str], ...] | None = None
     where: str = field(default="", compare=False)  # "file:line" or "name[i]", for errors
     row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
@@ -44,7 +49,10 @@ class Example:
 def read_jsonl(
     path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[Example]:
-    """Examples from a JSONL file, one JSON object per line with the two fields (strings)."""
+    """Examples from a JSONL file, one JSON object per line with the two fields (strings).
+
+    A parquet file (by its ``PAR1`` magic, verl's data format) is read as parquet, its rows
+    named ``file[i]`` in errors, whatever the source says."""
     path = Path(path)
     if path.is_dir():
         raise FileNotFoundError(
@@ -52,6 +60,8 @@ def read_jsonl(
         )
     if not path.is_file():
         raise FileNotFoundError(f"JSONL file {str(path)!r} does not exist")
+    if is_parquet(path):
+        return read_parquet(path, prompt_field, answer_field)
     out = []
     with path.open("rb") as f:
         for n, raw in enumerate(f, start=1):
@@ -78,33 +88,95 @@ def read_jsonl(
     return out
 
 
+def is_parquet(path: Path) -> bool:
+    """Whether ``path`` is a parquet file (it starts with the format's magic bytes ``PAR1``)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
+def read_parquet(
+    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Example]:
+    """Examples from a parquet file (pyarrow), one per row; nested columns stay records."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as err:  # pyarrow's own error types
+        raise ValueError(f"cannot read {str(path)!r} as parquet: {err}") from None
+    if not rows:
+        raise ValueError(f"parquet file {str(path)!r} holds no examples")
+    return [_example(row, prompt_field, answer_field, f"{path}[{i}]") for i, row in enumerate(rows)]
+
+
+_MISSING = object()
+
+
+def field_value(row: Mapping[str, Any], name: str) -> Any:
+    """The value of field ``name`` in ``row``: the column of that name if there is one, else a
+    dotted path into nested records (``reward_model.ground_truth`` is
+    ``row["reward_model"]["ground_truth"]``; a number indexes a list). Raises KeyError with the
+    part that is missing and the fields present where it was looked for."""
+    if name in row:
+        return row[name]
+    value: Any = row
+    for i, part in enumerate(name.split(".")):
+        if isinstance(value, Mapping):
+            value = value.get(part, _MISSING)
+        elif isinstance(value, (list, tuple)) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            value = _MISSING
+        if value is _MISSING:
+            at = ".".join(name.split(".")[:i])
+            inside = row if not at else field_value(row, at)
+            present = (
+                ", ".join(map(str, inside))
+                if isinstance(inside, Mapping)
+                else f"a {type(inside).__name__}"
+            )
+            raise KeyError(part if not at else f"{part} (in {at})", present)
+    return value
+
+
+def _field(row: Mapping[str, Any], name: str, where: str, *, required: bool = True) -> Any:
+    try:
+        return field_value(row, name)
+    except KeyError as err:
+        if not required:
+            return None
+        part, present = err.args
+        raise ValueError(
+            f"{where}: missing field {name!r}"
+            + (f" ({part!r} is not there)" if part != name else "")
+            + f" (fields present: {present}); set data.prompt_field / data.answer_field to the "
+            "right names (a dotted path such as reward_model.ground_truth reaches into a nested "
+            "record)"
+        ) from None
+
+
 def _example(row: object, prompt_field: str, answer_field: str, where: str) -> Example:
     if not isinstance(row, dict):
         raise ValueError(
             f"{where}: expected a JSON object with {prompt_field!r} and {answer_field!r}"
         )
-    for key in (prompt_field, answer_field):
-        if key not in row:
-            raise ValueError(
-                f"{where}: missing field {key!r} (fields present: {', '.join(map(str, row))}); "
-                f"set data.prompt_field / data.answer_field to the right names"
-            )
-    prompt, answer = row[prompt_field], row[answer_field]
-    if answer is None:  # str(None) would become the answer text "None"
-        raise ValueError(
-            f"{where}: field {answer_field!r} is null; give the example its answer (a string "
-            "or a number), or drop it"
-        )
+    prompt = _field(row, prompt_field, where)
+    answer = _field(row, answer_field, where, required=False)
+    answer = None if answer is None else str(answer)
     if isinstance(prompt, list):
         return Example(
-            prompt="", answer=str(answer), messages=_messages(prompt, where), where=where, row=row
+            prompt="", answer=answer, messages=_messages(prompt, where), where=where, row=row
         )
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
             f"{where}: field {prompt_field!r} must be a non-empty string or a list of chat "
             f"messages, got {prompt!r}"
         )
-    return Example(prompt=prompt, answer=str(answer), where=where, row=row)
+    return Example(prompt=prompt, answer=answer, where=where, row=row)
 
 
 def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
@@ -233,6 +305,7 @@ def read_dataset(
     functions (:attr:`Example.columns`)."""
     import datasets
 
+    datasets.disable_progress_bars()  # no "Generating train split" bars in the run's output
     path = Path(name_or_path)
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
         ds = datasets.load_from_disk(str(path))
@@ -268,11 +341,16 @@ def read_dataset(
                 f"data.path {name_or_path!r}: could not load the dataset ({err}); "
                 f"{offline_variable('dataset')}=1 reads the local cache only"
             ) from None
-    missing = [k for k in (prompt_field, answer_field) if k not in ds.column_names]
+    missing = [
+        k
+        for k in (prompt_field,)
+        if k not in ds.column_names and k.split(".")[0] not in ds.column_names
+    ]
     if missing:
         raise ValueError(
             f"dataset {name_or_path!r} has no column {missing[0]!r} (columns: "
-            f"{', '.join(ds.column_names)}); set data.prompt_field / data.answer_field"
+            f"{', '.join(ds.column_names)}); set data.prompt_field (a dotted path such as "
+            "extra_info.question reaches into a nested record)"
         )
     return [
         _example(dict(row), prompt_field, answer_field, f"{name_or_path}[{i}]")

@@ -69,6 +69,7 @@ import numbers
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
@@ -559,7 +560,8 @@ def score(
         where = _first_failing_sample(fn, batch)
         at = f"on sample {where}" if where is not None else f"on the batch of {n} samples"
         raise RewardError(
-            f"reward function {name!r} raised {type(err).__name__} {at}: {err}"
+            f"reward function {name!r} raised {type(err).__name__} {at}{_raised_at(err, fn)}: "
+            f"{err}{_chat_hint(err, fn, batch)}"
         ) from err
     values = _as_list(name, values, n)
     if len(values) != n:
@@ -620,6 +622,39 @@ def _as_real(v: object) -> float | None:
         x = item()
         return float(x) if isinstance(x, numbers.Real) else None
     return None
+
+
+def _raised_at(err: BaseException, fn: RewardFn) -> str:
+    """`` at FILE:LINE in FUNC``: where in the reward's own code ``err`` was raised (the
+    innermost frame in ``fn``'s file, else the innermost outside klpo), so that the one-line
+    error of ``klpo train`` still points at the line to fix."""
+    frames = traceback.extract_tb(err.__traceback__)
+    try:
+        own = inspect.getsourcefile(inspect.unwrap(fn))
+    except TypeError:
+        own = None
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # klpo/train
+    mine = [f for f in frames if own and os.path.abspath(f.filename) == os.path.abspath(own)]
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(here)]
+    pick = (mine or outside or [None])[-1]
+    if pick is None:
+        return ""
+    code = f": {pick.line.strip()}" if pick.line else ""
+    return f" at {pick.filename}:{pick.lineno} in {pick.name}{code}"
+
+
+def _chat_hint(err: BaseException, fn: RewardFn, batch: RewardBatch) -> str:
+    """With chat data a TRL-form reward gets each completion as a list of messages (as TRL
+    passes conversational completions); a string method on one fails. Say so."""
+    if batch.messages is None or not isinstance(err, (AttributeError, TypeError)):
+        return ""
+    if reward_form(fn) != "trl":
+        return ""
+    return (
+        ". With data.chat, completions reach a TRL-form reward as message lists, "
+        "[{'role': 'assistant', 'content': TEXT}], as TRL passes conversational completions: "
+        "read completion[0]['content'] (docs/rewards.md)"
+    )
 
 
 def _first_failing_sample(fn: RewardFn, batch: RewardBatch) -> int | None:

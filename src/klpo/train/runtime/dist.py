@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as tdist
 
+from klpo._threads import use_free_cores
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -64,8 +66,10 @@ class Dist:
             tdist.barrier()
 
 
-def init_distributed(threads: int = 0) -> Dist:
-    """Join the process group if launched by torchrun, and set the torch thread budget."""
+def init_distributed(threads: int = 0, *, log=None) -> Dist:
+    """Join the process group if launched by torchrun, and set the torch thread budget:
+    ``threads`` per process, or (0, on CPU) the cores free now shared out between the ranks,
+    with one line through ``log`` when the machine is loaded (:mod:`klpo._threads`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -76,8 +80,8 @@ def init_distributed(threads: int = 0) -> Dist:
         torch.cuda.set_device(device)
     if threads > 0:
         torch.set_num_threads(threads)
-    elif world > 1 and not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    elif not cuda:
+        use_free_cores(world, log=log if rank == 0 else None)
     return Dist(rank=rank, world=world, device=device)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "SMOOTH_FROM",
     "constant_value",
     "plot_series",
+    "robust_limits",
     "running_mean",
     "save_figure",
     "smoothing_window",
@@ -77,14 +78,16 @@ def plot_series(
     *,
     color: Any = None,
     marker: str | None = None,
+    zorder: float = 2.0,
 ) -> None:
     """One series on ``ax``: below :data:`SMOOTH_FROM` points as points joined by a line; from
-    there the running mean (its window in the legend) over the raw values drawn faintly."""
+    there the running mean (its window in the legend) over the raw values drawn faintly.
+    ``zorder`` stacks it (higher: on top)."""
     window = smoothing_window(len(xs))
     if window == 1:
-        ax.plot(xs, ys, marker=marker or "o", ms=3, lw=1.5, color=color, label=label)
+        ax.plot(xs, ys, marker=marker or "o", ms=3, lw=1.5, color=color, label=label, zorder=zorder)
         return
-    (raw,) = ax.plot(xs, ys, lw=0.8, alpha=0.25, color=color)
+    (raw,) = ax.plot(xs, ys, lw=0.8, alpha=0.25, color=color, zorder=zorder - 0.5)
     smooth = running_mean(ys, window)
     every = max(1, len(xs) // 12)
     ax.plot(
@@ -96,7 +99,40 @@ def plot_series(
         markevery=every,
         ms=4,
         label=f"{label} ({window}-step running mean)",
+        zorder=zorder,
     )
+
+
+def _quantile(sorted_ys: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, linearly interpolated (numpy's default rule)."""
+    pos = q * (len(sorted_ys) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_ys) - 1)
+    return sorted_ys[lo] + (sorted_ys[hi] - sorted_ys[lo]) * (pos - lo)
+
+
+def robust_limits(
+    series: Sequence[Sequence[float]], *, q: float = 0.98, margin: float = 0.08
+) -> tuple[float, float] | None:
+    """The y range that shows every series' trend when a few raw values spike far out (a k3
+    estimate after 1,500 steps: spikes at 6, the trend in 0-0.4): from the smallest to the
+    largest of the running means over complete windows (as :func:`plot_series` draws them) and
+    the ``1 - q`` and ``q`` quantiles of the raw values, with ``margin`` of the span on each side. None when no raw
+    value falls outside it (the automatic range already fits)."""
+    raw = sorted(y for ys in series for y in ys if math.isfinite(y))
+    if len(raw) < SMOOTH_FROM:
+        return None
+    smooth = []  # over complete windows only: the first few means of a spike are the spike
+    for ys in series:
+        w = smoothing_window(len(ys))
+        smooth += [y for y in running_mean(list(ys), w)[w - 1 :] if math.isfinite(y)]
+    lo = min([_quantile(raw, 1 - q), *smooth])
+    hi = max([_quantile(raw, q), *smooth])
+    pad = margin * ((hi - lo) or abs(hi) or 1.0)
+    lo, hi = lo - pad, hi + pad
+    if raw[0] >= lo and raw[-1] <= hi:
+        return None
+    return lo, hi
 
 
 def save_figure(fig: Any, path: Path) -> None:

@@ -178,6 +178,16 @@ class Progress:
             self._log(self.line())
             self._last_line, self._mark = now, self._next_mark()
 
+    def note(self, text: str) -> None:
+        """A line of its own (a result worth keeping, such as a mid-run evaluation): above the
+        bar on a terminal, else a plain line."""
+        if not self.show:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text, highlight=False, markup=False)
+        else:
+            self._log(text)
+
     def advance(self, units: int = 1, *, info: str | None = None, part: str | None = None) -> None:
         """:meth:`update` with ``units`` more done."""
         self.update(self.done + units, info=info, part=part)
@@ -213,13 +223,12 @@ ProgressFn = Callable[[int | None, dict[str, float] | None], None]
 
 def train_info(metrics: dict[str, float]) -> str:
     """A training step's numbers: reward, the gold reward where there is one (the
-    over-optimisation task), exact KL, held-out accuracy on evaluation steps."""
+    over-optimisation task), the exact KL(pi_theta ‖ pi_ref) per token. (A held-out evaluation
+    gets a line of its own: :func:`progress`.)"""
     parts = [f"reward {metrics['reward/mean']:.3f}"]
     if "reward/gold" in metrics:
         parts.append(f"gold {metrics['reward/gold']:.3f}")
-    parts.append(f"kl {metrics['kl/ref/exact']:.4f}")
-    if "accuracy/heldout" in metrics:
-        parts.append(f"heldout {metrics['accuracy/heldout']:.3f}")
+    parts.append(f"exact KL {metrics['kl/ref/exact']:.4f}")
     return "  ".join(parts)
 
 
@@ -227,13 +236,16 @@ def progress(
     steps: int, step0: int, *, show: bool, log=print, terminal: bool | None = None
 ) -> ProgressFn:
     """Progress of a run of ``steps`` steps from ``step0`` when ``show`` (the main rank, with
-    ``run.progress``): a :class:`Progress` labelled ``step`` whose info is :func:`train_info`."""
+    ``run.progress``): a :class:`Progress` labelled ``step`` whose info is :func:`train_info`;
+    a step with a held-out evaluation also prints its accuracy on a line of its own."""
     bar = Progress("step", steps, done=step0, show=show, terminal=terminal, log=log)
 
     def report(step: int | None, metrics: dict[str, float] | None) -> None:
         if step is None:
             bar.close()
-        else:
-            bar.update(step, info=train_info(metrics or {}))
+            return
+        bar.update(step, info=train_info(metrics or {}))
+        if metrics and "accuracy/heldout" in metrics:
+            bar.note(f"held-out accuracy at step {step}: {metrics['accuracy/heldout']:.3f}")
 
     return report

@@ -20,7 +20,7 @@ from typing import Any
 
 from klpo._io import write_text_atomic
 from klpo.train.runtime.metrics import read_metrics
-from klpo.train.runtime.plots import constant_value, plot_series, save_figure
+from klpo.train.runtime.plots import constant_value, plot_series, robust_limits, save_figure
 from klpo.train.runtime.samples import latest_samples, samples_table
 
 __all__ = [
@@ -127,8 +127,17 @@ def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], l
             (run_dir / name).unlink(missing_ok=True)  # an earlier report's, now stale
             continue
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
-        for _, legend, xs, ys in series:
-            plot_series(ax, xs, ys, legend)
+        for key, legend, xs, ys in series:  # the exact KL over the estimates it is judged by
+            plot_series(ax, xs, ys, legend, zorder=4.0 if key == "kl/ref/exact" else 2.0)
+        limits = robust_limits([ys for *_, ys in series]) if name == "kl.png" else None
+        if limits is not None:
+            ax.set_ylim(*limits)
+            outside = sum(not limits[0] <= y <= limits[1] for *_, ys in series for y in ys)
+            ax.set_title(
+                f"{outside} raw value{'s' if outside != 1 else ''} outside the range shown",
+                fontsize=8,
+                loc="right",
+            )
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5
         ax.set_ylabel(PLOTS[name][0])
@@ -157,6 +166,13 @@ def heldout_section(r: RunReport) -> list[str]:
     if not steps:
         return []
     first, latest, best = accs[0], accs[-1], max(accs)
+    if len(steps) == 1:  # one evaluation: one row, not the same step twice
+        return [
+            "| held-out accuracy (greedy) | value |",
+            "| --- | --- |",
+            f"| at step {steps[0]} | {first:.3f} |",
+            "",
+        ]
     return [
         "| held-out accuracy (greedy) | value |",
         "| --- | --- |",

@@ -1,7 +1,8 @@
 """Completions in the run: ``samples.jsonl``, one JSON line per logged completion.
 
-Every ``run.log_samples_every`` steps (and at the last), the first ``run.log_samples``
-completions of the step (the main process's share, in sampling order) are written with
+Every ``run.log_samples_every`` steps (and at the last), ``run.log_samples`` completions of
+the step, spread over its prompts (the first of each prompt's group, then the second, ...; the
+main process's share, in batch order; :func:`klpo.train.step.samples.spread_rows`) are written with
 ``split: "train"``; at each held-out evaluation, the greedy completions of the first
 ``run.log_samples`` held-out problems with ``split: "eval"``. A record holds::
 

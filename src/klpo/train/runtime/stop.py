@@ -77,3 +77,32 @@ class StopOnSignal:
 
     def __exit__(self, *exc: object) -> None:
         self._restore()
+
+
+def klpo_command(argv0: str | None = None, *, which: str | None = None) -> str:
+    """How to call klpo again the way this process was called, for the line that says how to
+    resume: ``klpo`` where that name on PATH is this very program, else the path it was called
+    by (``.venv/bin/klpo`` when the environment is not activated), else ``python -m klpo``.
+    ``argv0`` and ``which`` (the ``klpo`` found on PATH) default to this process's."""
+    import os
+    import shutil
+
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0)
+    if name in ("__main__.py", "-m", "-c", "") or not name.startswith("klpo"):
+        return f"{_short_path(sys.executable)} -m klpo"
+    found = shutil.which("klpo") if which is None else which
+    if found and os.path.realpath(found) == os.path.realpath(argv0):
+        return "klpo"
+    return _short_path(argv0)
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the working directory where that is shorter (``.venv/bin/klpo``)."""
+    import os
+
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return rel if len(rel) < len(path) else path

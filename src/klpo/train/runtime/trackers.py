@@ -205,8 +205,8 @@ def check_trackers(names: Sequence[str]) -> None:
         if spec.module is not None and importlib.util.find_spec(spec.module) is None:
             raise ImportError(
                 f"run.report_to lists {name!r}, but the {spec.module} package is not installed; "
-                f"install the extra: pip install 'klpo[{spec.extra}]' (or drop {name!r} from "
-                "run.report_to)"
+                f"install the extra into klpo's environment, from the klpo checkout: "
+                f"pip install -e '.[{spec.extra}]' (or drop {name!r} from run.report_to)"
             )
 
 

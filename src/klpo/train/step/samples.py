@@ -23,7 +23,7 @@ from klpo.train.step.kl_term import needs_exact_kl
 from klpo.train.step.score import reference_and_old
 from klpo.train.step.types import Scored
 
-__all__ = ["eval_records", "sequence_kls", "train_records"]
+__all__ = ["eval_records", "sequence_kls", "spread_rows", "train_records"]
 
 
 def _estimators(cfg: TrainConfig) -> tuple[str, ...]:
@@ -49,7 +49,7 @@ def _records(
     step: int,
     split: str,
     rollout: Rollout,
-    rows: range,
+    rows: range | list[int],
     totals: list[float | None],
     per_reward: dict[str, list[float | None]],
     kls: dict[str, Tensor],
@@ -74,9 +74,22 @@ def _records(
     ]
 
 
+def spread_rows(n: int, batch: int, group: int) -> list[int]:
+    """``n`` rows of a batch of consecutive groups of ``group`` completions, spread over the
+    prompts: the first completion of each group, then the second, ...; in batch order.
+
+    >>> spread_rows(4, 32, 8), spread_rows(5, 8, 4)
+    ([0, 8, 16, 24], [0, 1, 2, 4, 5])
+    """
+    group = max(1, min(group, batch))
+    order = [g + j for j in range(group) for g in range(0, batch, group) if g + j < batch]
+    return sorted(order[: max(0, n)])
+
+
 def train_records(cfg: TrainConfig, s: Scored, step: int, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` completions of a scored and updated step (its SamplingPass is filled)."""
-    rows = range(min(n, len(s.rollout.completions)))
+    """``n`` completions of a scored and updated step (its SamplingPass is filled), spread over
+    its prompts (:func:`spread_rows`): a few copies of one prompt would show little."""
+    rows = spread_rows(n, len(s.rollout.completions), cfg.rollout.group_size)
     if not rows:
         return []
     kls = sequence_kls(cfg, s.old.logp, s.logp_ref, s.old.kl, s.rollout.mask)
