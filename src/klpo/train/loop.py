@@ -197,6 +197,8 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
                 acc = evaluate_policy(run, step)
                 if run.dist.is_main:
                     metrics["accuracy/heldout"] = acc
+                    if last:  # the run's "after", beside the step-0 "before"
+                        run.log(f"held-out accuracy at step {step}: {run.last_evaluation}")
             run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
