@@ -7,7 +7,12 @@ batch measurement of docs/real-models.md ("The real-model job") evaluates each r
 that the base model is evaluated once and every trained run against the same problems.
 
     python bench/chat_arith_eval.py --model DIR [--adapter RUN/checkpoints/step_000040/policy]
-        [--n 200] [--max-new-tokens 12] [--json OUT.json]
+        [--n 200] [--max-new-tokens 12] [--json OUT.json] [--against BASE.json]
+
+``--against`` compares problem by problem with an earlier result (the base model's) on the
+problems both evaluated: how many turned right and how many turned wrong, and the exact two-sided
+McNemar p-value (a sign test on the problems that changed; McNemar 1947), which is more sensitive
+than comparing the two intervals.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import replace
+from math import comb
 from pathlib import Path
 
 import torch
@@ -27,6 +33,16 @@ from klpo.train.evaluate import evaluate, wilson_interval
 from klpo.train.models.tokens import Codec
 
 
+def mcnemar_exact(gained: int, lost: int) -> float:
+    """The exact two-sided McNemar p-value: under no change, each of the ``gained + lost``
+    problems that changed is equally likely to have gone either way (a Binomial(m, 1/2))."""
+    m = gained + lost
+    if m == 0:
+        return 1.0
+    tail = sum(comb(m, i) for i in range(min(gained, lost) + 1)) / 2**m
+    return min(1.0, 2 * tail)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the base model directory")
@@ -35,6 +51,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the result here too")
+    ap.add_argument("--against", help="an earlier result (JSON) to compare problem by problem")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,6 +98,20 @@ def main() -> None:
             for e, c in zip(examples[:8], completions[:8], strict=False)
         ],
     }
+    if args.against:
+        base = json.loads(Path(args.against).read_text())["scores"]
+        pairs = list(zip(base, result["scores"], strict=False))
+        gained = sum(1 for b, a in pairs if a and not b)
+        lost = sum(1 for b, a in pairs if b and not a)
+        result["against"] = {
+            "file": args.against,
+            "n": len(pairs),
+            "before": sum(b for b, _ in pairs),
+            "after": sum(a for _, a in pairs),
+            "gained": gained,
+            "lost": lost,
+            "mcnemar_p": mcnemar_exact(gained, lost),
+        }
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -255,3 +255,24 @@ def test_train_a_step_on_the_chat_task(smollm2_tiny, quick, tmp_path):
     for step in (0, 1):
         said = [x for x in lines if x.startswith(f"held-out accuracy at step {step}: ")]
         assert len(said) == 1 and "/4 right; 95% interval " in said[0], lines
+
+
+def test_the_eval_scripts_mcnemar_p_value_by_enumeration():
+    """bench/chat_arith_eval.py's exact McNemar p-value against the sign test written out: the
+    probability, under a fair coin on each changed problem, of a split at least as uneven."""
+    import importlib.util
+    import itertools
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "chat_arith_eval.py"
+    spec = importlib.util.spec_from_file_location("chat_arith_eval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for gained, lost in [(0, 0), (5, 0), (3, 3), (10, 2), (1, 7), (4, 6)]:
+        m = gained + lost
+        observed = abs(gained - lost)
+        outcomes = list(itertools.product((0, 1), repeat=m))
+        extreme = sum(1 for o in outcomes if abs(2 * sum(o) - m) >= observed)
+        assert module.mcnemar_exact(gained, lost) == pytest.approx(extreme / len(outcomes))
+    # 5 gained, none lost: 2 / 2^5 by hand.
+    assert module.mcnemar_exact(5, 0) == 0.0625
