@@ -197,14 +197,14 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
                 acc = evaluate_policy(run, step)
                 if run.dist.is_main:
                     metrics["accuracy/heldout"] = acc
-                    if last:  # the run's "after", beside the step-0 "before"
-                        run.log(f"held-out accuracy at step {step}: {run.last_evaluation}")
             run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
         if run.writer is not None:
             run.writer.write(step, metrics)
         run.progress(step, metrics)
+        if last and "accuracy/heldout" in metrics:  # the run's "after", beside step 0's "before"
+            run.log(f"held-out accuracy at step {step}: {run.last_evaluation}")
         _check_finite(run, step, metrics)
         stop = run.dist.any(stopper is not None and stopper.requested) and not last
         if last or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
