@@ -132,12 +132,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 """Arguments of ``apply_chat_template`` that ``data.chat_template_kwargs`` may not set."""
 
 
+DataSource = Literal["builtin", "builtin-overopt", "builtin-chat-arith", "jsonl", "datasets"]
+
+
 class DataConfig(_Section):
-    source: Literal["builtin", "builtin-overopt", "jsonl", "datasets"] = Field(
+    source: DataSource = Field(
         "builtin",
         description="Where prompts come from: the built-in arithmetic task, the same task as the "
         "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
-        "reward; docs/overopt.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
+        "reward; docs/overopt.md), the built-in chat task for an instruction-tuned model "
+        "(arithmetic and word problems as chat messages, scored by the numeric reward; "
+        "docs/real-models.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
         "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
         "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
     )
@@ -650,11 +655,18 @@ class TrainConfig(_Section):
     @classmethod
     def _overopt_defaults(cls, data: Any) -> Any:
         """builtin-overopt: the proxy reward, the gold reward and room to write past the answer,
-        each unless given (docs/overopt.md)."""
+        each unless given (docs/overopt.md). builtin-chat-arith: chat rendering and the numeric
+        reward, unless given (docs/real-models.md)."""
         if not isinstance(data, dict):
             return data
         d = data.get("data")
         source = d.get("source") if isinstance(d, dict) else getattr(d, "source", None)
+        if source == "builtin-chat-arith":
+            data = dict(data)
+            data.setdefault("rewards", [{"name": "numeric"}])
+            if isinstance(d, dict) and "chat" not in d:
+                data["data"] = {**d, "chat": True}
+            return data
         if source != "builtin-overopt":
             return data
         data = dict(data)

@@ -85,6 +85,7 @@ class TrainRun:
     writer: MetricsWriter | None = None  # the main rank's metrics.jsonl and TensorBoard
     progress: ProgressFn | None = None
     engine: RolloutEngine | None = None  # samples the completions (klpo.train.rollout.engines)
+    last_evaluation: str = ""  # the latest held-out accuracy with its interval, for the log
 
     @property
     def sharded(self) -> bool:
@@ -181,7 +182,10 @@ def _evaluate_start(run: TrainRun) -> None:
     t0 = time.perf_counter()
     run.log(f"evaluating the starting policy on {len(run.heldout)} held-out problems (greedy)")
     acc = evaluate_policy(run, 0)
-    run.log(f"held-out accuracy at step 0: {acc:.3f} ({fmt_duration(time.perf_counter() - t0)})")
+    run.log(
+        f"held-out accuracy at step 0: {run.last_evaluation} "
+        f"({fmt_duration(time.perf_counter() - t0)})"
+    )
     if run.writer is not None:
         run.writer.write(0, {"accuracy/heldout": acc})
 
@@ -190,6 +194,7 @@ def evaluate_policy(run: TrainRun, step: int) -> float:
     """The held-out accuracy of the policy at ``step``; its first ``run.log_samples`` greedy
     completions go to ``samples.jsonl`` (call on every rank that :func:`evaluates`)."""
     ev = policy_evaluation(run.cfg, run.models, run.heldout, step)
+    run.last_evaluation = ev.summary()
     records = eval_records(run.cfg, run.models, ev, step, run.cfg.run.log_samples)
     if run.writer is not None:
         run.writer.samples(step, "eval", records)

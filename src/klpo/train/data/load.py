@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from klpo.train.config import TrainConfig
+from klpo.train.data.chat_task import ChatArithmeticTask
 from klpo.train.data.sources import Example, read_dataset, read_jsonl
 from klpo.train.data.task import ArithmeticTask
 
@@ -15,6 +16,9 @@ def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
     if d.source in ("builtin", "builtin-overopt"):
         train, heldout = ArithmeticTask().splits()
         return list(train), list(heldout[: d.eval_size])
+    if d.source == "builtin-chat-arith":
+        train, heldout = ChatArithmeticTask().splits()
+        return train, heldout[: d.eval_size]
     if d.source == "jsonl":
         train = read_jsonl(d.path, d.prompt_field, d.answer_field)
         heldout = read_jsonl(d.eval_path, d.prompt_field, d.answer_field) if d.eval_path else []

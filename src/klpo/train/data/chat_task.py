@@ -1,0 +1,144 @@
+r"""The built-in chat task: arithmetic and word problems for an instruction-tuned model.
+
+``data.source: builtin-chat-arith``. Each problem is a short conversation that a chat template
+renders (``data.chat: true``): a system prompt asking for the bare number, one solved example
+(a user turn and the assistant's answer, the one-shot format of Brown et al. 2020,
+arXiv:2005.14165), then the question, ending "Answer with just the number." The answer is the
+decimal value, scored by the ``numeric`` reward (the completion's last number;
+:func:`klpo.train.rewards.functions.extract_number`), so "42", "42." and "17 + 25 = 42" are right
+and "17 + 25 = 32" is not.
+
+Four kinds of problem, drawn with equal weight:
+
+======  ============================================================  ===========================
+kind    question                                                      answer
+======  ============================================================  ===========================
+add     ``What is 47 + 38?``                                          a + b, two-digit operands
+more    ``Mia has 23 apples. She gets 15 more. How many apples ...``  a + b
+left    ``Leo had 52 marbles. He gave away 17. How many marbles ...`` a - b, with a > b
+groups  ``Ava has 4 boxes with 6 pens in each. How many pens ...``    a * b, a in 2..9, b in 2..12
+======  ============================================================  ===========================
+
+The problems come from ``random.Random(seed).random()`` alone (whose sequence Python guarantees
+across platforms and versions), distinct by question text; the first ``n_heldout`` are the
+held-out split and the next ``n_train`` the train split, so the two are disjoint by construction
+and the same on every machine. Docs: docs/real-models.md, "The real-model job".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from klpo.train.data.sources import Example
+
+__all__ = ["KINDS", "SYSTEM_PROMPT", "ChatArithmeticTask"]
+
+SYSTEM_PROMPT = (
+    "You are a calculator. Solve the problem and reply with only the final number: "
+    "no words, no units, no working."
+)
+"""The system message of every problem."""
+
+INSTRUCTION = "Answer with just the number."
+"""The sentence that ends every user turn."""
+
+ONE_SHOT = (f"What is 12 + 7? {INSTRUCTION}", "19")
+"""The solved example (user turn, assistant turn) before each question."""
+
+KINDS = ("add", "more", "left", "groups")
+"""The kinds of problem, drawn with equal weight."""
+
+_NAMES = (
+    ("Mia", "She"), ("Leo", "He"), ("Ava", "She"), ("Sam", "He"), ("Zoe", "She"),
+    ("Ben", "He"), ("Ivy", "She"), ("Max", "He"), ("Ana", "She"), ("Tom", "He"),
+)  # fmt: skip
+_THINGS = ("apples", "marbles", "stickers", "pencils", "cards", "coins", "books", "shells")
+_BOXES = ("boxes", "bags", "rows", "packs", "jars", "shelves")
+
+
+def _pick(rng: random.Random, seq: tuple) -> object:
+    return seq[int(rng.random() * len(seq))]
+
+
+def _int(rng: random.Random, lo: int, hi: int) -> int:
+    """An integer in ``[lo, hi]`` from ``rng.random()`` alone (``randint`` is not guaranteed to
+    give the same sequence across Python versions)."""
+    return lo + int(rng.random() * (hi - lo + 1))
+
+
+def _problem(rng: random.Random) -> tuple[str, str, int]:
+    """(kind, question, answer) of one problem drawn from ``rng``."""
+    kind = _pick(rng, KINDS)
+    name, pronoun = _pick(rng, _NAMES)
+    thing = _pick(rng, _THINGS)
+    if kind == "add":
+        a, b = _int(rng, 10, 99), _int(rng, 10, 99)
+        return kind, f"What is {a} + {b}?", a + b
+    if kind == "more":
+        a, b = _int(rng, 10, 99), _int(rng, 10, 99)
+        q = f"{name} has {a} {thing}. {pronoun} gets {b} more. How many {thing} does {name} have now?"
+        return kind, q, a + b
+    if kind == "left":
+        a = _int(rng, 20, 99)
+        b = _int(rng, 10, a - 1)
+        q = f"{name} had {a} {thing}. {pronoun} gave away {b}. How many {thing} are left?"
+        return kind, q, a - b
+    a, b = _int(rng, 2, 9), _int(rng, 2, 12)
+    box = _pick(rng, _BOXES)
+    q = f"{name} has {a} {box} with {b} {thing} in each. How many {thing} is that in all?"
+    return kind, q, a * b
+
+
+@dataclass(frozen=True)
+class ChatArithmeticTask:
+    """Arithmetic and word problems as chat messages, with their answers.
+
+    Args:
+        n_heldout: problems in the held-out split (the first drawn).
+        n_train: problems in the train split (the next drawn, distinct from the held-out ones).
+        seed: seeds the draw.
+    """
+
+    n_heldout: int = 500
+    n_train: int = 5000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_heldout", "n_train"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 50_000:
+                raise ValueError(f"{name} must be an integer in [1, 50000], got {v!r}")
+
+    def problems(self) -> list[tuple[str, str, int]]:
+        """``n_heldout + n_train`` distinct (kind, question, answer) triples, in draw order."""
+        rng = random.Random(self.seed)
+        seen: set[str] = set()
+        out = []
+        while len(out) < self.n_heldout + self.n_train:
+            kind, q, ans = _problem(rng)
+            if q not in seen:
+                seen.add(q)
+                out.append((kind, q, ans))
+        return out
+
+    @staticmethod
+    def example(kind: str, question: str, answer: int) -> Example:
+        """The problem as an :class:`Example`: the system prompt, the one-shot exchange and the
+        question as chat messages; the answer as its decimal string; ``kind`` in the row."""
+        messages = (
+            ("system", SYSTEM_PROMPT),
+            ("user", ONE_SHOT[0]),
+            ("assistant", ONE_SHOT[1]),
+            ("user", f"{question} {INSTRUCTION}"),
+        )
+        row = {"prompt": [{"role": r, "content": c} for r, c in messages], "answer": str(answer)}
+        return Example(prompt="", answer=str(answer), messages=messages, row={**row, "kind": kind})
+
+    def splits(self) -> tuple[list[Example], list[Example]]:
+        """``(train, heldout)``: disjoint, deterministic in the seed."""
+        examples = [
+            replace(self.example(*p), where=f"builtin-chat-arith[{i}]")
+            for i, p in enumerate(self.problems())
+        ]
+        return examples[self.n_heldout :], examples[: self.n_heldout]

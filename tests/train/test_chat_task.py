@@ -1,0 +1,278 @@
+"""The built-in chat task (data.source: builtin-chat-arith), its reward and the accuracy interval."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import pytest
+
+from klpo.train import loop
+from klpo.train.config import build_config
+from klpo.train.data.chat_task import INSTRUCTION, KINDS, SYSTEM_PROMPT, ChatArithmeticTask
+from klpo.train.data.load import load_examples
+from klpo.train.data.sources import render_chat
+from klpo.train.evaluate import wilson_interval
+from klpo.train.rewards.functions import numeric
+from klpo.train.runtime.metrics import read_metrics
+
+SMALL = ChatArithmeticTask(n_heldout=300, n_train=3000, seed=0)
+
+# Each kind's question, read back with a pattern written from the templates, and its answer
+# computed here by independent arithmetic on the numbers read.
+PATTERNS = {
+    "add": (re.compile(r"What is (\d+) \+ (\d+)\?"), lambda a, b: a + b),
+    "more": (
+        re.compile(r"\w+ has (\d+) \w+\. (?:He|She) gets (\d+) more\. How many \w+ does \w+ have now\?"),
+        lambda a, b: a + b,
+    ),
+    "left": (
+        re.compile(r"\w+ had (\d+) \w+\. (?:He|She) gave away (\d+)\. How many \w+ are left\?"),
+        lambda a, b: a - b,
+    ),
+    "groups": (
+        re.compile(r"\w+ has (\d+) \w+ with (\d+) \w+ in each\. How many \w+ is that in all\?"),
+        lambda a, b: a * b,
+    ),
+}  # fmt: skip
+
+
+def _question(example) -> str:
+    text = example.messages[-1][1]
+    assert text.endswith(" " + INSTRUCTION)
+    return text[: -len(INSTRUCTION) - 1]
+
+
+def test_the_same_seed_gives_the_same_problems_and_another_seed_others():
+    a, b = SMALL.splits(), ChatArithmeticTask(n_heldout=300, n_train=3000, seed=0).splits()
+    assert a == b
+    other = ChatArithmeticTask(n_heldout=300, n_train=3000, seed=1).splits()
+    assert [e.messages for e in other[1]] != [e.messages for e in a[1]]
+    # A smaller split is a prefix of the larger one: eval_size only cuts.
+    assert ChatArithmeticTask(n_heldout=300, n_train=10).splits()[1] == a[1]
+
+
+def test_splits_are_disjoint_distinct_and_sized():
+    train, heldout = SMALL.splits()
+    assert (len(train), len(heldout)) == (3000, 300)
+    qs_train = [_question(e) for e in train]
+    qs_held = [_question(e) for e in heldout]
+    assert len(set(qs_train)) == 3000 and len(set(qs_held)) == 300
+    assert not set(qs_train) & set(qs_held)
+
+
+def test_every_answer_is_right_by_independent_arithmetic():
+    train, heldout = SMALL.splits()
+    seen = dict.fromkeys(KINDS, 0)
+    for e in train + heldout:
+        kind = e.columns["kind"]
+        pattern, op = PATTERNS[kind]
+        m = pattern.fullmatch(_question(e))
+        assert m, (kind, _question(e))
+        a, b = int(m.group(1)), int(m.group(2))
+        assert e.answer == str(op(a, b)) == e.columns["answer"]
+        if kind in ("add", "more"):
+            assert 10 <= a <= 99 and 10 <= b <= 99
+        elif kind == "left":
+            assert 10 <= b < a <= 99  # never negative, never zero
+        else:
+            assert 2 <= a <= 9 and 2 <= b <= 12
+        seen[kind] += 1
+    # Equal weights: each kind is a quarter of 3,300 draws, within 4 binomial sds (sd = 24.9).
+    sd = math.sqrt(3300 * 0.25 * 0.75)
+    assert all(abs(n - 825) < 4 * sd for n in seen.values()), seen
+
+
+def test_each_problem_is_a_system_prompt_a_solved_example_and_the_question():
+    e = SMALL.splits()[1][0]
+    roles = [r for r, _ in e.messages]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert e.messages[0][1] == SYSTEM_PROMPT
+    # The solved example is itself right.
+    assert e.messages[1][1] == f"What is 12 + 7? {INSTRUCTION}" and e.messages[2][1] == "19"
+    # The data row holds the messages as TRL's conversational form, the answer and the kind.
+    assert e.columns["prompt"][-1] == {"role": "user", "content": e.messages[-1][1]}
+    assert e.where == "builtin-chat-arith[0]"
+
+
+def test_bad_sizes_are_refused_by_name():
+    with pytest.raises(ValueError, match="n_heldout must be an integer"):
+        ChatArithmeticTask(n_heldout=0)
+    with pytest.raises(ValueError, match="n_train must be an integer"):
+        ChatArithmeticTask(n_train=10**6)
+
+
+def test_the_source_defaults_to_chat_and_the_numeric_reward():
+    cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.eval_size=50"])
+    assert cfg.data.chat is True
+    assert [t.name for t in cfg.rewards] == ["numeric"]
+    train, heldout = load_examples(cfg)
+    assert len(heldout) == 50 and len(train) == 5000
+    assert heldout == ChatArithmeticTask().splits()[1][:50]
+    # Given explicitly, each is kept.
+    cfg = build_config(
+        overrides=["data.source=builtin-chat-arith", "rewards=[{name: exact_match}]"]
+    )
+    assert [t.name for t in cfg.rewards] == ["exact_match"]
+
+
+def test_chat_off_with_the_chat_task_is_a_clear_error():
+    cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.chat=false"])
+    train, _ = load_examples(cfg)
+    with pytest.raises(ValueError, match=r"set data\.chat=true"):
+        render_chat(train[:2], tokenizer=None, chat=False)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "right"),
+    [
+        ("42", "42", 1.0),
+        ("42.", "42", 1.0),
+        (" 42 ", "42", 1.0),
+        ("17 + 25 = 42", "42", 1.0),  # the last number is the answer
+        ("17 + 25 = 32", "42", 0.0),  # SmolLM2's own first answer
+        ("Max has 4 rows with 7 pencils, so 4 * 7 = 28 pencils.", "28", 1.0),
+        ("19", "42", 0.0),  # the solved example's answer, copied
+        ("42 apples, or 43", "42", 0.0),  # the final number counts, not the first
+        ("There are 8 x 4 = 24 pencils in each jar. 24 / 4 =", "32", 0.0),  # cut off
+        ("1,200", "1200", 1.0),
+        ("", "42", 0.0),
+        ("forty-two", "42", 0.0),
+    ],
+)
+def test_numeric_reads_the_final_number(completion, answer, right):
+    assert numeric([""], [completion], [answer]) == [right]
+
+
+def _wilson_by_scan(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson interval by its definition, {p : |k/n - p| <= z sqrt(p (1 - p) / n)}, found by
+    bisection on each side of k/n in float64 (no closed form used)."""
+    phat = k / n
+
+    def inside(p: float) -> bool:
+        return abs(phat - p) <= z * math.sqrt(p * (1 - p) / n)
+
+    def edge(lo: float, hi: float, inside_at_hi: bool) -> float:
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if inside(mid) == inside_at_hi:
+                hi = mid
+            else:
+                lo = mid
+        return (lo + hi) / 2
+
+    low = 0.0 if inside(0.0) else edge(0.0, phat, True)
+    high = 1.0 if inside(1.0) else edge(1.0, phat, True)
+    return low, high
+
+
+@pytest.mark.parametrize(("k", "n"), [(30, 200), (0, 10), (10, 10), (1, 3), (81, 263), (57, 100)])
+def test_wilson_interval_against_its_definition(k, n):
+    lo, hi = wilson_interval(k, n)
+    want_lo, want_hi = _wilson_by_scan(k, n)
+    assert lo == pytest.approx(want_lo, abs=1e-12) and hi == pytest.approx(want_hi, abs=1e-12)
+    assert 0 <= lo <= k / n <= hi <= 1
+
+
+def test_wilson_interval_hand_cases_and_errors():
+    # k = 0: the interval is [0, z² / (n + z²)]; n = 10, z = 1.96: 3.8415 / 13.8415 = 0.27753.
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0 and hi == pytest.approx(0.27753, abs=1e-5)
+    # Newcombe (1998), Table II, example (a): 81/263 gives 0.2553 to 0.3662.
+    lo, hi = wilson_interval(81, 263)
+    assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
+    for k, n in ((3, 0), (-1, 5), (6, 5)):
+        with pytest.raises(ValueError, match="successes"):
+            wilson_interval(k, n)
+
+
+def test_an_evaluation_says_its_interval_for_a_0_1_reward():
+    from klpo.train.evaluate import Evaluation
+
+    ev = Evaluation(accuracy=0.15, reward="numeric", first=None, scores=[1.0] * 30 + [0.0] * 170)
+    assert ev.summary() == "0.150 (30/200 right; 95% interval 0.107-0.206)"
+    # A problem the reward does not score is left out, as in the accuracy.
+    ev = Evaluation(accuracy=0.5, reward="numeric", first=None, scores=[1.0, 0.0, None])
+    assert ev.summary().startswith("0.500 (1/2 right; ")
+    # A graded reward has no binomial interval.
+    assert Evaluation(0.25, "graded", None, [0.5, 0.0]).summary() == "0.250"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tiny(smollm2_dir, tmp_path_factory):
+    """A random 1-layer Llama, 16 wide, with SmolLM2-135M-Instruct's own tokenizer, chat
+    template and generation config: the real conventions at a few seconds a step."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("smollm2-tiny") / "model"
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    GenerationConfig.from_pretrained(smollm2_dir).save_pretrained(path)
+    for name in ("chat_template.jinja",):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+def test_smollm2_renders_the_task_as_chatml(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    e = render_chat(SMALL.splits()[1][:1], tok, chat=True)[0]
+    # Our system prompt replaces the template's default one; the solved example is a real turn.
+    assert e.prompt.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n")
+    assert e.prompt.count("<|im_start|>") == 5 and "SmolLM" not in e.prompt
+    assert "<|im_start|>assistant\n19<|im_end|>\n" in e.prompt
+    assert e.prompt.endswith(f"{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok(e.prompt, add_special_tokens=False).input_ids
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 5 and len(ids) < 128
+
+
+def test_train_a_step_on_the_chat_task(smollm2_tiny, quick, tmp_path):
+    out = tmp_path / "run"
+    overrides = quick(
+        smollm2_tiny, out, **{"data.source": "builtin-chat-arith", "data.eval_size": 4}
+    )
+    overrides = [o for o in overrides if not o.startswith("rewards=")]  # the source's default
+    cfg = build_config(overrides=[*overrides, "run.steps=1", "run.eval_every=1"])
+    assert cfg.data.chat and [t.name for t in cfg.rewards] == ["numeric"]
+    lines: list[str] = []
+    loop.train(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "accuracy/heldout" in r] == [0, 1]
+    assert "reward/numeric" in rows[-1]
+    # Before and after, each with its count and interval (4 problems).
+    for step in (0, 1):
+        said = [x for x in lines if x.startswith(f"held-out accuracy at step {step}: ")]
+        assert len(said) == 1 and "/4 right; 95% interval " in said[0], lines
+
+
+def test_the_eval_scripts_mcnemar_p_value_by_enumeration():
+    """bench/chat_arith_eval.py's exact McNemar p-value against the sign test written out: the
+    probability, under a fair coin on each changed problem, of a split at least as uneven."""
+    import importlib.util
+    import itertools
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "chat_arith_eval.py"
+    spec = importlib.util.spec_from_file_location("chat_arith_eval", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for gained, lost in [(0, 0), (5, 0), (3, 3), (10, 2), (1, 7), (4, 6)]:
+        m = gained + lost
+        observed = abs(gained - lost)
+        outcomes = list(itertools.product((0, 1), repeat=m))
+        extreme = sum(1 for o in outcomes if abs(2 * sum(o) - m) >= observed)
+        assert module.mcnemar_exact(gained, lost) == pytest.approx(extreme / len(outcomes))
+    # 5 gained, none lost: 2 / 2^5 by hand.
+    assert module.mcnemar_exact(5, 0) == 0.0625
