@@ -47,3 +47,14 @@ def trl_digits_by_task(completions, task, completion_ids, trainer_state, **kwarg
 def zeros(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """0 for every completion: a batch with no advantage signal."""
     return [0.0 for _ in completions]
+
+
+def alternating(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """0, 1, 0, 1, ... down the batch: with an even group size every group has signal."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def half_signal(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """:func:`alternating` where the prompt's character codes sum to an odd number, else 0: the
+    groups of the other prompts have all-equal rewards (no signal)."""
+    return [float(i % 2) if sum(map(ord, p)) % 2 else 0.0 for i, p in enumerate(prompts)]
