@@ -63,3 +63,14 @@ def solution_digits(completions, solution, **kwargs):
 def strips_completions(completions, **kwargs):
     """TRL's form written for plain-text completions: fails on chat data's message lists."""
     return [float(bool(c.strip())) for c in completions]
+
+
+def alternating(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """0, 1, 0, 1, ... down the batch: with an even group size every group has signal."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def half_signal(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
+    """:func:`alternating` where the prompt's character codes sum to an odd number, else 0: the
+    groups of the other prompts have all-equal rewards (no signal)."""
+    return [float(i % 2) if sum(map(ord, p)) % 2 else 0.0 for i, p in enumerate(prompts)]

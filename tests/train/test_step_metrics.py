@@ -197,7 +197,12 @@ def test_every_metric_is_the_same_for_one_and_two_processes(tiny_model, tmp_path
 
 # Configurations that together emit every documented metric.
 COVERAGE = [
-    {"kl.estimator": "k2", "kl.placement": "reward+loss", "algo.entropy_coef": 0.01},
+    {
+        "kl.estimator": "k2",
+        "kl.placement": "reward+loss",
+        "algo.entropy_coef": 0.01,
+        "rollout.dynamic_sampling": "true",  # rollout/*
+    },
     {
         "algo.name": "ppo",
         "algo.epochs": 2,

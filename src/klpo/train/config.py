@@ -265,6 +265,21 @@ class RolloutConfig(_Section):
         "weighted by min(pi_old / pi_engine, C) (Yao et al. 2025). null: no correction (the "
         "gap is still logged as engine/*).",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (group algorithms: grpo, rloo): drop the groups "
+        "whose rewards are all equal (no advantage signal) and sample more prompts, "
+        "rollout.prompts_per_step at a time, until the step has rollout.prompts_per_step groups "
+        "or rollout.dynamic_sampling_max_rounds rounds were sampled; then train on the groups "
+        "kept (metrics rollout/*). One process only.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        3,
+        gt=0,
+        description="rollout.dynamic_sampling: the most sampling rounds in one step (1: no "
+        "extra sampling, only the dropping). Each round costs a rollout of "
+        "rollout.prompts_per_step prompts and their rewards.",
+    )
     vllm_memory: float = Field(
         0.3,
         gt=0,
@@ -683,6 +698,13 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"rollout.group_size must be >= 2 for {self.algo.name} (group-relative "
                 f"advantages need several completions per prompt), got {self.rollout.group_size}"
+            )
+        if self.rollout.dynamic_sampling and not ALGORITHMS[self.algo.name].group:
+            groups = ", ".join(n for n, spec in ALGORITHMS.items() if spec.group)
+            raise ValueError(
+                f"rollout.dynamic_sampling drops groups of equal rewards, but {self.algo.name} "
+                f"has no group baseline (its advantages are not zero on such a group); use a "
+                f"group algorithm ({groups}) or set rollout.dynamic_sampling=false"
             )
         if self.kl.controller in ("adaptive", "ppo-adaptive") and self.kl.target is None:
             raise ValueError(

@@ -51,6 +51,7 @@ from klpo.train.setup import (
     teardown,
     write_run_report,
 )
+from klpo.train.step.dynamic import sample_with_signal
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.metrics import step_metrics
 from klpo.train.step.samples import train_records
@@ -176,19 +177,26 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     cfg, dist, m = run.cfg, run.dist, run.models
     t0 = time.perf_counter()
     lr = advance_lr(run.opt)  # optim.lr_scheduler's value at this step
-    mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
+    progress = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
 
     # Sample, with the policy's current weights; the reference's own samples where needed.
     run.engine.sync_weights(m.policy)
-    rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
+    totals, dynamic = None, {}
+    if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
+        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
+        mine, rollout, totals, dynamic = got.examples, got.rollout, got.totals, got.metrics
+    else:
+        mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
+        rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
     t1 = time.perf_counter()
     term = sample_kl_term(cfg, m, mine, rollout, run.control.window)
     t1r = time.perf_counter()
 
     # Score (rewards, log-probs, advantages), then update.
     beta, beta_old = run.control.kl.value, run.control.penalty.value
-    progress = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
-    scored = score(cfg, m, rollout, run.reward_fns, beta, dist, examples=mine, state=progress)
+    scored = score(
+        cfg, m, rollout, run.reward_fns, beta, dist, examples=mine, state=progress, totals=totals
+    )
     t2 = time.perf_counter()
     upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, term)
     t3 = time.perf_counter()
@@ -203,6 +211,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
             "time/generate": t1 - t0,
             "time/score": t2 - t1r,
             "time/update": t3 - t2,
+            **dynamic,
         }
     )
     return metrics, float(dist.all_sum(rollout.mask.sum()).item()), scored

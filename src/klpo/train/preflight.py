@@ -576,6 +576,12 @@ def preflight(
             f"rollout.prompts_per_step={ro.prompts_per_step} must be divisible by the number of "
             f"processes ({dist.world}): each process samples whole groups of an equal share"
         )
+    if ro.dynamic_sampling and dist.world > 1:
+        raise ConfigError(
+            f"rollout.dynamic_sampling runs in one process only (each of the {dist.world} "
+            "processes would keep a different number of groups, and the ranks' shares would no "
+            "longer be equal); launch one process, or set rollout.dynamic_sampling=false"
+        )
     start = ckpt_io.latest_checkpoint(cfg.run.out_dir) if resume else None
     sharded_run = dist.enabled and cfg.dist.strategy == "fsdp"
     if start is not None and is_sharded_checkpoint(start) and not sharded_run:

@@ -70,6 +70,37 @@ class Rollout:
             engine_logp=move(self.engine_logp),
         )
 
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """The rollouts' rows one after another (groups kept from several sampling rounds):
+        prompts left-padded and completions right-padded to the longest, the padding masked
+        out (its token id 0 is never read: every pass reads the masks)."""
+        if len(parts) == 1:
+            return parts[0]
+        p = max(r.prompt_ids.shape[1] for r in parts)
+        c = max(r.completion_ids.shape[1] for r in parts)
+
+        def pad(t: Tensor, width: int, left: bool) -> Tensor:
+            extra = width - t.shape[1]
+            return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+        logp = [r.engine_logp for r in parts]
+        trunc = [r.truncated for r in parts]
+        return Rollout(
+            prompt_ids=torch.cat([pad(r.prompt_ids, p, True) for r in parts]),
+            prompt_mask=torch.cat([pad(r.prompt_mask, p, True) for r in parts]),
+            completion_ids=torch.cat([pad(r.completion_ids, c, False) for r in parts]),
+            mask=torch.cat([pad(r.mask, c, False) for r in parts]),
+            prompts=[x for r in parts for x in r.prompts],
+            completions=[x for r in parts for x in r.completions],
+            answers=[x for r in parts for x in r.answers],
+            group_size=parts[0].group_size,
+            truncated=None if any(t is None for t in trunc) else torch.cat(trunc),
+            engine_logp=None
+            if any(t is None for t in logp)
+            else torch.cat([pad(t, c, False) for t in logp]),
+        )
+
     def select(self, rows: Tensor | list[int]) -> Rollout:
         """The rollout restricted to some rows (a micro-batch, or one rank's share)."""
         idx = torch.as_tensor(rows, dtype=torch.long)

@@ -85,6 +85,14 @@ METRICS: dict[str, str] = {
     "(on a skipped step, the norm of the gradient that was not applied)",
     "step/skipped": "1 when the step's optimizer steps were skipped because its batch had no "
     "advantage signal (algo.skip_no_signal: every advantage exactly 0), else 0",
+    "rollout/dynamic_rounds": "rollout.dynamic_sampling: sampling rounds this step, each of "
+    "rollout.prompts_per_step prompts (1: none extra)",
+    "rollout/groups_kept": "rollout.dynamic_sampling: groups with unequal rewards the step "
+    "trained on (0: none, so it trained on the first round's batch, which has no signal)",
+    "rollout/groups_dropped": "rollout.dynamic_sampling: groups dropped over the step's rounds "
+    "because their rewards were all equal",
+    "rollout/extra_completions": "rollout.dynamic_sampling: completions sampled beyond one "
+    "round, (rounds - 1) · prompts_per_step · group_size",
     "lr": "the policy's learning rate this step",
     "completion/length": "mean completion length in tokens (its stop token included)",
     "completion/truncated": "fraction of completions that hit max_new_tokens without a stop token",

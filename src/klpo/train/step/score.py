@@ -28,7 +28,7 @@ from klpo.train.step.kl_term import needs_exact_kl
 from klpo.train.step.metrics import reward_metrics
 from klpo.train.step.types import SamplingPass, Scored, update_gives_logp_old
 
-__all__ = ["reference_and_old", "score", "values"]
+__all__ = ["reference_and_old", "reward_totals", "score", "values"]
 
 
 def values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
@@ -85,7 +85,7 @@ def _shaped_rewards(
     return token_rewards, kl_penalty
 
 
-def _totals(
+def reward_totals(
     cfg: TrainConfig, reward_fns: list, batch: rewards.RewardBatch, device: torch.device
 ) -> tuple[Tensor, Tensor | None, dict[str, list[float | None]]]:
     """(the total reward of each sample ``[B]``, 0 where unscored; which samples some function
@@ -117,16 +117,23 @@ def score(
     *,
     examples: list[Example] | None = None,
     state: rewards.TrainerState | None = None,
+    totals: tuple[Tensor, Tensor | None, dict[str, list[float | None]]] | None = None,
 ) -> Scored:
     """Rewards, log-probs, values and advantages of this rank's share of the step's rollouts;
     ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening;
     ``examples`` (the share's prompts) give the reward functions every column of the data,
-    ``state`` the run's progress (:func:`reward_batch`)."""
+    ``state`` the run's progress (:func:`reward_batch`); ``totals``, the rewards where they
+    were computed already (dynamic sampling, :mod:`klpo.train.step.dynamic`), so that no reward
+    function is called twice on a completion."""
     # The sampler returns the rollout on the CPU; from here on it lives with the models.
     rollout = rollout.to(next(m.reference.parameters()).device)
     mask = rollout.mask
     batch = reward_batch(rollout, examples, state)
-    scores, scored, per_fn = _totals(cfg, reward_fns, batch, mask.device)
+    if totals is None:
+        scores, scored, per_fn = reward_totals(cfg, reward_fns, batch, mask.device)
+    else:
+        scores, scored, per_fn = totals
+        scores, scored = scores.to(mask.device), None if scored is None else scored.to(mask.device)
     logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout)
     token_rewards, kl_penalty = _shaped_rewards(cfg, scores, old, logp_ref, mask, beta)
     spec, a, g = ALGORITHMS[cfg.algo.name], cfg.algo, rollout.group_size
