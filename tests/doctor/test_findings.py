@@ -225,3 +225,27 @@ def test_mismatched_tokenizers_are_refused(tmp_path):
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "--reference" in result.output and "another tokenizer than --model" in result.output
+
+
+def test_verl_clip_ratio_overridden_by_its_one_sided_defaults_is_named(tmp_path):
+    """verl's actor takes clip_ratio_low / clip_ratio_high first and clip_ratio only where one
+    is null (dp_actor.py); 0.9.1's defaults for both are 0.2, so clip_ratio=0.28 alone does
+    nothing: a warning naming both, and the equivalent carries the range in effect."""
+    script = "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo {}\n"
+    cfg = tmp_path / "v.sh"
+    cfg.write_text(script.format("actor_rollout_ref.actor.clip_ratio=0.28"))
+    d = diagnose(cfg)
+    [w] = [f for f in d["findings"] if "actor_rollout_ref.actor.clip_ratio" in f["keys"]]
+    assert w["level"] == "warning" and "does nothing" in w["text"]
+    assert "clip_ratio_low=0.2 and clip_ratio_high=0.2" in w["text"]
+    assert d["equivalent"]["config"]["algo"]["clip_low"] == 0.2
+    assert "actor_rollout_ref.actor.clip_ratio" not in " ".join(d["equivalent"]["unmapped"])
+    # With the one-sided ratios null, clip_ratio applies to both sides: no warning, carried.
+    nulled = (
+        "actor_rollout_ref.actor.clip_ratio_low=null actor_rollout_ref.actor.clip_ratio_high=null"
+    )
+    cfg.write_text(script.format(f"actor_rollout_ref.actor.clip_ratio=0.28 {nulled}"))
+    d = diagnose(cfg)
+    assert not [f for f in d["findings"] if "actor_rollout_ref.actor.clip_ratio" in f["keys"]]
+    algo = d["equivalent"]["config"]["algo"]
+    assert (algo["clip_low"], algo["clip_high"]) == (0.28, 0.28)

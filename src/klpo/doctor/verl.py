@@ -97,8 +97,6 @@ CARRIED: list[tuple[str, str]] = [
     ("data.max_response_length", "rollout.max_new_tokens"),
     ("actor_rollout_ref.rollout.temperature", "rollout.temperature"),
     ("actor_rollout_ref.rollout.top_p", "rollout.top_p"),
-    (f"{ACTOR}.clip_ratio_low", "algo.clip_low"),
-    (f"{ACTOR}.clip_ratio_high", "algo.clip_high"),
     (f"{ACTOR}.entropy_coeff", "algo.entropy_coef"),
     ("critic.cliprange_value", "algo.value_clip"),
     (f"{ACTOR}.optim.lr", "optim.lr"),
@@ -340,6 +338,7 @@ def _findings(
                 "but the KL term has no effect",
             )
     _switch_findings(r, s, use_loss, use_reward)
+    _clip_findings(r, s)
     if use_reward and adv in GROUP_SUMMED:
         r.group_scaling = _group_scaling(adv, norm_std, r.terms[-1].beta)
         r.warn(
@@ -367,6 +366,45 @@ def _findings(
             f"{minibatches} mini-batch(es)): from the second on, the KL loss sees tokens sampled "
             "by an older policy, and verl does not weight it for that",
         )
+
+
+def _clip_sides(s: Settings) -> list[tuple[str, Any]]:
+    """``(klpo key, value)`` of PPO's clip range as verl's actor applies it: clip_ratio_low and
+    clip_ratio_high where they are not null, else clip_ratio (``dp_actor.py``,
+    ``update_policy``: ``clip_ratio_low if clip_ratio_low is not None else clip_ratio``)."""
+    eps = s.get(f"{ACTOR}.clip_ratio")
+    sides = []
+    for side, klpo_key in (("low", "algo.clip_low"), ("high", "algo.clip_high")):
+        value = s.get(f"{ACTOR}.clip_ratio_{side}")
+        if (value if value is not None else eps) is not None:
+            sides.append((klpo_key, eps if value is None else value))
+    return sides
+
+
+def _clip_findings(r: Reading, s: Settings) -> None:
+    """A ``clip_ratio`` the two one-sided ratios override: verl's own defaults for
+    clip_ratio_low and clip_ratio_high are numbers, so clip_ratio alone changes nothing."""
+    key = f"{ACTOR}.clip_ratio"
+    if not s.given(key):
+        return
+    eps = s.get(key)
+    over = [
+        (f"{ACTOR}.clip_ratio_{side}", v)
+        for side in ("low", "high")
+        if (v := s.get(f"{ACTOR}.clip_ratio_{side}")) is not None
+    ]
+    if not over:
+        return
+    named = " and ".join(f"{k.rsplit('.', 1)[1]}={v:g}" for k, v in over)
+    whose = "verl's defaults" if not any(s.given(k) for k, _ in over) else "set"
+    r.warn(
+        "warning",
+        [key, *(k for k, _ in over)],
+        f"{key}={eps:g} does nothing where {named} ({whose}, verl {r.defaults_version}): "
+        "verl's actor reads clip_ratio_low and clip_ratio_high first and falls back to "
+        "clip_ratio only where one is null (dp_actor.py); set clip_ratio_low / clip_ratio_high "
+        "(klpo: algo.clip_low / algo.clip_high), or null them to let clip_ratio apply",
+    )
 
 
 def _switch_findings(r: Reading, s: Settings, use_loss: bool, use_reward: bool) -> None:
@@ -482,6 +520,7 @@ def _equivalent(
     if not (s.int("actor_rollout_ref.model.lora_rank") or 0) > 0:
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     carried, missing = carry(s, mapping)
+    carried.update(_clip_sides(s))  # clip_ratio where a one-sided ratio is null
     if missing:
         r.equivalent_differences.append(f"no klpo key (any more) for: {', '.join(missing)}")
     build_equivalent(r, algo, rollout, controller, carried, s)
