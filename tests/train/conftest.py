@@ -60,6 +60,17 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def exit_if_threads_left(rank: int) -> None:
+    """Exit 1 (naming them) if this process still runs any thread but its main one: after the
+    trainer's shutdown gloo's must have ended, not wait for interpreter finalization, whose
+    teardown of them can abort the process. (The scripts run with one torch thread.)"""
+    import sys
+
+    names = sorted((t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir())
+    if len(names) > 1:
+        sys.exit(f"rank {rank}: threads still alive after shutdown: {names}")
+
+
 def quick_overrides(model: Path, out: Path, **extra: object) -> list[str]:
     """A few seconds of training on the tiny model with a reward that random text can earn."""
     base = {
