@@ -60,6 +60,18 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+def exit_if_threads_left(rank: int) -> None:
+    """Exit 1 (naming them) if any of gloo's threads is still alive: after the trainer's shutdown
+    they must have ended, not wait for interpreter finalization, whose teardown of them can abort
+    the process ("terminate called without an active exception")."""
+    import sys
+
+    names = sorted((t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir())
+    gloo = [n for n in names if "gloo" in n]
+    if gloo:
+        sys.exit(f"rank {rank}: gloo threads still alive after shutdown: {gloo} (all: {names})")
+
+
 def quick_overrides(model: Path, out: Path, **extra: object) -> list[str]:
     """A few seconds of training on the tiny model with a reward that random text can earn."""
     base = {

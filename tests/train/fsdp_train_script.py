@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conftest import quick_overrides
+from conftest import exit_if_threads_left, quick_overrides
 from klpo.train import loop
 from klpo.train.config import build_config
 from klpo.train.runtime.dist import init_distributed
@@ -28,6 +28,7 @@ def main(model: str, run_dir: str) -> None:
         )
         loop.train(cfg, resume=resume, log=lambda msg: print(msg, file=sys.stderr))
     leave(dist)
+    exit_if_threads_left(dist.rank)  # gloo's threads ended in the trainer's shutdown
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ def test_fsdp_two_processes_give_the_one_process_parameters_and_resume_exactly(
 
 
 @pytest.mark.slow
+def test_fsdp_shutdown_leaves_no_gloo_thread_for_interpreter_finalization():
+    # A mesh kept alive by DTensor's native cache, and FSDP imported after the group was made,
+    # both used to hold the group past destroy_process_group (the script exits 1 naming them).
+    torchrun("fsdp_exit_script.py")
+
+
+@pytest.mark.slow
 def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick, tmp_path):
     run = tmp_path / "run"
     torchrun("fsdp_train_script.py", str(tiny_model), str(run))

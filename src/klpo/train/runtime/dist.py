@@ -8,7 +8,10 @@ two cores run ~50x slower than one thread each).
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +77,11 @@ def init_distributed(threads: int = 0, *, log=None) -> Dist:
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
     if world > 1 and not tdist.is_initialized():
+        # Imported before the group exists: FSDP's ShardedGradScaler takes ``group.WORLD`` as a
+        # default argument, so an import after init_process_group keeps the group (and gloo's
+        # threads) alive past destroy_process_group (see shutdown).
+        importlib.import_module("torch.distributed.fsdp")
+
         tdist.init_process_group(backend="nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     if cuda:
@@ -83,6 +91,28 @@ def init_distributed(threads: int = 0, *, log=None) -> Dist:
     elif not cuda:
         use_free_cores(world, log=log if rank == 0 else None)
     return Dist(rank=rank, world=world, device=device)
+
+
+def _release_meshes() -> None:
+    """Drop the process groups every live ``DeviceMesh`` holds.
+
+    DTensor's native sharding cache keeps the meshes it has seen alive (no Python object refers
+    to those entries, so neither deleting the model nor garbage collection frees them; FSDP and
+    the sharded checkpoints make copies of the mesh too), and a mesh holds its groups in
+    ``_pg_registry``. Left there, gloo's threads outlive destroy_process_group and are torn down
+    during interpreter finalization, which can abort the process ("terminate called without an
+    active exception"). FSDP's modules sit in reference cycles (their hooks refer to them), and
+    their state holds the group too: collected first.
+    """
+    gc.collect()
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if mesh_module is None:
+        return
+    for obj in gc.get_objects():  # once, at the end of a run
+        if isinstance(obj, mesh_module.DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 class PeerFailed(RuntimeError):
@@ -109,10 +139,14 @@ def shutdown(dist: Dist, *, failed: bool = False) -> None:
 
     A rank that ``failed`` leaves at once instead: the others may be waiting in a different
     collective, so a barrier would hang both. Its non-zero exit makes torchrun stop the others.
+
+    Afterwards no reference to the group is left (the meshes' are dropped first), so gloo's
+    threads end here rather than during interpreter finalization.
     """
     if not (dist.enabled and tdist.is_initialized()):
         return
     if failed:
         return
     tdist.barrier()
+    _release_meshes()
     tdist.destroy_process_group()
