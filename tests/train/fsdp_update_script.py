@@ -92,8 +92,16 @@ def step(cfg, m, opt, rollout, dist: Dist, gen: torch.Generator) -> None:
 
 
 def main(model: str, out_dir: str) -> None:
-    out = Path(out_dir)
     dist = init_distributed(threads=1)
+    _run(model, Path(out_dir), dist)  # its models out of scope: they hold the process group
+    shutdown(dist)
+    if dist.enabled:
+        from conftest import exit_if_threads_left
+
+        exit_if_threads_left(dist.rank)  # gloo's threads ended in shutdown, not at exit
+
+
+def _run(model: str, out: Path, dist: Dist) -> None:
     cfg = config(model)
     batches = rollouts(cfg, model)
     m, opt = build(cfg, dist)
@@ -115,7 +123,6 @@ def main(model: str, out_dir: str) -> None:
         resumed = full_params(m2)
         if dist.is_main:
             save_file(resumed, str(out / "resumed.safetensors"))
-    shutdown(dist)
 
 
 if __name__ == "__main__":
