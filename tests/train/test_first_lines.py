@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_default_config_in_lines():
     assert config_lines(build_config()) == [
         "training: grpo, 1500 steps of 16 prompts × 8 completions (128 a step) of at most 4 new "
-        "tokens, 1 epoch of 1 minibatch, seed 0",
+        "tokens, 1 epoch of 1 minibatch, run.seed=0",
         "sampling: hf engine, lean sampler, temperature 1, top-p 1; each prompt's forward once "
         "per group (rollout.share_prompt)",
         "models: policy builtin; reference a frozen copy of the policy's starting weights",

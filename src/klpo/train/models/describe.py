@@ -36,7 +36,7 @@ def config_lines(cfg: TrainConfig) -> list[str]:
         f"training: {a.name}, {_n(cfg.run.steps, 'step')} of {_n(ro.prompts_per_step, 'prompt')}"
         f" × {_n(ro.group_size, 'completion')} ({per_step} a step) of at most {ro.max_new_tokens} new "
         f"tokens, {_n(a.epochs, 'epoch')} of {_n(a.minibatches, 'minibatch', 'minibatches')}, "
-        f"seed {cfg.run.seed}"
+        f"run.seed={cfg.run.seed}"
     ]
     shared = "once per group" if ro.share_prompt else "with each completion"
     lines.append(
