@@ -137,16 +137,7 @@ def explain(
         help="reward, loss or reward+loss; all three if omitted.",
     ),
     all_: bool = typer.Option(False, "--all", help="Explain every estimator in every placement."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
-    fmt: str | None = typer.Option(
-        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
-    ),
-    fail_on: str = typer.Option(
-        "error",
-        "--fail-on",
-        metavar="LEVEL",
-        help="Exit 1 on a finding at this level or above: error, warning or never.",
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
     off_policy: bool = typer.Option(
         False, "--off-policy", help="Tokens sampled from an older policy pi_old, not pi_theta."
     ),
@@ -583,16 +574,7 @@ def lab_gaussian(
         1_000_000, "--samples", "-n", metavar="N", min=1, help="Monte Carlo samples."
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
-    fmt: str | None = typer.Option(
-        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
-    ),
-    fail_on: str = typer.Option(
-        "error",
-        "--fail-on",
-        metavar="LEVEL",
-        help="Exit 1 on a finding at this level or above: error, warning or never.",
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Schulman's experiment: every estimator on N(0, 1) vs N(mu, 1), true KL mu²/2."""
     _free_cores()
@@ -636,16 +618,7 @@ def lab_categorical(
         help="Add a Monte Carlo section with this many samples.",
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
-    fmt: str | None = typer.Option(
-        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
-    ),
-    fail_on: str = typer.Option(
-        "error",
-        "--fail-on",
-        metavar="LEVEL",
-        help="Exit 1 on a finding at this level or above: error, warning or never.",
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Every estimator on one categorical step: exact values and expected gradients."""
     _free_cores()
@@ -684,16 +657,7 @@ def lab_sequence(
         help="Add a Monte Carlo section with this many samples.",
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the sampler."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
-    fmt: str | None = typer.Option(
-        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
-    ),
-    fail_on: str = typer.Option(
-        "error",
-        "--fail-on",
-        metavar="LEVEL",
-        help="Exit 1 on a finding at this level or above: error, warning or never.",
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines."),
 ) -> None:
     """Every estimator on a tabular autoregressive model, enumerated: exact values and gradients.
 
