@@ -1121,10 +1121,13 @@ def doctor(
         help="Exit 1 on a finding at this level or above: error, warning or never.",
     ),
     model: str | None = typer.Option(
-        None, "--model", metavar="DIR", help="Policy model directory to measure on."
+        None,
+        "--model",
+        metavar="PATH",
+        help="Policy to measure on: a model directory or a .gguf file.",
     ),
     reference: str | None = typer.Option(
-        None, "--reference", metavar="DIR", help="Reference model directory."
+        None, "--reference", metavar="PATH", help="Reference: a model directory or a .gguf file."
     ),
     data: str | None = typer.Option(
         None, "--data", metavar="FILE", help="Prompts: JSONL with a 'prompt' field, or text lines."
