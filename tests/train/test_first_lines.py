@@ -147,3 +147,12 @@ def test_the_command_line_names_the_config_files_first(tiny_model, quick, tmp_pa
         "gave each key)"
     )
     assert first[1].startswith("run directory: ") and first[6].startswith("LoRA: rank 16")
+
+
+def test_a_setting_that_is_off_reads_off():
+    """A null setting (no gradient clip) reads "off" in the lines, not a formatting error."""
+    from klpo.train.config import build_config
+    from klpo.train.models.describe import config_lines
+
+    lines = config_lines(build_config(overrides=["optim.grad_clip=null"]))
+    assert any("grad clip off" in line for line in lines), lines

@@ -20,8 +20,8 @@ from klpo.train.config import TrainConfig
 __all__ = ["config_lines", "parameter_lines"]
 
 
-def _num(x: float) -> str:
-    return f"{x:g}"
+def _num(x: float | None, none: str = "off") -> str:
+    return none if x is None else f"{x:g}"
 
 
 def _n(count: int, word: str, plural: str | None = None) -> str:
