@@ -190,7 +190,7 @@ def test_compare_shows_its_progress_over_every_runs_steps(tmp_path, monkeypatch,
         return {"name": run.name}
 
     monkeypatch.setattr(runner, "_execute", fake)
-    monkeypatch.setattr(runner, "write_results", lambda *a: None)
+    monkeypatch.setattr(runner, "write_results", lambda *a, **k: None)
     assert len(runner.run_study(study, tmp_path, show_progress=True)) == len(runs)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("compare ")]
     total = len(runs) * study.steps
