@@ -40,7 +40,7 @@ test: $(STAMP) real-models
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
+	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench
