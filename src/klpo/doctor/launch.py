@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from klpo.doctor.reading import DoctorError
-from klpo.doctor.shell import Command, Script
+from klpo.doctor.shell import Command, Script, read_script
 
-__all__ = ["EntryPoint", "config_and_overrides", "entry_point"]
+__all__ = ["EntryPoint", "config_and_overrides", "entry_point", "framework_command"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,22 @@ def config_and_overrides(ep: EntryPoint, script_path: Path, source: str) -> tupl
         f"{source}: line {ep.command.line}: --config {config} is neither a file as written nor "
         "beside the script or in a folder above it; give the config's path"
     )
+
+
+def framework_command(
+    text: str, source: str, given: dict[str, str] | None, framework: str, what: str
+) -> tuple[Script, EntryPoint]:
+    """The launch script ``text`` read as bash does, and its ``framework`` entry point.
+
+    Raises:
+        DoctorError: the script cannot be read, or has no command of ``framework`` (``what``
+            names the command looked for, e.g. "SkyRL `main_base`").
+    """
+    try:
+        script = read_script(text, given)
+    except ValueError as err:
+        raise DoctorError(f"{source}: {err}") from None
+    ep = entry_point(script)
+    if ep is None or ep.framework != framework:
+        raise DoctorError(f"{source}: no {what} command found")
+    return script, ep

@@ -23,10 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import entry_point
+from klpo.doctor.launch import framework_command
 from klpo.doctor.openrlhf import script_notes
-from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, scalar
-from klpo.doctor.shell import read_script
+from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 from klpo.doctor.tables import version_key
 
 __all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read_script_text"]
@@ -75,13 +74,7 @@ def read_script_text(
     text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
 ) -> Reading:
     """Read a SkyRL launch script's ``main_base`` command and its ``key=value`` overrides."""
-    try:
-        script = read_script(text, given)
-    except ValueError as err:
-        raise DoctorError(f"{source}: {err}") from None
-    ep = entry_point(script)
-    if ep is None or ep.framework != "skyrl":
-        raise DoctorError(f"{source}: no SkyRL `main_base` command found")
+    script, ep = framework_command(text, source, given, "skyrl", "SkyRL `main_base`")
     values = {}
     for w in ep.command.words[ep.at + 1 :]:
         key, eq, value = w.partition("=")

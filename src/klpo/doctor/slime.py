@@ -22,10 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import entry_point
+from klpo.doctor.launch import framework_command
 from klpo.doctor.openrlhf import script_notes
-from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, scalar
-from klpo.doctor.shell import read_script
+from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 
 __all__ = ["DEFAULTS", "VERSION", "read_script_text"]
 
@@ -104,13 +103,9 @@ def read_script_text(
     text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
 ) -> Reading:
     """Read a slime launch script's ``train.py`` / ``train_async.py`` command."""
-    try:
-        script = read_script(text, given)
-    except ValueError as err:
-        raise DoctorError(f"{source}: {err}") from None
-    ep = entry_point(script)
-    if ep is None or ep.framework != "slime":
-        raise DoctorError(f"{source}: no slime `train.py` / `train_async.py` command found")
+    script, ep = framework_command(
+        text, source, given, "slime", "slime `train.py` / `train_async.py`"
+    )
     flags = parse_flags(ep.command.words[ep.at + 1 :])
     r = Reading(framework="slime", defaults_version=VERSION, version=version, source=source)
     if version is not None and not version.startswith("0.3"):
