@@ -13,6 +13,8 @@
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 TORCH_INDEX ?=
+# pytest-xdist workers for make test (one torch thread each; tests/conftest.py)
+TEST_WORKERS ?= 2
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.klpo-installed
@@ -40,7 +42,7 @@ test: $(STAMP) real-models
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
-	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q --durations=25
+	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench

@@ -13,6 +13,12 @@ import pytest
 for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ[_name] = "1"
 
+# Under pytest-xdist (`make test` runs two workers on two cores) each worker, and every process a
+# test starts, gets one torch thread unless the caller chose: two workers with a thread per core
+# each would oversubscribe the machine, which OpenMP makes many times slower, not twice.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``architectures`` (the whole-mapping sweep, minutes) run only when the marker
