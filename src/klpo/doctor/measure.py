@@ -200,7 +200,7 @@ def _value_stats(
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ESTIMATORS:
         est = values[name].double()
-        target = (exact_rev if name == "kl_ref_theta" else exact).double()
+        target = (exact_rev if kl.SPECS[name].target == kl.REF_THETA else exact).double()
         seq_est = torch.where(m, est, 0.0).sum(-1)
         seq_exact = torch.where(m, target, 0.0).sum(-1)
         out[name] = {
@@ -348,8 +348,9 @@ def coefficients(
     ]
     values: dict[str, Tensor] = {}
     for name in ESTIMATORS:
-        # kl.full is exact_kl(logits, logits_ref): K_t itself
-        est = k if name == "full" else kl.estimate(name, lp, lr, logp_old=lp.detach(), mask=m)
+        # kl.full (needs_logits) is exact_kl(logits, logits_ref): K_t itself
+        is_exact = kl.SPECS[name].needs_logits
+        est = k if is_exact else kl.estimate(name, lp, lr, logp_old=lp.detach(), mask=m)
         values[name] = est.detach()
         sg = est.detach()
         objs += [total(est), total(sg * lp), total(lp * _rtg(sg, m, inclusive=True))]
