@@ -121,12 +121,22 @@ PLACEMENTS: tuple[Placement, ...] = ("reward", "loss", "reward+loss")
 
 
 def in_reward(placement: Placement) -> bool:
-    """Whether ``placement`` puts a detached KL penalty in the reward (``reward``, ``reward+loss``)."""
+    """Whether ``placement`` puts a detached KL penalty in the reward (``reward``, ``reward+loss``).
+
+    Example:
+        >>> in_reward("reward+loss"), in_reward("loss")
+        (True, False)
+    """
     return _placement(placement) in ("reward", "reward+loss")
 
 
 def in_loss(placement: Placement) -> bool:
-    """Whether ``placement`` differentiates a KL term in the loss (``loss``, ``reward+loss``)."""
+    """Whether ``placement`` differentiates a KL term in the loss (``loss``, ``reward+loss``).
+
+    Example:
+        >>> in_loss("reward+loss"), in_loss("reward")
+        (True, False)
+    """
     return _placement(placement) in ("loss", "reward+loss")
 
 
@@ -209,6 +219,13 @@ def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     Returns:
         ``[B, T]`` float32.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> kl.k1(logp, logp_ref)  # d = -1 + 1.5, -2 + 1
+        tensor([[ 0.5000, -1.0000]])
     """
     return to_out(_log_ratio(logp, logp_ref), logp, logp_ref)
 
@@ -225,6 +242,12 @@ def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient-equivalent to k1 in the reward, per token (Liu et al. 2025).
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.k2(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # 0.5²/2, (-1)²/2
+        tensor([[0.1250, 0.5000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(0.5 * d * d, logp, logp_ref)
@@ -244,6 +267,13 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     (DeepSeek-V3.2's complaint) and saturates at 1 as pi_theta ≫ pi_ref.
 
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf (see the module notes).
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> # d = 0.5: exp(-0.5) + 0.5 - 1 = 0.1065;  d = -1: e - 1 - 1 = 0.7183
+        >>> kl.k3(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))
+        tensor([[0.1065, 0.7183]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k3_wide(d), logp, logp_ref)
@@ -257,6 +287,12 @@ def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Registered as ``"abs"``.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.abs_(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # |0.5|, |-1|
+        tensor([[0.5000, 1.0000]])
     """
     return to_out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
 
@@ -269,13 +305,30 @@ def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient at once.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.k1_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach()  # k1's value, d
+        tensor([[ 0.5000, -1.0000]])
+        >>> value.sum().backward(); logp.grad  # k2's gradient, d
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, d), logp, logp_ref)
 
 
 def k2_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
-    r"""``k2+``: identical to :func:`k2` (value d²/2, gradient d · grad logp); listed for verl parity."""
+    r"""``k2+``: identical to :func:`k2` (value d²/2, gradient d · grad logp); listed for verl parity.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.k2_plus(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # = k2
+        tensor([[0.1250, 0.5000]])
+    """
     return k2(logp, logp_ref)
 
 
@@ -286,6 +339,16 @@ def k3_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient ``d · grad logp``, expected gradient grad KL(pi_theta ‖ pi_ref) on-policy.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.k3_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach()  # k3's value: exp(-0.5) - 0.5, e - 2
+        tensor([[0.1065, 0.7183]])
+        >>> value.sum().backward(); logp.grad  # k2's gradient, d (k3's would be 1 - exp(-d))
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
@@ -298,6 +361,16 @@ def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     grad KL(pi_theta ‖ pi_ref) on-policy.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.abs_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach(), logp.grad is None
+        (tensor([[0.5000, 1.0000]]), True)
+        >>> value.sum().backward(); logp.grad  # d, not sign(d)
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
@@ -322,6 +395,18 @@ def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
 
     Returns:
         ``[B, T]`` float32.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = 1/2, pi_ref = pi_old = 1/4: w = 2, d = log 2, k3 = 1/2 - 1 + log 2 = 0.1931
+        >>> logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        >>> quarter = torch.tensor([[math.log(0.25)]])
+        >>> value = kl.k3_is(logp, quarter, quarter)
+        >>> value.detach()  # w · k3 = 2 · 0.1931
+        tensor([[0.3863]])
+        >>> value.sum().backward(); logp.grad  # w · d = 2 log 2
+        tensor([[1.3863]])
     """
     _check_pair(logp, logp_ref, "logp_ref")
     _check_pair(logp, logp_old, "logp_old")
@@ -347,6 +432,16 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     ``k3`` (or ``k3+``), which need no clamp.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-3.0, 0.5]], requires_grad=True)
+        >>> value = kl.low_var_kl(logp, torch.zeros(1, 2))
+        >>> value.detach()  # d = -3: k3 = e³ - 3 - 1 = 16.09, clamped to 10; d = 0.5: k3
+        tensor([[10.0000,  0.1065]])
+        >>> value.sum().backward(); logp.grad  # zero where the clamp bites; 1 - exp(-0.5) elsewhere
+        tensor([[-0.0000, 0.3935]])
     """
     d = _log_ratio(logp, logp_ref)
     kl = torch.clamp(-d, min=-20.0, max=20.0)
@@ -367,6 +462,13 @@ def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
     (that is sum_y (pi_theta - pi_ref) grad log pi_theta): "other (biased)" in the loss.
 
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = 1/2, pi_ref = 1/4: r = 1/2, r log r - (r - 1) = -0.3466 + 0.5
+        >>> kl.kl_ref_theta(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]))
+        tensor([[0.1534]])
     """
     _check_pair(logp, logp_ref, "logp_ref")
     wide = wide_dtype(logp)
@@ -408,6 +510,13 @@ def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Ten
 
     Returns:
         ``[B, T]`` float32 (float64 when an input is float64).
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = (1/2, 1/2), pi_ref = (3/4, 1/4): 1/2 log(2/3) + 1/2 log 2 = 1/2 log(4/3)
+        >>> kl.full(torch.zeros(1, 1, 2), torch.tensor([[[math.log(3.0), 0.0]]]))
+        tensor([[0.1438]])
     """
     _check_pair(logits, logits_ref, "logits_ref")
     if temperature <= 0:
@@ -626,6 +735,11 @@ def function(name: str) -> Callable[..., Tensor]:
 
     Raises:
         ValueError: ``name`` is not in :data:`ESTIMATORS`.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.function("k3") is kl.k3, kl.function("abs") is kl.abs_
+        (True, True)
     """
     return _spec(name).fn
 
@@ -692,6 +806,15 @@ def estimate(
         ValueError: for an unknown name (listing the valid ones), a missing input, a
             non-finite log-prob (naming the argument and the count of non-finite entries), or a
             non-finite ``full`` (the count of +inf and NaN positions).
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> kl.estimate("k3", logp, logp_ref)  # kl.k3(logp, logp_ref)
+        tensor([[0.1065, 0.7183]])
+        >>> kl.estimate("k3_is", logp, logp_ref, logp_old=logp)  # on-policy: w = 1, k3's value
+        tensor([[0.1065, 0.7183]])
     """
     spec = _spec(name)
     if spec.needs_logits:
@@ -823,6 +946,13 @@ def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Expla
 
     Raises:
         ValueError: an unknown estimator or placement, or a placement that makes no sense for it.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.explain("k3", "loss").gradient  # GRPO's k3 in the loss: the other direction
+        'grad KL(pi_ref ‖ pi_theta)'
+        >>> kl.explain("k1", "reward").gradient, kl.explain("k1", "loss").gradient
+        ('grad KL(pi_theta ‖ pi_ref)', 'zero')
     """
     spec = SPECS[name] if name in REF_SAMPLED else _spec(name)
     if _placement(placement) == "none":
@@ -839,7 +969,13 @@ def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Expla
 
 
 def explain_all(*, on_policy: bool = True) -> list[Explanation]:
-    """:func:`explain` for every estimator in every placement, in registry order."""
+    """:func:`explain` for every estimator in every placement, in registry order.
+
+    Example:
+        >>> from klpo import kl
+        >>> [e.gradient for e in kl.explain_all() if e.estimator == "k2"]  # reward, loss, both
+        ['other (biased)', 'grad KL(pi_theta ‖ pi_ref)', 'other (biased)']
+    """
     return [explain(n, p, on_policy=on_policy) for n in ESTIMATORS for p in PLACEMENTS]
 
 
@@ -993,6 +1129,13 @@ def refusal(name: str, placement: str) -> str | None:
     completions the *reference* sampled, so as a detached per-token reward it would attach to
     no token the policy sampled and carry no policy-gradient term for them; ``adaptive_mix``
     inherits this through its ``ref_is`` part.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.refusal("k3", "reward") is None, kl.refusal("ref_is", "loss") is None
+        (True, True)
+        >>> kl.refusal("ref_is", "reward")[:49]
+        'ref_is cannot go in the reward: it is computed on'
     """
     spec = SPECS.get(name) if isinstance(name, str) else None
     if spec is None or not spec.ref_sampled or placement == "loss":
