@@ -48,6 +48,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ __all__ = [
 
 #: Estimators measured: every klpo estimator; the ``+`` variants and ``k3_is`` share a value with
 #: their base on-policy, so their value rows repeat it while their gradients differ.
-ESTIMATORS: tuple[str, ...] = kl.ESTIMATORS
+ESTIMATORS: Sequence[str] = kl.ESTIMATORS  # a live view: a registered estimator is measured too
 PLACEMENTS: tuple[str, ...] = ("loss", "reward", "reward-to-go")
 TARGETS: tuple[str, ...] = ("per-position θ‖ref", "per-position ref‖θ", "sequence θ‖ref")
 
