@@ -23,6 +23,12 @@ recipe f(r) - f'(1)(r - 1); DeepSeekMath (arXiv:2402.03300, eq. 4) for k3 in GRP
 eq. 7) and TRL's ``use_bias_correction_kl`` for ``k3_is``; Liu et al. (arXiv:2510.01555) and
 Tang & Munos (arXiv:2506.09477) for the gradient analysis behind :func:`explain`.
 
+The registry: each estimator's traits (what it needs — ``logp_old``, the logits, the reference's
+own samples —, how :func:`klpo.losses.kl_loss` corrects it off-policy, what ``klpo doctor``
+proposes in its place) are one row of :data:`SPECS`, a :class:`Spec`, which every layer of klpo
+reads; :data:`ESTIMATORS`, :data:`REF_SAMPLED` and :data:`LOGPROB_ESTIMATORS` are views of it.
+An estimator is added by its function and one :func:`register` call.
+
 Shapes: ``logp``, ``logp_ref`` and ``logp_old`` are ``[B, T]`` (any shape works, as long as all
 three agree); ``full`` takes logits ``[B, T, V]``. Inputs may be any float dtype; the arithmetic
 is done in float64 (float32 on devices without float64) and the result is float32 (float64 when
