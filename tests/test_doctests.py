@@ -12,9 +12,16 @@ import pytest
 from klpo import kl
 
 # The library modules whose examples run here: quick, no files, no network.
-MODULES = ("klpo.kl", "klpo.losses", "klpo._names", "klpo._threads", "klpo.doctor.advice")
+MODULES = (
+    "klpo.kl",
+    "klpo.losses",
+    "klpo.ref_kl",
+    "klpo._names",
+    "klpo._threads",
+    "klpo.doctor.advice",
+)
 # Where every public function must carry an example.
-EVERY_FUNCTION = ("klpo.kl", "klpo.losses")
+EVERY_FUNCTION = ("klpo.kl", "klpo.losses", "klpo.ref_kl")
 
 
 @pytest.mark.parametrize("name", MODULES)
