@@ -122,3 +122,17 @@ def test_the_trainer_knows_it(k1x2, tiny_model, quick, tmp_path):
     assert math.isfinite(last["loss/kl"])
     report = (out / "report.md").read_text()
     assert f"kl/ref/{k1x2}" in report
+
+
+@pytest.mark.parametrize("name", list(kl.SPECS))
+def test_the_doctor_proposes_each_estimators_registered_loss_variant(name, tmp_path):
+    """A klpo config with each estimator in the loss: the intended config is the registry's
+    ``loss_variant``, never a default (``ref_is`` and ``adaptive_mix`` keep themselves)."""
+    from klpo.doctor import diagnose
+
+    cfg = tmp_path / "klpo.yaml"
+    cfg.write_text(f"kl:\n  estimator: {name}\n  placement: loss\n  beta: 0.1\n")
+    d = diagnose(cfg, framework="klpo")
+    assert [t["estimator"] for t in d["terms"]] == [name]
+    assert d["intended"]["config"]["kl"]["estimator"] == kl.SPECS[name].loss_variant
+    assert d["intended"]["invalid"] is None
