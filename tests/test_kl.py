@@ -657,3 +657,103 @@ def test_the_error_of_full_lists_what_works_from_logp_and_logp_ref_alone():
             with pytest.raises(ValueError):
                 kl.estimate(name, logp, logp_ref)
     assert "with logp_old, the sampling policy's log-probs: k3_is)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry of traits (kl.SPECS): one row per estimator, read by every layer.
+
+
+def test_the_registry_holds_every_estimator_and_its_traits():
+    assert tuple(kl.SPECS) == (*kl.ESTIMATORS, *kl.REF_SAMPLED)
+    assert kl.REF_SAMPLED == ("ref_is", "adaptive_mix")
+    traits = {
+        t: [n for n, s in kl.SPECS.items() if getattr(s, t)]
+        for t in ("needs_old", "needs_logits", "ref_sampled", "mixed")
+    }
+    assert traits == {
+        "needs_old": ["k3_is"],
+        "needs_logits": ["full"],
+        "ref_sampled": ["ref_is", "adaptive_mix"],
+        "mixed": ["adaptive_mix"],
+    }
+    assert [n for n, s in kl.SPECS.items() if s.off_policy != "weighted"] == [
+        "k3_is",
+        "full",
+        "ref_is",
+        "adaptive_mix",
+    ]
+    assert tuple(n for n in kl.ESTIMATORS if n != "full") == kl.LOGPROB_ESTIMATORS
+    for name in kl.ESTIMATORS:
+        assert kl.function(name) is kl.SPECS[name].fn
+        assert kl.explain(name, "loss").equation == kl.SPECS[name].equation
+
+
+def test_each_loss_variant_follows_the_kl_it_logs_and_logs_the_same_value():
+    """``loss_variant`` is the doctor's proposal for a loss term: by explain's enumeration its
+    loss gradient is grad KL(pi_theta ‖ pi_ref) (on- and off-policy through kl_loss's rule), and
+    where it is a straight-through twin it logs exactly the estimator's value."""
+    # The doctor's table before it was derived, written out by hand: the oracle.
+    by_hand = {
+        "k1": "k1+", "k1+": "k1+", "k2": "k2", "k2+": "k2", "k3": "k3+", "k3+": "k3+",
+        "low_var_kl": "k3+", "abs": "abs+", "abs+": "abs+", "k3_is": "k3_is", "full": "full",
+        "kl_ref_theta": "k3+", "ref_is": "ref_is", "adaptive_mix": "adaptive_mix",
+    }  # fmt: skip
+    assert {n: s.loss_variant for n, s in kl.SPECS.items()} == by_hand
+    d = torch.linspace(-3, 3, 61, dtype=torch.float64)[None]
+    zero = torch.zeros_like(d)
+    for name, spec in kl.SPECS.items():
+        variant = spec.loss_variant
+        assert kl.explain(variant, "loss").gradient == kl.GRAD_THETA_REF, (name, variant)
+        if (
+            not spec.ref_sampled
+            and not spec.needs_logits
+            and name not in ("low_var_kl", "kl_ref_theta")
+        ):
+            same = kl.estimate(name, d, zero, logp_old=d) == kl.estimate(
+                variant, d, zero, logp_old=d
+            )
+            assert bool(same.all()), (name, variant)
+
+
+def test_register_adds_an_estimator_everywhere_and_refuses_a_bad_row(monkeypatch):
+    monkeypatch.setattr(kl, "SPECS", dict(kl.SPECS))  # this test's registrations end with it
+
+    def half_k2(logp, logp_ref):
+        return kl.k2(logp, logp_ref) / 2
+
+    spec = kl.Spec(half_k2, kl.THETA_REF, "d²/4", "weighted", "k2")
+    assert kl.register("k2/2", spec) is spec
+    assert "k2/2" in kl.ESTIMATORS and "k2/2" in kl.LOGPROB_ESTIMATORS
+    one = torch.tensor([[1.0]])
+    assert float(kl.estimate("k2/2", one, torch.zeros(1, 1))) == 0.25  # 1²/4
+    assert kl.explain("k2/2", "loss").gradient == kl.GRAD_OTHER  # half of grad KL
+    with pytest.raises(ValueError, match="already registered; pass replace=True"):
+        kl.register("k2/2", kl.Spec(kl.k2, kl.THETA_REF, "d²/2", "weighted", "k2"))
+    # Registered again under the same name: explain derives the new row, not a cached one.
+    kl.register("k2/2", kl.Spec(kl.k2, kl.THETA_REF, "d²/2", "weighted", "k2"), replace=True)
+    assert kl.explain("k2/2", "loss").gradient == kl.GRAD_THETA_REF
+    bad = {
+        "off_policy must be one of weighted, carried, none": {"off_policy": "maybe"},
+        "target must be klpo.kl.THETA_REF or REF_THETA": {"target": "KL"},
+        "loss_variant='k9' is not a registered estimator": {"loss_variant": "k9"},
+        "mixed=True needs ref_sampled=True": {"mixed": True},
+        "a reference-sampled one": {"ref_sampled": True},
+    }
+    base = {"fn": half_k2, "target": kl.THETA_REF, "equation": "d²/4"}
+    for message, change in bad.items():
+        row = {**base, "off_policy": "weighted", "loss_variant": "k2", **change}
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            kl.register("new", kl.Spec(**row))
+    assert "new" not in kl.SPECS
+    with pytest.raises(ValueError, match="unknown KL estimator 'ref_is'"):
+        kl.estimate("ref_is", one, one)  # a reference-sampled row is no per-token function
+
+
+def test_the_name_lists_are_live_views_of_the_registry(monkeypatch):
+    before = tuple(kl.ESTIMATORS)
+    monkeypatch.setitem(kl.SPECS, "k0", kl.Spec(kl.k1, kl.THETA_REF, "d", "weighted", "k1+"))
+    assert (*before, "k0") == kl.ESTIMATORS and len(kl.ESTIMATORS) == len(before) + 1
+    assert kl.ESTIMATORS[-1] == "k0" and "k0" in kl.ESTIMATORS and "k0" not in kl.REF_SAMPLED
+    assert before != kl.ESTIMATORS and repr(kl.ESTIMATORS) == repr((*before, "k0"))
+    monkeypatch.delitem(kl.SPECS, "k0")
+    assert before == kl.ESTIMATORS

@@ -23,6 +23,12 @@ recipe f(r) - f'(1)(r - 1); DeepSeekMath (arXiv:2402.03300, eq. 4) for k3 in GRP
 eq. 7) and TRL's ``use_bias_correction_kl`` for ``k3_is``; Liu et al. (arXiv:2510.01555) and
 Tang & Munos (arXiv:2506.09477) for the gradient analysis behind :func:`explain`.
 
+The registry: each estimator's traits (what it needs — ``logp_old``, the logits, the reference's
+own samples —, how :func:`klpo.losses.kl_loss` corrects it off-policy, what ``klpo doctor``
+proposes in its place) are one row of :data:`SPECS`, a :class:`Spec`, which every layer of klpo
+reads; :data:`ESTIMATORS`, :data:`REF_SAMPLED` and :data:`LOGPROB_ESTIMATORS` are views of it.
+An estimator is added by its function and one :func:`register` call.
+
 Shapes: ``logp``, ``logp_ref`` and ``logp_old`` are ``[B, T]`` (any shape works, as long as all
 three agree); ``full`` takes logits ``[B, T, V]``. Inputs may be any float dtype; the arithmetic
 is done in float64 (float32 on devices without float64) and the result is float32 (float64 when
@@ -49,13 +55,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from klpo._names import LiveNames
 from klpo._tensor import (
     capped,
     check_float,
@@ -70,10 +77,16 @@ from klpo.logprobs import exact_kl
 __all__ = [
     "ESTIMATORS",
     "GRADIENTS",
+    "LOGPROB_ESTIMATORS",
     "PLACEMENTS",
     "REF_SAMPLED",
+    "REF_THETA",
+    "SPECS",
+    "THETA_REF",
     "Explanation",
+    "OffPolicy",
     "Placement",
+    "Spec",
     "abs_",
     "abs_plus",
     "estimate",
@@ -93,6 +106,7 @@ __all__ = [
     "kl_ref_theta",
     "low_var_kl",
     "refusal",
+    "register",
 ]
 
 THETA_REF = "KL(pi_theta ‖ pi_ref)"
@@ -113,12 +127,22 @@ PLACEMENTS: tuple[Placement, ...] = ("reward", "loss", "reward+loss")
 
 
 def in_reward(placement: Placement) -> bool:
-    """Whether ``placement`` puts a detached KL penalty in the reward (``reward``, ``reward+loss``)."""
+    """Whether ``placement`` puts a detached KL penalty in the reward (``reward``, ``reward+loss``).
+
+    Example:
+        >>> in_reward("reward+loss"), in_reward("loss")
+        (True, False)
+    """
     return _placement(placement) in ("reward", "reward+loss")
 
 
 def in_loss(placement: Placement) -> bool:
-    """Whether ``placement`` differentiates a KL term in the loss (``loss``, ``reward+loss``)."""
+    """Whether ``placement`` differentiates a KL term in the loss (``loss``, ``reward+loss``).
+
+    Example:
+        >>> in_loss("reward+loss"), in_loss("reward")
+        (True, False)
+    """
     return _placement(placement) in ("loss", "reward+loss")
 
 
@@ -201,6 +225,13 @@ def k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
 
     Returns:
         ``[B, T]`` float32.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> kl.k1(logp, logp_ref)  # d = -1 + 1.5, -2 + 1
+        tensor([[ 0.5000, -1.0000]])
     """
     return to_out(_log_ratio(logp, logp_ref), logp, logp_ref)
 
@@ -217,6 +248,12 @@ def k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient-equivalent to k1 in the reward, per token (Liu et al. 2025).
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.k2(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # 0.5²/2, (-1)²/2
+        tensor([[0.1250, 0.5000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(0.5 * d * d, logp, logp_ref)
@@ -236,6 +273,13 @@ def k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     (DeepSeek-V3.2's complaint) and saturates at 1 as pi_theta ≫ pi_ref.
 
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf (see the module notes).
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> # d = 0.5: exp(-0.5) + 0.5 - 1 = 0.1065;  d = -1: e - 1 - 1 = 0.7183
+        >>> kl.k3(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))
+        tensor([[0.1065, 0.7183]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k3_wide(d), logp, logp_ref)
@@ -249,6 +293,12 @@ def abs_(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Registered as ``"abs"``.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.abs_(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # |0.5|, |-1|
+        tensor([[0.5000, 1.0000]])
     """
     return to_out(torch.abs(_log_ratio(logp, logp_ref)), logp, logp_ref)
 
@@ -261,13 +311,30 @@ def k1_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient at once.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.k1_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach()  # k1's value, d
+        tensor([[ 0.5000, -1.0000]])
+        >>> value.sum().backward(); logp.grad  # k2's gradient, d
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, d), logp, logp_ref)
 
 
 def k2_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
-    r"""``k2+``: identical to :func:`k2` (value d²/2, gradient d · grad logp); listed for verl parity."""
+    r"""``k2+``: identical to :func:`k2` (value d²/2, gradient d · grad logp); listed for verl parity.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> kl.k2_plus(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]))  # = k2
+        tensor([[0.1250, 0.5000]])
+    """
     return k2(logp, logp_ref)
 
 
@@ -278,6 +345,16 @@ def k3_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     gradient ``d · grad logp``, expected gradient grad KL(pi_theta ‖ pi_ref) on-policy.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.k3_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach()  # k3's value: exp(-0.5) - 0.5, e - 2
+        tensor([[0.1065, 0.7183]])
+        >>> value.sum().backward(); logp.grad  # k2's gradient, d (k3's would be 1 - exp(-d))
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, _k3_wide(d)), logp, logp_ref)
@@ -290,6 +367,16 @@ def abs_plus(logp: Tensor, logp_ref: Tensor) -> Tensor:
     grad KL(pi_theta ‖ pi_ref) on-policy.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> value = kl.abs_plus(logp, torch.tensor([[-1.5, -1.0]]))
+        >>> value.detach(), logp.grad is None
+        (tensor([[0.5000, 1.0000]]), True)
+        >>> value.sum().backward(); logp.grad  # d, not sign(d)
+        tensor([[ 0.5000, -1.0000]])
     """
     d = _log_ratio(logp, logp_ref)
     return to_out(_k2_straight_through(d, torch.abs(d)), logp, logp_ref)
@@ -314,6 +401,18 @@ def k3_is(logp: Tensor, logp_ref: Tensor, logp_old: Tensor) -> Tensor:
 
     Returns:
         ``[B, T]`` float32.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = 1/2, pi_ref = pi_old = 1/4: w = 2, d = log 2, k3 = 1/2 - 1 + log 2 = 0.1931
+        >>> logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        >>> quarter = torch.tensor([[math.log(0.25)]])
+        >>> value = kl.k3_is(logp, quarter, quarter)
+        >>> value.detach()  # w · k3 = 2 · 0.1931
+        tensor([[0.3863]])
+        >>> value.sum().backward(); logp.grad  # w · d = 2 log 2
+        tensor([[1.3863]])
     """
     _check_pair(logp, logp_ref, "logp_ref")
     _check_pair(logp, logp_old, "logp_old")
@@ -339,6 +438,16 @@ def low_var_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     ``k3`` (or ``k3+``), which need no clamp.
 
     Args / Returns: as :func:`k1`.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp = torch.tensor([[-3.0, 0.5]], requires_grad=True)
+        >>> value = kl.low_var_kl(logp, torch.zeros(1, 2))
+        >>> value.detach()  # d = -3: k3 = e³ - 3 - 1 = 16.09, clamped to 10; d = 0.5: k3
+        tensor([[10.0000,  0.1065]])
+        >>> value.sum().backward(); logp.grad  # zero where the clamp bites; 1 - exp(-0.5) elsewhere
+        tensor([[-0.0000, 0.3935]])
     """
     d = _log_ratio(logp, logp_ref)
     kl = torch.clamp(-d, min=-20.0, max=20.0)
@@ -359,6 +468,13 @@ def kl_ref_theta(logp: Tensor, logp_ref: Tensor) -> Tensor:
     (that is sum_y (pi_theta - pi_ref) grad log pi_theta): "other (biased)" in the loss.
 
     Args / Returns: as :func:`k1`. Beyond d < -88.7 the value is +inf.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = 1/2, pi_ref = 1/4: r = 1/2, r log r - (r - 1) = -0.3466 + 0.5
+        >>> kl.kl_ref_theta(torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]]))
+        tensor([[0.1534]])
     """
     _check_pair(logp, logp_ref, "logp_ref")
     wide = wide_dtype(logp)
@@ -400,6 +516,13 @@ def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Ten
 
     Returns:
         ``[B, T]`` float32 (float64 when an input is float64).
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import kl
+        >>> # pi_theta = (1/2, 1/2), pi_ref = (3/4, 1/4): 1/2 log(2/3) + 1/2 log 2 = 1/2 log(4/3)
+        >>> kl.full(torch.zeros(1, 1, 2), torch.tensor([[[math.log(3.0), 0.0]]]))
+        tensor([[0.1438]])
     """
     _check_pair(logits, logits_ref, "logits_ref")
     if temperature <= 0:
@@ -411,42 +534,206 @@ def full(logits: Tensor, logits_ref: Tensor, *, temperature: float = 1.0) -> Ten
 # The registry and the one entry point.
 
 
+OffPolicy = Literal["weighted", "carried", "none"]
+"""How :func:`klpo.losses.kl_loss` keeps an estimator's on-policy expected gradient for tokens
+sampled from pi_old (:attr:`Spec.off_policy`)."""
+
+
 @dataclass(frozen=True)
-class _Spec:
-    fn: Callable[..., Tensor]
-    target: str  # the KL the value is meant to estimate
+class Spec:
+    """One KL estimator's traits: the one record of what it computes and what it needs.
+
+    :data:`SPECS` maps each name to its ``Spec``; the losses, the trainer's step, the lab, the run
+    report, the bridges to TRL and verl, ``klpo explain`` and ``klpo doctor`` all read it, so an
+    estimator is added by adding its function and one row (:func:`register`).
+
+    Attributes:
+        fn: the per-token function (``fn(logp, logp_ref)``, ``fn(logp, logp_ref, logp_old)`` with
+            ``needs_old``, ``fn(logits, logits_ref)`` with ``needs_logits``); its docstring is the
+            estimator's reference. None for a reference-sampled estimator, which is no per-token
+            function of the policy's tokens (:mod:`klpo.ref_kl` computes it).
+        target: the KL the value is meant to estimate, :data:`THETA_REF` or :data:`REF_THETA`.
+        equation: the value in one line, with d = logp - logp_ref (what :func:`explain` shows).
+        off_policy: how :func:`klpo.losses.kl_loss` corrects it for tokens sampled from pi_old:
+            ``"weighted"``, a detached weight pi_theta/pi_old on each token; ``"carried"``, it
+            carries its own weight with the gradient through it and is returned as is (``k3_is``;
+            it has no uncorrected form); ``"none"``, nothing to reweight: the value does not
+            depend on the token the policy sampled (``full``) or the samples are the
+            reference's (the reference-sampled estimators).
+        loss_variant: the estimator that logs this one's value (or the nearest one) and whose
+            expected gradient in the loss is grad KL(pi_theta ‖ pi_ref): itself where its own is
+            (``k2``, ``k3_is``, ``full``), its straight-through ``+`` twin where not (``k1`` ->
+            ``k1+``), ``k3+`` where it has no twin (``low_var_kl``, ``kl_ref_theta``). What
+            ``klpo doctor`` proposes for a loss term that uses this estimator.
+        needs_old: it needs ``logp_old``, the sampling policy's log-probs (``k3_is``).
+        needs_logits: it is the exact KL over the vocabulary, computed from both models' logits
+            ``[B, T, V]`` (or hidden states and the head, :func:`klpo.logprobs.fused`) rather
+            than the sampled tokens' log-probs: the trainer logs it as ``kl/ref/exact``, it is
+            not defined for a continuous distribution (the lab's Gaussians), and frameworks
+            that pass only token log-probs (the TRL and verl bridges) cannot compute it.
+        ref_sampled: it needs completions sampled from pi_ref (:mod:`klpo.ref_kl`), so ``"loss"``
+            is its only placement (:func:`refusal`); listed in :data:`REF_SAMPLED`, not in
+            :data:`ESTIMATORS`.
+        mixed: (reference-sampled only) the term is ``a · k1`` on the policy's tokens plus
+            ``(1 - a) · ref_is`` on the reference's, with ``a`` from a window of past KLs
+            (:class:`klpo.ref_kl.MixWindow`); otherwise ``a = 0``.
+
+    Example:
+        >>> from klpo import kl
+        >>> s = kl.SPECS["k3_is"]
+        >>> s.needs_old, s.needs_logits, s.off_policy, s.loss_variant
+        (True, False, 'carried', 'k3_is')
+        >>> [n for n, s in kl.SPECS.items() if s.needs_logits]
+        ['full']
+    """
+
+    fn: Callable[..., Tensor] | None
+    target: str
     equation: str
+    off_policy: OffPolicy
+    loss_variant: str
     needs_old: bool = False
     needs_logits: bool = False
+    ref_sampled: bool = False
+    mixed: bool = False
 
 
-_REGISTRY: dict[str, _Spec] = {
-    "k1": _Spec(k1, THETA_REF, "d"),
-    "k2": _Spec(k2, THETA_REF, "d²/2"),
-    "k3": _Spec(k3, THETA_REF, "exp(-d) + d - 1"),
-    "abs": _Spec(abs_, THETA_REF, "|d|"),
-    "k1+": _Spec(k1_plus, THETA_REF, "d, with the gradient of d²/2"),
-    "k2+": _Spec(k2_plus, THETA_REF, "d²/2 (= k2)"),
-    "k3+": _Spec(k3_plus, THETA_REF, "exp(-d) + d - 1, with the gradient of d²/2"),
-    "abs+": _Spec(abs_plus, THETA_REF, "|d|, with the gradient of d²/2"),
-    "k3_is": _Spec(
-        k3_is, THETA_REF, "w·(exp(-d) + d - 1), w = exp(logp - logp_old)", needs_old=True
+_W, _C, _N = "weighted", "carried", "none"
+
+SPECS: dict[str, Spec] = {
+    "k1": Spec(k1, THETA_REF, "d", _W, "k1+"),
+    "k2": Spec(k2, THETA_REF, "d²/2", _W, "k2"),
+    "k3": Spec(k3, THETA_REF, "exp(-d) + d - 1", _W, "k3+"),
+    "abs": Spec(abs_, THETA_REF, "|d|", _W, "abs+"),
+    "k1+": Spec(k1_plus, THETA_REF, "d, with the gradient of d²/2", _W, "k1+"),
+    "k2+": Spec(k2_plus, THETA_REF, "d²/2 (= k2)", _W, "k2"),
+    "k3+": Spec(k3_plus, THETA_REF, "exp(-d) + d - 1, with the gradient of d²/2", _W, "k3+"),
+    "abs+": Spec(abs_plus, THETA_REF, "|d|, with the gradient of d²/2", _W, "abs+"),
+    "k3_is": Spec(
+        k3_is,
+        THETA_REF,
+        "w·(exp(-d) + d - 1), w = exp(logp - logp_old)",
+        _C,
+        "k3_is",
+        needs_old=True,
     ),
-    "low_var_kl": _Spec(low_var_kl, THETA_REF, "clamp(k3 with |d| ≤ 20, -10, 10) (verl)"),
-    "kl_ref_theta": _Spec(kl_ref_theta, REF_THETA, "r log r - (r - 1), r = exp(-d)"),
-    "full": _Spec(full, THETA_REF, "sum_v pi(v) log(pi(v)/pi_ref(v))", needs_logits=True),
+    "low_var_kl": Spec(low_var_kl, THETA_REF, "clamp(k3 with |d| ≤ 20, -10, 10) (verl)", _W, "k3+"),
+    "kl_ref_theta": Spec(kl_ref_theta, REF_THETA, "r log r - (r - 1), r = exp(-d)", _W, "k3+"),
+    "full": Spec(
+        full, THETA_REF, "sum_v pi(v) log(pi(v)/pi_ref(v))", _N, "full", needs_logits=True
+    ),
+    "ref_is": Spec(
+        None,
+        THETA_REF,
+        "w·log w over x ~ pi_ref, w = pi_theta(x)/pi_ref(x)",
+        _N,
+        "ref_is",
+        ref_sampled=True,
+    ),
+    "adaptive_mix": Spec(
+        None,
+        THETA_REF,
+        "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)); "
+        "its expected gradient is scaled by 1 - a",
+        _N,
+        "adaptive_mix",
+        ref_sampled=True,
+        mixed=True,
+    ),
 }
+"""Every KL estimator by name, in the order of the docs' tables: the one registry of their traits
+(:class:`Spec`). Read it, and :data:`ESTIMATORS` / :data:`REF_SAMPLED` (views of it), at the time
+of use rather than copying it at import, so that an estimator added by :func:`register` (or, in a
+test, ``monkeypatch.setitem(kl.SPECS, name, spec)``) is known everywhere."""
 
-ESTIMATORS: tuple[str, ...] = tuple(_REGISTRY)
+
+def _names(keep: Callable[[Spec], bool]) -> Callable[[], Iterator[str]]:
+    return lambda: (n for n, s in SPECS.items() if keep(s))
 
 
-def _spec(name: str) -> _Spec:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
+ESTIMATORS: Sequence[str] = LiveNames(
+    _names(lambda s: not s.ref_sampled),
+    "The per-token estimators (functions of the policy's own samples), by name, in registry "
+    "order; a view of :data:`SPECS`, read when used.",
+)
+REF_SAMPLED: Sequence[str] = LiveNames(
+    _names(lambda s: s.ref_sampled),
+    "Estimators that also need completions sampled from pi_ref (:mod:`klpo.ref_kl`): "
+    "``ref_is`` and ``adaptive_mix``; not in :data:`ESTIMATORS`.",
+)
+LOGPROB_ESTIMATORS: Sequence[str] = LiveNames(
+    _names(lambda s: not s.ref_sampled and not s.needs_logits),
+    "The per-token estimators computed from the sampled tokens' log-probs alone (and logp_old): "
+    ":data:`ESTIMATORS` but those that need the logits. What a framework that passes only token "
+    "log-probs can use, and what is defined for a continuous distribution.",
+)
+
+
+def register(name: str, spec: Spec, *, replace: bool = False) -> Spec:
+    """Add estimator ``name`` to :data:`SPECS` and return its spec.
+
+    Every layer then knows it: :func:`estimate`, :func:`explain`, :func:`klpo.losses.kl_loss`,
+    the trainer's ``kl.estimator``, the lab, the bridges and the doctor.
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> def twice_k2(logp, logp_ref):
+        ...     return kl.k2(logp, logp_ref) * 2.0
+        >>> spec = kl.Spec(twice_k2, kl.THETA_REF, "d²", "weighted", "k2")
+        >>> kl.register("d2", spec) is spec
+        True
+        >>> kl.estimate("d2", torch.tensor([[0.5]]), torch.tensor([[0.0]]))  # 0.5² = 0.25
+        tensor([[0.2500]])
+        >>> del kl.SPECS["d2"]
+
+    Raises:
+        ValueError: an empty name or one taken (unless ``replace``), a ``fn`` that is missing or
+            not callable where the spec is per-token (or given to a reference-sampled one),
+            ``mixed`` without ``ref_sampled``, an unknown ``target`` or ``off_policy``, or a
+            ``loss_variant`` that is neither ``name`` nor a registered estimator.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"an estimator needs a name, got {name!r}")
+    if name in SPECS and not replace and SPECS[name] != spec:
         raise ValueError(
-            f"unknown KL estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}"
-        ) from None
+            f"estimator {name!r} is already registered; pass replace=True to replace it"
+        )
+    if not isinstance(spec, Spec):
+        raise ValueError(f"estimator {name!r}: {spec!r} is not a klpo.kl.Spec")
+    if spec.ref_sampled != (spec.fn is None):
+        raise ValueError(
+            f"estimator {name!r}: a per-token estimator needs fn (its function); a reference-"
+            "sampled one (ref_sampled=True) has none (klpo.ref_kl computes it)"
+        )
+    if spec.fn is not None and not callable(spec.fn):
+        raise ValueError(f"estimator {name!r}: fn={spec.fn!r} is not a function")
+    if spec.mixed and not spec.ref_sampled:
+        raise ValueError(f"estimator {name!r}: mixed=True needs ref_sampled=True")
+    if spec.target not in (THETA_REF, REF_THETA):
+        raise ValueError(
+            f"estimator {name!r}: target must be klpo.kl.THETA_REF or REF_THETA, got {spec.target!r}"
+        )
+    if spec.off_policy not in get_args(OffPolicy):
+        raise ValueError(
+            f"estimator {name!r}: off_policy must be one of {', '.join(get_args(OffPolicy))}, "
+            f"got {spec.off_policy!r}"
+        )
+    if spec.loss_variant != name and spec.loss_variant not in SPECS:
+        raise ValueError(
+            f"estimator {name!r}: loss_variant={spec.loss_variant!r} is not a registered "
+            f"estimator; choose {name!r} itself or one of: {', '.join(SPECS)}"
+        )
+    SPECS[name] = spec
+    return spec
+
+
+def _spec(name: str) -> Spec:
+    """The spec of a per-token estimator (ValueError listing :data:`ESTIMATORS` otherwise)."""
+    spec = SPECS.get(name) if isinstance(name, str) else None
+    if spec is None or spec.ref_sampled:
+        raise ValueError(f"unknown KL estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}")
+    return spec
 
 
 def function(name: str) -> Callable[..., Tensor]:
@@ -454,6 +741,11 @@ def function(name: str) -> Callable[..., Tensor]:
 
     Raises:
         ValueError: ``name`` is not in :data:`ESTIMATORS`.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.function("k3") is kl.k3, kl.function("abs") is kl.abs_
+        (True, True)
     """
     return _spec(name).fn
 
@@ -477,12 +769,6 @@ def _check_full(value: Tensor, mask: Tensor | None) -> None:
         f"mask the vocabulary of both models alike (-inf in logits wherever it is in logits_ref), "
         f"or mask those positions out"
     )
-
-
-def _needs_more(name: str) -> bool:
-    """Whether an estimator needs more than ``logp`` and ``logp_ref`` (logits or logp_old)."""
-    spec = _REGISTRY[name]
-    return spec.needs_logits or spec.needs_old
 
 
 def estimate(
@@ -526,6 +812,15 @@ def estimate(
         ValueError: for an unknown name (listing the valid ones), a missing input, a
             non-finite log-prob (naming the argument and the count of non-finite entries), or a
             non-finite ``full`` (the count of +inf and NaN positions).
+
+    Example:
+        >>> import torch
+        >>> from klpo import kl
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> kl.estimate("k3", logp, logp_ref)  # kl.k3(logp, logp_ref)
+        tensor([[0.1065, 0.7183]])
+        >>> kl.estimate("k3_is", logp, logp_ref, logp_old=logp)  # on-policy: w = 1, k3's value
+        tensor([[0.1065, 0.7183]])
     """
     spec = _spec(name)
     if spec.needs_logits:
@@ -533,9 +828,9 @@ def estimate(
             raise ValueError(
                 f"estimator {name!r} is the exact KL over the vocabulary and needs logits= and "
                 f"logits_ref= ([B, T, V]); estimators that work from logp and logp_ref alone: "
-                f"{', '.join(n for n in ESTIMATORS if not _needs_more(n))} (and with "
+                f"{', '.join(n for n in ESTIMATORS if not (SPECS[n].needs_logits or SPECS[n].needs_old))} (and with "
                 f"logp_old, the sampling policy's log-probs: "
-                f"{', '.join(n for n in ESTIMATORS if _REGISTRY[n].needs_old)})"
+                f"{', '.join(n for n in ESTIMATORS if SPECS[n].needs_old)})"
             )
         value = spec.fn(logits, logits_ref)
         if check_finite:
@@ -557,7 +852,7 @@ def estimate(
             raise ValueError(
                 f"estimator {name!r} needs logp_old (the log-probs of the policy that sampled the "
                 f"tokens; on-policy pass logp.detach()); estimators that need no logp_old: "
-                f"{', '.join(n for n in ESTIMATORS if not _REGISTRY[n].needs_old)}"
+                f"{', '.join(n for n in ESTIMATORS if not SPECS[n].needs_old)}"
             )
         return spec.fn(logp, logp_ref, logp_old)
     return spec.fn(logp, logp_ref)
@@ -601,10 +896,9 @@ class Explanation:
     def text(self) -> str:
         """The explanation for people, a few lines."""
         sampling = "samples from pi_theta" if self.on_policy else "samples from pi_old ≠ pi_theta"
-        if self.estimator == "ref_is":
-            sampling = "samples from pi_ref"
-        elif self.estimator == "adaptive_mix":
-            sampling = "samples from pi_ref and pi_theta"
+        spec = SPECS.get(self.estimator)
+        if spec is not None and spec.ref_sampled:
+            sampling = "samples from pi_ref and pi_theta" if spec.mixed else "samples from pi_ref"
         value = (
             f"{'unbiased' if self.unbiased else 'biased'} estimate of {self.estimates}, "
             f"{'never negative' if self.nonnegative else 'can be negative'}"
@@ -658,24 +952,36 @@ def explain(name: str, placement: Placement, *, on_policy: bool = True) -> Expla
 
     Raises:
         ValueError: an unknown estimator or placement, or a placement that makes no sense for it.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.explain("k3", "loss").gradient  # GRPO's k3 in the loss: the other direction
+        'grad KL(pi_ref ‖ pi_theta)'
+        >>> kl.explain("k1", "reward").gradient, kl.explain("k1", "loss").gradient
+        ('grad KL(pi_theta ‖ pi_ref)', 'zero')
     """
-    if name not in REF_SAMPLED:
-        _spec(name)
+    spec = SPECS[name] if name in REF_SAMPLED else _spec(name)
     if _placement(placement) == "none":
         raise ValueError(
             "placement 'none' puts no KL in the reward or the loss, so there is no gradient to "
             f"explain; choose one of: {', '.join(PLACEMENTS)}"
         )
-    if name in REF_SAMPLED:
+    if spec.ref_sampled:
         reason = refusal(name, placement)
         if reason is not None:
             raise ValueError(reason)
-        return _derive_ref_sampled(name)
-    return _derive(name, placement, bool(on_policy))
+        return _derive_ref_sampled(name, spec)
+    return _derive(name, spec, placement, bool(on_policy))
 
 
 def explain_all(*, on_policy: bool = True) -> list[Explanation]:
-    """:func:`explain` for every estimator in every placement, in registry order."""
+    """:func:`explain` for every estimator in every placement, in registry order.
+
+    Example:
+        >>> from klpo import kl
+        >>> [e.gradient for e in kl.explain_all() if e.estimator == "k2"]  # reward, loss, both
+        ['other (biased)', 'grad KL(pi_theta ‖ pi_ref)', 'other (biased)']
+    """
     return [explain(n, p, on_policy=on_policy) for n in ESTIMATORS for p in PLACEMENTS]
 
 
@@ -766,8 +1072,8 @@ def _close(a: Tensor, b: Tensor) -> bool:
 
 
 @functools.cache
-def _derive(name: str, placement: str, on_policy: bool) -> Explanation:
-    spec = _REGISTRY[name]
+def _derive(name: str, spec: Spec, placement: str, on_policy: bool) -> Explanation:
+    # Cached by the spec too, so a spec registered again under the same name is derived afresh.
     unbiased, labels = True, set()
     for theta, ref, old in _cases():
         kl_tr, kl_rt, g_tr, g_rt = _exact_kls(theta, ref)
@@ -793,21 +1099,21 @@ def _derive(name: str, placement: str, on_policy: bool) -> Explanation:
         equation=spec.equation,
         estimates=spec.target,
         unbiased=unbiased,
-        nonnegative=_never_negative(name),
+        nonnegative=_never_negative(name, spec),
         gradient=gradient,
         mismatch=gradient != wanted,
     )
 
 
 @functools.cache
-def _never_negative(name: str) -> bool:
+def _never_negative(name: str, spec: Spec) -> bool:
     """Whether the value is ≥ 0 on a grid of log-ratios d ∈ [-30, 30] (and importance weights)."""
     # Steps of 0.1 from exact integers, so d = 0 is exactly 0: linspace puts ~1e-15 there, where
     # exp(-d) + d - 1 rounds to either sign depending on the CPU's exp (a property of the
     # arithmetic, not of the estimator).
     d = torch.arange(-300, 301, dtype=torch.float64) / 10.0
     zeros = torch.zeros_like(d)
-    if _REGISTRY[name].needs_logits:
+    if spec.needs_logits:
         # The exact KL of two categoricals is ≥ 0 (Gibbs' inequality); check it on the cases.
         return all(
             float(_terms(name, theta, ref, torch.log_softmax(theta, -1)).min()) >= 0.0
@@ -821,16 +1127,6 @@ def _never_negative(name: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # Estimators from samples of the reference (klpo.ref_kl): only in the loss.
 
-REF_SAMPLED: tuple[str, ...] = ("ref_is", "adaptive_mix")
-"""Estimators that also need completions sampled from pi_ref (:mod:`klpo.ref_kl`); not in
-:data:`ESTIMATORS`, which are per-token functions of the policy's own samples."""
-
-_REF_EQUATIONS = {
-    "ref_is": "w·log w over x ~ pi_ref, w = pi_theta(x)/pi_ref(x)",
-    "adaptive_mix": "a·k1 + (1 - a)·ref_is, a = sigmoid(±gamma (KL_window - threshold)); "
-    "its expected gradient is scaled by 1 - a",
-}
-
 
 def refusal(name: str, placement: str) -> str | None:
     """Why ``name`` cannot go in ``placement``, or None if it can.
@@ -839,15 +1135,23 @@ def refusal(name: str, placement: str) -> str | None:
     completions the *reference* sampled, so as a detached per-token reward it would attach to
     no token the policy sampled and carry no policy-gradient term for them; ``adaptive_mix``
     inherits this through its ``ref_is`` part.
+
+    Example:
+        >>> from klpo import kl
+        >>> kl.refusal("k3", "reward") is None, kl.refusal("ref_is", "loss") is None
+        (True, True)
+        >>> kl.refusal("ref_is", "reward")[:49]
+        'ref_is cannot go in the reward: it is computed on'
     """
-    if name not in REF_SAMPLED or placement == "loss":
+    spec = SPECS.get(name) if isinstance(name, str) else None
+    if spec is None or not spec.ref_sampled or placement == "loss":
         return None
     why = (
         f"{name} cannot go in the {placement}: it is computed on completions sampled from pi_ref, "
         "not from the policy, so as a detached reward it sits on no token the policy sampled and "
         "carries no policy-gradient term for the policy's own tokens. "
     )
-    if name == "adaptive_mix":
+    if spec.mixed:
         why += "(Its k1 part could, but its ref_is part cannot, and the mix is one number.) "
     return why + (
         "Use kl.placement=loss: there, differentiating w·log w with the reference's samples held "
@@ -856,14 +1160,14 @@ def refusal(name: str, placement: str) -> str | None:
 
 
 @functools.cache
-def _derive_ref_sampled(name: str) -> Explanation:
+def _derive_ref_sampled(name: str, spec: Spec) -> Explanation:
     """:func:`explain` for a :data:`REF_SAMPLED` estimator in the loss, by exact enumeration.
 
     ``ref_is``: E_ref[w log w] and E_ref[grad (w log w)] summed over every outcome x with weight
     pi_ref(x). ``adaptive_mix`` at a fixed weight a = 1/2: a·E_theta[k1] + (1 - a)·E_ref[w log w];
     its expected gradient must then be (1 - a)·grad KL(pi_theta ‖ pi_ref) (k1's is zero).
     """
-    a = 0.5 if name == "adaptive_mix" else 0.0
+    a = 0.5 if spec.mixed else 0.0
     unbiased, labels = True, set()
     for theta, ref, _ in _cases():
         kl_tr, _, g_tr, _ = _exact_kls(theta, ref)
@@ -886,7 +1190,7 @@ def _derive_ref_sampled(name: str) -> Explanation:
         estimator=name,
         placement="loss",
         on_policy=True,
-        equation=_REF_EQUATIONS[name],
+        equation=spec.equation,
         estimates=THETA_REF,
         unbiased=unbiased,
         nonnegative=False,  # w log w < 0 wherever w < 1, and k1 can be negative

@@ -112,6 +112,16 @@ def ppo_clip(
 
     Returns:
         ``[B, T]`` per-token loss.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import losses
+        >>> logp = torch.tensor([[math.log(1.1), math.log(2.0)]], requires_grad=True)
+        >>> loss = losses.ppo_clip(logp, torch.zeros(1, 2), torch.ones(1, 2))  # ratios 1.1, 2; A = 1
+        >>> loss.detach()  # -1.1; -min(2, 1.2)
+        tensor([[-1.1000, -1.2000]])
+        >>> loss.sum().backward(); logp.grad  # -A·ratio; 0 where the clip binds
+        tensor([[-1.1000,  0.0000]])
     """
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
@@ -176,6 +186,15 @@ def ppo_kl_penalty(
 
     Returns:
         ``[B, T]`` per-token loss.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import losses
+        >>> logp = torch.tensor([[math.log(2.0), 0.0]])  # ratios 2 and 1, A = 1, beta = 1/2
+        >>> losses.ppo_kl_penalty(logp, torch.zeros(1, 2), torch.ones(1, 2), beta=0.5)
+        tensor([[-1.8466, -1.0000]])
+        >>> -2 + 0.5 * ((2 - 1) - math.log(2))  # -ratio·A + beta·k3, k3 = (r - 1) - log r
+        -1.8465735902799727
     """
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
@@ -200,6 +219,13 @@ def sequence_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
 
     Returns:
         ``[B]``.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> losses.sequence_log_ratio(torch.tensor([[0.2, 0.4, 9.0]]), torch.zeros(1, 3), mask)
+        tensor([0.3000], dtype=torch.float64)
     """
     u = _log_ratio(logp, logp_old)
     check_mask(mask, logp.shape)
@@ -249,6 +275,17 @@ def gspo(
 
     Returns:
         ``[B, T]`` per-token loss, 0 at masked tokens.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> logp = torch.zeros(1, 2, requires_grad=True)  # s = 1, A = 1 at both tokens
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> loss = losses.gspo(logp, torch.zeros(1, 2), torch.ones(1, 2), mask)
+        >>> loss.detach()  # -s·A at every token
+        tensor([[-1., -1.]])
+        >>> loss.sum().backward(); logp.grad  # -A·s per token (the token form)
+        tensor([[-1., -1.]])
     """
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
@@ -279,6 +316,15 @@ def gspo_metrics(
     Keys: ``clip_frac/seq`` (sequences whose clip binds: ``A_i > 0, s_i > 1 + clip_high`` or
     ``A_i < 0, s_i < 1 - clip_low``; ``A_i`` is the mean advantage over the sequence's tokens),
     ``ratio/seq_mean`` (mean of s_i).
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)  # s = exp(0.1) = 1.1052 > 1 + 4e-4 with A > 0
+        >>> logp, adv = torch.full((1, 2), 0.1), torch.ones(1, 2)
+        >>> m = losses.gspo_metrics(logp, torch.zeros(1, 2), adv, mask)
+        >>> {k: round(v, 4) for k, v in m.items()}
+        {'clip_frac/seq': 1.0, 'ratio/seq_mean': 1.1052}
     """
     with torch.no_grad():
         s = torch.exp(sequence_log_ratio(logp, logp_old, mask))
@@ -324,6 +370,16 @@ def cispo(
 
     Returns:
         ``[B, T]`` per-token loss.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import losses
+        >>> logp = torch.tensor([[math.log(2.0) - 1.0]], requires_grad=True)  # ratio 2 to -1
+        >>> loss = losses.cispo(logp, torch.tensor([[-1.0]]), torch.tensor([[1.0]]))
+        >>> loss.detach()  # -clip(2, max 1.2) · A · logp = -1.2 · (log 2 - 1)
+        tensor([[0.3682]])
+        >>> loss.sum().backward(); logp.grad  # -1.2 · A: the clipped token keeps its gradient
+        tensor([[-1.2000]])
     """
     if clip_low is not None and not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1) or None, got {clip_low!r}")
@@ -363,6 +419,16 @@ def value_loss(
 
     Returns:
         ``[B, T]`` per-token loss.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> values, returns = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 3.0]])
+        >>> old = torch.zeros(1, 2)
+        >>> losses.value_loss(values, old, returns)  # ½ (V - R)²
+        tensor([[0.5000, 0.5000]])
+        >>> losses.value_loss(values, old, returns, clip=0.5)  # ½ max(1, (0.5 - 3)²) at 2nd
+        tensor([[0.5000, 3.1250]])
     """
     if not isinstance(values, Tensor) or not values.is_floating_point():
         raise TypeError("values must be a float tensor")
@@ -392,6 +458,12 @@ def entropy_bonus(entropy: Tensor) -> Tensor:
 
     Returns:
         ``[B, T]``.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> losses.entropy_bonus(torch.tensor([[0.7, 0.1]]))
+        tensor([[-0.7000, -0.1000]])
     """
     if not isinstance(entropy, Tensor) or not entropy.is_floating_point():
         raise TypeError("entropy must be a float tensor of per-token entropies [B, T]")
@@ -400,14 +472,6 @@ def entropy_bonus(entropy: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------------------------
 # The KL to the reference: in the loss, in the reward.
-
-# How each estimator is corrected for tokens sampled from pi_old (see kl_loss). Every name in
-# klpo.kl.ESTIMATORS must appear here: a new estimator fails loudly until its rule is decided.
-_WEIGHTED = frozenset(
-    {"k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+", "low_var_kl", "kl_ref_theta"}
-)
-_CARRIES_WEIGHT = frozenset({"k3_is"})  # w · k3 with the gradient through w already
-_TOKEN_FREE = frozenset({"full"})  # value at a position does not depend on the sampled token
 
 
 def kl_loss(
@@ -431,14 +495,15 @@ def kl_loss(
 
     since ``E_old[sg(w) grad est] = sum_y pi_old(y) (pi_theta(y)/pi_old(y)) grad est(y) =
     E_theta[grad est]`` (Liu et al. 2025, arXiv:2510.01555, "a principled correction").
-    Two estimators differ:
+    The rule is the estimator's own, :attr:`klpo.kl.Spec.off_policy`: ``"weighted"`` as above,
+    and two that differ:
 
-    - ``k3_is`` already is ``w · k3`` with the gradient flowing through ``w``; its expected
-      gradient over y ~ pi_old is grad KL(pi_theta ‖ pi_ref), what it promises on-policy. It is
-      returned as is (no second weight).
-    - ``full`` is the exact KL over the vocabulary at the position: its value does not depend on
-      the sampled token, so there is nothing to reweight (a weight would have expectation 1 and
-      only add variance). Returned as is.
+    - ``"carried"`` (``k3_is``): it already is ``w · k3`` with the gradient flowing through
+      ``w``; its expected gradient over y ~ pi_old is grad KL(pi_theta ‖ pi_ref), what it
+      promises on-policy. It is returned as is (no second weight).
+    - ``"none"`` (``full``): the exact KL over the vocabulary at the position; its value does not
+      depend on the sampled token, so there is nothing to reweight (a weight would have
+      expectation 1 and only add variance). Returned as is.
 
     The correction is per token: the *prefix* was also generated by pi_old, which no per-token
     weight repairs (as for PPO's own per-token ratio). ``w`` is not clipped.
@@ -457,22 +522,29 @@ def kl_loss(
 
     Returns:
         ``[B, T]``; multiply by beta and reduce like the policy loss (with the mask).
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import losses
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> losses.kl_loss("k3", logp, logp_ref)  # on-policy: k3 itself
+        tensor([[0.1065, 0.7183]])
+        >>> losses.kl_loss("k3", logp, logp_ref, logp_old=logp - math.log(2.0))  # sg(w) = 2
+        tensor([[0.2131, 1.4366]])
     """
-    if name in _TOKEN_FREE:
+    if name not in kl.ESTIMATORS:
+        raise ValueError(
+            f"unknown KL estimator {name!r}; choose one of: {', '.join(kl.ESTIMATORS)}"
+        )
+    spec = kl.SPECS[name]
+    if spec.off_policy == "none":
         return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref, mask=mask)
-    if name not in _WEIGHTED | _CARRIES_WEIGHT:
-        if name in kl.ESTIMATORS:
-            raise NotImplementedError(
-                f"kl_loss has no off-policy rule for estimator {name!r} yet; add it to "
-                "klpo.losses._WEIGHTED, _CARRIES_WEIGHT or _TOKEN_FREE with a test"
-            )
-        kl.estimate(name, logp, logp_ref)  # raises the estimator-name error, listing the names
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
     if logp_old is None:
         logp_old = logp.detach()
     est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach(), mask=mask)
-    if name in _CARRIES_WEIGHT:
+    if spec.off_policy == "carried":
         return est
     u = _log_ratio(logp, logp_old).detach()
     return to_out(capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
@@ -516,6 +588,15 @@ def kl_reward(
 
     Returns:
         ``[B, T]`` shaped rewards, 0 at masked tokens; detached.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> rewards = torch.tensor([[0.0, 1.0]])
+        >>> losses.kl_reward(rewards, logp, logp_ref, mask, beta=0.1)  # r - 0.1·d
+        tensor([[-0.0500,  1.1000]])
     """
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
@@ -595,6 +676,16 @@ def policy_metrics(
 
     Returns:
         a dict of floats.
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import losses
+        >>> logp = torch.tensor([[math.log(2.0), 0.0]])  # ratios 2 (clipped, A > 0) and 1
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> m = losses.policy_metrics(logp, torch.zeros(1, 2), torch.ones(1, 2), mask)
+        >>> keys = ("clip_frac/high", "kl/old/k1", "ratio/mean")
+        >>> {k: round(m[k], 4) for k in keys}
+        {'clip_frac/high': 0.5, 'kl/old/k1': -0.3466, 'ratio/mean': 1.5}
     """
     check_mask(mask, logp.shape)
     with torch.no_grad():
@@ -643,6 +734,14 @@ def value_metrics(
 
     Returns:
         a dict of floats.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> v, r = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 3.0]])
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> losses.value_metrics(v, v, r, mask)  # explained: 1 - Var(R - V) / Var(R) = 1 - 1/4
+        {'value/clip_frac': 0.0, 'value/explained_var': 0.75, 'value/mean': 1.5, 'value/mse': 0.5}
     """
     check_mask(mask, values.shape)
     with torch.no_grad():
@@ -690,6 +789,14 @@ def kl_metrics(
 
     Returns:
         a dict of floats.
+
+    Example:
+        >>> import torch
+        >>> from klpo import losses
+        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+        >>> m = losses.kl_metrics(logp, logp_ref, torch.ones(1, 2, dtype=torch.bool))
+        >>> {k: round(v, 4) for k, v in m.items()}  # means of d (0.5, -1), of k3 (0.1065, 0.7183)
+        {'kl/ref/k1': -0.25, 'kl/ref/k3': 0.4124}
     """
     with torch.no_grad():
         out = {}

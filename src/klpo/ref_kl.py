@@ -80,8 +80,17 @@ def ref_is_terms(
             bites).
 
     Returns:
-        ``[...]`` in float64 (float32 on devices without it). Unclipped, its mean over x ~ pi_ref
-        is KL(pi_theta ‖ pi_ref) and its expected gradient grad KL(pi_theta ‖ pi_ref).
+        ``[...]``, float32 (float64 for float64 inputs: ``log w`` is :func:`klpo.kl.k1`'s, in
+        its dtype). Unclipped, its mean over x ~ pi_ref is KL(pi_theta ‖ pi_ref) and its
+        expected gradient grad KL(pi_theta ‖ pi_ref).
+
+    Example:
+        >>> import torch
+        >>> from klpo import ref_kl
+        >>> # two samples of pi_ref: w = 0.5/0.25 = 2 and 1/2; w log w = 2 log 2, -(log 2)/2
+        >>> logp, logp_ref = torch.tensor([0.5, 0.25]).log(), torch.tensor([0.25, 0.5]).log()
+        >>> ref_kl.ref_is_terms(logp, logp_ref)
+        tensor([ 1.3863, -0.3466])
     """
     _check_clip(clip)
     log_w = kl.estimate("k1", logp, logp_ref)  # log w = logp - logp_ref, upcast
@@ -111,6 +120,15 @@ def ref_is(
 
     Returns:
         ``[...]`` one estimate per batch, differentiable with respect to ``logp``.
+
+    Example:
+        >>> import torch
+        >>> from klpo import ref_kl
+        >>> logp, logp_ref = torch.tensor([0.5, 0.25]).log(), torch.tensor([0.25, 0.5]).log()
+        >>> ref_kl.ref_is(logp, logp_ref)  # (2 log 2 - (log 2)/2) / 2
+        tensor(0.5199)
+        >>> ref_kl.ref_is(logp, logp_ref, self_normalised=True)  # the same sum over sum w = 2.5
+        tensor(0.4159)
     """
     _check_clip(clip)
     log_w = kl.estimate("k1", logp, logp_ref)
@@ -133,6 +151,14 @@ def weight_diagnostics(logp: Tensor, logp_ref: Tensor) -> dict[str, float]:
     weights are equal, 1/n when one dominates), with ``w = exp(logp - logp_ref)`` of ``[n]``
     samples of pi_ref, computed from log-weights (shifted by their maximum, so no overflow).
     No gradient.
+
+    Example:
+        >>> import torch
+        >>> from klpo import ref_kl
+        >>> logp, logp_ref = torch.tensor([0.5, 0.25]).log(), torch.tensor([0.25, 0.5]).log()
+        >>> d = ref_kl.weight_diagnostics(logp, logp_ref)
+        >>> round(d["max_weight"], 4), round(d["ess"], 4)  # w = 2, 1/2: 2.5² / (2 · 4.25)
+        (2.0, 0.7353)
     """
     with torch.no_grad():
         log_w = kl.estimate("k1", logp, logp_ref).flatten()
@@ -149,6 +175,15 @@ def mix_weight(kl_window: float, *, gamma: float, threshold: float, sign: MixSig
 
     ``s = +1`` for ``"as-written"`` (a grows with the KL), ``-1`` for ``"as-described"``
     (a shrinks as the KL grows, as the source's prose says). ``gamma`` must be > 0.
+
+    Example:
+        >>> from klpo import ref_kl
+        >>> ref_kl.mix_weight(0.1, gamma=10.0, threshold=0.1, sign="as-written")  # sigmoid(0)
+        0.5
+        >>> round(ref_kl.mix_weight(0.2, gamma=10.0, threshold=0.1, sign="as-written"), 4)  # σ(1)
+        0.7311
+        >>> round(ref_kl.mix_weight(0.2, gamma=10.0, threshold=0.1, sign="as-described"), 4)
+        0.2689
     """
     if sign not in MIX_SIGNS:
         raise ValueError(f"unknown mix sign {sign!r}; choose one of: {', '.join(MIX_SIGNS)}")

@@ -383,7 +383,6 @@ def test_every_variant_has_one_table_entry():
     from typing import get_args
 
     from klpo.train.config import AlgoConfig
-    from klpo.train.step.kl_term import REF_SAMPLED_TERMS
 
     # The config's types are the tables' names, in the tables' order: one list of each.
     assert get_args(AlgoConfig.model_fields["name"].annotation) == tuple(ALGORITHMS)
@@ -400,7 +399,8 @@ def test_every_variant_has_one_table_entry():
     assert [n for n, spec in POLICY_LOSSES.items() if spec.uses_beta_old] == ["kl-penalty"]
     assert [n for n, spec in POLICY_LOSSES.items() if spec.per_sequence] == ["gspo"]
     assert [e for e in kl.ESTIMATORS if needs_exact_kl(e)] == ["full"]
-    assert tuple(REF_SAMPLED_TERMS) == kl.REF_SAMPLED
+    assert kl.REF_SAMPLED == ("ref_is", "adaptive_mix")
+    assert [e for e, spec in kl.SPECS.items() if spec.mixed] == ["adaptive_mix"]
 
 
 def test_the_config_reads_the_algorithms_traits():

@@ -13,32 +13,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from klpo import kl
 from klpo.doctor.reading import Reading, Settings, Term
 
 __all__ = [
-    "INTENDED_IN_LOSS",
     "build_equivalent",
     "build_intended",
     "carry",
+    "intended_in_loss",
     "klpo_keys",
     "validate",
 ]
 
-# The estimator that logs the same value but follows grad KL(pi_theta ‖ pi_ref) in the loss.
-INTENDED_IN_LOSS: dict[str, str] = {
-    "k1": "k1+",
-    "k1+": "k1+",
-    "k2": "k2",
-    "k2+": "k2",
-    "k3": "k3+",
-    "k3+": "k3+",
-    "low_var_kl": "k3+",
-    "abs": "abs+",
-    "abs+": "abs+",
-    "k3_is": "k3_is",
-    "full": "full",
-    "kl_ref_theta": "k3+",
-}
+
+def intended_in_loss(estimator: str) -> str:
+    """The estimator that logs the same value as ``estimator`` (or the nearest one) but follows
+    grad KL(pi_theta ‖ pi_ref) in the loss: ``kl.SPECS[estimator].loss_variant``.
+
+    >>> intended_in_loss("k3"), intended_in_loss("k2"), intended_in_loss("low_var_kl")
+    ('k3+', 'k2', 'k3+')
+
+    Raises:
+        ValueError: ``estimator`` is not registered in :data:`klpo.kl.SPECS`.
+    """
+    spec = kl.SPECS.get(estimator)
+    if spec is None:
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; choose one of: {', '.join(kl.SPECS)}"
+        )
+    return spec.loss_variant
 
 
 def _kl_section(terms: list[Term]) -> tuple[dict[str, Any], list[str]]:
@@ -168,7 +171,7 @@ def build_equivalent(
     uncorrected = [
         t for t in reading.terms if t.placement == "loss" and not t.corrected and t.estimator
     ]
-    if uncorrected and uncorrected[0].estimator != "k3_is":
+    if uncorrected and kl.SPECS[uncorrected[0].estimator].off_policy != "carried":
         kl_section["off_policy_correction"] = False
     if reading.terms and controller:
         kl_section.update(controller)
@@ -201,7 +204,7 @@ def build_intended(reading: Reading) -> None:
         )
     elif loss_terms:
         t = loss_terms[0]
-        est = INTENDED_IN_LOSS.get(t.estimator or "k3", "k3+")
+        est = intended_in_loss(t.estimator or "k3")  # None: klpo has none; propose k3's
         kl_section.update({"estimator": est, "placement": "loss", "beta": t.beta})
         if est != t.estimator:
             why.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from klpo import kl
 from klpo.doctor.advice import build_intended
 from klpo.doctor.reading import DoctorError, Reading, Term
 from klpo.train.algorithms import ALGORITHMS
@@ -49,12 +50,13 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
         r.warn(
             "note", ["kl.placement", "kl.beta"], "no KL term: nothing holds the policy near pi_ref"
         )
-    if k.estimator == "full" and k.placement in ("reward", "reward+loss") and k.beta > 0:
+    exact = kl.SPECS[k.estimator].needs_logits  # full
+    if exact and k.placement in ("reward", "reward+loss") and k.beta > 0:
         r.warn(
             "note",
             ["kl.estimator"],
-            "`full` in the reward is the exact per-position KL as a penalty; its returns-to-go "
-            "carry the sequence-level credit",
+            f"`{k.estimator}` in the reward is the exact per-position KL as a penalty; its "
+            "returns-to-go carry the sequence-level credit",
         )
     r.equivalent = cfg.model_dump(mode="json", include={"algo", "rollout", "kl"})
     build_intended(r)

@@ -48,6 +48,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ __all__ = [
 
 #: Estimators measured: every klpo estimator; the ``+`` variants and ``k3_is`` share a value with
 #: their base on-policy, so their value rows repeat it while their gradients differ.
-ESTIMATORS: tuple[str, ...] = kl.ESTIMATORS
+ESTIMATORS: Sequence[str] = kl.ESTIMATORS  # a live view: a registered estimator is measured too
 PLACEMENTS: tuple[str, ...] = ("loss", "reward", "reward-to-go")
 TARGETS: tuple[str, ...] = ("per-position θ‖ref", "per-position ref‖θ", "sequence θ‖ref")
 
@@ -200,7 +201,7 @@ def _value_stats(
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ESTIMATORS:
         est = values[name].double()
-        target = (exact_rev if name == "kl_ref_theta" else exact).double()
+        target = (exact_rev if kl.SPECS[name].target == kl.REF_THETA else exact).double()
         seq_est = torch.where(m, est, 0.0).sum(-1)
         seq_exact = torch.where(m, target, 0.0).sum(-1)
         out[name] = {
@@ -348,8 +349,9 @@ def coefficients(
     ]
     values: dict[str, Tensor] = {}
     for name in ESTIMATORS:
-        # kl.full is exact_kl(logits, logits_ref): K_t itself
-        est = k if name == "full" else kl.estimate(name, lp, lr, logp_old=lp.detach(), mask=m)
+        # kl.full (needs_logits) is exact_kl(logits, logits_ref): K_t itself
+        is_exact = kl.SPECS[name].needs_logits
+        est = k if is_exact else kl.estimate(name, lp, lr, logp_old=lp.detach(), mask=m)
         values[name] = est.detach()
         sg = est.detach()
         objs += [total(est), total(sg * lp), total(lp * _rtg(sg, m, inclusive=True))]

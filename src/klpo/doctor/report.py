@@ -118,7 +118,8 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
     rec["on_policy"] = _explain(term.estimator, term.placement, True)
     rec["off_policy"] = None
     if reading.off_policy and term.estimator is not None:
-        if term.placement == "loss" and term.corrected and term.estimator != "k3_is":
+        carried = kl.SPECS[term.estimator].off_policy == "carried"  # k3_is: its own weight
+        if term.placement == "loss" and term.corrected and not carried:
             # klpo.losses.kl_loss's detached weight keeps the on-policy expected gradient.
             rec["off_policy"] = {**rec["on_policy"], "on_policy": False, "corrected_by": "weight"}
         else:

@@ -54,8 +54,13 @@ ESTIMATOR_NAMES: dict[str, str | None] = {
     "k3+": "k3+",
     "full": None,
 }
-# klpo.integrations.verl's names: any klpo estimator but `full`, prefixed.
-KLPO_NAMES = {f"klpo:{e}": e for e in kl.ESTIMATORS if e != "full"}
+
+
+def _klpo_names() -> dict[str, str]:
+    """klpo.integrations.verl's names, ``klpo:NAME`` -> NAME: every klpo estimator that works
+    from token log-probs (:data:`klpo.kl.LOGPROB_ESTIMATORS`: all but ``full``), read now."""
+    return {f"klpo:{e}": e for e in kl.LOGPROB_ESTIMATORS}
+
 
 # loss_agg_mode -> klpo.reduce mode (None: klpo has none).
 REDUCTIONS: dict[str, str | None] = {
@@ -279,9 +284,10 @@ def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | Non
             "algorithm.use_kl_in_reward",
         )
     name = s.str(key) or ""
-    check_known(name, {**ESTIMATOR_NAMES, **KLPO_NAMES}, key, s.source)
-    if name in KLPO_NAMES:
-        est, (vclamp, lclamp) = KLPO_NAMES[name], (None, None)
+    ours = _klpo_names()
+    check_known(name, {**ESTIMATOR_NAMES, **ours}, key, s.source)
+    if name in ours:
+        est, (vclamp, lclamp) = ours[name], (None, None)
     else:
         est, (vclamp, lclamp) = ESTIMATOR_NAMES[name], _clamps(name)
     return Term(
@@ -295,7 +301,7 @@ def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | Non
         value_clamp=vclamp,
         log_ratio_clamp=lclamp,
         # klpo.integrations.verl's loss is klpo.losses.kl_loss: weighted by pi_theta/pi_old.
-        corrected=placement == "loss" and name in KLPO_NAMES,
+        corrected=placement == "loss" and name in ours,
         logged_as="actor/kl_loss" if placement == "loss" else "actor/reward_kl_penalty",
         adaptive=placement == "reward" and ctrl == "adaptive",
     )
@@ -323,7 +329,7 @@ def _findings(
                 "stops at the first KL computation. klpo's `full` is the exact KL over the "
                 "vocabulary (klpo train), which verl's trainer does not pass to kl_penalty",
             )
-        if t.framework_name in KLPO_NAMES:
+        if t.framework_name in _klpo_names():
             r.warn(
                 "note",
                 [t.option],

@@ -91,6 +91,7 @@ aux loss, the reference model (a copy, or the PEFT base with adapters off, ``syn
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,24 +115,29 @@ __all__ = [
     "ESTIMATORS",
     "LOSS_TYPE_MODES",
     "TRL_VERSION",
-    "UNSUPPORTED_ESTIMATORS",
     "KLPOGRPOTrainer",
     "loss_type_normaliser",
 ]
 
 TRL_VERSION = "1.16.0"
 
-UNSUPPORTED_ESTIMATORS: dict[str, str] = {
-    "full": (
-        "the exact KL over the vocabulary needs the policy's and the reference's logits at every "
-        "completion position; TRL 1.16's GRPOTrainer computes only the sampled tokens' log-probs "
-        "(and the entropy) through a fused LM head and keeps no logits. Use `klpo train`"
-    ),
-}
-"""klpo estimators that cannot be computed from what TRL's GRPOTrainer has, and why."""
+_NO_LOGITS = (
+    "the exact KL over the vocabulary needs the policy's and the reference's logits at every "
+    "completion position; TRL 1.16's GRPOTrainer computes only the sampled tokens' log-probs "
+    "(and the entropy) through a fused LM head and keeps no logits. Use `klpo train`"
+)
 
-ESTIMATORS: tuple[str, ...] = tuple(n for n in kl.ESTIMATORS if n not in UNSUPPORTED_ESTIMATORS)
-"""The klpo estimators :class:`KLPOGRPOTrainer` accepts: every :data:`klpo.kl.ESTIMATORS` but ``full``."""
+
+def _unsupported(name: str) -> str | None:
+    """Why klpo estimator ``name`` cannot be computed from what TRL's GRPOTrainer has, or None:
+    those that need the logits (``kl.SPECS[name].needs_logits``, ``full``)."""
+    spec = kl.SPECS.get(name)
+    return _NO_LOGITS if spec is not None and spec.needs_logits else None
+
+
+ESTIMATORS: Sequence[str] = kl.LOGPROB_ESTIMATORS
+"""The klpo estimators :class:`KLPOGRPOTrainer` accepts: every :data:`klpo.kl.ESTIMATORS` that
+works from token log-probs (:data:`klpo.kl.LOGPROB_ESTIMATORS`), i.e. all but ``full``."""
 
 LOSS_TYPE_MODES: dict[str, str] = {
     "grpo": "seq-mean-token-mean",
@@ -498,10 +504,11 @@ def _no_tools(placement: str) -> None:
 
 
 def _check_estimator(name: str) -> None:
-    if name in UNSUPPORTED_ESTIMATORS:
+    why = _unsupported(name)
+    if why is not None:
         raise ValueError(
             f"kl_estimator={name!r} is not available in TRL's GRPOTrainer: "
-            f"{UNSUPPORTED_ESTIMATORS[name]}. Available: {', '.join(ESTIMATORS)}"
+            f"{why}. Available: {', '.join(ESTIMATORS)}"
         )
     if name not in ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}")

@@ -62,7 +62,7 @@ import contextlib
 import contextvars
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -95,8 +95,9 @@ __all__ = [
 VERL_VERSION = "0.9.1"
 PREFIX = "klpo:"
 
-#: The klpo estimators available in verl (``full`` needs logits that verl does not pass).
-ESTIMATORS: tuple[str, ...] = tuple(n for n in kl.ESTIMATORS if n != "full")
+#: The klpo estimators available in verl: those that work from token log-probs
+#: (:data:`klpo.kl.LOGPROB_ESTIMATORS`; ``full`` needs logits that verl does not pass).
+ESTIMATORS: Sequence[str] = kl.LOGPROB_ESTIMATORS
 
 if getattr(verl, "__version__", None) != VERL_VERSION:
     warnings.warn(
@@ -124,11 +125,12 @@ def klpo_name(name: str) -> str | None:
     if not isinstance(name, str) or not name.startswith(PREFIX):
         return None
     est = name[len(PREFIX) :]
-    if est == "full":
+    spec = kl.SPECS.get(est)
+    if spec is not None and spec.needs_logits:
         raise ValueError(
-            "klpo:full (the exact KL over the vocabulary) is not available in verl: verl passes "
+            f"klpo:{est} (the exact KL over the vocabulary) is not available in verl: verl passes "
             "token log-probs, never logits, to kl_penalty. Use klpo:k3+ or klpo:k2 in the loss, "
-            "klpo:k1 in the reward, or `klpo train` for full"
+            f"klpo:k1 in the reward, or `klpo train` for {est}"
         )
     if est not in ESTIMATORS:
         raise ValueError(

@@ -43,12 +43,14 @@ The true gradients of both KLs come from autograd of the exact sums.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from klpo import kl
+from klpo._names import LiveNames
 from klpo.lab.distributions import GaussianPair, SequencePair
 from klpo.lab.ref_is import SEED_CLIP, AdaptiveMix, ref_is_terms
 from klpo.lab.stats import ValueStats
@@ -65,15 +67,34 @@ __all__ = [
     "gaussian_quadrature",
     "gradient_moments",
     "placements_of",
+    "samples_ref",
     "target_of",
     "true_gradients",
 ]
 
 REF_ESTIMATORS: dict[str, tuple[float, float] | None] = {"ref_is": None, "ref_is_clip": SEED_CLIP}
-"""The reference-sampled estimators measured everywhere, with their weight clip."""
+"""The forms of ``ref_is`` the lab measures (:func:`klpo.lab.ref_is.ref_is_terms`) with their
+weight clip: klpo's ``ref_is`` and the lab's clipped variant. With the mix of klpo's
+``adaptive_mix`` (``kl.SPECS[name].mixed``), they are the lab's samples of pi_ref."""
 
-LAB_ESTIMATORS: tuple[str, ...] = (*kl.ESTIMATORS, *REF_ESTIMATORS, "adaptive_mix")
-"""Every estimator the lab measures, in report order."""
+
+def _lab_names() -> tuple[str, ...]:
+    mixed = tuple(n for n in kl.REF_SAMPLED if kl.SPECS[n].mixed)
+    return (*kl.ESTIMATORS, *REF_ESTIMATORS, *mixed)
+
+
+LAB_ESTIMATORS: Sequence[str] = LiveNames(
+    _lab_names,
+    "Every estimator the lab measures, in report order: :data:`klpo.kl.ESTIMATORS` (read when "
+    "used, so a registered one is measured too), the forms of ``ref_is`` and ``adaptive_mix``.",
+)
+
+
+def samples_ref(name: str) -> bool:
+    """Whether the lab measures ``name`` on samples of pi_ref: a form of ``ref_is``, or a
+    reference-sampled estimator of :data:`klpo.kl.SPECS` (``adaptive_mix``, in the loss only)."""
+    return name in REF_ESTIMATORS or name in kl.REF_SAMPLED
+
 
 GAUSSIAN_EXACT: tuple[str, ...] = ("k1", "k2", "k3", "ref_is")
 """The estimators with closed-form Gaussian moments."""
@@ -81,14 +102,16 @@ GAUSSIAN_EXACT: tuple[str, ...] = ("k1", "k2", "k3", "ref_is")
 
 def target_of(name: str) -> str:
     """The KL an estimator's value is meant to estimate (:data:`klpo.kl.THETA_REF` or REF_THETA)."""
-    if name in REF_ESTIMATORS or name == "adaptive_mix":
+    if name in REF_ESTIMATORS:
         return kl.THETA_REF
+    if name in kl.REF_SAMPLED:
+        return kl.SPECS[name].target
     return kl.explain(name, "loss").estimates
 
 
 def placements_of(name: str) -> tuple[str, ...]:
     """The placements measured for ``name``: all three for samples of pi_theta, else "loss"."""
-    return ("loss",) if name in REF_ESTIMATORS or name == "adaptive_mix" else kl.PLACEMENTS
+    return ("loss",) if samples_ref(name) else kl.PLACEMENTS
 
 
 def _phi(x: float) -> float:
@@ -160,7 +183,7 @@ def gaussian_quadrature(
     if name in REF_ESTIMATORS:
         values = ref_is_terms(logp, logp_ref, clip=REF_ESTIMATORS[name])
         dens = logp_ref.exp() * h
-    elif name in kl.ESTIMATORS and name != "full":
+    elif name in kl.LOGPROB_ESTIMATORS:
         values = kl.estimate(name, logp, logp_ref, logp_old=logp)
         dens = logp.exp() * h
     else:
@@ -214,10 +237,10 @@ class Tables:
             coef = c[:, None].expand(-1, pair.length)
             return SampleTable("ref", value.detach(), torch.zeros_like(coef), coef)
         rows = pair.enumeration.rows
-        if name == "full":
+        if kl.SPECS[name].needs_logits:  # full: the exact KL at each prefix
             theta = pair.logits.clone().requires_grad_(True)
             per_prefix = kl.estimate(
-                "full", None, None, logits=theta[None], logits_ref=pair.logits_ref[None]
+                name, None, None, logits=theta[None], logits_ref=pair.logits_ref[None]
             )[0]
             (table,) = torch.autograd.grad(per_prefix.sum(), theta)
             token_value = per_prefix.detach()[rows]
@@ -351,7 +374,7 @@ def _mix_frac_negative(a: float, x: Tensor, px: Tensor, y: Tensor, py: Tensor) -
 
 def analyse(
     pair: SequencePair,
-    names: tuple[str, ...] = LAB_ESTIMATORS,
+    names: Sequence[str] = LAB_ESTIMATORS,
     *,
     mix: AdaptiveMix = AdaptiveMix(),
     gradients: bool = True,

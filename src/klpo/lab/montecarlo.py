@@ -19,12 +19,14 @@ batch's a computed from the window of past batch outputs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from klpo import kl
+from klpo._names import LiveNames
 from klpo.lab.distributions import GaussianPair, SequencePair
 from klpo.lab.exact import (
     LAB_ESTIMATORS,
@@ -33,6 +35,7 @@ from klpo.lab.exact import (
     gradient_moments,
     placement_terms,
     placements_of,
+    samples_ref,
     target_of,
 )
 from klpo.lab.ref_is import AdaptiveMix, AdaptiveMixStream, ref_is_terms
@@ -46,12 +49,11 @@ __all__ = [
     "sample_indices",
 ]
 
-GAUSSIAN_ESTIMATORS: tuple[str, ...] = (
-    *(n for n in kl.ESTIMATORS if n != "full"),
-    *REF_ESTIMATORS,
-    "adaptive_mix",
+GAUSSIAN_ESTIMATORS: Sequence[str] = LiveNames(
+    lambda: (n for n in LAB_ESTIMATORS if n not in kl.ESTIMATORS or n in kl.LOGPROB_ESTIMATORS),
+    "Every estimator defined for a Gaussian: :data:`LAB_ESTIMATORS` but those that need a "
+    "vocabulary's logits (``kl.SPECS[name].needs_logits``: ``full``); read when used.",
 )
-"""Every estimator defined for a Gaussian (``full`` needs a vocabulary)."""
 
 CHUNK = 1 << 20
 
@@ -61,7 +63,7 @@ def gaussian_monte_carlo(
     samples: int,
     *,
     seed: int = 0,
-    names: tuple[str, ...] = GAUSSIAN_ESTIMATORS,
+    names: Sequence[str] = GAUSSIAN_ESTIMATORS,
     mix: AdaptiveMix = AdaptiveMix(),
     batch: int = 64,
     chunk: int = CHUNK,
@@ -90,7 +92,7 @@ def gaussian_monte_carlo(
     pair = GaussianPair(mu)
     gen = torch.Generator().manual_seed(seed)
     stats = {n: RunningStats() for n in names}
-    need_ref = any(n in REF_ESTIMATORS or n == "adaptive_mix" for n in names)
+    need_ref = any(samples_ref(n) for n in names)
     theta_names = [n for n in names if n in kl.ESTIMATORS]
     stream = AdaptiveMixStream(mix) if "adaptive_mix" in names else None
     chunk = max(batch, chunk // batch * batch)
@@ -153,7 +155,7 @@ def monte_carlo(
     samples: int,
     *,
     seed: int = 0,
-    names: tuple[str, ...] = LAB_ESTIMATORS,
+    names: Sequence[str] = LAB_ESTIMATORS,
     mix: AdaptiveMix = AdaptiveMix(),
     batch: int = 64,
     gradients: bool = True,

@@ -74,7 +74,7 @@ class Choice(BaseModel):
     @field_validator("estimator")
     @classmethod
     def _known(cls, v: str) -> str:
-        return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
+        return one_of("estimator", v, tuple(kl.SPECS))
 
     @field_validator("betas")
     @classmethod

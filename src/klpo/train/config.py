@@ -502,7 +502,7 @@ class KLConfig(_Section):
         if v in FOREIGN_ESTIMATORS and v not in kl.ESTIMATORS:
             mine, note = FOREIGN_ESTIMATORS[v]
             raise ValueError(f"unknown estimator {v!r}: did you mean {mine!r}? ({note})")
-        return one_of("estimator", v, (*kl.ESTIMATORS, *kl.REF_SAMPLED))
+        return one_of("estimator", v, tuple(kl.SPECS))
 
     @field_validator("ref_is_clip")
     @classmethod
@@ -730,11 +730,15 @@ class TrainConfig(_Section):
                 "kl.reference_reset with dist.strategy=fsdp is not supported yet (the update of "
                 "a sharded reference is untested); use dist.strategy=ddp"
             )
-        if not self.kl.off_policy_correction and self.kl.estimator == "k3_is":
+        if (
+            not self.kl.off_policy_correction
+            and kl.SPECS[self.kl.estimator].off_policy == "carried"
+        ):
             raise ValueError(
-                "kl.off_policy_correction=false with kl.estimator=k3_is: k3_is is k3 weighted by "
-                "pi_theta/pi_old with the gradient through the weight, so it has no uncorrected "
-                "form; use kl.estimator=k3 for the uncorrected term"
+                f"kl.off_policy_correction=false with kl.estimator={self.kl.estimator}: it "
+                "carries its own weight pi_theta/pi_old with the gradient through the weight "
+                "(k3_is is k3 so weighted), so it has no uncorrected form; use kl.estimator=k3 "
+                "for the uncorrected term"
             )
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:

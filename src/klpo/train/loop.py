@@ -11,7 +11,7 @@ loads or file is written), :func:`~klpo.train.setup.setup`, :func:`run_steps` (o
 
 Every piece of math is a library function and every variant a table read once
 (:data:`klpo.train.algorithms.ALGORITHMS`, :data:`~klpo.train.algorithms.POLICY_LOSSES`,
-:data:`klpo.train.step.kl_term.REF_SAMPLED_TERMS`, :data:`klpo.train.rollout.engines.ENGINES`);
+:data:`klpo.kl.SPECS`, :data:`klpo.train.rollout.engines.ENGINES`);
 docs/architecture.md draws the rooms. A run is never lost: SIGINT/SIGTERM end it after the current
 step with a checkpoint (:mod:`klpo.train.runtime.stop`), and under ``torchrun`` a rank that fails
 leaves at once so that the group stops rather than hangs.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from klpo import kl
 from klpo._io import write_text_atomic
 from klpo.train.runtime.metrics import read_metrics
 from klpo.train.runtime.plots import constant_value, plot_series, robust_limits, save_figure
@@ -65,9 +66,15 @@ def _series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def _is_exact(estimator: str) -> bool:
+    """Whether the estimator is the exact KL, logged as ``kl/ref/exact`` (``needs_logits``)."""
+    spec = kl.SPECS.get(estimator)
+    return spec is not None and spec.needs_logits
+
+
 def _kl_keys(estimator: str) -> list[tuple[str, str]]:
     """The exact KL beside the configured estimate and k1, k3 (always logged)."""
-    shown = dict.fromkeys(n for n in (estimator, "k1", "k3") if n != "full")
+    shown = dict.fromkeys(n for n in (estimator, "k1", "k3") if not _is_exact(n))
     return [("kl/ref/exact", "exact (full vocabulary)")] + [
         (f"kl/ref/{n}", f"estimate: {n}" + (" (configured)" if n == estimator else ""))
         for n in shown
@@ -202,7 +209,7 @@ SUMMARY_KEYS = (
 
 def last_step_section(r: RunReport) -> list[str]:
     last = r.rows[-1] if r.rows else {}
-    est = f"kl/ref/{r.estimator}" if r.estimator != "full" else "kl/ref/exact"  # (the same)
+    est = "kl/ref/exact" if _is_exact(r.estimator) else f"kl/ref/{r.estimator}"  # (the same)
     keys = dict.fromkeys(est if k == "<est>" else k for k in SUMMARY_KEYS)
     lines = ["| last step's metric | value |", "| --- | --- |"]
     for k in keys:

@@ -1,12 +1,12 @@
 """The KL term of the loss, estimator by estimator: on the policy's tokens, and on the reference's.
 
 A per-token estimator (:data:`klpo.kl.ESTIMATORS`) is a term on the policy's own tokens with
-weight 1. The reference-sampled estimators are a table, :data:`REF_SAMPLED_TERMS`: each splits
-its KL term into ``a`` times k1 on the policy's tokens and ``1 - a`` times ``ref_is`` on
+weight 1. A reference-sampled one (:data:`klpo.kl.REF_SAMPLED`, ``kl.SPECS[name].ref_sampled``)
+splits its KL term into ``a`` times k1 on the policy's tokens and ``1 - a`` times ``ref_is`` on
 completions sampled from the reference (:mod:`klpo.train.rollout.ref_samples`):
 
 - ``ref_is``: ``a = 0``;
-- ``adaptive_mix``: ``a`` from the mix's window of its own past outputs
+- ``adaptive_mix`` (``kl.SPECS[name].mixed``): ``a`` from the mix's window of its own past outputs
   (:class:`klpo.ref_kl.MixWindow`, :func:`make_window`), which takes ``a · kl/ref/k1 + (1 - a) ·
   kl/ref/ref_is`` after each step.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from klpo import ref_kl
+from klpo import kl, ref_kl
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
 from klpo.train.models.backbone import ModelHead, shares_prompt
@@ -42,10 +42,7 @@ from klpo.train.rollout.ref_samples import RefBatch, sample_reference, sequence_
 from klpo.train.rollout.samplers import Rollout
 
 __all__ = [
-    "EXACT_KL_ESTIMATORS",
-    "REF_SAMPLED_TERMS",
     "KLTerm",
-    "RefSampledTerm",
     "kl_term",
     "make_window",
     "needs_exact_kl",
@@ -53,29 +50,19 @@ __all__ = [
     "sample_kl_term",
 ]
 
-EXACT_KL_ESTIMATORS = frozenset({"full"})
-"""Estimators whose per-token value is the exact KL over the vocabulary at the position: they
-need the reference's hidden states in the forward pass (:func:`klpo.logprobs.fused`), not token
-log-probs."""
-
 
 def needs_exact_kl(estimator: str) -> bool:
-    return estimator in EXACT_KL_ESTIMATORS
+    """Whether ``estimator``'s per-token value is the exact KL over the vocabulary at the position
+    (``kl.SPECS[estimator].needs_logits``): it needs the reference's hidden states in the forward
+    pass (:func:`klpo.logprobs.fused`), not token log-probs."""
+    spec = kl.SPECS.get(estimator)
+    return spec is not None and spec.needs_logits
 
 
-@dataclass(frozen=True)
-class RefSampledTerm:
-    """How a reference-sampled estimator splits its KL term (see the module)."""
-
-    mixed: bool  # a comes from the mix's window (adaptive_mix); else a = 0 (ref_is)
-
-
-REF_SAMPLED_TERMS: dict[str, RefSampledTerm] = {
-    "ref_is": RefSampledTerm(mixed=False),
-    "adaptive_mix": RefSampledTerm(mixed=True),
-}
-"""``kl.estimator`` -> its split, for the estimators that also sample the reference
-(:data:`klpo.kl.REF_SAMPLED`)."""
+def _ref_sampled(cfg: TrainConfig) -> kl.Spec | None:
+    """The spec of ``kl.estimator`` where it samples the reference, else None."""
+    spec = kl.SPECS.get(cfg.kl.estimator)
+    return spec if spec is not None and spec.ref_sampled else None
 
 
 @dataclass(frozen=True)
@@ -91,7 +78,7 @@ class KLTerm:
 def kl_term(cfg: TrainConfig, *, mix_weight: float = 0.0, ref: RefBatch | None = None) -> KLTerm:
     """The KL term of ``kl.estimator``, with the mix's weight ``a`` and the reference's
     completions where it has them."""
-    spec = REF_SAMPLED_TERMS.get(cfg.kl.estimator)
+    spec = _ref_sampled(cfg)
     if spec is None:
         return KLTerm(cfg.kl.estimator)
     return KLTerm("k1", mix_weight if spec.mixed else 0.0, ref)
@@ -99,12 +86,12 @@ def kl_term(cfg: TrainConfig, *, mix_weight: float = 0.0, ref: RefBatch | None =
 
 def uses_reference_samples(cfg: TrainConfig) -> bool:
     """Whether the configured KL term needs completions sampled from the reference."""
-    return cfg.kl.estimator in REF_SAMPLED_TERMS and cfg.kl.placement != "none"
+    return _ref_sampled(cfg) is not None and cfg.kl.placement != "none"
 
 
 def make_window(cfg: TrainConfig) -> ref_kl.MixWindow | None:
     """The mix's window of its past outputs (``adaptive_mix`` in a loss or reward only)."""
-    spec = REF_SAMPLED_TERMS.get(cfg.kl.estimator)
+    spec = _ref_sampled(cfg)
     if spec is None or not spec.mixed or not uses_reference_samples(cfg):
         return None
     k = cfg.kl

@@ -74,9 +74,14 @@ def estimators_page() -> str:
                 f"{'yes' if e.nonnegative else 'no'} | " + " | ".join(grads) + " |"
             )
         lines.append("")
+
+    def rule(off_policy: str) -> str:  # the estimators with that off-policy rule
+        return ", ".join(f"`{n}`" for n in kl.ESTIMATORS if kl.SPECS[n].off_policy == off_policy)
+
     lines += [
         "In a multi-epoch update, `klpo.losses.kl_loss` multiplies each estimator by the detached",
-        "importance weight pi_theta/pi_old (except `k3_is`, which carries its own, and `full`),",
+        f"importance weight pi_theta/pi_old (except {rule('carried')}, which carries its own, and "
+        f"{rule('none')}),",
         "which restores the on-policy column exactly.",
         "",
         "## The estimators",
