@@ -352,6 +352,27 @@ class _FusedLoss(torch.autograd.Function):
         return (*scaled, *(None,) * 13)
 
 
+def _checked_weights(
+    weights: tuple[Tensor | None, Tensor | None, Tensor | None],
+    lead: torch.Size,
+    device: torch.device,
+) -> list[Tensor | None]:
+    """:func:`fused_loss`'s ``(logp_weight, entropy_weight, kl_weight)`` checked (float, one
+    weight per token: the shape ``lead`` of ``tokens``), flat and detached on ``device``."""
+    out = []
+    for name, wt in zip(("logp_weight", "entropy_weight", "kl_weight"), weights, strict=True):
+        if wt is not None:
+            check_float(name, wt)
+            if wt.shape != lead:
+                raise ValueError(
+                    f"{name} has shape {tuple(wt.shape)} but tokens has shape {tuple(lead)}; "
+                    f"give one weight per token (0 at positions to leave out)"
+                )
+            wt = wt.detach().reshape(-1).to(device)
+        out.append(wt)
+    return out
+
+
 def fused_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -431,21 +452,7 @@ def fused_loss(
     # The same argument checks as fused, on the same arguments.
     check_head_args(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
     lead = hidden.shape[:-1]
-    weights = []
-    for name, wt in (
-        ("logp_weight", logp_weight),
-        ("entropy_weight", entropy_weight),
-        ("kl_weight", kl_weight),
-    ):
-        if wt is not None:
-            check_float(name, wt)
-            if wt.shape != lead:
-                raise ValueError(
-                    f"{name} has shape {tuple(wt.shape)} but tokens has shape {tuple(lead)}; "
-                    f"give one weight per token (0 at positions to leave out)"
-                )
-            wt = wt.detach().reshape(-1).to(hidden.device)
-        weights.append(wt)
+    weights = _checked_weights((logp_weight, entropy_weight, kl_weight), lead, hidden.device)
     vocab = weight.shape[0]
     if token_chunk is None:
         token_chunk = default_loss_token_chunk(vocab)

@@ -53,12 +53,15 @@ __all__ = [
     "HeadCheck",
     "HeadMismatch",
     "UnsupportedHead",
+    "accepts_keyword",
     "backbone",
     "check_head",
     "checked_head",
+    "evaluating",
     "last_hidden",
     "model_logprobs",
     "read_head",
+    "rounding_bound",
 ]
 
 # The way out when a model's logits cannot come from its head: its own logits, which the trainer
@@ -366,7 +369,7 @@ def _refuse_unknown_transform(model: Any, config: Any) -> None:
 # Running the backbone.
 
 
-def _accepts(module: nn.Module, name: str) -> bool:
+def accepts_keyword(module: nn.Module, name: str) -> bool:
     """Whether ``module.forward`` takes the keyword ``name`` (by name or through ``**kwargs``)."""
     params = inspect.signature(module.forward).parameters
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -390,7 +393,7 @@ def last_hidden(
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    if _accepts(base, "use_cache"):
+    if accepts_keyword(base, "use_cache"):
         kwargs["use_cache"] = False
     return _hidden_of(base(**kwargs))
 
@@ -414,7 +417,7 @@ class HeadCheck(NamedTuple):
         head: the head it checked.
         gap: the largest |log-prob difference| between klpo's fused head and the model's own
             logits over the checked tokens, in nats.
-        tolerance: the rounding bound at that token (the dtype's, derived in :func:`_tolerance`).
+        tolerance: the rounding bound at that token (the dtype's, :func:`rounding_bound`).
         tokens: how many token log-probs were compared.
         dtype: the head's dtype.
     """
@@ -459,7 +462,7 @@ def check_head(
     """
     head = read_head(model) if head is None else head
     ids = _probe_ids(model, head, length) if input_ids is None else input_ids
-    with _evaluating(model), torch.no_grad():
+    with evaluating(model), torch.no_grad():
         seen, logits = _own_forward(model, ids)
         hidden = last_hidden(model, ids)
         ours = fused(
@@ -469,7 +472,7 @@ def check_head(
         if logits.shape[-1] != head.weight.shape[0]:
             raise _mismatch(model, head, math.inf, 0.0, seen, hidden, logits)
         theirs = torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-        tol = _tolerance(hidden[0, :-1], head, logits[0, :-1])
+        tol = rounding_bound(hidden[0, :-1], head, logits[0, :-1])
     excess = (ours.double() - theirs).abs() / tol
     worst = int(excess.argmax())
     gap, bound = float((ours.double() - theirs).abs()[worst]), float(tol[worst])
@@ -504,8 +507,9 @@ def _configs(config: Any) -> list[Any]:
     return [config, *subs]
 
 
-class _evaluating:
-    """Eval mode for the duration, then every module's own training flag back."""
+class evaluating:
+    """A context manager: ``model`` in eval mode for the duration, then every module's own
+    training flag back (a model half in train mode stays so)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -536,7 +540,7 @@ def _own_forward(model: Any, ids: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         emb.register_forward_hook(lambda m, a, out: keep("head_out", out)),
     ]
     try:
-        kwargs = {"use_cache": False} if _accepts(model, "use_cache") else {}
+        kwargs = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}
         out = model(input_ids=ids, **kwargs)
     finally:
         for h in hooks:
@@ -545,8 +549,9 @@ def _own_forward(model: Any, ids: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     return seen, logits
 
 
-def _tolerance(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
-    """Per token, the largest |log-prob gap| rounding explains (see :func:`check_head`).
+def rounding_bound(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
+    """Per token ``[L]``, the largest |log-prob gap| between the model's own logits ``[L, V]`` and
+    the fused head on ``hidden [L, H]`` that rounding explains: :func:`check_head`'s bound.
 
     The model's logit ``x_v`` has error at most ``k u_d s |z|_max + λ √H u_acc s A_max`` with ``z =
     h·w_v + b_v``, ``A = |h|·|w_v| + |b_v|``, ``s`` the transform's scale, ``u_d`` the unit
