@@ -515,7 +515,7 @@ def machine() -> str:
         if k in os.environ
     }
     return (
-        f"CPU: {gemm._cpu_fingerprint().split(' [')[0]} ({platform.machine()}, {os.cpu_count()} "
+        f"CPU: {gemm.cpu_fingerprint().split(' [')[0]} ({platform.machine()}, {os.cpu_count()} "
         f"logical CPUs)\nvector flags: {' '.join(vector) or '?'}\ntorch {torch.__version__}, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
         f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, threads {torch.get_num_threads()}; "

@@ -761,6 +761,27 @@ def test_errors_name_the_problem():
         lp.token_logprobs(x, torch.tensor([0, -1]))
     with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
         lp.entropy(x, temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"row_chunk must be a positive int \(rows per chunk\)"):
+        lp.token_logprobs(x, torch.tensor([0, 1]), row_chunk=0)
+    with pytest.raises(TypeError, match=r"plan must be a klpo.gemm.Plan.*got 'mm'"):
+        lp.fused(h, w, y, plan="mm")
+    with pytest.raises(TypeError, match=r"plan must be a klpo.gemm.Plan.*'blas'"):
+        lp.fused_loss(h, w, y, logp_weight=torch.ones(4), plan=gemm.Plan("blas", "mm", "mm", False))
+
+
+def test_the_default_plan_is_the_heads():
+    """``plan=None`` is :func:`klpo.logprobs.head_plan` of the head (the compute dtype read from
+    the inputs): passing it explicitly gives the same bits."""
+    p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True)
+    out, grads = run_fused(p, token_chunk=8, vocab_chunk=64)
+    plan = lp.head_plan(p.hidden, p.weight)
+    assert plan == lp.head_plan(p.hidden, p.weight, torch.float32)
+    out_p, grads_p = run_fused(p, token_chunk=8, vocab_chunk=64, plan=plan)
+    for a, b in [
+        *zip(out, out_p, strict=True),
+        *zip(grads.values(), grads_p.values(), strict=True),
+    ]:
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

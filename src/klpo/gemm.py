@@ -52,6 +52,7 @@ __all__ = [
     "Backend",
     "Plan",
     "cache_path",
+    "cpu_fingerprint",
     "default_plan",
     "grad_hidden",
     "grad_weight",
@@ -169,8 +170,9 @@ def cache_path() -> Path:
     return Path(root) / "klpo" / "gemm_plan.json"
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU model and the vector-instruction flags that decide GEMM speed."""
+def cpu_fingerprint() -> str:
+    """The CPU model and the vector-instruction flags that decide GEMM speed, ``"model [flags]"``
+    (part of :func:`machine_key`)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -199,7 +201,7 @@ def machine_key(hidden_size: int, dtype: torch.dtype) -> str:
         )
     )
     return (
-        f"{_cpu_fingerprint()} | torch {torch.__version__} "
+        f"{cpu_fingerprint()} | torch {torch.__version__} "
         f"{torch.backends.cpu.get_cpu_capability()} | {env} | threads={torch.get_num_threads()} | "
         f"H={hidden_size} | {str(dtype).removeprefix('torch.')}"
     )

@@ -13,7 +13,8 @@ Amini, Vieira & Cotterell, arXiv:2504.10637), not an estimate from the sampled t
 Two families of functions compute them without holding ``[tokens, V]`` float32 tensors alive:
 
 * From logits ``[..., V]`` of any float dtype: :func:`token_logprobs`, :func:`entropy` and
-  :func:`exact_kl`, or all three in one pass, :func:`from_logits`. Rows are processed in chunks of about 4M logits, so the extra memory is a few
+  :func:`exact_kl`, or all three in one pass, :func:`from_logits`. Rows are processed in chunks
+  of about 4M logits (:data:`ROW_ELEMENTS`; ``row_chunk=`` sets it), so the extra memory is a few
   chunks (plus the gradient, which has the logits' shape and dtype).
 * From hidden states and the output head: :func:`fused` returns all three at once from
   ``hidden [N, H]`` (or ``[B, T, H]``), ``weight [V, H]`` and an optional ``bias [V]``, and from
@@ -29,6 +30,7 @@ so that one backward pass serves any combination of the three outputs. The refer
 (``logits_ref``, ``hidden_ref``, ``weight_ref``, ``bias_ref``) is detached and gets no gradient.
 The gradient with respect to the logits is ``G / T``; with respect to hidden states, weight and bias
 it is ``(G / T) @ weight``, ``(G / T).T @ hidden`` and ``sum over tokens of G / T``.
+
 Where the code lives (imports run one way, each module importing only those listed after it):
 this module (the from-logits functions, and the public names of the rest); :mod:`klpo.heads` (a
 model's head and logit transform, and :func:`model_logprobs`); :mod:`klpo.fused_loss_kernel`
