@@ -273,11 +273,9 @@ class _FusedLoss(torch.autograd.Function):
         need_h, need_w, need_b = want
         need_any = need_h or need_w or need_b
         pol = HeadTiles(hidden, weight, bias, aff, cd, plan)
-        ref = (
-            None
-            if hidden_ref is None
-            else HeadTiles(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
-        )
+        ref = None
+        if hidden_ref is not None:
+            ref = HeadTiles(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         n, hs = pol.hidden.shape
         vocab = weight.shape[0]
         device = hidden.device
@@ -292,9 +290,7 @@ class _FusedLoss(torch.autograd.Function):
         logp = torch.empty(n, dtype=cd, device=device)
         ent = torch.empty_like(logp) if with_entropy else None
         kl = None if ref is None else torch.empty_like(logp)
-        a = None if a is None else a.to(cd)
-        b = None if b is None else b.to(cd)
-        c = None if c is None else c.to(cd)
+        a, b, c = (None if u is None else u.to(cd) for u in (a, b, c))
         grad_h = torch.zeros(n, hs, dtype=cd, device=device) if need_h else None
         grad_w = None  # [V, H], the first chunk's product, then accumulated into
         grad_b = torch.zeros(vocab, dtype=cd, device=device) if need_b else None
