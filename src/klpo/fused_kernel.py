@@ -118,7 +118,7 @@ def default_vocab_chunk(tokens: int) -> int:
 class HeadTiles:
     """One model's head in the compute dtype, by tiles: ``x = lin (hidden @ weight.T + bias)``
     (``lin = scale / T``), or ``x = cap_t tanh(lin (hidden @ weight.T + bias))`` with a soft cap
-    (``lin = scale / cap``, ``cap_t = cap / T``); see :class:`Affine`."""
+    (``lin = scale / cap``, ``cap_t = cap / T``); see :class:`klpo._logits.Affine`."""
 
     def __init__(
         self,
