@@ -14,7 +14,10 @@ one backend (first log-prob shape), to show what the measured plan of :mod:`klpo
 table after the main one gives against the plain head, from the same interleaved rounds;
 ``--baseline PATH`` adds ``klpo (baseline)`` and ``klpo loss (baseline)``, the same calls into
 another ``logprobs.py`` (say, the previous commit's: ``git show HEAD~1:src/klpo/logprobs.py >
-/tmp/base.py``), to show a change leaves the plain head's speed as it was. Two
+/tmp/base.py``), to show a change leaves the plain head's speed as it was. Since the kernels live in
+files of their own (``fused_kernel.py``, ``fused_loss_kernel.py``) such a file imports them from
+this checkout, so a baseline is a ``logprobs.py`` from before that split; for a later commit, run
+this script from that commit's checkout. Two
 floors, the GEMMs alone, tile by tile with klpo's tiles: "bare GEMMs", those any method needs (the
 logits, and the reference's for KL; the gradients with respect to hidden and weight) in the inputs'
 dtype on the faster backend; and "klpo's GEMMs", the GEMMs klpo runs (the same plus the recompute of
@@ -164,17 +167,10 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
 
         lp, extra = _klpo(case)
         forced = ABLATIONS.get(case.method)
+        if forced:  # this method only: every GEMM on one backend
+            extra = {**extra, "plan": gemm.Plan(forced, forced, forced, forced == "onednn")}
 
         def forward():
-            plan = lp._plan
-            if forced:  # this method only: every GEMM on one backend
-                lp._plan = lambda *args: gemm.Plan(forced, forced, forced, forced == "onednn")
-            try:
-                return _klpo_forward(lp)
-            finally:
-                lp._plan = plan
-
-        def _klpo_forward(lp):
             out = lp.fused(
                 hidden,
                 weight,
@@ -284,7 +280,7 @@ def _floors(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
     tc = min(n, lp.TOKEN_CHUNK)
     vc = lp.default_vocab_chunk(tc)
     h32 = hidden.detach().float()
-    plan = lp._plan(h32, weight.detach(), torch.float32)
+    plan = lp.head_plan(h32, weight.detach(), torch.float32)
 
     def gemms(dtype, roles, recompute):
         heads = [(hidden, weight)] + ([(hidden_ref, weight_ref)] if hidden_ref is not None else [])
@@ -313,7 +309,7 @@ def _floors(case: Case, hidden, weight, hidden_ref, weight_ref) -> dict:
     dtype = getattr(torch, case.dtype)
     bare = {
         b: gemms(dtype, gemm.Plan(b, b, b, False), False)
-        for b in (["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+        for b in (["mm", "onednn"] if gemm.ONEDNN else ["mm"])
     }
     faster = min(bare, key=lambda b: _timed(bare[b])[0]) if len(bare) > 1 else "mm"
     return {
@@ -519,7 +515,7 @@ def machine() -> str:
         if k in os.environ
     }
     return (
-        f"CPU: {gemm._cpu_fingerprint().split(' [')[0]} ({platform.machine()}, {os.cpu_count()} "
+        f"CPU: {gemm.cpu_fingerprint().split(' [')[0]} ({platform.machine()}, {os.cpu_count()} "
         f"logical CPUs)\nvector flags: {' '.join(vector) or '?'}\ntorch {torch.__version__}, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
         f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, threads {torch.get_num_threads()}; "

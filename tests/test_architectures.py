@@ -341,7 +341,8 @@ def _widen(model: torch.nn.Module, ids: torch.Tensor) -> None:
 def _probe(config: Any) -> torch.Tensor:
     """``[2, 10]`` ids below the vocabulary, none of the config's special ids."""
     special = set()
-    for cfg in heads._configs(config):
+    subs = [v for v in vars(config).values() if hasattr(v, "model_type") and hasattr(v, "to_dict")]
+    for cfg in [config, *subs]:  # the config and its sub-configs (text, vision, ...)
         for key, value in vars(cfg).items():
             if key.endswith(("_id", "_index")) and isinstance(value, int):
                 special.add(value)
@@ -409,21 +410,21 @@ def built(model_type: str) -> Built | Outcome:
 def _own(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi rows ``[B, L - 1, V]`` from the model's own logits / T, float64 (without a
     key/value cache, as the check and the backbone run it: Dory's loops read their cache)."""
-    kwargs = {"use_cache": False} if heads._accepts(model, "use_cache") else {}
+    kwargs = {"use_cache": False} if heads.accepts_keyword(model, "use_cache") else {}
     with torch.no_grad():
         logits = model(input_ids=ids, **kwargs).logits[:, :-1].double() / temperature
     return torch.log_softmax(logits, -1)
 
 
 def _eps(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The check's bound on |δ log pi(v)| per position (klpo.heads._tolerance), at T."""
+    """The check's bound on |δ log pi(v)| per position (klpo.heads.rounding_bound), at T."""
     head = heads.read_head(model)
     with torch.no_grad():
         rows = []
         for row in ids:
             hidden = heads.last_hidden(model, row[None])[0, :-1]
             logits = model(input_ids=row[None]).logits[0, :-1]
-            rows.append(heads._tolerance(hidden, head, logits))
+            rows.append(heads.rounding_bound(hidden, head, logits))
     return torch.stack(rows) / temperature
 
 
@@ -525,7 +526,7 @@ def _own_nan(b: Built) -> Outcome | None:
     """``skipped`` where the model's own forward over :func:`_groups` (an attention mask given)
     gives NaN logits at real positions (ProphetNet's in float64): no oracle to compare with."""
     x, mask = _groups(b)
-    kwargs = {"use_cache": False} if heads._accepts(b.model, "use_cache") else {}
+    kwargs = {"use_cache": False} if heads.accepts_keyword(b.model, "use_cache") else {}
     with torch.no_grad():
         logits = b.model(input_ids=x, attention_mask=mask, **kwargs).logits
     if bool(torch.isnan(logits[mask.bool()]).any()):
@@ -575,7 +576,7 @@ def lean_sampler_column(b: Built) -> Outcome:
     ids = {"eos_token_id": -1, "pad_token_id": 0}  # no row stops: every step compared
     lean = sample_lean(b.model, prompts, mask, group_size=2, max_new_tokens=4, greedy=True, **ids)
     seq = prompts.repeat_interleave(2, 0)
-    kwargs = {"use_cache": False} if heads._accepts(b.model, "use_cache") else {}
+    kwargs = {"use_cache": False} if heads.accepts_keyword(b.model, "use_cache") else {}
     with torch.no_grad():
         for _ in range(4):
             logits = b.model(input_ids=seq, **kwargs).logits[:, -1]
@@ -607,7 +608,7 @@ def _naive_step(b: Built, r, adv: torch.Tensor, beta: float):
 
     att = r.attention_mask.long()
     kwargs = {"attention_mask": att, "position_ids": position_ids(att)}
-    if heads._accepts(b.model, "use_cache"):
+    if heads.accepts_keyword(b.model, "use_cache"):
         kwargs["use_cache"] = False
     cols = slice(r.prompt_ids.shape[1] - 1, -1)
     logits = b.model(input_ids=r.input_ids, **kwargs).logits[:, cols]

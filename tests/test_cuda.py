@@ -213,10 +213,10 @@ def test_fused_values_and_gradients_match_float64(dtype_name, grads, method, cap
 
 @pytest.mark.parametrize("masked", [False, True], ids=["finite", "masked-vocab"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-def test_logits_functions_match_float64(dtype_name, masked, monkeypatch):
+def test_logits_functions_match_float64(dtype_name, masked):
     dtype = DTYPES[dtype_name]
     bsz, t, v, temperature = 4, 16, 1000, 1.3
-    monkeypatch.setattr(lp, "_ROW_ELEMENTS", 10 * v)  # rows in chunks of 10: 7 chunks
+    rows = 10  # rows per chunk: 64 rows in 7 chunks
     g = torch.Generator().manual_seed(1)
     logits = 3 * torch.randn(bsz, t, v, generator=g, dtype=torch.float64)
     logits_ref = logits + torch.randn(bsz, t, v, generator=g, dtype=torch.float64)
@@ -232,10 +232,12 @@ def test_logits_functions_match_float64(dtype_name, masked, monkeypatch):
     ld = on_device(logits.requires_grad_(True), dtype)
     lrd = on_device(logits_ref, dtype)
     outs = {
-        "token_logprobs": lp.token_logprobs(ld, tokens.to(DEVICE), temperature=temperature),
-        "entropy": lp.entropy(ld, temperature=temperature),
-        "exact_kl": lp.exact_kl(ld, lrd, temperature=temperature),
-        "kl.full": kl.full(ld, lrd, temperature=temperature),
+        "token_logprobs": lp.token_logprobs(
+            ld, tokens.to(DEVICE), temperature=temperature, row_chunk=rows
+        ),
+        "entropy": lp.entropy(ld, temperature=temperature, row_chunk=rows),
+        "exact_kl": lp.exact_kl(ld, lrd, temperature=temperature, row_chunk=rows),
+        "kl.full": kl.full(ld, lrd, temperature=temperature),  # its default chunks: one
     }
 
     # The oracle over the kept entries only: a masked entry has pi = 0 and gets 0 gradient.

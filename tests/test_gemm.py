@@ -11,7 +11,7 @@ import torch
 from klpo import gemm
 from klpo import logprobs as lp
 
-BACKENDS = ["mm"] + (["onednn"] if gemm._ONEDNN else [])
+BACKENDS = ["mm"] + (["onednn"] if gemm.ONEDNN else [])
 
 
 def _close(got, want, k):
@@ -73,7 +73,7 @@ def test_cache_path_is_under_the_user_cache_dir(tmp_path, monkeypatch):
     assert gemm.cache_path() == tmp_path / "home" / ".cache" / "klpo" / "gemm_plan.json"
 
 
-@pytest.mark.skipif(not gemm._ONEDNN, reason="one backend only: nothing to measure")
+@pytest.mark.skipif(not gemm.ONEDNN, reason="one backend only: nothing to measure")
 def test_plan_is_measured_once_cached_and_reread(cache_dir, monkeypatch):
     calls = []
     real = gemm.measure
@@ -101,7 +101,7 @@ def test_plan_is_measured_once_cached_and_reread(cache_dir, monkeypatch):
     assert gemm.machine_key(32, torch.float32) != next(iter(data["plans"]))
 
 
-@pytest.mark.skipif(not gemm._ONEDNN, reason="one backend only: nothing to measure")
+@pytest.mark.skipif(not gemm.ONEDNN, reason="one backend only: nothing to measure")
 @pytest.mark.parametrize(
     "content",
     [
@@ -129,7 +129,7 @@ def test_corrupt_cache_is_measured_again_and_rewritten(cache_dir, content):
     assert gemm._read_cache(path) == {gemm.machine_key(32, torch.float32): got}
 
 
-@pytest.mark.skipif(not gemm._ONEDNN, reason="one backend only: nothing to measure")
+@pytest.mark.skipif(not gemm.ONEDNN, reason="one backend only: nothing to measure")
 def test_unwritable_cache_dir_keeps_the_plan_in_memory(tmp_path, cache_dir, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -156,4 +156,4 @@ def test_no_measurement_off_cpu_float64_or_small_calls(cache_dir, monkeypatch):
     assert gemm.plan(32, torch.float64) == gemm.Plan("mm", "mm", "mm", False)
     assert gemm.plan(32, torch.float32, "meta") == gemm.Plan("mm", "mm", "mm", False)
     h, w = torch.randn(4, 8), torch.randn(16, 8)  # 2 N V H far below MIN_FLOPS
-    assert lp._plan(h, w, torch.float32) == gemm.default_plan(torch.float32)
+    assert lp.head_plan(h, w) == gemm.default_plan(torch.float32)

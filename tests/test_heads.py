@@ -3,7 +3,7 @@
 Oracle: the model's own forward, ``log_softmax(model(...).logits)`` in float64, on tiny models
 built from each family's own config (``AutoConfig.for_model``), float64, with the head's weights
 scaled so that the logits are tens of nats wide (a skipped transform shows). The tolerance of a
-token's log-prob is the check's own derived bound (``klpo.heads._tolerance``: the model's rounding
+token's log-prob is the check's own derived bound (``klpo.heads.rounding_bound``: the model's rounding
 of a logit and the fused head's, see its docstring); in float64 it is ~1e-12 against gaps of nats.
 The entropy and the KL follow from the same bound ``ε`` on every ``log pi(v)`` (first order):
 ``|δH| ≤ ε (1 + H)`` and ``|δKL| ≤ ε (1 + sum_v pi |log pi - log pi_ref|) + ε_ref``.
@@ -63,7 +63,7 @@ def token_tol(model, ids):
     with torch.no_grad():
         hidden = heads.last_hidden(model, ids)[0, :-1]
         logits = model(input_ids=ids).logits[0, :-1]
-    return heads._tolerance(hidden, head, logits)
+    return heads.rounding_bound(hidden, head, logits)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ def test_fused_matches_float64_naive(dtype, shape, temperature, bias):
         got = getattr(out, name)
         assert got.dtype == torch.float32 and got.shape == (n,)
         assert_within(name, got, ref[name], tol)
-    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and lp._ONEDNN
+    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and gemm.ONEDNN
     bound = grad_bound(p, ref, tol, bf16_gemm)
     for name, got in grads.items():
         assert got.dtype == dtype
@@ -378,7 +378,18 @@ def test_masked_tokens_get_exactly_zero_gradient():
     assert (hidden.grad[mask].abs().sum(-1) > 0).all()
 
 
-def test_overflow_falls_back_to_the_max(monkeypatch):
+def max_pass_tiles(fn):
+    """``fn()`` and the number of tiles the overflow fallback's max pass read in it: one ``amax``
+    each (``klpo.fused_kernel.HeadTiles.row_max``; nothing else in :func:`klpo.logprobs.fused`
+    takes one), counted by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        value = fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::amax"), value
+
+
+def test_overflow_falls_back_to_the_max():
     # Target logit -100 and a logit of +50 in a later vocabulary chunk: exp(x - x_y) = exp(150)
     # overflows float32, so the token is redone with the max as reference. Also for the reference.
     v = 300
@@ -391,11 +402,14 @@ def test_overflow_falls_back_to_the_max(monkeypatch):
     weight_ref = weight.flip(0).clone()  # the reference puts +50 on token 49 and -100 on 299
     p = Problem(hidden.detach(), weight, None, tokens, hidden.detach(), weight_ref, None, 1.0,
                 (torch.ones(4, dtype=torch.float64),) * 3)  # fmt: skip
-    calls = []
-    row_max = lp._Head.row_max
-    monkeypatch.setattr(lp._Head, "row_max", lambda self, *a: calls.append(1) or row_max(self, *a))
-    out, grads = run_fused(p, vocab_chunk=64)
-    assert len(calls) == 2  # the fallback ran, for the policy and for the reference
+    passes, (out, grads) = max_pass_tiles(lambda: run_fused(p, vocab_chunk=64))
+    # The fallback ran once, for the policy and for the reference: one max pass over the 5
+    # vocabulary tiles each; a head whose logits stay within ~88 of the target's takes none.
+    assert passes == 2 * 5
+    tame = Problem(
+        **{**p.__dict__, "weight": weight.clamp(-3, 3), "weight_ref": weight_ref.clamp(-3, 3)}
+    )
+    assert max_pass_tiles(lambda: run_fused(tame, vocab_chunk=64))[0] == 0
     ref = naive(p)
     assert out.logp[0].item() == pytest.approx(-150.0, rel=1e-6)
     tol = value_tol(p, ref)
@@ -407,11 +421,11 @@ def test_overflow_falls_back_to_the_max(monkeypatch):
         assert_within(name, got, ref[name], bound[name])
 
 
-def test_onednn_and_torch_mm_agree(monkeypatch):
+def test_onednn_and_torch_mm_agree():
     p = make_problem(20, 16, 150, dtype=torch.float32, bias=True)
     out, grads = run_fused(p, token_chunk=8, vocab_chunk=64)
-    monkeypatch.setattr(lp, "_ONEDNN", False)
-    out_mm, grads_mm = run_fused(p, token_chunk=8, vocab_chunk=64)
+    all_mm = gemm.Plan("mm", "mm", "mm", False)
+    out_mm, grads_mm = run_fused(p, token_chunk=8, vocab_chunk=64, plan=all_mm)
     ref = naive(p)
     tol = value_tol(p, ref)
     assert_within("logp", out.logp, out_mm.logp.double(), 2 * tol)
@@ -422,22 +436,21 @@ def test_onednn_and_torch_mm_agree(monkeypatch):
 
 PLANS = [
     gemm.Plan(*roles, False)
-    for roles in itertools.product(["mm", "onednn"] if gemm._ONEDNN else ["mm"], repeat=3)
+    for roles in itertools.product(["mm", "onednn"] if gemm.ONEDNN else ["mm"], repeat=3)
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(p[:3]))
-def test_fused_matches_float64_naive_on_every_gemm_plan(plan, monkeypatch):
+def test_fused_matches_float64_naive_on_every_gemm_plan(plan):
     """Whichever backends the measured plan picks on a machine, the results are the same: each mix
     against float64 naive, with one and with several token chunks (the written and the accumulated
     weight gradient) and several vocabulary chunks."""
-    monkeypatch.setattr(lp, "_plan", lambda *args: plan)
     p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True)
     ref = naive(p)
     tol = value_tol(p, ref)
     bound = grad_bound(p, ref, tol, False)
     for token_chunk in (8, 4096):
-        out, grads = run_fused(p, token_chunk=token_chunk, vocab_chunk=64)
+        out, grads = run_fused(p, token_chunk=token_chunk, vocab_chunk=64, plan=plan)
         for name in ("logp", "entropy", "kl"):
             assert_within(name, getattr(out, name), ref[name], tol)
         for name, got in grads.items():
@@ -447,7 +460,7 @@ def test_fused_matches_float64_naive_on_every_gemm_plan(plan, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("temperature", "bias"), [(1.0, False), (0.7, True)])
-@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm.ONEDNN else ["mm"])
 def test_fused_logp_only_gradient_matches_float64_naive(dtype, shape, temperature, bias, backend):
     """Only logp has a gradient (the policy-gradient loss): the backward that takes the per-token
     coefficient out of the tiles, on both backends, against float64 naive."""
@@ -458,21 +471,17 @@ def test_fused_logp_only_gradient_matches_float64_naive(dtype, shape, temperatur
     leaves = [
         t.detach().requires_grad_(True) for t in (p.hidden, p.weight, p.bias) if t is not None
     ]
-    plan = lp._plan
-    try:
-        lp._plan = lambda *args: gemm.Plan(backend, backend, backend, False)
-        out = lp.fused(
-            leaves[0],
-            leaves[1],
-            p.tokens,
-            bias=leaves[2] if bias else None,
-            temperature=temperature,
-            with_entropy=False,
-            token_chunk=token_chunk,
-            vocab_chunk=vocab_chunk,
-        )
-    finally:
-        lp._plan = plan
+    out = lp.fused(
+        leaves[0],
+        leaves[1],
+        p.tokens,
+        bias=leaves[2] if bias else None,
+        temperature=temperature,
+        with_entropy=False,
+        token_chunk=token_chunk,
+        vocab_chunk=vocab_chunk,
+        plan=gemm.Plan(backend, backend, backend, False),
+    )
     assert out.entropy is None and out.kl is None
     a = p.upstream[0].to(out.logp.dtype)
     grads = torch.autograd.grad((a * out.logp).sum(), leaves)
@@ -569,17 +578,17 @@ def test_hugging_face_causal_lm_with_tied_head():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_from_logits_matches_float64_naive(dtype, temperature, monkeypatch):
-    monkeypatch.setattr(lp, "_ROW_ELEMENTS", 200)  # 2 rows per chunk at V = 97, ragged tail
+def test_from_logits_matches_float64_naive(dtype, temperature):
     gen = torch.Generator().manual_seed(1)
     b, t, v = 3, 5, 97
     logits = (3 * torch.randn(b, t, v, generator=gen)).to(dtype).requires_grad_(True)
     logits_ref = (3 * torch.randn(b, t, v, generator=gen)).to(dtype)
     tokens = torch.randint(0, v, (b, t), generator=gen)
     up = [torch.randn(b, t, generator=gen, dtype=torch.float64) for _ in range(3)]
-    logp = lp.token_logprobs(logits, tokens, temperature=temperature)
-    ent = lp.entropy(logits, temperature=temperature)
-    kl = lp.exact_kl(logits, logits_ref, temperature=temperature)
+    rows = 2  # rows per chunk: 15 rows in 8 chunks, a ragged tail
+    logp = lp.token_logprobs(logits, tokens, temperature=temperature, row_chunk=rows)
+    ent = lp.entropy(logits, temperature=temperature, row_chunk=rows)
+    kl = lp.exact_kl(logits, logits_ref, temperature=temperature, row_chunk=rows)
     (grad,) = torch.autograd.grad((up[0] * logp + up[1] * ent + up[2] * kl).sum(), logits)
 
     x64 = logits.detach().double().requires_grad_(True)
@@ -752,6 +761,27 @@ def test_errors_name_the_problem():
         lp.token_logprobs(x, torch.tensor([0, -1]))
     with pytest.raises(ValueError, match="temperature must be > 0 and finite"):
         lp.entropy(x, temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"row_chunk must be a positive int \(rows per chunk\)"):
+        lp.token_logprobs(x, torch.tensor([0, 1]), row_chunk=0)
+    with pytest.raises(TypeError, match=r"plan must be a klpo.gemm.Plan.*got 'mm'"):
+        lp.fused(h, w, y, plan="mm")
+    with pytest.raises(TypeError, match=r"plan must be a klpo.gemm.Plan.*'blas'"):
+        lp.fused_loss(h, w, y, logp_weight=torch.ones(4), plan=gemm.Plan("blas", "mm", "mm", False))
+
+
+def test_the_default_plan_is_the_heads():
+    """``plan=None`` is :func:`klpo.logprobs.head_plan` of the head (the compute dtype read from
+    the inputs): passing it explicitly gives the same bits."""
+    p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True)
+    out, grads = run_fused(p, token_chunk=8, vocab_chunk=64)
+    plan = lp.head_plan(p.hidden, p.weight)
+    assert plan == lp.head_plan(p.hidden, p.weight, torch.float32)
+    out_p, grads_p = run_fused(p, token_chunk=8, vocab_chunk=64, plan=plan)
+    for a, b in [
+        *zip(out, out_p, strict=True),
+        *zip(grads.values(), grads_p.values(), strict=True),
+    ]:
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,18 +846,15 @@ def masked_case(case: str, n: int = 5, v: int = 11, seed: int = 0):
 
 @pytest.mark.parametrize("case", ["pi", "both"])
 @pytest.mark.parametrize("rows_per_chunk", [None, 2])
-def test_exact_kl_and_entropy_with_inf_logits_match_support_oracle(
-    case, rows_per_chunk, monkeypatch
-):
-    if rows_per_chunk is not None:  # several chunks, only some holding masked rows
-        monkeypatch.setattr(lp, "_ROW_ELEMENTS", rows_per_chunk * 11)
+def test_exact_kl_and_entropy_with_inf_logits_match_support_oracle(case, rows_per_chunk):
+    # rows_per_chunk 2: several chunks, only some holding masked rows
     x0, r, pm, rm = masked_case(case)
     r = r.masked_fill(rm, -INF)
     for dtype in (torch.float64, torch.float32):
         x = x0.to(dtype).clone().requires_grad_()
         xm = x.masked_fill(pm, -INF)
-        kl = lp.exact_kl(xm, r.to(dtype))
-        ent = lp.entropy(xm)
+        kl = lp.exact_kl(xm, r.to(dtype), row_chunk=rows_per_chunk)
+        ent = lp.entropy(xm, row_chunk=rows_per_chunk)
         xo = x0.clone().requires_grad_()
         ent_o, kl_o = support_oracle(xo.masked_fill(pm, -INF), r)
         tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -1217,7 +1244,7 @@ def test_fused_with_transform_matches_float64_naive(dtype, shape, kind):
     tol = value_tol(p, ref)
     for name in ("logp", "entropy", "kl"):
         assert_within(name, getattr(out, name), ref[name], tol)
-    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and lp._ONEDNN
+    bf16_gemm = dtype == torch.bfloat16 and n <= token_chunk and gemm.ONEDNN
     bound = grad_bound(p, ref, tol, bf16_gemm)
     for name, got in grads.items():
         assert got.dtype == dtype
@@ -1228,12 +1255,11 @@ def test_fused_with_transform_matches_float64_naive(dtype, shape, kind):
         assert float(((plain[name] - ref[name]).abs() / tol).max()) > 100
 
 
-@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm._ONEDNN else ["mm"])
+@pytest.mark.parametrize("backend", ["mm", "onednn"] if gemm.ONEDNN else ["mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["divisor", "softcap"])
-def test_fused_logp_only_gradient_with_transform(backend, dtype, kind, monkeypatch):
+def test_fused_logp_only_gradient_with_transform(backend, dtype, kind):
     """The backward that takes the per-token coefficient out of the tiles, with a transform."""
-    monkeypatch.setattr(lp, "_plan", lambda *args: gemm.Plan(backend, backend, backend, False))
     n, h, v, token_chunk, vocab_chunk = SHAPES[0]
     p = make_problem(n, h, v, dtype=dtype, temperature=0.7, bias=True, ref=False)
     p = Problem(**{**p.__dict__, "transform": TRANSFORMS[kind]})
@@ -1243,6 +1269,7 @@ def test_fused_logp_only_gradient_with_transform(backend, dtype, kind, monkeypat
     out = lp.fused(
         *leaves[:2], p.tokens, bias=leaves[2], temperature=0.7, with_entropy=False,
         token_chunk=token_chunk, vocab_chunk=vocab_chunk, transform=p.transform,
+        plan=gemm.Plan(backend, backend, backend, False),
     )  # fmt: skip
     grads = torch.autograd.grad((p.upstream[0].float() * out.logp).sum(), leaves)
     tol = value_tol(p, ref)
@@ -1370,7 +1397,7 @@ def test_identity_transform_is_bitwise_the_plain_head():
         assert torch.equal(a, b)
 
 
-def test_fused_overflow_falls_back_to_the_max_with_a_soft_cap(monkeypatch):
+def test_fused_overflow_falls_back_to_the_max_with_a_soft_cap():
     # Soft cap 60: the target's raw logit -100 becomes 60 tanh(-5/3) = -55.8 and the raw +50 on
     # token 250 becomes 60 tanh(5/6) = 40.9; exp(40.9 + 55.8) = exp(96.7) overflows float32.
     v = 300
@@ -1382,12 +1409,9 @@ def test_fused_overflow_falls_back_to_the_max_with_a_soft_cap(monkeypatch):
     cap = LogitTransform.make(softcap=60.0)
     p = Problem(hidden, weight, None, tokens, hidden, weight.flip(0).clone(), None, 1.0,
                 (torch.ones(4, dtype=torch.float64),) * 3, cap, cap)  # fmt: skip
-    calls = []
-    row_max = lp._Head.row_max
-    monkeypatch.setattr(lp._Head, "row_max", lambda self, *a: calls.append(1) or row_max(self, *a))
-    out, grads = run_fused(p, vocab_chunk=64)
+    passes, (out, grads) = max_pass_tiles(lambda: run_fused(p, vocab_chunk=64))
     loss_out, loss_grads = run_fused_loss(p, ("logp", "entropy", "kl"), token_chunk=2)
-    assert len(calls) == 2  # fused's fallback ran, for the policy and for the reference
+    assert passes == 2 * 5  # fused's fallback ran, for the policy and the reference: 5 tiles each
     ref = naive(p)
     assert out.logp[0].item() == pytest.approx(float(ref["logp"][0]), rel=1e-6)
     tol = value_tol(p, ref)

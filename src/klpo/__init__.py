@@ -5,12 +5,14 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.kl`          per-token KL estimators and :func:`klpo.kl.explain`
 - :mod:`klpo.logprobs`    token log-probs, entropy and exact KL, chunked, from logits or hidden states
 - :mod:`klpo.heads`       a causal LM's output head and logit transform, read and checked against it
+- :mod:`klpo.fused_kernel`, :mod:`klpo.fused_loss_kernel`  the two kernels behind ``logprobs.fused``
+  and ``logprobs.fused_loss``; :mod:`klpo.gemm` their GEMMs (docs/architecture.md: the order)
 - :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
 - :mod:`klpo.losses`      PPO clip / dual-clip / penalty, GSPO, CISPO surrogates, value loss, entropy, KL terms
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
 
-Submodules are imported on first use (``klpo.kl`` imports only torch).
+Submodules are imported on first use: ``import klpo`` imports none of them.
 """
 
 from __future__ import annotations

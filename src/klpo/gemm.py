@@ -47,10 +47,12 @@ from torch import Tensor
 
 __all__ = [
     "MIN_FLOPS",
+    "ONEDNN",
     "ROUNDS",
     "Backend",
     "Plan",
     "cache_path",
+    "cpu_fingerprint",
     "default_plan",
     "grad_hidden",
     "grad_weight",
@@ -74,7 +76,10 @@ ROUNDS = 5
 MIN_FLOPS = 1e9
 _CACHE_VERSION = 1
 
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN: bool = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+"""Whether torch has oneDNN's linear here; without it every product goes to torch.mm / addmm."""
 
 
 class Plan(NamedTuple):
@@ -93,7 +98,7 @@ class Plan(NamedTuple):
 def _onednn_can(t: Tensor) -> bool:
     """oneDNN's linear takes CPU float32 / bf16 / fp16; anything else goes to torch.mm."""
     return (
-        _ONEDNN
+        ONEDNN
         and t.device.type == "cpu"
         and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
@@ -153,7 +158,7 @@ def default_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> Plan
     """The plan without measuring: oneDNN for float32 on CPU where torch has it, else torch.mm;
     the bf16 weight-gradient GEMM where oneDNN reports bf16 support."""
     dev = torch.device(device).type
-    onednn = _ONEDNN and dev == "cpu" and dtype != torch.float64
+    onednn = ONEDNN and dev == "cpu" and dtype != torch.float64
     b: Backend = "onednn" if onednn else "mm"
     bf16 = onednn and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return Plan(b, b, b, bool(bf16))
@@ -165,8 +170,9 @@ def cache_path() -> Path:
     return Path(root) / "klpo" / "gemm_plan.json"
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU model and the vector-instruction flags that decide GEMM speed."""
+def cpu_fingerprint() -> str:
+    """The CPU model and the vector-instruction flags that decide GEMM speed, ``"model [flags]"``
+    (part of :func:`machine_key`)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -195,7 +201,7 @@ def machine_key(hidden_size: int, dtype: torch.dtype) -> str:
         )
     )
     return (
-        f"{_cpu_fingerprint()} | torch {torch.__version__} "
+        f"{cpu_fingerprint()} | torch {torch.__version__} "
         f"{torch.backends.cpu.get_cpu_capability()} | {env} | threads={torch.get_num_threads()} | "
         f"H={hidden_size} | {str(dtype).removeprefix('torch.')}"
     )
@@ -266,7 +272,7 @@ def measure(hidden_size: int, dtype: torch.dtype, rounds: int = ROUNDS) -> tuple
     g = torch.randn(vc, n, generator=gen) / vc
     dh = torch.zeros(n, hs)
     dw = torch.empty(vc, hs, dtype=dtype if dtype == torch.bfloat16 else torch.float32)
-    backends = BACKENDS if _ONEDNN else ("mm",)
+    backends = BACKENDS if ONEDNN else ("mm",)
     chosen, seconds = {}, {}
     roles = {
         "logits": lambda b: lambda: logits(w, h, bias, b),
@@ -307,7 +313,7 @@ def plan(hidden_size: int, dtype: torch.dtype, device: torch.device | str = "cpu
             f"or unset it to let klpo measure which is faster on this machine"
         )
     base = default_plan(dtype, device)
-    if torch.device(device).type != "cpu" or dtype == torch.float64 or not _ONEDNN:
+    if torch.device(device).type != "cpu" or dtype == torch.float64 or not ONEDNN:
         return base
     if forced:
         bf16 = base.bf16_grad_weight and forced == "onednn"

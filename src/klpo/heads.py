@@ -20,6 +20,9 @@ some compute them another way (a head with layers of its own, one head per codeb
   the model's own logits (:data:`FALLBACK`). A model subclass that changes its logits in its own
   way, or an architecture newer than this module, is caught there.
 * :func:`last_hidden` runs the backbone, whose last hidden states feed the head.
+* :func:`model_logprobs` puts them together: a causal LM's own log-probs (and entropy, and the
+  exact KL to a reference model) through its checked head, also named
+  ``klpo.logprobs.model_logprobs``.
 
 Duck-typed: a model is anything with ``config`` (its ``model_type`` and the transform's fields),
 ``get_output_embeddings()`` (a module with ``weight [V, H]`` and, optionally, ``bias [V]``) and
@@ -39,7 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from klpo.logprobs import LogitTransform, fused
+from klpo._logits import FusedOutput, LogitTransform
+from klpo.fused_kernel import fused
 
 __all__ = [
     "FALLBACK",
@@ -49,11 +53,15 @@ __all__ = [
     "HeadCheck",
     "HeadMismatch",
     "UnsupportedHead",
+    "accepts_keyword",
     "backbone",
     "check_head",
     "checked_head",
+    "evaluating",
     "last_hidden",
+    "model_logprobs",
     "read_head",
+    "rounding_bound",
 ]
 
 # The way out when a model's logits cannot come from its head: its own logits, which the trainer
@@ -361,7 +369,7 @@ def _refuse_unknown_transform(model: Any, config: Any) -> None:
 # Running the backbone.
 
 
-def _accepts(module: nn.Module, name: str) -> bool:
+def accepts_keyword(module: nn.Module, name: str) -> bool:
     """Whether ``module.forward`` takes the keyword ``name`` (by name or through ``**kwargs``)."""
     params = inspect.signature(module.forward).parameters
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -385,7 +393,7 @@ def last_hidden(
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    if _accepts(base, "use_cache"):
+    if accepts_keyword(base, "use_cache"):
         kwargs["use_cache"] = False
     return _hidden_of(base(**kwargs))
 
@@ -409,7 +417,7 @@ class HeadCheck(NamedTuple):
         head: the head it checked.
         gap: the largest |log-prob difference| between klpo's fused head and the model's own
             logits over the checked tokens, in nats.
-        tolerance: the rounding bound at that token (the dtype's, derived in :func:`_tolerance`).
+        tolerance: the rounding bound at that token (the dtype's, :func:`rounding_bound`).
         tokens: how many token log-probs were compared.
         dtype: the head's dtype.
     """
@@ -454,7 +462,7 @@ def check_head(
     """
     head = read_head(model) if head is None else head
     ids = _probe_ids(model, head, length) if input_ids is None else input_ids
-    with _evaluating(model), torch.no_grad():
+    with evaluating(model), torch.no_grad():
         seen, logits = _own_forward(model, ids)
         hidden = last_hidden(model, ids)
         ours = fused(
@@ -464,7 +472,7 @@ def check_head(
         if logits.shape[-1] != head.weight.shape[0]:
             raise _mismatch(model, head, math.inf, 0.0, seen, hidden, logits)
         theirs = torch.log_softmax(logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-        tol = _tolerance(hidden[0, :-1], head, logits[0, :-1])
+        tol = rounding_bound(hidden[0, :-1], head, logits[0, :-1])
     excess = (ours.double() - theirs).abs() / tol
     worst = int(excess.argmax())
     gap, bound = float((ours.double() - theirs).abs()[worst]), float(tol[worst])
@@ -499,8 +507,9 @@ def _configs(config: Any) -> list[Any]:
     return [config, *subs]
 
 
-class _evaluating:
-    """Eval mode for the duration, then every module's own training flag back."""
+class evaluating:
+    """A context manager: ``model`` in eval mode for the duration, then every module's own
+    training flag back (a model half in train mode stays so)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -531,7 +540,7 @@ def _own_forward(model: Any, ids: Tensor) -> tuple[dict[str, Tensor], Tensor]:
         emb.register_forward_hook(lambda m, a, out: keep("head_out", out)),
     ]
     try:
-        kwargs = {"use_cache": False} if _accepts(model, "use_cache") else {}
+        kwargs = {"use_cache": False} if accepts_keyword(model, "use_cache") else {}
         out = model(input_ids=ids, **kwargs)
     finally:
         for h in hooks:
@@ -540,8 +549,9 @@ def _own_forward(model: Any, ids: Tensor) -> tuple[dict[str, Tensor], Tensor]:
     return seen, logits
 
 
-def _tolerance(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
-    """Per token, the largest |log-prob gap| rounding explains (see :func:`check_head`).
+def rounding_bound(hidden: Tensor, head: Head, logits: Tensor) -> Tensor:
+    """Per token ``[L]``, the largest |log-prob gap| between the model's own logits ``[L, V]`` and
+    the fused head on ``hidden [L, H]`` that rounding explains: :func:`check_head`'s bound.
 
     The model's logit ``x_v`` has error at most ``k u_d s |z|_max + λ √H u_acc s A_max`` with ``z =
     h·w_v + b_v``, ``A = |h|·|w_v| + |b_v|``, ``s`` the transform's scale, ``u_d`` the unit
@@ -635,3 +645,118 @@ def checked_head(model: Any) -> Head:
     if model not in _CHECKED:
         _CHECKED[model] = check_head(model)
     return read_head(model)
+
+
+# --------------------------------------------------------------------------------------------
+# A model's own log-probs: its backbone's hidden states and its head, with the head's transform.
+
+
+def model_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    reference: torch.nn.Module | None = None,
+    check: bool = True,
+) -> FusedOutput:
+    r"""A causal LM's own log-probs of ``input_ids[:, 1:]``, through the fused head.
+
+    The path the trainer takes: the backbone's last hidden states (:func:`klpo.last_hidden`)
+    and the output head with the architecture's logit transform (:func:`klpo.read_head`:
+    Gemma's soft cap, Cohere's and Granite's scales), tile by tile (:func:`fused`), so the ``[B,
+    L, V]`` logits are never made. Per position ``t`` of ``input_ids[:, 1:]``: ``logp = log
+    pi_theta(input_ids[:, t + 1] | input_ids[:, :t + 1])`` with ``pi_theta = softmax(logits /
+    temperature)``, the model's own ``logits``; optionally the entropy of ``pi_theta`` there and,
+    with a ``reference`` model (detached, same vocabulary), the exact KL(pi_theta ‖ pi_ref) over
+    the vocabulary (Amini, Vieira & Cotterell, arXiv:2504.10637).
+
+    Example::
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from klpo.logprobs import model_logprobs
+
+        tok = AutoTokenizer.from_pretrained("google/gemma-2-2b-it")
+        model = AutoModelForCausalLM.from_pretrained("google/gemma-2-2b-it")
+        batch = tok(["The capital of France is Paris."], return_tensors="pt")
+        out = model_logprobs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
+        out.logp  # [1, L - 1]: log pi(token | prefix), the soft cap included
+
+    Gradients flow to the model's parameters as through ``model(...).logits`` (the reference gets
+    none). Positions where ``attention_mask`` is 0 at the token or at the position before it
+    (padding, and the first token after left padding) are 0 in every output and get no gradient.
+
+    ``check`` (default) runs :func:`klpo.heads.check_head` the first time a model object is seen:
+    a few tokens through the model's own forward; a model whose logits the head cannot give is
+    refused there (:class:`klpo.heads.HeadMismatch`), never answered with wrong numbers.
+
+    Args:
+        model: a ``transformers`` causal LM (or a ``peft`` wrapper of one).
+        input_ids: ``[B, L]`` token ids, ``L ≥ 2``.
+        attention_mask: ``[B, L]``, 1 at tokens, 0 at padding (default: all 1).
+        position_ids: ``[B, L]`` passed to the backbone as to ``model(...)`` (default: the
+            model's own default).
+        temperature: the sampling temperature the model's logits are divided by.
+        with_entropy: also return the entropy.
+        reference: a reference causal LM for the exact KL (run without gradients).
+        check: check each model against its own forward once (see above).
+
+    Returns:
+        :class:`FusedOutput` ``(logp, entropy, kl)``, each ``[B, L - 1]`` float32 (float64 for a
+        float64 model), ``entropy`` and ``kl`` None unless asked for.
+
+    Raises:
+        klpo.heads.UnsupportedHead: the model's logits are not its head's (with the fallback).
+        ValueError: ``input_ids`` or ``attention_mask`` of the wrong shape or type.
+    """
+    _check_model_inputs(input_ids, attention_mask, position_ids)
+    read = checked_head if check else read_head
+    head = read(model)
+    hidden = last_hidden(model, input_ids, attention_mask, position_ids)[:, :-1]
+    ref = {}
+    if reference is not None:
+        ref = _reference_head(reference, read, input_ids, attention_mask, position_ids)
+    out = fused(
+        hidden, head.weight, input_ids[:, 1:], bias=head.bias, temperature=temperature,
+        with_entropy=with_entropy, transform=head.transform, **ref,
+    )  # fmt: skip
+    if attention_mask is None:
+        return out
+    keep = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    return FusedOutput(*(None if o is None else torch.where(keep, o, 0.0) for o in out))
+
+
+def _reference_head(
+    reference: torch.nn.Module,
+    read,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> dict:
+    """:func:`fused`'s reference arguments from a reference model, its forward without gradients."""
+    head = read(reference)
+    with torch.no_grad():
+        hidden = last_hidden(reference, input_ids, attention_mask, position_ids)[:, :-1]
+    return dict(
+        hidden_ref=hidden, weight_ref=head.weight, bias_ref=head.bias, transform_ref=head.transform
+    )
+
+
+def _check_model_inputs(
+    input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.dtype.is_floating_point:
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids!r:.80}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids must be [B, L] with L ≥ 2 (a token to predict), got shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if t is not None and t.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} but input_ids has shape "
+                f"{tuple(input_ids.shape)}; give one entry per token"
+            )

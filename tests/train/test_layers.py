@@ -1,13 +1,15 @@
-"""The trainer's rooms import downward only, with no circle (docs/architecture.md).
+"""The package's rooms import downward only, with no circle anywhere (docs/architecture.md).
 
-Every ``klpo`` import of every module of ``klpo.train`` and ``klpo.study`` (at the top or inside
-a function) is read from its source; each must name a room at or below its own in
-:data:`LAYERS`, and the modules of one room must not import each other in a circle.
+Every ``klpo`` import of every module of ``src/klpo`` (at the top or inside a function, absolute
+or relative) is read from its source. Each must name a room at or below its own in
+:data:`LAYERS`; inside the library (the room ``klpo``) each module imports only modules before
+it in :data:`LIBRARY`; and no modules anywhere import each other in a circle.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LAYERS = (
-    "klpo",  # the library (kl, logprobs, advantages, losses, reduce, control, ...)
+    "klpo",  # the library (kl, logprobs, advantages, losses, reduce, control, ...): LIBRARY
+    "klpo.lab",
+    "klpo.train",  # the trainer's package: its docstring only
     "klpo.train.runtime",
     "klpo.train.algorithms",
     "klpo.train.spellings",
@@ -34,32 +38,67 @@ LAYERS = (
     "klpo.train.loop",
     "klpo.train.tools",
     "klpo.study",
+    "klpo.integrations",
+    "klpo.doctor",
+    "klpo.cli",
+    "klpo.__main__",
 )
 """The rooms, lowest first (docs/architecture.md draws them)."""
 
+LIBRARY = (
+    "klpo",  # the package: its names, the submodules imported on first use
+    "klpo._threads",
+    "klpo._io",
+    "klpo._tensor",
+    "klpo.control",
+    "klpo.gemm",
+    "klpo._logits",
+    "klpo.fused_kernel",
+    "klpo.fused_loss_kernel",
+    "klpo.heads",
+    "klpo.logprobs",
+    "klpo.kl",
+    "klpo.ref_kl",
+    "klpo.reduce",
+    "klpo.mismatch",
+    "klpo.losses",
+    "klpo.advantages",
+)
+"""The library's modules, lowest first: each imports only modules before it (docs/architecture.md,
+"The library's order")."""
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+
+def _module_name(path: Path, src: Path = SRC) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    paths = [*(SRC / "klpo" / "train").rglob("*.py"), *(SRC / "klpo" / "study").rglob("*.py")]
-    return {_module_name(p): p for p in sorted(paths)}
+def _modules(src: Path = SRC) -> dict[str, Path]:
+    """Every module of the package under ``src``: its name and its file."""
+    return {_module_name(p, src): p for p in sorted((src / "klpo").rglob("*.py"))}
 
 
-def _imports(path: Path, known: set[str]) -> set[str]:
-    """The ``klpo`` modules ``path`` imports (``from klpo.train import loop`` names the module)."""
+def _imports(path: Path, known: set[str], module: str | None = None) -> set[str]:
+    """The ``klpo`` modules ``path`` imports anywhere in it (``from klpo.train import loop`` names
+    the module; a relative import is resolved from ``module``, the file's own name)."""
     out = set()
+    package = None
+    if module is not None:
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("klpo")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if not node.module.startswith("klpo"):
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target != "klpo" and not target.startswith("klpo."):
                 continue
             for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if sub in known else node.module)
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in known else target)
     return out
 
 
@@ -69,19 +108,52 @@ def layer(module: str) -> int:
     return LAYERS.index(best)
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+def _graph(src: Path = SRC) -> dict[str, set[str]]:
+    mods = _modules(src)
+    return {m: _imports(p, set(mods), m) - {m} for m, p in mods.items()}
+
+
+@functools.cache
+def _package_graph() -> dict[str, set[str]]:
+    """:func:`_graph` of ``src/klpo``, read once."""
+    return _graph(SRC)
+
+
+def test_every_module_of_the_package_is_read():
+    mods = set(_modules())
+    for m in ("klpo.logprobs", "klpo.heads", "klpo.lab.exact", "klpo.doctor.verl", "klpo.cli"):
+        assert m in mods
+    assert {"klpo.train.loop", "klpo.study.runner", "klpo.integrations.trl"} <= mods
 
 
 def test_every_import_goes_down_or_across():
     upward = [
         f"{m} ({LAYERS[layer(m)]}) imports {t} ({LAYERS[layer(t)]})"
-        for m, targets in _graph().items()
+        for m, targets in _package_graph().items()
         for t in sorted(targets)
         if layer(t) > layer(m)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_library_imports_in_its_order():
+    graph = _package_graph()
+    library = sorted(m for m in graph if LAYERS[layer(m)] == "klpo")
+    unplaced = [m for m in library if m not in LIBRARY]
+    assert not unplaced, (
+        f"library modules without a place in LIBRARY (tests/train/test_layers.py) and in "
+        f"docs/architecture.md's drawing of the library: {unplaced}"
+    )
+    assert set(LIBRARY) <= set(graph), (
+        f"LIBRARY names modules that are gone: {set(LIBRARY) - set(graph)}"
+    )
+    wrong = [
+        f"{m} imports {t}, which LIBRARY places above it"
+        for m in library
+        for t in sorted(graph[m])
+        if LAYERS[layer(t)] == "klpo" and LIBRARY.index(t) >= LIBRARY.index(m)
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -108,8 +180,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_circles():
-    cycle = find_cycle(_graph())
+def test_no_import_circles_anywhere_in_the_package():
+    cycle = find_cycle(_package_graph())
     assert cycle is None, " -> ".join(cycle)
 
 
@@ -117,9 +189,13 @@ def test_no_import_circles():
     ("module", "room"),
     [
         ("klpo.kl", "klpo"),
+        ("klpo.fused_kernel", "klpo"),
+        ("klpo.lab.exact", "klpo.lab"),
         ("klpo.train.step.update", "klpo.train.step"),
         ("klpo.train.loop", "klpo.train.loop"),
         ("klpo.study.runner", "klpo.study"),
+        ("klpo.doctor.verl", "klpo.doctor"),
+        ("klpo.cli", "klpo.cli"),
     ],
 )
 def test_rooms_by_longest_prefix(module, room):
@@ -134,5 +210,25 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
     assert targets == {"klpo.train.loop", "klpo.study.grid"}
     assert layer("klpo.train.loop") > layer("klpo.train.models.load")
     assert layer("klpo.study.grid") > layer("klpo.train.loop")
+    assert layer("klpo.doctor.verl") > layer("klpo.train.loop") > layer("klpo.lab.exact")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_circle_through_an_import_inside_a_function_is_found(tmp_path):
+    """The circle the library once had: ``heads`` imported ``logprobs`` at the top while
+    ``logprobs.model_logprobs`` imported ``heads`` inside the function; and a relative import."""
+    pkg = tmp_path / "klpo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "heads.py").write_text("from klpo.logprobs import fused\n")
+    (pkg / "logprobs.py").write_text(
+        "def fused():\n    pass\n\n\ndef model_logprobs():\n    from klpo import heads\n"
+    )
+    graph = _graph(tmp_path)
+    assert graph["klpo.logprobs"] == {"klpo.heads"}
+    assert find_cycle(graph) == ["klpo.heads", "klpo.logprobs", "klpo.heads"]
+    (pkg / "logprobs.py").write_text("def model_logprobs():\n    from . import heads\n")
+    assert find_cycle(_graph(tmp_path)) == ["klpo.heads", "klpo.logprobs", "klpo.heads"]
+    (pkg / "logprobs.py").write_text("def model_logprobs():\n    return 0\n")
+    assert find_cycle(_graph(tmp_path)) is None

@@ -94,7 +94,7 @@ def cache_support(model: Any) -> CacheSupport:
         return _SUPPORT[model]
     device = next(model.parameters()).device
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with torch.no_grad(), heads._evaluating(model):
+    with torch.no_grad(), heads.evaluating(model):
         out = model(input_ids=_probe_ids(inner, device), use_cache=True)
         cache = output_cache(out)
         layers = tuple(type(layer).__name__ for layer in getattr(cache, "layers", ()) or ())
@@ -113,7 +113,7 @@ def _repeat_probe(model: Any, ids: torch.Tensor) -> str | None:
     repeated for two rows, two more tokens through it (as the shared prompt and the lean sampler
     call the model), against the last two positions' log-probs of the whole forward. Models whose
     forward breaks there, or gives other numbers (a cache that ignores its position), fail."""
-    kwargs = {"use_cache": False} if heads._accepts(model, "use_cache") else {}
+    kwargs = {"use_cache": False} if heads.accepts_keyword(model, "use_cache") else {}
     try:
         out = model(input_ids=ids[:, :2], use_cache=True)
         cache = output_cache(out)
