@@ -7,6 +7,7 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.heads`       a causal LM's output head and logit transform, read and checked against it
 - :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
 - :mod:`klpo.losses`      PPO clip / dual-clip / penalty, GSPO, CISPO surrogates, value loss, entropy, KL terms
+- :mod:`klpo.offpolicy`   the field's off-policy losses (decoupled PPO, M2PO, DPPO, TRM, k2 to the sampler) and trust-region diagnostics
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
 
@@ -28,6 +29,7 @@ __all__ = [
     "kl",
     "logprobs",
     "losses",
+    "offpolicy",
     "reduce",
 ]
 
