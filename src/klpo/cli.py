@@ -268,18 +268,10 @@ def _explain_staleness(
             table.add_column(c)
         by_term: dict[tuple[str, str], dict[str, str]] = {}
         for r in mine:
-            by_term.setdefault((r.estimator, r.placement), {})[r.correction] = _stale_cell(r)
+            by_term.setdefault((r.estimator, r.placement), {})[r.correction] = st.cell(r)
         for (name, place), cells in by_term.items():
             table.add_row(name, place, *[cells.get(c, "—") for c in corrections])
         out.print(table)
-
-
-def _stale_cell(r) -> str:
-    import math
-
-    cos = "zero" if math.isnan(r.cos_theta_ref) else f"{r.cos_theta_ref:.3f}"
-    gap = "=" if r.rel_err_on_policy <= 1e-9 else f"Δ{r.rel_err_on_policy:.0%}"
-    return f"{cos} {gap}"
 
 
 _SHORT = (

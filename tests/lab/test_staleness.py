@@ -178,3 +178,22 @@ def test_bad_input_names_the_choices():
         st.StaleCase.along(x.pair, torch.zeros(1, 3), -1)
     with pytest.raises(ValueError, match="step must be a finite number > 0"):
         st.staleness_rows(1, step=0.0)
+
+
+def test_the_tables_of_docs_async_are_the_labs():
+    """docs/async.md's K = 4 tables, row by row, are what the lab computes (regenerate them with
+    klpo.lab.staleness.markdown_rows if the cases change)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "async.md").read_text(encoding="utf-8")
+    cat_part, seq_part = page.split("Sequence models, KL")[0], page.split("Sequence models, KL")[1]
+    cat_part = cat_part.split("Categoricals, KL")[1]
+    seq_part = seq_part.split("The bias Δ grows")[0]
+    for part, setting in ((cat_part, "categorical"), (seq_part, "sequence")):
+        shown = [line for line in part.splitlines() if line.startswith("| `")]
+        names = sorted({line.split("`")[1] for line in shown})
+        rows = st.staleness_rows(4, estimators=names, settings=(setting,))
+        computed = set(st.markdown_rows(rows))
+        assert shown, setting
+        for line in shown:
+            assert line in computed, (setting, line)

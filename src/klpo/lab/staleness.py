@@ -66,9 +66,11 @@ __all__ = [
     "StaleCase",
     "StalenessRow",
     "categorical_cases",
+    "cell",
     "corrections_of",
     "expected",
     "k3_is_claim",
+    "markdown_rows",
     "sequence_cases",
     "staleness_rows",
 ]
@@ -362,6 +364,26 @@ def _row(
         kl_behav_theta=sum(c.kl_behav_theta for c in cases) / len(cases),
         max_weight=max(c.max_weight for c in cases),
     )
+
+
+def cell(row: StalenessRow) -> str:
+    """A row's cell for people: the cosine to grad KL(pi_theta ‖ pi_ref) (``zero``: no gradient),
+    then its distance to the on-policy gradient (``=``: none, up to rounding; else ``Δ`` in %)."""
+    cos = "zero" if math.isnan(row.cos_theta_ref) else f"{row.cos_theta_ref:.3f}"
+    gap = "=" if row.rel_err_on_policy <= _TOL else f"Δ{row.rel_err_on_policy:.0%}"
+    return f"{cos} {gap}"
+
+
+def markdown_rows(rows: list[StalenessRow]) -> list[str]:
+    """One Markdown table row per estimator × placement, a column per correction of
+    :data:`CORRECTIONS` (``—`` where it does not apply), as docs/async.md shows them."""
+    by_term: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        by_term.setdefault((r.estimator, r.placement), {})[r.correction] = cell(r)
+    return [
+        f"| `{name}` | {place} | " + " | ".join(c.get(x, "—") for x in CORRECTIONS) + " |"
+        for (name, place), c in by_term.items()
+    ]
 
 
 def corrections_of(placement: str) -> tuple[str, ...]:
