@@ -197,3 +197,58 @@ def test_the_tables_of_docs_async_are_the_labs():
         assert shown, setting
         for line in shown:
             assert line in computed, (setting, line)
+
+
+# --------------------------------------------------------------------------------------------
+# The library path the trainer takes, against the lab: the same expected gradients, exactly.
+
+
+def _library_expected(x: st.StaleCase, name: str, placement: str, correction: str, cap=10.0):
+    """The trainer's per-token pieces (klpo.losses.kl_loss; klpo.losses.kl_reward, returns-to-go,
+    PPO's ratio at pi_old = pi_theta, and klpo.mismatch's TIS weight against the sampler's
+    log-probs) summed over every sequence weighted by pi_behav, differentiated by autograd."""
+    from klpo import advantages, losses, mismatch
+
+    pair = x.pair
+    theta = pair.logits.clone().requires_grad_(True)
+    logp = pair.token_logps(theta)
+    logp_ref = pair.token_logps(pair.logits_ref)
+    q = pair.token_logps(x.logits_behav)
+    probs = q.sum(-1).exp()[:, None]
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    rows = pair.enumeration.rows
+    full = {"logits": theta[rows], "logits_ref": pair.logits_ref[rows]} if name == "full" else {}
+    total = torch.zeros((), dtype=torch.float64)
+    if placement in ("loss", "reward+loss"):
+        old = q if correction == "is" else None  # kl_loss's pi_old: the sampler, or the trainer's
+        term = losses.kl_loss(name, logp, logp_ref, logp_old=old, mask=mask, **full)
+        total = total + (probs * term).sum()
+    if placement in ("reward", "reward+loss"):
+        full_s = {k: v.detach() for k, v in full.items()}
+        shaped = losses.kl_reward(
+            torch.zeros_like(logp), logp.detach(), logp_ref, mask, beta=1.0, estimator=name,
+            **full_s,
+        )  # fmt: skip
+        adv = advantages.returns_to_go(shaped, mask)  # -G_t: the penalty's returns
+        pg = losses.ppo_clip(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2)
+        if correction != "none":
+            pg = mismatch.tis_policy_loss(
+                pg, logp.detach(), q, cap=cap if correction == "is-cap" else None
+            )
+        total = total + (probs * pg).sum()
+    (g,) = torch.autograd.grad(total, theta, allow_unused=True)
+    return torch.zeros_like(theta) if g is None else g
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3_is", "k3+", "full"])
+def test_the_trainers_library_path_follows_the_labs_gradient(name):
+    """kl_loss given the sampler's log-probs is the lab's ``is``, given none its ``none``; the
+    reward's policy gradient with TIS against the sampler is ``is`` (``is-cap`` with its cap)."""
+    x = st.sequence_cases(2)[1]
+    assert x.max_weight > 1.5  # the cap binds somewhere
+    for placement in kl.PLACEMENTS:
+        corrections = ("none", "is") if placement != "reward" else ("none", "is", "is-cap")
+        for c in corrections:
+            got = _library_expected(x, name, placement, c, cap=1.5)
+            _, want = st.expected(x, name, placement, c, cap=1.5)
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-13), (name, placement, c)
