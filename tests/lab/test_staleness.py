@@ -172,6 +172,8 @@ def test_bad_input_names_the_choices():
         st.expected(x, "k3", "loss", "behav-anchor")
     with pytest.raises(ValueError, match="cap C must be > 0"):
         st.expected(x, "k3", "loss", "is-cap", cap=0.0)
+    with pytest.raises(ValueError, match="sampled from pi_ref"):
+        st.expected(x, "ref_is", "loss", "is")
     with pytest.raises(ValueError, match="unknown estimator 'k9'"):
         st.expected(x, "k9", "loss", "is")
     with pytest.raises(ValueError, match="staleness k must be an integer >= 0"):

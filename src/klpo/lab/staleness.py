@@ -174,6 +174,12 @@ def sequence_cases(k: int, *, step: float = DEFAULT_STEP) -> list[StaleCase]:
 
 
 def _check(name: str, placement: str, correction: str, cap: float) -> None:
+    if name in kl.REF_SAMPLED:
+        raise ValueError(
+            f"{name!r} is computed on completions sampled from pi_ref, not by the policy's "
+            "sampler, so a stale sampler does not touch it; choose one of: "
+            + ", ".join(kl.ESTIMATORS)
+        )
     if name not in kl.ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; choose one of: {', '.join(kl.ESTIMATORS)}")
     if placement not in kl.PLACEMENTS:

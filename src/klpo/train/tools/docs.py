@@ -77,7 +77,9 @@ def estimators_page() -> str:
     lines += [
         "In a multi-epoch update, `klpo.losses.kl_loss` multiplies each estimator by the detached",
         "importance weight pi_theta/pi_old (except `k3_is`, which carries its own, and `full`),",
-        "which restores the on-policy column exactly.",
+        "which restores the on-policy column exactly. When the tokens come from a sampler k",
+        "policy versions behind (asynchronous RL) that weight is 1 at the first update and the",
+        "sampler's own weight is needed: `klpo explain --staleness K` and docs/async.md.",
         "",
         "## The estimators",
         "",
