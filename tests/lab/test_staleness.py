@@ -254,3 +254,11 @@ def test_the_trainers_library_path_follows_the_labs_gradient(name):
             got = _library_expected(x, name, placement, c, cap=1.5)
             _, want = st.expected(x, name, placement, c, cap=1.5)
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-13), (name, placement, c)
+
+
+def test_the_sweep_of_docs_async_is_the_labs():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "async.md").read_text(encoding="utf-8")
+    assert "\n".join(st.sweep_markdown()) in page
+    assert "\n".join(st.claim_markdown()) in page

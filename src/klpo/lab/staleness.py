@@ -62,17 +62,20 @@ from klpo.lab.stats import cosine, relative_error
 
 __all__ = [
     "CORRECTIONS",
+    "SWEEP_TERMS",
     "ClaimRow",
     "StaleCase",
     "StalenessRow",
     "categorical_cases",
     "cell",
+    "claim_markdown",
     "corrections_of",
     "expected",
     "k3_is_claim",
     "markdown_rows",
     "sequence_cases",
     "staleness_rows",
+    "sweep_markdown",
 ]
 
 CORRECTIONS: tuple[str, ...] = ("none", "is", "is-cap", "is-seq", "behav-anchor")
@@ -495,3 +498,75 @@ def k3_is_claim(
             )
             rows.append(ClaimRow(k, cap, err_c, err_s, seq_short, max(x.max_weight for x in cats)))
     return rows
+
+
+SWEEP_TERMS: tuple[tuple[str, str, str], ...] = (
+    ("k3", "loss", "none"),
+    ("k3", "loss", "is"),
+    ("k3_is", "loss", "none"),
+    ("k3_is", "loss", "is"),
+    ("k1", "reward", "none"),
+    ("k1", "reward", "is"),
+    ("k1", "reward", "behav-anchor"),
+    ("full", "loss", "none"),
+)
+"""The (estimator, placement, correction) columns of docs/async.md's staleness sweep."""
+
+
+def sweep_markdown(
+    ks: tuple[int, ...] = (1, 2, 4, 8),
+    terms: tuple[tuple[str, str, str], ...] = SWEEP_TERMS,
+    *,
+    step: float = DEFAULT_STEP,
+) -> list[str]:
+    """docs/async.md's sweep: per staleness, the sampler gap and each term's distance to its
+    on-policy gradient, categoricals / sequences (``0``: none, up to rounding)."""
+    names = tuple(dict.fromkeys(n for n, _, _ in terms))
+    places = tuple(dict.fromkeys(p for _, p, _ in terms))
+
+    def pct(x: float) -> str:
+        return "0" if x <= _TOL else f"{x:.0%}"
+
+    header = "| K | KL(pi_behav ‖ pi_theta) | " + " | ".join(f"`{n}` {p}, {c}" for n, p, c in terms)
+    lines = [header + " |", "| " + " | ".join(["---"] * (len(terms) + 2)) + " |"]
+    for k in ks:
+        got = {}
+        for setting in ("categorical", "sequence"):
+            for r in staleness_rows(
+                k, estimators=names, placements=places, settings=(setting,), step=step
+            ):
+                got[(setting, r.estimator, r.placement, r.correction)] = r
+        gaps = [
+            next(r for (s, *_), r in got.items() if s == setting).kl_behav_theta
+            for setting in ("categorical", "sequence")
+        ]
+        cells = [
+            f"{pct(got[('categorical', *t)].rel_err_on_policy)} / "
+            f"{pct(got[('sequence', *t)].rel_err_on_policy)}"
+            for t in terms
+        ]
+        lines.append(f"| {k} | {gaps[0]:.2g} / {gaps[1]:.2g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def claim_markdown(ks: tuple[int, ...] = (0, 2, 4, 8), *, step: float = DEFAULT_STEP) -> list[str]:
+    """docs/async.md's table of :func:`k3_is_claim`: per staleness, the largest weight and the
+    gradient's relative error with the cap at inf, 10 and 2, and over sequences uncapped."""
+    rows = {(r.k, r.cap): r for r in k3_is_claim(ks, (math.inf, DEFAULT_CAP, 2.0), step=step)}
+
+    def err(x: float) -> str:
+        return "< 1e-12" if x < 1e-12 else f"{x:.0%}"  # rounding, whatever the CPU
+
+    lines = [
+        "| K | largest weight | error, C = inf | error, C = 10 (OpenRLHF) | error, C = 2 | "
+        "error over sequences, C = inf |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in ks:
+        inf, ten, two = rows[(k, math.inf)], rows[(k, DEFAULT_CAP)], rows[(k, 2.0)]
+        lines.append(
+            f"| {k} | {inf.max_weight:.2g} | {err(inf.rel_err_categorical)} | "
+            f"{err(ten.rel_err_categorical)} | {err(two.rel_err_categorical)} | "
+            f"{err(inf.rel_err_sequence)} |"
+        )
+    return lines
