@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -286,12 +287,20 @@ def expected(
     return value, (torch.zeros_like(theta) if grad is None else grad.detach())
 
 
+_TRUE: weakref.WeakKeyDictionary[SequencePair, tuple[float, Tensor, Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _true(pair: SequencePair) -> tuple[float, Tensor, Tensor]:
-    """(KL(pi_theta ‖ pi_ref), its gradient, grad KL(pi_ref ‖ pi_theta)) over whole sequences."""
+    """(KL(pi_theta ‖ pi_ref), its gradient, grad KL(pi_ref ‖ pi_theta)) over whole sequences,
+    computed once per pair (a pair's logits are fixed at construction)."""
     from klpo.lab.exact import true_gradients
 
-    kl_tr, _, g_tr, g_rt = true_gradients(pair)
-    return kl_tr, g_tr, g_rt
+    if pair not in _TRUE:
+        kl_tr, _, g_tr, g_rt = true_gradients(pair)
+        _TRUE[pair] = (kl_tr, g_tr, g_rt)
+    return _TRUE[pair]
 
 
 def _label(g: Tensor, g_tr: Tensor, g_rt: Tensor, g_on: Tensor) -> str:
