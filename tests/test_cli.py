@@ -134,6 +134,9 @@ def test_explain_staleness_prints_both_families_and_json_is_the_lab_record():
     want = staleness.staleness_rows(1, estimators=["k1"], placements=["reward"])
     assert rows == [r.to_dict() for r in want]
     assert {r["correction"] for r in rows} == set(staleness.CORRECTIONS)
+    result = runner.invoke(app, ["explain", "-k", "1", "-e", "k1", "-p", "loss", "--json"])
+    zero = [r for r in json.loads(result.output) if r["correction"] == "is"]
+    assert zero[0]["cos_theta_ref"] is None and "NaN" not in result.output  # strict JSON
 
 
 def test_explain_staleness_refuses_mixed_questions_and_bad_values():

@@ -348,7 +348,11 @@ class StalenessRow:
     max_weight: float
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields, NaN (a zero gradient's cosine) as None, so the JSON is strict."""
+        return {
+            k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in asdict(self).items()
+        }
 
 
 def _row(
