@@ -77,9 +77,7 @@ def estimators_page() -> str:
     lines += [
         "In a multi-epoch update, `klpo.losses.kl_loss` multiplies each estimator by the detached",
         "importance weight pi_theta/pi_old (except `k3_is`, which carries its own, and `full`),",
-        "which restores the on-policy column exactly. When the tokens come from a sampler k",
-        "policy versions behind (asynchronous RL) that weight is 1 at the first update and the",
-        "sampler's own weight is needed: `klpo explain --staleness K` and docs/async.md.",
+        "which restores the on-policy column exactly.",
         "",
         "## The estimators",
         "",
@@ -106,6 +104,14 @@ def estimators_page() -> str:
     lines.append("")
     for name in kl.REF_SAMPLED:
         lines.append(f"- **`{name}` in the reward**: {kl.refusal(name, 'reward')}")
+    lines += [
+        "",
+        "## Tokens from a sampler k versions behind",
+        "",
+        "In asynchronous RL the weight pi_theta/pi_old is 1 at the first update and repairs nothing",
+        "of the sampler's lag; what each correction does then, exactly: `klpo explain --staleness K`",
+        "and docs/async.md.",
+    ]
     return HEADER + "\n".join(lines) + "\n"
 
 
