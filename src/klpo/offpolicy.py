@@ -123,6 +123,14 @@ def decoupled_ppo(
 
     Returns:
         ``[B, T]`` per-token loss.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> logp, prox = torch.tensor([[0.1, -0.7]]), torch.tensor([[0.0, -1.0]])
+        >>> behav, adv = torch.tensor([[-0.5, -1.0]]), torch.tensor([[2.0, 1.0]])
+        >>> offpolicy.decoupled_ppo(logp, prox, behav, adv)  # -e^0.5 e^0.1 2; -1 · 1.2 (clipped)
+        tensor([[-3.6442, -1.2000]])
     """
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
@@ -166,6 +174,15 @@ def m2po_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.04) -> Te
 
     Returns:
         ``[B, T]`` bool, True where the token is kept (always False where ``mask`` is).
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> log_r = torch.tensor([[0.5, 0.1, -0.04, -0.3]])  # (log r)²: 0.25, 0.01, 0.0016, 0.09
+        >>> offpolicy.m2po_mask(log_r, torch.ones(1, 4, dtype=torch.bool), threshold=0.04)
+        tensor([[False,  True,  True,  True]])
+
+    (all four: mean 0.088 ≥ 0.04; without the largest: 0.034 < 0.04.)
     """
     check_float("log_ratio", log_ratio)
     check_mask(mask, log_ratio.shape)
@@ -218,6 +235,14 @@ def m2po(
 
     Returns:
         ``[B, T]`` per-token loss, 0 where masked.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> logp, behav = torch.tensor([[0.0, 0.2]]), torch.tensor([[-0.5, 0.15]])  # (log r)²: 0.25, 0.0025
+        >>> offpolicy.m2po(logp, torch.zeros(1, 2), behav, torch.tensor([[1.0, 2.0]]),
+        ...                torch.ones(1, 2, dtype=torch.bool))  # the first dropped; -e^0.2 · 2
+        tensor([[ 0.0000, -2.4428]])
     """
     lp, prox, behav, a = _wide(logp, logp_prox=logp_prox, logp_behav=logp_behav, adv=adv)
     keep = m2po_mask(lp.detach() - behav, mask, threshold=threshold)
@@ -261,6 +286,13 @@ def dppo_mask(
 
     Returns:
         ``[B, T]`` bool, True where the token is kept.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> p, q = torch.tensor([[0.7, 0.5]]), torch.tensor([[0.4, 0.4]])  # p - q: 0.3, 0.1; A > 0
+        >>> offpolicy.dppo_mask(p.log(), q.log(), torch.ones(1, 2))  # delta 0.2
+        tensor([[False,  True]])
     """
     if divergence not in ("tv", "kl"):
         raise ValueError(f"unknown DPPO divergence {divergence!r}; choose 'tv' or 'kl'")
@@ -300,6 +332,13 @@ def dppo(
 
     Returns:
         ``[B, T]`` per-token loss, 0 where masked.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> p, q = torch.tensor([[0.7, 0.5]]), torch.tensor([[0.4, 0.4]])
+        >>> offpolicy.dppo(p.log(), q.log(), torch.ones(1, 2))  # masked; -(0.5/0.4) · 1 · log 0.5
+        tensor([[0.0000, 0.8664]])
     """
     if not ratio_cap > 0:
         raise ValueError(f"ratio_cap must be > 0, got {ratio_cap!r}")
@@ -354,6 +393,15 @@ def trm_mask(
 
     Returns:
         ``[B, T]`` bool: ``mask`` where the sequence is kept, False elsewhere.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> logp = torch.tensor([[0.1, 0.0], [-0.5, 0.0]])  # log rho; the sampler's log-probs 0
+        >>> offpolicy.trm_mask(logp, torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool),
+        ...                    delta=0.01)  # largest k3: e^0.1 - 1.1 = 0.005; e^-0.5 - 0.5 = 0.107
+        tensor([[ True,  True],
+                [False, False]])
     """
     if statistic not in ("k1", "k3"):
         raise ValueError(f"unknown TRM statistic {statistic!r}; choose 'k1' or 'k3'")
@@ -407,6 +455,14 @@ def sampler_k2(logp: Tensor, logp_behav: Tensor, *, coef: float = 1e-3) -> Tenso
 
     Returns:
         ``[B, T]`` per-token loss, ≥ 0.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> offpolicy.sampler_k2(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]))
+        tensor([[0.0003, 0.0000]])
+
+    (1e-3 · 0.5² = 2.5e-4; zero where the two agree.)
     """
     c = _nonneg("coef", coef)
     lp, behav = _wide(logp, logp_behav=logp_behav)
@@ -434,6 +490,13 @@ def effective_sample_size(log_w: Tensor, mask: Tensor) -> Tensor:
 
     Returns:
         a 0-d tensor in (0, 1], float64 (float32 on MPS).
+
+    Example:
+        >>> import math, torch
+        >>> from klpo import offpolicy
+        >>> w = torch.tensor([0.0, 0.0, math.log(4.0)])  # weights 1, 1, 4: 6² / (3 · 18)
+        >>> offpolicy.effective_sample_size(w, torch.ones(3, dtype=torch.bool))
+        tensor(0.6667, dtype=torch.float64)
     """
     check_float("log_w", log_w)
     check_mask(mask, log_w.shape)
@@ -493,6 +556,14 @@ def trust_region_metrics(
 
     Returns:
         a dict of floats.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> lp = torch.tensor([[-1.0, -2.0]])  # the trainer and the sampler agree
+        >>> m = offpolicy.trust_region_metrics(lp, lp, torch.ones(1, 2, dtype=torch.bool))
+        >>> m["sampler/ess"], m["sampler/m2"], m["sampler/kl_k3"], m["sampler/tv"]
+        (1.0, 0.0, 0.0, 0.0)
     """
     with torch.no_grad():
         lp, behav = _wide(logp.detach(), logp_behav=logp_behav)
