@@ -117,3 +117,32 @@ def test_compare_prints_its_lines_through_the_current_stderr(tmp_path, monkeypat
     lines = shown.getvalue().splitlines()
     assert any(x.startswith("start run-a (log: ") for x in lines)
     assert "[1/1] run-a: collapsed (fell), held-out 0.200, exact KL 0.0100, 3 s" in lines
+
+
+def test_explain_staleness_prints_both_families_and_json_is_the_lab_record():
+    from klpo.lab import staleness
+
+    result = runner.invoke(app, ["explain", "--staleness", "2", "-e", "k3_is", "-p", "loss"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "sampler 2 version(s) behind" in out and "sequence oracle" in out
+    for c in ("none", "is", "is-cap", "is-seq"):
+        assert c in out
+    assert "1.000 =" in out  # k3_is weighted by pi_theta/pi_behav on categoricals: exact
+    result = runner.invoke(app, ["explain", "-k", "1", "-e", "k1", "-p", "reward", "--json"])
+    rows = json.loads(result.output)
+    want = staleness.staleness_rows(1, estimators=["k1"], placements=["reward"])
+    assert rows == [r.to_dict() for r in want]
+    assert {r["correction"] for r in rows} == set(staleness.CORRECTIONS)
+    result = runner.invoke(app, ["explain", "-k", "1", "-e", "k1", "-p", "loss", "--json"])
+    zero = [r for r in json.loads(result.output) if r["correction"] == "is"]
+    assert zero[0]["cos_theta_ref"] is None and "NaN" not in result.output  # strict JSON
+
+
+def test_explain_staleness_refuses_mixed_questions_and_bad_values():
+    result = runner.invoke(app, ["explain", "--staleness", "1", "--off-policy"])
+    assert result.exit_code == 2 and "give one" in result.output
+    result = runner.invoke(app, ["explain", "--staleness", "1", "-e", "k3", "--cap", "0"])
+    assert result.exit_code == 2 and "cap C must be > 0" in result.output
+    result = runner.invoke(app, ["explain", "--staleness", "-1"])
+    assert result.exit_code == 2

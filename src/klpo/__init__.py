@@ -9,6 +9,7 @@ The library is a set of pure tensor functions, one module per concern:
   and ``logprobs.fused_loss``; :mod:`klpo.gemm` their GEMMs (docs/architecture.md: the order)
 - :mod:`klpo.advantages`  GAE, returns-to-go, group-relative (GRPO, Dr. GRPO), RLOO, REINFORCE++
 - :mod:`klpo.losses`      PPO clip / dual-clip / penalty, GSPO, CISPO surrogates, value loss, entropy, KL terms
+- :mod:`klpo.offpolicy`   the field's off-policy losses (decoupled PPO, M2PO, DPPO, TRM, k2 to the sampler) and trust-region diagnostics
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
 
@@ -30,6 +31,7 @@ __all__ = [
     "kl",
     "logprobs",
     "losses",
+    "offpolicy",
     "reduce",
 ]
 

@@ -141,12 +141,41 @@ def explain(
     off_policy: bool = typer.Option(
         False, "--off-policy", help="Tokens sampled from an older policy pi_old, not pi_theta."
     ),
+    staleness: int | None = typer.Option(
+        None,
+        "--staleness",
+        "-k",
+        metavar="K",
+        min=0,
+        help="Tokens from a sampler K policy versions behind pi_theta (asynchronous RL): the "
+        "expected gradient of each estimator × placement under each correction of the sampler "
+        "gap, on categoricals and sequence models (klpo.lab.staleness); every estimator when "
+        "--estimator is not given.",
+    ),
+    cap: float = typer.Option(
+        10.0, "--cap", help="With --staleness: the is-cap weight's cap C (> 0)."
+    ),
+    step: float = typer.Option(
+        0.2,
+        "--step",
+        help="With --staleness: the sd of one policy version's step in logit space (> 0).",
+    ),
 ) -> None:
     """Say what a KL estimator in a placement really does: value, bias, sign and gradient.
 
     Every claim is derived by exact enumeration on small categoricals, not typed in.
     """
     from klpo import kl
+
+    if staleness is not None:
+        if off_policy:
+            raise typer.BadParameter(
+                "--off-policy and --staleness ask different questions (pi_old with no "
+                "correction; a sampler K versions behind, under each correction): give one",
+                param_hint="--staleness",
+            )
+        _explain_staleness(estimator, placement, staleness, cap, step, as_json)
+        return
 
     if not all_ and estimator is None:
         raise typer.BadParameter(
@@ -187,6 +216,62 @@ def explain(
     out.print(_narrow_table(rows, shown, off_policy))
     for line in _value_lines(rows, out.width):
         out.print(line, highlight=False)
+
+
+def _explain_staleness(
+    estimator: str | None,
+    placement: str | None,
+    k: int,
+    cap: float,
+    step: float,
+    as_json: bool,
+) -> None:
+    """``klpo explain --staleness K``: one table per family of cases (categoricals, sequences)."""
+    from klpo.lab import staleness as st
+
+    try:
+        rows = st.staleness_rows(
+            k,
+            estimators=None if estimator is None else [estimator],
+            placements=None if placement is None else [placement],
+            cap=cap,
+            step=step,
+        )
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if as_json:
+        json.dump([r.to_dict() for r in rows], sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+        return
+    out = console()
+    for setting, words in (
+        ("categorical", "4 seeded categoricals, V = 6"),
+        ("sequence", "the sequence oracle (V = 2, T = 2) and 2 seeded models (V = 3, T = 3)"),
+    ):
+        mine = [r for r in rows if r.setting == setting]
+        first = mine[0]
+        table = Table(
+            title=f"Tokens from a sampler {k} version(s) behind pi_theta: {words}; "
+            f"KL(pi_behav ‖ pi_theta) {first.kl_behav_theta:.3g}, largest weight "
+            f"pi_theta/pi_behav {first.max_weight:.3g}",
+            caption="Each cell: the cosine of the exact expected gradient to grad KL(pi_theta ‖ "
+            "pi_ref) ('zero': no gradient), then its distance to the same term's on-policy "
+            "gradient ('=': none, up to rounding). Corrections: none (no weight: verl, klpo's "
+            "pi_old weight when pi_old is recomputed), is (sg(pi_theta/pi_behav)), is-cap "
+            f"(capped at {cap:g}), is-seq (the prefix's product), behav-anchor (AReaL: the "
+            "reward's estimate from the behaviour log-probs). klpo.lab.staleness.",
+        )
+        table.add_column("estimator", style="bold")
+        table.add_column("placement")
+        corrections = list(dict.fromkeys(r.correction for r in mine))
+        for c in corrections:
+            table.add_column(c)
+        by_term: dict[tuple[str, str], dict[str, str]] = {}
+        for r in mine:
+            by_term.setdefault((r.estimator, r.placement), {})[r.correction] = st.cell(r)
+        for (name, place), cells in by_term.items():
+            table.add_row(name, place, *[cells.get(c, "—") for c in corrections])
+        out.print(table)
 
 
 _SHORT = (

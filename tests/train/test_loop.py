@@ -497,11 +497,12 @@ def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
         {"algo.policy_loss": "gspo"},
         {"algo.policy_loss": "cispo"},
         {"algo.policy_loss": "kl-penalty"},
+        {"algo.policy_loss": "dppo-tv-k2"},
         {"algo.entropy_coef": 0.05, "algo.loss_reduction": "seq-mean-token-mean"},
         {"kl.beta": 0.0},
         {"kl.estimator": "k3"},  # a sampled KL in the loss: the per-token path
     ],
-    ids=["default", "gspo", "cispo", "kl-penalty", "entropy-seq-mean", "no-kl", "k3"],
+    ids=["default", "gspo", "cispo", "kl-penalty", "dppo-tv-k2", "entropy-seq-mean", "no-kl", "k3"],
 )
 def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     tiny_model, quick, tmp_path, monkeypatch, extra

@@ -1,5 +1,5 @@
-"""GSPO and CISPO in the trainer: off-policy runs finish, log their metrics, and the update is
-the library's loss (the trainer's gradient against a naive assembly from full logits)."""
+"""GSPO, CISPO and DPPO in the trainer: off-policy runs finish, log their metrics, and the update
+is the library's loss (the trainer's gradient against a naive assembly from full logits)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from klpo import losses, reduce
+from klpo import losses, offpolicy, reduce
 from klpo.train import loop
 from klpo.train.config import build_config
 from klpo.train.data.load import load_examples
@@ -26,6 +26,7 @@ from klpo.train.step.update import micro_step
     [
         {"algo.policy_loss": "gspo", "algo.loss_reduction": "seq-mean-token-mean"},
         {"algo.policy_loss": "cispo", "kl.estimator": "k3"},
+        {"algo.policy_loss": "dppo-tv-k2", "kl.estimator": "k3"},
     ],
 )
 def test_sequence_losses_train_off_policy(tiny_model, quick, tmp_path, extra):
@@ -44,7 +45,7 @@ def test_sequence_losses_train_off_policy(tiny_model, quick, tmp_path, extra):
         assert 0.0 <= last["clip_frac/seq"] <= 1.0 and last["ratio/seq_mean"] > 0
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "dppo-tv", "dppo-kl", "dppo-tv-k2"])
 def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss):
     """Off-policy (logp_old from before a perturbation): the trainer's gradient for GSPO/CISPO +
     beta·k3 equals the naive assembly, whose KL weight is the per-token ratio."""
@@ -83,8 +84,13 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     logp = logq.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     if policy_loss == "gspo":
         pg = losses.gspo(logp, s.old.logp, s.adv, mask, clip_low=0.05, clip_high=0.05)
-    else:
+    elif policy_loss == "cispo":
         pg = losses.cispo(logp, s.old.logp, s.adv, clip_high=0.2)
+    else:  # DPPO: the binary-divergence mask at the defaults (0.2, 0.2), the weight capped at 20
+        div = "kl" if policy_loss == "dppo-kl" else "tv"
+        pg = offpolicy.dppo(logp, s.old.logp, s.adv, divergence=div, delta_low=0.2, delta_high=0.2)
+        if policy_loss == "dppo-tv-k2":  # prime-rl's: plus 1e-3 (log pi - log pi_old)²
+            pg = pg + 1e-3 * (logp - s.old.logp) ** 2
     w = torch.exp(logp - s.old.logp).detach()  # the KL's per-token weight
     d = logp - s.logp_ref
     kl_tok = w * (torch.exp(-d) + d - 1)

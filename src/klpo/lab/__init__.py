@@ -7,6 +7,7 @@ or the CLI. Modules:
 - :mod:`klpo.lab.ref_is`         ``ref_is`` and ``adaptive_mix`` (the "K2" and "K3" of docs/claims.md)
 - :mod:`klpo.lab.exact`          closed forms, quadrature, and enumeration of values and gradients
 - :mod:`klpo.lab.montecarlo`     Monte Carlo statistics, seeded
+- :mod:`klpo.lab.staleness`      exact expected gradients when the sampler is k versions behind
 - :mod:`klpo.lab.stats`          value statistics, cosines, streaming moments
 - :mod:`klpo.lab.summaries`      the JSON records of ``klpo lab gaussian|categorical|sequence``
 - :mod:`klpo.lab.experiments`    the experiments of the report

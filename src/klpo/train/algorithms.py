@@ -8,7 +8,7 @@ and ``klpo doctor`` all read these rows; no other file lists the names. :data:`P
 the same for the surrogate the update differentiates.
 
 To add an algorithm: write its advantage estimator from the library's functions
-(:mod:`klpo.advantages`) and add a row; a policy loss: a function of :mod:`klpo.losses` and a row.
+(:mod:`klpo.advantages`) and add a row; a policy loss: a function of :mod:`klpo.losses` (or :mod:`klpo.offpolicy`) and a row.
 
 Every advantage estimator reads :class:`AdvantageInputs` (B completions of C tokens) and returns
 ``(adv [B, C], value targets [B, C] or None)``. Batch-whitening uses the statistics of the whole
@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from klpo import advantages, losses
+from klpo import advantages, losses, offpolicy
 from klpo.train.runtime.dist import Dist
 
 __all__ = [
@@ -167,6 +167,9 @@ class ClipSettings(Protocol):
     dual_clip: float | None
     gspo_clip_low: float
     gspo_clip_high: float
+    dppo_delta_low: float
+    dppo_delta_high: float
+    sampler_k2_coef: float
 
 
 PolicyLossFn = Callable[[ClipSettings, Tensor, Tensor, Tensor, Tensor, float], Tensor]
@@ -193,6 +196,26 @@ def _cispo_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -> 
     return losses.cispo(logp, logp_old, adv, clip_high=a.clip_high)
 
 
+def _dppo_tv_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
+    return offpolicy.dppo(
+        logp, logp_old, adv, divergence="tv", delta_low=a.dppo_delta_low,
+        delta_high=a.dppo_delta_high,
+    )  # fmt: skip
+
+
+def _dppo_kl_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
+    return offpolicy.dppo(
+        logp, logp_old, adv, divergence="kl", delta_low=a.dppo_delta_low,
+        delta_high=a.dppo_delta_high,
+    )  # fmt: skip
+
+
+def _dppo_tv_k2_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
+    """prime-rl's default RL loss: the DPPO-TV policy gradient plus k2 toward the sampler."""
+    pg = _dppo_tv_loss(a, logp, logp_old, adv, mask, beta_old)
+    return pg + offpolicy.sampler_k2(logp, logp_old, coef=a.sampler_k2_coef).to(pg.dtype)
+
+
 @dataclass(frozen=True)
 class PolicyLossSpec:
     """One policy loss: the surrogate and whether it carries PPO's penalty coefficient."""
@@ -207,6 +230,9 @@ POLICY_LOSSES: dict[str, PolicyLossSpec] = {
     "kl-penalty": PolicyLossSpec(_kl_penalty_loss, uses_beta_old=True),
     "gspo": PolicyLossSpec(_gspo_loss, per_sequence=True),
     "cispo": PolicyLossSpec(_cispo_loss),
+    "dppo-tv": PolicyLossSpec(_dppo_tv_loss),
+    "dppo-kl": PolicyLossSpec(_dppo_kl_loss),
+    "dppo-tv-k2": PolicyLossSpec(_dppo_tv_k2_loss),
 }
 """``algo.policy_loss`` -> its surrogate. The KL to the reference is not part of it: under every
 choice it keeps its own per-token off-policy weight (:func:`klpo.losses.kl_loss`), never GSPO's

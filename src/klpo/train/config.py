@@ -364,14 +364,33 @@ class AlgoConfig(_Section):
         description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "
         "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8); GSPO's "
         "sequence-level clip of the length-normalised ratio (Zheng et al. 2025; ranges "
-        "gspo_clip_low/high); or CISPO's clipped stop-gradient weight on log pi (MiniMax 2025; "
-        "weight capped at 1 + clip_high, no lower bound).",
+        "gspo_clip_low/high); CISPO's clipped stop-gradient weight on log pi (MiniMax 2025; "
+        "weight capped at 1 + clip_high, no lower bound); DPPO's binary-TV or binary-KL mask "
+        "instead of the ratio clip, anchored to pi_old, with the weight sg(min(ratio, 20)) on "
+        "log pi (dppo-tv, dppo-kl; Qi et al. 2026; thresholds dppo_delta_low/high); or "
+        "prime-rl's default, dppo-tv plus sampler_k2_coef·(log pi_theta - log pi_old)², a k2 "
+        "penalty toward the sampling policy (dppo-tv-k2). klpo.offpolicy; docs/async.md.",
     )
     gspo_clip_low: float = Field(
         3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
     )
     gspo_clip_high: float = Field(
         4e-4, ge=0, description="gspo: sequence-ratio clip above, 1 + gspo_clip_high."
+    )
+    dppo_delta_low: float = Field(
+        0.2,
+        ge=0,
+        description="dppo-*: the divergence threshold for tokens with A <= 0 (binary TV |p - "
+        "p_old| or binary KL; verl's clip_ratio_low under dppo_tv/dppo_kl).",
+    )
+    dppo_delta_high: float = Field(
+        0.2, ge=0, description="dppo-*: the divergence threshold for tokens with A > 0."
+    )
+    sampler_k2_coef: float = Field(
+        1e-3,
+        ge=0,
+        description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_old)² per token "
+        "(prime-rl's kl_tau, default 1e-3).",
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(

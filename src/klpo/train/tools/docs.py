@@ -109,6 +109,14 @@ def estimators_page() -> str:
     lines.append("")
     for name in kl.REF_SAMPLED:
         lines.append(f"- **`{name}` in the reward**: {kl.refusal(name, 'reward')}")
+    lines += [
+        "",
+        "## Tokens from a sampler k versions behind",
+        "",
+        "In asynchronous RL the weight pi_theta/pi_old is 1 at the first update and repairs nothing",
+        "of the sampler's lag; what each correction does then, exactly: `klpo explain --staleness K`",
+        "and docs/async.md.",
+    ]
     return HEADER + "\n".join(lines) + "\n"
 
 
