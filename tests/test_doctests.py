@@ -16,6 +16,7 @@ MODULES = (
     "klpo.kl",
     "klpo.losses",
     "klpo.ref_kl",
+    "klpo.offpolicy",
     "klpo._names",
     "klpo._threads",
     "klpo.doctor.advice",

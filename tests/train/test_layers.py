@@ -48,6 +48,7 @@ LAYERS = (
 LIBRARY = (
     "klpo",  # the package: its names, the submodules imported on first use
     "klpo._threads",
+    "klpo._names",
     "klpo._io",
     "klpo._tensor",
     "klpo.control",
@@ -62,6 +63,7 @@ LIBRARY = (
     "klpo.reduce",
     "klpo.mismatch",
     "klpo.losses",
+    "klpo.offpolicy",
     "klpo.advantages",
 )
 """The library's modules, lowest first: each imports only modules before it (docs/architecture.md,
