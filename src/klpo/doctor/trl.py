@@ -6,6 +6,11 @@ under ``use_bias_correction_kl``, added to the per-token loss after every policy
 ``rloo_trainer.py`` (k1 summed over the completion and subtracted from the reward before the
 leave-one-out baseline). The GRPO facts are tested against TRL 1.16 itself by
 ``tests/integrations/test_trl.py``.
+
+Where TRL imports (never in klpo's own install), the fields and defaults are the installed TRL's
+own dataclass's, and the file's fields are built into it by ``transformers.HfArgumentParser`` as
+``trl grpo --config`` builds them, so ``__post_init__``'s refusals are TRL's words
+(:func:`installed_table`, ``_parse``); otherwise the table of TRL 1.16.0's fields is read.
 """
 
 from __future__ import annotations

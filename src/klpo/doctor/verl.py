@@ -1,8 +1,11 @@
 """verl's KL settings (its Hydra YAML, or a ``main_ppo`` launch script), read for the doctor.
 
-Every key and default is verl's own: the table ``klpo/assets/doctor/verl-<version>.json`` is
-verl's ``ppo_trainer`` config composed by Hydra (:mod:`klpo.doctor.tables`; checked against the
-installed verl by ``tests/doctor/test_peers.py``). What the settings mean is read from
+Every key and default is verl's own: where verl's config files are on the machine (a checkout
+beside the script, or an installed verl) and hydra-core is installed, Hydra composes them with the
+script's overrides (:mod:`klpo.doctor.verl_hydra`); otherwise the table
+``klpo/assets/doctor/verl-<version>.json`` is read, verl's ``ppo_trainer`` config composed by
+Hydra (:mod:`klpo.doctor.tables`; checked against the installed verl by
+``tests/doctor/test_peers.py``). What the settings mean is read from
 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``: the value, the ``+`` straight-through
 gradient, the k3 clamps; ``agg_loss``; the advantage estimators), ``verl/trainer/ppo/ray_trainer.py``
 (``apply_kl_penalty``) and ``verl/workers/utils/losses.py`` (``ppo_loss``: the KL loss, with no
