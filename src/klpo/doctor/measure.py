@@ -1124,13 +1124,7 @@ def measure(
         "sequences": int(mask.shape[0]),
         "groups": samples,
         "tokens": int(mask.sum()),
-        "exact": {
-            "token_mean_kl_theta_ref": float(cat["exact"][mask].mean()),
-            "token_mean_kl_ref_theta": float(cat["exact_rev"][mask].mean()),
-            "sequence_mean_kl_theta_ref": float(
-                torch.where(mask, cat["exact"], 0.0).sum(-1).mean()
-            ),
-        },
+        "exact": _exact_means(cat, mask),
         "values": _value_stats(values, cat["exact"], cat["exact_rev"], mask),
         "gradients": {
             "subset": subset.description,
@@ -1150,6 +1144,15 @@ def measure(
             },
         },
         "highlight": [list(h) for h in (highlight or [])],
+    }
+
+
+def _exact_means(cat: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
+    """The exact KLs of the sample: per token both ways, and per sequence."""
+    return {
+        "token_mean_kl_theta_ref": float(cat["exact"][mask].mean()),
+        "token_mean_kl_ref_theta": float(cat["exact_rev"][mask].mean()),
+        "sequence_mean_kl_theta_ref": float(torch.where(mask, cat["exact"], 0.0).sum(-1).mean()),
     }
 
 
