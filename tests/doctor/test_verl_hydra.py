@@ -144,14 +144,15 @@ def test_a_users_own_config_is_composed_over_verls(checkout):
     script = checkout / "examples" / "run_own.sh"
     script.write_text(
         "python3 -m verl.trainer.main_ppo --config-path=my_config --config-name=train "
-        "algorithm.adv_estimator=grpo custom.mode=anneal data.train_batch_size=64\n"
+        "algorithm.adv_estimator=grpo custom.mode=anneal data.train_batch_size=64 "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16\n"
     )
     r = read(script)
     assert "train.yaml over verl's" in r.defaults_from
     assert _texts(r, "error") == []
     [t] = r.terms
     assert (t.framework_name, t.estimator, t.placement, t.beta) == ("mse", "k2", "loss", 0.02)
-    assert r.group_size == 8
+    assert (r.group_size, r.updates_per_batch) == (8, 4)
     assert r.settings["actor_rollout_ref.actor.kl_loss_coef"]["from"] == "file"
     # The same config read as a file: Hydra composes it as the primary config.
     direct = read(checkout / "my_config" / "train.yaml")

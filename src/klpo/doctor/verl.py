@@ -489,6 +489,7 @@ def _findings(
             )
     _switch_findings(r, s, use_loss, use_reward)
     _clip_findings(r, s)
+    _batch_findings(r, s)
     if use_reward and adv in GROUP_SUMMED:
         r.group_scaling = _group_scaling(adv, norm_std, r.terms[-1].beta)
         r.warn(
@@ -516,6 +517,21 @@ def _findings(
             f"{minibatches} mini-batch(es)): from the second on, the KL loss sees tokens sampled "
             "by an older policy, and verl does not weight it for that",
         )
+
+
+def _batch_findings(r: Reading, s: Settings) -> None:
+    """A mini-batch larger than the batch: main_ppo's ``validate_config`` refuses it
+    (``ActorConfig.validate``, verl/workers/config/actor.py, unless ``use_dynamic_bsz``)."""
+    batch, mini = s.int("data.train_batch_size"), s.int(f"{ACTOR}.ppo_mini_batch_size")
+    if s.bool(f"{ACTOR}.use_dynamic_bsz") or batch is None or mini is None or batch >= mini:
+        return
+    r.warn(
+        "error",
+        ["data.train_batch_size", f"{ACTOR}.ppo_mini_batch_size"],
+        f"data.train_batch_size {batch} < {ACTOR}.ppo_mini_batch_size {mini}: verl refuses "
+        "this config at start-up (ActorConfig.validate: train_batch_size must be >= "
+        "ppo_mini_batch_size) and does not start; the doctor read one mini-batch per batch",
+    )
 
 
 def _clip_sides(s: Settings) -> list[tuple[str, Any]]:
