@@ -583,10 +583,8 @@ def read_cli(
     ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
     the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
     """
-    from pathlib import Path
-
     from klpo.doctor.launch import entry_point
-    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+    from klpo.doctor.reading import DoctorError
     from klpo.doctor.shell import read_script
 
     try:
@@ -596,6 +594,22 @@ def read_cli(
     ep = entry_point(script)
     if ep is None or not ep.framework.startswith("trl-"):
         raise DoctorError(f"{source}: no `trl grpo` or `trl rloo` command found")
+    data, flags = _cli_fields(ep, path, source)
+    procs = _launcher_processes(ep)
+    if procs is not None:
+        flags.setdefault("num_processes", procs)
+    merged = {**data, **flags}
+    if ep.framework == "trl-rloo":
+        return read_rloo(merged, source, version)
+    return read_grpo(merged, source, version)
+
+
+def _cli_fields(ep: Any, path: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the --config file's fields, the command line's --field value pairs)``."""
+    from pathlib import Path
+
+    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+
     words = ep.command.words[ep.at + 1 :]
     data: dict[str, Any] = {}
     flags: dict[str, Any] = {}
@@ -624,16 +638,18 @@ def read_cli(
             data = load_mapping(found)
             continue
         flags[name] = scalar(value)
-    # The launcher's process count (`accelerate launch --num_processes N`, `torchrun
-    # --nproc_per_node N`) is the generation batch's multiplier, as num_processes in the file.
+    return data, flags
+
+
+def _launcher_processes(ep: Any) -> int | None:
+    """The launcher's process count (``accelerate launch --num_processes N``, ``torchrun
+    --nproc_per_node N``): the generation batch's multiplier, as num_processes in the file."""
     launcher = ep.command.words[: ep.at]
+    found = None
     for j, w in enumerate(launcher):
         name, eq, value = w.partition("=")
         if name in ("--num_processes", "--nproc_per_node", "--nproc-per-node"):
             given = value if eq else (launcher[j + 1] if j + 1 < len(launcher) else "")
-            if given.isdigit():
-                flags.setdefault("num_processes", int(given))
-    merged = {**data, **flags}
-    if ep.framework == "trl-rloo":
-        return read_rloo(merged, source, version)
-    return read_grpo(merged, source, version)
+            if given.isdigit() and found is None:
+                found = int(given)
+    return found
