@@ -106,8 +106,9 @@ def test_hydras_own_rule_plus_on_an_existing_key_is_refused(checkout):
         "actor_rollout_ref.actor.use_kl_loss=True +actor_rollout_ref.actor.kl_loss_coef=0.01\n"
     )
     r = read(script)
-    [err] = _texts(r, "error")
-    assert "Could not append" in err and "kl_loss_coef" in err
+    [err] = [f for f in r.findings if f.level == "error"]
+    assert "Could not append" in err.text and "kl_loss_coef" in err.text
+    assert err.keys == ("actor_rollout_ref.actor.kl_loss_coef",)
     # `++` adds or sets: accepted, and the value is read.
     script.write_text(script.read_text().replace("+actor", "++actor"))
     r = read(script)

@@ -394,9 +394,10 @@ def _settings(
         deleted = [w for k, w in written.items() if k.startswith("~")]
         comp = verl_hydra.compose(comp.files, comp.name, [*raw, *deleted], comp.primary)
     if comp.refused:
+        named = [k for k in readable if f"'{k}" in comp.refused or f" {k}" in comp.refused]
         r.warn(
             "error",
-            ["hydra"],
+            named or ["hydra"],
             f"verl {comp.files.version} refuses these overrides and does not start (Hydra: "
             f"{comp.refused}); the doctor read the file's values as written",
         )
