@@ -1173,83 +1173,98 @@ def compare(
 # klpo doctor: what a framework's KL settings really do (klpo.doctor).
 
 
+# The doctor's options, one constant each: the command below reads as its parameters.
+_DOCTOR_CONFIG = typer.Argument(
+    ...,
+    metavar="CONFIG...",
+    help="A training config or launch script: verl, TRL (GRPO/RLOO, `trl grpo --config`), "
+    "OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, Unsloth or klpo (several: one "
+    "report each).",
+)
+_DOCTOR_FRAMEWORK = typer.Option(
+    None,
+    "--framework",
+    metavar="NAME",
+    help="verl, trl-grpo, trl-rloo, openrlhf, klpo, nemo-rl, slime, skyrl, prime-rl, "
+    "areal or unsloth (default: detected).",
+)
+_DOCTOR_FRAMEWORK_VERSION = typer.Option(
+    None,
+    "--framework-version",
+    metavar="VERSION",
+    help="The framework version the config is for (warns if the doctor knows another).",
+)
+_DOCTOR_AS_JSON = typer.Option(False, "--json", help="Print JSON for machines (--format json).")
+_DOCTOR_FMT = typer.Option(
+    None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
+)
+_DOCTOR_FAIL_ON = typer.Option(
+    "error",
+    "--fail-on",
+    metavar="LEVEL",
+    help="Exit 1 on a finding at this level or above: error, warning or never.",
+)
+_DOCTOR_MODEL = typer.Option(
+    None, "--model", metavar="PATH", help="Policy to measure on: a model directory or a .gguf file."
+)
+_DOCTOR_REFERENCE = typer.Option(
+    None, "--reference", metavar="PATH", help="Reference: a model directory or a .gguf file."
+)
+_DOCTOR_DATA = typer.Option(
+    None, "--data", metavar="FILE", help="Prompts: JSONL with a 'prompt' field, or text lines."
+)
+_DOCTOR_LAYER = typer.Option(
+    None,
+    "--layer",
+    metavar="PREFIX",
+    help="Measure gradients on the linear layers whose name starts with this, or 'all' "
+    "(default: the last decoder layer's MLP).",
+)
+_DOCTOR_SKETCH = typer.Option(
+    None,
+    "--sketch",
+    metavar="K",
+    help="Sketch each weight's gradient to K×K numbers (default 32; 0: exact).",
+)
+_DOCTOR_CHAT = typer.Option(
+    None,
+    "--chat/--no-chat",
+    help="Render the prompts with the tokenizer's chat template (default: a klpo config's "
+    "data.chat, else off).",
+)
+_DOCTOR_PROMPTS = typer.Option(8, "--prompts", metavar="N", help="Prompts taken from --data.")
+_DOCTOR_SAMPLES = typer.Option(8, "--samples", metavar="N", help="Completions sampled per prompt.")
+_DOCTOR_MAX_NEW_TOKENS = typer.Option(
+    16, "--max-new-tokens", metavar="N", help="Longest completion."
+)
+_DOCTOR_SEED = typer.Option(0, "--seed", metavar="N", help="Sampling seed.")
+_DOCTOR_VARIABLES = typer.Option(
+    None,
+    "--var",
+    metavar="NAME=VALUE",
+    help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
+)
+
+
 @app.command(cls=Command)
 def doctor(
-    config: list[str] = typer.Argument(
-        ...,
-        metavar="CONFIG...",
-        help="A training config or launch script: verl, TRL (GRPO/RLOO, `trl grpo --config`), "
-        "OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, Unsloth or klpo (several: one "
-        "report each).",
-    ),
-    framework: str | None = typer.Option(
-        None,
-        "--framework",
-        metavar="NAME",
-        help="verl, trl-grpo, trl-rloo, openrlhf, klpo, nemo-rl, slime, skyrl, prime-rl, "
-        "areal or unsloth (default: detected).",
-    ),
-    framework_version: str | None = typer.Option(
-        None,
-        "--framework-version",
-        metavar="VERSION",
-        help="The framework version the config is for (warns if the doctor knows another).",
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON for machines (--format json)."),
-    fmt: str | None = typer.Option(
-        None, "--format", metavar="FORMAT", help="text, json, sarif or github (annotations)."
-    ),
-    fail_on: str = typer.Option(
-        "error",
-        "--fail-on",
-        metavar="LEVEL",
-        help="Exit 1 on a finding at this level or above: error, warning or never.",
-    ),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        metavar="PATH",
-        help="Policy to measure on: a model directory or a .gguf file.",
-    ),
-    reference: str | None = typer.Option(
-        None, "--reference", metavar="PATH", help="Reference: a model directory or a .gguf file."
-    ),
-    data: str | None = typer.Option(
-        None, "--data", metavar="FILE", help="Prompts: JSONL with a 'prompt' field, or text lines."
-    ),
-    layer: str | None = typer.Option(
-        None,
-        "--layer",
-        metavar="PREFIX",
-        help="Measure gradients on the linear layers whose name starts with this, or 'all' "
-        "(default: the last decoder layer's MLP).",
-    ),
-    sketch: int | None = typer.Option(
-        None,
-        "--sketch",
-        metavar="K",
-        help="Sketch each weight's gradient to K×K numbers (default 32; 0: exact).",
-    ),
-    chat: bool | None = typer.Option(
-        None,
-        "--chat/--no-chat",
-        help="Render the prompts with the tokenizer's chat template (default: a klpo config's "
-        "data.chat, else off).",
-    ),
-    prompts: int = typer.Option(8, "--prompts", metavar="N", help="Prompts taken from --data."),
-    samples: int = typer.Option(
-        8, "--samples", metavar="N", help="Completions sampled per prompt."
-    ),
-    max_new_tokens: int = typer.Option(
-        16, "--max-new-tokens", metavar="N", help="Longest completion."
-    ),
-    seed: int = typer.Option(0, "--seed", metavar="N", help="Sampling seed."),
-    variables: list[str] | None = typer.Option(
-        None,
-        "--var",
-        metavar="NAME=VALUE",
-        help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
-    ),
+    config: list[str] = _DOCTOR_CONFIG,
+    framework: str | None = _DOCTOR_FRAMEWORK,
+    framework_version: str | None = _DOCTOR_FRAMEWORK_VERSION,
+    as_json: bool = _DOCTOR_AS_JSON,
+    fmt: str | None = _DOCTOR_FMT,
+    fail_on: str = _DOCTOR_FAIL_ON,
+    model: str | None = _DOCTOR_MODEL,
+    reference: str | None = _DOCTOR_REFERENCE,
+    data: str | None = _DOCTOR_DATA,
+    layer: str | None = _DOCTOR_LAYER,
+    sketch: int | None = _DOCTOR_SKETCH,
+    chat: bool | None = _DOCTOR_CHAT,
+    prompts: int = _DOCTOR_PROMPTS,
+    samples: int = _DOCTOR_SAMPLES,
+    max_new_tokens: int = _DOCTOR_MAX_NEW_TOKENS,
+    seed: int = _DOCTOR_SEED,
+    variables: list[str] | None = _DOCTOR_VARIABLES,
 ) -> None:
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     from klpo.doctor.command import run

@@ -249,3 +249,20 @@ def test_verl_clip_ratio_overridden_by_its_one_sided_defaults_is_named(tmp_path)
     assert not [f for f in d["findings"] if "actor_rollout_ref.actor.clip_ratio" in f["keys"]]
     algo = d["equivalent"]["config"]["algo"]
     assert (algo["clip_low"], algo["clip_high"]) == (0.28, 0.28)
+
+
+def test_verl_mini_batch_larger_than_the_batch_is_refused(tmp_path):
+    """main_ppo's validate_config: ActorConfig.validate raises where data.train_batch_size <
+    ppo_mini_batch_size (verl/workers/config/actor.py), unless use_dynamic_bsz."""
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text("data:\n  train_batch_size: 64\nalgorithm:\n  adv_estimator: grpo\n")
+    [err] = _errors(diagnose(cfg))
+    assert "64 < actor_rollout_ref.actor.ppo_mini_batch_size 256" in err["text"]
+    assert "does not start" in err["text"]
+    cfg.write_text(
+        "data:\n  train_batch_size: 64\nalgorithm:\n  adv_estimator: grpo\n"
+        "actor_rollout_ref:\n  actor:\n    use_dynamic_bsz: true\n"
+    )
+    assert _errors(diagnose(cfg)) == []
+    cfg.write_text("data:\n  train_batch_size: 256\nalgorithm:\n  adv_estimator: grpo\n")
+    assert _errors(diagnose(cfg)) == []

@@ -206,7 +206,7 @@ def read(
             "overrides), not from a YAML/JSON mapping; give the script"
         )
     if fw == "verl":
-        r = verl.read(data, src, version)
+        r = verl.read(data, src, version, near=p)
     elif fw in ("trl-grpo", "unsloth"):
         r = trl.read_grpo(data, src, version, unsloth=fw == "unsloth")
     elif fw == "trl-rloo":
@@ -258,7 +258,7 @@ def _read_script(
         return openrlhf.read_script(text, src, version, variables)
     if fw == "verl":
         data, script = verl.overrides(text, src, variables)
-        return verl.read(data, src, version, script)
+        return verl.read(data, src, version, script, near=path)
     if fw in ("trl-grpo", "trl-rloo"):
         return trl.read_cli(text, src, path, version, variables)
     if fw in ("nemo-rl", "areal"):

@@ -791,14 +791,64 @@ def group_vectors(
     its hidden state; each objective's gradient at the hidden states is their combination with
     :func:`coefficients`, sent down to the measured layers by one backward pass each.
     """
-    from klpo.heads import backbone, checked_head, last_hidden
-    from klpo.train.models.load import cache_kwargs
-    from klpo.train.rollout.samplers import position_ids
-
-    ids, att = rollout.input_ids[rows], rollout.attention_mask[rows]
-    pos = position_ids(att)
-    p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    window = _Window.of(rollout, rows, prefix is not None)
+    h, seen = _hooked_hidden(policy, window, prefix[0] if prefix else None, subset)
+    with torch.no_grad():
+        hr = _hidden(reference, window, prefix[1] if prefix else None)
     tokens, mask = rollout.completion_ids[rows], rollout.mask[rows]
+    arrays, basis, sizes = _token_basis(policy, reference, h, hr, tokens, mask)
+    coef, values = coefficients(
+        arrays["logp"], arrays["logp_ref"], arrays["exact"], arrays["exact_rev"], mask
+    )
+    vectors = _sent_down(h, seen, window, coef, basis, subset, sketch, len(rows))
+    arrays = {k: v.detach() for k, v in arrays.items()}
+    return vectors, {**arrays, **{f"value:{k}": v for k, v in values.items()}}, sizes
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The rows a group's forward passes run on: ids, mask and positions, the prompt width
+    ``p``, the completion width ``c``, and where the passes start (``p - 1`` behind a cache)."""
+
+    ids: Tensor
+    att: Tensor
+    pos: Tensor
+    p: int
+    c: int
+    start: int
+
+    @classmethod
+    def of(cls, rollout: Any, rows: Tensor, cached: bool) -> _Window:
+        from klpo.train.rollout.samplers import position_ids
+
+        ids, att = rollout.input_ids[rows], rollout.attention_mask[rows]
+        p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+        return cls(ids, att, position_ids(att), p, c, p - 1 if cached else 0)
+
+
+def _hidden(model: Any, w: _Window, cache: Any) -> Tensor:
+    """The last hidden states at the completion positions (behind the prompts' cache if any)."""
+    from klpo.heads import backbone, last_hidden
+    from klpo.train.models.load import cache_kwargs
+
+    if cache is None:
+        return last_hidden(model, w.ids, w.att, w.pos)[:, w.p - 1 : w.p - 1 + w.c]
+    base = backbone(model)
+    out = base(
+        input_ids=w.ids[:, w.start :],
+        attention_mask=w.att,
+        position_ids=w.pos[:, w.start :],
+        use_cache=True,
+        **cache_kwargs(base, copy.deepcopy(cache)),
+    )
+    return out.last_hidden_state[:, : w.c]
+
+
+def _hooked_hidden(
+    policy: Any, w: _Window, cache: Any, subset: Subset
+) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+    """The policy's hidden states, with each measured layer's input and output (made to require
+    a gradient) caught by a forward hook."""
     seen: dict[int, tuple[Tensor, Tensor]] = {}
 
     def hook(i: int):
@@ -809,24 +859,9 @@ def group_vectors(
 
         return fn
 
-    start = p - 1 if prefix is not None else 0
-
-    def hidden(model: Any, cache: Any) -> Tensor:
-        if cache is None:
-            return last_hidden(model, ids, att, pos)[:, p - 1 : p - 1 + c]
-        base = backbone(model)
-        out = base(
-            input_ids=ids[:, start:],
-            attention_mask=att,
-            position_ids=pos[:, start:],
-            use_cache=True,
-            **cache_kwargs(base, copy.deepcopy(cache)),
-        )
-        return out.last_hidden_state[:, :c]
-
     handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(subset.modules)]
     try:
-        h = hidden(policy, prefix[0] if prefix else None)
+        h = _hidden(policy, w, cache)
     finally:
         for handle in handles:
             handle.remove()
@@ -834,9 +869,17 @@ def group_vectors(
         raise DoctorError(
             "the measured layers did not all run in the policy's forward; choose others with --layer"
         )
+    return h, seen
+
+
+def _token_basis(
+    policy: Any, reference: Any, h: Tensor, hr: Tensor, tokens: Tensor, mask: Tensor
+) -> tuple[dict[str, Tensor], list[Tensor], dict[str, int]]:
+    """Per-token log-probs and exact KLs, and grad logp, grad K, grad K' at the hidden states."""
+    from klpo.heads import checked_head
+
     head, head_ref = checked_head(policy), checked_head(reference)
     with torch.no_grad():
-        hr = hidden(reference, prefix[1] if prefix else None)
         logits_ref = _logits(head_ref, hr).double()
     leaf = h.detach().requires_grad_(True)
     # float64 from the logits on: a KL gradient that is zero in exact arithmetic (the policy is
@@ -850,38 +893,48 @@ def group_vectors(
     for i, x in enumerate((logp, exact, exact_rev)):
         (g,) = torch.autograd.grad(torch.where(mask, x, 0.0).sum(), leaf, retain_graph=i < 2)
         basis.append(g.double())
-    logp_ref = token_logprobs(logits_ref, tokens)
-    coef, values = coefficients(logp, logp_ref, exact, exact_rev, mask)
-    sizes = {"logits": logits.nbytes}
-    del lq, lr, logits, logits_ref
+    arrays = {
+        "logp": logp,
+        "logp_ref": token_logprobs(logits_ref, tokens),
+        "exact": exact,
+        "exact_rev": exact_rev,
+    }
+    return arrays, basis, {"logits": logits.nbytes}
+
+
+def _sent_down(
+    h: Tensor,
+    seen: dict[int, tuple[Tensor, Tensor]],
+    w: _Window,
+    coef: Tensor,
+    basis: list[Tensor],
+    subset: Subset,
+    sketch: Sketch,
+    n_rows: int,
+) -> Tensor:
+    """Each objective's gradient at the hidden states sent down to the measured layers by one
+    backward pass, sketched: ``[O, R, D]``."""
     # Only the tokens whose measured layers' outputs reach the completions' hidden states are
     # sketched (for the last layer's MLP, the completion positions): found by one backward pass
     # of a random direction, whose zeros are the graph's structural zeros; padding is left out.
     ys = [seen[i][1] for i in range(len(subset.modules))]
     probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(0), dtype=h.dtype)
     reach = torch.autograd.grad(h, ys, grad_outputs=probe, retain_graph=True)
-    used = att[:, start:].bool() & torch.stack([(g != 0).any(-1) for g in reach]).any(0)
+    used = w.att[:, w.start :].bool() & torch.stack([(g != 0).any(-1) for g in reach]).any(0)
     row = used.nonzero()[:, 0]
     xs = [sketch.inputs(i, seen[i][0][used]) for i in range(len(subset.modules))]
-    vectors = torch.zeros(coef.shape[0], len(rows), sketch.dim, dtype=torch.float64)
+    vectors = torch.zeros(coef.shape[0], n_rows, sketch.dim, dtype=torch.float64)
     for o in range(coef.shape[0]):
         if not bool(coef[o].any()):
             continue
         u = sum(coef[o, j][..., None] * basis[j] for j in range(3))
         grads = torch.autograd.grad(h, ys, grad_outputs=u.to(h.dtype), retain_graph=True)
         parts = [
-            sketch.rows(i, xs[i], g[used], row, len(rows), subset.modules[i].bias is not None)
+            sketch.rows(i, xs[i], g[used], row, n_rows, subset.modules[i].bias is not None)
             for i, g in enumerate(grads)
         ]
         vectors[o] = torch.cat(parts, 1)
-    arrays = {
-        "logp": logp.detach(),
-        "logp_ref": logp_ref.detach(),
-        "exact": exact.detach(),
-        "exact_rev": exact_rev.detach(),
-        **{f"value:{k}": v for k, v in values.items()},
-    }
-    return vectors, arrays, sizes
+    return vectors
 
 
 def prompt_free(policy: Any, rollout: Any, subset: Subset) -> bool:
@@ -1050,10 +1103,62 @@ def measure(
     """
     import resource
 
-    from klpo.train.models.load import load_causal_lm, load_tokenizer
-    from klpo.train.rollout.samplers import generate
-    from klpo.train.runtime.progress import Progress
+    _check_options(prompts, samples, max_new_tokens, sketch)
+    texts = read_prompts(data, prompts)
+    free = available_bytes()
+    policy, ref, tok = _load_pair(model, reference, free)
+    rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)
+    codec = _prompt_codec(tok, policy, rendered, data, chat=chat)
+    subset = choose_subset(policy, layer)
+    sk = Sketch(subset.modules, sketch, seed)
+    run = _Run(policy, ref, tok, rendered, codec, subset, sk, samples, max_new_tokens)
+    est = _memory_plan(run, free, sketch, chat, say)
+    rollout, vectors, cat, sizes = _sample_and_sketch(run, seed, show_progress)
+    mask = rollout.mask
+    values = {n: cat[f"value:{n}"] for n in ESTIMATORS}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "model": model,
+        "reference": reference,
+        "data": data,
+        "seed": seed,
+        "chat": chat,
+        "sequences": int(mask.shape[0]),
+        "groups": samples,
+        "tokens": int(mask.sum()),
+        "exact": _exact_means(cat, mask),
+        "values": _value_stats(values, cat["exact"], cat["exact_rev"], mask),
+        "gradients": {
+            "subset": subset.description,
+            "modules": subset.names,
+            "parameters": subset.numel,
+            "sketch": sketch,
+            "dim": sk.dim,
+            "rows": gradient_rows(vectors, run.rows),
+        },
+        "memory": {
+            "estimate": est,
+            "measured": {
+                "weights": run.weights,
+                "store": vectors.nbytes + sizes.get("group_vectors", 0),
+                "logits": sizes.get("logits", 0),
+                "peak_rss": peak,
+            },
+        },
+        "highlight": [list(h) for h in (highlight or [])],
+    }
 
+
+def _exact_means(cat: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
+    """The exact KLs of the sample: per token both ways, and per sequence."""
+    return {
+        "token_mean_kl_theta_ref": float(cat["exact"][mask].mean()),
+        "token_mean_kl_ref_theta": float(cat["exact_rev"][mask].mean()),
+        "sequence_mean_kl_theta_ref": float(torch.where(mask, cat["exact"], 0.0).sum(-1).mean()),
+    }
+
+
+def _check_options(prompts: int, samples: int, max_new_tokens: int, sketch: int) -> None:
     for flag, value, least in (
         ("--prompts", prompts, 1),
         ("--samples", samples, 3),
@@ -1063,8 +1168,13 @@ def measure(
         if value < least:
             why = " (the intervals need three groups of completions)" if flag == "--samples" else ""
             raise DoctorError(f"{flag} must be at least {least}, got {value}{why}")
-    texts = read_prompts(data, prompts)
-    free = available_bytes()
+
+
+def _load_pair(model: str, reference: str, free: int | None) -> tuple[Any, Any, Any]:
+    """The policy and the reference (frozen, in eval mode) and the policy's tokenizer, checked
+    to share a vocabulary and to fit in memory."""
+    from klpo.train.models.load import load_causal_lm, load_tokenizer
+
     on_disk = [weights_bytes(model), weights_bytes(reference)]
     if free is not None and all(b is not None for b in on_disk) and sum(on_disk) > free:
         raise DoctorError(
@@ -1083,40 +1193,71 @@ def measure(
             "policy was trained from"
         )
     _check_same_tokenizer(tok, model, reference)
-    rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)
-    codec = _prompt_codec(tok, policy, rendered, data, chat=chat)
-    policy.eval()
-    ref.eval()
-    policy.requires_grad_(False)
-    ref.requires_grad_(False)
-    subset = choose_subset(policy, layer)
-    sk = Sketch(subset.modules, sketch, seed)
-    n_prompts = len(rendered)
-    rows = n_prompts * samples
-    prompt_tokens = int(codec.encode(rendered)["input_ids"].shape[1])
-    names = [n for n, _ in policy.named_modules()]
-    first = min(names.index(n) for n in subset.names)
-    layers = [int(x.group(2)) for n in names if (x := _LAYER.match(n))]
-    at = _LAYER.match(names[first])
-    depth = (max(layers) - int(at.group(2)) + 1) if (layers and at) else len(layers) or 1
-    weights = sum(p.numel() * p.element_size() for m in (policy, ref) for p in m.parameters())
+    for m in (policy, ref):
+        m.eval()
+        m.requires_grad_(False)
+    return policy, ref, tok
+
+
+@dataclass
+class _Run:
+    """What one measurement samples and sketches."""
+
+    policy: Any
+    ref: Any
+    tok: Any
+    rendered: list[str]
+    codec: Any
+    subset: Subset
+    sketch: Sketch
+    samples: int
+    max_new_tokens: int
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.rendered)
+
+    @property
+    def rows(self) -> int:
+        return self.n_prompts * self.samples
+
+    @property
+    def weights(self) -> int:
+        return sum(
+            p.numel() * p.element_size() for m in (self.policy, self.ref) for p in m.parameters()
+        )
+
+    @property
+    def depth(self) -> int:
+        """Decoder layers from the first measured one to the output (the backward's depth)."""
+        names = [n for n, _ in self.policy.named_modules()]
+        first = min(names.index(n) for n in self.subset.names)
+        layers = [int(x.group(2)) for n in names if (x := _LAYER.match(n))]
+        at = _LAYER.match(names[first])
+        return (max(layers) - int(at.group(2)) + 1) if (layers and at) else len(layers) or 1
+
+
+def _memory_plan(run: _Run, free: int | None, sketch: int, chat: bool, say: Any) -> dict[str, Any]:
+    """The memory estimate, said with what is measured; refused beyond what is available."""
+    sk = run.sketch
+    prompt_tokens = int(run.codec.encode(run.rendered)["input_ids"].shape[1])
     est = memory_estimate(
-        policy.config,
-        weights=weights,
-        rows=rows,
-        group_rows=n_prompts,
+        run.policy.config,
+        weights=run.weights,
+        rows=run.rows,
+        group_rows=run.n_prompts,
         prompt_tokens=prompt_tokens,
-        new_tokens=max_new_tokens,
-        subset=subset,
-        depth=depth,
+        new_tokens=run.max_new_tokens,
+        subset=run.subset,
+        depth=run.depth,
         dim=sk.dim,
-        groups=samples,
+        groups=run.samples,
     )
     sketched = f"sketched to {sk.dim:,} numbers (--sketch {sketch})" if sketch else "exact"
     say(
-        f"measuring gradients on {subset.description}: {subset.numel:,} parameters, {sketched}; "
-        f"{rows} completions ({n_prompts} prompts × {samples}) of up to {max_new_tokens} tokens"
-        + (", chat template" if chat else "")
+        f"measuring gradients on {run.subset.description}: {run.subset.numel:,} parameters, "
+        f"{sketched}; {run.rows} completions ({run.n_prompts} prompts × {run.samples}) of up to "
+        f"{run.max_new_tokens} tokens" + (", chat template" if chat else "")
     )
     resident = resident_bytes()
     more = max(est["sampling"], est["pass"]) + est["store"]
@@ -1135,21 +1276,32 @@ def measure(
             "it with fewer --prompts, --samples or --max-new-tokens, a smaller --sketch, or "
             "fewer parameters (--layer)"
         )
-    steps = samples + 1
-    vectors = torch.zeros(len(objective_names()), samples, sk.dim, dtype=torch.float64)
+    return est
+
+
+def _sample_and_sketch(
+    run: _Run, seed: int, show_progress: bool
+) -> tuple[Any, Tensor, dict[str, Tensor], dict[str, int]]:
+    """Sample the completions, then sketch every objective's gradient group by group:
+    ``(rollout, vectors [O, groups, D], per-token arrays in the rollout's row order, sizes)``."""
+    from klpo.train.rollout.samplers import generate
+    from klpo.train.runtime.progress import Progress
+
+    samples, n_prompts = run.samples, run.n_prompts
+    vectors = torch.zeros(len(objective_names()), samples, run.sketch.dim, dtype=torch.float64)
     arrays: dict[str, list[Tensor]] = {}
     sizes: dict[str, int] = {}
-    with Progress("doctor --model", steps, show=show_progress) as bar:
+    with Progress("doctor --model", samples + 1, show=show_progress) as bar:
         bar.update(0, part="sampling")
         torch.manual_seed(seed)
         rollout = generate(
-            policy,
-            tok,
-            rendered,
+            run.policy,
+            run.tok,
+            run.rendered,
             [""] * n_prompts,
             group_size=samples,
-            max_new_tokens=max_new_tokens,
-            codec=codec,
+            max_new_tokens=run.max_new_tokens,
+            codec=run.codec,
         )
         if int(rollout.mask.sum()) == 0:
             raise DoctorError("the sampled completions hold no tokens; raise --max-new-tokens")
@@ -1157,32 +1309,42 @@ def measure(
         # Each group holds every prompt once, in order: the prompts' caches serve every group,
         # where the measured layers see no prompt position (the default's do not).
         first_rows = torch.arange(n_prompts) * samples
-        prefix = None
-        if prompt_free(policy, rollout, subset):
-            caches = (
-                prompt_caches(policy, rollout, first_rows),
-                prompt_caches(ref, rollout, first_rows),
-            )
-            prefix = caches if all(x is not None for x in caches) else None
+        prefix = _prefix(run, rollout, first_rows)
         order = []
         for k in range(samples):  # group k: the k-th completion of every prompt (iid groups)
             idx = first_rows + k
-            vec, arr, sizes = group_vectors(policy, ref, rollout, idx, subset, sk, prefix)
+            vec, arr, sizes = group_vectors(
+                run.policy, run.ref, rollout, idx, run.subset, run.sketch, prefix
+            )
             sizes["group_vectors"] = vec.nbytes
             vectors[:, k] = vec.sum(1)
             for key, v in arr.items():
                 arrays.setdefault(key, []).append(v)
             order.append(idx)
             bar.advance()
-    vectors = rounding_floor(vectors)
     perm = torch.argsort(torch.cat(order))
     cat = {k: torch.cat(v)[perm] for k, v in arrays.items()}
-    mask = rollout.mask
-    values = {n: cat[f"value:{n}"] for n in ESTIMATORS}
+    return rollout, rounding_floor(vectors), cat, sizes
+
+
+def _prefix(run: _Run, rollout: Any, first_rows: Tensor) -> tuple[Any, Any] | None:
+    """Both models' prompt caches, where the measured layers see no prompt position."""
+    if not prompt_free(run.policy, rollout, run.subset):
+        return None
+    caches = (
+        prompt_caches(run.policy, rollout, first_rows),
+        prompt_caches(run.ref, rollout, first_rows),
+    )
+    return caches if all(x is not None for x in caches) else None
+
+
+def gradient_rows(vectors: Tensor, rows: int) -> list[dict[str, Any]]:
+    """One row per estimator × placement: its intervals against every target gradient, and the
+    verdict on the gradient :func:`claim` says it follows."""
     names_o = objective_names()
     pairs = [(o, t) for o in range(len(TARGETS), len(names_o)) for t in range(len(TARGETS))]
     stats = interval_stats(vectors, pairs)
-    table = []
+    table: list[dict[str, Any]] = []
     for (o, t), s in zip(pairs, stats, strict=True):
         if t == 0:
             est_name, place = names_o[o]
@@ -1200,43 +1362,7 @@ def measure(
                 "projection": exact,
                 **verdict(s["beta"], s["half_width"]["beta"], exact, rows),
             }
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "model": model,
-        "reference": reference,
-        "data": data,
-        "seed": seed,
-        "chat": chat,
-        "sequences": int(mask.shape[0]),
-        "groups": samples,
-        "tokens": int(mask.sum()),
-        "exact": {
-            "token_mean_kl_theta_ref": float(cat["exact"][mask].mean()),
-            "token_mean_kl_ref_theta": float(cat["exact_rev"][mask].mean()),
-            "sequence_mean_kl_theta_ref": float(
-                torch.where(mask, cat["exact"], 0.0).sum(-1).mean()
-            ),
-        },
-        "values": _value_stats(values, cat["exact"], cat["exact_rev"], mask),
-        "gradients": {
-            "subset": subset.description,
-            "modules": subset.names,
-            "parameters": subset.numel,
-            "sketch": sketch,
-            "dim": sk.dim,
-            "rows": table,
-        },
-        "memory": {
-            "estimate": est,
-            "measured": {
-                "weights": weights,
-                "store": vectors.nbytes + sizes.get("group_vectors", 0),
-                "logits": sizes.get("logits", 0),
-                "peak_rss": peak,
-            },
-        },
-        "highlight": [list(h) for h in (highlight or [])],
-    }
+    return table
 
 
 # --------------------------------------------------------------------------------------------

@@ -106,6 +106,8 @@ class Reading:
             as far as klpo can; ``equivalent_differences`` says where it cannot, and
             ``equivalent_unmapped`` lists the file's settings klpo has no key for.
         intended: the klpo config that does what the settings most likely meant, and ``why``.
+        defaults_from: how the framework's keys and defaults were read (composed by Hydra from
+            verl's files, TRL's dataclass through ``HfArgumentParser``, a table), or empty.
     """
 
     framework: str
@@ -125,6 +127,7 @@ class Reading:
     equivalent_unmapped: list[str] = field(default_factory=list)
     intended: dict[str, Any] = field(default_factory=dict)
     intended_why: list[str] = field(default_factory=list)
+    defaults_from: str = ""  # how the framework's keys and defaults were read
 
     @property
     def off_policy(self) -> bool:

@@ -154,6 +154,7 @@ def diagnosis(reading: Reading) -> dict[str, Any]:
         "source": reading.source,
         "framework": reading.framework,
         "defaults_version": reading.defaults_version,
+        "defaults_from": reading.defaults_from,
         "version": reading.version,
         "algorithm": reading.algorithm,
         "group_size": reading.group_size,
@@ -270,6 +271,8 @@ def render(diag: dict[str, Any]) -> str:
             else " (version not named: assumed; --framework-version names yours)"
         )
     )
+    if diag.get("defaults_from"):
+        lines.append(f"settings and defaults: {diag['defaults_from']}")
     ups = diag["updates_per_batch"]
     lines.append(
         f"algorithm: {diag['algorithm']}, {diag['group_size']} completion(s) per prompt, "

@@ -77,6 +77,7 @@ class Script:
     unresolved: list[Unresolved] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hydra: dict[str, str] = field(default_factory=dict)  # --config-name / --config-path given
+    overrides: dict[str, str] = field(default_factory=dict)  # verl's key -> its override as written
 
     def find(self, *markers: str) -> Command | None:
         """The last command with a word containing one of ``markers`` (a module or script)."""

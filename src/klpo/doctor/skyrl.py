@@ -94,6 +94,18 @@ def read_script_text(
     tb, mb = s.int("trainer.train_batch_size") or 1, s.int("trainer.policy_mini_batch_size") or 1
     steps = max(1, -(-tb // mb))
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * steps
+    _terms(r, kind, coef, use_loss, use_reward)
+    if use_loss and coef > 0:
+        _no_gradient_window(r, version)
+    _findings(r, s)
+    _equivalent(r, s, adv, epochs, steps, n, use_loss)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
+
+
+def _terms(r: Reading, kind: str, coef: float, use_loss: bool, use_reward: bool) -> None:
+    """The KL in the loss or in the reward (one coefficient, kl_loss_coef, for both)."""
     if use_loss and use_reward:
         r.warn(
             "error",
@@ -124,24 +136,31 @@ def read_script_text(
                 logged_as="policy_kl" if placement == "loss" else "reward_kl",
             )
         )
-    if use_loss and coef > 0:
-        if version is not None and no_gradient_version(version):
-            r.warn(
-                "error",
-                [f"{A}.use_kl_loss", "--framework-version"],
-                f"SkyRL {version}: compute_approx_kl runs under @torch.no_grad (PR #137, "
-                "2025-08-14, to PR #1353, 2026-03-20): the KL loss contributes no gradient at "
-                "all. Fix: skyrl >= 0.2.0, or use_kl_in_reward=true with kl_estimator_type=k1",
-            )
-        elif version is None:
-            r.warn(
-                "warning",
-                [f"{A}.use_kl_loss"],
-                "version not named: in skyrl-train 0.1.0 to 0.4.0 and skyrl 0.1.0 (PR #137, "
-                "2025-08-14, to PR #1353, 2026-03-20) this KL loss runs under @torch.no_grad "
-                "and has no gradient at all; the reading below is skyrl 0.3.0's. Fix on an old "
-                "version: upgrade to skyrl >= 0.2.0",
-            )
+
+
+def _no_gradient_window(r: Reading, version: str | None) -> None:
+    """SkyRL's KL loss without a gradient (PR #137 to PR #1353): named, or warned of."""
+    if version is not None and no_gradient_version(version):
+        r.warn(
+            "error",
+            [f"{A}.use_kl_loss", "--framework-version"],
+            f"SkyRL {version}: compute_approx_kl runs under @torch.no_grad (PR #137, "
+            "2025-08-14, to PR #1353, 2026-03-20): the KL loss contributes no gradient at "
+            "all. Fix: skyrl >= 0.2.0, or use_kl_in_reward=true with kl_estimator_type=k1",
+        )
+    elif version is None:
+        r.warn(
+            "warning",
+            [f"{A}.use_kl_loss"],
+            "version not named: in skyrl-train 0.1.0 to 0.4.0 and skyrl 0.1.0 (PR #137, "
+            "2025-08-14, to PR #1353, 2026-03-20) this KL loss runs under @torch.no_grad "
+            "and has no gradient at all; the reading below is skyrl 0.3.0's. Fix on an old "
+            "version: upgrade to skyrl >= 0.2.0",
+        )
+
+
+def _findings(r: Reading, s: Settings) -> None:
+    """Another policy loss, and a KL loss on tokens of an older policy."""
     if s.str(f"{A}.policy_loss_type") not in (None, "regular"):
         r.warn(
             "note",
@@ -156,6 +175,11 @@ def read_script_text(
             f"{r.updates_per_batch} optimiser steps per batch: from the second on the KL loss "
             "sees tokens of an older policy, and SkyRL does not weight it for that",
         )
+
+
+def _equivalent(
+    r: Reading, s: Settings, adv: str, epochs: int, steps: int, n: int, use_loss: bool
+) -> None:
     name = ADVANTAGES.get(adv, "grpo")
     algo = {"name": name, "epochs": epochs, "minibatches": steps,
             "loss_reduction": "token-mean"}  # fmt: skip
@@ -169,6 +193,3 @@ def read_script_text(
     carried, _ = carry(s, CARRIED)
     build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
     build_intended(r)
-    r.findings[:0] = s.findings
-    r.settings = s.read
-    return r

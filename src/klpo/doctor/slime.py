@@ -124,54 +124,61 @@ def read_script_text(
     use_loss, unbiased = s.bool("use-kl-loss"), s.bool("use-unbiased-kl")
     loss_coef, reward_coef = s.float("kl-loss-coef") or 0.0, s.float("kl-coef") or 0.0
     n = s.int("n-samples-per-prompt") or 1
+    steps = _steps(s, n)
+    r.algorithm, r.group_size, r.updates_per_batch = adv, n, steps
+    r.asynchronous = ep.name.rsplit("/", 1)[-1] == "train_async.py"
+    if use_loss and loss_coef > 0:
+        _loss_term(r, s, kind, unbiased, loss_coef)
+    else:
+        _no_loss_term(r, s, use_loss, unbiased)
+    _reward_term(r, kind, adv, reward_coef)
+    _reference_and_staleness(r, s, steps)
+    _equivalent(r, s, adv, steps, n)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
+
+
+def _steps(s: Settings, n: int) -> int:
+    """Optimiser steps per rollout: --num-steps-per-rollout, else rollout × samples / global
+    batch (slime's arguments.py)."""
     rb, gbs, nsteps = (
         s.int("rollout-batch-size"),
         s.int("global-batch-size"),
         s.int("num-steps-per-rollout"),
     )
-    steps = nsteps or (max(1, (rb * n) // gbs) if rb and gbs else 1)
-    r.algorithm, r.group_size, r.updates_per_batch = adv, n, steps
-    r.asynchronous = ep.name.rsplit("/", 1)[-1] == "train_async.py"
-    if use_loss and loss_coef > 0:
-        if unbiased:
-            est = {"k3": "k3_is", "low_var_kl": "k3_is"}.get(kind)
-            name = f"{kind} × exp(lp − lp_old)"
-        else:
-            est, name = ESTIMATORS[kind] if kind != "low_var_kl" else "k3", kind
-        r.terms.append(
-            Term(
-                option="--use-kl-loss, --kl-loss-type "
-                + kind
-                + (", --use-unbiased-kl" if unbiased else ""),
-                framework_name=name,
-                estimator=est,
-                placement="loss",
-                beta=loss_coef,
-                beta_option="--kl-loss-coef",
-                reduction="seq-mean-token-mean",
-                value_clamp=(-10.0, 10.0) if kind == "low_var_kl" else None,
-                corrected=unbiased and est == "k3_is",
-                logged_as="kl_loss",
-            )
+    return nsteps or (max(1, (rb * n) // gbs) if rb and gbs else 1)
+
+
+def _loss_term(r: Reading, s: Settings, kind: str, unbiased: bool, coef: float) -> None:
+    """The KL loss (--use-kl-loss): the estimator, --use-unbiased-kl's ratio, its findings."""
+    if unbiased:
+        est = {"k3": "k3_is", "low_var_kl": "k3_is"}.get(kind)
+        name = f"{kind} × exp(lp − lp_old)"
+    else:
+        est, name = ESTIMATORS[kind] if kind != "low_var_kl" else "k3", kind
+    r.terms.append(
+        Term(
+            option="--use-kl-loss, --kl-loss-type "
+            + kind
+            + (", --use-unbiased-kl" if unbiased else ""),
+            framework_name=name,
+            estimator=est,
+            placement="loss",
+            beta=coef,
+            beta_option="--kl-loss-coef",
+            reduction="seq-mean-token-mean",
+            value_clamp=(-10.0, 10.0) if kind == "low_var_kl" else None,
+            corrected=unbiased and est == "k3_is",
+            logged_as="kl_loss",
         )
-        if kind == "k1" and not unbiased:
-            r.warn(
-                "error",
-                ["--kl-loss-type", "--use-kl-loss"],
-                ("--kl-loss-type is not given: slime's default is k1 (arguments.py:937)"
-                 if not s.given("kl-loss-type") else "--kl-loss-type k1")
-                + " in the loss: its expected gradient is zero, the KL loss regularises "
-                "nothing. Fix: --kl-loss-type k2 (or low_var_kl), or k3 with --use-unbiased-kl",
-            )  # fmt: skip
-        if unbiased and kind in ("k1", "k2"):
-            r.warn(
-                "warning" if kind == "k2" else "note",
-                ["--use-unbiased-kl", "--kl-loss-type"],
-                f"{kind} × the differentiable ratio: on-policy its gradient is "
-                + ("E[(d + d²/2)∇log pi_theta], biased; use k3 with --use-unbiased-kl"
-                   if kind == "k2" else "E[(d + 1)∇log pi_theta] = grad KL(pi_theta ‖ pi_ref)"),
-            )  # fmt: skip
-    elif use_loss:
+    )
+    _loss_findings(r, s, kind, unbiased)
+
+
+def _no_loss_term(r: Reading, s: Settings, use_loss: bool, unbiased: bool) -> None:
+    """--use-kl-loss at coefficient 0, or the KL loss's settings without --use-kl-loss."""
+    if use_loss:
         r.warn(
             "warning",
             ["--use-kl-loss", "--kl-loss-coef"],
@@ -185,6 +192,31 @@ def read_script_text(
             "set but ignored: --kl-loss-type / --kl-loss-coef / --use-unbiased-kl take effect "
             "only with --use-kl-loss",
         )
+
+
+def _loss_findings(r: Reading, s: Settings, kind: str, unbiased: bool) -> None:
+    """k1 in the loss (slime's default): zero expected gradient; k1/k2 times the ratio."""
+    if kind == "k1" and not unbiased:
+        r.warn(
+            "error",
+            ["--kl-loss-type", "--use-kl-loss"],
+            ("--kl-loss-type is not given: slime's default is k1 (arguments.py:937)"
+             if not s.given("kl-loss-type") else "--kl-loss-type k1")
+            + " in the loss: its expected gradient is zero, the KL loss regularises "
+            "nothing. Fix: --kl-loss-type k2 (or low_var_kl), or k3 with --use-unbiased-kl",
+        )  # fmt: skip
+    if unbiased and kind in ("k1", "k2"):
+        r.warn(
+            "warning" if kind == "k2" else "note",
+            ["--use-unbiased-kl", "--kl-loss-type"],
+            f"{kind} × the differentiable ratio: on-policy its gradient is "
+            + ("E[(d + d²/2)∇log pi_theta], biased; use k3 with --use-unbiased-kl"
+               if kind == "k2" else "E[(d + 1)∇log pi_theta] = grad KL(pi_theta ‖ pi_ref)"),
+        )  # fmt: skip
+
+
+def _reward_term(r: Reading, kind: str, adv: str, reward_coef: float) -> None:
+    """The reward-side KL (--kl-coef), which the GRPO-family estimators drop."""
     if reward_coef > 0 and adv in ("grpo", "gspo", "cispo"):
         r.warn(
             "warning",
@@ -206,6 +238,10 @@ def read_script_text(
                 logged_as="kl",
             )
         )
+
+
+def _reference_and_staleness(r: Reading, s: Settings, steps: int) -> None:
+    """A reference reset to the actor, and a KL loss on tokens of an older policy."""
     if s.get("ref-update-interval"):
         r.warn(
             "note",
@@ -221,6 +257,9 @@ def read_script_text(
             ": the KL loss sees tokens of an older policy and slime does not weight it for that "
             "(--use-unbiased-kl with k3 does)",
         )
+
+
+def _equivalent(r: Reading, s: Settings, adv: str, steps: int, n: int) -> None:
     algo = {
         "name": ADVANTAGES[adv],
         "epochs": 1,
@@ -232,6 +271,3 @@ def read_script_text(
     carried, _missing = carry(s, CARRIED)
     build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
     build_intended(r)
-    r.findings[:0] = s.findings
-    r.settings = s.read
-    return r

@@ -156,31 +156,25 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def verl_table() -> dict[str, Any]:
-    """Every key of the installed verl's ``ppo_trainer`` config, composed by Hydra, flattened."""
-    import verl
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+def verl_table(config_dir: str | Path | None = None) -> dict[str, Any]:
+    """Every key of verl's ``ppo_trainer`` config, composed by Hydra
+    (:func:`klpo.doctor.verl_hydra.compose`), flattened: the installed verl's, or the config
+    folder ``config_dir`` (``verl/trainer/config`` of a checkout or an unpacked wheel)."""
+    from klpo.doctor import verl_hydra
 
-    config_dir = Path(verl.__file__).parent / "trainer" / "config"
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        cfg = compose(config_name="ppo_trainer")
-    raw = OmegaConf.to_container(cfg, resolve=False)
-    flat = _flatten(raw)
-    resolved: dict[str, Any] = {}
-    for key, value in flat.items():
-        try:
-            value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
-            if OmegaConf.is_config(value):
-                value = OmegaConf.to_container(value, resolve=True)
-        except Exception:  # an interpolation Hydra cannot resolve outside a run: keep its text
-            pass
-        resolved[key] = _jsonable(value)
+    if config_dir is None:
+        files = verl_hydra.find_verl(None)
+        if files is None:
+            raise RuntimeError("verl is not installed; give its config folder")
+    else:
+        folder = Path(config_dir).resolve()
+        files = verl_hydra.VerlFiles(folder, verl_hydra._version_of(folder), str(folder))
+    composed = verl_hydra.ppo_base(files)
     return {
         "framework": "verl",
-        "version": verl.__version__,
+        "version": files.version,
         "source": "verl/trainer/config/ppo_trainer.yaml composed by Hydra (klpo.doctor.tables)",
-        "defaults": dict(sorted(resolved.items())),
+        "defaults": dict(sorted((k, _jsonable(v)) for k, v in composed.items())),
     }
 
 

@@ -6,18 +6,42 @@ under ``use_bias_correction_kl``, added to the per-token loss after every policy
 ``rloo_trainer.py`` (k1 summed over the completion and subtracted from the reward before the
 leave-one-out baseline). The GRPO facts are tested against TRL 1.16 itself by
 ``tests/integrations/test_trl.py``.
+
+Where TRL imports (never in klpo's own install), the fields and defaults are the installed TRL's
+own dataclass's, and the file's fields are built into it by ``transformers.HfArgumentParser`` as
+``trl grpo --config`` builds them, so ``__post_init__``'s refusals are TRL's words
+(:func:`installed_table`, ``_parse``); otherwise the table of TRL 1.16.0's fields is read.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from typing import Any
 
 from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten, nearest
+from klpo.doctor.reading import (
+    Reading,
+    Settings,
+    Term,
+    check_known,
+    flatten,
+    nearest,
+    version_matches,
+)
 
-__all__ = ["CARRIED", "LOSS_TYPES", "VERSION", "read_cli", "read_grpo", "read_rloo", "updates"]
+__all__ = [
+    "CARRIED",
+    "LOSS_TYPES",
+    "VERSION",
+    "installed_table",
+    "read_cli",
+    "read_grpo",
+    "read_rloo",
+    "updates",
+]
 
 VERSION = "1.16.0"
 
@@ -155,9 +179,19 @@ def _setup(
     version: str | None,
     extra: dict[str, Any] | None = None,
 ) -> tuple[Reading, Settings]:
-    table, note = tables.pick(f"trl-{kind}", version, VERSION)
+    installed = installed_table(kind)
+    if installed is not None and (version is None or version_matches(version, installed.version)):
+        table, note = installed, None
+    else:
+        table, note = tables.pick(f"trl-{kind}", version, VERSION)
     r = Reading(
         framework=f"trl-{kind}", defaults_version=table.version, version=version, source=source
+    )
+    r.defaults_from = (
+        table.source
+        if table is installed
+        else f"the doctor's table of TRL {table.version}'s {kind.upper()}Config fields "
+        "(klpo/assets/doctor)"
     )
     if note:
         r.warn("warning", ["--framework-version"], note)
@@ -168,7 +202,59 @@ def _setup(
         **(table.cli or {}),
         **table.defaults,
     }
-    return r, Settings(_check_keys(r, data, table, extra or {}), defaults, source)
+    checked = _check_keys(r, data, table, extra or {})
+    if table is installed:
+        _parse(r, kind, checked)
+    return r, Settings(checked, defaults, source)
+
+
+@functools.lru_cache(maxsize=2)
+def installed_table(kind: str) -> tables.Table | None:
+    """The installed TRL's ``GRPOConfig`` / ``RLOOConfig`` fields with their defaults (TRL is
+    never in klpo's own install), or None where TRL does not import."""
+    if importlib.util.find_spec("trl") is None:
+        return None
+    try:
+        data = tables.trl_table(kind)
+    except Exception:  # a TRL that does not import here: the table is read
+        return None
+    return tables.Table(
+        framework=data["framework"],
+        version=data["version"],
+        source=f"the installed TRL {data['version']}'s {kind.upper()}Config dataclass, the "
+        "file's fields built by transformers' HfArgumentParser",
+        defaults=data["defaults"],
+        cli=data["cli"],
+    )
+
+
+def _parse(r: Reading, kind: str, checked: dict[str, Any]) -> None:
+    """The file's fields built into TRL's own config by ``HfArgumentParser.parse_dict``, as
+    ``trl grpo --config`` builds them: TRL's ``__post_init__`` checks run, and a refusal is an
+    error in TRL's words. The config is built on this machine (``use_cpu``, one process), so
+    the checks that depend on the process count (the generation batch divisible by the group)
+    are left to the doctor's own finding, which knows the launcher's count."""
+    import dataclasses
+
+    import trl
+    from transformers import HfArgumentParser
+
+    cls = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[kind]
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    fields = {k: v for k, v in checked.items() if k in names}
+    try:
+        HfArgumentParser(cls).parse_dict({**fields, "use_cpu": True}, allow_extra_keys=True)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        if "divisible" in message:
+            return
+        keys = [k for k in fields if k in message] or ["config"]
+        r.warn(
+            "error",
+            keys,
+            f"TRL {trl.__version__}'s {cls.__name__} refuses these fields and does not start "
+            f"(HfArgumentParser, {cls.__name__}.__post_init__): {message}",
+        )
 
 
 def _common(r: Reading, s: Settings, iters: int, reuse: int, assumption: str | None) -> None:
@@ -258,30 +344,9 @@ def read_grpo(
     patched trainer runs them)."""
     r, s = _setup("grpo", data, source, version, UNSLOTH_FIELDS if unsloth else None)
     if unsloth:
-        r.framework = "unsloth"
-        r.defaults_version = f"{UNSLOTH_VERSION} (TRL {r.defaults_version})"
-        s.defaults.update(UNSLOTH_DEFAULTS)
-        r.warn(
-            "note",
-            ["unsloth"],
-            f"the script imports Unsloth ({UNSLOTH_VERSION} read), which patches TRL "
-            f"{VERSION}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
-            "KL is plain k3 in the loss",
-        )
+        _unsloth_defaults(r, s)
     beta = s.float("beta") or 0.0
-    bias = s.bool("use_bias_correction_kl")
-    if unsloth and bias and beta > 0:
-        r.warn(
-            "warning",
-            ["use_bias_correction_kl"],
-            "Unsloth's patched loss never reads use_bias_correction_kl (TRL 1.16's default "
-            "True): under TRL this config's k3 is weighted by the token ratio and follows grad "
-            "KL(pi_theta ‖ pi_ref); under Unsloth it is plain k3, whose gradient is grad "
-            "KL(pi_ref ‖ pi_theta). Fix: run it under TRL, or set beta 0 (klpo: k3+ or k3_is)",
-        )
-        bias = False
-    elif unsloth:
-        bias = False
+    bias = _bias_correction(r, s, beta, unsloth)
     level = check_known(
         s.str("importance_sampling_level") or "",
         ("token", "sequence"),
@@ -295,42 +360,8 @@ def read_grpo(
     iters, reuse, assumption = updates(s)
     r.algorithm, r.group_size = "grpo", g
     _common(r, s, iters, reuse, assumption)
-
     if beta > 0:
-        if bias and level == "sequence":
-            name, est = "k3 × sequence-level ratio", None
-        elif bias:
-            name, est = "k3 × token ratio (use_bias_correction_kl)", "k3_is"
-        else:
-            name, est = "k3", "k3"
-        r.terms.append(
-            Term(
-                option=f"beta={beta:g}, use_bias_correction_kl={str(bias).lower()}",
-                framework_name=name,
-                estimator=est,
-                placement="loss",
-                beta=beta,
-                beta_option="beta",
-                reduction=LOSS_TYPES[loss_type],
-                corrected=bool(bias and level == "token"),
-                logged_as="kl",
-            )
-        )
-        if est is None:
-            r.warn(
-                "warning",
-                ["use_bias_correction_kl", "importance_sampling_level"],
-                "with importance_sampling_level='sequence' TRL multiplies the per-token k3 by the "
-                "sequence-level ratio, which adds a spurious gradient term (TRL issue #6586); klpo "
-                "has no such estimator (k3_is uses the per-token ratio)",
-            )
-        if not bias:
-            r.warn(
-                "note",
-                ["use_bias_correction_kl"],
-                "TRL computes k3 without a clamp: for log pi_theta - log pi_ref < -88 on a token "
-                "(float32) the value overflows to inf",
-            )
+        _grpo_term(r, beta, bias, level, loss_type)
     else:
         ignored = [k for k in ("use_bias_correction_kl",) if s.differs(k)]
         r.warn(
@@ -340,6 +371,85 @@ def read_grpo(
             "logged" + (f"; {', '.join(ignored)} is ignored" if ignored else ""),
         )
     _grpo_findings(r, beta, bias, level, loss_type)
+    _dr_grpo_length(r, s, beta, loss_type)
+    algo = _grpo_algo(r, iters, reuse, loss_type, scale)
+    rollout: dict[str, Any] = {"group_size": g}
+    if unsloth:
+        _unsloth_batch(r, s, g)
+    _finish(r, s, algo, rollout)
+    return r
+
+
+def _unsloth_defaults(r: Reading, s: Settings) -> None:
+    """Unsloth's GRPOConfig defaults over TRL's, and the note that says so."""
+    r.framework = "unsloth"
+    r.defaults_version = f"{UNSLOTH_VERSION} (TRL {r.defaults_version})"
+    s.defaults.update(UNSLOTH_DEFAULTS)
+    r.warn(
+        "note",
+        ["unsloth"],
+        f"the script imports Unsloth ({UNSLOTH_VERSION} read), which patches TRL "
+        f"{VERSION}'s GRPO: loss_type defaults to bnpo and beta to 0.001, and the "
+        "KL is plain k3 in the loss",
+    )
+
+
+def _bias_correction(r: Reading, s: Settings, beta: float, unsloth: bool) -> bool:
+    """Whether the KL term is weighted by the token ratio: TRL's ``use_bias_correction_kl``,
+    which Unsloth's patched loss never reads."""
+    bias = s.bool("use_bias_correction_kl")
+    if unsloth and bias and beta > 0:
+        r.warn(
+            "warning",
+            ["use_bias_correction_kl"],
+            "Unsloth's patched loss never reads use_bias_correction_kl (TRL 1.16's default "
+            "True): under TRL this config's k3 is weighted by the token ratio and follows grad "
+            "KL(pi_theta ‖ pi_ref); under Unsloth it is plain k3, whose gradient is grad "
+            "KL(pi_ref ‖ pi_theta). Fix: run it under TRL, or set beta 0 (klpo: k3+ or k3_is)",
+        )
+    return bias and not unsloth
+
+
+def _grpo_term(r: Reading, beta: float, bias: bool, level: str, loss_type: str) -> None:
+    """GRPO's KL term in the loss (k3, or k3 times the ratio), and what it does not weigh."""
+    if bias and level == "sequence":
+        name, est = "k3 × sequence-level ratio", None
+    elif bias:
+        name, est = "k3 × token ratio (use_bias_correction_kl)", "k3_is"
+    else:
+        name, est = "k3", "k3"
+    r.terms.append(
+        Term(
+            option=f"beta={beta:g}, use_bias_correction_kl={str(bias).lower()}",
+            framework_name=name,
+            estimator=est,
+            placement="loss",
+            beta=beta,
+            beta_option="beta",
+            reduction=LOSS_TYPES[loss_type],
+            corrected=bool(bias and level == "token"),
+            logged_as="kl",
+        )
+    )
+    if est is None:
+        r.warn(
+            "warning",
+            ["use_bias_correction_kl", "importance_sampling_level"],
+            "with importance_sampling_level='sequence' TRL multiplies the per-token k3 by the "
+            "sequence-level ratio, which adds a spurious gradient term (TRL issue #6586); klpo "
+            "has no such estimator (k3_is uses the per-token ratio)",
+        )
+    if not bias:
+        r.warn(
+            "note",
+            ["use_bias_correction_kl"],
+            "TRL computes k3 without a clamp: for log pi_theta - log pi_ref < -88 on a token "
+            "(float32) the value overflows to inf",
+        )
+
+
+def _dr_grpo_length(r: Reading, s: Settings, beta: float, loss_type: str) -> None:
+    """dr_grpo's normaliser: the default max_completion_length rescales the KL's weight."""
     if loss_type == "dr_grpo" and beta > 0 and not s.given("max_completion_length"):
         length = s.int("max_completion_length")
         r.warn(
@@ -350,6 +460,10 @@ def read_grpo(
             f"completion of L tokens gets beta·L/{length} of the KL weight a token mean would "
             "give it; set max_completion_length to the length you generate",
         )
+
+
+def _grpo_algo(r: Reading, iters: int, reuse: int, loss_type: str, scale: str) -> dict[str, Any]:
+    """klpo's ``algo`` section for a GRPO config, and what it cannot reproduce."""
     std = SCALE_REWARDS[scale]
     algo: dict[str, Any] = {
         "name": "grpo",
@@ -371,23 +485,23 @@ def read_grpo(
         r.equivalent_differences.append(
             f"loss_type={loss_type!r}: TRL's policy surrogate differs from klpo's PPO clip"
         )
-    rollout: dict[str, Any] = {"group_size": g}
-    if unsloth:
-        per_device = s.int("per_device_train_batch_size") or 1
-        accum = s.int("gradient_accumulation_steps") or 1
-        procs = s.int("num_processes") or 1
-        if (accum * procs * per_device) % g and not s.given("steps_per_generation"):
-            # unsloth/models/rl.py:3466-3498: the batch is made a multiple of the group.
-            s.values["per_device_train_batch_size"] = g
-            r.warn(
-                "note",
-                ["per_device_train_batch_size", "num_generations"],
-                f"per_device_train_batch_size {per_device} × accumulation {accum} is not a "
-                f"multiple of num_generations={g}: Unsloth sets per_device_train_batch_size to "
-                f"{g} (and prints so)",
-            )
-    _finish(r, s, algo, rollout)
-    return r
+    return algo
+
+
+def _unsloth_batch(r: Reading, s: Settings, g: int) -> None:
+    """Unsloth makes the batch a multiple of the group (unsloth/models/rl.py:3466-3498)."""
+    per_device = s.int("per_device_train_batch_size") or 1
+    accum = s.int("gradient_accumulation_steps") or 1
+    procs = s.int("num_processes") or 1
+    if (accum * procs * per_device) % g and not s.given("steps_per_generation"):
+        s.values["per_device_train_batch_size"] = g
+        r.warn(
+            "note",
+            ["per_device_train_batch_size", "num_generations"],
+            f"per_device_train_batch_size {per_device} × accumulation {accum} is not a "
+            f"multiple of num_generations={g}: Unsloth sets per_device_train_batch_size to "
+            f"{g} (and prints so)",
+        )
 
 
 def _grpo_findings(r: Reading, beta: float, bias: bool, level: str, loss_type: str) -> None:
@@ -469,10 +583,8 @@ def read_cli(
     ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
     the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
     """
-    from pathlib import Path
-
     from klpo.doctor.launch import entry_point
-    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+    from klpo.doctor.reading import DoctorError
     from klpo.doctor.shell import read_script
 
     try:
@@ -482,6 +594,22 @@ def read_cli(
     ep = entry_point(script)
     if ep is None or not ep.framework.startswith("trl-"):
         raise DoctorError(f"{source}: no `trl grpo` or `trl rloo` command found")
+    data, flags = _cli_fields(ep, path, source)
+    procs = _launcher_processes(ep)
+    if procs is not None:
+        flags.setdefault("num_processes", procs)
+    merged = {**data, **flags}
+    if ep.framework == "trl-rloo":
+        return read_rloo(merged, source, version)
+    return read_grpo(merged, source, version)
+
+
+def _cli_fields(ep: Any, path: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the --config file's fields, the command line's --field value pairs)``."""
+    from pathlib import Path
+
+    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+
     words = ep.command.words[ep.at + 1 :]
     data: dict[str, Any] = {}
     flags: dict[str, Any] = {}
@@ -510,16 +638,18 @@ def read_cli(
             data = load_mapping(found)
             continue
         flags[name] = scalar(value)
-    # The launcher's process count (`accelerate launch --num_processes N`, `torchrun
-    # --nproc_per_node N`) is the generation batch's multiplier, as num_processes in the file.
+    return data, flags
+
+
+def _launcher_processes(ep: Any) -> int | None:
+    """The launcher's process count (``accelerate launch --num_processes N``, ``torchrun
+    --nproc_per_node N``): the generation batch's multiplier, as num_processes in the file."""
     launcher = ep.command.words[: ep.at]
+    found = None
     for j, w in enumerate(launcher):
         name, eq, value = w.partition("=")
         if name in ("--num_processes", "--nproc_per_node", "--nproc-per-node"):
             given = value if eq else (launcher[j + 1] if j + 1 < len(launcher) else "")
-            if given.isdigit():
-                flags.setdefault("num_processes", int(given))
-    merged = {**data, **flags}
-    if ep.framework == "trl-rloo":
-        return read_rloo(merged, source, version)
-    return read_grpo(merged, source, version)
+            if given.isdigit() and found is None:
+                found = int(given)
+    return found

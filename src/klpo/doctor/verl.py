@@ -1,8 +1,11 @@
 """verl's KL settings (its Hydra YAML, or a ``main_ppo`` launch script), read for the doctor.
 
-Every key and default is verl's own: the table ``klpo/assets/doctor/verl-<version>.json`` is
-verl's ``ppo_trainer`` config composed by Hydra (:mod:`klpo.doctor.tables`; checked against the
-installed verl by ``tests/doctor/test_peers.py``). What the settings mean is read from
+Every key and default is verl's own: where verl's config files are on the machine (a checkout
+beside the script, or an installed verl) and hydra-core is installed, Hydra composes them with the
+script's overrides (:mod:`klpo.doctor.verl_hydra`); otherwise the table
+``klpo/assets/doctor/verl-<version>.json`` is read, verl's ``ppo_trainer`` config composed by
+Hydra (:mod:`klpo.doctor.tables`; checked against the installed verl by
+``tests/doctor/test_peers.py``). What the settings mean is read from
 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``: the value, the ``+`` straight-through
 gradient, the k3 clamps; ``agg_loss``; the advantage estimators), ``verl/trainer/ppo/ray_trainer.py``
 (``apply_kl_penalty``) and ``verl/workers/utils/losses.py`` (``ppo_loss``: the KL loss, with no
@@ -12,10 +15,11 @@ importance weight); the peer tests run those functions. A ``klpo:NAME`` estimato
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from klpo import kl
-from klpo.doctor import tables
+from klpo.doctor import tables, verl_hydra
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.openrlhf import script_notes
 from klpo.doctor.reading import (
@@ -27,6 +31,7 @@ from klpo.doctor.reading import (
     flatten,
     nearest,
     scalar,
+    version_matches,
 )
 from klpo.doctor.shell import Script, read_script
 from klpo.train.algorithms import ALGORITHMS
@@ -146,6 +151,7 @@ def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tu
         key, _, value = word.partition("=")
         if "." in key.lstrip("+~") or key.lstrip("+~") in ("algorithm", "data"):
             out[key] = scalar(value)
+            script.overrides[key] = word
     if not out:
         raise DoctorError(
             f"{source}: no Hydra overrides (key=value) found; give verl's YAML, or the "
@@ -221,23 +227,18 @@ def read(
     source: str,
     version: str | None = None,
     script: Script | None = None,
+    near: Path | None = None,
 ) -> Reading:
-    """Read a verl config (nested YAML or flat ``key=value`` overrides) into a :class:`Reading`."""
-    table, note = tables.pick("verl", version, VERSION)
-    r = Reading(framework="verl", defaults_version=table.version, version=version, source=source)
-    if note:
-        r.warn("warning", ["--framework-version"], note)
-    name = (script.hydra.get("name") if script is not None else None) or "ppo_trainer"
-    other = None if name.removesuffix(".yaml") == "ppo_trainer" else name
-    if other:
-        r.warn(
-            "warning",
-            ["--config-name"],
-            f"the script composes --config-name {other}, not ppo_trainer: the defaults here are "
-            f"ppo_trainer's (verl {table.version}); a setting the script leaves out may have "
-            f"another default in {other}",
-        )
-    s = Settings(_check_keys(r, flatten(data), table, other), table.defaults, source)
+    """Read a verl config (nested YAML or flat ``key=value`` overrides) into a :class:`Reading`.
+
+    ``near`` is the file read: where verl's own config files are beside it (a checkout) or
+    installed, and hydra-core is, the config is composed by Hydra (:mod:`klpo.doctor.verl_hydra`);
+    otherwise the defaults are the table of verl 0.9.1's."""
+    comp, why = _composition(data, script, near)
+    r, table = _start(source, version, comp, why)
+    other = None if comp is not None else _other_config(r, script, table, why)
+    checked = _check_keys(r, flatten(data), table, other)
+    s = _settings(r, checked, table, comp, script, source)
     if script is not None:
         script_notes(r, script)
 
@@ -267,6 +268,156 @@ def read(
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
+
+
+def _composition(
+    data: dict[str, Any], script: Script | None, near: Path | None
+) -> tuple[verl_hydra.Composition | None, str | None]:
+    """verl's named config composed by Hydra without the file's settings, or None and why."""
+    files = verl_hydra.find_verl(near)
+    if files is None:
+        return None, None
+    if not verl_hydra.have_hydra():
+        return None, (
+            f"verl's config files are here ({files.where}) but hydra-core is not installed: "
+            "the doctor read the table of verl's composed config instead of composing it "
+            "(pip install 'klpo[doctor]')"
+        )
+    hydra = script.hydra if script is not None else {}
+    name, primary = hydra.get("name") or "ppo_trainer", files.config_dir
+    if script is None and near is not None and isinstance(data.get("defaults"), list):
+        name, primary = Path(near).stem, Path(near).parent  # a Hydra config of the user's own
+    elif hydra.get("path"):
+        primary = _config_path(hydra["path"], files, near)
+        if primary is None:
+            return None, (
+                f"--config-path {hydra['path']} is not a folder the doctor finds (absolute, "
+                f"under verl/trainer, or under {files.root}): the table of verl's ppo_trainer "
+                "config is read instead"
+            )
+    try:
+        return verl_hydra.compose(files, name, (), primary), None
+    except ValueError as err:
+        return None, f"Hydra cannot compose {name} from {primary}: {err}; the table is read"
+
+
+def _config_path(given: str, files: verl_hydra.VerlFiles, near: Path | None) -> Path | None:
+    """Hydra's ``--config-path``: absolute, else from ``main_ppo.py``'s folder, else from the
+    checkout's root (the examples' working directory) or the script's folder."""
+    if "${" in given:
+        return None
+    cands = (
+        [Path(given)]
+        if Path(given).is_absolute()
+        else [
+            files.config_dir.parent / given,
+            files.root / given,
+            *([Path(near).parent / given] if near is not None else []),
+        ]
+    )
+    return next((c.resolve() for c in cands if c.is_dir()), None)
+
+
+def _start(
+    source: str, version: str | None, comp: verl_hydra.Composition | None, why: str | None
+) -> tuple[Reading, tables.Table]:
+    """The reading and the table of keys and defaults its settings are checked against."""
+    if comp is not None:
+        table = tables.Table("verl", comp.files.version, comp.described, comp.base)
+        note = None
+        if version is not None and not version_matches(version, comp.files.version):
+            note = (
+                f"you named verl {version}; the config files here are verl "
+                f"{comp.files.version}'s ({comp.files.where}), and the doctor composed those"
+            )
+    else:
+        table, note = tables.pick("verl", version, VERSION)
+    r = Reading(framework="verl", defaults_version=table.version, version=version, source=source)
+    r.defaults_from = (
+        table.source
+        if comp is not None
+        else (
+            f"the doctor's table of verl {table.version}'s composed ppo_trainer config "
+            "(klpo/assets/doctor)"
+        )
+    )
+    if note:
+        r.warn("warning", ["--framework-version"], note)
+    if why:
+        r.warn("note", ["hydra"], why)
+    if comp is not None and comp.files.version != VERSION:
+        r.warn(
+            "note",
+            ["--framework-version"],
+            f"the settings are verl {comp.files.version}'s, composed from its files; what they "
+            f"do (estimators, reductions, advantages) is read as verl {VERSION}'s code does",
+        )
+    return r, table
+
+
+def _other_config(
+    r: Reading, script: Script | None, table: tables.Table, why: str | None
+) -> str | None:
+    """A ``--config-name`` other than ppo_trainer that the doctor could not compose."""
+    name = (script.hydra.get("name") if script is not None else None) or "ppo_trainer"
+    other = None if name.removesuffix(".yaml") == "ppo_trainer" else name
+    if other:
+        r.warn(
+            "warning",
+            ["--config-name"],
+            f"the script composes --config-name {other}, not ppo_trainer: the defaults here are "
+            f"ppo_trainer's (verl {table.version}); a setting the script leaves out may have "
+            f"another default in {other}"
+            + (
+                ""
+                if why
+                else " (verl's config files and hydra-core would let the doctor "
+                "compose it: run it inside a verl checkout or beside an installed verl)"
+            ),
+        )
+    return other
+
+
+def _settings(
+    r: Reading,
+    checked: dict[str, Any],
+    table: tables.Table,
+    comp: verl_hydra.Composition | None,
+    script: Script | None,
+    source: str,
+) -> Settings:
+    """The file's settings over the defaults; with a composition, as Hydra composes them."""
+    if comp is None:
+        return Settings(checked, table.defaults, source)
+    written = script.overrides if script is not None else {}
+    readable = [k for k, v in checked.items() if not _unresolved(v)]
+    if comp.primary == comp.files.config_dir or script is not None:
+        raw = []
+        for key in readable:
+            word = next((w for k, w in written.items() if k.lstrip("+") == key), None)
+            raw.append(word or verl_hydra.hydra_override(key, checked[key]))
+        deleted = [w for k, w in written.items() if k.startswith("~")]
+        comp = verl_hydra.compose(comp.files, comp.name, [*raw, *deleted], comp.primary)
+    if comp.refused:
+        named = [k for k in readable if f"'{k}" in comp.refused or f" {k}" in comp.refused]
+        r.warn(
+            "error",
+            named or ["hydra"],
+            f"verl {comp.files.version} refuses these overrides and does not start (Hydra: "
+            f"{comp.refused}); the doctor read the file's values as written",
+        )
+    ppo = verl_hydra.ppo_base(comp.files)
+    values, defaults = verl_hydra.settings(comp, readable, ppo)
+    if comp.refused:
+        values = {k: checked[k] for k in readable}
+    values.update({k: v for k, v in checked.items() if k not in readable})
+    return Settings(values, defaults, source)
+
+
+def _unresolved(value: Any) -> bool:
+    """A value that still holds shell text the script does not define (``${NAME}``,
+    ``$(...)``): never handed to Hydra, whose ``${...}`` is an interpolation."""
+    return isinstance(value, str) and ("${" in value or "$(" in value)
 
 
 def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | None) -> Term:
@@ -345,6 +496,7 @@ def _findings(
             )
     _switch_findings(r, s, use_loss, use_reward)
     _clip_findings(r, s)
+    _batch_findings(r, s)
     if use_reward and adv in GROUP_SUMMED:
         r.group_scaling = _group_scaling(adv, norm_std, r.terms[-1].beta)
         r.warn(
@@ -372,6 +524,21 @@ def _findings(
             f"{minibatches} mini-batch(es)): from the second on, the KL loss sees tokens sampled "
             "by an older policy, and verl does not weight it for that",
         )
+
+
+def _batch_findings(r: Reading, s: Settings) -> None:
+    """A mini-batch larger than the batch: main_ppo's ``validate_config`` refuses it
+    (``ActorConfig.validate``, verl/workers/config/actor.py, unless ``use_dynamic_bsz``)."""
+    batch, mini = s.int("data.train_batch_size"), s.int(f"{ACTOR}.ppo_mini_batch_size")
+    if s.bool(f"{ACTOR}.use_dynamic_bsz") or batch is None or mini is None or batch >= mini:
+        return
+    r.warn(
+        "error",
+        ["data.train_batch_size", f"{ACTOR}.ppo_mini_batch_size"],
+        f"data.train_batch_size {batch} < {ACTOR}.ppo_mini_batch_size {mini}: verl refuses "
+        "this config at start-up (ActorConfig.validate: train_batch_size must be >= "
+        "ppo_mini_batch_size) and does not start; the doctor read one mini-batch per batch",
+    )
 
 
 def _clip_sides(s: Settings) -> list[tuple[str, Any]]:
