@@ -16,8 +16,13 @@ for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 # Under pytest-xdist (`make test` runs two workers on two cores) each worker, and every process a
 # test starts, gets one torch thread unless the caller chose: two workers with a thread per core
 # each would oversubscribe the machine, which OpenMP makes many times slower, not twice.
+# pytest-xdist's workers also start with COLUMNS=80 and LINES=24, which a serial run does not have: the commands
+# under test would then wrap their tables and lines at 80 columns instead of their width for a
+# non-terminal, and the checks of what they print would depend on how the suite was started.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if (os.environ.get("COLUMNS"), os.environ.get("LINES")) == ("80", "24"):
+        del os.environ["COLUMNS"], os.environ["LINES"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
