@@ -26,25 +26,15 @@ import os
 import time
 from collections import Counter
 from dataclasses import replace
-from math import comb
 from pathlib import Path
 
 import torch
 
+from klpo.study.summary import mcnemar_exact
 from klpo.train.data.chat_task import ChatArithmeticTask
 from klpo.train.data.sources import render_chat
 from klpo.train.evaluate import evaluate, wilson_interval
 from klpo.train.models.tokens import Codec
-
-
-def mcnemar_exact(gained: int, lost: int) -> float:
-    """The exact two-sided McNemar p-value: under no change, each of the ``gained + lost``
-    problems that changed is equally likely to have gone either way (a Binomial(m, 1/2))."""
-    m = gained + lost
-    if m == 0:
-        return 1.0
-    tail = sum(comb(m, i) for i in range(min(gained, lost) + 1)) / 2**m
-    return min(1.0, 2 * tail)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ SETTINGS: dict[str, tuple[str, dict[str, object]]] = {
     "p4": ("24 tokens", {"rollout.max_new_tokens": 24}),
     "p5": ("one of each kind, lr 5e-4", {"data.shots": "per-kind", "optim.lr": 5e-4}),
     "p6": ("4 prompts x 4 completions", {"rollout.prompts_per_step": 4}),
+    "p7": ("dynamic sampling, up to 3 rounds", {"rollout.dynamic_sampling": True}),
 }
 STEPS = 24
 
