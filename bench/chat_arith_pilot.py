@@ -135,6 +135,11 @@ def _step_times(run_dir: Path) -> tuple[float, float, int]:
     return statistics.fmean(times), statistics.fmean(live) if live else float("nan"), skipped
 
 
+def _step_of(path: Path) -> int:
+    """The step of an evaluation's file, ``NAME-stepS-nN.json``."""
+    return int(path.stem.rsplit("-step", 1)[1].split("-n")[0])
+
+
 def _pct(k: int, n: int) -> str:
     from klpo.train.evaluate import wilson_interval
 
@@ -147,9 +152,7 @@ def table(out: Path, n: int) -> tuple[str, list[dict]]:
     rows = []
     for name, (what, _keys) in SETTINGS.items():
         run_dir = out / name
-        evals = sorted(
-            out.glob(f"{name}-step*-n{n}.json"), key=lambda p: int(p.stem.split("step")[1][:-4])
-        )
+        evals = sorted(out.glob(f"{name}-step*-n{n}.json"), key=_step_of)
         if not evals or not (run_dir / "metrics.jsonl").exists():
             continue
         per_step, live, skipped = _step_times(run_dir)
@@ -157,7 +160,7 @@ def table(out: Path, n: int) -> tuple[str, list[dict]]:
         for path in evals:
             r = json.loads(path.read_text())
             a = r["against"]
-            step = int(path.stem.split("step")[1][:-4])
+            step = _step_of(path)
             rows.append(
                 {
                     "setting": name,

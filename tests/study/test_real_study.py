@@ -180,3 +180,38 @@ def test_the_quick_preset_runs_end_to_end_and_resumes(smollm2_tiny, tmp_path):
     assert " / " in row.split("|")[5]  # the paired comparison with the no-KL run
     again = run_study(study, out)
     assert [r["name"] for r in again] == [r["name"] for r in results]
+
+
+def test_the_pilot_table_reads_its_runs_back(tmp_path):
+    """bench/chat_arith_pilot.py's table from a pilot directory made by hand: the step times
+    (all, with a signal, skipped), the before/after counts with Wilson intervals, the McNemar p."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "chat_arith_pilot.py"
+    module_spec = importlib.util.spec_from_file_location("chat_arith_pilot", path)
+    pilot = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(pilot)
+    run = tmp_path / "p0"
+    run.mkdir()
+    times = [(10.0, 1.0), (30.0, 0.0), (50.0, 0.0)]  # (time/step, step/skipped)
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i + 1, "time/step": t, "step/skipped": s}) + "\n"
+            for i, (t, s) in enumerate(times)
+        )
+    )
+    run.joinpath("loadavg.json").write_text(json.dumps({"at_end": [1.0, 2.0, 3.5]}))
+    against = {"n": 20, "before": 2, "after": 7, "gained": 6, "lost": 1, "mcnemar_p": 0.125}
+    result = {"against": against, "by_kind": {"add": "1/5"}, "mean_completion_tokens": 4.25}
+    (tmp_path / "p0-step24-n20.json").write_text(json.dumps(result))
+    (tmp_path / "p0-step8-n20.json").write_text(
+        json.dumps({**result, "against": {**against, "after": 3}})
+    )
+    text, rows = pilot.table(tmp_path, 20)
+    assert [r["step"] for r in rows] == [8, 24]
+    assert rows[1]["s_per_step"] == 30.0 and rows[1]["s_per_live_step"] == 40.0
+    assert rows[1]["skipped"] == 1 and rows[1]["loadavg15"] == 3.5
+    lo, hi = wilson_interval(7, 20)
+    line = text.splitlines()[-1]
+    assert f"→ **35% (7/20; {100 * lo:.1f}–{100 * hi:.1f}%)**" in line
+    assert "| 30 (40; 1) | 3.5 |" in line and "| 6 / 1 | 0.12 |" in line
