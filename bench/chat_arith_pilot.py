@@ -101,6 +101,7 @@ def train(model: str, out: Path, name: str, keys: dict[str, object], save_every:
         "run.eval_every": 0,
         "run.steps": STEPS,
         "run.save_every": save_every,
+        "run.save_total_limit": "null",  # every checkpoint kept: the curve evaluates each
         "run.out_dir": str(run_dir),
         **keys,
     }
@@ -252,7 +253,10 @@ def main() -> None:
         print(table(args.out, args.n)[0], flush=True)
     for name in filter(None, args.curve.split(",")):
         for step in range(args.save_every, STEPS, args.save_every):
-            evaluate_run(args.model, args.out, name, step, args.n)
+            if (args.out / name / "checkpoints" / f"step_{step:06d}").is_dir():
+                evaluate_run(args.model, args.out, name, step, args.n)
+            else:
+                print(f"{name}: no checkpoint of step {step} (removed by run.save_total_limit)")
     text, rows = table(args.out, args.n)
     print(text)
     if args.table:
