@@ -7,7 +7,10 @@ batch measurement of docs/real-models.md ("The real-model job") evaluates each r
 that the base model is evaluated once and every trained run against the same problems.
 
     python bench/chat_arith_eval.py --model DIR [--adapter RUN/checkpoints/step_000040/policy]
-        [--n 200] [--max-new-tokens 12] [--json OUT.json] [--against BASE.json]
+        [--n 200] [--max-new-tokens 12] [--shots one] [--json OUT.json] [--against BASE.json]
+
+``--shots`` is the run's ``data.shots`` (the solved examples before each question); evaluate a run
+with its own, and compare it with the base model evaluated with the same.
 
 ``--against`` compares problem by problem with an earlier result (the base model's) on the
 problems both evaluated: how many turned right and how many turned wrong, and the exact two-sided
@@ -19,28 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import replace
-from math import comb
 from pathlib import Path
 
 import torch
 
+from klpo.study.summary import mcnemar_exact
 from klpo.train.data.chat_task import ChatArithmeticTask
 from klpo.train.data.sources import render_chat
 from klpo.train.evaluate import evaluate, wilson_interval
 from klpo.train.models.tokens import Codec
-
-
-def mcnemar_exact(gained: int, lost: int) -> float:
-    """The exact two-sided McNemar p-value: under no change, each of the ``gained + lost``
-    problems that changed is equally likely to have gone either way (a Binomial(m, 1/2))."""
-    m = gained + lost
-    if m == 0:
-        return 1.0
-    tail = sum(comb(m, i) for i in range(min(gained, lost) + 1)) / 2**m
-    return min(1.0, 2 * tail)
 
 
 def main() -> None:
@@ -49,6 +43,7 @@ def main() -> None:
     ap.add_argument("--adapter", help="a run's adapter directory (checkpoints/step_N/policy)")
     ap.add_argument("--n", type=int, default=200, help="held-out problems (the first n)")
     ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--shots", default="one", help="data.shots: one, per-kind or none")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the result here too")
     ap.add_argument("--against", help="an earlier result (JSON) to compare problem by problem")
@@ -64,7 +59,7 @@ def main() -> None:
 
         model = PeftModel.from_pretrained(model, args.adapter)
     t_load = time.perf_counter() - t0
-    heldout = ChatArithmeticTask().splits()[1][: args.n]
+    heldout = ChatArithmeticTask(shots=args.shots).splits()[1][: args.n]
     examples = render_chat(heldout, tok, chat=True)
     codec = replace(Codec.plain(tok, model), chat=True)
     t0 = time.perf_counter()
@@ -83,6 +78,8 @@ def main() -> None:
     result = {
         "model": args.model,
         "adapter": args.adapter,
+        "shots": args.shots,
+        "max_new_tokens": args.max_new_tokens,
         "n": len(examples),
         "correct": k,
         "accuracy": k / len(examples),
@@ -93,6 +90,7 @@ def main() -> None:
         "scores": [int(bool(s)) for s in ev.scores],
         "load_s": round(t_load, 1),
         "eval_s": round(t_eval, 1),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
         "first": [
             {"q": e.messages[-1][1], "answer": e.answer, "completion": c}
             for e, c in zip(examples[:8], completions[:8], strict=False)

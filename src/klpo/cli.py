@@ -1113,8 +1113,9 @@ def compare(
         "builtin",
         "--task",
         metavar="TASK",
-        help="builtin (the arithmetic task) or overopt (train on a flawed proxy reward, watch "
-        "the gold reward).",
+        help="builtin (the arithmetic task), overopt (train on a flawed proxy reward, watch "
+        "the gold reward) or chat-arith (SmolLM2-135M-Instruct with LoRA on the chat task: the "
+        "real-model study, docs/study-real/).",
     ),
 ) -> None:
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.

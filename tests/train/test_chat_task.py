@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from klpo.train import loop
-from klpo.train.config import build_config
+from klpo.train.config import ConfigError, build_config
 from klpo.train.data.chat_task import INSTRUCTION, KINDS, SYSTEM_PROMPT, ChatArithmeticTask
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import render_chat
@@ -94,6 +94,43 @@ def test_each_problem_is_a_system_prompt_a_solved_example_and_the_question():
     # The data row holds the messages as TRL's conversational form, the answer and the kind.
     assert e.columns["prompt"][-1] == {"role": "user", "content": e.messages[-1][1]}
     assert e.where == "builtin-chat-arith[0]"
+
+
+def test_shots_put_the_solved_examples_before_the_same_problems():
+    one = ChatArithmeticTask(n_heldout=40, n_train=40)
+    per_kind = ChatArithmeticTask(n_heldout=40, n_train=40, shots="per-kind")
+    none = ChatArithmeticTask(n_heldout=40, n_train=40, shots="none")
+    for a, b, c in zip(
+        *(t.splits()[1] + t.splits()[0] for t in (one, per_kind, none)), strict=True
+    ):
+        # The problem, its answer and its place do not depend on the shots.
+        assert a.messages[-1] == b.messages[-1] == c.messages[-1]
+        assert a.answer == b.answer == c.answer and a.where == b.where == c.where
+        assert [r for r, _ in c.messages] == ["system", "user"]
+        assert [r for r, _ in b.messages] == ["system", *["user", "assistant"] * 4, "user"]
+        assert b.messages[1:3] == a.messages[1:3]  # the addition comes first
+    # Each solved example is one of its kind (read back by the kinds' patterns), rightly solved
+    # by arithmetic done here, and no problem of either split.
+    e = per_kind.splits()[1][0]
+    shots = [(e.messages[i][1], e.messages[i + 1][1]) for i in range(1, 9, 2)]
+    for kind, (q, answer) in zip(KINDS, shots, strict=True):
+        pattern, op = PATTERNS[kind]
+        m = pattern.fullmatch(q[: -len(INSTRUCTION) - 1])
+        assert m, (kind, q)
+        assert answer == str(op(int(m.group(1)), int(m.group(2))))
+    questions = {q for q, _ in shots}
+    full = ChatArithmeticTask(shots="per-kind")
+    assert not questions & {x.messages[-1][1] for s in full.splits() for x in s}
+
+
+def test_shots_are_a_data_key_of_the_chat_task_only():
+    cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.shots=per-kind"])
+    _, heldout = load_examples(cfg)
+    assert len(heldout[0].messages) == 10
+    with pytest.raises(ValueError, match="shots must be one of one, per-kind, none"):
+        ChatArithmeticTask(shots="two")
+    with pytest.raises(ConfigError, match=r"shots is only read by data\.source=builtin-chat-arith"):
+        build_config(overrides=["data.shots=none"])
 
 
 def test_bad_sizes_are_refused_by_name():

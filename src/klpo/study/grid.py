@@ -7,7 +7,7 @@ import re
 
 from pydantic import BaseModel
 
-from klpo.study.spec import StudyConfig
+from klpo.study.spec import StudyConfig, resolve_model
 from klpo.train.config import ConfigError
 
 __all__ = ["Run", "fmt", "study_grid"]
@@ -33,7 +33,8 @@ def fmt(v: float) -> str:
 
 
 def study_grid(study: StudyConfig) -> list[Run]:
-    """Every run of the study, in a stable order; each carries its ``klpo train`` overrides."""
+    """Every run of the study, in a stable order; each carries its ``klpo train`` overrides
+    (``study.model`` resolved to its directory: :func:`~klpo.study.spec.resolve_model`)."""
     runs: list[Run] = []
     common = {
         "run.steps": study.steps,
@@ -44,6 +45,8 @@ def study_grid(study: StudyConfig) -> list[Run]:
         "run.tensorboard": False,
         "data.eval_size": study.eval_size,
         **({"data.source": "builtin-overopt"} if study.task == "overopt" else {}),
+        **({"data.source": "builtin-chat-arith"} if study.task == "chat-arith" else {}),
+        **({"model.policy": resolve_model(study.model)} if study.model is not None else {}),
         **study.base,
     }
     for choice in study.choices:

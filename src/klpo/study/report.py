@@ -25,10 +25,13 @@ from klpo.study.summary import (
     COLLAPSE_Z,
     RESULT_FIELDS,
     WINDOW,
+    heldout_scores,
     nan_low,
     num,
+    paired_change,
     summarise_cells,
 )
+from klpo.train.evaluate import wilson_interval
 
 __all__ = ["write_results"]
 
@@ -59,7 +62,10 @@ def write_results(
     fronts = _frontiers(results, cells, out) if study.task == "overopt" else []
     plots += frontier_plots(fronts, out, WINDOW) if fronts else []
 
-    lines = _main_table(results, cells, study) + _noise_table(cells, study)
+    lines = _main_table(results, cells, study)
+    if study.task == "chat-arith":
+        lines += _real_table(results, cells, study, out)
+    lines += _noise_table(cells, study)
     if study.task == "overopt":
         lines += frontier_table(fronts, WINDOW)
         lines += _overopt_table(cells)
@@ -121,6 +127,75 @@ def _main_table(
             f"{failed} | {_f(c['wall_s'], 0)} |"
         )
     return lines
+
+
+def _real_table(
+    results: list[dict[str, Any]], cells: list[dict[str, Any]], study: StudyConfig, out: Path
+) -> list[str]:
+    """The real-model task's table: each cell's held-out accuracy pooled over its seeds with a
+    Wilson interval, problem by problem against its start and against no KL (the same seed's
+    run, the same problems: the McNemar test), and the exact KL, entropy and length at the end."""
+    scores = {r["name"]: heldout_scores(out / "runs" / r["name"]) for r in results}
+
+    def ends(name: str) -> tuple[dict[int, float], dict[int, float]]:
+        by_step = scores[name]
+        last = max(by_step, default=None)
+        return by_step.get(0, {}), by_step.get(last, {}) if last else {}
+
+    runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in results:
+        runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    no_kl = {(r["algo"], int(r["seed"])): r["name"] for r in results if r["placement"] == "none"}
+    lines = [
+        "",
+        "## Held-out accuracy problem by problem",
+        "",
+        f"Each cell's held-out accuracy at the end pooled over its seeds (right answers out of "
+        f"{study.eval_size} problems × seeds, greedy) with its 95% Wilson interval; the problems "
+        "each run turned right and turned wrong against its own start, summed over seeds, and "
+        "against the no-KL run of the same seed on the same problems, each with the exact "
+        "two-sided McNemar p-value of that split; the exact KL(pi_theta ‖ pi_ref) per token, the "
+        f"policy's entropy per token and the sampled completions' mean length, over the last "
+        f"{WINDOW} steps (means over seeds); runs that collapsed (held-out accuracy fell beyond "
+        "the collapse threshold). Per-problem scores are the runs' held-out records "
+        "(`samples.jsonl`, `run.log_samples` of them).",
+        "",
+        "| algo | KL choice | beta | acc end, pooled (95% Wilson) | vs start: gained / lost (p) "
+        "| vs no KL: gained / lost (p) | exact KL | entropy | length | collapsed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(cells, key=lambda c: (c["algo"], -nan_low(c["acc_mean"]))):
+        rs = runs[(c["algo"], c["choice"], c["beta"])]
+        accs = [num(r["acc_final"]) for r in rs if math.isfinite(num(r["acc_final"]))]
+        k = round(sum(accs) * study.eval_size)
+        n = study.eval_size * len(accs)
+        pooled = "–"
+        if n:
+            lo, hi = wilson_interval(k, n)
+            pooled = f"{k / n:.3f} ({k}/{n}; {lo:.3f}–{hi:.3f})"
+        start_pairs, kl_pairs = [], []
+        for r in rs:
+            start, end = ends(r["name"])
+            start_pairs += [(start[i], end[i]) for i in sorted(set(start) & set(end))]
+            other = no_kl.get((r["algo"], int(r["seed"])))
+            if other and other != r["name"]:
+                base_end = ends(other)[1]
+                kl_pairs += [(base_end[i], end[i]) for i in sorted(set(base_end) & set(end))]
+        collapsed = sum(r["status"] == "collapsed" for r in rs)
+        lines.append(
+            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {pooled} | "
+            f"{_paired(start_pairs)} | {_paired(kl_pairs)} | {_f(c['kl_final'], 4)} | "
+            f"{_f(c['entropy_final'], 3)} | {_f(c['length_final'], 1)} | "
+            f"{collapsed}/{c['runs']} |"
+        )
+    return lines
+
+
+def _paired(pairs: list[tuple[float, float]]) -> str:
+    if not pairs:
+        return "–"
+    d = paired_change(pairs)
+    return f"{d['gained']} / {d['lost']} ({d['p']:.2g})"
 
 
 def _noise_table(cells: list[dict[str, Any]], study: StudyConfig) -> list[str]:

@@ -10,7 +10,8 @@ A choice may carry further ``kl.*`` keys (``options``: a controller and its targ
 reset, ``ref_is`` clipping) and ``algo.*`` keys (``algo_options``: GSPO, CISPO, epochs), and its
 own betas (a controller row: one, the initial coefficient). The presets: the default grid
 (:class:`StudyConfig`), ``--quick`` (:func:`quick_study`), the over-optimisation study
-(:func:`overopt_study`) and its ``--quick`` (:func:`quick_overopt_study`).
+(:func:`overopt_study`) and its ``--quick`` (:func:`quick_overopt_study`), and the real-model
+study on the chat task (``--task chat-arith``: :func:`real_study`, :func:`quick_real_study`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ __all__ = [
     "load_study",
     "overopt_study",
     "quick_overopt_study",
+    "quick_real_study",
     "quick_study",
+    "real_choices",
+    "real_study",
     "ref_sampled_choices",
+    "resolve_model",
     "sequence_exact_choices",
     "with_options",
 ]
@@ -153,11 +158,18 @@ class StudyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    task: Literal["builtin", "overopt"] = Field(
+    task: Literal["builtin", "overopt", "chat-arith"] = Field(
         "builtin",
-        description="The task every run trains on: the built-in arithmetic task, or the "
+        description="The task every run trains on: the built-in arithmetic task, the "
         "over-optimisation task (data.source builtin-overopt: a proxy reward to train on, the "
-        "gold reward logged; docs/overopt.md).",
+        "gold reward logged; docs/overopt.md), or the chat task for a real instruction-tuned "
+        "model (data.source builtin-chat-arith; docs/real-models.md).",
+    )
+    model: str | None = Field(
+        None,
+        description="The policy of every run (model.policy): a real model of the test suite by "
+        "its key ('smollm2', 'gemma3': the float32 image `make real-models` makes, found in "
+        "klpo's cache), or a model directory or .gguf file; null: the trainer's default.",
     )
     choices: list[Choice] = Field(default_factory=_default_choices)
     betas: list[float] = Field(
@@ -204,6 +216,13 @@ class StudyConfig(BaseModel):
         "choice with a KL controller is held to its own kl.target instead); null: only such "
         "choices report it.",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("model must be a real model's key (smollm2, gemma3) or a path")
+        return v
 
     def convergence_target(self) -> tuple[str, float]:
         """The metric whose running mean defines "steps to target", and its threshold."""
@@ -259,6 +278,86 @@ def quick_overopt_study() -> StudyConfig:
         eval_size=16,
         base={"rollout.prompts_per_step": 4, "rollout.group_size": 4},
     )
+
+
+REAL_TRAIN_KEYS: dict[str, Any] = {
+    "model.dtype": "float32",
+    "model.gradient_checkpointing": False,
+    "model.lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 4,
+    "rollout.max_new_tokens": 12,
+    "rollout.temperature": 1.0,
+    "optim.lr": 3.0e-4,
+    "run.log_samples": 500,
+}
+"""The real-model study's shared train keys: those of configs/smollm2-chat-grpo-lora.yaml (GRPO,
+LoRA r 16 on every linear layer, float32, 2 prompts x 4 completions of up to 12 tokens, lr 3e-4),
+the setting the task pilot measured (docs/study-real/pilot.md); every held-out completion is
+written to samples.jsonl (``run.log_samples``), so that the report compares runs problem by
+problem."""
+
+
+def real_choices() -> list[Choice]:
+    """The real-model study's KL choices: no KL; ``k1`` in the reward; ``k3``, ``k3+`` and
+    ``full`` (the exact KL) in the loss; then ``k2`` in the loss, last, so that a study cut short
+    by its budget has the others whole; GRPO."""
+    return [
+        Choice(estimator="k1", placement="none"),
+        Choice(estimator="k1", placement="reward"),
+        Choice(estimator="k3", placement="loss"),
+        Choice(estimator="k3+", placement="loss"),
+        Choice(estimator="full", placement="loss"),
+        Choice(estimator="k2", placement="loss"),
+    ]
+
+
+def real_study(model: str = "smollm2") -> StudyConfig:
+    """The real-model KL study (``--task chat-arith``): GRPO with LoRA on the built-in chat task
+    (:data:`REAL_TRAIN_KEYS`), on SmolLM2-135M-Instruct unless ``model`` names another;
+    :func:`real_choices` at one beta, 3 seeds, 24 steps, held-out accuracy on 100 problems at
+    the start and the end, two runs side by side at one thread each. The second beta for the
+    two choices that differ most is a choice's own ``betas`` in a study file
+    (docs/study-real/report.md says which were run)."""
+    return StudyConfig(
+        task="chat-arith",
+        model=model,
+        choices=real_choices(),
+        betas=[0.1],
+        seeds=[0, 1, 2],
+        steps=24,
+        eval_every=24,
+        eval_size=100,
+        base=dict(REAL_TRAIN_KEYS),
+        target_accuracy=0.3,
+        collapse_drop=0.02,  # at a start of ~6%, a fall to 0% is a collapse: the 2-SE rule decides
+    )
+
+
+def quick_real_study(model: str = "smollm2") -> StudyConfig:
+    """The ``--task chat-arith --quick`` preset: every choice of :func:`real_study`, one seed,
+    2 steps, 8 held-out problems (a smoke test of the real model with every estimator: about a
+    minute a run at one thread)."""
+    return real_study(model).model_copy(
+        update={"seeds": [0], "steps": 2, "eval_every": 2, "eval_size": 8}
+    )
+
+
+def resolve_model(model: str) -> str:
+    """``StudyConfig.model`` as a ``model.policy`` value: a real model's key becomes its float32
+    directory in klpo's cache (a ConfigError naming ``make real-models`` where it is not made);
+    anything else is a path or id, kept."""
+    from klpo.train.tools.real_models import REAL_MODELS, real_model_dir
+
+    if model not in REAL_MODELS:
+        return model
+    path = real_model_dir(model)
+    if path is None:
+        raise ConfigError(
+            f"the study's model {model!r} ({REAL_MODELS[model].name}) is not converted here: "
+            "run `make real-models` (or give model a directory)"
+        )
+    return str(path)
 
 
 KL_BUDGET = 0.1  # nats per token: the over-optimisation study's KL budget (docs/overopt.md)
@@ -393,12 +492,14 @@ def load_study(
     task: str = "builtin",
 ) -> StudyConfig:
     """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults, of
-    ``task`` (``builtin`` or ``overopt``). Several files merge in order, a later one winning
+    ``task`` (``builtin``, ``overopt`` or ``chat-arith``). Several files merge in order, a later one winning
     and mappings (``base``, ``ppo``) merging key by key (:mod:`klpo.train.config_files`); their
     keys then replace the preset's."""
-    one_of("task", task, ("builtin", "overopt"))
+    one_of("task", task, ("builtin", "overopt", "chat-arith"))
     if task == "overopt":
         base = quick_overopt_study() if quick else overopt_study()
+    elif task == "chat-arith":
+        base = quick_real_study() if quick else real_study()
     else:
         base = quick_study() if quick else StudyConfig()
     paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)

@@ -15,6 +15,7 @@ from typing import Any
 
 from klpo.study.grid import Run
 from klpo.train.runtime.metrics import CONTROLLED_KL, read_metrics
+from klpo.train.runtime.samples import read_samples
 
 __all__ = [
     "BUDGET_TOLERANCE",
@@ -23,9 +24,12 @@ __all__ = [
     "WINDOW",
     "collapse_threshold",
     "gold_summary",
+    "heldout_scores",
     "kl_budget_summary",
+    "mcnemar_exact",
     "nan_low",
     "num",
+    "paired_change",
     "steps_to_reach",
     "summarise_cells",
     "summarise_run",
@@ -66,6 +70,7 @@ RESULT_FIELDS = [
     "proxy_final",
     "kl_seq_final",
     "entropy_final",
+    "length_final",
     "wall_s",
     "error",
 ]
@@ -168,6 +173,7 @@ def summarise_run(
         "reward_final": _tail_mean(steps_rows, "reward/mean"),
         **gold_summary(steps_rows),
         "entropy_final": _tail_mean(steps_rows, "entropy"),
+        "length_final": _tail_mean(steps_rows, "completion/length"),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
@@ -337,6 +343,8 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "gold_peak_kl_seq": _stats([num(r.get("gold_peak_kl_seq")) for r in rs])[0],
                 "proxy_final": _stats([num(r.get("proxy_final")) for r in rs])[0],
                 "kl_seq_final": _stats([num(r.get("kl_seq_final")) for r in rs])[0],
+                "entropy_final": _stats([num(r.get("entropy_final")) for r in rs])[0],
+                "length_final": _stats([num(r.get("length_final")) for r in rs])[0],
                 "reward_mean": reward_m,
                 "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
                 "wall_s": _stats([num(r["wall_s"]) for r in rs])[0],
@@ -358,3 +366,35 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def nan_low(x: float) -> float:
     return x if math.isfinite(x) else -math.inf
+
+
+def heldout_scores(run_dir: Path) -> dict[int, dict[int, float]]:
+    """Each evaluation's per-problem scores, ``{step: {problem index: score}}``, from the run's
+    ``samples.jsonl`` (the held-out records: as many problems as ``run.log_samples``; a resumed
+    run's later record of the same step and problem wins)."""
+    out: dict[int, dict[int, float]] = {}
+    for r in read_samples(run_dir / "samples.jsonl"):
+        if r.get("split") == "eval" and r.get("reward") is not None:
+            out.setdefault(int(r["step"]), {})[int(r["index"])] = num(r["reward"])
+    return out
+
+
+def mcnemar_exact(gained: int, lost: int) -> float:
+    """The exact two-sided McNemar p-value (McNemar 1947): under no change, each of the
+    ``gained + lost`` problems that changed is equally likely to have gone either way, a
+    Binomial(m, 1/2); the probability of a split at least as uneven as the one seen."""
+    m = gained + lost
+    if m == 0:
+        return 1.0
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2**m
+    return min(1.0, 2 * tail)
+
+
+def paired_change(
+    pairs: list[tuple[float, float]],
+) -> dict[str, float]:
+    """Problems turned right (``gained``) and turned wrong (``lost``) between two evaluations of
+    the same problems (``pairs`` of 0/1 scores, before and after), and the McNemar p-value."""
+    gained = sum(1 for b, a in pairs if a >= 0.5 > b)
+    lost = sum(1 for b, a in pairs if b >= 0.5 > a)
+    return {"pairs": len(pairs), "gained": gained, "lost": lost, "p": mcnemar_exact(gained, lost)}

@@ -178,6 +178,11 @@ class DataConfig(_Section):
     system_prompt: str | None = Field(
         None, description="With chat: a system message put before each prompt's messages."
     )
+    shots: Literal["one", "per-kind", "none"] = Field(
+        "one",
+        description="builtin-chat-arith: the solved examples before each question: one addition, "
+        "one of each kind of problem, or none (docs/real-models.md).",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="With chat: extra variables the chat template reads, passed to "
@@ -195,6 +200,15 @@ class DataConfig(_Section):
                 "template's own variables (e.g. enable_thinking)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _shots_need_chat_arith(self) -> DataConfig:
+        if self.shots != "one" and self.source != "builtin-chat-arith":
+            raise ValueError(
+                f"shots is only read by data.source=builtin-chat-arith (source is "
+                f"{self.source!r}); drop data.shots={self.shots!r} or set that source"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kwargs_need_chat(self) -> DataConfig:

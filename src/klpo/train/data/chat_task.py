@@ -1,9 +1,11 @@
 r"""The built-in chat task: arithmetic and word problems for an instruction-tuned model.
 
 ``data.source: builtin-chat-arith``. Each problem is a short conversation that a chat template
-renders (``data.chat: true``): a system prompt asking for the bare number, one solved example
-(a user turn and the assistant's answer, the one-shot format of Brown et al. 2020,
-arXiv:2005.14165), then the question, ending "Answer with just the number." The answer is the
+renders (``data.chat: true``): a system prompt asking for the bare number, solved examples (each a
+user turn and the assistant's answer, the few-shot format of Brown et al. 2020,
+arXiv:2005.14165), then the question, ending "Answer with just the number." The solved examples
+are ``data.shots``: ``one`` (an addition, the default), ``per-kind`` (one of each kind below, so
+that a word problem's bare answer has been seen once) or ``none``. The answer is the
 decimal value, scored by the ``numeric`` reward (the completion's last number;
 :func:`klpo.train.rewards.functions.extract_number`), so "42", "42." and "17 + 25 = 42" are right
 and "17 + 25 = 32" is not.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from klpo.train.data.sources import Example
 
-__all__ = ["KINDS", "SYSTEM_PROMPT", "ChatArithmeticTask"]
+__all__ = ["KINDS", "SHOTS", "SYSTEM_PROMPT", "ChatArithmeticTask"]
 
 SYSTEM_PROMPT = (
     "You are a calculator. Solve the problem and reply with only the final number: "
@@ -44,7 +46,19 @@ INSTRUCTION = "Answer with just the number."
 """The sentence that ends every user turn."""
 
 ONE_SHOT = (f"What is 12 + 7? {INSTRUCTION}", "19")
-"""The solved example (user turn, assistant turn) before each question."""
+"""The solved example (user turn, assistant turn) before each question (``shots: one``)."""
+
+PER_KIND = (
+    ONE_SHOT,
+    (f"Kim has 31 cards. She gets 12 more. How many cards does Kim have now? {INSTRUCTION}", "43"),
+    (f"Raj had 45 coins. He gave away 18. How many coins are left? {INSTRUCTION}", "27"),
+    (f"Lia has 3 bags with 8 shells in each. How many shells is that in all? {INSTRUCTION}", "24"),
+)
+"""One solved example of each kind, in the order of :data:`KINDS` (``shots: per-kind``); their
+names are none of the problems' names, so no example is a problem of either split."""
+
+SHOTS = {"one": (ONE_SHOT,), "per-kind": PER_KIND, "none": ()}
+"""The solved examples before each question, by the name ``data.shots`` gives."""
 
 KINDS = ("add", "more", "left", "groups")
 """The kinds of problem, drawn with equal weight."""
@@ -98,13 +112,18 @@ class ChatArithmeticTask:
         n_heldout: problems in the held-out split (the first drawn).
         n_train: problems in the train split (the next drawn, distinct from the held-out ones).
         seed: seeds the draw.
+        shots: the solved examples before each question, a key of :data:`SHOTS`; the problems
+            drawn do not depend on it.
     """
 
     n_heldout: int = 500
     n_train: int = 5000
     seed: int = 0
+    shots: str = "one"
 
     def __post_init__(self) -> None:
+        if self.shots not in SHOTS:
+            raise ValueError(f"shots must be one of {', '.join(SHOTS)}, got {self.shots!r}")
         for name in ("n_heldout", "n_train"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 50_000:
@@ -122,16 +141,11 @@ class ChatArithmeticTask:
                 out.append((kind, q, ans))
         return out
 
-    @staticmethod
-    def example(kind: str, question: str, answer: int) -> Example:
-        """The problem as an :class:`Example`: the system prompt, the one-shot exchange and the
+    def example(self, kind: str, question: str, answer: int) -> Example:
+        """The problem as an :class:`Example`: the system prompt, the solved examples and the
         question as chat messages; the answer as its decimal string; ``kind`` in the row."""
-        messages = (
-            ("system", SYSTEM_PROMPT),
-            ("user", ONE_SHOT[0]),
-            ("assistant", ONE_SHOT[1]),
-            ("user", f"{question} {INSTRUCTION}"),
-        )
+        shots = tuple(m for q, a in SHOTS[self.shots] for m in (("user", q), ("assistant", a)))
+        messages = (("system", SYSTEM_PROMPT), *shots, ("user", f"{question} {INSTRUCTION}"))
         row = {"prompt": [{"role": r, "content": c} for r, c in messages], "answer": str(answer)}
         return Example(prompt="", answer=str(answer), messages=messages, row={**row, "kind": kind})
 
