@@ -22,7 +22,7 @@ from klpo.train.config import ConfigError, apply_overrides, build_config
 from klpo.train.evaluate import wilson_interval
 
 
-def test_the_preset_is_the_issues_grid_on_the_chat_task(tmp_path):
+def test_the_preset_is_the_studys_grid_on_the_chat_task(tmp_path):
     study = real_study(model=str(tmp_path))  # a directory: kept as it is
     runs = study_grid(study)
     labels = [r.choice for r in runs[:: len(study.seeds)]]
