@@ -153,11 +153,12 @@ def explain(
         "--estimator is not given.",
     ),
     cap: float = typer.Option(
-        10.0, "--cap", help="With --staleness: the is-cap weight's cap C (> 0)."
+        10.0, "--cap", metavar="C", help="With --staleness: the is-cap weight's cap C (> 0)."
     ),
     step: float = typer.Option(
         0.2,
         "--step",
+        metavar="SD",
         help="With --staleness: the sd of one policy version's step in logit space (> 0).",
     ),
 ) -> None:
