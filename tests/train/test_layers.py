@@ -19,6 +19,7 @@ LAYERS = (
     "klpo.train.runtime",
     "klpo.train.algorithms",
     "klpo.train.spellings",
+    "klpo.train.rollout.choices",  # the rollout's tables, whose names the config takes
     "klpo.train.config",
     "klpo.train.config_files",
     "klpo.train.lr_schedule",

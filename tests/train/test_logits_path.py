@@ -19,6 +19,7 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
 from klpo.train.step.update import micro_step
 
@@ -105,7 +106,9 @@ def _one_step(cfg, seed: int = 0):
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+    )
     grads = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
     return m, rollout, s, grads
 

@@ -24,7 +24,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
 from klpo.train.step import score as step_score
 from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
-from klpo.train.step.kl_term import needs_exact_kl
+from klpo.train.step.kl_term import kl_term, needs_exact_kl
 from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
 from klpo.train.step.types import Optimizers, SamplingPass, update_gives_logp_old
@@ -128,7 +128,9 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+    )
     assert s.old.filled.all()
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
@@ -196,7 +198,15 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
         s = score(cfg, m, rollout, reward_fns, 0.5)
         assert bool(s.old.filled.all()) == separate_pass
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-        upd = update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+        upd = update(
+            cfg,
+            m,
+            s,
+            opt,
+            kl_term(cfg, beta=0.5, beta_old=1.0),
+            dist,
+            torch.Generator().manual_seed(0),
+        )
         assert s.old.filled.all()
         return step_metrics(cfg, s, upd, dist), dict(m.policy.named_parameters())
 
@@ -334,7 +344,15 @@ def test_the_entropy_bonus_raises_entropy(tiny_model, quick, tmp_path):
         dist, m, rollout, fns = _fixed_batch(cfg)
         s = score(cfg, m, rollout, fns, 0.0)
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=1.0), None)
-        update(cfg, m, s, opt, 0.0, 1.0, dist, torch.Generator().manual_seed(0))
+        update(
+            cfg,
+            m,
+            s,
+            opt,
+            kl_term(cfg, beta=0.0, beta_old=1.0),
+            dist,
+            torch.Generator().manual_seed(0),
+        )
         with torch.no_grad():
             head = unwrap(m.backbone).head()
             hidden = completion_hidden(m.backbone, rollout)
@@ -535,9 +553,9 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
         sc.old = SamplingPass.empty(s.logp_ref)
         m.policy.zero_grad()
         tally, metrics = Tally(), []
+        term = kl_term(cfg, beta=beta, beta_old=1.0)
         for rows in micro:
-            metrics.append(micro_step(cfg, m, sc, rows, beta, 1.0, n, dist, sync=True,
-                                            tally=tally))  # fmt: skip
+            metrics.append(micro_step(cfg, m, sc, rows, term, n, dist, sync=True, tally=tally))
         grads = {k: p.grad.clone() for k, p in m.policy.named_parameters() if p.grad is not None}
         return grads, metrics, tally.result(lambda t: t), sc.old
 
@@ -584,7 +602,17 @@ def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path,
         cfg.algo.fused_loss = mode
         sc = copy.copy(s)
         sc.old = SamplingPass.empty(s.logp_ref)
-        micro_step(cfg, m, sc, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+        micro_step(
+            cfg,
+            m,
+            sc,
+            rows,
+            kl_term(cfg, beta=0.5, beta_old=1.0),
+            n,
+            Dist(),
+            sync=True,
+            tally=Tally(),
+        )
         assert len(calls) == want
 
 

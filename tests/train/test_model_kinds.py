@@ -18,6 +18,7 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
 from klpo.train.step.update import micro_step
 
@@ -171,7 +172,9 @@ def _step(cfg):
     m.policy.zero_grad()
     n = reduce.normaliser(r.mask, "token-mean")
     rows = torch.arange(len(r.prompts))
-    metrics = micro_step(cfg, m, s, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+    metrics = micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, Dist(), sync=True, tally=Tally()
+    )
     return m, r, metrics, {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
 

@@ -28,6 +28,7 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import METRICS, Tally, is_timing, read_metrics
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.metrics import finish_metrics, step_metrics
 from klpo.train.step.score import score
 from klpo.train.step.types import Optimizers
@@ -280,7 +281,9 @@ def test_kl_ref_of_the_configured_estimator_is_its_own_value(tiny_model, quick, 
     fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = score(cfg, m, rollout, fns, 0.1)
     opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.0), None)
-    upd = update(cfg, m, s, opt, 0.1, 1.0, dist, torch.Generator().manual_seed(0))
+    upd = update(
+        cfg, m, s, opt, kl_term(cfg, beta=0.1, beta_old=1.0), dist, torch.Generator().manual_seed(0)
+    )
     metrics = step_metrics(cfg, s, upd, dist)
     d = (s.logp_ref - s.old.logp).double()[rollout.mask]
     want = float((d.exp() * d - (d.exp() - 1)).mean())  # r log r - (r - 1), r = pi_ref/pi

@@ -189,24 +189,26 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
         mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
         rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
     t1 = time.perf_counter()
-    term = sample_kl_term(cfg, m, mine, rollout, run.control.window)
+    # The step's KL term with the controllers' coefficients (and the reference's samples).
+    beta, beta_old = run.control.kl.value, run.control.penalty.value
+    term = sample_kl_term(cfg, m, mine, rollout, run.control.window, beta=beta, beta_old=beta_old)
     t1r = time.perf_counter()
 
     # Score (rewards, log-probs, advantages), then update.
-    beta, beta_old = run.control.kl.value, run.control.penalty.value
     scored = score(
-        cfg, m, rollout, run.reward_fns, beta, dist, examples=mine, state=progress, totals=totals
-    )
+        cfg, m, rollout, run.reward_fns, term.beta, dist, examples=mine, state=progress,
+        totals=totals,
+    )  # fmt: skip
     t2 = time.perf_counter()
-    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, term)
+    upd = update(cfg, m, scored, run.opt, term, dist, run.update_gen)
     t3 = time.perf_counter()
 
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
-    run.control.after_step(cfg, step, metrics, term, beta_old)
+    run.control.after_step(cfg, step, metrics, term)
     metrics.update(
         {
-            "beta": beta,
+            "beta": term.beta,
             "lr": lr,
             "time/generate": t1 - t0,
             "time/score": t2 - t1r,

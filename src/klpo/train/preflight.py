@@ -201,10 +201,12 @@ def plan_run_dir(
         plan.saved_world = len(plan.meta["rng"])
         if plan.saved_world != world:
             plan.changes["processes"] = [plan.saved_world, world]
-        if cfg.algo.name == "ppo" != saved.algo.name and allow_config_change:
+        critic = ALGORITHMS[cfg.algo.name].critic
+        if critic and not ALGORITHMS[saved.algo.name].critic and allow_config_change:
             plan.notes.append(
                 "the checkpoint has no critic (it was a run of "
-                f"{saved.algo.name}): PPO's critic starts from model.critic, untrained"
+                f"{saved.algo.name}): {cfg.algo.name.upper()}'s critic starts from "
+                "model.critic, untrained"
             )
     if plan.changes and not allow_config_change:
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan.changes.items())
@@ -298,17 +300,19 @@ def config_warnings(cfg: TrainConfig, world: int = 1) -> list[str]:
             f"algo.micro_batch={a.micro_batch} is more than a minibatch ({size} sequences); "
             "each minibatch is one micro-batch"
         )
-    if a.name != "ppo":
-        ppo_only = [
+    if not ALGORITHMS[a.name].critic:
+        critic_only = [
             key
             for key in ("vf_coef", "value_clip", "lam")
             if getattr(a, key) != getattr(defaults.algo, key)
         ]
         if cfg.model.critic is not None:
-            ppo_only.insert(0, "model.critic")
-        if ppo_only:
+            critic_only.insert(0, "model.critic")
+        if critic_only:
+            have = " and ".join(n.upper() for n, spec in ALGORITHMS.items() if spec.critic)
             out.append(
-                f"{', '.join(ppo_only)} ignored: only PPO has a critic (algo.name is {a.name})"
+                f"{', '.join(critic_only)} ignored: only {have} has a critic (algo.name is "
+                f"{a.name})"
             )
     return out
 

@@ -136,13 +136,12 @@ def score(
         scores, scored = scores.to(mask.device), None if scored is None else scored.to(mask.device)
     logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout)
     token_rewards, kl_penalty = _shaped_rewards(cfg, scores, old, logp_ref, mask, beta)
-    spec, a, g = ALGORITHMS[cfg.algo.name], cfg.algo, rollout.group_size
+    spec, g = ALGORITHMS[cfg.algo.name], rollout.group_size
     values_old = torch.where(mask, values(m.critic_core, rollout), 0.0) if spec.critic else None
     inputs = AdvantageInputs(
-        scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(),
-        std=a.std, gamma=a.gamma, lam=a.lam, scored=scored,
-    )  # fmt: skip
-    adv, returns = spec.advantages(inputs)
+        scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(), scored=scored
+    )
+    adv, returns = spec.advantages(cfg.algo, inputs)
     metrics = reward_metrics(scores, per_fn, rollout, g, scored)
     if cfg.gold_reward:
         metrics.merge(gold_metrics(cfg.gold_reward, batch, scores, scored))
