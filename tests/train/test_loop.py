@@ -45,24 +45,23 @@ def policy_weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize(
-    ("algo", "extra"),
-    [
-        ("grpo", {}),
-        ("ppo", {"kl.placement": "reward", "kl.estimator": "k1", "algo.epochs": 2}),
-        ("rloo", {"kl.placement": "reward"}),
-        ("reinforce++", {"kl.placement": "reward", "kl.estimator": "k3"}),
-    ],
-)
-def test_each_algorithm_trains(run, tiny_model, tmp_path, algo, extra):
-    rows = run(tmp_path / "run", **{"algo.name": algo, **extra})
+SMOKE_OPTIONS = {
+    "ppo": {"kl.placement": "reward", "kl.estimator": "k1", "algo.epochs": 2},
+    "rloo": {"kl.placement": "reward"},
+    "reinforce++": {"kl.placement": "reward", "kl.estimator": "k3"},
+}
+"""Options beside ``algo.name`` for some algorithms' smoke runs (the rest run the defaults)."""
+
+
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
+def test_each_algorithm_trains(run, tiny_model, tmp_path, algo):
+    rows = run(tmp_path / "run", **{"algo.name": algo, **SMOKE_OPTIONS.get(algo, {})})
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "accuracy/heldout" in rows[0] and "accuracy/heldout" in rows[2]
     for r in rows[1:]:
         for key in ("reward/mean", "kl/ref/exact", "entropy", "loss/total", "grad_norm", "beta"):
             assert math.isfinite(r[key]), key
-    if algo == "ppo":
-        assert "loss/value" in rows[-1]
+    assert ("loss/value" in rows[-1]) == ALGORITHMS[algo].critic
     before = policy_weights(tiny_model)
     after = policy_weights(tmp_path / "run" / "checkpoints" / "step_000003" / "policy")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -400,12 +399,15 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
 def test_every_variant_has_one_table_entry():
     from typing import get_args
 
-    from klpo.train.config import AlgoConfig
+    from klpo.train.config import AlgoConfig, RolloutConfig
+    from klpo.train.rollout.choices import ENGINES, SAMPLERS
     from klpo.train.step.kl_term import REF_SAMPLED_TERMS
 
     # The config's types are the tables' names, in the tables' order: one list of each.
     assert get_args(AlgoConfig.model_fields["name"].annotation) == tuple(ALGORITHMS)
     assert get_args(AlgoConfig.model_fields["policy_loss"].annotation) == tuple(POLICY_LOSSES)
+    assert get_args(RolloutConfig.model_fields["engine"].annotation) == tuple(ENGINES)
+    assert get_args(RolloutConfig.model_fields["sampler"].annotation) == tuple(SAMPLERS)
     traits = {
         trait: [a for a, spec in ALGORITHMS.items() if getattr(spec, trait)]
         for trait in ("group", "critic", "whitened")

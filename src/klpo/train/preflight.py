@@ -309,10 +309,10 @@ def config_warnings(cfg: TrainConfig, world: int = 1) -> list[str]:
         if cfg.model.critic is not None:
             critic_only.insert(0, "model.critic")
         if critic_only:
-            have = " and ".join(n.upper() for n, spec in ALGORITHMS.items() if spec.critic)
+            names = [n.upper() for n, spec in ALGORITHMS.items() if spec.critic]
+            have = " and ".join(names) + (" has" if len(names) == 1 else " have")
             out.append(
-                f"{', '.join(critic_only)} ignored: only {have} has a critic (algo.name is "
-                f"{a.name})"
+                f"{', '.join(critic_only)} ignored: only {have} a critic (algo.name is {a.name})"
             )
     return out
 
