@@ -82,11 +82,11 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.models.backbone import Backbone
     from klpo.train.models.build import build_models
+    from klpo.train.optimizers import make_optimizers
     from klpo.train.rewards.model import build_rewards
     from klpo.train.rollout.samplers import completion_hidden, generate
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
-    from klpo.train.setup import make_optimizers
     from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
     from klpo.train.step.types import SamplingPass

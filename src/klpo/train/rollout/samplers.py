@@ -133,8 +133,6 @@ def completion_mask(completion_ids: Tensor, eos_token_id: int | list[int]) -> tu
     return ~seen_before, ~is_eos.any(-1)
 
 
-
-
 def nucleus_logits(logits: Tensor, top_p: float) -> Tensor:
     """``logits`` with every token outside the top-``top_p`` nucleus set to -inf.
 
