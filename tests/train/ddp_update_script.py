@@ -27,8 +27,8 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import init_distributed, shutdown
 from klpo.train.step.kl_term import kl_term
-from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 

@@ -25,8 +25,8 @@ from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
 from klpo.train.step import score as step_score
 from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
 from klpo.train.step.kl_term import kl_term, needs_exact_kl
-from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers, SamplingPass, update_gives_logp_old
 from klpo.train.step.update import micro_step, update
 

@@ -29,8 +29,8 @@ from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import METRICS, Tally, is_timing, read_metrics
 from klpo.train.step.kl_term import kl_term
-from klpo.train.step.metrics import finish_metrics, step_metrics
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import finish_metrics, step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 

@@ -26,8 +26,8 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.step import update as update_mod
-from klpo.train.step.metrics import step_metrics
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers
 
 SWITCHES = ("dtype", "checkpointing", "share_prompt", "fused", "lora", "placement")

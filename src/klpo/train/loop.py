@@ -7,7 +7,7 @@ loads or file is written), :func:`~klpo.train.setup.setup`, :func:`run_steps` (o
 
     share out prompts -> sample (rollout.engines) -> the reference's samples where the KL term
     needs them (step.kl_term) -> score: rewards, log-probs, advantages (step.score) -> update
-    (step.update) -> metrics (step.metrics) -> after-step control (step.control)
+    (step.update) -> metrics (step.step_metrics) -> after-step control (step.after_step)
 
 Every piece of math is a library function and every variant a table read once
 (:data:`klpo.train.algorithms.ALGORITHMS`, :data:`~klpo.train.algorithms.POLICY_LOSSES`,
@@ -53,9 +53,9 @@ from klpo.train.setup import (
 )
 from klpo.train.step.dynamic import sample_with_signal
 from klpo.train.step.kl_term import sample_kl_term
-from klpo.train.step.metrics import step_metrics
-from klpo.train.step.samples import train_records
+from klpo.train.step.sample_records import train_records
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Scored
 from klpo.train.step.update import update
 

@@ -48,9 +48,9 @@ from klpo.train.runtime.metrics import MetricsWriter
 from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
 from klpo.train.runtime.samples import user_messages
-from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
+from klpo.train.step.after_step import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
-from klpo.train.step.samples import eval_records
+from klpo.train.step.sample_records import eval_records
 from klpo.train.step.types import Optimizers
 
 __all__ = [

@@ -25,7 +25,7 @@ from klpo.train.rollout.reward_batch import reward_batch
 from klpo.train.rollout.samplers import Rollout, completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.step.kl_term import needs_exact_kl
-from klpo.train.step.metrics import reward_metrics
+from klpo.train.step.step_metrics import reward_metrics
 from klpo.train.step.types import SamplingPass, Scored, update_gives_logp_old
 
 __all__ = ["reference_and_old", "reward_totals", "score", "values"]
