@@ -22,7 +22,6 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
-from klpo.train.step import score as step_score
 from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
 from klpo.train.step.kl_term import kl_term, needs_exact_kl
 from klpo.train.step.score import score
@@ -104,25 +103,14 @@ def test_kl_choices_and_options_run(run, tmp_path, extra):
 
 
 @pytest.mark.parametrize("estimator", ["k3", "full"])
-def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
+def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, scored_rollout, estimator):
     """One fixed batch: the trainer's gradient equals a naive assembly of the library's functions
     from full logits (log_softmax + gather in float64), for the clipped surrogate + k3 in the loss,
     and for the default, the exact KL summed over the vocabulary by hand."""
     extra = {"kl.beta": 0.5, "kl.estimator": estimator}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **extra))
-    dist = Dist()
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():  # move the policy away from the reference so the KL term is non-zero
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    train, _ = load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = score(cfg, m, rollout, reward_fns, 0.5)
+    sr = scored_rollout(cfg, beta=0.5)  # the policy moved off the reference: the KL term is not 0
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     assert not s.old.filled.any()  # one epoch, one minibatch: the update's pass gives log pi_old
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
@@ -161,22 +149,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     assert any(g.abs().max() > 0 for g in got.values())
 
 
-def moved_policy_and_rollout(cfg, dist: Dist, train) -> tuple:
-    """Fresh models with the policy moved away from the reference (so the KL and the entropy are
-    not trivial), and 4 groups of 4 completions of the first 4 prompts sampled from it."""
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    return m, rollout
-
-
-def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, monkeypatch):
+def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, scored_rollout):
     """One epoch, one minibatch: the update's forward pass gives log pi_old, the entropy and the
     exact KL. The step, parameters and metrics, equals the one with the score's separate policy
     pass (the previous behaviour), to float32 rounding, over several micro-batches."""
@@ -187,14 +160,11 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
     for off in ({"algo.epochs": 2}, {"algo.minibatches": 2}, {"kl.placement": "reward"}):
         other = build_config(overrides=quick(tiny_model, tmp_path / "o", **off))
         assert not update_gives_logp_old(other), off
-    dist = Dist()
-    train, _ = load_examples(cfg)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
 
     def one_step(separate_pass: bool):
-        monkeypatch.setattr(step_score, "update_gives_logp_old", lambda _: not separate_pass)
-        m, rollout = moved_policy_and_rollout(cfg, dist, train)
-        s = score(cfg, m, rollout, reward_fns, 0.5)
+        # None: the trainer's rule (the update's pass here); True: the score's pass of its own.
+        sr = scored_rollout(cfg, beta=0.5, fill_old=True if separate_pass else None)
+        m, s, dist = sr.models, sr.scored, sr.dist
         assert bool(s.old.filled.all()) == separate_pass
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
         upd = update(
@@ -524,7 +494,7 @@ def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
     ids=["default", "gspo", "cispo", "kl-penalty", "entropy-seq-mean", "no-kl", "k3"],
 )
 def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
-    tiny_model, quick, tmp_path, monkeypatch, extra
+    tiny_model, quick, tmp_path, monkeypatch, scored_rollout, extra
 ):
     """On-policy micro-steps whose loss weights are known up front take their gradient in the
     forward pass (klpo.logprobs.fused_loss; by default only with a vocabulary of 32768 or more,
@@ -534,12 +504,9 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     base = {"kl.beta": 0.5, "algo.micro_batch": 5}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{**base, **extra}))
     assert update_gives_logp_old(cfg)
-    dist = Dist()
-    train, _ = load_examples(cfg)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    m, rollout = moved_policy_and_rollout(cfg, dist, train)
     beta = cfg.kl.beta
-    s = score(cfg, m, rollout, reward_fns, beta)
+    sr = scored_rollout(cfg, beta=beta)
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     assert s.adv.abs().max() > 0
     calls = []
     fused_loss = logprobs.fused_loss
@@ -551,8 +518,7 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
 
     def step(fast: bool):
         cfg.algo.fused_loss = "on" if fast else "off"  # on: the tiny model's vocabulary too
-        sc = copy.copy(s)
-        sc.old = SamplingPass.empty(s.logp_ref)
+        sc = sr.fresh()
         m.policy.zero_grad()
         tally, metrics = Tally(), []
         term = kl_term(cfg, beta=beta, beta_old=1.0)
@@ -581,15 +547,15 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
                                    atol=1e-6)  # fmt: skip
 
 
-def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path, monkeypatch):
+def test_small_vocabularies_keep_the_per_token_path(
+    tiny_model, quick, tmp_path, monkeypatch, scored_rollout
+):
     """The forward-pass gradient pays only where the head is a large share of the step: with
     algo.fused_loss=auto, below FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update
     keeps the per-token path; with on it takes fused_loss, with off it never does."""
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
-    train, _ = load_examples(cfg)
-    m, rollout = moved_policy_and_rollout(cfg, Dist(), train)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = score(cfg, m, rollout, reward_fns, 0.5)
+    sr = scored_rollout(cfg, beta=0.5)
+    m, rollout, s = sr.models, sr.rollout, sr.scored
     calls = []
     fused_loss = logprobs.fused_loss
     monkeypatch.setattr(
