@@ -109,3 +109,26 @@ def test_a_reward_is_registered(tiny_model, quick, tmp_path, monkeypatch):
     # (reward/mean: the float32 total of the run's one reward; its own mean in float64)
     assert row["reward/tenth_of_length"] > 0
     assert row["reward/mean"] == pytest.approx(row["reward/tenth_of_length"], rel=1e-6)
+
+
+def test_a_row_is_a_choice_as_soon_as_it_is_added(monkeypatch):
+    """The config checks a name against its table as the table is at validation time, and a
+    name that is no row is refused with the rows of now, in a Literal's words."""
+
+    def allowed(table) -> str:
+        names = [repr(n) for n in table]
+        return f"{', '.join(names[:-1])} or {names[-1]}"
+
+    for key, table, row in (
+        ("algo.name", ALGORITHMS, ALGORITHMS["grpo"]),
+        ("algo.policy_loss", POLICY_LOSSES, POLICY_LOSSES["clip"]),
+        ("rollout.engine", ENGINES, ENGINES["hf"]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            build_config(overrides=[f"{key}=made-up"])
+        assert f"{key}: got 'made-up'; allowed: {allowed(table)}" in str(err.value)
+        monkeypatch.setitem(table, "made-up", row)
+        section, name = key.split(".")
+        assert getattr(getattr(build_config(overrides=[f"{key}=made-up"]), section), name) == (
+            "made-up"
+        )
