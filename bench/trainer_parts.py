@@ -82,11 +82,12 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.models.backbone import Backbone
     from klpo.train.models.build import build_models
+    from klpo.train.optimizers import make_optimizers
     from klpo.train.rewards.model import build_rewards
     from klpo.train.rollout.samplers import completion_hidden, generate
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
-    from klpo.train.setup import make_optimizers
+    from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
     from klpo.train.step.types import SamplingPass
     from klpo.train.step.update import micro_step, update
@@ -146,7 +147,17 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
 
     def klpo_micro_step():
         model.zero_grad(set_to_none=True)
-        micro_step(cfg, m, fresh(), rows, s.beta, 1.0, n_tokens, Dist(), sync=True, tally=Tally())
+        micro_step(
+            cfg,
+            m,
+            fresh(),
+            rows,
+            kl_term(cfg, beta=s.beta, beta_old=1.0),
+            n_tokens,
+            Dist(),
+            sync=True,
+            tally=Tally(),
+        )
 
     def with_mode(fn, mode: str):  # the same part with algo.fused_loss set to ``mode``
         def run():
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         return run
 
     def klpo_update():
-        update(cfg, m, fresh(), opt, s.beta, 1.0, Dist(), gen)
+        update(cfg, m, fresh(), opt, kl_term(cfg, beta=s.beta, beta_old=1.0), Dist(), gen)
 
     cases = {
         "floor: generate": floor_generate,

@@ -568,6 +568,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from klpo.train.rollout.samplers import generate
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
+    from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
     from klpo.train.step.update import micro_step
 
@@ -602,7 +603,15 @@ def loss_worker(s: Settings, out_path: str) -> None:
         for p in params:
             p.grad = None
         metrics = micro_step(
-            cfg, m, scored, rows, s.beta, 1.0, n_tokens, dist, sync=True, tally=Tally()
+            cfg,
+            m,
+            scored,
+            rows,
+            kl_term(cfg, beta=s.beta, beta_old=1.0),
+            n_tokens,
+            dist,
+            sync=True,
+            tally=Tally(),
         )
         klpo_value = metrics["loss/total"]
         klpo_grad = torch.cat([p.grad.flatten() for p in params]).double()

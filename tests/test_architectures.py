@@ -645,6 +645,7 @@ def one_step_column(b: Built) -> Outcome:
     from klpo.train.rewards.functions import WeightedReward
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
+    from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
     from klpo.train.step.update import micro_step
 
@@ -663,7 +664,17 @@ def one_step_column(b: Built) -> Outcome:
     s = score(cfg, m, r, [reward], beta)
     b.model.zero_grad()
     n = reduce.normaliser(r.mask, "token-mean")
-    micro_step(cfg, m, s, torch.arange(4), beta, 1.0, n, Dist(), sync=True, tally=Tally())
+    micro_step(
+        cfg,
+        m,
+        s,
+        torch.arange(4),
+        kl_term(cfg, beta=beta, beta_old=1.0),
+        n,
+        Dist(),
+        sync=True,
+        tally=Tally(),
+    )
     got = {k: p.grad.clone() for k, p in b.model.named_parameters() if p.grad is not None}
     want, logp, logp_ref, kl = _naive_step(b, r, s.adv, beta)
     real = r.mask

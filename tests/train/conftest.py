@@ -100,6 +100,58 @@ def quick():
     return quick_overrides
 
 
+class ScoredRollout:
+    """Fresh models with the policy moved off the reference by seeded noise of scale ``nudge``
+    (so the KL and the entropy are not trivial; 0: left at the reference), 4 groups of 4
+    completions of the first 4 training prompts sampled from it, and
+    their scores (the tests' ``digits`` reward) at KL coefficient ``beta``: the set-up of a test
+    of the update, through the trainer's public functions only."""
+
+    def __init__(
+        self, cfg, *, beta: float, seed: int = 0, nudge: float = 0.05, dist=None, fill_old=None
+    ) -> None:
+        from klpo.train.data.load import load_examples
+        from klpo.train.models.build import build_models
+        from klpo.train.rewards.functions import resolve_rewards
+        from klpo.train.rollout.samplers import generate
+        from klpo.train.runtime.dist import Dist
+        from klpo.train.step.score import score
+
+        self.cfg, self.dist = cfg, dist if dist is not None else Dist()
+        self.models = build_models(cfg, self.dist, None)
+        torch.manual_seed(seed)  # (the draws of the noise, then of the completions)
+        with torch.no_grad():
+            for p in self.models.policy.parameters() if nudge else ():
+                p.add_(nudge * torch.randn_like(p))
+        self.train, _ = load_examples(cfg)
+        prompts = self.train[:4]
+        self.rollout = generate(
+            self.models.policy, self.models.tokenizer, [e.prompt for e in prompts],
+            [e.answer for e in prompts], group_size=4, max_new_tokens=4,
+        )  # fmt: skip
+        self.reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+        self.scored = score(
+            cfg, self.models, self.rollout, self.reward_fns, beta, self.dist, fill_old=fill_old
+        )
+
+    def fresh(self):
+        """The scored rollout with an empty sampling pass: the next update's forward records
+        pi_old anew (:class:`klpo.train.step.types.SamplingPass`), the rest shared."""
+        import copy
+
+        from klpo.train.step.types import SamplingPass
+
+        s = copy.copy(self.scored)
+        s.old = SamplingPass.empty(self.scored.logp_ref)
+        return s
+
+
+@pytest.fixture
+def scored_rollout():
+    """:class:`ScoredRollout`, as a fixture: ``scored_rollout(cfg, beta=0.5)``."""
+    return ScoredRollout
+
+
 @pytest.fixture(autouse=True)
 def _test_rewards_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))

@@ -26,8 +26,9 @@ from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import init_distributed, shutdown
-from klpo.train.step.metrics import step_metrics
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 
@@ -82,7 +83,15 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
         torch.optim.SGD(m.policy.parameters(), lr=0.1),
         torch.optim.SGD(critic.parameters(), lr=0.1) if critic is not None else None,
     )
-    upd = update(cfg, m, scored, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+    upd = update(
+        cfg,
+        m,
+        scored,
+        opt,
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        dist,
+        torch.Generator().manual_seed(0),
+    )
     metrics = step_metrics(cfg, scored, upd, dist)
     if dist.is_main:
         params = {k: v.detach().clone() for k, v in m.policy.state_dict().items()}

@@ -28,6 +28,7 @@ from klpo.train.models.load import load_causal_lm, load_tokenizer
 from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import Dist, init_distributed, shutdown
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
@@ -88,7 +89,7 @@ def step(cfg, m, opt, rollout, dist: Dist, gen: torch.Generator) -> None:
     mine = rollout.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
     reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     scored = score(cfg, m, mine, reward_fns, 0.5)
-    update(cfg, m, scored, opt, 0.5, 1.0, dist, gen)
+    update(cfg, m, scored, opt, kl_term(cfg, beta=0.5, beta_old=1.0), dist, gen)
 
 
 def main(model: str, out_dir: str) -> None:

@@ -58,3 +58,26 @@ def spec(delta: float, made: list | None = None) -> EngineSpec:
         return engine
 
     return EngineSpec(make)
+
+
+def recording(rollouts: list, prompts: list | None = None) -> EngineSpec:
+    """The ``hf`` engine's own row, its samples recorded: each :class:`Rollout` the engine
+    returns goes to ``rollouts``, each prompt it was given to ``prompts``."""
+    from klpo.train.rollout.choices import ENGINES
+
+    hf = ENGINES["hf"].factory()
+
+    def make(cfg, m, dist, policy_path):
+        engine = hf(cfg, m, dist, policy_path)
+        sample = engine.sample
+
+        def recorded(prompts_: list[str], answers: list[str]) -> Rollout:
+            if prompts is not None:
+                prompts.extend(prompts_)
+            rollouts.append(r := sample(prompts_, answers))
+            return r
+
+        engine.sample = recorded
+        return engine
+
+    return EngineSpec(make)

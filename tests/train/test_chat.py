@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 
@@ -104,15 +105,10 @@ def test_train_with_chat_prompts(chat_model, quick, tmp_path, monkeypatch):
         )
     )  # fmt: skip
     seen = []
-    from klpo.train.rollout import engines
+    from klpo.train.rollout.choices import ENGINES
 
-    real = engines.generate
-
-    def spy(model, tokenizer, prompts, *args, **kwargs):
-        seen.extend(prompts)
-        return real(model, tokenizer, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(engines, "generate", spy)  # what the hf engine samples with
+    fake = importlib.import_module("klpo_fake_engine")  # tests/train, on sys.path in a test
+    monkeypatch.setitem(ENGINES, "hf", fake.recording([], seen))  # what the hf engine is given
     loop.train(cfg, log=lambda *_: None)
     assert seen and all(p.startswith("<s>system: add\n<s>user: ") for p in seen)
     assert all(p.endswith("\n<s>assistant: ") for p in seen)

@@ -12,14 +12,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from klpo import losses, reduce
 from klpo.heads import LogitTransform
 from klpo.train.config import ConfigError, build_config
-from klpo.train.data.load import load_examples
 from klpo.train.models.backbone import OWN_LOGITS, token_outputs
 from klpo.train.models.build import build_models, unwrap
-from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
+from klpo.train.rollout.samplers import completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
-from klpo.train.step.score import score
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.update import micro_step
 
 
@@ -87,25 +85,17 @@ def test_a_made_up_transform_is_refused_at_load(tempered, quick, tmp_path):
         assert "after the output head" in text  # the diagnosis: where the model differs
 
 
-def _one_step(cfg, seed: int = 0):
+def _one_step(scored_rollout, cfg, seed: int = 0):
     """Fresh models (the policy moved off the reference), 4 groups of 4 completions, scored, one
     micro-step on all rows: (models, rollout, scored, the policy's gradients, its outputs)."""
-    dist = Dist()
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    train, _ = load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    s = score(cfg, m, rollout, resolve_rewards({"klpo_test_rewards:digits": 1.0}), 0.5)
+    sr = scored_rollout(cfg, beta=0.5, seed=seed)
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+    )
     grads = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
     return m, rollout, s, grads
 
@@ -142,11 +132,11 @@ def _assert_grads_close(got, want):
     assert any(g.abs().max() > 0 for g in got.values())
 
 
-def test_the_fallback_gives_the_models_own_numbers(tempered, quick, tmp_path):
+def test_the_fallback_gives_the_models_own_numbers(tempered, quick, tmp_path, scored_rollout):
     """model.logits_path: model on the made-up transform: pi_old, pi_ref, the exact KL and the
     update's gradient are those of the model's own logits (a naive float64 assembly)."""
     cfg = _cfg(quick, tempered, tmp_path / "run", **{"model.logits_path": "model"})
-    m, rollout, s, grads = _one_step(cfg)
+    m, rollout, s, grads = _one_step(scored_rollout, cfg)
     assert unwrap(m.backbone).head() is OWN_LOGITS
     want, logp, logp_ref, kl_tok = _naive(m, rollout, s)
     mask = rollout.mask
@@ -156,13 +146,15 @@ def test_the_fallback_gives_the_models_own_numbers(tempered, quick, tmp_path):
     _assert_grads_close(grads, want)
 
 
-def test_the_fallback_equals_the_fused_path_on_a_plain_model(tiny_model, quick, tmp_path):
+def test_the_fallback_equals_the_fused_path_on_a_plain_model(
+    tiny_model, quick, tmp_path, scored_rollout
+):
     """A plain Llama: the model's own logits and the fused head give one step's log-probs,
     entropy, exact KL and gradients alike (float32 rounding)."""
     runs = {}
     for path in ("fused", "model"):
         cfg = _cfg(quick, tiny_model, tmp_path / path, **{"model.logits_path": path})
-        _, rollout, s, grads = _one_step(cfg)
+        _, rollout, s, grads = _one_step(scored_rollout, cfg)
         runs[path] = (rollout, s, grads)
     (r_f, s_f, g_f), (r_m, s_m, g_m) = runs["fused"], runs["model"]
     assert torch.equal(r_f.completion_ids, r_m.completion_ids)  # the same draws
@@ -175,13 +167,15 @@ def test_the_fallback_equals_the_fused_path_on_a_plain_model(tiny_model, quick, 
     _assert_grads_close(g_m, g_f)
 
 
-def test_a_soft_capped_model_trains_on_its_own_log_probs(arch_model, quick, tmp_path):
+def test_a_soft_capped_model_trains_on_its_own_log_probs(
+    arch_model, quick, tmp_path, scored_rollout
+):
     """Gemma 2 with a soft cap that bites: the load-time check passes, the trainer's pi_old,
     pi_ref, exact KL and gradient are the model's own; the plain head would be nats off."""
     path = arch_model(tmp_path / "gemma2", "gemma2", final_logit_softcapping=2.0)
     _widen(path, 30.0)
     cfg = _cfg(quick, path, tmp_path / "run")
-    m, rollout, s, grads = _one_step(cfg)
+    m, rollout, s, grads = _one_step(scored_rollout, cfg)
     head = unwrap(m.backbone).head()
     assert head.transform == LogitTransform(1.0, 2.0)
     want, logp, logp_ref, kl_tok = _naive(m, rollout, s)

@@ -22,11 +22,10 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
-from klpo.train.step import score as step_score
 from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
-from klpo.train.step.kl_term import needs_exact_kl
-from klpo.train.step.metrics import step_metrics
+from klpo.train.step.kl_term import kl_term, needs_exact_kl
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers, SamplingPass, update_gives_logp_old
 from klpo.train.step.update import micro_step, update
 
@@ -45,24 +44,23 @@ def policy_weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize(
-    ("algo", "extra"),
-    [
-        ("grpo", {}),
-        ("ppo", {"kl.placement": "reward", "kl.estimator": "k1", "algo.epochs": 2}),
-        ("rloo", {"kl.placement": "reward"}),
-        ("reinforce++", {"kl.placement": "reward", "kl.estimator": "k3"}),
-    ],
-)
-def test_each_algorithm_trains(run, tiny_model, tmp_path, algo, extra):
-    rows = run(tmp_path / "run", **{"algo.name": algo, **extra})
+SMOKE_OPTIONS = {
+    "ppo": {"kl.placement": "reward", "kl.estimator": "k1", "algo.epochs": 2},
+    "rloo": {"kl.placement": "reward"},
+    "reinforce++": {"kl.placement": "reward", "kl.estimator": "k3"},
+}
+"""Options beside ``algo.name`` for some algorithms' smoke runs (the rest run the defaults)."""
+
+
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
+def test_each_algorithm_trains(run, tiny_model, tmp_path, algo):
+    rows = run(tmp_path / "run", **{"algo.name": algo, **SMOKE_OPTIONS.get(algo, {})})
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "accuracy/heldout" in rows[0] and "accuracy/heldout" in rows[2]
     for r in rows[1:]:
         for key in ("reward/mean", "kl/ref/exact", "entropy", "loss/total", "grad_norm", "beta"):
             assert math.isfinite(r[key]), key
-    if algo == "ppo":
-        assert "loss/value" in rows[-1]
+    assert ("loss/value" in rows[-1]) == ALGORITHMS[algo].critic
     before = policy_weights(tiny_model)
     after = policy_weights(tmp_path / "run" / "checkpoints" / "step_000003" / "policy")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -105,30 +103,21 @@ def test_kl_choices_and_options_run(run, tmp_path, extra):
 
 
 @pytest.mark.parametrize("estimator", ["k3", "full"])
-def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
+def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, scored_rollout, estimator):
     """One fixed batch: the trainer's gradient equals a naive assembly of the library's functions
     from full logits (log_softmax + gather in float64), for the clipped surrogate + k3 in the loss,
     and for the default, the exact KL summed over the vocabulary by hand."""
     extra = {"kl.beta": 0.5, "kl.estimator": estimator}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **extra))
-    dist = Dist()
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():  # move the policy away from the reference so the KL term is non-zero
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    train, _ = load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = score(cfg, m, rollout, reward_fns, 0.5)
+    sr = scored_rollout(cfg, beta=0.5)  # the policy moved off the reference: the KL term is not 0
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     assert not s.old.filled.any()  # one epoch, one minibatch: the update's pass gives log pi_old
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+    )
     assert s.old.filled.all()
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
@@ -160,22 +149,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, estimator):
     assert any(g.abs().max() > 0 for g in got.values())
 
 
-def moved_policy_and_rollout(cfg, dist: Dist, train) -> tuple:
-    """Fresh models with the policy moved away from the reference (so the KL and the entropy are
-    not trivial), and 4 groups of 4 completions of the first 4 prompts sampled from it."""
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    return m, rollout
-
-
-def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, monkeypatch):
+def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_path, scored_rollout):
     """One epoch, one minibatch: the update's forward pass gives log pi_old, the entropy and the
     exact KL. The step, parameters and metrics, equals the one with the score's separate policy
     pass (the previous behaviour), to float32 rounding, over several micro-batches."""
@@ -186,17 +160,22 @@ def test_an_on_policy_update_needs_no_pass_of_its_own(tiny_model, quick, tmp_pat
     for off in ({"algo.epochs": 2}, {"algo.minibatches": 2}, {"kl.placement": "reward"}):
         other = build_config(overrides=quick(tiny_model, tmp_path / "o", **off))
         assert not update_gives_logp_old(other), off
-    dist = Dist()
-    train, _ = load_examples(cfg)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
 
     def one_step(separate_pass: bool):
-        monkeypatch.setattr(step_score, "update_gives_logp_old", lambda _: not separate_pass)
-        m, rollout = moved_policy_and_rollout(cfg, dist, train)
-        s = score(cfg, m, rollout, reward_fns, 0.5)
+        # None: the trainer's rule (the update's pass here); True: the score's pass of its own.
+        sr = scored_rollout(cfg, beta=0.5, fill_old=True if separate_pass else None)
+        m, s, dist = sr.models, sr.scored, sr.dist
         assert bool(s.old.filled.all()) == separate_pass
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-        upd = update(cfg, m, s, opt, 0.5, 1.0, dist, torch.Generator().manual_seed(0))
+        upd = update(
+            cfg,
+            m,
+            s,
+            opt,
+            kl_term(cfg, beta=0.5, beta_old=1.0),
+            dist,
+            torch.Generator().manual_seed(0),
+        )
         assert s.old.filled.all()
         return step_metrics(cfg, s, upd, dist), dict(m.policy.named_parameters())
 
@@ -334,7 +313,15 @@ def test_the_entropy_bonus_raises_entropy(tiny_model, quick, tmp_path):
         dist, m, rollout, fns = _fixed_batch(cfg)
         s = score(cfg, m, rollout, fns, 0.0)
         opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=1.0), None)
-        update(cfg, m, s, opt, 0.0, 1.0, dist, torch.Generator().manual_seed(0))
+        update(
+            cfg,
+            m,
+            s,
+            opt,
+            kl_term(cfg, beta=0.0, beta_old=1.0),
+            dist,
+            torch.Generator().manual_seed(0),
+        )
         with torch.no_grad():
             head = unwrap(m.backbone).head()
             hidden = completion_hidden(m.backbone, rollout)
@@ -382,11 +369,14 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
 def test_every_variant_has_one_table_entry():
     from typing import get_args
 
-    from klpo.train.config import AlgoConfig
+    from klpo.train.config import AlgoConfig, RolloutConfig
+    from klpo.train.rollout.choices import ENGINES, SAMPLERS
 
     # The config's types are the tables' names, in the tables' order: one list of each.
     assert get_args(AlgoConfig.model_fields["name"].annotation) == tuple(ALGORITHMS)
     assert get_args(AlgoConfig.model_fields["policy_loss"].annotation) == tuple(POLICY_LOSSES)
+    assert get_args(RolloutConfig.model_fields["engine"].annotation) == tuple(ENGINES)
+    assert get_args(RolloutConfig.model_fields["sampler"].annotation) == tuple(SAMPLERS)
     traits = {
         trait: [a for a, spec in ALGORITHMS.items() if getattr(spec, trait)]
         for trait in ("group", "critic", "whitened")
@@ -505,7 +495,7 @@ def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
     ids=["default", "gspo", "cispo", "kl-penalty", "dppo-tv-k2", "entropy-seq-mean", "no-kl", "k3"],
 )
 def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
-    tiny_model, quick, tmp_path, monkeypatch, extra
+    tiny_model, quick, tmp_path, monkeypatch, scored_rollout, extra
 ):
     """On-policy micro-steps whose loss weights are known up front take their gradient in the
     forward pass (klpo.logprobs.fused_loss; by default only with a vocabulary of 32768 or more,
@@ -515,12 +505,9 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
     base = {"kl.beta": 0.5, "algo.micro_batch": 5}
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{**base, **extra}))
     assert update_gives_logp_old(cfg)
-    dist = Dist()
-    train, _ = load_examples(cfg)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    m, rollout = moved_policy_and_rollout(cfg, dist, train)
     beta = cfg.kl.beta
-    s = score(cfg, m, rollout, reward_fns, beta)
+    sr = scored_rollout(cfg, beta=beta)
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     assert s.adv.abs().max() > 0
     calls = []
     fused_loss = logprobs.fused_loss
@@ -532,13 +519,12 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
 
     def step(fast: bool):
         cfg.algo.fused_loss = "on" if fast else "off"  # on: the tiny model's vocabulary too
-        sc = copy.copy(s)
-        sc.old = SamplingPass.empty(s.logp_ref)
+        sc = sr.fresh()
         m.policy.zero_grad()
         tally, metrics = Tally(), []
+        term = kl_term(cfg, beta=beta, beta_old=1.0)
         for rows in micro:
-            metrics.append(micro_step(cfg, m, sc, rows, beta, 1.0, n, dist, sync=True,
-                                            tally=tally))  # fmt: skip
+            metrics.append(micro_step(cfg, m, sc, rows, term, n, dist, sync=True, tally=tally))
         grads = {k: p.grad.clone() for k, p in m.policy.named_parameters() if p.grad is not None}
         return grads, metrics, tally.result(lambda t: t), sc.old
 
@@ -562,15 +548,15 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
                                    atol=1e-6)  # fmt: skip
 
 
-def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path, monkeypatch):
+def test_small_vocabularies_keep_the_per_token_path(
+    tiny_model, quick, tmp_path, monkeypatch, scored_rollout
+):
     """The forward-pass gradient pays only where the head is a large share of the step: with
     algo.fused_loss=auto, below FUSED_LOSS_MIN_VOCAB entries (the tiny model's 40-odd) the update
     keeps the per-token path; with on it takes fused_loss, with off it never does."""
     cfg = build_config(overrides=quick(tiny_model, tmp_path / "run", **{"kl.beta": 0.5}))
-    train, _ = load_examples(cfg)
-    m, rollout = moved_policy_and_rollout(cfg, Dist(), train)
-    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = score(cfg, m, rollout, reward_fns, 0.5)
+    sr = scored_rollout(cfg, beta=0.5)
+    m, rollout, s = sr.models, sr.rollout, sr.scored
     calls = []
     fused_loss = logprobs.fused_loss
     monkeypatch.setattr(
@@ -585,7 +571,17 @@ def test_small_vocabularies_keep_the_per_token_path(tiny_model, quick, tmp_path,
         cfg.algo.fused_loss = mode
         sc = copy.copy(s)
         sc.old = SamplingPass.empty(s.logp_ref)
-        micro_step(cfg, m, sc, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+        micro_step(
+            cfg,
+            m,
+            sc,
+            rows,
+            kl_term(cfg, beta=0.5, beta_old=1.0),
+            n,
+            Dist(),
+            sync=True,
+            tally=Tally(),
+        )
         assert len(calls) == want
 
 

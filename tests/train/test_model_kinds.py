@@ -10,15 +10,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from klpo import reduce
 from klpo.train.config import ConfigError, build_config
-from klpo.train.data.load import load_examples
 from klpo.train.models.backbone import Backbone
 from klpo.train.models.build import build_models, unwrap
 from klpo.train.models.cache import cache_support, notice
-from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
-from klpo.train.step.score import score
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.update import micro_step
 
 SIZES = dict(
@@ -159,31 +157,29 @@ def mixtral(arch_model, tmp_path):
     return arch_model(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
 
 
-def _step(cfg):
+def _step(scored_rollout, cfg):
     """One micro-step on 4 groups of 4 (fresh models, same draws): (models, rollout, metrics,
     the policy's gradients)."""
-    m = build_models(cfg, Dist(), None)
-    train, _ = load_examples(cfg)
-    torch.manual_seed(0)
-    r = generate(m.policy, m.tokenizer, [e.prompt for e in train[:4]],
-                 [e.answer for e in train[:4]], group_size=4, max_new_tokens=4)  # fmt: skip
-    s = score(cfg, m, r, resolve_rewards({"klpo_test_rewards:digits": 1.0}), 0.5)
+    sr = scored_rollout(cfg, beta=0.5, nudge=0.0)
+    m, r, s = sr.models, sr.rollout, sr.scored
     m.policy.zero_grad()
     n = reduce.normaliser(r.mask, "token-mean")
     rows = torch.arange(len(r.prompts))
-    metrics = micro_step(cfg, m, s, rows, 0.5, 1.0, n, Dist(), sync=True, tally=Tally())
+    metrics = micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, Dist(), sync=True, tally=Tally()
+    )
     return m, r, metrics, {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
 
-def test_the_router_loss_is_the_models_own_and_weighted(mixtral, quick, tmp_path):
+def test_the_router_loss_is_the_models_own_and_weighted(mixtral, quick, tmp_path, scored_rollout):
     """algo.router_aux_loss_coef: the logged loss is the model's own aux_loss on the rollout's
     tokens, and the gradient gains coef times its gradient."""
     coef = 0.3
     base = {"rollout.share_prompt": "false"}
-    m0, r, met0, g0 = _step(_moe_cfg(quick, mixtral, tmp_path / "off", **base))
+    m0, r, met0, g0 = _step(scored_rollout, _moe_cfg(quick, mixtral, tmp_path / "off", **base))
     assert m0.router_aux_coef == 0.0 and "loss/router_aux" not in met0  # its config: off
     cfg = _moe_cfg(quick, mixtral, tmp_path / "on", **base, **{"algo.router_aux_loss_coef": coef})
-    m1, r1, met1, g1 = _step(cfg)
+    m1, r1, met1, g1 = _step(scored_rollout, cfg)
     assert torch.equal(r1.completion_ids, r.completion_ids)
     policy = unwrap(m1.backbone).model
     policy.zero_grad()
@@ -206,13 +202,13 @@ def test_the_router_loss_is_refused_on_a_dense_model(tiny_model, quick, tmp_path
         build_models(cfg, Dist(), None)
 
 
-def test_the_router_loss_with_a_shared_prompt(mixtral, quick, tmp_path):
+def test_the_router_loss_with_a_shared_prompt(mixtral, quick, tmp_path, scored_rollout):
     """With each prompt once per group the router sees the prompt's tokens once: the logged loss
     is load_balancing_loss_func over those tokens, and it reaches the router's weights."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     cfg = _moe_cfg(quick, mixtral, tmp_path / "run", **{"algo.router_aux_loss_coef": 0.3})
-    m, r, metrics, grads = _step(cfg)
+    m, r, metrics, grads = _step(scored_rollout, cfg)
     policy = unwrap(m.backbone).model
     att = r.attention_mask.long()
     p = r.prompt_ids.shape[1]

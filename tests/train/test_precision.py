@@ -15,6 +15,7 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import completion_hidden, generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.step import microbatch
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
@@ -60,7 +61,15 @@ def one_update(cfg, m, rollout) -> dict[str, torch.Tensor]:
     reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     scored = score(cfg, m, rollout, reward_fns, 0.5)
     opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.1), None)
-    update(cfg, m, scored, opt, 0.5, 1.0, Dist(), torch.Generator().manual_seed(0))
+    update(
+        cfg,
+        m,
+        scored,
+        opt,
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        Dist(),
+        torch.Generator().manual_seed(0),
+    )
     return {k: v.detach().clone() for k, v in m.policy.state_dict().items()}
 
 

@@ -72,9 +72,10 @@ def _trainer_gradient(cfg, mix_weight: float) -> torch.Tensor:
     backbone = _ConstantBackbone()
     logp_ref = REF_PROBS.log()[STRATIFIED]
     batch = ref_samples.RefBatch(_one_token_rollout(STRATIFIED), logp_ref, 1.0, 1.0, 0.0)
-    term = kl_term(cfg, mix_weight=mix_weight, ref=batch)  # the table's split of the KL term
-    ref_term(cfg, backbone, Head(weight, None, None), term.ref, beta=1.0, mix_weight=term.weight)
-    name, coef = term.estimator, term.weight
+    # The table's split of the KL term, beta = 1 (PPO's beta_old: the config's, unused here).
+    term = kl_term(cfg, beta=1.0, beta_old=cfg.algo.penalty_beta, mix_weight=mix_weight, ref=batch)
+    ref_term(cfg, backbone, Head(weight, None, None), term)
+    name, coef = term.estimator, term.loss_coef
     if coef > 0:  # a·k1 on the policy's own tokens: its expectation over x ~ pi_theta, exactly
         logp = torch.log_softmax(weight[:, 0], -1)
         k1 = losses.kl_loss(name, logp[None], REF_PROBS.log()[None], logp_old=logp.detach()[None])
@@ -120,12 +121,37 @@ def test_adaptive_mix_expected_gradient_is_the_labs(exact, sign):
 def test_the_kl_term_table_splits_each_estimator():
     """Per-token estimators are themselves with weight 1; ref_is puts 0 on k1 and 1 on its own
     term; adaptive_mix a and 1 - a, its window only where its term is trained or logged."""
-    assert kl_term(_cfg(estimator="k3"), mix_weight=0.3) == KLTerm("k3", 1.0, None)
-    assert kl_term(_cfg(estimator="ref_is"), mix_weight=0.3) == KLTerm("k1", 0.0, None)
-    assert kl_term(_cfg(estimator="adaptive_mix"), mix_weight=0.3) == KLTerm("k1", 0.3, None)
+
+    def term(**kl):
+        return kl_term(_cfg(**kl), beta=0.5, beta_old=2.0, mix_weight=0.3)
+
+    assert term(estimator="k3") == KLTerm("k3", beta=0.5, beta_old=2.0, weight=1.0, in_loss=True)
+    assert term(estimator="ref_is") == KLTerm("k1", beta=0.5, beta_old=2.0, weight=0.0)
+    assert term(estimator="adaptive_mix") == KLTerm("k1", beta=0.5, beta_old=2.0, weight=0.3)
+    assert not term(estimator="k3", placement="reward").in_loss
     assert make_window(_cfg(estimator="ref_is")) is None
     assert make_window(_cfg(estimator="adaptive_mix")) is not None
     assert make_window(_cfg(estimator="adaptive_mix", placement="none")) is None
+
+
+def test_the_kl_term_carries_every_coefficient_of_the_loss():
+    """The coefficients the update applies, by hand: beta = 0.5, a = 0.3 (adaptive_mix) puts
+    0.5 · 0.3 = 0.15 on the policy's k1 and 0.5 · 0.7 = 0.35 on ref_is; a KL in the reward only,
+    or beta = 0, puts none in the loss; ref_is puts none on the policy's tokens."""
+    mix = kl_term(_cfg(estimator="adaptive_mix"), beta=0.5, beta_old=2.0, mix_weight=0.3)
+    assert (mix.loss_weight, mix.beta_old) == (0.3, 2.0)
+    assert mix.loss_coef == pytest.approx(0.15, abs=1e-15)
+    assert mix.ref_coef == pytest.approx(0.35, abs=1e-15)
+    ref_is = kl_term(_cfg(estimator="ref_is"), beta=0.5, beta_old=2.0, mix_weight=0.3)
+    assert (ref_is.loss_weight, ref_is.loss_coef, ref_is.ref_coef) == (0.0, 0.0, 0.5)
+    k3 = kl_term(_cfg(estimator="k3"), beta=0.5, beta_old=2.0)
+    assert (k3.loss_weight, k3.loss_coef) == (1.0, 0.5)
+    in_reward = kl_term(_cfg(estimator="k3", placement="reward"), beta=0.5, beta_old=2.0)
+    assert (in_reward.loss_weight, in_reward.loss_coef) == (0.0, 0.0)
+    off = kl_term(_cfg(estimator="k3"), beta=0.0, beta_old=2.0)
+    assert (off.loss_weight, off.loss_coef) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="needs the reference's completions"):
+        ref_term(_cfg(estimator="ref_is"), None, None, ref_is)
 
 
 def test_at_the_reference_the_estimate_and_its_expected_gradient_are_zero(tiny_model):
@@ -142,7 +168,7 @@ def test_at_the_reference_the_estimate_and_its_expected_gradient_are_zero(tiny_m
     # forwards have other shapes, so their GEMMs may round differently: ~1 ulp of a log-prob).
     picks = [3, 5, 5, 7]
     batch = ref_samples.RefBatch(_one_token_rollout(picks, prompt), logp_ref[picks], 1, 1, 0)
-    m = ref_term(cfg, policy, policy.head(), batch, beta=0.0, mix_weight=0.0)
+    m = ref_term(cfg, policy, policy.head(), kl_term(cfg, beta=0.0, beta_old=1.0, ref=batch))
     assert m["kl/ref/ref_is"] == pytest.approx(0.0, abs=1e-6)
     assert m["ref/max_weight"] == pytest.approx(1.0, abs=1e-6)
     assert m["ref/ess"] == pytest.approx(1.0, abs=1e-6)

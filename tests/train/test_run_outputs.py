@@ -17,7 +17,7 @@ from klpo.train.runtime.checkpoint import prune_checkpoints
 from klpo.train.runtime.metrics import read_metrics
 from klpo.train.runtime.samples import read_samples
 from klpo.train.setup import advance_lr, make_lr_scheduler, restore_lr_scheduler
-from klpo.train.step.samples import sequence_kls
+from klpo.train.step.sample_records import sequence_kls
 from klpo.train.step.types import Optimizers
 
 FIELDS = {"step", "split", "index", "prompt", "completion", "answer", "reward", "rewards", "kl",

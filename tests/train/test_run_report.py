@@ -192,7 +192,7 @@ def test_kl_png_on_a_robust_scale_with_the_exact_kl_on_top(tmp_path, monkeypatch
 
 
 def test_logged_completions_are_spread_over_the_prompts():
-    from klpo.train.step.samples import spread_rows
+    from klpo.train.step.sample_records import spread_rows
 
     # 4 of a step of 4 prompts x 8 completions: the first of each prompt, not 4 copies of one.
     assert spread_rows(4, 32, 8) == [0, 8, 16, 24]

@@ -17,6 +17,7 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, read_metrics
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
 from klpo.train.step.update import micro_step
 
@@ -71,7 +72,9 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     rows = torch.arange(len(rollout.prompts))
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
-    micro_step(cfg, m, s, rows, 0.5, 1.0, n, dist, sync=True, tally=Tally())
+    micro_step(
+        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+    )
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 
     m.policy.zero_grad()

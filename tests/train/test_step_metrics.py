@@ -22,14 +22,9 @@ from safetensors.torch import load_file
 from klpo import losses
 from klpo.train import loop
 from klpo.train.config import build_config
-from klpo.train.data.load import load_examples
-from klpo.train.models.build import build_models
-from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import generate
-from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import METRICS, Tally, is_timing, read_metrics
-from klpo.train.step.metrics import finish_metrics, step_metrics
-from klpo.train.step.score import score
+from klpo.train.step.kl_term import kl_term
+from klpo.train.step.step_metrics import finish_metrics, step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 
@@ -45,16 +40,13 @@ def _split(n: int, parts: int, gen: torch.Generator) -> list[torch.Tensor]:
 def _ranks(tallies: list[Tally]):
     """An ``all_sum`` over fake ranks: each call returns the sum of every tally's table."""
 
+    def table(t: Tally) -> torch.Tensor:  # the table Tally.result hands its all_sum
+        got: list[torch.Tensor] = []
+        t.result(lambda x: got.append(x.clone()) or x)
+        return got[0] if got else torch.zeros(2, 0, dtype=torch.float64)
+
     def all_sum(_: torch.Tensor) -> torch.Tensor:
-        tables = []
-        for t in tallies:
-            keys = sorted(t._num)
-            tables.append(
-                torch.tensor(
-                    [[t._num[k] for k in keys], [t._den[k] for k in keys]], dtype=torch.float64
-                )
-            )
-        return torch.stack(tables).double().sum(0)
+        return torch.stack([table(t) for t in tallies]).double().sum(0)
 
     return all_sum
 
@@ -260,27 +252,20 @@ def test_every_documented_metric_is_emitted_and_none_undocumented(
         assert f"| `{key}` |" in page, key
 
 
-def test_kl_ref_of_the_configured_estimator_is_its_own_value(tiny_model, quick, tmp_path):
+def test_kl_ref_of_the_configured_estimator_is_its_own_value(
+    tiny_model, quick, tmp_path, scored_rollout
+):
     """kl/ref/<est> is the estimator's mean value on the rollout: for kl_ref_theta an estimate
     of KL(pi_ref ‖ pi_theta), r log r - (r - 1) with r = pi_ref / pi_theta, by hand."""
     cfg = build_config(
         overrides=quick(tiny_model, tmp_path / "r", **{"kl.estimator": "kl_ref_theta"})
     )
-    dist = Dist()
-    m = build_models(cfg, dist, None)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in m.policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    train, _ = load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
-    fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
-    s = score(cfg, m, rollout, fns, 0.1)
+    sr = scored_rollout(cfg, beta=0.1)
+    dist, m, rollout, s = sr.dist, sr.models, sr.rollout, sr.scored
     opt = Optimizers(torch.optim.SGD(m.policy.parameters(), lr=0.0), None)
-    upd = update(cfg, m, s, opt, 0.1, 1.0, dist, torch.Generator().manual_seed(0))
+    upd = update(
+        cfg, m, s, opt, kl_term(cfg, beta=0.1, beta_old=1.0), dist, torch.Generator().manual_seed(0)
+    )
     metrics = step_metrics(cfg, s, upd, dist)
     d = (s.logp_ref - s.old.logp).double()[rollout.mask]
     want = float((d.exp() * d - (d.exp() - 1)).mean())  # r log r - (r - 1), r = pi_ref/pi

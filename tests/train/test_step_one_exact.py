@@ -26,8 +26,9 @@ from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.step import update as update_mod
-from klpo.train.step.metrics import step_metrics
+from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers
 
 SWITCHES = ("dtype", "checkpointing", "share_prompt", "fused", "lora", "placement")
@@ -131,8 +132,9 @@ def step_one(cfg, m, prompts: list[str], *, max_new_tokens: int = 4) -> dict[str
     opt = Optimizers(torch.optim.SGD(params, lr=0.0), None)
     update_mod.micro_metrics = spy
     try:
+        term = kl_term(cfg, beta=0.1, beta_old=1.0)
         tally = update_mod.update(
-            cfg, m, scored, opt, 0.1, 1.0, Dist(), torch.Generator().manual_seed(0)
+            cfg, m, scored, opt, term, Dist(), torch.Generator().manual_seed(0)
         )
     finally:
         update_mod.micro_metrics = real_metrics

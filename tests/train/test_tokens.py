@@ -28,6 +28,7 @@ from klpo.train.data.sources import Example, render_chat
 from klpo.train.models.load import load_causal_lm, load_tokenizer
 from klpo.train.models.tokens import Codec, StopSet, check_single_bos, run_codec, stop_set
 from klpo.train.rollout import engines
+from klpo.train.rollout.choices import ENGINES
 from klpo.train.rollout.samplers import completion_mask, generate
 from klpo.train.runtime.metrics import read_metrics
 
@@ -341,12 +342,8 @@ def test_one_bos_and_the_second_eos_in_a_run(sampler, emitting, quick, tmp_path,
             "rollout.max_new_tokens": 8, "rollout.sampler": sampler}  # fmt: skip
     cfg = build_config(overrides=quick(path, tmp_path / "run", **over))
     seen, evaluated = [], []
-    real = engines.generate
-
-    def spy(*args, **kwargs):
-        seen.append(r := real(*args, **kwargs))
-        return r
-
+    fake = importlib.import_module("klpo_fake_engine")  # tests/train, on sys.path in a test
+    monkeypatch.setitem(ENGINES, "hf", fake.recording(seen))  # the hf engine's rollouts
     import klpo.train.evaluate as ev
 
     real_eval = ev.rollout_generate
@@ -355,7 +352,6 @@ def test_one_bos_and_the_second_eos_in_a_run(sampler, emitting, quick, tmp_path,
         evaluated.append(kwargs["codec"])
         return real_eval(*args, **kwargs)
 
-    monkeypatch.setattr(engines, "generate", spy)
     monkeypatch.setattr(ev, "rollout_generate", spy_eval)
     lines: list[str] = []
     loop.train(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))

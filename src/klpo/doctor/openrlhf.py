@@ -499,7 +499,8 @@ def _equivalent(
                 f"OpenRLHF reduces the policy loss by {agg} but the KL loss by token-mean; klpo "
                 f"reduces both by {agg}"
             )
-    if algo_name == "ppo":
+    critic = algo_name is not None and ALGORITHMS[algo_name].critic
+    if critic:  # GAE's discount and lambda
         algo["gamma"] = s.float("algo.advantage.gamma")
         algo["lam"] = s.float("algo.advantage.lambd")
     if algo_name is None:
@@ -518,7 +519,7 @@ def _equivalent(
     controller: dict[str, Any] = {}
     if target is not None and coef > 0:
         controller = {"controller": "adaptive", "target": target, "horizon": horizon}
-    mapping = [(k, v) for k, v in CARRIED if algo_name == "ppo" or not k.startswith("critic.")]
+    mapping = [(k, v) for k, v in CARRIED if critic or not k.startswith("critic.")]
     if "generate_max_len" in s.defaults:
         mapping.append(("data.prompt_max_len", "data.max_prompt_tokens"))
     elif s.get("rollout.max_new_tokens") is None:

@@ -654,7 +654,8 @@ def _equivalent(
     }
     if algo_name == "grpo":
         algo["std"] = "sample" if norm_std else "none"
-    if algo_name == "ppo":
+    critic = algo_name is not None and ALGORITHMS[algo_name].critic
+    if critic:  # GAE's discount and lambda
         algo["gamma"], algo["lam"] = s.float("algorithm.gamma"), s.float("algorithm.lam")
     if algo_name is None:
         r.equivalent_differences.append(f"klpo has no advantage estimator {adv!r}; grpo shown")
@@ -689,7 +690,7 @@ def _equivalent(
             "target": s.float("algorithm.kl_ctrl.target_kl"),
             "horizon": s.float("algorithm.kl_ctrl.horizon"),
         }
-    mapping = [(k, v) for k, v in CARRIED if algo_name == "ppo" or not k.startswith("critic.")]
+    mapping = [(k, v) for k, v in CARRIED if critic or not k.startswith("critic.")]
     if not (s.int("actor_rollout_ref.model.lora_rank") or 0) > 0:
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     carried, missing = carry(s, mapping)

@@ -10,8 +10,11 @@ the same for the surrogate the update differentiates.
 To add an algorithm: write its advantage estimator from the library's functions
 (:mod:`klpo.advantages`) and add a row; a policy loss: a function of :mod:`klpo.losses` (or :mod:`klpo.offpolicy`) and a row.
 
-Every advantage estimator reads :class:`AdvantageInputs` (B completions of C tokens) and returns
-``(adv [B, C], value targets [B, C] or None)``. Batch-whitening uses the statistics of the whole
+Every advantage estimator reads the ``algo.*`` settings (:class:`AdvantageSettings`, the whole
+:class:`klpo.train.config.AlgoConfig`, as a policy loss reads :class:`ClipSettings`) and
+:class:`AdvantageInputs` (B completions of C tokens), and returns ``(adv [B, C], value targets
+[B, C] or None)``; a new estimator's own settings are new ``algo.*`` keys, read where it reads
+them. Batch-whitening uses the statistics of the whole
 step's batch over every process (:func:`whiten_over_ranks`).
 """
 
@@ -31,6 +34,7 @@ __all__ = [
     "ALGORITHMS",
     "POLICY_LOSSES",
     "AdvantageInputs",
+    "AdvantageSettings",
     "Algorithm",
     "AlgorithmSpec",
     "PolicyLoss",
@@ -50,15 +54,21 @@ class AdvantageInputs:
     group_size: int
     values: Tensor | None  # [B, C] V(s_t) of the critic (algorithms with a critic)
     dist: Dist  # the ranks holding the rest of the step's batch (batch-whitening sums over them)
-    std: str = "sample"  # algo.std: the group advantage's scale (sample, population, none)
-    gamma: float = 1.0  # algo.gamma: the discount
-    lam: float = 0.95  # algo.lam: GAE's lambda
     # [B] bool: True where some reward function scored the completion (None: every one was).
     # An unscored completion is left out of every baseline and gets no task advantage.
     scored: Tensor | None = None
 
 
-AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
+class AdvantageSettings(Protocol):
+    """The ``algo.*`` settings an advantage estimator reads (``AlgoConfig``)."""
+
+    std: str  # the group advantage's scale (sample, population, none)
+    gamma: float  # the discount
+    lam: float  # GAE's lambda
+
+
+AdvantageFn = Callable[[AdvantageSettings, AdvantageInputs], tuple[Tensor, Tensor | None]]
+"""``(algo settings, inputs) -> (adv [B, C], value targets [B, C] or None)``."""
 
 
 def whiten_over_ranks(x: Tensor, mask: Tensor, dist: Dist) -> Tensor:
@@ -76,37 +86,37 @@ def whiten_over_ranks(x: Tensor, mask: Tensor, dist: Dist) -> Tensor:
     return advantages.whiten(x, mask, stats=stats)
 
 
-def _grpo_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
+def _grpo_advantages(a: AdvantageSettings, x: AdvantageInputs) -> tuple[Tensor, None]:
     """Group-relative task advantage on every token, plus the KL penalty's returns-to-go.
 
     The KL penalty keeps its per-token credit (REINFORCE, no baseline), so that k1 in the reward
     follows the sequence-level grad KL(pi_theta ‖ pi_ref)."""
     adv = advantages.broadcast_to_tokens(
-        advantages.group_relative(x.scores, x.group_size, std=x.std, valid=x.scored), x.mask
+        advantages.group_relative(x.scores, x.group_size, std=a.std, valid=x.scored), x.mask
     )
-    return adv + advantages.returns_to_go(x.kl_penalty, x.mask, gamma=x.gamma), None
+    return adv + advantages.returns_to_go(x.kl_penalty, x.mask, gamma=a.gamma), None
 
 
-def _rloo_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
+def _rloo_advantages(a: AdvantageSettings, x: AdvantageInputs) -> tuple[Tensor, None]:
     """Leave-one-out baseline of the sequence's total reward, KL penalty summed in."""
     totals = x.scores + torch.where(x.mask, x.kl_penalty, 0.0).sum(-1)
     adv = advantages.rloo(totals, x.group_size, valid=x.scored)
     return advantages.broadcast_to_tokens(adv, x.mask), None
 
 
-def _reinforce_pp_advantages(x: AdvantageInputs) -> tuple[Tensor, None]:
+def _reinforce_pp_advantages(a: AdvantageSettings, x: AdvantageInputs) -> tuple[Tensor, None]:
     """Per-token returns-to-go of the shaped reward, whitened over the batch (REINFORCE++,
     :func:`klpo.advantages.reinforce_pp`, with the statistics of every rank's share)."""
-    returns = advantages.returns_to_go(x.token_rewards + x.kl_penalty, x.mask, gamma=x.gamma)
+    returns = advantages.returns_to_go(x.token_rewards + x.kl_penalty, x.mask, gamma=a.gamma)
     mask = x.mask if x.scored is None else x.mask & x.scored[:, None]  # unscored: left out, 0
     return whiten_over_ranks(returns, mask, x.dist), None
 
 
-def _ppo_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+def _ppo_advantages(a: AdvantageSettings, x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """GAE on the shaped reward with the critic's values, whitened; returns are the targets."""
     assert x.values is not None
     adv, returns = advantages.gae(
-        x.token_rewards + x.kl_penalty, x.values, x.mask, gamma=x.gamma, lam=x.lam
+        x.token_rewards + x.kl_penalty, x.values, x.mask, gamma=a.gamma, lam=a.lam
     )
     return whiten_over_ranks(adv, x.mask, x.dist), returns
 
@@ -115,7 +125,7 @@ def _ppo_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 class AlgorithmSpec:
     """One algorithm: its advantage estimator and its traits."""
 
-    advantages: AdvantageFn  # (adv [B, C], value targets [B, C] or None)
+    advantages: AdvantageFn  # (algo settings, inputs) -> (adv [B, C], value targets or None)
     group: bool  # a group-relative baseline: needs several completions per prompt
     critic: bool  # trains a critic (and logs loss/value, value/*)
     whitened: bool  # advantages whitened over the whole step's batch

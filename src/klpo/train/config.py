@@ -11,21 +11,59 @@ The resolved config is written beside every run's outputs (``config.yaml``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from klpo import control, kl, reduce
 from klpo.kl import Placement
-from klpo.train.algorithms import ALGORITHMS, Algorithm, PolicyLoss
+from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, Algorithm, PolicyLoss
+from klpo.train.rollout.choices import ENGINES, SAMPLERS
 from klpo.train.runtime.trackers import TRACKERS
 from klpo.train.spellings import FOREIGN_ESTIMATORS, FOREIGN_KEYS
 
 Tracker = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]
 """The names of :data:`klpo.train.runtime.trackers.TRACKERS`, as the config's type."""
+
+Engine = Literal[tuple(ENGINES)]  # type: ignore[valid-type]
+"""The names of :data:`klpo.train.rollout.choices.ENGINES`, as the config's type."""
+
+Sampler = Literal[tuple(SAMPLERS)]  # type: ignore[valid-type]
+"""The names of :data:`klpo.train.rollout.choices.SAMPLERS`, as the config's type."""
+
+
+def table_row(table: Mapping[str, object]) -> WrapValidator:
+    """A key whose ``Literal`` type is ``table``'s names, checked against the table as it is
+    when a config is validated: a row added to the table after the config's module loaded
+    (a user's own algorithm, policy loss or engine) is a choice at once, and the error for a name
+    that is no row lists the rows of now, in a ``Literal``'s words."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, str) and value in table:
+            return value
+        if isinstance(value, str) and table:
+            names = [repr(n) for n in table]
+            expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            raise PydanticCustomError(
+                "literal_error", "Input should be {expected}", {"expected": expected}
+            )
+        return handler(value)
+
+    return WrapValidator(check)
+
 
 LR_SCHEDULERS = (
     "constant_with_warmup",
@@ -248,11 +286,11 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, gt=0, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    sampler: Literal["lean", "generate"] = Field(
+    sampler: Sampler = Field(
         "lean",
-        description="How completions are sampled: `lean` (a plain loop over the model's forward "
-        "with a key/value cache, each prompt run once per group) or `generate` (transformers' "
-        "`generate`). Both sample softmax(logits / temperature) within the top-p nucleus.",
+        description="How completions are sampled: "
+        + " or ".join(f"`{name}` ({what})" for name, what in SAMPLERS.items())
+        + ". Both sample softmax(logits / temperature) within the top-p nucleus.",
     )
     stop: list[int | str] = Field(
         default_factory=list,
@@ -266,7 +304,7 @@ class RolloutConfig(_Section):
         description="Compute each prompt once per group in the reference, scoring and update "
         "passes (its keys/values repeated for the G completions); the same values and gradients.",
     )
-    engine: Literal["hf", "vllm"] = Field(
+    engine: Annotated[Engine, table_row(ENGINES)] = Field(
         "hf",
         description="What samples the completions: 'hf', the policy's own model (with "
         "rollout.sampler); or 'vllm', a vLLM engine that gets the policy's weights before each "
@@ -316,7 +354,9 @@ class RolloutConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    name: Algorithm = Field("grpo", description="The policy-optimisation algorithm.")
+    name: Annotated[Algorithm, table_row(ALGORITHMS)] = Field(
+        "grpo", description="The policy-optimisation algorithm."
+    )
     epochs: int = Field(1, gt=0, description="Passes over each batch of rollouts (PPO epochs).")
     minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch.")
     micro_batch: int = Field(
@@ -373,7 +413,7 @@ class AlgoConfig(_Section):
         "coefficient). A value > "
         "0 turns it on; on a model without router logits it is refused. docs/real-models.md.",
     )
-    policy_loss: PolicyLoss = Field(
+    policy_loss: Annotated[PolicyLoss, table_row(POLICY_LOSSES)] = Field(
         "clip",
         description="PPO's clipped surrogate; its adaptive-KL-penalty surrogate "
         "ratio·A - beta_old·KL(pi_old ‖ pi_theta) (Schulman et al. 2017, eq. 8); GSPO's "

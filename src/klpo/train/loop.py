@@ -7,7 +7,7 @@ loads or file is written), :func:`~klpo.train.setup.setup`, :func:`run_steps` (o
 
     share out prompts -> sample (rollout.engines) -> the reference's samples where the KL term
     needs them (step.kl_term) -> score: rewards, log-probs, advantages (step.score) -> update
-    (step.update) -> metrics (step.metrics) -> after-step control (step.control)
+    (step.update) -> metrics (step.step_metrics) -> after-step control (step.after_step)
 
 Every piece of math is a library function and every variant a table read once
 (:data:`klpo.train.algorithms.ALGORITHMS`, :data:`~klpo.train.algorithms.POLICY_LOSSES`,
@@ -53,9 +53,9 @@ from klpo.train.setup import (
 )
 from klpo.train.step.dynamic import sample_with_signal
 from klpo.train.step.kl_term import sample_kl_term
-from klpo.train.step.metrics import step_metrics
-from klpo.train.step.samples import train_records
+from klpo.train.step.sample_records import train_records
 from klpo.train.step.score import score
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Scored
 from klpo.train.step.update import update
 
@@ -189,24 +189,26 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
         mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
         rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
     t1 = time.perf_counter()
-    term = sample_kl_term(cfg, m, mine, rollout, run.control.window)
+    # The step's KL term with the controllers' coefficients (and the reference's samples).
+    beta, beta_old = run.control.kl.value, run.control.penalty.value
+    term = sample_kl_term(cfg, m, mine, rollout, run.control.window, beta=beta, beta_old=beta_old)
     t1r = time.perf_counter()
 
     # Score (rewards, log-probs, advantages), then update.
-    beta, beta_old = run.control.kl.value, run.control.penalty.value
     scored = score(
-        cfg, m, rollout, run.reward_fns, beta, dist, examples=mine, state=progress, totals=totals
-    )
+        cfg, m, rollout, run.reward_fns, term.beta, dist, examples=mine, state=progress,
+        totals=totals,
+    )  # fmt: skip
     t2 = time.perf_counter()
-    upd = update(cfg, m, scored, run.opt, beta, beta_old, dist, run.update_gen, term)
+    upd = update(cfg, m, scored, run.opt, term, dist, run.update_gen)
     t3 = time.perf_counter()
 
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
-    run.control.after_step(cfg, step, metrics, term, beta_old)
+    run.control.after_step(cfg, step, metrics, term)
     metrics.update(
         {
-            "beta": beta,
+            "beta": term.beta,
             "lr": lr,
             "time/generate": t1 - t0,
             "time/score": t2 - t1r,

@@ -1,5 +1,8 @@
 """Setting a run up and taking it down: models, optimizers, control, resume; save beside restore.
 
+The optimizers are built by :mod:`klpo.train.optimizers`, the resume plan decided by
+:mod:`klpo.train.resume` (before setup, in the preflight); setup follows it.
+
 :func:`setup` builds everything a run holds between its steps (a :class:`TrainRun`), in the order
 that fixes the random streams (the seed, the models, the data, the rewards, the control, the
 optimizers, the update's generator), restores a checkpoint when the run resumes, opens the run
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from klpo import kl
-from klpo.train import preflight as checks
+from klpo.train import resume as plans
 from klpo.train.config import ConfigError, TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
 from klpo.train.evaluate import policy_evaluation
@@ -35,6 +38,7 @@ from klpo.train.models.describe import parameter_lines
 from klpo.train.models.load import resolve_model_path
 from klpo.train.models.lora import AdapterFreeReference, base_weights, load_base_weights
 from klpo.train.models.reference import ResetFn, merge_reset, weight_reset
+from klpo.train.optimizers import make_optimizers
 from klpo.train.outdir import DirLock
 from klpo.train.rewards.model import build_rewards
 from klpo.train.rollout.engines import RolloutEngine, make_engine
@@ -44,9 +48,9 @@ from klpo.train.runtime.metrics import MetricsWriter
 from klpo.train.runtime.progress import ProgressFn, fmt_duration, progress
 from klpo.train.runtime.report import write_report
 from klpo.train.runtime.samples import user_messages
-from klpo.train.step.control import Control, make_kl_controller, make_penalty_controller
+from klpo.train.step.after_step import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
-from klpo.train.step.samples import eval_records
+from klpo.train.step.sample_records import eval_records
 from klpo.train.step.types import Optimizers
 
 __all__ = [
@@ -57,7 +61,6 @@ __all__ = [
     "evaluates",
     "hold_run_dir",
     "make_lr_scheduler",
-    "make_optimizers",
     "restore",
     "save",
     "setup",
@@ -97,12 +100,12 @@ class TrainRun:
 def hold_run_dir(
     cfg: TrainConfig,
     dist: Dist,
-    plan: checks.RunPlan,
+    plan: plans.RunPlan,
     *,
     resume: bool,
     allow_config_change: bool = False,
     log=print,
-) -> Iterator[checks.RunPlan]:
+) -> Iterator[plans.RunPlan]:
     """Hold ``run.out_dir``'s lock (:class:`klpo.train.outdir.DirLock`) for the block, on the
     main rank, and yield the run's plan made again under it (another run may have written the
     directory since the preflight).
@@ -116,7 +119,7 @@ def hold_run_dir(
     if lock is not None:
         try:
             lock.__enter__()
-            plan = checks.plan_run_dir(
+            plan = plans.plan_run_dir(
                 cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
             )
         except (ConfigError, OSError) as err:
@@ -142,7 +145,7 @@ def hold_run_dir(
 def setup(
     cfg: TrainConfig,
     dist: Dist,
-    plan: checks.RunPlan,
+    plan: plans.RunPlan,
     examples: tuple[list[Example], list[Example]],
     log,
 ) -> TrainRun:
@@ -234,7 +237,7 @@ def save(run: TrainRun, step: int) -> None:
     run.dist.barrier()
 
 
-def restore(run: TrainRun, plan: checks.RunPlan) -> None:
+def restore(run: TrainRun, plan: plans.RunPlan) -> None:
     """Continue ``run`` from the checkpoint ``plan.start``: what :func:`save` wrote, read back
     (the models' weights were loaded by :func:`klpo.train.models.build.build_models`)."""
     cfg, dist, m, opt, c = run.cfg, run.dist, run.models, run.opt, run.control
@@ -317,7 +320,7 @@ def reference_reset(cfg: TrainConfig, m: Models, opt: Optimizers) -> ResetFn | N
     return weight_reset(m.reference.model, m.policy, r.alpha, clear if r.reset_optimizer else None)
 
 
-def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
+def _open_run_dir(run: TrainRun, plan: plans.RunPlan) -> MetricsWriter | None:
     """On the main rank: the run directory made, a half-saved checkpoint's remains removed, an
     earlier run's metrics kept aside, a config change recorded, config.yaml written, the KL
     choice's note said; returns its metrics writer (None on other ranks)."""
@@ -325,16 +328,16 @@ def _open_run_dir(run: TrainRun, plan: checks.RunPlan) -> MetricsWriter | None:
     if not run.dist.is_main:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in plan.replace:  # an unstarted run's files (checks.unstarted_run), said so before
+    for name in plan.replace:  # an unstarted run's files (plans.unstarted_run), said so before
         path = run_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     for orphan in ckpt_io.remove_orphans(run_dir):
         log(f"note: removed {orphan}, the remains of a checkpoint save that did not finish")
-    if plan.restart and (kept := checks.keep_old_metrics(run_dir)) is not None:
+    if plan.restart and (kept := plans.keep_old_metrics(run_dir)) is not None:
         log(f"note: the earlier metrics of this run are kept in {kept}")
     if plan.changes:
-        checks.record_config_change(run_dir, run.step0, plan.changes)
-        log(f"note: config change recorded in {run_dir / checks.CHANGES_FILE}")
+        plans.record_config_change(run_dir, run.step0, plan.changes)
+        log(f"note: config change recorded in {run_dir / plans.CHANGES_FILE}")
     ckpt_io.write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     note = announce(cfg)
     if note:
@@ -362,37 +365,6 @@ def announce(cfg: TrainConfig) -> str | None:
         "Note: this KL choice is allowed, but its expected gradient is not that of the KL it "
         "logs (klpo explain):\n" + e.text()
     )
-
-
-def _fusable(params: list[torch.nn.Parameter]) -> bool | None:
-    """True where torch's fused AdamW applies (plain float tensors on one CPU or CUDA device), else
-    None (torch's default). Fused, the step is one kernel over every parameter: on the CPU,
-    torch's default is a loop of per-tensor operations, ~4.5 ms against ~0.3 ms for the 1M
-    parameters of the shipped model (the same update, in another order of roundings)."""
-    from torch.distributed.tensor import DTensor
-
-    devices = {p.device for p in params}
-    ok = (
-        len(devices) == 1
-        and next(iter(devices)).type in ("cpu", "cuda")
-        and all(p.is_floating_point() and not isinstance(p, DTensor) for p in params)
-    )
-    return True if ok else None
-
-
-def make_optimizers(cfg: TrainConfig, m: Models) -> Optimizers:
-    """AdamW for the policy's trainable parameters, and for the critic's (``optim.*``)."""
-    o = cfg.optim
-
-    def adamw(params, lr: float) -> torch.optim.Optimizer:
-        params = list(params)
-        return torch.optim.AdamW(
-            params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=_fusable(params)
-        )
-
-    policy = adamw([p for p in m.policy.parameters() if p.requires_grad], o.lr)
-    critic = adamw(m.critic_core.parameters(), o.critic_lr or o.lr) if m.critic_core else None
-    return Optimizers(policy, critic, make_lr_scheduler(cfg, policy))
 
 
 def evaluates(run: TrainRun) -> bool:

@@ -22,13 +22,14 @@ policy; so the engine needs no LoRA support of its own and the trainer's referen
 module with its adapters disabled) is untouched. Sending only the adapters (vLLM's
 ``enable_lora`` with a new ``LoRARequest`` per step) would move fewer bytes; it is not built.
 
-Engines are made by :func:`make_engine` from the table :data:`ENGINES`.
+Engines are made by :func:`make_engine` from the table :data:`ENGINES`
+(:mod:`klpo.train.rollout.choices`, below the config, which takes its names).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,7 +40,23 @@ from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.load import DTYPES, autocast
 from klpo.train.models.tokens import Codec, generation_config, stop_set
+from klpo.train.rollout.choices import ENGINES, EngineFactory, EngineSpec
 from klpo.train.rollout.samplers import Rollout, generate
+
+__all__ = [
+    "ENGINES",
+    "EngineFactory",
+    "EngineSpec",
+    "HFEngine",
+    "RolloutEngine",
+    "Sampling",
+    "VLLMEngine",
+    "check_engine",
+    "hf_engine",
+    "make_engine",
+    "policy_weights",
+    "vllm_engine",
+]
 
 
 class RolloutEngine(Protocol):
@@ -314,20 +331,8 @@ class VLLMEngine:
 # The table.
 
 
-EngineFactory = Callable[[TrainConfig, Any, Any, str], RolloutEngine]
-"""``(cfg, models, dist, policy_path) -> RolloutEngine``; ``models`` is the run's
-:class:`klpo.train.models.build.Models` (tokenizer, policy, backbone), ``dist`` its
-:class:`klpo.train.runtime.dist.Dist`."""
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    make: EngineFactory  # (cfg, models, dist, policy_path) -> RolloutEngine
-    requires: str | None = None  # a module that must be importable (checked before loading)
-    processes: int | None = None  # the most torchrun processes it supports (None: any)
-
-
-def _hf(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+def hf_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+    """``rollout.engine: hf``: the policy's own model (:class:`HFEngine`)."""
     synced = dist.enabled and cfg.dist.strategy == "fsdp"
     return HFEngine(
         m.policy,
@@ -340,7 +345,8 @@ def _hf(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
     )
 
 
-def _vllm(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+def vllm_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
+    """``rollout.engine: vllm``: a vLLM engine in this process (:class:`VLLMEngine`)."""
     positions = getattr(m.policy.config, "max_position_embeddings", None)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     return VLLMEngine(
@@ -353,16 +359,6 @@ def _vllm(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngin
         max_model_len=min(longest, positions) if positions else longest,
         codec=m.codec,
     )
-
-
-ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(_hf),
-    "vllm": EngineSpec(_vllm, requires="vllm", processes=1),
-}
-"""``rollout.engine`` -> how to make it. The vLLM engine starts from ``policy_path`` (a directory
-vLLM can load) and is synced with the policy's weights before every step, so a resumed run's
-engine samples the resumed weights. It runs in one process: under ``torchrun`` each rank would
-need its own engine beside vLLM's own process group, which is not built."""
 
 
 def check_engine(cfg: TrainConfig, world: int) -> None:
@@ -388,4 +384,4 @@ def check_engine(cfg: TrainConfig, world: int) -> None:
 def make_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutEngine:
     """The engine ``rollout.engine`` names, for the run's models (:class:`klpo.train.models.build.Models`)
     and processes (:class:`klpo.train.runtime.dist.Dist`)."""
-    return ENGINES[cfg.rollout.engine].make(cfg, m, dist, policy_path)
+    return ENGINES[cfg.rollout.engine].factory()(cfg, m, dist, policy_path)

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 from klpo.train.models.cache import cache_support
 from klpo.train.models.load import cache_kwargs, output_cache
 from klpo.train.models.tokens import Codec
+from klpo.train.rollout.choices import SAMPLERS
 
 
 @dataclass
@@ -130,9 +131,6 @@ def completion_mask(completion_ids: Tensor, eos_token_id: int | list[int]) -> tu
     is_eos = torch.isin(completion_ids, eos)
     seen_before = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     return ~seen_before, ~is_eos.any(-1)
-
-
-SAMPLERS = ("lean", "generate")
 
 
 def nucleus_logits(logits: Tensor, top_p: float) -> Tensor:
@@ -332,7 +330,7 @@ def generate(
     tokenizer's EOS and ``model``'s ``generation_config.eos_token_id``.
     """
     if sampler not in SAMPLERS:
-        raise ValueError(f"rollout.sampler must be one of {SAMPLERS}, got {sampler!r}")
+        raise ValueError(f"rollout.sampler must be one of {tuple(SAMPLERS)}, got {sampler!r}")
     codec = codec if codec is not None else Codec.plain(tokenizer, model)
     if sampler == "lean" and not cache_support(model).shared:
         sampler = "generate"  # its cache cannot be repeated for a group (the load said so)

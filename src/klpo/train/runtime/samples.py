@@ -2,7 +2,7 @@
 
 Every ``run.log_samples_every`` steps (and at the last), ``run.log_samples`` completions of
 the step, spread over its prompts (the first of each prompt's group, then the second, ...; the
-main process's share, in batch order; :func:`klpo.train.step.samples.spread_rows`) are written with
+main process's share, in batch order; :func:`klpo.train.step.sample_records.spread_rows`) are written with
 ``split: "train"``; at each held-out evaluation, the greedy completions of the first
 ``run.log_samples`` held-out problems with ``split: "eval"``. A record holds::
 

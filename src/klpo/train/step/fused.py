@@ -27,6 +27,7 @@ from torch import Tensor
 from klpo import losses
 from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
+from klpo.train.step.kl_term import KLTerm
 
 __all__ = ["FUSED_LOSS_MIN_VOCAB", "on_policy_weights", "takes_fused_loss"]
 
@@ -49,14 +50,14 @@ def on_policy_weights(
     adv: Tensor,
     mask: Tensor,
     red: Callable[[Tensor], Tensor],
-    kl_weight: float,
-    beta_old: float,
+    term: KLTerm,
     world: int,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The weights of a micro-batch's loss on each token's log-prob, entropy and exact KL, on
     the policy that sampled it: ``[B, C]`` each (None where the loss has no such term).
 
-    The loss is ``red(pg(logp, logp_old)) + kl_weight red(kl) + entropy_coef red(-entropy)``
+    The loss is ``red(pg(logp, logp_old)) + c red(kl) + entropy_coef red(-entropy)``, ``c =
+    term.loss_coef`` and the policy loss given ``term.beta_old``
     (:func:`klpo.train.step.update.micro_step`), times ``world`` (undoing DDP's mean). Where the
     forward pass is also the sampling policy's (``logp_old`` is its detached ``logp``), every
     policy loss is a function of the ratio ``exp(logp - logp_old) = 1`` (CISPO also of ``logp``,
@@ -72,9 +73,10 @@ def on_policy_weights(
     ]
     adv64 = adv.detach().to(torch.float64)
     pg = POLICY_LOSSES[a.policy_loss].loss
-    total = red(pg(a, z[0], z[0].detach(), adv64, mask, beta_old))
-    if kl_weight:
-        total = total + kl_weight * red(z[2])
+    total = red(pg(a, z[0], z[0].detach(), adv64, mask, term.beta_old))
+    kl_coef = term.loss_coef
+    if kl_coef:
+        total = total + kl_coef * red(z[2])
     if a.entropy_coef:
         total = total + a.entropy_coef * red(losses.entropy_bonus(z[1]))
     grads = torch.autograd.grad(total * world, z, allow_unused=True)

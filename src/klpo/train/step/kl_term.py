@@ -10,11 +10,12 @@ completions sampled from the reference (:mod:`klpo.train.rollout.ref_samples`):
   (:class:`klpo.ref_kl.MixWindow`, :func:`make_window`), which takes ``a · kl/ref/k1 + (1 - a) ·
   kl/ref/ref_is`` after each step.
 
-Each step's split is one value, a :class:`KLTerm` (:func:`sample_kl_term`), that the update reads:
-at every optimizer step :func:`ref_term` scores the reference's completions under pi_theta (with
-gradient), forms :func:`klpo.ref_kl.ref_is` over the batch, and backpropagates ``beta · (1 - a) ·
-units · ref_is``, where ``units`` turns the per-completion KL into the loss's units: ``reduce(1) /
-L``, with L the mean length of the policy's completions this step. Under ``token-mean`` that is the
+Each step's split and coefficients are one value, a :class:`KLTerm` (:func:`sample_kl_term`),
+that the update, the metrics and the after-step control read whole: at every optimizer step
+:func:`ref_term` scores the reference's completions under pi_theta (with gradient), forms
+:func:`klpo.ref_kl.ref_is` over the batch, and backpropagates ``beta · (1 - a) · units ·
+ref_is``, where ``units`` turns the per-completion KL into the loss's units: ``reduce(1) / L``,
+with L the mean length of the policy's completions this step. Under ``token-mean`` that is the
 KL per token, as the per-token estimators give, so beta means the same for every estimator; and
 every micro-step adds ``beta · a · k1`` on the policy's tokens as an ordinary per-token term.
 
@@ -67,21 +68,59 @@ def _ref_sampled(cfg: TrainConfig) -> kl.Spec | None:
 
 @dataclass(frozen=True)
 class KLTerm:
-    """One step's KL term in the loss: ``estimator`` on the policy's tokens with weight
-    ``weight``, and, with ``ref``, ``ref_is`` on the reference's completions with ``1 - weight``."""
+    """One step's KL terms and their coefficients, read once from the controllers.
+
+    The KL to the reference, with coefficient ``beta``: ``estimator`` on the policy's tokens with
+    weight ``weight`` (in the loss where ``in_loss``), and, with ``ref``, ``ref_is`` on the
+    reference's completions with ``1 - weight`` (see the module). And ``beta_old``, PPO's penalty
+    coefficient on the KL to pi_old, for the policy losses that use it
+    (:data:`klpo.train.algorithms.POLICY_LOSSES`). Every coefficient the update applies is one
+    of this value's fields or properties.
+    """
 
     estimator: str  # a per-token estimator on the policy's tokens
-    weight: float = 1.0  # its weight in the KL term: 1; 0 for ref_is; a for adaptive_mix
+    beta: float  # the KL coefficient this step (kl.controller's value)
+    beta_old: float  # PPO's penalty coefficient this step (algo.penalty_beta's controller)
+    weight: float = (
+        1.0  # the estimator's weight in the KL term: 1; 0 for ref_is; a for adaptive_mix
+    )
+    in_loss: bool = True  # kl.placement puts the KL in the loss
     ref: RefBatch | None = None  # the reference's completions (ref_is, adaptive_mix)
 
+    @property
+    def loss_weight(self) -> float:
+        """The per-token estimator's weight in the loss: ``weight``, or 0 where the KL is not in
+        the loss or its coefficient ``beta · weight`` is not positive (no KL in the loss)."""
+        return self.weight if self.in_loss and self.beta * self.weight > 0 else 0.0
 
-def kl_term(cfg: TrainConfig, *, mix_weight: float = 0.0, ref: RefBatch | None = None) -> KLTerm:
-    """The KL term of ``kl.estimator``, with the mix's weight ``a`` and the reference's
-    completions where it has them."""
+    @property
+    def loss_coef(self) -> float:
+        """The loss's coefficient on the reduced per-token estimate: ``beta · loss_weight``."""
+        return self.beta * self.loss_weight
+
+    @property
+    def ref_coef(self) -> float:
+        """The loss's coefficient on ``ref_is`` over the reference's completions:
+        ``beta · (1 - weight)``."""
+        return self.beta * (1.0 - self.weight)
+
+
+def kl_term(
+    cfg: TrainConfig,
+    *,
+    beta: float,
+    beta_old: float,
+    mix_weight: float = 0.0,
+    ref: RefBatch | None = None,
+) -> KLTerm:
+    """The KL term of ``kl.estimator`` with this step's coefficients ``beta`` and ``beta_old``,
+    the mix's weight ``a`` and the reference's completions where it has them."""
+    in_loss = kl.in_loss(cfg.kl.placement)
     spec = _ref_sampled(cfg)
     if spec is None:
-        return KLTerm(cfg.kl.estimator)
-    return KLTerm("k1", mix_weight if spec.mixed else 0.0, ref)
+        return KLTerm(cfg.kl.estimator, beta, beta_old, in_loss=in_loss)
+    weight = mix_weight if spec.mixed else 0.0
+    return KLTerm("k1", beta, beta_old, weight, in_loss, ref)
 
 
 def uses_reference_samples(cfg: TrainConfig) -> bool:
@@ -106,9 +145,13 @@ def sample_kl_term(
     mine: list[Example],
     rollout: Rollout,
     window: ref_kl.MixWindow | None,
+    *,
+    beta: float,
+    beta_old: float,
 ) -> KLTerm:
-    """This step's KL term: for ``ref_is`` and ``adaptive_mix``, the reference's own completions
-    of the step's prompts ``mine`` (the policy sampled ``rollout``) and the mix's weight now."""
+    """This step's KL term with its coefficients ``beta`` and ``beta_old``: for ``ref_is`` and
+    ``adaptive_mix``, the reference's own completions of the step's prompts ``mine`` (the policy
+    sampled ``rollout``) and the mix's weight now."""
     ref = None
     if uses_reference_samples(cfg):
         ref = sample_reference(
@@ -120,28 +163,26 @@ def sample_kl_term(
             rollout,
         )
     mix_weight = window.weight() if window is not None else 0.0
-    return kl_term(cfg, mix_weight=mix_weight, ref=ref)
+    return kl_term(cfg, beta=beta, beta_old=beta_old, mix_weight=mix_weight, ref=ref)
 
 
 def ref_term(
-    cfg: TrainConfig,
-    backbone: torch.nn.Module,
-    head: ModelHead,
-    batch: RefBatch,
-    *,
-    beta: float,
-    mix_weight: float,
+    cfg: TrainConfig, backbone: torch.nn.Module, head: ModelHead, term: KLTerm
 ) -> dict[str, float]:
     """Forward (and backward, gradients accumulate) of ``beta (1 - a) units ref_is`` on the
-    reference's completions ``batch``, ``a = mix_weight`` (:class:`KLTerm`'s ``weight``).
+    reference's completions ``term.ref`` (``term.ref_coef`` is ``beta (1 - a)``).
 
     Call it once per optimizer step, before the policy's micro-batches: under DDP it runs inside
     ``no_sync`` and the next synchronised backward reduces its gradient too. Returns the
     estimate (per completion and per policy token), the weights' diagnostics and its time.
     """
     t0 = time.perf_counter()
-    k = cfg.kl
-    coef = beta * (1.0 - mix_weight)
+    k, batch = cfg.kl, term.ref
+    if batch is None:
+        raise ValueError(
+            f"ref_term needs the reference's completions; {term.estimator}'s term has none"
+        )
+    coef = term.ref_coef
     grad = coef > 0
     sync = backbone.no_sync() if hasattr(backbone, "no_sync") else nullcontext()
     with sync, torch.set_grad_enabled(grad):

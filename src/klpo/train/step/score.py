@@ -25,7 +25,7 @@ from klpo.train.rollout.reward_batch import reward_batch
 from klpo.train.rollout.samplers import Rollout, completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.step.kl_term import needs_exact_kl
-from klpo.train.step.metrics import reward_metrics
+from klpo.train.step.step_metrics import reward_metrics
 from klpo.train.step.types import SamplingPass, Scored, update_gives_logp_old
 
 __all__ = ["reference_and_old", "reward_totals", "score", "values"]
@@ -118,13 +118,16 @@ def score(
     examples: list[Example] | None = None,
     state: rewards.TrainerState | None = None,
     totals: tuple[Tensor, Tensor | None, dict[str, list[float | None]]] | None = None,
+    fill_old: bool | None = None,
 ) -> Scored:
     """Rewards, log-probs, values and advantages of this rank's share of the step's rollouts;
     ``dist`` (default: a world of one) holds the other shares, for batch-wide whitening;
     ``examples`` (the share's prompts) give the reward functions every column of the data,
     ``state`` the run's progress (:func:`reward_batch`); ``totals``, the rewards where they
     were computed already (dynamic sampling, :mod:`klpo.train.step.dynamic`), so that no reward
-    function is called twice on a completion."""
+    function is called twice on a completion. ``fill_old``: pi_old's pass here (True), left to
+    the update's forward (False), or as :func:`~klpo.train.step.types.update_gives_logp_old`
+    says (None, the trainer's rule; :func:`reference_and_old`)."""
     # The sampler returns the rollout on the CPU; from here on it lives with the models.
     rollout = rollout.to(next(m.reference.parameters()).device)
     mask = rollout.mask
@@ -134,15 +137,14 @@ def score(
     else:
         scores, scored, per_fn = totals
         scores, scored = scores.to(mask.device), None if scored is None else scored.to(mask.device)
-    logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout)
+    logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout, fill_old=fill_old)
     token_rewards, kl_penalty = _shaped_rewards(cfg, scores, old, logp_ref, mask, beta)
-    spec, a, g = ALGORITHMS[cfg.algo.name], cfg.algo, rollout.group_size
+    spec, g = ALGORITHMS[cfg.algo.name], rollout.group_size
     values_old = torch.where(mask, values(m.critic_core, rollout), 0.0) if spec.critic else None
     inputs = AdvantageInputs(
-        scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(),
-        std=a.std, gamma=a.gamma, lam=a.lam, scored=scored,
-    )  # fmt: skip
-    adv, returns = spec.advantages(inputs)
+        scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(), scored=scored
+    )
+    adv, returns = spec.advantages(cfg.algo, inputs)
     metrics = reward_metrics(scores, per_fn, rollout, g, scored)
     if cfg.gold_reward:
         metrics.merge(gold_metrics(cfg.gold_reward, batch, scores, scored))

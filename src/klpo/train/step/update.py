@@ -10,9 +10,10 @@ global normaliser, accumulates the micro-steps' gradients and steps the optimize
    a row at the sampling parameters fills pi_old (:class:`~klpo.train.step.types.SamplingPass`);
 2. :func:`policy_loss`: the loss, ``red(pg) + beta red(kl) + entropy_coef red(-entropy)``, from
    the policy loss (:data:`klpo.train.algorithms.POLICY_LOSSES`, with truncated importance
-   sampling against an engine's log-probs, :mod:`klpo.mismatch`), the step's KL term
-   (:class:`~klpo.train.step.kl_term.KLTerm`) and the entropy bonus, plus a mixture-of-experts
-   policy's router load-balancing loss (:func:`router_aux`); then its backward;
+   sampling against an engine's log-probs, :mod:`klpo.mismatch`), the step's KL term with its
+   coefficients (:class:`~klpo.train.step.kl_term.KLTerm`, passed whole) and the entropy
+   bonus, plus a mixture-of-experts policy's router load-balancing loss (:func:`router_aux`);
+   then its backward;
 3. :func:`critic_step`: the critic's value loss and its backward (algorithms with a critic);
 4. :func:`micro_metrics`: the micro-batch's token metrics (clip fraction, KL to pi_old, GSPO's).
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klpo import kl, logprobs, losses, mismatch, reduce
+from klpo import logprobs, losses, mismatch, reduce
 from klpo.heads import Head
 from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
@@ -43,7 +44,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step import microbatch
 from klpo.train.step.fused import on_policy_weights, takes_fused_loss
-from klpo.train.step.kl_term import KLTerm, kl_term, needs_exact_kl, ref_term
+from klpo.train.step.kl_term import KLTerm, needs_exact_kl, ref_term
 from klpo.train.step.score import values
 from klpo.train.step.types import Optimizers, Scored
 
@@ -89,11 +90,9 @@ def update(
     m: Models,
     s: Scored,
     opt: Optimizers,
-    beta: float,
-    beta_old: float,
+    term: KLTerm,
     dist: Dist,
     gen: torch.Generator,
-    term: KLTerm | None = None,
 ) -> Tally:
     """``epochs × minibatches`` optimizer steps on one scored rollout; returns their metrics.
 
@@ -101,12 +100,12 @@ def update(
     by the minibatch's global normaliser) and averaged over the optimizer steps; token metrics
     pool every token; ``grad_norm`` (the same on every rank) is averaged over the steps.
 
-    ``term`` is the step's KL term (default: ``kl.estimator``'s, with no reference samples). With
-    the reference's completions (``ref_is``, ``adaptive_mix``) each optimizer step also carries
-    the KL term on them (:func:`klpo.train.step.kl_term.ref_term`); its metrics are those of the
-    first optimizer step, at the sampling policy's parameters, averaged over ranks.
+    ``term`` is the step's KL term with its coefficients (:func:`klpo.train.step.kl_term.kl_term`,
+    :func:`~klpo.train.step.kl_term.sample_kl_term`). With the reference's completions
+    (``ref_is``, ``adaptive_mix``) each optimizer step also carries the KL term on them
+    (:func:`klpo.train.step.kl_term.ref_term`); its metrics are those of the first optimizer
+    step, at the sampling policy's parameters, averaged over ranks.
     """
-    term = term if term is not None else kl_term(cfg)
     a = cfg.algo
     mask = s.rollout.mask
     skip = a.skip_no_signal and not has_signal(s, dist)
@@ -125,7 +124,7 @@ def update(
             step_losses: dict[str, float] = {}
             if term.ref is not None:
                 head = unwrap(m.backbone).head()
-                part = ref_term(cfg, m.backbone, head, term.ref, beta=beta, mix_weight=term.weight)
+                part = ref_term(cfg, m.backbone, head, term)
                 unwrap(m.backbone).take_router_aux()  # the policy's samples balance the router
                 ref_seconds += part.pop("time/ref_update")
                 if not ref_logged:
@@ -137,9 +136,8 @@ def update(
             )
             for i, rows in enumerate(micro):
                 part = micro_step(
-                    cfg, m, s, rows, beta, beta_old, n_global, dist,
-                    sync=i == len(micro) - 1, tally=tally, term=term,
-                )  # fmt: skip
+                    cfg, m, s, rows, term, n_global, dist, sync=i == len(micro) - 1, tally=tally
+                )
                 for k, v in part.items():
                     step_losses[k] = step_losses.get(k, 0.0) + v
             # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
@@ -211,24 +209,21 @@ def micro_step(
     m: Models,
     s: Scored,
     rows: Tensor,
-    beta: float,
-    beta_old: float,
+    term: KLTerm,
     n_global: Tensor,
     dist: Dist,
     *,
     sync: bool,
     tally: Tally,
-    term: KLTerm | None = None,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
     Its losses are its share of the optimizer step's (``n_global`` is the step's normaliser);
     its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
     forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the optimizer step's last
-    micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term (default:
-    ``kl.estimator``'s).
+    micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term with its
+    coefficients.
     """
-    term = term if term is not None else kl_term(cfg)
     r = s.rollout.select(rows)
     mask = r.mask
     max_len = cfg.rollout.max_new_tokens
@@ -236,12 +231,10 @@ def micro_step(
     def red(x: Tensor) -> Tensor:
         return reduce.reduce(x, mask, cfg.algo.loss_reduction, normaliser=n_global, max_len=max_len)
 
-    # The per-token KL term on the policy's tokens (ref_is has none, adaptive_mix a·k1).
-    kl_weight = term.weight if kl.in_loss(cfg.kl.placement) and beta * term.weight > 0 else 0.0
     mb = MicroBatch(s, rows, r, red)
     with _no_sync(m.backbone, sync):
-        out, fused = forward(cfg, m, mb, term.estimator, beta * kl_weight, beta_old, dist)
-        total, metrics = policy_loss(cfg, mb, out, term.estimator, kl_weight, beta, beta_old)
+        out, fused = forward(cfg, m, mb, term, dist)
+        total, metrics = policy_loss(cfg, mb, out, term)
         aux = router_aux(cfg, m, mb, n_global)
         if aux is not None:
             metrics["loss/router_aux"] = aux.item()
@@ -282,21 +275,20 @@ def forward(
     cfg: TrainConfig,
     m: Models,
     mb: MicroBatch,
-    kl_estimator: str,
-    kl_coef: float,
-    beta_old: float,
+    term: KLTerm,
     dist: Dist,
 ) -> tuple[logprobs.FusedOutput, Tensor | None]:
     """The policy's log-probs, entropy and exact KL on the micro-batch, and the loss whose
     gradient the pass took (:func:`klpo.logprobs.fused_loss`, where
     ``algo.fused_loss`` allows it) or None (the per-token path: the caller's backward).
 
-    ``kl_coef`` is the loss's weight on the per-token KL term ``kl_estimator`` (0: none). The
-    first forward of a row at the sampling parameters records it as pi_old.
+    ``term.loss_coef`` is the loss's coefficient on the per-token KL term ``term.estimator`` (0:
+    none). The first forward of a row at the sampling parameters records it as pi_old.
     """
     s, rows, r, mask = mb.s, mb.rows, mb.r, mb.r.mask
+    kl_coef = term.loss_coef
     recording = not bool(s.old.filled[rows].all())
-    exact = needs_exact_kl(kl_estimator)
+    exact = needs_exact_kl(term.estimator)
     need_ref = (kl_coef > 0 and exact) or recording
     head = unwrap(m.backbone).head()
     head_ref = m.reference.head() if need_ref else None
@@ -308,7 +300,7 @@ def forward(
     applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
     weights = None
     if isinstance(head, Head) and takes_fused_loss(cfg, head.weight.shape[0], applies=applies):
-        weights = on_policy_weights(cfg, mb.adv, mask, mb.red, kl_coef, beta_old, dist.world)
+        weights = on_policy_weights(cfg, mb.adv, mask, mb.red, term, dist.world)
     hidden = completion_hidden(m.backbone, r, share_prompt=shares_prompt(cfg))
     fused = None
     if weights is not None:
@@ -333,21 +325,20 @@ def policy_loss(
     cfg: TrainConfig,
     mb: MicroBatch,
     out: logprobs.FusedOutput,
-    kl_estimator: str,
-    kl_weight: float,
-    beta: float,
-    beta_old: float,
+    term: KLTerm,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch's loss ``red(pg) + beta kl_weight red(kl) + entropy_coef red(-entropy)``
-    (its share of the optimizer step's) and its parts' values.
+    """The micro-batch's loss ``red(pg) + beta w red(kl) + entropy_coef red(-entropy)`` (its
+    share of the optimizer step's) and its parts' values.
 
-    ``kl_weight`` is the weight of the per-token KL term ``kl_estimator`` in the KL term (0: no
-    KL in the loss); a non-exact estimator carries the off-policy weight of
-    :func:`klpo.losses.kl_loss` unless ``kl.off_policy_correction`` is false.
+    ``w = term.loss_weight`` is the weight of the per-token KL term ``term.estimator`` in the KL
+    term (0: no KL in the loss), ``beta = term.beta``; a non-exact estimator carries the
+    off-policy weight of :func:`klpo.losses.kl_loss` unless ``kl.off_policy_correction`` is
+    false. The policy loss reads ``term.beta_old`` (PPO's penalty coefficient).
     """
     a, r, red = cfg.algo, mb.r, mb.red
+    kl_estimator, kl_weight, beta = term.estimator, term.loss_weight, term.beta
     adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
-    pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, beta_old)
+    pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, term.beta_old)
     if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
         # Tokens sampled by an inference engine: truncated importance sampling against the
         # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.

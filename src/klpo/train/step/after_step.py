@@ -52,10 +52,11 @@ class Control:
     ref_updates: int = 0  # reference updates so far
 
     def after_step(
-        self, cfg: TrainConfig, step: int, metrics: dict[str, float], term: KLTerm, beta_old: float
+        self, cfg: TrainConfig, step: int, metrics: dict[str, float], term: KLTerm
     ) -> None:
         """Update the controllers, the mix's window and the reference from the step's
-        ``metrics`` (``term``: the step's KL term), adding what they log to ``metrics``."""
+        ``metrics`` (``term``: the step's KL term with its coefficients), adding what they log
+        to ``metrics``."""
         if self.window is not None:  # the mix's output of this step joins its window
             a = term.weight
             mix = a * metrics["kl/ref/k1"] + (1 - a) * metrics["kl/ref/ref_is"]
@@ -70,7 +71,7 @@ class Control:
             reward_std=metrics["reward/group_std"],
         )
         if POLICY_LOSSES[cfg.algo.policy_loss].uses_beta_old:
-            metrics["beta_old"] = beta_old
+            metrics["beta_old"] = term.beta_old
             self.penalty.update(kl=metrics["kl/old/k3"])
         resets = cfg.kl.reference_reset
         if resets is not None and self.reset is not None:
