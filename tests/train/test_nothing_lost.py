@@ -318,6 +318,10 @@ def test_compare_stops_on_the_first_signal_and_a_re_run_finishes_it(tiny_model, 
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # a process group of its own, as a terminal gives a command
+        # and SIGINT at its default, as in a foreground terminal: a test run started in the
+        # background (nohup, `&`, some CI runners) hands its children SIGINT ignored, which klpo
+        # leaves so on purpose
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = out / "runs" / "grpo_k3-loss_b0.1_s0"
     lock = first / ".klpo.lock"
