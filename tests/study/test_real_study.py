@@ -215,3 +215,14 @@ def test_the_pilot_table_reads_its_runs_back(tmp_path):
     line = text.splitlines()[-1]
     assert f"→ **35% (7/20; {100 * lo:.1f}–{100 * hi:.1f}%)**" in line
     assert "| 30 (40; 1) | 3.5 |" in line and "| 6 / 1 | 0.12 |" in line
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[2] / "configs" / "studies").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
+def test_shipped_study_files_load_on_the_chat_task(path):
+    """`configs/studies/` holds `klpo compare -c` files (StudyConfig keys), not train configs."""
+    study = load_study(path, task="chat-arith")
+    assert study.choices and study.betas and study.seeds
