@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -134,29 +133,6 @@ def test_the_report_counts_problems_by_hand(tmp_path):
     # Against its start: s0 gains problem 1, s1 loses problem 2; none against itself.
     assert nokl.rstrip().endswith("| 0/2 |") and "| 1 / 1 (1) | – |" in nokl
     assert not math.isnan(results[0]["acc_final"])
-
-
-@pytest.fixture(scope="module")
-def smollm2_tiny(smollm2_dir, tmp_path_factory):
-    """A random 1-layer Llama, 16 wide, with SmolLM2-135M-Instruct's own tokenizer, chat
-    template and generation config."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("smollm2-tiny") / "model"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    GenerationConfig.from_pretrained(smollm2_dir).save_pretrained(path)
-    if (smollm2_dir / "chat_template.jinja").is_file():
-        shutil.copy(smollm2_dir / "chat_template.jinja", path / "chat_template.jinja")
-    return path
 
 
 @pytest.mark.real

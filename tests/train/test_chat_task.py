@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 
 import pytest
 
@@ -234,31 +233,6 @@ def test_an_evaluation_says_its_interval_for_a_0_1_reward():
     assert ev.summary().startswith("0.500 (1/2 right; ")
     # A graded reward has no binomial interval.
     assert Evaluation(0.25, "graded", None, [0.5, 0.0]).summary() == "0.250"
-
-
-@pytest.fixture(scope="module")
-def smollm2_tiny(smollm2_dir, tmp_path_factory):
-    """A random 1-layer Llama, 16 wide, with SmolLM2-135M-Instruct's own tokenizer, chat
-    template and generation config: the real conventions at a few seconds a step."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("smollm2-tiny") / "model"
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
-    import torch
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    GenerationConfig.from_pretrained(smollm2_dir).save_pretrained(path)
-    for name in ("chat_template.jinja",):
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, path / name)
-    return path
 
 
 def test_smollm2_renders_the_task_as_chatml(smollm2_dir):
