@@ -200,8 +200,7 @@ def explain(
         raise typer.BadParameter(str(err)) from None
 
     if as_json:
-        json.dump([r.to_dict() for r in rows], sys.stdout, indent=2, ensure_ascii=False)
-        sys.stdout.write("\n")
+        _print_rows_json(rows)
         return
     out = console()
     if len(rows) <= len(kl.PLACEMENTS) and len(names) == 1:
@@ -217,6 +216,12 @@ def explain(
     out.print(_narrow_table(rows, shown, off_policy))
     for line in _value_lines(rows, out.width):
         out.print(line, highlight=False)
+
+
+def _print_rows_json(rows: list) -> None:
+    """``--json``: the rows' dictionaries, one JSON list on stdout."""
+    json.dump([r.to_dict() for r in rows], sys.stdout, indent=2, ensure_ascii=False)
+    sys.stdout.write("\n")
 
 
 def _explain_staleness(
@@ -241,8 +246,7 @@ def _explain_staleness(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if as_json:
-        json.dump([r.to_dict() for r in rows], sys.stdout, indent=2, ensure_ascii=False)
-        sys.stdout.write("\n")
+        _print_rows_json(rows)
         return
     out = console()
     for setting, words in (
