@@ -58,7 +58,10 @@ __all__ = [
 POLL_S = 2.0
 """Seconds between two looks at the runs under way (their progress)."""
 
-PRESENTATION_KEYS = frozenset({"run.progress", "run.threads", "run.tensorboard", "run.out_dir"})
+PRESENTATION_KEYS = frozenset(
+    {"run.progress", "run.threads", "run.tensorboard", "run.out_dir", "run.eval_cache"}
+)
+EVAL_CACHE = "eval-cache"  # OUT/eval-cache: the runs' shared starting evaluations (run.eval_cache)
 STUDY_SCHEDULING_KEYS = frozenset({"workers"})  # how the runs are scheduled, not what they are
 RUN_AGAIN = frozenset({"crashed", "interrupted"})  # statuses a re-run does not reuse
 INTERRUPTED_CODES = frozenset(
@@ -245,7 +248,7 @@ def _execute(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "klpo", "train"]
     cmd += ["--resume", str(run_dir)] if resume else []
-    cmd += ["--set", f"run.out_dir={run_dir}"]
+    cmd += ["--set", f"run.out_dir={run_dir}", "--set", f"run.eval_cache={out / EVAL_CACHE}"]
     for o in run.overrides:
         cmd += ["--set", o]
     env = {

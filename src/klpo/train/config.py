@@ -674,6 +674,15 @@ class RunConfig(_Section):
         description="Write a step's completions every N steps and at the last (0: only at "
         "evaluations); held-out completions are written at every evaluation.",
     )
+    eval_cache: str | None = Field(
+        None,
+        description="Directory of a cache of the starting policy's held-out evaluation (step 0), "
+        "keyed by a hash of all it depends on: the weights, the prompts' tokens, the decoding, "
+        "the scoring reward's source, the versions. Runs that start from the same weights (a "
+        "LoRA study's, whatever their seed, beta or KL choice) evaluate once; klpo compare "
+        "sets it to OUT/eval-cache. The files are the run's own format; delete the directory "
+        "to recompute.",
+    )
     save_total_limit: int | None = Field(
         2,
         ge=1,

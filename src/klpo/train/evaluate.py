@@ -11,11 +11,18 @@ stop, the stop left out. :func:`heldout_accuracy` is the greedy version, scored 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from klpo._io import write_atomic
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
 from klpo.train.models.backbone import unshard_root
@@ -29,7 +36,9 @@ from klpo.train.rollout.samplers import generate as rollout_generate
 
 __all__ = [
     "Evaluation",
+    "cached_evaluation",
     "evaluate",
+    "evaluation_key",
     "generate",
     "heldout_accuracy",
     "policy_accuracy",
@@ -273,3 +282,100 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
 def policy_accuracy(cfg: TrainConfig, m: Models, heldout: list[Example]) -> float:
     """The run's policy's held-out accuracy (:func:`policy_evaluation`)."""
     return policy_evaluation(cfg, m, heldout).accuracy
+
+
+EVAL_BATCH = 256  # prompts per generate call in a run's held-out evaluation
+
+
+def evaluation_key(cfg: TrainConfig, m: Models, heldout: Sequence[Example]) -> str | None:
+    """A sha256 of everything a run's held-out evaluation depends on, for
+    :func:`cached_evaluation`: the policy's weights (every tensor of its state dict, by name,
+    dtype, shape and bytes), the held-out prompts as the run's codec tokenizes them, with the
+    stop set, answers and data rows, the decoding (greedy, ``rollout.max_new_tokens``,
+    ``rollout.sampler``, the batch), the scoring reward's name and its source file's bytes,
+    torch's thread count and the versions of klpo, torch and transformers. None where a part
+    cannot be hashed (the reward's source not found): then nothing is cached."""
+    import transformers
+
+    import klpo
+
+    name = eval_reward(cfg)
+    try:
+        source = Path(inspect.getsourcefile(rewards.get_reward(name)) or "").read_bytes()
+    except (OSError, TypeError):
+        return None
+    h = hashlib.sha256()
+
+    def put(obj: Any) -> None:
+        h.update(json.dumps(obj, sort_keys=True, default=repr).encode("utf-8") + b"\0")
+
+    put([klpo.__version__, torch.__version__, transformers.__version__])
+    put([torch.get_num_threads(), cfg.rollout.max_new_tokens, cfg.rollout.sampler, EVAL_BATCH])
+    put([name, hashlib.sha256(source).hexdigest()])
+    for key, t in sorted(m.policy.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        put([key, str(t.dtype), list(t.shape)])
+        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+    put([list(m.codec.stop.ids), list(m.codec.stop.strings), m.codec.chat])
+    put(m.codec.ids([e.prompt for e in heldout]))
+    put([[e.prompt, e.answer, e.messages, dict(e.row or {})] for e in heldout])
+    return h.hexdigest()
+
+
+_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "truncated")
+
+
+def cached_evaluation(
+    cache: str | Path, key: str, compute: Callable[[], Evaluation]
+) -> tuple[Evaluation, bool]:
+    """The evaluation stored under ``key`` in the directory ``cache``, else ``compute()``'s,
+    stored there (atomically: a safetensors file of the first batch's tensors and a JSON file of
+    the rest). Returns it and whether it came from the cache. A file that does not read back
+    whole is recomputed and replaced.
+
+    >>> import tempfile
+    >>> from klpo.train.rollout.samplers import Rollout
+    >>> first = Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
+    ...     torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), ["p"], ["c"],
+    ...     ["a"], 1, torch.zeros(1, dtype=torch.bool))
+    >>> d = tempfile.mkdtemp()
+    >>> cached_evaluation(d, "k", lambda: Evaluation(1.0, "exact_match", first, [1.0]))[1]
+    False
+    >>> ev, hit = cached_evaluation(d, "k", lambda: 1 / 0)
+    >>> hit, ev.accuracy, ev.first.completions
+    (True, 1.0, ['c'])
+    """
+    from safetensors.torch import load_file, save
+
+    from klpo.train.rollout.samplers import Rollout
+
+    base = Path(cache) / key
+    tensors, meta = base.with_suffix(".safetensors"), base.with_suffix(".json")
+    try:
+        info = json.loads(meta.read_text(encoding="utf-8"))
+        ts = load_file(str(tensors))
+        first = Rollout(
+            **{k: ts[k] for k in _TENSORS},
+            prompts=info["prompts"],
+            completions=info["completions"],
+            answers=info["answers"],
+            group_size=info["group_size"],
+        )
+        return Evaluation(info["accuracy"], info["reward"], first, info["scores"]), True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, or not whole: computed again below
+    ev = compute()
+    if ev.first.engine_logp is None:
+        r = ev.first
+        write_atomic(tensors, save({k: getattr(r, k).contiguous().cpu() for k in _TENSORS}))
+        info = {
+            "accuracy": ev.accuracy,
+            "reward": ev.reward,
+            "scores": ev.scores,
+            "prompts": r.prompts,
+            "completions": r.completions,
+            "answers": r.answers,
+            "group_size": r.group_size,
+        }
+        write_atomic(meta, json.dumps(info))
+    return ev, False

@@ -49,6 +49,7 @@ RESUMABLE_KEYS = frozenset(
         "run.save_every",
         "run.tensorboard",
         "run.out_dir",
+        "run.eval_cache",
         "run.report_to",
         "run.run_name",
         "run.log_samples",

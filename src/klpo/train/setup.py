@@ -29,7 +29,12 @@ from klpo import kl
 from klpo.train import resume as plans
 from klpo.train.config import ConfigError, TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
-from klpo.train.evaluate import policy_evaluation
+from klpo.train.evaluate import (
+    Evaluation,
+    cached_evaluation,
+    evaluation_key,
+    policy_evaluation,
+)
 from klpo.train.lr_schedule import advance_lr, make_lr_scheduler
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded
@@ -181,22 +186,34 @@ def setup(
 
 def _evaluate_start(run: TrainRun) -> None:
     """The starting policy's held-out accuracy (step 0), said before and after: on a real model
-    it is the run's first long wait."""
+    it is the run's first long wait. With ``run.eval_cache`` the result of an identical
+    evaluation (the same weights, prompts, decoding and scorer:
+    :func:`klpo.train.evaluate.evaluation_key`) is read from there, else computed and stored."""
     t0 = time.perf_counter()
     run.log(f"evaluating the starting policy on {len(run.heldout)} held-out problems (greedy)")
-    acc = evaluate_policy(run, 0)
+    cache = run.cfg.run.eval_cache
+    key = evaluation_key(run.cfg, run.models, run.heldout) if cache and not run.sharded else None
+    ev, hit = None, False
+    if key is not None:
+        ev, hit = cached_evaluation(
+            cache, key, lambda: policy_evaluation(run.cfg, run.models, run.heldout, 0)
+        )
+    acc = evaluate_policy(run, 0, ev)
+    said = f"; read from run.eval_cache, {key[:12]}" if hit else ""
     run.log(
         f"held-out accuracy at step 0: {run.last_evaluation} "
-        f"({fmt_duration(time.perf_counter() - t0)})"
+        f"({fmt_duration(time.perf_counter() - t0)}{said})"
     )
     if run.writer is not None:
         run.writer.write(0, {"accuracy/heldout": acc})
 
 
-def evaluate_policy(run: TrainRun, step: int) -> float:
-    """The held-out accuracy of the policy at ``step``; its first ``run.log_samples`` greedy
-    completions go to ``samples.jsonl`` (call on every rank that :func:`evaluates`)."""
-    ev = policy_evaluation(run.cfg, run.models, run.heldout, step)
+def evaluate_policy(run: TrainRun, step: int, ev: Evaluation | None = None) -> float:
+    """The held-out accuracy of the policy at ``step`` (``ev``: its evaluation, if already at
+    hand); its first ``run.log_samples`` greedy completions go to ``samples.jsonl`` (call on
+    every rank that :func:`evaluates`)."""
+    if ev is None:
+        ev = policy_evaluation(run.cfg, run.models, run.heldout, step)
     run.last_evaluation = ev.summary()
     records = eval_records(run.cfg, run.models, ev, step, run.cfg.run.log_samples)
     if run.writer is not None:
