@@ -1531,3 +1531,32 @@ def test_the_kl_of_a_model_and_itself_is_exactly_zero_and_so_is_its_gradient(dty
     other = lp.fused(h, wt, tokens, hidden_ref=hid, weight_ref=w * 1.1).kl
     other.sum().backward()
     assert bool((other > 0).any()) and torch.count_nonzero(h.grad) > 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 511, 512, 513, 1025, 8 * 512 + 7, 9 * 512])
+def test_column_sums_are_one_number_per_column_whatever_the_other_columns(rows):
+    # The fixed tree of elementwise adds gives a column the same bits in a tile of 1, 3 or 300
+    # columns (a BLAS ones @ block does not, on AVX-512 MKL), and the sum of float64's within
+    # the float32 rounding of a sum of `rows` terms.
+    from klpo._logits import add_column_dots, add_column_sums
+
+    g = torch.Generator().manual_seed(rows)
+    a = torch.rand(rows, 300, generator=g) * 3
+    b = torch.randn(rows, 300, generator=g)
+    wide_s, wide_d = torch.zeros(300), torch.zeros(300)
+    add_column_sums(wide_s, a)
+    add_column_dots(wide_d, a, b)
+    for cols in (slice(0, 1), slice(5, 8), slice(17, 300)):
+        s, d = torch.zeros(cols.stop - cols.start), torch.zeros(cols.stop - cols.start)
+        add_column_sums(s, a[:, cols].contiguous())
+        add_column_dots(d, a[:, cols].contiguous(), b[:, cols].contiguous())
+        assert torch.equal(s, wide_s[cols]) and torch.equal(d, wide_d[cols])
+    exact_s, exact_d = a.double().sum(0), (a.double() * b.double()).sum(0)
+    eps = torch.finfo(torch.float32).eps
+    depth = math.ceil(math.log2(512)) + math.ceil(rows / 512)  # the tree, then the blocks in order
+    scale = (a.double() * b.double()).abs().sum(0)
+    assert ((wide_s.double() - exact_s).abs() <= 2 * depth * eps * exact_s).all()
+    assert ((wide_d.double() - exact_d).abs() <= 2 * depth * eps * scale).all()
+    before = torch.ones(300)
+    add_column_sums(before, a)  # adds to what is there
+    assert torch.allclose(before, wide_s + 1)

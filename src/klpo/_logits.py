@@ -16,6 +16,7 @@ klpo.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -93,33 +94,77 @@ class FusedOutput(NamedTuple):
 SUM_BLOCK = 512
 """The vocabulary sums of the fused path add :data:`SUM_BLOCK` entries at a time, in order."""
 
+_GROUP = 8  # blocks reduced together (bounds the scratch to 8 * SUM_BLOCK / 2 rows of a tile)
 
-def add_column_sums(out: Tensor, t: Tensor, ones: Tensor) -> None:
-    """``out += t.sum(0)`` for a tile ``t [vc, n]``, in blocks of :data:`SUM_BLOCK` rows added in
-    order (one ``ones @ block`` each; ``ones`` holds at least ``SUM_BLOCK`` ones).
+
+def _tree(x: Tensor, r: int) -> Tensor:
+    """Reduce ``x [k, r, n]`` (scratch) over its middle dimension in place, by a pairwise tree
+    fixed by ``r`` alone: row ``i`` plus row ``i + r // 2``, an odd last row carried, until one
+    row is left. Returns ``x[:, 0]``. Each step is one elementwise add, whose every output is
+    the correctly rounded sum of its two inputs however the kernel is vectorised, so the result
+    of a column does not depend on ``n`` or on the CPU's vector width."""
+    while r > 1:
+        h = r // 2
+        x[:, :h].add_(x[:, h : 2 * h])
+        if r % 2:
+            x[:, h].copy_(x[:, 2 * h])
+        r = h + r % 2
+    return x[:, 0]
+
+
+def _block_sums(a: Tensor, b: Tensor | None) -> Iterator[Tensor]:
+    """The column sums of each block of :data:`SUM_BLOCK` rows of ``a`` (of ``a * b``), block
+    by block in row order, each ``[n]``, summed by :func:`_tree`."""
+    rows, n = a.shape
+    step = SUM_BLOCK * _GROUP
+    for g0 in range(0, rows, step):
+        g1 = min(g0 + step, rows)
+        full = (g1 - g0) // SUM_BLOCK
+        spans = [(g0, full, SUM_BLOCK)] if full else []
+        if g0 + full * SUM_BLOCK < g1:
+            spans.append((g0 + full * SUM_BLOCK, 1, g1 - g0 - full * SUM_BLOCK))
+        for r0, k, r in spans:
+            va = a[r0 : r0 + k * r].reshape(k, r, n)
+            vb = None if b is None else b[r0 : r0 + k * r].reshape(k, r, n)
+            if r == 1:
+                yield from (va * vb)[:, 0] if vb is not None else va[:, 0]
+                continue
+            h, odd = r // 2, r % 2
+            buf = torch.empty(k, h + odd, n, dtype=a.dtype, device=a.device)
+            if vb is None:
+                torch.add(va[:, :h], va[:, h : 2 * h], out=buf[:, :h])
+                if odd:
+                    buf[:, h].copy_(va[:, 2 * h])
+            else:
+                torch.mul(va[:, :h], vb[:, :h], out=buf[:, :h])
+                buf[:, :h].add_(va[:, h : 2 * h] * vb[:, h : 2 * h])
+                if odd:
+                    torch.mul(va[:, 2 * h], vb[:, 2 * h], out=buf[:, h])
+            sums = _tree(buf, h + odd)
+            yield from sums
+
+
+def add_column_sums(out: Tensor, t: Tensor) -> None:
+    """``out += t.sum(0)`` for a tile ``t [vc, n]``: each block of :data:`SUM_BLOCK` rows summed
+    by a fixed pairwise tree of elementwise adds, the blocks' sums added to ``out`` in order.
 
     The order of the additions is then a function of the vocabulary position alone: a token's
     sums are the same bits whatever the tile's width (a multiple of the block), the number of
-    tokens in the call, or whether the vocabulary comes in one tile
-    (:func:`klpo.logprobs.fused_loss`) or many (:func:`klpo.logprobs.fused`). So a row scored
-    alone, in a micro-batch or in the whole batch, and by either function, has one log-prob, and
-    two identical models have an exact KL of exactly 0.
+    tokens in the call, whether the vocabulary comes in one tile (:func:`klpo.logprobs.fused_loss`)
+    or many (:func:`klpo.logprobs.fused`), and the CPU. So a row scored alone, in a micro-batch or
+    in the whole batch, and by either function, has one log-prob, and two identical models have
+    an exact KL of exactly 0. (A BLAS product ``ones @ block`` does not keep this: on a CPU with
+    AVX-512 MKL's kernel for a few columns sums the rows in another order than for many.)
     """
-    rows = t.shape[0]
-    for b0 in range(0, rows, SUM_BLOCK):
-        block = t[b0 : b0 + SUM_BLOCK]
-        out += ones[: block.shape[0]] @ block
+    for s in _block_sums(t, None):
+        out += s
 
 
-def add_column_dots(out: Tensor, a: Tensor, b: Tensor, ones: Tensor) -> None:
-    """``out += (a * b).sum(0)`` for tiles ``[vc, n]``, in the order of :func:`add_column_sums`;
-    each block's product goes through one small buffer (no tile-sized temporary)."""
-    rows = a.shape[0]
-    buf = torch.empty(min(SUM_BLOCK, rows), a.shape[1], dtype=a.dtype, device=a.device)
-    for b0 in range(0, rows, SUM_BLOCK):
-        b1 = min(b0 + SUM_BLOCK, rows)
-        block = torch.mul(a[b0:b1], b[b0:b1], out=buf[: b1 - b0])
-        out += ones[: b1 - b0] @ block
+def add_column_dots(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += (a * b).sum(0)`` for tiles ``[vc, n]``, in the order of :func:`add_column_sums`
+    (the products of a group of blocks in a scratch buffer, no tile-sized temporary)."""
+    for s in _block_sums(a, b):
+        out += s
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:

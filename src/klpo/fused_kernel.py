@@ -64,7 +64,6 @@ from torch import Tensor
 
 from klpo import gemm
 from klpo._logits import (
-    SUM_BLOCK,
     Affine,
     FusedOutput,
     LogitTransform,
@@ -243,7 +242,6 @@ def _sums(
     s_d = None if ref is None else zeros()
     s_ref = None if ref is None else zeros()
     keep_x = with_entropy or ref is not None
-    ones = torch.ones(SUM_BLOCK, dtype=pol.cd, device=m.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
@@ -252,13 +250,13 @@ def _sums(
             t = slice(t0, min(t0 + token_chunk, n))
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
-            add_column_sums(s[t], e, ones)
+            add_column_sums(s[t], e)
             if s_x is not None:
-                add_column_dots(s_x[t], e, x, ones)
+                add_column_dots(s_x[t], e, x)
             if ref is not None:
                 x_ref = ref.tile(w_ref, v0, t, m_ref)
-                add_column_dots(s_d[t], x.sub_(x_ref), e, ones)
-                add_column_sums(s_ref[t], x_ref.exp_(), ones)
+                add_column_dots(s_d[t], x.sub_(x_ref), e)
+                add_column_sums(s_ref[t], x_ref.exp_())
     return s, s_x, s_d, s_ref
 
 

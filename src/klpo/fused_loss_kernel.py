@@ -18,7 +18,6 @@ from torch import Tensor
 
 from klpo import gemm
 from klpo._logits import (
-    SUM_BLOCK,
     Affine,
     LogitTransform,
     add_column_dots,
@@ -86,9 +85,8 @@ def _shifted_tile(
     """
     x, slope = head.tile_slope(w, 0, t, m, want_slope)
     e = torch.exp(x) if keep_x else x.exp_()
-    ones = torch.ones(SUM_BLOCK, dtype=e.dtype, device=e.device)
     s = e.new_zeros(e.shape[1])
-    add_column_sums(s, e, ones)  # in fused's order (a token's log-prob is one number)
+    add_column_sums(s, e)  # in fused's order (a token's log-prob is one number)
     if not bool(torch.isfinite(s).all()):
         if not keep_x:
             x = head.tile(w, 0, t, m)
@@ -97,7 +95,7 @@ def _shifted_tile(
         m[t] += shift
         e = torch.exp(x) if keep_x else x.exp_()
         s = e.new_zeros(e.shape[1])
-        add_column_sums(s, e, ones)
+        add_column_sums(s, e)
     return (x if keep_x else None), e, s, slope
 
 
@@ -132,10 +130,9 @@ def _chunk_values(
     x, e, s, slope = _shifted_tile(pol, w, t, m, keep_x, want_slope)  # [V, k], x - m[t]
     log_s = torch.log(s)
     logp[t] = (x_y[t] - m[t]) - log_s
-    ones = torch.ones(SUM_BLOCK, dtype=pol.cd, device=s.device)
     if ent is not None:
         s_x = torch.zeros_like(s)
-        add_column_dots(s_x, e, x, ones)
+        add_column_dots(s_x, e, x)
         ent[t] = log_s - s_x / s
     d = log_s_ref = None
     if ref is not None:
@@ -146,7 +143,7 @@ def _chunk_values(
         # arithmetic of fused's, so two identical models give exactly 0.
         d = x_ref.neg_().add_(x)  # x - x_ref, kept for the KL's gradient
         s_d = torch.zeros_like(s)
-        add_column_dots(s_d, d, e, ones)
+        add_column_dots(s_d, d, e)
         kl[t] = s_d / s + (log_s_ref - log_s)
     return x, e, s, log_s, d, log_s_ref, slope
 
