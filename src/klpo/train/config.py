@@ -332,6 +332,16 @@ class RolloutConfig(_Section):
         "extra sampling, only the dropping). Each round costs a rollout of "
         "rollout.prompts_per_step prompts and their rewards.",
     )
+    staleness: int = Field(
+        0,
+        ge=0,
+        description="How many policy versions the sampler runs behind the trainer (k): step t "
+        "samples with the weights of version max(t - 1 - k, 0), t - 1 being the weights that "
+        "start step t, kept in a ring of the last k versions (the trainable tensors, on the CPU; "
+        "saved in the checkpoint). 0: the synchronous loop. The behaviour policy's log-probs "
+        "then weight the policy loss (rollout.tis_cap) and the KL term "
+        "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md).",
+    )
     vllm_memory: float = Field(
         0.3,
         gt=0,
@@ -523,6 +533,21 @@ class KLConfig(_Section):
         "weight each token's estimator term by sg(pi_theta/pi_old), which keeps its on-policy "
         "expected gradient (klpo.losses.kl_loss). false: the uncorrected term, as most trainers "
         "compute it (for comparison; k3_is carries its own weight and refuses it).",
+    )
+    behaviour_correction: Literal["none", "is", "is-cap"] = Field(
+        "is",
+        description="rollout.staleness > 0: how the KL in the loss corrects for tokens sampled "
+        "by the stale behaviour policy pi_behav. 'is': weight each token's estimator term by "
+        "sg(pi_theta/pi_behav) (k3_is takes pi_behav as its logp_old), which keeps its on-policy "
+        "expected gradient per token; 'is-cap': the weight capped at kl.behaviour_cap "
+        "(OpenRLHF's); 'none': the trainer's pi_old as without staleness (weight 1 at the first "
+        "update: biased by the lag). `klpo explain --staleness K` gives each one's exact bias.",
+    )
+    behaviour_cap: float = Field(
+        10.0,
+        gt=0,
+        description="kl.behaviour_correction=is-cap: the cap C of the weight min(pi_theta / "
+        "pi_behav, C) (OpenRLHF's 10).",
     )
     reference_reset: ReferenceReset | None = Field(
         None,
@@ -813,6 +838,7 @@ class TrainConfig(_Section):
                 "(k3_is is k3 so weighted), so it has no uncorrected form; use kl.estimator=k3 "
                 "for the uncorrected term"
             )
+        self._check_staleness()
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
@@ -841,6 +867,33 @@ class TrainConfig(_Section):
                 "and adapter-free reference are not sharded); use dist.strategy=ddp with LoRA"
             )
         return self
+
+    def _check_staleness(self) -> None:
+        """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
+        k = self.rollout.staleness
+        if k == 0:
+            return
+        clash = {
+            "rollout.engine=vllm": self.rollout.engine != "hf",
+            "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
+            "kl.reference_reset": self.kl.reference_reset is not None,
+            "dist.strategy=fsdp": self.dist.strategy == "fsdp",
+        }
+        for what, bad in clash.items():
+            if bad:
+                raise ValueError(
+                    f"rollout.staleness={k} with {what} is not supported yet (the ring of policy "
+                    "versions holds the hf engine's own trainable tensors, unsharded, over a "
+                    "fixed reference and one sampling round per step); set rollout.staleness=0 "
+                    "or drop that setting"
+                )
+        if not self.kl.off_policy_correction and self.kl.behaviour_correction != "none":
+            raise ValueError(
+                f"kl.off_policy_correction=false with rollout.staleness={k} and "
+                f"kl.behaviour_correction={self.kl.behaviour_correction}: the uncorrected KL "
+                "term of a stale batch is kl.behaviour_correction=none; set that, or "
+                "kl.off_policy_correction=true"
+            )
 
 
 class ConfigError(ValueError):

@@ -414,6 +414,12 @@ def preflight(
     check_model_sources(cfg, **names)
     check_models(cfg)
     check_engine(cfg, dist.world)
+    if cfg.rollout.staleness and dist.world > 1:
+        raise ConfigError(
+            f"rollout.staleness={cfg.rollout.staleness} runs in one process for now (its "
+            f"sampler/* metrics are not pooled over ranks), but this run has {dist.world} "
+            "(torchrun); launch one process, or set rollout.staleness=0"
+        )
     codec, train_set, heldout = check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
     log(f"run directory: {cfg.run.out_dir}")
     for line in config_lines(cfg):  # what it trains and how (klpo.train.models.describe)
