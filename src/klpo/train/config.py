@@ -313,9 +313,10 @@ class RolloutConfig(_Section):
     tis_cap: float | None = Field(
         2.0,
         gt=0,
-        description="vllm: truncated importance sampling cap C; each token's policy loss is "
-        "weighted by min(pi_old / pi_engine, C) (Yao et al. 2025). null: no correction (the "
-        "gap is still logged as engine/*).",
+        description="vllm, or rollout.staleness > 0: truncated importance sampling cap C; each "
+        "token's policy loss is weighted by min(pi_old / pi_sampler, C), pi_sampler the engine's "
+        "or the stale behaviour policy's (Yao et al. 2025; decoupled PPO). null: no correction "
+        "(the gap is still logged as engine/* or sampler/*).",
     )
     dynamic_sampling: bool = Field(
         False,

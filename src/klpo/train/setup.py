@@ -42,6 +42,7 @@ from klpo.train.optimizers import make_optimizers
 from klpo.train.outdir import DirLock
 from klpo.train.rewards.model import build_rewards
 from klpo.train.rollout.engines import RolloutEngine, make_engine
+from klpo.train.rollout.versions import VersionRing
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
@@ -89,6 +90,7 @@ class TrainRun:
     progress: ProgressFn | None = None
     engine: RolloutEngine | None = None  # samples the completions (klpo.train.rollout.engines)
     last_evaluation: str = ""  # the latest held-out accuracy with its interval, for the log
+    versions: VersionRing | None = None  # rollout.staleness: the last k policy versions
 
     @property
     def sharded(self) -> bool:
@@ -166,8 +168,12 @@ def setup(
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     run = TrainRun(cfg, dist, Path(cfg.run.out_dir), log, m, stream, heldout, reward_fns, control,
                    opt, update_gen)  # fmt: skip
+    if cfg.rollout.staleness:
+        run.versions = VersionRing(cfg.rollout.staleness)
     if plan.start is not None:
         restore(run, plan)
+    if run.versions is not None and not run.versions.versions:
+        run.versions.keep(run.step0, m.policy)
     control.reset = reference_reset(cfg, m, opt)
     run.writer = _open_run_dir(run, plan)
     run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
@@ -233,6 +239,7 @@ def save(run: TrainRun, step: int) -> None:
                 **({"mix_window": c.window.state_dict()} if c.window is not None else {}),
             },
             keep=run.cfg.run.save_total_limit,
+            versions=run.versions.state_dict() if run.versions is not None else None,
         )
     run.dist.barrier()
 
@@ -256,6 +263,10 @@ def restore(run: TrainRun, plan: plans.RunPlan) -> None:
     if c.window is not None and "mix_window" in meta:  # absent after an allowed change
         c.window.load_state_dict(meta["mix_window"])
     c.ref_updates = int(meta.get("reference_updates", 0))
+    saved_versions = ckpt_io.version_tensors(start)
+    if run.versions is not None and saved_versions is not None:
+        run.versions.load_state_dict(saved_versions)
+        run.versions.forget_after(run.step0)
     run.stream.load_state_dict(meta["data"])
     restore_lr_scheduler(opt.lr_scheduler, meta.get("lr_scheduler"), run.step0)
     run.update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))

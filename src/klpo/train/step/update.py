@@ -297,7 +297,7 @@ def forward(
     # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
     # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path. Not
     # on the model's own logits (model.logits_path: model), which the forward holds anyway.
-    applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
+    applies = recording and r.sampler_logp is None and (kl_coef == 0 or exact)
     weights = None
     if isinstance(head, Head) and takes_fused_loss(cfg, head.weight.shape[0], applies=applies):
         weights = on_policy_weights(cfg, mb.adv, mask, mb.red, term, dist.world)
@@ -339,10 +339,11 @@ def policy_loss(
     kl_estimator, kl_weight, beta = term.estimator, term.loss_weight, term.beta
     adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
     pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, term.beta_old)
-    if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
-        # Tokens sampled by an inference engine: truncated importance sampling against the
-        # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.
-        pg = mismatch.tis_policy_loss(pg, logp_old, r.engine_logp, cap=cfg.rollout.tis_cap)
+    behav = r.sampler_logp
+    if behav is not None and cfg.rollout.tis_cap is not None:
+        # Tokens sampled by an inference engine or a stale sampler: truncated importance
+        # sampling against the trainer's pi_old (decoupled PPO, with pi_prox = pi_old).
+        pg = mismatch.tis_policy_loss(pg, logp_old, behav, cap=cfg.rollout.tis_cap)
     loss_pg = red(pg)
     total = loss_pg
     metrics = {"loss/policy": loss_pg.item()}
@@ -350,12 +351,7 @@ def policy_loss(
         kl_tok = (
             out.kl
             if needs_exact_kl(kl_estimator)
-            else losses.kl_loss(
-                kl_estimator,
-                logp,
-                mb.s.logp_ref[mb.rows],
-                logp_old=logp_old if cfg.kl.off_policy_correction else None,
-            )
+            else losses.kl_loss(kl_estimator, logp, mb.s.logp_ref[mb.rows], **_kl_old(cfg, mb))
         )
         loss_kl = kl_weight * red(kl_tok)
         total = total + beta * loss_kl
@@ -365,6 +361,16 @@ def policy_loss(
         total = total + a.entropy_coef * loss_ent
         metrics["loss/entropy"] = loss_ent.item()
     return total, metrics
+
+
+def _kl_old(cfg: TrainConfig, mb: MicroBatch) -> dict[str, Tensor | float | None]:
+    """:func:`klpo.losses.kl_loss`'s sampling policy and cap: the stale sampler's log-probs
+    under ``kl.behaviour_correction`` is or is-cap, else the trainer's pi_old (None:
+    ``kl.off_policy_correction`` false). An engine's log-probs never enter the KL term."""
+    behav, how = mb.r.behav_logp, cfg.kl.behaviour_correction
+    if behav is not None and how != "none":
+        return {"logp_old": behav, "cap": cfg.kl.behaviour_cap if how == "is-cap" else None}
+    return {"logp_old": mb.logp_old if cfg.kl.off_policy_correction else None}
 
 
 def critic_step(
