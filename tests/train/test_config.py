@@ -46,6 +46,7 @@ def test_overrides_parse_yaml_values():
         ("rollout.staleness=1.5", "rollout.staleness: Input should be a valid integer"),
         ("kl.behaviour_correction=tis", "kl.behaviour_correction: got 'tis'; allowed: 'none'"),
         ("kl.behaviour_cap=0", "kl.behaviour_cap: Input should be greater than 0"),
+        ("rollout.asynchronous=true", "set rollout.staleness >= 1"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

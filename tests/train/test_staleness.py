@@ -247,3 +247,58 @@ def test_a_resumed_stale_run_continues_as_the_uninterrupted_one(tiny_model, quic
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     assert rows[0]["sampler/kl_exact"] == 0.0 and rows[-1]["sampler/kl_exact"] > 0
     assert all(0 < r["sampler/ess"] <= 1 for r in rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The asynchronous sampler: a worker process with the same versions and seeds.
+
+
+def test_an_asynchronous_resume_samples_what_the_deterministic_run_samples(
+    tiny_model, quick, tmp_path
+):
+    """The worker (rollout.asynchronous) receives the ring's versions and the requests in order,
+    and seeds each step by (run.seed, step) as the deterministic mode does: a deterministic run
+    resumed at step 2 with the worker logs, bit for bit, what the deterministic run logs (the
+    ring restored, the requests of steps 3 and 4 sent again from the restored prompt stream)."""
+    import multiprocessing
+
+    from klpo.train import loop
+
+    extra = {"rollout.staleness": 2, "run.save_every": 2, "run.eval_every": 0, "kl.estimator": "k3"}
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    loop.train(build_config(overrides=quick(tiny_model, whole, **extra, **{"run.steps": 4})))
+    loop.train(build_config(overrides=quick(tiny_model, part, **extra, **{"run.steps": 2})))
+    over = quick(tiny_model, part, **extra, **{"run.steps": 4, "rollout.asynchronous": "true"})
+    loop.train(
+        build_config(overrides=over), resume=True, allow_config_change=True, log=lambda *_: None
+    )
+    rows = _rows(whole)
+    assert _rows(part) == rows
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert not multiprocessing.active_children()  # the worker stopped with the run
+
+
+def test_the_trainer_refuses_a_batch_older_than_the_staleness():
+    import queue
+
+    from klpo.train.rollout.worker import AsyncSampler, StaleBatch
+
+    class Alive:
+        exitcode = None
+
+        def is_alive(self):
+            return True
+
+    sampler = AsyncSampler.__new__(AsyncSampler)
+    sampler.k, sampler.process, sampler.outbox = 2, Alive(), queue.Queue()
+    sampler.outbox.put(("batch", (6, 2, None, None, None)))  # step 6 by version 2: 3 behind
+    with pytest.raises(
+        StaleBatch, match=r"version 2, 3 versions behind, more than rollout\.staleness=2"
+    ):
+        sampler.take(6)
+    sampler.outbox.put(("error", "Traceback: boom"))
+    with pytest.raises(RuntimeError, match="the rollout worker failed:\nTraceback: boom"):
+        sampler.take(7)
+    sampler.outbox.put(("batch", (8, 5, None, None, None)))
+    with pytest.raises(RuntimeError, match="sent the batch of step 8 for step 9"):
+        sampler.take(9)

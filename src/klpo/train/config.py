@@ -343,6 +343,14 @@ class RolloutConfig(_Section):
         "then weight the policy loss (rollout.tis_cap) and the KL term "
         "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md).",
     )
+    asynchronous: bool = Field(
+        False,
+        description="rollout.staleness > 0: sample in a rollout worker process (spawned, one "
+        "torch thread, its own copy of the policy) up to rollout.staleness steps ahead of the "
+        "update, with the weights pushed after each step, instead of in the trainer between "
+        "steps; the same versions (each batch k behind after the first k steps), each step "
+        "seeded by (run.seed, step) (docs/async.md).",
+    )
     vllm_memory: float = Field(
         0.3,
         gt=0,
@@ -873,6 +881,11 @@ class TrainConfig(_Section):
         """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
         k = self.rollout.staleness
         if k == 0:
+            if self.rollout.asynchronous:
+                raise ValueError(
+                    "rollout.asynchronous samples ahead of the update, so its batches are "
+                    "rollout.staleness versions old: set rollout.staleness >= 1 (e.g. 1)"
+                )
             return
         clash = {
             "rollout.engine=vllm": self.rollout.engine != "hf",

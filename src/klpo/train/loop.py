@@ -32,6 +32,7 @@ import signal
 import time
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from klpo.train.config import TrainConfig
@@ -40,6 +41,7 @@ from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
 from klpo.train.rollout.samplers import Rollout
 from klpo.train.rollout.versions import behaviour_pass, sampled_features
+from klpo.train.rollout.worker import step_seed
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal, klpo_command
@@ -214,6 +216,8 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     run.control.after_step(cfg, step, metrics, term)
     if run.versions is not None:  # the weights this step ends with: version `step`
         run.versions.keep(step, m.policy)
+    if run.sampler is not None:  # pushed to the worker, with the request k + 1 steps ahead
+        run.sampler.advance(step)
     metrics.update(
         {
             "beta": term.beta,
@@ -235,7 +239,14 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, Tensor | Non
     ring = run.versions
     if ring is None:
         return run.engine.sample(prompts, answers), None
+    if run.sampler is not None:  # rollout.asynchronous: sampled ahead by the worker
+        rollout, behaviour = run.sampler.take(step)
+        g = rollout.group_size
+        if rollout.prompts != [p for p in prompts for _ in range(g)]:
+            raise RuntimeError(f"step {step}: the rollout worker sampled other prompts")
+        return behaviour_pass(run.cfg, run.models, rollout, behaviour)
     version = ring.behaviour_version(step)
+    torch.manual_seed(step_seed(run.cfg.run.seed, step))  # as the worker seeds each step
     with ring.at(run.models.policy, version):
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)

@@ -43,6 +43,7 @@ from klpo.train.outdir import DirLock
 from klpo.train.rewards.model import build_rewards
 from klpo.train.rollout.engines import RolloutEngine, make_engine
 from klpo.train.rollout.versions import VersionRing
+from klpo.train.rollout.worker import AsyncSampler
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
@@ -91,6 +92,7 @@ class TrainRun:
     engine: RolloutEngine | None = None  # samples the completions (klpo.train.rollout.engines)
     last_evaluation: str = ""  # the latest held-out accuracy with its interval, for the log
     versions: VersionRing | None = None  # rollout.staleness: the last k policy versions
+    sampler: AsyncSampler | None = None  # rollout.asynchronous: the rollout worker
 
     @property
     def sharded(self) -> bool:
@@ -177,6 +179,8 @@ def setup(
     control.reset = reference_reset(cfg, m, opt)
     run.writer = _open_run_dir(run, plan)
     run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
+    if cfg.rollout.asynchronous:
+        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0)
     if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
         _evaluate_start(run)
     run.progress = progress(
@@ -390,6 +394,8 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
     report."""
     run.progress(None, None)
     run.engine.close()
+    if run.sampler is not None:
+        run.sampler.close()
     if run.writer is None:
         return
     try:
