@@ -47,6 +47,7 @@ def test_overrides_parse_yaml_values():
         ("kl.behaviour_correction=tis", "kl.behaviour_correction: got 'tis'; allowed: 'none'"),
         ("kl.behaviour_cap=0", "kl.behaviour_cap: Input should be greater than 0"),
         ("rollout.asynchronous=true", "set rollout.staleness >= 1"),
+        ("algo.m2po_threshold=0", "algo.m2po_threshold: Input should be greater than 0"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):

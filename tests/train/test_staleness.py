@@ -302,3 +302,69 @@ def test_the_trainer_refuses_a_batch_older_than_the_staleness():
     sampler.outbox.put(("batch", (8, 5, None, None, None)))
     with pytest.raises(RuntimeError, match="sent the batch of step 8 for step 9"):
         sampler.take(9)
+
+
+# --------------------------------------------------------------------------------------------
+# M2PO in the trainer: its mask over the optimizer step's tokens.
+
+
+def _naive_m2po_keep(log_r: list[float], tau: float) -> list[bool]:
+    """Drop the largest (log r)² one at a time until the rest's mean is below tau (a loop)."""
+    order = sorted(range(len(log_r)), key=lambda i: -(log_r[i] ** 2))
+    for k in range(len(order)):
+        rest = [log_r[i] ** 2 for i in order[k:]]
+        if sum(rest) / len(rest) < tau:
+            break
+    else:
+        k = len(order)
+    dropped = set(order[:k])
+    return [i not in dropped for i in range(len(log_r))]
+
+
+def test_m2po_masks_over_the_optimizer_steps_tokens_at_any_micro_batch(stale, quick):
+    from klpo.train.rollout.samplers import generate
+
+    model, m, ring, params = stale
+    over = {
+        "algo.policy_loss": "m2po", "algo.m2po_threshold": 0.02, "kl.placement": "none",
+        "rollout.tis_cap": "null", "rollout.group_size": 4, "rollout.prompts_per_step": 4,
+        "rollout.max_new_tokens": 4, "rewards": "[{name: 'klpo_test_rewards:digits'}]",
+    }  # fmt: skip
+    prompts = ["12+7=", "3+4=", "5+5=", "9+1="]
+    with ring.at(m.policy, 0):
+        torch.manual_seed(1)
+        rollout = generate(
+            m.policy, m.tokenizer, prompts, [""] * 4, group_size=4, max_new_tokens=4,
+            temperature=TEMPERATURE, codec=m.codec,
+        )  # fmt: skip
+        behaviour = sampled_features(_config(model, **over), m, rollout, 0)
+    rollout, _ = behaviour_pass(_config(model, **over), m, rollout, behaviour)
+    reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
+    grads, fracs = [], []
+    for micro in (0, 3):
+        cfg = _config(model, **over, **{"algo.micro_batch": micro})
+        scored = score(cfg, m, rollout, reward_fns, 0.0)
+        opt = Optimizers(torch.optim.SGD(params, lr=0.0), None)
+        tally = update(
+            cfg, m, scored, opt, kl_term(cfg, beta=0.0, beta_old=1.0), Dist(),
+            torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+        fracs.append(tally.result(lambda x: x)["m2po/masked_frac"][0])
+    assert fracs[0] == fracs[1] and torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    # The oracle: the mask by a loop over every valid token of the batch, and the gradient of
+    # -(1/N) sum_kept A_t log pi_theta(y_t) (the ratio is 1 at the first update) by autograd.
+    mask = rollout.mask
+    log_r = (scored.old.logp - rollout.behav_logp)[mask].double().tolist()
+    keep = torch.zeros_like(mask)
+    keep[mask] = torch.tensor(_naive_m2po_keep(log_r, 0.02))
+    assert 0 < float((~keep[mask]).double().mean()) < 1  # the mask drops some, not all
+    assert fracs[0] == pytest.approx(float((~keep[mask]).double().mean()), abs=1e-12)
+    ids, att = rollout.input_ids, rollout.attention_mask.long()
+    logits = m.policy(input_ids=ids, attention_mask=att, position_ids=position_ids(att)).logits
+    c = rollout.completion_ids.shape[1]
+    logp = (logits[:, -c - 1 : -1] / TEMPERATURE).log_softmax(-1)
+    logp = logp.gather(-1, rollout.completion_ids[..., None])[..., 0]
+    loss = -(torch.where(keep, scored.adv * logp, 0.0)).sum() / mask.sum()
+    want = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    assert float((grads[0] - want).norm()) <= 1e-4 * float(want.norm())

@@ -442,7 +442,11 @@ class AlgoConfig(_Section):
         "instead of the ratio clip, anchored to pi_old, with the weight sg(min(ratio, 20)) on "
         "log pi (dppo-tv, dppo-kl; Qi et al. 2026; thresholds dppo_delta_low/high); or "
         "prime-rl's default, dppo-tv plus sampler_k2_coef·(log pi_theta - log pi_old)², a k2 "
-        "penalty toward the sampling policy (dppo-tv-k2). klpo.offpolicy; docs/async.md.",
+        "penalty toward the sampling policy (dppo-tv-k2); or M2PO's unclipped ratio surrogate on "
+        "the tokens its batch mask keeps, the mask dropping the tokens of largest (log pi_old - "
+        "log pi_behav)² over the optimizer step until the rest's mean is below m2po_threshold "
+        "(m2po; Zheng, Zhao & Chen 2025; pi_behav the stale sampler's or the engine's, else "
+        "pi_old). klpo.offpolicy; docs/async.md.",
     )
     gspo_clip_low: float = Field(
         3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
@@ -464,6 +468,12 @@ class AlgoConfig(_Section):
         ge=0,
         description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_old)² per token "
         "(prime-rl's kl_tau, default 1e-3).",
+    )
+    m2po_threshold: float = Field(
+        0.04,
+        gt=0,
+        description="m2po: tau_M2, the mean (log pi_old - log pi_behav)² the kept tokens of an "
+        "optimizer step stay below (the paper's 0.04).",
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(

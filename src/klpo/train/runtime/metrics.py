@@ -116,6 +116,9 @@ METRICS: dict[str, str] = {
     "engine/tis_clip_frac": "rollout.engine=vllm: fraction of tokens whose ratio pi_old / "
     "pi_engine exceeds rollout.tis_cap (0 without a cap)",
     "tokens_per_s": "completion tokens sampled and trained on per second of step time",
+    "m2po/masked_frac": "algo.policy_loss=m2po: share of the update's tokens its mask dropped "
+    "(the largest (log pi_old - log pi_behav)², until the rest's mean is below "
+    "algo.m2po_threshold), pooled over the optimizer steps",
     "rollout/staleness": "rollout.staleness: how many policy versions behind the trainer the "
     "step's batch was sampled (min(k, step - 1); docs/async.md)",
     "sampler/ess": "rollout.staleness: Kish's effective sample size of the token weights w = "
