@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from klpo.heads import Head
+from klpo.train.config import TrainConfig
 from klpo.train.models.backbone import shares_prompt, token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rollout.samplers import Rollout, completion_hidden
 
-__all__ = ["Behaviour", "VersionRing", "behaviour_pass"]
+__all__ = ["Behaviour", "VersionRing", "behaviour_pass", "sampled_features"]
 
 
 def _trainable(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -136,7 +137,7 @@ class Behaviour:
 
 
 @torch.no_grad()
-def _features(cfg, m: Models, rollout: Rollout) -> tuple[Tensor, object]:
+def _features(cfg: TrainConfig, m: Models, rollout: Rollout) -> tuple[Tensor, object]:
     core = unwrap(m.backbone)
     hidden = completion_hidden(core, rollout, share_prompt=shares_prompt(cfg))
     head = core.head()
@@ -148,7 +149,7 @@ def _features(cfg, m: Models, rollout: Rollout) -> tuple[Tensor, object]:
     return hidden.detach(), head
 
 
-def sampled_features(cfg, m: Models, rollout: Rollout, version: int) -> Behaviour:
+def sampled_features(cfg: TrainConfig, m: Models, rollout: Rollout, version: int) -> Behaviour:
     """The behaviour pass's first half, inside :meth:`VersionRing.at` (the sampling weights)."""
     device = next(unwrap(m.backbone).parameters()).device
     hidden, head = _features(cfg, m, rollout.to(device))
@@ -157,7 +158,7 @@ def sampled_features(cfg, m: Models, rollout: Rollout, version: int) -> Behaviou
 
 @torch.no_grad()
 def behaviour_pass(
-    cfg, m: Models, rollout: Rollout, behaviour: Behaviour
+    cfg: TrainConfig, m: Models, rollout: Rollout, behaviour: Behaviour
 ) -> tuple[Rollout, Tensor]:
     """(the rollout with ``behav_logp`` and ``behav_version``, ``[B, C]`` exact
     KL(pi_behav ‖ pi_theta) at each position, 0 where masked), with the current weights in the

@@ -32,8 +32,11 @@ import torch
 from torch import Tensor
 
 from klpo.heads import Head
+from klpo.train.config import TrainConfig
+from klpo.train.data.sources import PromptStream
 from klpo.train.models.backbone import OWN_LOGITS
 from klpo.train.models.build import Models, unwrap
+from klpo.train.models.load import DTYPES, autocast
 from klpo.train.rollout.engines import Sampling
 from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 from klpo.train.rollout.versions import Behaviour, VersionRing
@@ -72,6 +75,7 @@ def _worker(
     share_prompt: bool,
     seed: int,
     device: str,
+    dtype: torch.dtype,
     inbox: Any,
     outbox: Any,
 ) -> None:
@@ -92,11 +96,12 @@ def _worker(
             step, prompts, answers = payload
             torch.manual_seed(step_seed(seed, step))
             s = sampling
-            rollout = generate(
-                backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
-                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
-            )  # fmt: skip
+            with autocast(dtype, torch.device(device)):  # as the hf engine samples
+                rollout = generate(
+                    backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
+                    max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
+                )  # fmt: skip
             with torch.no_grad():
                 hidden = completion_hidden(backbone, rollout, share_prompt=share_prompt)
                 head = backbone.head()
@@ -117,7 +122,9 @@ class AsyncSampler:
     """The trainer's side of the worker (see the module): start it, :meth:`take` each step's
     batch, :meth:`advance` after each step, :meth:`close` at the end."""
 
-    def __init__(self, cfg: Any, m: Models, ring: VersionRing, stream: Any, step0: int) -> None:
+    def __init__(
+        self, cfg: TrainConfig, m: Models, ring: VersionRing, stream: PromptStream, step0: int
+    ) -> None:
         from klpo.train.models.backbone import shares_prompt
 
         self.cfg, self.models, self.ring = cfg, m, ring
@@ -134,7 +141,7 @@ class AsyncSampler:
             target=_worker,
             args=(
                 worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg), shares_prompt(cfg),
-                cfg.run.seed, str(self.device), self.inbox, self.outbox,
+                cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
             ),
             daemon=True,
         )  # fmt: skip
