@@ -170,7 +170,7 @@ def test_the_trainers_stale_kl_gradient_is_the_labs(stale, trainer_gradients, i,
     got = trainer_gradients[i]
     scale = float(want.norm())
     assert scale > 1e-3
-    assert float((got - want).norm()) <= 2e-4 * scale, (name, placement, correction)
+    assert float((got - want).norm()) <= 2e-5 * scale, (name, placement, correction)  # 1.2e-6 seen
 
 
 def test_the_corrections_differ_where_the_sampler_lags(stale):
