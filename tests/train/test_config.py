@@ -165,7 +165,15 @@ def test_report_to_as_trl_writes_it():
     ],
 )
 def test_a_stale_sampler_refuses_what_it_cannot_do_yet(extra, needle):
-    assert build_config(overrides=["rollout.staleness=2"]).rollout.staleness == 2
+    from klpo.train.models.describe import config_lines
+
+    stale = build_config(overrides=["rollout.staleness=2"])
+    assert stale.rollout.staleness == 2
+    assert (
+        "staleness: the sampler 2 versions behind the trainer, in the trainer; KL term's "
+        "correction is, policy loss's TIS cap 2 (docs/async.md)"
+    ) in config_lines(stale)
+    assert not any(line.startswith("staleness") for line in config_lines(build_config()))
     assert build_config().rollout.staleness == 0  # the synchronous loop by default
     with pytest.raises(ConfigError) as err:
         build_config(overrides=["rollout.staleness=2", extra])

@@ -179,13 +179,13 @@ def setup(
     control.reset = reference_reset(cfg, m, opt)
     run.writer = _open_run_dir(run, plan)
     run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
-    if cfg.rollout.asynchronous:
-        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0)
     if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
         _evaluate_start(run)
     run.progress = progress(
         cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log
     )
+    if cfg.rollout.asynchronous:  # last: teardown stops it (a failed setup has none to stop)
+        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0)
     return run
 
 
