@@ -313,8 +313,36 @@ def test_kl_loss_on_policy_is_the_estimate():
         torch.testing.assert_close(g1, g2, rtol=1e-14, atol=1e-15)
 
 
+def test_kl_loss_with_a_cap_weights_each_token_by_the_capped_ratio_by_hand():
+    # w = pi_theta / pi_old = (2, 0.5, 4) per token; C = 3 caps the last to 3. k3 with
+    # d = logp - logp_ref: value min(w, C) · k3 and gradient min(w, C) · (1 - exp(-d)); k3_is
+    # (w · k3 itself): gradient min(w, C) · d, as OpenRLHF's capped weight gives it.
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    logp_old = logp - torch.log(torch.tensor([2.0, 0.5, 4.0], dtype=torch.float64))
+    logp_ref = torch.tensor([[-1.5, -1.0, -1.2]], dtype=torch.float64)
+    capped = torch.tensor([[2.0, 0.5, 3.0]], dtype=torch.float64)
+    d = logp - logp_ref
+    k3 = torch.exp(-d) - 1 + d
+    for name, value, grad in (
+        ("k3", capped * k3, capped * (1 - torch.exp(-d))),
+        ("k3_is", capped * k3, capped * d),
+    ):
+        lp = logp.clone().requires_grad_(True)
+        got = L.kl_loss(name, lp, logp_ref, logp_old=logp_old, cap=3.0)
+        torch.testing.assert_close(got, value, rtol=1e-13, atol=0)
+        (g,) = torch.autograd.grad(got.sum(), lp)
+        torch.testing.assert_close(g, grad, rtol=1e-12, atol=1e-15)
+        # a cap above every weight is no cap
+        free = L.kl_loss(name, logp, logp_ref, logp_old=logp_old)
+        torch.testing.assert_close(
+            L.kl_loss(name, logp, logp_ref, logp_old=logp_old, cap=10.0), free, rtol=1e-14, atol=0
+        )
+
+
 def test_kl_loss_errors():
     x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="the weight's cap must be > 0"):
+        L.kl_loss("k3", x, x, logp_old=x, cap=0.0)
     with pytest.raises(ValueError, match="unknown KL estimator"):
         L.kl_loss("k4", x, x)
     with pytest.raises(ValueError, match="needs logits"):

@@ -222,8 +222,10 @@ def _library_expected(x: st.StaleCase, name: str, placement: str, correction: st
     full = {"logits": theta[rows], "logits_ref": pair.logits_ref[rows]} if name == "full" else {}
     total = torch.zeros((), dtype=torch.float64)
     if placement in ("loss", "reward+loss"):
-        old = q if correction == "is" else None  # kl_loss's pi_old: the sampler, or the trainer's
-        term = losses.kl_loss(name, logp, logp_ref, logp_old=old, mask=mask, **full)
+        # kl_loss's pi_old: the sampler (with is-cap its cap), or the trainer's
+        old = q if correction in ("is", "is-cap") else None
+        capped = cap if correction == "is-cap" else None
+        term = losses.kl_loss(name, logp, logp_ref, logp_old=old, mask=mask, cap=capped, **full)
         total = total + (probs * term).sum()
     if placement in ("reward", "reward+loss"):
         full_s = {k: v.detach() for k, v in full.items()}
@@ -244,13 +246,13 @@ def _library_expected(x: st.StaleCase, name: str, placement: str, correction: st
 
 @pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3_is", "k3+", "full"])
 def test_the_trainers_library_path_follows_the_labs_gradient(name):
-    """kl_loss given the sampler's log-probs is the lab's ``is``, given none its ``none``; the
-    reward's policy gradient with TIS against the sampler is ``is`` (``is-cap`` with its cap)."""
+    """kl_loss given the sampler's log-probs is the lab's ``is`` (with its ``cap``, ``is-cap``),
+    given none its ``none``; the reward's policy gradient with TIS against the sampler is ``is``
+    (``is-cap`` with its cap)."""
     x = st.sequence_cases(2)[1]
     assert x.max_weight > 1.5  # the cap binds somewhere
     for placement in kl.PLACEMENTS:
-        corrections = ("none", "is") if placement != "reward" else ("none", "is", "is-cap")
-        for c in corrections:
+        for c in ("none", "is", "is-cap"):
             got = _library_expected(x, name, placement, c, cap=1.5)
             _, want = st.expected(x, name, placement, c, cap=1.5)
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-13), (name, placement, c)

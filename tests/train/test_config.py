@@ -42,6 +42,12 @@ def test_overrides_parse_yaml_values():
         ("optim.lr=-1", "optim.lr: Input should be greater than 0 (got -1)"),
         ("bogus.key=1", "unknown key 'bogus'"),
         ("data.source=jsonl", "data.path is required when data.source is 'jsonl'"),
+        ("rollout.staleness=-1", "rollout.staleness: Input should be greater than or equal to 0"),
+        ("rollout.staleness=1.5", "rollout.staleness: Input should be a valid integer"),
+        ("kl.behaviour_correction=tis", "kl.behaviour_correction: got 'tis'; allowed: 'none'"),
+        ("kl.behaviour_cap=0", "kl.behaviour_cap: Input should be greater than 0"),
+        ("rollout.asynchronous=true", "set rollout.staleness >= 1"),
+        ("algo.m2po_threshold=0", "algo.m2po_threshold: Input should be greater than 0"),
     ],
 )
 def test_bad_values_name_the_key(override, needle):
@@ -147,3 +153,31 @@ def test_report_to_as_trl_writes_it():
     assert build_config(overrides=["run.report_to=[tensorboard]"]).run.report_to == ["tensorboard"]
     with pytest.raises(ConfigError, match="report_to"):
         build_config(overrides=["run.report_to=neptune"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ("rollout.engine=vllm", "rollout.staleness=2 with rollout.engine=vllm is not supported"),
+        ("rollout.dynamic_sampling=true", "with rollout.dynamic_sampling is not supported"),
+        ("kl.reference_reset={every: 5}", "with kl.reference_reset is not supported"),
+        ("kl.off_policy_correction=false", "set that, or kl.off_policy_correction=true"),
+    ],
+)
+def test_a_stale_sampler_refuses_what_it_cannot_do_yet(extra, needle):
+    from klpo.train.models.describe import config_lines
+
+    stale = build_config(overrides=["rollout.staleness=2"])
+    assert stale.rollout.staleness == 2
+    assert (
+        "staleness: the sampler 2 versions behind the trainer, in the trainer; KL term's "
+        "correction is, policy loss's TIS cap 2 (docs/async.md)"
+    ) in config_lines(stale)
+    assert not any(line.startswith("staleness") for line in config_lines(build_config()))
+    assert build_config().rollout.staleness == 0  # the synchronous loop by default
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=["rollout.staleness=2", extra])
+    assert needle in str(err.value)
+    if extra == "kl.off_policy_correction=false":  # the uncorrected term is spelt out
+        cfg = build_config(overrides=["rollout.staleness=2", extra, "kl.behaviour_correction=none"])
+        assert cfg.kl.behaviour_correction == "none"

@@ -209,6 +209,7 @@ COVERAGE = [
         "kl.reference_reset": "{every: 1}",
     },
     {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
+    {"rollout.staleness": 1, "algo.policy_loss": "m2po"},  # rollout/staleness, sampler/*, m2po/*
 ]
 
 

@@ -180,6 +180,7 @@ class ClipSettings(Protocol):
     dppo_delta_low: float
     dppo_delta_high: float
     sampler_k2_coef: float
+    m2po_threshold: float
 
 
 PolicyLossFn = Callable[[ClipSettings, Tensor, Tensor, Tensor, Tensor, float], Tensor]
@@ -226,6 +227,13 @@ def _dppo_tv_k2_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float
     return pg + offpolicy.sampler_k2(logp, logp_old, coef=a.sampler_k2_coef).to(pg.dtype)
 
 
+def _m2po_loss(a: ClipSettings, logp, logp_old, adv, keep, beta_old: float) -> Tensor:
+    """M2PO on the tokens of ``keep``, its mask over the optimizer step (``batch_mask``: the
+    update computes it, :func:`klpo.offpolicy.m2po_mask`, and passes it as the mask). Within it
+    the library's loss keeps every token: its log-ratio to its own detached log-probs is 0."""
+    return offpolicy.m2po(logp, logp_old, logp.detach(), adv, keep, threshold=a.m2po_threshold)
+
+
 @dataclass(frozen=True)
 class PolicyLossSpec:
     """One policy loss: the surrogate and whether it carries PPO's penalty coefficient."""
@@ -233,6 +241,9 @@ class PolicyLossSpec:
     loss: PolicyLossFn
     uses_beta_old: bool = False  # its beta_old has a controller of its own, logged as beta_old
     per_sequence: bool = False  # a sequence-level ratio (logs its sequence metrics)
+    # its mask is a statistic of the optimizer step's tokens (M2PO): the update computes it from
+    # pi_old and the sampler's log-probs and passes it in place of the valid-token mask
+    batch_mask: bool = False
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {
@@ -243,6 +254,7 @@ POLICY_LOSSES: dict[str, PolicyLossSpec] = {
     "dppo-tv": PolicyLossSpec(_dppo_tv_loss),
     "dppo-kl": PolicyLossSpec(_dppo_kl_loss),
     "dppo-tv-k2": PolicyLossSpec(_dppo_tv_k2_loss),
+    "m2po": PolicyLossSpec(_m2po_loss, batch_mask=True),
 }
 """``algo.policy_loss`` -> its surrogate. The KL to the reference is not part of it: under every
 choice it keeps its own per-token off-policy weight (:func:`klpo.losses.kl_loss`), never GSPO's

@@ -313,9 +313,10 @@ class RolloutConfig(_Section):
     tis_cap: float | None = Field(
         2.0,
         gt=0,
-        description="vllm: truncated importance sampling cap C; each token's policy loss is "
-        "weighted by min(pi_old / pi_engine, C) (Yao et al. 2025). null: no correction (the "
-        "gap is still logged as engine/*).",
+        description="vllm, or rollout.staleness > 0: truncated importance sampling cap C; each "
+        "token's policy loss is weighted by min(pi_old / pi_sampler, C), pi_sampler the engine's "
+        "or the stale behaviour policy's (Yao et al. 2025; decoupled PPO). null: no correction "
+        "(the gap is still logged as engine/* or sampler/*).",
     )
     dynamic_sampling: bool = Field(
         False,
@@ -331,6 +332,24 @@ class RolloutConfig(_Section):
         description="rollout.dynamic_sampling: the most sampling rounds in one step (1: no "
         "extra sampling, only the dropping). Each round costs a rollout of "
         "rollout.prompts_per_step prompts and their rewards.",
+    )
+    staleness: int = Field(
+        0,
+        ge=0,
+        description="How many policy versions the sampler runs behind the trainer (k): step t "
+        "samples with the weights of version max(t - 1 - k, 0), t - 1 being the weights that "
+        "start step t, kept in a ring of the last k versions (the trainable tensors, on the CPU; "
+        "saved in the checkpoint). 0: the synchronous loop. The behaviour policy's log-probs "
+        "then weight the policy loss (rollout.tis_cap) and the KL term "
+        "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md).",
+    )
+    asynchronous: bool = Field(
+        False,
+        description="rollout.staleness > 0: sample in a rollout worker process (spawned, one "
+        "torch thread, its own copy of the policy) up to rollout.staleness steps ahead of the "
+        "update, with the weights pushed after each step, instead of in the trainer between "
+        "steps; the same versions (each batch k behind after the first k steps), each step "
+        "seeded by (run.seed, step) (docs/async.md).",
     )
     vllm_memory: float = Field(
         0.3,
@@ -423,7 +442,11 @@ class AlgoConfig(_Section):
         "instead of the ratio clip, anchored to pi_old, with the weight sg(min(ratio, 20)) on "
         "log pi (dppo-tv, dppo-kl; Qi et al. 2026; thresholds dppo_delta_low/high); or "
         "prime-rl's default, dppo-tv plus sampler_k2_coef·(log pi_theta - log pi_old)², a k2 "
-        "penalty toward the sampling policy (dppo-tv-k2). klpo.offpolicy; docs/async.md.",
+        "penalty toward the sampling policy (dppo-tv-k2); or M2PO's unclipped ratio surrogate on "
+        "the tokens its batch mask keeps, the mask dropping the tokens of largest (log pi_old - "
+        "log pi_behav)² over the optimizer step until the rest's mean is below m2po_threshold "
+        "(m2po; Zheng, Zhao & Chen 2025; pi_behav the stale sampler's or the engine's, else "
+        "pi_old). klpo.offpolicy; docs/async.md.",
     )
     gspo_clip_low: float = Field(
         3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
@@ -445,6 +468,12 @@ class AlgoConfig(_Section):
         ge=0,
         description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_old)² per token "
         "(prime-rl's kl_tau, default 1e-3).",
+    )
+    m2po_threshold: float = Field(
+        0.04,
+        gt=0,
+        description="m2po: tau_M2, the mean (log pi_old - log pi_behav)² the kept tokens of an "
+        "optimizer step stay below (the paper's 0.04).",
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(
@@ -523,6 +552,21 @@ class KLConfig(_Section):
         "weight each token's estimator term by sg(pi_theta/pi_old), which keeps its on-policy "
         "expected gradient (klpo.losses.kl_loss). false: the uncorrected term, as most trainers "
         "compute it (for comparison; k3_is carries its own weight and refuses it).",
+    )
+    behaviour_correction: Literal["none", "is", "is-cap"] = Field(
+        "is",
+        description="rollout.staleness > 0: how the KL in the loss corrects for tokens sampled "
+        "by the stale behaviour policy pi_behav. 'is': weight each token's estimator term by "
+        "sg(pi_theta/pi_behav) (k3_is takes pi_behav as its logp_old), which keeps its on-policy "
+        "expected gradient per token; 'is-cap': the weight capped at kl.behaviour_cap "
+        "(OpenRLHF's); 'none': the trainer's pi_old as without staleness (weight 1 at the first "
+        "update: biased by the lag). `klpo explain --staleness K` gives each one's exact bias.",
+    )
+    behaviour_cap: float = Field(
+        10.0,
+        gt=0,
+        description="kl.behaviour_correction=is-cap: the cap C of the weight min(pi_theta / "
+        "pi_behav, C) (OpenRLHF's 10).",
     )
     reference_reset: ReferenceReset | None = Field(
         None,
@@ -822,6 +866,7 @@ class TrainConfig(_Section):
                 "(k3_is is k3 so weighted), so it has no uncorrected form; use kl.estimator=k3 "
                 "for the uncorrected term"
             )
+        self._check_staleness()
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
@@ -850,6 +895,38 @@ class TrainConfig(_Section):
                 "and adapter-free reference are not sharded); use dist.strategy=ddp with LoRA"
             )
         return self
+
+    def _check_staleness(self) -> None:
+        """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
+        k = self.rollout.staleness
+        if k == 0:
+            if self.rollout.asynchronous:
+                raise ValueError(
+                    "rollout.asynchronous samples ahead of the update, so its batches are "
+                    "rollout.staleness versions old: set rollout.staleness >= 1 (e.g. 1)"
+                )
+            return
+        clash = {
+            "rollout.engine=vllm": self.rollout.engine != "hf",
+            "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
+            "kl.reference_reset": self.kl.reference_reset is not None,
+            "dist.strategy=fsdp": self.dist.strategy == "fsdp",
+        }
+        for what, bad in clash.items():
+            if bad:
+                raise ValueError(
+                    f"rollout.staleness={k} with {what} is not supported yet (the ring of policy "
+                    "versions holds the hf engine's own trainable tensors, unsharded, over a "
+                    "fixed reference and one sampling round per step); set rollout.staleness=0 "
+                    "or drop that setting"
+                )
+        if not self.kl.off_policy_correction and self.kl.behaviour_correction != "none":
+            raise ValueError(
+                f"kl.off_policy_correction=false with rollout.staleness={k} and "
+                f"kl.behaviour_correction={self.kl.behaviour_correction}: the uncorrected KL "
+                "term of a stale batch is kl.behaviour_correction=none; set that, or "
+                "kl.off_policy_correction=true"
+            )
 
 
 class ConfigError(ValueError):

@@ -32,10 +32,16 @@ import signal
 import time
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 from klpo.train.config import TrainConfig
 from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
+from klpo.train.rollout.samplers import Rollout
+from klpo.train.rollout.versions import behaviour_pass, sampled_features
+from klpo.train.rollout.worker import step_seed
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal, klpo_command
@@ -55,7 +61,7 @@ from klpo.train.step.dynamic import sample_with_signal
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.sample_records import train_records
 from klpo.train.step.score import score
-from klpo.train.step.step_metrics import step_metrics
+from klpo.train.step.step_metrics import sampler_metrics, step_metrics
 from klpo.train.step.types import Scored
 from klpo.train.step.update import update
 
@@ -181,13 +187,13 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
 
     # Sample, with the policy's current weights; the reference's own samples where needed.
     run.engine.sync_weights(m.policy)
-    totals, dynamic = None, {}
+    totals, dynamic, kl_behav = None, {}, None
     if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
         mine, rollout, totals, dynamic = got.examples, got.rollout, got.totals, got.metrics
     else:
         mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
-        rollout = run.engine.sample([e.prompt for e in mine], [e.answer for e in mine])
+        rollout, kl_behav = _sample(run, step, mine)
     t1 = time.perf_counter()
     # The step's KL term with the controllers' coefficients (and the reference's samples).
     beta, beta_old = run.control.kl.value, run.control.penalty.value
@@ -205,7 +211,13 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
 
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
+    if kl_behav is not None:  # rollout.staleness: the sampler's lag and distance
+        metrics.update(sampler_metrics(cfg, scored, kl_behav, step))
     run.control.after_step(cfg, step, metrics, term)
+    if run.versions is not None:  # the weights this step ends with: version `step`
+        run.versions.keep(step, m.policy)
+    if run.sampler is not None:  # pushed to the worker, with the request k + 1 steps ahead
+        run.sampler.advance(step)
     metrics.update(
         {
             "beta": term.beta,
@@ -217,6 +229,28 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
         }
     )
     return metrics, float(dist.all_sum(rollout.mask.sum()).item()), scored
+
+
+def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, Tensor | None]:
+    """The step's rollout of the prompts ``mine``; with ``rollout.staleness`` sampled by the
+    behaviour version of the ring, with its log-probs, and the exact KL(pi_behav ‖ pi_old) at
+    each position (:mod:`klpo.train.rollout.versions`), else None."""
+    prompts, answers = [e.prompt for e in mine], [e.answer for e in mine]
+    ring = run.versions
+    if ring is None:
+        return run.engine.sample(prompts, answers), None
+    if run.sampler is not None:  # rollout.asynchronous: sampled ahead by the worker
+        rollout, behaviour = run.sampler.take(step)
+        g = rollout.group_size
+        if rollout.prompts != [p for p in prompts for _ in range(g)]:
+            raise RuntimeError(f"step {step}: the rollout worker sampled other prompts")
+        return behaviour_pass(run.cfg, run.models, rollout, behaviour)
+    version = ring.behaviour_version(step)
+    torch.manual_seed(step_seed(run.cfg.run.seed, step))  # as the worker seeds each step
+    with ring.at(run.models.policy, version):
+        rollout = run.engine.sample(prompts, answers)
+        behaviour = sampled_features(run.cfg, run.models, rollout, version)
+    return behaviour_pass(run.cfg, run.models, rollout, behaviour)
 
 
 def _samples_due(cfg: TrainConfig, step: int, last: bool) -> bool:

@@ -47,6 +47,8 @@ from klpo.train.optimizers import make_optimizers
 from klpo.train.outdir import DirLock
 from klpo.train.rewards.model import build_rewards
 from klpo.train.rollout.engines import RolloutEngine, make_engine
+from klpo.train.rollout.versions import VersionRing
+from klpo.train.rollout.worker import AsyncSampler
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import MetricsWriter
@@ -94,6 +96,8 @@ class TrainRun:
     progress: ProgressFn | None = None
     engine: RolloutEngine | None = None  # samples the completions (klpo.train.rollout.engines)
     last_evaluation: str = ""  # the latest held-out accuracy with its interval, for the log
+    versions: VersionRing | None = None  # rollout.staleness: the last k policy versions
+    sampler: AsyncSampler | None = None  # rollout.asynchronous: the rollout worker
 
     @property
     def sharded(self) -> bool:
@@ -171,8 +175,12 @@ def setup(
     update_gen = torch.Generator().manual_seed(cfg.run.seed)
     run = TrainRun(cfg, dist, Path(cfg.run.out_dir), log, m, stream, heldout, reward_fns, control,
                    opt, update_gen)  # fmt: skip
+    if cfg.rollout.staleness:
+        run.versions = VersionRing(cfg.rollout.staleness)
     if plan.start is not None:
         restore(run, plan)
+    if run.versions is not None and not run.versions.versions:
+        run.versions.keep(run.step0, m.policy)
     control.reset = reference_reset(cfg, m, opt)
     run.writer = _open_run_dir(run, plan)
     run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
@@ -181,6 +189,8 @@ def setup(
     run.progress = progress(
         cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log
     )
+    if cfg.rollout.asynchronous:  # last: teardown stops it (a failed setup has none to stop)
+        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0)
     return run
 
 
@@ -250,6 +260,7 @@ def save(run: TrainRun, step: int) -> None:
                 **({"mix_window": c.window.state_dict()} if c.window is not None else {}),
             },
             keep=run.cfg.run.save_total_limit,
+            versions=run.versions.state_dict() if run.versions is not None else None,
         )
     run.dist.barrier()
 
@@ -273,6 +284,10 @@ def restore(run: TrainRun, plan: plans.RunPlan) -> None:
     if c.window is not None and "mix_window" in meta:  # absent after an allowed change
         c.window.load_state_dict(meta["mix_window"])
     c.ref_updates = int(meta.get("reference_updates", 0))
+    saved_versions = ckpt_io.version_tensors(start)
+    if run.versions is not None and saved_versions is not None:
+        run.versions.load_state_dict(saved_versions)
+        run.versions.forget_after(run.step0)
     run.stream.load_state_dict(meta["data"])
     restore_lr_scheduler(opt.lr_scheduler, meta.get("lr_scheduler"), run.step0)
     run.update_gen.set_state(torch.tensor(meta["update_generator"], dtype=torch.uint8))
@@ -396,6 +411,8 @@ def teardown(run: TrainRun, *, finished: bool) -> None:
     report."""
     run.progress(None, None)
     run.engine.close()
+    if run.sampler is not None:
+        run.sampler.close()
     if run.writer is None:
         return
     try:

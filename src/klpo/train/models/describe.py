@@ -43,6 +43,14 @@ def config_lines(cfg: TrainConfig) -> list[str]:
         f"sampling: {ro.engine} engine, {ro.sampler} sampler, temperature {_num(ro.temperature)}, "
         f"top-p {_num(ro.top_p)}; each prompt's forward {shared} (rollout.share_prompt)"
     )
+    if ro.staleness:
+        where = "a worker process sampling ahead" if ro.asynchronous else "the trainer"
+        cap = f" {_num(k.behaviour_cap)}" if k.behaviour_correction == "is-cap" else ""
+        lines.append(
+            f"staleness: the sampler {_n(ro.staleness, 'version')} behind the trainer, in "
+            f"{where}; KL term's correction {k.behaviour_correction}{cap}, policy loss's TIS cap "
+            f"{'none' if ro.tis_cap is None else _num(ro.tis_cap)} (docs/async.md)"
+        )
     if mc.reference is not None:
         ref = mc.reference
     elif mc.lora is not None:

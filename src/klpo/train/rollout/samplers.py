@@ -43,6 +43,17 @@ class Rollout:
     # [B, C] log-probs of the sampled tokens as an inference engine reported them (0 where
     # mask is False); None when the trainer's own model sampled (see klpo.train.rollout.engines).
     engine_logp: Tensor | None = None
+    # [B, C] log-probs of the sampled tokens under the behaviour policy that sampled them, k
+    # versions behind the trainer (rollout.staleness; 0 where mask is False), and that version;
+    # None without staleness (see klpo.train.rollout.versions).
+    behav_logp: Tensor | None = None
+    behav_version: int | None = None
+
+    @property
+    def sampler_logp(self) -> Tensor | None:
+        """log-probs of the policy that sampled the tokens where it is not the trainer's pi_old:
+        the stale behaviour policy's, else an engine's, else None."""
+        return self.behav_logp if self.behav_logp is not None else self.engine_logp
 
     @property
     def input_ids(self) -> Tensor:
@@ -69,6 +80,7 @@ class Rollout:
             mask=move(self.mask),
             truncated=move(self.truncated),
             engine_logp=move(self.engine_logp),
+            behav_logp=move(self.behav_logp),
         )
 
     @staticmethod
@@ -85,6 +97,8 @@ class Rollout:
             extra = width - t.shape[1]
             return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
 
+        if any(r.behav_logp is not None for r in parts):
+            raise ValueError("rollouts of a stale sampler are not concatenated (one round a step)")
         logp = [r.engine_logp for r in parts]
         trunc = [r.truncated for r in parts]
         return Rollout(
@@ -117,6 +131,8 @@ class Rollout:
             group_size=self.group_size,
             truncated=None if self.truncated is None else self.truncated[idx],
             engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
+            behav_logp=None if self.behav_logp is None else self.behav_logp[idx],
+            behav_version=self.behav_version,
         )
 
 

@@ -9,6 +9,8 @@ Layout of ``RUN/checkpoints/step_000050/``::
     state.json         step, data position, controllers, optimizer structure, python/numpy RNG
     reference.safetensors  the moved reference (kl.reference_reset only): a whole model, or with
                        LoRA the merged base weights the adapters sit on (klpo.train.models.lora)
+    versions.safetensors   the ring of the last policy versions (rollout.staleness only): each
+                       version's trainable tensors, "<version>/<name>" (klpo.train.rollout.versions)
 
 A checkpoint is built in a temporary directory beside its final place and renamed into it, and
 ``RUN/checkpoints/latest`` is replaced atomically afterwards, so a run killed at any moment leaves
@@ -33,6 +35,7 @@ from klpo._io import atomic_dir, write_text_atomic
 
 LATEST = "latest"
 REFERENCE = "reference.safetensors"
+VERSIONS = "versions.safetensors"
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
@@ -97,6 +100,7 @@ def save_checkpoint(
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
     keep: int | None = 2,
+    versions: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and point ``latest`` at it.
 
@@ -113,6 +117,8 @@ def save_checkpoint(
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (``run.save_total_limit``; None: all): after the new
             one is in place, :func:`prune_checkpoints`.
+        versions: the ring of policy versions (``rollout.staleness``), saved as
+            ``versions.safetensors``, or None.
 
     Returns:
         the checkpoint's directory.
@@ -122,12 +128,14 @@ def save_checkpoint(
     try:
         # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
         with atomic_dir(final) as tmp:
-            _write_checkpoint(tmp, step, policy, optimizers, critic, rng, state, reference)
+            _write_checkpoint(
+                tmp, step, policy, optimizers, critic, rng, state, reference, versions
+            )
     except (OSError, SafetensorError) as err:  # atomic_dir removed the partial files
         rng = rng or [rng_state()]
         meta = {"optimizers": [_flatten_optimizer(o, n)[1] for n, o in optimizers.items()]}
         meta |= {"rng": [plain for _, plain in rng], **(state or {})}  # state.json, roughly
-        needed = _nbytes([policy, critic, reference, rng, *optimizers.values()])
+        needed = _nbytes([policy, critic, reference, versions, rng, *optimizers.values()])
         needed += len(json.dumps(meta))
         raise CheckpointError(_save_failure(run_dir, step, err, needed)) from None
     write_text_atomic(root / LATEST, final.name + "\n")
@@ -175,8 +183,11 @@ def _write_checkpoint(
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
     state: dict[str, Any] | None,
     reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
+    versions: dict[str, torch.Tensor] | None = None,
 ) -> None:
     policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if versions is not None:
+        save_file({k: v.contiguous() for k, v in versions.items()}, str(tmp / VERSIONS))
     if critic is not None:
         save_model(critic, str(tmp / "critic.safetensors"))
     if isinstance(reference, dict):  # LoRA's merged base (kl.reference_reset)
@@ -348,7 +359,7 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         for v in e.values()
     )
     names = ["rng.safetensors"] + (["optim.safetensors"] if has_tensors else [])
-    names += [n for n in ("critic.safetensors", "reference.safetensors") if (ckpt / n).exists()]
+    names += [n for n in ("critic.safetensors", REFERENCE, VERSIONS) if (ckpt / n).exists()]
     for name in names:
         problem = safetensors_problem(ckpt / name)
         if problem:
@@ -447,3 +458,9 @@ def restore_reference(ckpt: Path, reference: torch.nn.Module) -> None:
 def reference_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """The tensors of ``reference.safetensors`` by name (LoRA: the merged base weights)."""
     return load_file(str(_reference_path(ckpt)))
+
+
+def version_tensors(ckpt: Path) -> dict[str, torch.Tensor] | None:
+    """The ring of policy versions a checkpoint holds (``versions.safetensors``), or None."""
+    path = ckpt / VERSIONS
+    return load_file(str(path)) if path.is_file() else None

@@ -116,6 +116,32 @@ METRICS: dict[str, str] = {
     "engine/tis_clip_frac": "rollout.engine=vllm: fraction of tokens whose ratio pi_old / "
     "pi_engine exceeds rollout.tis_cap (0 without a cap)",
     "tokens_per_s": "completion tokens sampled and trained on per second of step time",
+    "m2po/masked_frac": "algo.policy_loss=m2po: share of the update's tokens its mask dropped "
+    "(the largest (log pi_old - log pi_behav)², until the rest's mean is below "
+    "algo.m2po_threshold), pooled over the optimizer steps",
+    "rollout/staleness": "rollout.staleness: how many policy versions behind the trainer the "
+    "step's batch was sampled (min(k, step - 1); docs/async.md)",
+    "sampler/ess": "rollout.staleness: Kish's effective sample size of the token weights w = "
+    "pi_old / pi_behav, in (0, 1] (VCPO's collapse predictor; pi_old is pi_theta at the first "
+    "update)",
+    "sampler/ess_seq": "rollout.staleness: the effective sample size of the sequence weights "
+    "prod_t w_t",
+    "sampler/m2": "rollout.staleness: mean (log pi_old - log pi_behav)² over the tokens (M2PO's "
+    "second moment)",
+    "sampler/kl_k1": "rollout.staleness: k1 estimate of KL(pi_behav ‖ pi_old) per token",
+    "sampler/kl_k3": "rollout.staleness: k3 estimate of KL(pi_behav ‖ pi_old) per token",
+    "sampler/kl_k3_max": "rollout.staleness: the largest per-token k3 of the step (TRM's "
+    "D_tok,max, sampled)",
+    "sampler/tv": "rollout.staleness: |w - 1| / 2 per token, an unbiased estimate of the total "
+    "variation between pi_behav and pi_old per position",
+    "sampler/tv_binary_max": "rollout.staleness: the largest |pi_old(y_t) - pi_behav(y_t)| of "
+    "the step (DPPO's statistic)",
+    "sampler/clip_frac": "rollout.staleness: share of tokens whose w is outside [1 - "
+    "algo.clip_low, 1 + algo.clip_high] (where a ratio clip to the sampler would bind)",
+    "sampler/kl_exact": "rollout.staleness: exact KL(pi_behav ‖ pi_old) per position, summed "
+    "over the vocabulary, mean over the step's tokens",
+    "sampler/kl_exact_max": "rollout.staleness: the largest exact KL(pi_behav ‖ pi_old) at a "
+    "position of the step",
 }
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from klpo import advantages, kl, losses, mismatch, reduce
+from klpo import advantages, kl, losses, mismatch, offpolicy, reduce
 from klpo.train.config import TrainConfig
 from klpo.train.rollout.samplers import Rollout
 from klpo.train.runtime.dist import Dist
@@ -21,7 +21,13 @@ from klpo.train.runtime.metrics import Tally
 from klpo.train.step.kl_term import KLTerm, needs_exact_kl
 from klpo.train.step.types import SamplingPass, Scored
 
-__all__ = ["finish_metrics", "reward_metrics", "sampling_metrics", "step_metrics"]
+__all__ = [
+    "finish_metrics",
+    "reward_metrics",
+    "sampler_metrics",
+    "sampling_metrics",
+    "step_metrics",
+]
 
 
 def sampling_metrics(cfg: TrainConfig, old: SamplingPass, logp_ref: Tensor, mask: Tensor) -> Tally:
@@ -118,4 +124,26 @@ def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> 
     out = finish_metrics(tally, dist)
     for key, value in extremes.items():
         out[key] = max(float(v) for v in dist.gather_objects(value))
+    return out
+
+
+def sampler_metrics(cfg: TrainConfig, s: Scored, kl_exact: Tensor, step: int) -> dict[str, float]:
+    """A stale sampler's distance to the trainer (``rollout.staleness``): ``rollout/staleness``,
+    the batch's lag in versions at ``step``; :func:`klpo.offpolicy.trust_region_metrics` of
+    pi_old (the weights that start the step, pi_theta at the first update) against pi_behav on
+    the rollout's tokens; and ``sampler/kl_exact`` and ``sampler/kl_exact_max`` from
+    ``kl_exact`` ``[B, C]``, the exact KL(pi_behav ‖ pi_old) at each position
+    (:func:`klpo.train.rollout.versions.behaviour_pass`). One process (the preflight says so)."""
+    r, a = s.rollout, cfg.algo
+    mask = r.mask
+    out = offpolicy.trust_region_metrics(
+        s.old.logp, r.behav_logp.to(s.old.logp.device), mask, clip_low=a.clip_low,
+        clip_high=a.clip_high,
+    )  # fmt: skip
+    kl_exact = kl_exact.to(mask.device).double()
+    out["sampler/kl_exact"] = float(reduce.masked_mean(kl_exact, mask))
+    out["sampler/kl_exact_max"] = (
+        float(torch.where(mask, kl_exact, 0.0).max()) if mask.any() else 0.0
+    )
+    out["rollout/staleness"] = float(step - 1 - r.behav_version)
     return out

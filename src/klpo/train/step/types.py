@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from klpo import kl, logprobs
+from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
 from klpo.train.rollout.samplers import Rollout
 from klpo.train.runtime.metrics import Tally
@@ -35,9 +36,14 @@ def update_gives_logp_old(cfg: TrainConfig) -> bool:
     log-probs are log pi_old (the ratio is exactly 1, as in TRL with ``num_iterations=1``) and its
     entropy and exact KL are those the score pass would have logged. Scoring then skips its
     policy pass, one forward of the policy per step. A KL in the reward needs log pi_old before
-    the advantages, so it keeps the pass.
+    the advantages, and M2PO's mask before the update's first micro-batch, so they keep the pass.
     """
-    return cfg.algo.epochs == 1 and cfg.algo.minibatches == 1 and not kl.in_reward(cfg.kl.placement)
+    return (
+        cfg.algo.epochs == 1
+        and cfg.algo.minibatches == 1
+        and not kl.in_reward(cfg.kl.placement)
+        and not POLICY_LOSSES[cfg.algo.policy_loss].batch_mask  # (its mask reads pi_old first)
+    )
 
 
 @dataclass

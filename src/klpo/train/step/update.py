@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klpo import logprobs, losses, mismatch, reduce
+from klpo import logprobs, losses, mismatch, offpolicy, reduce
 from klpo.heads import Head
 from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
@@ -74,6 +74,7 @@ class MicroBatch:
     rows: Tensor
     r: Rollout
     red: Reduce
+    keep: Tensor | None = None  # [b, C] a batch-level policy-loss mask (M2PO), rows' share
 
     @property
     def adv(self) -> Tensor:
@@ -111,6 +112,7 @@ def update(
     skip = a.skip_no_signal and not has_signal(s, dist)
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
+    batch_mask = POLICY_LOSSES[a.policy_loss].batch_mask
     tally = Tally()
     ref_seconds, ref_logged = 0.0, False
     for _ in range(a.epochs):
@@ -122,6 +124,7 @@ def update(
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
+            keep = _batch_mask(cfg, s, mb, tally) if batch_mask else None
             if term.ref is not None:
                 head = unwrap(m.backbone).head()
                 part = ref_term(cfg, m.backbone, head, term)
@@ -136,8 +139,9 @@ def update(
             )
             for i, rows in enumerate(micro):
                 part = micro_step(
-                    cfg, m, s, rows, term, n_global, dist, sync=i == len(micro) - 1, tally=tally
-                )
+                    cfg, m, s, rows, term, n_global, dist, sync=i == len(micro) - 1, tally=tally,
+                    keep=keep,
+                )  # fmt: skip
                 for k, v in part.items():
                     step_losses[k] = step_losses.get(k, 0.0) + v
             # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
@@ -148,6 +152,23 @@ def update(
         tally.add("time/ref_update", ref_seconds, 1.0)
     tally.add("step/skipped", float(skip), 1.0)
     return tally
+
+
+def _batch_mask(cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally) -> Tensor:
+    """``[B, C]`` M2PO's mask over the optimizer step's tokens ``rows`` (False elsewhere), from
+    log pi_old - log pi_behav (pi_behav the stale sampler's or the engine's log-probs, else
+    pi_old: all kept); the share it drops goes to ``m2po/masked_frac``."""
+    if not bool(s.old.filled.all()):
+        raise RuntimeError("M2PO's mask needs pi_old before the update (the score pass fills it)")
+    mask = s.rollout.mask
+    behav = s.rollout.sampler_logp
+    old = s.old.logp[rows]
+    log_ratio = old - (old if behav is None else behav[rows].to(old.dtype))
+    kept = offpolicy.m2po_mask(log_ratio, mask[rows], threshold=cfg.algo.m2po_threshold)
+    keep = torch.zeros_like(mask)
+    keep[rows] = kept
+    tally.add("m2po/masked_frac", float((mask[rows] & ~kept).sum()), float(mask[rows].sum()))
+    return keep
 
 
 def has_signal(s: Scored, dist: Dist) -> bool:
@@ -215,6 +236,7 @@ def micro_step(
     *,
     sync: bool,
     tally: Tally,
+    keep: Tensor | None = None,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
@@ -222,7 +244,7 @@ def micro_step(
     its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
     forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the optimizer step's last
     micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term with its
-    coefficients.
+    coefficients. ``keep``: ``[B, C]`` a batch-level policy-loss mask (M2PO), or None.
     """
     r = s.rollout.select(rows)
     mask = r.mask
@@ -231,7 +253,7 @@ def micro_step(
     def red(x: Tensor) -> Tensor:
         return reduce.reduce(x, mask, cfg.algo.loss_reduction, normaliser=n_global, max_len=max_len)
 
-    mb = MicroBatch(s, rows, r, red)
+    mb = MicroBatch(s, rows, r, red, None if keep is None else keep[rows.to(keep.device)])
     with _no_sync(m.backbone, sync):
         out, fused = forward(cfg, m, mb, term, dist)
         total, metrics = policy_loss(cfg, mb, out, term)
@@ -297,7 +319,7 @@ def forward(
     # on each token's log-prob, entropy and KL is known before the forward pass: the gradient is
     # taken in it (klpo.logprobs.fused_loss), with the same gradient as the per-token path. Not
     # on the model's own logits (model.logits_path: model), which the forward holds anyway.
-    applies = recording and r.engine_logp is None and (kl_coef == 0 or exact)
+    applies = recording and r.sampler_logp is None and (kl_coef == 0 or exact)
     weights = None
     if isinstance(head, Head) and takes_fused_loss(cfg, head.weight.shape[0], applies=applies):
         weights = on_policy_weights(cfg, mb.adv, mask, mb.red, term, dist.world)
@@ -338,11 +360,13 @@ def policy_loss(
     a, r, red = cfg.algo, mb.r, mb.red
     kl_estimator, kl_weight, beta = term.estimator, term.loss_weight, term.beta
     adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
-    pg = POLICY_LOSSES[a.policy_loss].loss(a, logp, logp_old, adv, mask, term.beta_old)
-    if r.engine_logp is not None and cfg.rollout.tis_cap is not None:
-        # Tokens sampled by an inference engine: truncated importance sampling against the
-        # trainer's pi_old. The KL term below keeps the trainer's own pi_old, never the engine's.
-        pg = mismatch.tis_policy_loss(pg, logp_old, r.engine_logp, cap=cfg.rollout.tis_cap)
+    spec = POLICY_LOSSES[a.policy_loss]
+    pg = spec.loss(a, logp, logp_old, adv, mb.keep if spec.batch_mask else mask, term.beta_old)
+    behav = r.sampler_logp
+    if behav is not None and cfg.rollout.tis_cap is not None:
+        # Tokens sampled by an inference engine or a stale sampler: truncated importance
+        # sampling against the trainer's pi_old (decoupled PPO, with pi_prox = pi_old).
+        pg = mismatch.tis_policy_loss(pg, logp_old, behav, cap=cfg.rollout.tis_cap)
     loss_pg = red(pg)
     total = loss_pg
     metrics = {"loss/policy": loss_pg.item()}
@@ -350,12 +374,7 @@ def policy_loss(
         kl_tok = (
             out.kl
             if needs_exact_kl(kl_estimator)
-            else losses.kl_loss(
-                kl_estimator,
-                logp,
-                mb.s.logp_ref[mb.rows],
-                logp_old=logp_old if cfg.kl.off_policy_correction else None,
-            )
+            else losses.kl_loss(kl_estimator, logp, mb.s.logp_ref[mb.rows], **_kl_old(cfg, mb))
         )
         loss_kl = kl_weight * red(kl_tok)
         total = total + beta * loss_kl
@@ -365,6 +384,16 @@ def policy_loss(
         total = total + a.entropy_coef * loss_ent
         metrics["loss/entropy"] = loss_ent.item()
     return total, metrics
+
+
+def _kl_old(cfg: TrainConfig, mb: MicroBatch) -> dict[str, Tensor | float | None]:
+    """:func:`klpo.losses.kl_loss`'s sampling policy and cap: the stale sampler's log-probs
+    under ``kl.behaviour_correction`` is or is-cap, else the trainer's pi_old (None:
+    ``kl.off_policy_correction`` false). An engine's log-probs never enter the KL term."""
+    behav, how = mb.r.behav_logp, cfg.kl.behaviour_correction
+    if behav is not None and how != "none":
+        return {"logp_old": behav, "cap": cfg.kl.behaviour_cap if how == "is-cap" else None}
+    return {"logp_old": mb.logp_old if cfg.kl.off_policy_correction else None}
 
 
 def critic_step(

@@ -1,0 +1,177 @@
+"""The sampler that runs behind: a ring of the last k policy versions, and the behaviour pass.
+
+With ``rollout.staleness: k`` > 0 the trainer samples step t with an older policy, the one that
+started step max(t - k, 1), i.e. version ``max(t - 1 - k, 0)`` when version v is the policy after
+v steps (the deterministic mode of docs/async.md: every batch is exactly k versions old after the
+first k steps). :class:`VersionRing` keeps those versions: a copy of the policy's trainable
+tensors (a LoRA policy's adapters; every weight of a full fine-tune) on the CPU per version, the
+last k + 1 of them, and swaps one into the policy for the sampling (:meth:`VersionRing.at`),
+copying the current weights back afterwards, bit for bit.
+
+:func:`behaviour_pass` then fills the rollout's behaviour policy pi_behav: the trainer's own
+log-probs of the sampled tokens at the sampling version (``Rollout.behav_logp``, with
+``Rollout.behav_version``), computed as the score pass computes pi_old, so at a lag of 0 they are
+pi_old's; and the exact KL(pi_behav ‖ pi_theta) at every position, against the weights that start
+the step, from the two passes' hidden states (:func:`klpo.logprobs.fused`'s exact KL, chunked
+over the vocabulary). pi_old stays the trainer's recomputation at the current weights; the update
+reads pi_behav in the policy loss's importance weight (``rollout.tis_cap``) and in the KL term
+(``kl.behaviour_correction``, :func:`klpo.losses.kl_loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klpo.heads import Head
+from klpo.train.config import TrainConfig
+from klpo.train.models.backbone import shares_prompt, token_outputs
+from klpo.train.models.build import Models, unwrap
+from klpo.train.rollout.samplers import Rollout, completion_hidden
+
+__all__ = ["Behaviour", "VersionRing", "behaviour_pass", "sampled_features"]
+
+
+def _trainable(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in unwrap(policy).named_parameters() if p.requires_grad}
+
+
+class VersionRing:
+    """The last ``staleness + 1`` policy versions' trainable tensors, on the CPU.
+
+    Version ``v`` is the policy after ``v`` training steps. :meth:`keep` stores the policy's
+    current tensors as a version and forgets those more than ``staleness`` behind it;
+    :meth:`at` puts one into the policy for a block.
+    """
+
+    def __init__(self, staleness: int) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+            raise ValueError(
+                f"rollout.staleness must be an integer >= 1 for a ring of versions, got "
+                f"{staleness!r}"
+            )
+        self.staleness = staleness
+        self.versions: dict[int, dict[str, Tensor]] = {}
+
+    @property
+    def latest(self) -> int:
+        """The newest version kept."""
+        if not self.versions:
+            raise ValueError("the ring holds no version yet; keep() the starting policy first")
+        return max(self.versions)
+
+    def keep(self, version: int, policy: torch.nn.Module) -> None:
+        """Store ``policy``'s trainable tensors as ``version``; drop versions older than
+        ``version - staleness``."""
+        with torch.no_grad():
+            self.versions[version] = {
+                n: p.detach().to("cpu", copy=True) for n, p in _trainable(policy).items()
+            }
+        for old in [v for v in self.versions if v < version - self.staleness]:
+            del self.versions[old]
+
+    def behaviour_version(self, step: int) -> int:
+        """The version that samples ``step`` (1-based): ``max(step - 1 - staleness, 0)``, or the
+        oldest version kept where the ring holds no older one (a ring started at a resume from
+        a checkpoint without one: it fills up as a fresh run's does)."""
+        return max(step - 1 - self.staleness, min(self.versions, default=0))
+
+    def forget_after(self, version: int) -> None:
+        """Drop the versions newer than ``version`` (a resumed ring's, past the resumed step)."""
+        for v in [v for v in self.versions if v > version]:
+            del self.versions[v]
+
+    @contextmanager
+    def at(self, policy: torch.nn.Module, version: int) -> Iterator[None]:
+        """``policy`` holds ``version``'s tensors inside the block and its own after it."""
+        if version not in self.versions:
+            raise KeyError(
+                f"policy version {version} is not in the ring (it holds {sorted(self.versions)})"
+            )
+        params = _trainable(policy)
+        saved = self.versions[version]
+        if set(saved) != set(params):
+            raise ValueError(
+                "the ring's tensors are not the policy's trainable ones: "
+                f"{sorted(set(saved) ^ set(params))[:3]}"
+            )
+        if version == self.latest:  # the policy holds it already
+            yield
+            return
+        with torch.no_grad():
+            current = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                p.copy_(saved[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(current[n])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every kept version's tensors, flat: ``"<version>/<name>"``."""
+        return {f"{v}/{n}": t for v, ts in self.versions.items() for n, t in ts.items()}
+
+    def load_state_dict(self, tensors: dict[str, Tensor]) -> None:
+        """The versions of :meth:`state_dict`, replacing those held."""
+        versions: dict[int, dict[str, Tensor]] = {}
+        for key, t in tensors.items():
+            v, name = key.split("/", 1)
+            versions.setdefault(int(v), {})[name] = t.to("cpu")
+        self.versions = versions
+
+
+@dataclass
+class Behaviour:
+    """The behaviour policy's pass over a rollout at its sampling version (see the module)."""
+
+    version: int
+    features: Tensor  # [B, C, H] its last hidden states ([B, C, V] logits: model.logits_path)
+    head: Head | object  # its output head, copied (or OWN_LOGITS)
+
+
+@torch.no_grad()
+def _features(cfg: TrainConfig, m: Models, rollout: Rollout) -> tuple[Tensor, object]:
+    core = unwrap(m.backbone)
+    hidden = completion_hidden(core, rollout, share_prompt=shares_prompt(cfg))
+    head = core.head()
+    if isinstance(head, Head):
+        head = head._replace(
+            weight=head.weight.detach().clone(),
+            bias=None if head.bias is None else head.bias.detach().clone(),
+        )
+    return hidden.detach(), head
+
+
+def sampled_features(cfg: TrainConfig, m: Models, rollout: Rollout, version: int) -> Behaviour:
+    """The behaviour pass's first half, inside :meth:`VersionRing.at` (the sampling weights)."""
+    device = next(unwrap(m.backbone).parameters()).device
+    hidden, head = _features(cfg, m, rollout.to(device))
+    return Behaviour(version, hidden, head)
+
+
+@torch.no_grad()
+def behaviour_pass(
+    cfg: TrainConfig, m: Models, rollout: Rollout, behaviour: Behaviour
+) -> tuple[Rollout, Tensor]:
+    """(the rollout with ``behav_logp`` and ``behav_version``, ``[B, C]`` exact
+    KL(pi_behav ‖ pi_theta) at each position, 0 where masked), with the current weights in the
+    policy; ``behaviour`` is :func:`sampled_features` of the sampling version."""
+    device = behaviour.features.device
+    hidden, head = _features(cfg, m, rollout.to(device))
+    tokens = rollout.completion_ids.to(device)
+    out = token_outputs(
+        behaviour.features, behaviour.head, tokens, temperature=cfg.rollout.temperature,
+        features_ref=hidden, head_ref=head, with_entropy=False,
+    )  # fmt: skip
+    mask = rollout.mask.to(device)
+    logp = torch.where(mask, out.logp.float(), 0.0).to(rollout.mask.device)
+    kl = torch.where(mask, out.kl.float(), 0.0)
+    done = dataclasses.replace(rollout, behav_logp=logp, behav_version=behaviour.version)
+    return done, kl

@@ -1,0 +1,219 @@
+"""The asynchronous sampler: a rollout worker process that samples up to k steps ahead.
+
+With ``rollout.asynchronous`` (and ``rollout.staleness: k`` >= 1) the step's completions come from
+a worker process (``torch.multiprocessing``, spawn, one torch thread) holding its own copy of the
+policy, while the trainer updates on an earlier batch. One queue carries the trainer's messages to
+the worker, in order: the weights of a policy version (its trainable tensors, from the
+:class:`~klpo.train.rollout.versions.VersionRing`) and requests to sample a step's prompts. The
+trainer starts with the weights of version ``max(t - 1 - k, oldest kept)`` before the request of
+each of the steps ``step0 + 1 .. step0 + k + 1``, and after step s pushes version s and the request
+of step s + k + 1. The worker takes the messages in order, so the request of step t is sampled
+with version t - 1 - k exactly (after the first k steps): the batch is k versions old, as in the
+deterministic mode, while its sampling overlaps the updates of the k steps before it. Each step is
+sampled with torch's generator seeded by ``(run.seed, step)``, so a run's batches do not depend on
+the timing of the two processes, and a resumed run (the ring restored from its checkpoint,
+the requests sent again from the restored prompt stream) samples what the uninterrupted one does.
+
+The worker returns the rollout with its version and the last hidden states of the completions at
+that version (and its head's weights); the trainer forms the behaviour log-probs and the exact
+KL(pi_behav ‖ pi_old) from them (:func:`klpo.train.rollout.versions.behaviour_pass`) and refuses a
+batch more than k versions old.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import time
+import traceback
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from klpo.heads import Head
+from klpo.train.config import TrainConfig
+from klpo.train.data.sources import PromptStream
+from klpo.train.models.backbone import OWN_LOGITS
+from klpo.train.models.build import Models, unwrap
+from klpo.train.models.load import DTYPES, autocast
+from klpo.train.rollout.engines import Sampling
+from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
+from klpo.train.rollout.versions import Behaviour, VersionRing
+
+__all__ = ["AsyncSampler", "StaleBatch", "step_seed"]
+
+WAIT_S = 600.0
+"""The longest wait for one batch from the worker before the trainer gives up."""
+
+
+class StaleBatch(RuntimeError):
+    """The worker's batch for a step is older than ``rollout.staleness`` versions."""
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The worker's torch seed for ``step``'s sampling."""
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+def _load(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != set(tensors):
+        raise ValueError(
+            f"weights for {len(tensors)} tensors, the worker's policy trains {len(params)}"
+        )
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[n])
+
+
+def _worker(
+    backbone: torch.nn.Module,
+    tokenizer: Any,
+    codec: Any,
+    sampling: Sampling,
+    share_prompt: bool,
+    seed: int,
+    device: str,
+    dtype: torch.dtype,
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """The worker process: weights and requests from ``inbox`` in order, batches to ``outbox``."""
+    torch.set_num_threads(1)
+    try:
+        backbone = backbone.to(device)
+        backbone.eval()
+        version = None
+        while True:
+            kind, payload = inbox.get()
+            if kind == "stop":
+                break
+            if kind == "weights":
+                version, tensors = payload
+                _load(backbone.model, tensors)
+                continue
+            step, prompts, answers = payload
+            torch.manual_seed(step_seed(seed, step))
+            s = sampling
+            with autocast(dtype, torch.device(device)):  # as the hf engine samples
+                rollout = generate(
+                    backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
+                    max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
+                )  # fmt: skip
+            with torch.no_grad():
+                hidden = completion_hidden(backbone, rollout, share_prompt=share_prompt)
+                head = backbone.head()
+                weights = (
+                    None
+                    if not isinstance(head, Head)
+                    else (
+                        head.weight.detach().cpu().clone(),
+                        None if head.bias is None else head.bias.detach().cpu().clone(),
+                    )
+                )
+            outbox.put(("batch", (step, version, rollout, hidden.detach().cpu(), weights)))
+    except BaseException:  # said to the trainer, which raises it
+        outbox.put(("error", traceback.format_exc()))
+
+
+class AsyncSampler:
+    """The trainer's side of the worker (see the module): start it, :meth:`take` each step's
+    batch, :meth:`advance` after each step, :meth:`close` at the end."""
+
+    def __init__(
+        self, cfg: TrainConfig, m: Models, ring: VersionRing, stream: PromptStream, step0: int
+    ) -> None:
+        from klpo.train.models.backbone import shares_prompt
+
+        self.cfg, self.models, self.ring = cfg, m, ring
+        self.k = cfg.rollout.staleness
+        self.ahead = copy.deepcopy(stream)  # the prompts of the steps requested ahead
+        self.requested = step0
+        self.pushed: int | None = None
+        core = unwrap(m.backbone)
+        self.device = next(core.parameters()).device
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        worker_copy = copy.deepcopy(core).to("cpu")
+        self.process = ctx.Process(
+            target=_worker,
+            args=(
+                worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg), shares_prompt(cfg),
+                cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
+            ),
+            daemon=True,
+        )  # fmt: skip
+        self.process.start()
+        del worker_copy
+        for step in range(step0 + 1, step0 + self.k + 2):
+            self._request(step)
+
+    def _request(self, step: int) -> None:
+        """The weights step ``step`` samples with (if not pushed yet), then its request."""
+        if step > self.cfg.run.steps:
+            return
+        version = self.ring.behaviour_version(step)
+        if version != self.pushed:
+            self.inbox.put(("weights", (version, self.ring.versions[version])))
+            self.pushed = version
+        examples = self.ahead.next(self.cfg.rollout.prompts_per_step)
+        self.inbox.put(
+            ("sample", (step, [e.prompt for e in examples], [e.answer for e in examples]))
+        )
+        self.requested = step
+
+    def take(self, step: int) -> tuple[Rollout, Behaviour]:
+        """The worker's batch for ``step`` and its behaviour features; raises
+        :class:`StaleBatch` for a batch older than k versions."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                kind, payload = self.outbox.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(
+                        f"the rollout worker ended (exit code {self.process.exitcode}) before "
+                        f"sending the batch of step {step}"
+                    ) from None
+                if time.monotonic() - t0 > WAIT_S:
+                    raise RuntimeError(
+                        f"no batch from the rollout worker for step {step} in {WAIT_S:.0f} s"
+                    ) from None
+        if kind == "error":
+            raise RuntimeError(f"the rollout worker failed:\n{payload}")
+        got, version, rollout, hidden, weights = payload
+        if got != step:
+            raise RuntimeError(f"the rollout worker sent the batch of step {got} for step {step}")
+        lag = step - 1 - version
+        if lag > self.k:
+            raise StaleBatch(
+                f"step {step}: the rollout worker's batch was sampled by policy version "
+                f"{version}, {lag} versions behind, more than rollout.staleness={self.k}"
+            )
+        head = unwrap(self.models.backbone).head()
+        if weights is not None:
+            head = head._replace(
+                weight=weights[0].to(self.device),
+                bias=None if weights[1] is None else weights[1].to(self.device),
+            )
+        else:
+            head = OWN_LOGITS
+        return rollout, Behaviour(version, hidden.to(self.device), head)
+
+    def advance(self, step: int) -> None:
+        """After ``step`` (its version kept in the ring): the request of step ``step + k + 1``."""
+        self._request(step + self.k + 1)
+
+    def close(self) -> None:
+        """Stop the worker (at once if it does not stop by itself)."""
+        if self.process.is_alive():
+            self.inbox.put(("stop", None))
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.inbox.close()
+        self.outbox.close()
