@@ -170,6 +170,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 """Arguments of ``apply_chat_template`` that ``data.chat_template_kwargs`` may not set."""
 
 
+PLAIN_CHAT_STOP = ("\n", "\n\n", "\n\n\n")
+"""``rollout.stop`` of the built-in chat task as plain text (``data.chat: false``), unless given:
+a newline ends the answer's line. Runs of newlines are listed too: a tokenizer may hold them as
+tokens of their own (Gemma 3: ``"\n\n"`` is one token, id 108), and a stop string that is one
+token of the tokenizer stops at that token only (:func:`klpo.train.models.tokens.stop_set`)."""
+
+
 DataSource = Literal["builtin", "builtin-overopt", "builtin-chat-arith", "jsonl", "datasets"]
 
 
@@ -744,7 +751,8 @@ class TrainConfig(_Section):
     def _overopt_defaults(cls, data: Any) -> Any:
         """builtin-overopt: the proxy reward, the gold reward and room to write past the answer,
         each unless given (docs/overopt.md). builtin-chat-arith: chat rendering and the numeric
-        reward, unless given (docs/real-models.md)."""
+        reward, unless given, and with data.chat=false (plain-text prompts) a completion that
+        stops at its first newline (:data:`PLAIN_CHAT_STOP`; docs/real-models.md)."""
         if not isinstance(data, dict):
             return data
         d = data.get("data")
@@ -754,6 +762,11 @@ class TrainConfig(_Section):
             data.setdefault("rewards", [{"name": "numeric"}])
             if isinstance(d, dict) and "chat" not in d:
                 data["data"] = {**d, "chat": True}
+            rollout = data.get("rollout")
+            plain = isinstance(d, dict) and d.get("chat") is False
+            if plain and (rollout is None or (isinstance(rollout, dict) and "stop" not in rollout)):
+                # plain text: the answer's line ends the completion, before the next question
+                data["rollout"] = {**(rollout or {}), "stop": list(PLAIN_CHAT_STOP)}
             return data
         if source != "builtin-overopt":
             return data
