@@ -33,6 +33,7 @@ from klpo.train.config_files import Sources, merge_layer
 __all__ = [
     "CHAT_OVEROPT_BETAS",
     "CHAT_OVEROPT_KEYS",
+    "CHAT_OVEROPT_TOKENS",
     "KL_BUDGET",
     "KL_BUDGET_SEQ",
     "TASKS",
@@ -384,14 +385,17 @@ def resolve_model(model: str) -> str:
 CHAT_OVEROPT_KEYS: dict[str, Any] = {
     "rewards": [{"name": "chat_overopt_proxy"}],
     "gold_reward": "chat_overopt_gold",
-    "rollout.max_new_tokens": 24,
 }
-"""The chat over-optimisation task's train keys over :data:`REAL_TRAIN_KEYS`: train on the
-proxy (the answer anywhere in the completion), log and evaluate the gold reward (the final
-answer right, no guesses, at most 20 words; :mod:`klpo.train.rewards.overopt`), and completions of
-up to 24 tokens: SmolLM2's right answers, one sentence restating the problem, take about 22
-tokens, and a list of six two-digit candidates ("28, 29, 30, 31, 32, 33") takes 22, so the
-policy has room to game the proxy (at 12 tokens, three)."""
+"""The chat over-optimisation task's train keys (every run of ``task: chat-overopt``, before the
+study's ``base``): train on the proxy (the answer anywhere in the completion), log and evaluate
+the gold reward (the final answer right, no guesses, at most 20 words;
+:mod:`klpo.train.rewards.overopt`)."""
+
+CHAT_OVEROPT_TOKENS = 24
+"""The chat over-optimisation preset's ``rollout.max_new_tokens``, twice the chat-arith
+preset's: SmolLM2's right answers, one sentence restating the problem, take about 22 tokens, and
+a list of six two-digit candidates ("28, 29, 30, 31, 32, 33") takes 22, so the policy has room
+to game the proxy (at 12 tokens, three)."""
 
 CHAT_OVEROPT_BETAS = [0.05, 0.2, 0.8]
 """The chat over-optimisation study's beta sweep: those of the real study's beta pilot
@@ -400,7 +404,8 @@ CHAT_OVEROPT_BETAS = [0.05, 0.2, 0.8]
 
 def chat_overopt_study(model: str = "smollm2") -> StudyConfig:
     """The real-model over-optimisation study (``--task chat-overopt``): GRPO with LoRA on the
-    chat task's problems (:data:`REAL_TRAIN_KEYS`, :data:`CHAT_OVEROPT_KEYS`), on
+    chat task's problems (:data:`CHAT_OVEROPT_KEYS`; :data:`REAL_TRAIN_KEYS` with completions of
+    up to :data:`CHAT_OVEROPT_TOKENS` tokens), on
     SmolLM2-135M-Instruct unless ``model`` names another, the budget of :func:`real_study` (24
     steps of 2 prompts × 4 completions): no KL, ``k1`` in the reward, ``k3`` and ``full`` in the
     loss, each at :data:`CHAT_OVEROPT_BETAS` (the frontier's sweep), 3 seeds; the gold reward on
@@ -414,7 +419,7 @@ def chat_overopt_study(model: str = "smollm2") -> StudyConfig:
         steps=24,
         eval_every=12,
         eval_size=100,
-        base=dict(REAL_TRAIN_KEYS),
+        base={**REAL_TRAIN_KEYS, "rollout.max_new_tokens": CHAT_OVEROPT_TOKENS},
         target_gold=0.3,
         collapse_drop=0.02,
     )
