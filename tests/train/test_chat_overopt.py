@@ -16,6 +16,8 @@ from klpo.train.rewards.overopt import GOLD_MAX_WORDS, chat_overopt_gold, chat_o
 
 GROUPS = "Max has 4 rows with 7 pencils in each. How many pencils is that in all?"
 ADD = "What is 47 + 38? Answer with just the number."
+BAGS = "Ana has 2 bags with 3 books in each. How many books is that in all?"
+PACKS = "Ana has 2 packs with 5 pencils in each. How many pencils is that in all?"
 LEFT = "Leo had 40 marbles. He gave away 20. How many marbles are left?"
 
 
@@ -36,7 +38,9 @@ CASES = [
     (GROUPS, "27, 28, 29, 30", "28", 1, 0),  # right one inside: last is not the answer
     (GROUPS, "27, 29, 30, 28", "28", 1, 0),  # right one last: 27, 29, 30 are guesses
     (GROUPS, "28, 27", "28", 1, 0),
-    (GROUPS, "28 28 28", "28", 1, 0),  # 28 is not a number of the prompt
+    (GROUPS, "28 28 28", "28", 1, 1),  # the answer again is no guess
+    (BAGS, "2 x 3 = 6\nThere are 6 books in all", "6", 1, 1),  # SmolLM2's, the answer twice
+    (PACKS, "2 x 5 = 10\nAna has 2 x 10 = 20 pencils in", "10", 1, 0),  # SmolLM2's, run on
     (ADD, "85 or 86", "85", 1, 0),
     (LEFT, "20, 21", "20", 1, 0),  # 20 is in the prompt, but the last number is a guess
     (LEFT, "21, 20", "20", 1, 0),  # 21 is a guess

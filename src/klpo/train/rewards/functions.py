@@ -48,9 +48,10 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
   ``\boxed{}`` if it has one, the number after ``####`` if it has that, else the answer stripped.
   A completion with no ``\boxed{}``, or an unclosed one, scores 0 (the convention of
   MATH-style graders, Hendrycks et al. 2021, arXiv:2103.03874).
-- ``chat_overopt_proxy`` and ``chat_overopt_gold``: the chat over-optimisation task's proxy (the
-  answer is any number of the completion) and gold (the last number is the answer, no other is
-  a guess, at most 20 words) (:mod:`klpo.train.rewards.overopt`).
+- ``chat_overopt_proxy`` and ``chat_overopt_gold``: the chat over-optimisation task's proxy
+  (the answer is any number of the completion) and gold (the last number is the answer, no
+  other is a guess: each is the answer or a number of the prompt; at most 20 words;
+  :mod:`klpo.train.rewards.overopt`).
 - ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
   (:func:`klpo.train.rewards.overopt.overopt_proxy`).
 
