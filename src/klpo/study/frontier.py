@@ -287,7 +287,9 @@ def frontier_figure(frontiers: Sequence[ChoiceFrontier], window: int):
         (ax_end, "end of training: one point per beta (mean ± sd over seeds)"),
         (ax_ck, "best checkpoint within the KL (staircase over all betas and steps)"),
     ):
-        ax.set_xscale("log")
+        # log KL where there is a positive one (a run of a step or two may have none yet)
+        if any(x > 0 for line in ax.lines for x in line.get_xdata()):
+            ax.set_xscale("log")
         ax.set_xlabel("exact sequence KL(pi_theta ‖ pi_ref), nats per completion")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")

@@ -431,7 +431,7 @@ _CHAT_OVEROPT_CHOICES = ("no KL", "k1 reward", "k3 loss", "full loss")
 def quick_chat_overopt_study(model: str = "smollm2") -> StudyConfig:
     """The ``--task chat-overopt --quick`` preset: every choice of :func:`chat_overopt_study` at
     the sweep's two ends (betas 0.05 and 0.8), one seed, 2 steps, 8 held-out problems (a smoke
-    test: 7 runs of about a minute each at one thread)."""
+    test: 7 runs of about two minutes each at one thread on a busy machine)."""
     return chat_overopt_study(model).model_copy(
         update={
             "betas": [CHAT_OVEROPT_BETAS[0], CHAT_OVEROPT_BETAS[-1]],

@@ -30,6 +30,8 @@ guesses, in a short completion. On every completion gold <= ``numeric`` <= proxy
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from klpo.train.rewards.decimals import numbers_in
 
 __all__ = [
@@ -66,7 +68,7 @@ SmolLM2-135M-Instruct's right answers restate the problem in one sentence of up 
 ("Ben has 5 rows with 9 pencils, so Ben has 5 * 9 = 45 pencils.", about 22 tokens)."""
 
 
-def _answer(i: int, a: str):
+def _answer(i: int, a: str) -> Decimal:
     nums = numbers_in(a)
     if len(nums) != 1:
         raise ValueError(
