@@ -171,7 +171,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 PLAIN_CHAT_STOP = ("\n", "\n\n", "\n\n\n")
-"""``rollout.stop`` of the built-in chat task as plain text (``data.chat: false``), unless given:
+r"""``rollout.stop`` of the built-in chat task as plain text (``data.chat: false``), unless given:
 a newline ends the answer's line. Runs of newlines are listed too: a tokenizer may hold them as
 tokens of their own (Gemma 3: ``"\n\n"`` is one token, id 108), and a stop string that is one
 token of the tokenizer stops at that token only (:func:`klpo.train.models.tokens.stop_set`)."""
@@ -186,7 +186,8 @@ class DataConfig(_Section):
         description="Where prompts come from: the built-in arithmetic task, the same task as the "
         "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
         "reward; docs/overopt.md), the built-in chat task for an instruction-tuned model "
-        "(arithmetic and word problems as chat messages, scored by the numeric reward; "
+        "(arithmetic and word problems as chat messages, scored by the numeric reward; with "
+        "data.chat=false, as plain text for a model without a chat template; "
         "docs/real-models.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
         "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
         "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
