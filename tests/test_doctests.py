@@ -20,6 +20,9 @@ MODULES = (
     "klpo._names",
     "klpo._threads",
     "klpo.doctor.advice",
+    "klpo.train.rewards.decimals",
+    "klpo.train.rewards.overopt",
+    "klpo.train.data.chat_task",
 )
 # Where every public function must carry an example.
 EVERY_FUNCTION = ("klpo.kl", "klpo.losses", "klpo.ref_kl")

@@ -1119,8 +1119,9 @@ def compare(
         "--task",
         metavar="TASK",
         help="builtin (the arithmetic task), overopt (train on a flawed proxy reward, watch "
-        "the gold reward) or chat-arith (SmolLM2-135M-Instruct with LoRA on the chat task: the "
-        "real-model study, docs/study-real/).",
+        "the gold reward), chat-arith (SmolLM2-135M-Instruct with LoRA on the chat task: the "
+        "real-model study, docs/study-real/) or chat-overopt (the same, trained on a proxy "
+        "reward a list of numbers games, the gold reward logged: docs/study-real/overopt.md).",
     ),
 ) -> None:
     """Train a grid of KL choices × betas × seeds on the built-in task and report which is best.
@@ -1151,7 +1152,7 @@ def compare(
         say(f"start {name} (log: {log_path})")
 
     def on_result(row: dict, n: int, total: int) -> None:
-        gold = f"gold {num(row.get('gold_final')):.3f}, " if study.task == "overopt" else ""
+        gold = f"gold {num(row.get('gold_final')):.3f}, " if study.over_optimisation else ""
         why = f" ({row['error']})" if row.get("error") and row["status"] != "ok" else ""
         say(
             f"[{n}/{total}] {row['name']}: {row['status']}{why}, {gold}held-out "

@@ -118,3 +118,22 @@ def test_write_results_has_the_frontier_and_its_plots(tmp_path):
     # the accuracy task has no frontier section
     other = write_results(results, tmp_path, StudyConfig(seeds=[0], steps=20)).read_text()
     assert "## Frontier" not in other
+
+
+def test_the_figure_keeps_a_linear_kl_axis_until_a_kl_is_positive():
+    """A study of a step or two has no KL yet: every point at 0 is drawn on a linear axis
+    (matplotlib warns on a log axis without a positive value); any positive KL makes it log."""
+    import warnings
+
+    from klpo.study.frontier import frontier_figure
+
+    def figure(kl: float):
+        cell = {"beta": 0.1, "kl_seq_final": kl, "gold_final": 0.2, "gold_sd": NAN}
+        curve = Curve(0.1, [1, 2, 3], [0.1, 0.2, 0.2], [0.2, 0.3, 0.3], [kl, kl, kl])
+        return frontier_figure([ChoiceFrontier("grpo", "full loss", [cell], [curve])], 1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat = figure(0.0)
+    assert [ax.get_xscale() for ax in flat.axes] == ["linear", "linear"]
+    assert [ax.get_xscale() for ax in figure(0.5).axes] == ["log", "log"]

@@ -8,13 +8,35 @@ import re
 import pytest
 
 from klpo.train import loop
-from klpo.train.config import ConfigError, build_config
-from klpo.train.data.chat_task import INSTRUCTION, KINDS, SYSTEM_PROMPT, ChatArithmeticTask
+from klpo.train.config import PLAIN_CHAT_STOP, ConfigError, build_config
+from klpo.train.data.chat_task import (
+    INSTRUCTION,
+    KINDS,
+    SYSTEM_PROMPT,
+    ChatArithmeticTask,
+    plain_prompt,
+)
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import render_chat
 from klpo.train.evaluate import wilson_interval
 from klpo.train.rewards.functions import numeric
 from klpo.train.runtime.metrics import read_metrics
+
+
+def _families():
+    """The tokenizer-family builders of tests/train/klpo_families.py (loaded by path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "klpo_families"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
 
 SMALL = ChatArithmeticTask(n_heldout=300, n_train=3000, seed=0)
 
@@ -153,11 +175,85 @@ def test_the_source_defaults_to_chat_and_the_numeric_reward():
     assert [t.name for t in cfg.rewards] == ["exact_match"]
 
 
-def test_chat_off_with_the_chat_task_is_a_clear_error():
+def test_chat_off_poses_the_same_problems_as_plain_text():
+    """data.chat=false (a model without a chat template): each problem's prompt is the plain
+    text written here by hand from the same messages, the problems and answers are the chat
+    form's, and a completion stops at a newline unless rollout.stop is given."""
     cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.chat=false"])
-    train, _ = load_examples(cfg)
-    with pytest.raises(ValueError, match=r"set data\.chat=true"):
-        render_chat(train[:2], tokenizer=None, chat=False)
+    assert cfg.rollout.stop == list(PLAIN_CHAT_STOP) == ["\n", "\n\n", "\n\n\n"]
+    train, heldout = load_examples(cfg)
+    chat_train, chat_heldout = ChatArithmeticTask().splits()
+    assert len(train) == len(chat_train) and len(heldout) == 500
+    for e, c in zip(heldout[:50] + train[:50], chat_heldout[:50] + chat_train[:50], strict=True):
+        question = c.messages[-1][1]
+        assert e.prompt == (
+            f"{SYSTEM_PROMPT}\n\nQuestion: What is 12 + 7? {INSTRUCTION}\nAnswer: 19\n\n"
+            f"Question: {question}\nAnswer:"
+        )
+        assert e.messages is None and e.answer == c.answer
+        assert e.columns == {"prompt": e.prompt, "answer": c.answer, "kind": c.columns["kind"]}
+    assert render_chat(heldout[:3], tokenizer=None, chat=False) == heldout[:3]  # kept as it is
+    per_kind = ChatArithmeticTask(n_heldout=1, n_train=1, shots="per-kind", chat=False)
+    assert per_kind.splits()[1][0].prompt.count("\nAnswer: ") == 4  # the four solved examples
+    none = ChatArithmeticTask(n_heldout=1, n_train=1, shots="none", chat=False).splits()[1][0]
+    assert (
+        none.prompt.startswith(f"{SYSTEM_PROMPT}\n\nQuestion: ") and "Answer: " not in none.prompt
+    )
+    # Given, the stop is kept; with chat on, no stop is added.
+    given = ["data.source=builtin-chat-arith", "data.chat=false", "rollout.stop=['.']"]
+    assert build_config(overrides=given).rollout.stop == ["."]
+    assert build_config(overrides=["data.source=builtin-chat-arith"]).rollout.stop == []
+
+
+def test_plain_prompt_refuses_what_has_no_place_in_it():
+    with pytest.raises(ValueError, match=r"message 1 \('system'\) has no place"):
+        plain_prompt((("user", "q"), ("system", "s")))
+    with pytest.raises(ValueError, match=r"message 0 \('assistant'\)"):
+        plain_prompt((("assistant", "19"), ("user", "q")))
+    with pytest.raises(ValueError, match="must end with a user message"):
+        plain_prompt((("user", "q"), ("assistant", "19")))
+
+
+def test_a_plain_prompt_gets_the_tokenizers_bos_once():
+    """On a tokenizer built to Gemma's conventions (its post-processor adds <bos>), the plain
+    prompt's ids are <bos> and then the text's own characters, one id each: the BOS once."""
+    from klpo.train.models.tokens import Codec, check_single_bos
+
+    families = _families()
+    tok = families.build_tokenizer(families.FAMILIES["gemma"])
+    cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.chat=false"])
+    e = load_examples(cfg)[1][0]
+    codec = Codec.plain(tok)
+    (ids,) = codec.ids([e.prompt])
+    chars = families.FAMILIES["gemma"].ids()
+    assert ids == [tok.bos_token_id, *(chars[ch] for ch in e.prompt)]
+    check_single_bos(codec, ids, "builtin-chat-arith[0]", e.prompt)  # no error
+    assert "one BOS" in codec.describe(e.prompt)[1]
+
+
+@pytest.mark.real
+def test_gemma_reads_the_plain_prompt_with_one_bos(gemma3_dir):
+    """Gemma 3 270M base (no chat template): data.chat=true is refused naming data.chat=false;
+    the plain prompt's ids begin with <bos> once, end with the tokens of "Answer:", and the
+    default stop covers the newline tokens Gemma writes after an answer (ids 107-109)."""
+    from transformers import AutoTokenizer
+
+    from klpo.train.data.sources import check_chat_template
+    from klpo.train.models.tokens import Codec, stop_set
+
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    with pytest.raises(ValueError, match=r"set data\.chat=false"):
+        check_chat_template(tok)
+    cfg = build_config(overrides=["data.source=builtin-chat-arith", "data.chat=false"])
+    e = load_examples(cfg)[1][0]
+    (ids,) = Codec.plain(tok).ids([e.prompt])
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids[1:]) == e.prompt and tok.decode(ids[-2:]).endswith("Answer:")
+    stop = stop_set(tok, None, cfg.rollout.stop)
+    newlines = [tok.convert_tokens_to_ids(s) for s in ("\n", "\n\n", "\n\n\n")]
+    assert set(newlines) <= set(stop.ids) and not stop.strings
+    completion = tok(" 85\n\nQuestion:", add_special_tokens=False).input_ids
+    assert next(i for i, t in enumerate(completion) if t in stop.ids) == 3  # after " 85"
 
 
 @pytest.mark.parametrize(

@@ -32,17 +32,23 @@ from klpo.train.runtime.plots import save_figure, styles
 
 __all__ = [
     "BUDGETS",
+    "CHAT_BUDGETS",
     "ChoiceFrontier",
     "Curve",
     "best_within",
     "frontier_figure",
     "frontier_plots",
     "frontier_table",
+    "heldout_frontier_table",
     "pareto",
 ]
 
 BUDGETS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, math.inf)
 """Sequence-KL budgets (nats per completion) of the frontier table; ``inf``: no budget."""
+
+CHAT_BUDGETS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
+"""The budgets on the real model's chat task, whose completions are longer (10–20 tokens, at
+0.1–0.4 nats per token after 24 steps without a KL: docs/study-real/pilot.md)."""
 
 
 def _ok(*xs: float) -> bool:
@@ -188,6 +194,45 @@ def frontier_table(
     return lines
 
 
+def heldout_frontier_table(
+    frontiers: Sequence[ChoiceFrontier], budgets: Sequence[float] = BUDGETS
+) -> list[str]:
+    """The frontier on held-out problems: per KL choice, the best held-out gold reward at the
+    end of training (greedy, the cells' ``acc_mean``: held-out accuracy is scored with the gold
+    reward) within each budget of the final exact sequence KL, the beta that reaches it in
+    brackets; and the held-out gold reward at the start."""
+    head = " | ".join(f"seq KL {_b(b)}" for b in budgets)
+    lines = [
+        "",
+        "## Frontier on held-out problems",
+        "",
+        "The same frontier with the gold reward of the held-out problems at the end (greedy "
+        "completions, mean over seeds; held-out accuracy is scored with the gold reward) "
+        "against the final exact sequence KL, one point per beta; the held-out gold reward at "
+        "the start for comparison.",
+        "",
+        f"| algo | KL choice | start | {head} |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in budgets) + " |",
+    ]
+
+    def points(f: ChoiceFrontier) -> list[tuple[float, float]]:
+        return [(c["kl_seq_final"], c["acc_mean"]) for c in f.cells]
+
+    order = sorted(frontiers, key=lambda f: (f.algo, -_low(best_within(points(f), math.inf)[0])))
+    for f in order:
+        cols = []
+        for b in budgets:
+            gold, kl = best_within(points(f), b)
+            cell = next(
+                (c for c in f.cells if c["acc_mean"] == gold and c["kl_seq_final"] == kl), None
+            )
+            cols.append("–" if cell is None else f"{_f(gold)} ({cell['beta']:g})")
+        starts = [c["acc_start"] for c in f.cells if math.isfinite(c["acc_start"])]
+        start = _f(sum(starts) / len(starts)) if starts else "–"
+        lines.append(f"| {f.algo} | {f.choice} | {start} | {' | '.join(cols)} |")
+    return lines
+
+
 def _low(x: float) -> float:
     return x if math.isfinite(x) else -math.inf
 
@@ -242,7 +287,9 @@ def frontier_figure(frontiers: Sequence[ChoiceFrontier], window: int):
         (ax_end, "end of training: one point per beta (mean ± sd over seeds)"),
         (ax_ck, "best checkpoint within the KL (staircase over all betas and steps)"),
     ):
-        ax.set_xscale("log")
+        # log KL where there is a positive one (a run of a step or two may have none yet)
+        if any(x > 0 for line in ax.lines for x in line.get_xdata()):
+            ax.set_xscale("log")
         ax.set_xlabel("exact sequence KL(pi_theta ‖ pi_ref), nats per completion")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")

@@ -7,7 +7,7 @@ import re
 
 from pydantic import BaseModel
 
-from klpo.study.spec import StudyConfig, resolve_model
+from klpo.study.spec import CHAT_OVEROPT_KEYS, StudyConfig, resolve_model
 from klpo.train.config import ConfigError
 
 __all__ = ["Run", "fmt", "study_grid"]
@@ -45,7 +45,8 @@ def study_grid(study: StudyConfig) -> list[Run]:
         "run.tensorboard": False,
         "data.eval_size": study.eval_size,
         **({"data.source": "builtin-overopt"} if study.task == "overopt" else {}),
-        **({"data.source": "builtin-chat-arith"} if study.task == "chat-arith" else {}),
+        **({"data.source": "builtin-chat-arith"} if study.chat else {}),
+        **(CHAT_OVEROPT_KEYS if study.task == "chat-overopt" else {}),
         **({"model.policy": resolve_model(study.model)} if study.model is not None else {}),
         **study.base,
     }

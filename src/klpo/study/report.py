@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from klpo._io import write_text_atomic
-from klpo.study.frontier import ChoiceFrontier, Curve, frontier_plots, frontier_table
+from klpo.study.frontier import (
+    BUDGETS,
+    CHAT_BUDGETS,
+    ChoiceFrontier,
+    Curve,
+    frontier_plots,
+    frontier_table,
+    heldout_frontier_table,
+)
 from klpo.study.grid import fmt
 from klpo.study.plots import metric_curve, plot_results, seed_band
 from klpo.study.spec import StudyConfig
@@ -59,15 +67,18 @@ def write_results(
     write_text_atomic(out / "results.csv", buf.getvalue())
     cells = summarise_cells(results)
     plots = plot_results(results, cells, out)
-    fronts = _frontiers(results, cells, out) if study.task == "overopt" else []
+    fronts = _frontiers(results, cells, out) if study.over_optimisation else []
     plots += frontier_plots(fronts, out, WINDOW) if fronts else []
 
     lines = _main_table(results, cells, study)
-    if study.task == "chat-arith":
+    if study.chat:
         lines += _real_table(results, cells, study, out)
     lines += _noise_table(cells, study)
-    if study.task == "overopt":
-        lines += frontier_table(fronts, WINDOW)
+    if study.over_optimisation:
+        budgets = CHAT_BUDGETS if study.chat else BUDGETS
+        lines += frontier_table(fronts, WINDOW, budgets)
+        if study.chat:
+            lines += heldout_frontier_table(fronts, budgets)
         lines += _overopt_table(cells)
     lines += _budget_table(cells)
     failures = [r for r in results if r["status"] != "ok"]
@@ -158,7 +169,13 @@ def _real_table(
         f"policy's entropy per token and the sampled completions' mean length, over the last "
         f"{WINDOW} steps (means over seeds); runs that collapsed (held-out accuracy fell beyond "
         "the collapse threshold). Per-problem scores are the runs' held-out records "
-        "(`samples.jsonl`, `run.log_samples` of them).",
+        "(`samples.jsonl`, `run.log_samples` of them)."
+        + (
+            " On this task held-out accuracy is the gold reward (`chat_overopt_gold`: the "
+            "final answer right, no guessed number, at most 20 words), never trained on."
+            if study.over_optimisation
+            else ""
+        ),
         "",
         "| algo | KL choice | beta | acc end, pooled (95% Wilson) | vs start: gained / lost (p) "
         "| vs no KL: gained / lost (p) | exact KL | entropy | length | collapsed |",
@@ -270,7 +287,9 @@ def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
         "",
         "## Over-optimisation: gold against proxy reward",
         "",
-        f"Gold reward (exact correctness) and proxy reward (trained on) over the last {WINDOW} "
+        "Gold reward (the config's `gold_reward`, never trained on: exact correctness on the "
+        "toy task, `chat_overopt_gold` on the chat task) and proxy reward (trained on), on the "
+        f"steps' sampled completions over the last {WINDOW} "
         f"steps, the peak of the gold reward's {WINDOW}-step running mean and the exact sequence "
         "KL(pi_theta ‖ pi_ref) there, and the exact sequence KL at the end (means over seeds). "
         "proxy − gold is the over-optimisation gap.",

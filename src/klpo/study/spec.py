@@ -11,7 +11,9 @@ reset, ``ref_is`` clipping) and ``algo.*`` keys (``algo_options``: GSPO, CISPO, 
 own betas (a controller row: one, the initial coefficient). The presets: the default grid
 (:class:`StudyConfig`), ``--quick`` (:func:`quick_study`), the over-optimisation study
 (:func:`overopt_study`) and its ``--quick`` (:func:`quick_overopt_study`), and the real-model
-study on the chat task (``--task chat-arith``: :func:`real_study`, :func:`quick_real_study`).
+study on the chat task (``--task chat-arith``: :func:`real_study`, :func:`quick_real_study`) and
+its over-optimisation form (``--task chat-overopt``: :func:`chat_overopt_study`,
+:func:`quick_chat_overopt_study`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ from klpo.train.config import ConfigError, load_yaml, one_of
 from klpo.train.config_files import Sources, merge_layer
 
 __all__ = [
+    "CHAT_OVEROPT_BETAS",
+    "CHAT_OVEROPT_KEYS",
+    "CHAT_OVEROPT_TOKENS",
     "KL_BUDGET",
     "KL_BUDGET_SEQ",
+    "TASKS",
     "Choice",
     "StudyConfig",
+    "chat_overopt_study",
     "load_study",
     "overopt_study",
+    "quick_chat_overopt_study",
     "quick_overopt_study",
     "quick_real_study",
     "quick_study",
@@ -158,12 +166,14 @@ class StudyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    task: Literal["builtin", "overopt", "chat-arith"] = Field(
+    task: Literal["builtin", "overopt", "chat-arith", "chat-overopt"] = Field(
         "builtin",
         description="The task every run trains on: the built-in arithmetic task, the "
         "over-optimisation task (data.source builtin-overopt: a proxy reward to train on, the "
-        "gold reward logged; docs/overopt.md), or the chat task for a real instruction-tuned "
-        "model (data.source builtin-chat-arith; docs/real-models.md).",
+        "gold reward logged; docs/overopt.md), the chat task for a real instruction-tuned "
+        "model (data.source builtin-chat-arith; docs/real-models.md), or that chat task "
+        "trained on an exploitable proxy reward with a gold reward logged (chat_overopt_proxy "
+        "and chat_overopt_gold; docs/study-real/overopt.md).",
     )
     model: str | None = Field(
         None,
@@ -224,9 +234,21 @@ class StudyConfig(BaseModel):
             raise ValueError("model must be a real model's key (smollm2, gemma3) or a path")
         return v
 
+    @property
+    def over_optimisation(self) -> bool:
+        """Whether the task trains on a proxy reward and logs a gold one (its report has the
+        gold-against-KL frontiers)."""
+        return self.task in ("overopt", "chat-overopt")
+
+    @property
+    def chat(self) -> bool:
+        """Whether the task is the chat task of a real model (its report compares the held-out
+        problems one by one)."""
+        return self.task in ("chat-arith", "chat-overopt")
+
     def convergence_target(self) -> tuple[str, float]:
         """The metric whose running mean defines "steps to target", and its threshold."""
-        if self.task == "overopt":
+        if self.over_optimisation:
             return "reward/gold", self.target_gold
         return "accuracy/train", self.target_accuracy
 
@@ -360,6 +382,67 @@ def resolve_model(model: str) -> str:
     return str(path)
 
 
+CHAT_OVEROPT_KEYS: dict[str, Any] = {
+    "rewards": [{"name": "chat_overopt_proxy"}],
+    "gold_reward": "chat_overopt_gold",
+}
+"""The chat over-optimisation task's train keys (every run of ``task: chat-overopt``, before the
+study's ``base``): train on the proxy (the answer anywhere in the completion), log and evaluate
+the gold reward (the final answer right, no guesses, at most 20 words;
+:mod:`klpo.train.rewards.overopt`)."""
+
+CHAT_OVEROPT_TOKENS = 24
+"""The chat over-optimisation preset's ``rollout.max_new_tokens``, twice the chat-arith
+preset's: SmolLM2's right answers, one sentence restating the problem, take about 22 tokens, and
+a list of six two-digit candidates ("28, 29, 30, 31, 32, 33") takes 22, so the policy has room
+to game the proxy (at 12 tokens, three)."""
+
+CHAT_OVEROPT_BETAS = [0.05, 0.2, 0.8]
+"""The chat over-optimisation study's beta sweep: those of the real study's beta pilot
+(configs/studies/real-beta-pilot.yaml), a factor of 4 apart."""
+
+
+def chat_overopt_study(model: str = "smollm2") -> StudyConfig:
+    """The real-model over-optimisation study (``--task chat-overopt``): GRPO with LoRA on the
+    chat task's problems (:data:`CHAT_OVEROPT_KEYS`; :data:`REAL_TRAIN_KEYS` with completions of
+    up to :data:`CHAT_OVEROPT_TOKENS` tokens), on
+    SmolLM2-135M-Instruct unless ``model`` names another, the budget of :func:`real_study` (24
+    steps of 2 prompts × 4 completions): no KL, ``k1`` in the reward, ``k3`` and ``full`` in the
+    loss, each at :data:`CHAT_OVEROPT_BETAS` (the frontier's sweep), 3 seeds; the gold reward on
+    100 held-out problems at the start, halfway and the end (10 cells, 30 runs)."""
+    return StudyConfig(
+        task="chat-overopt",
+        model=model,
+        choices=[c for c in real_choices() if c.label in _CHAT_OVEROPT_CHOICES],
+        betas=list(CHAT_OVEROPT_BETAS),
+        seeds=[0, 1, 2],
+        steps=24,
+        eval_every=12,
+        eval_size=100,
+        base={**REAL_TRAIN_KEYS, "rollout.max_new_tokens": CHAT_OVEROPT_TOKENS},
+        target_gold=0.3,
+        collapse_drop=0.02,
+    )
+
+
+_CHAT_OVEROPT_CHOICES = ("no KL", "k1 reward", "k3 loss", "full loss")
+
+
+def quick_chat_overopt_study(model: str = "smollm2") -> StudyConfig:
+    """The ``--task chat-overopt --quick`` preset: every choice of :func:`chat_overopt_study` at
+    the sweep's two ends (betas 0.05 and 0.8), one seed, 2 steps, 8 held-out problems (a smoke
+    test: 7 runs of about two minutes each at one thread on a busy machine)."""
+    return chat_overopt_study(model).model_copy(
+        update={
+            "betas": [CHAT_OVEROPT_BETAS[0], CHAT_OVEROPT_BETAS[-1]],
+            "seeds": [0],
+            "steps": 2,
+            "eval_every": 2,
+            "eval_size": 8,
+        }
+    )
+
+
 KL_BUDGET = 0.1  # nats per token: the over-optimisation study's KL budget (docs/overopt.md)
 KL_BUDGET_SEQ = 0.4  # nats per completion: the same budget per sequence (~4 tokens a completion)
 
@@ -485,6 +568,10 @@ def _budget_choices() -> list[Choice]:
     ]
 
 
+TASKS = ("builtin", "overopt", "chat-arith", "chat-overopt")
+"""The tasks a study runs on (``klpo compare --task``)."""
+
+
 def load_study(
     path: str | Path | Sequence[str | Path] | None = None,
     *,
@@ -492,25 +579,29 @@ def load_study(
     task: str = "builtin",
 ) -> StudyConfig:
     """A study from YAML (keys of :class:`StudyConfig`), the quick preset, or the defaults, of
-    ``task`` (``builtin``, ``overopt`` or ``chat-arith``). Several files merge in order, a later one winning
-    and mappings (``base``, ``ppo``) merging key by key (:mod:`klpo.train.config_files`); their
-    keys then replace the preset's."""
-    one_of("task", task, ("builtin", "overopt", "chat-arith"))
+    ``task`` (one of :data:`TASKS`). The files merge over the preset in order, a later one
+    winning, as ``klpo train``'s files do (:mod:`klpo.train.config_files`): a list (``choices``,
+    ``betas``, ``seeds``) or a number replaces what was there, a mapping (``base``, ``ppo``)
+    merges key by key, so ``base: {data.chat: false}`` changes one train key of the preset's
+    and keeps the rest."""
+    one_of("task", task, TASKS)
     if task == "overopt":
         base = quick_overopt_study() if quick else overopt_study()
     elif task == "chat-arith":
         base = quick_real_study() if quick else real_study()
+    elif task == "chat-overopt":
+        base = quick_chat_overopt_study() if quick else chat_overopt_study()
     else:
         base = quick_study() if quick else StudyConfig()
     paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     if not paths:
         return base
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = base.model_dump()
     sources = Sources()
     for p in map(Path, paths):
         merge_layer(data, _read_study_file(p), str(p), sources)
     try:
-        return StudyConfig.model_validate({**base.model_dump(), **data})
+        return StudyConfig.model_validate(data)
     except ValidationError as err:
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
         named = {sources.of_error(e["loc"]) for e in err.errors()} - {None}

@@ -170,6 +170,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 """Arguments of ``apply_chat_template`` that ``data.chat_template_kwargs`` may not set."""
 
 
+PLAIN_CHAT_STOP = ("\n", "\n\n", "\n\n\n")
+r"""``rollout.stop`` of the built-in chat task as plain text (``data.chat: false``), unless given:
+a newline ends the answer's line. Runs of newlines are listed too: a tokenizer may hold them as
+tokens of their own (Gemma 3: ``"\n\n"`` is one token, id 108), and a stop string that is one
+token of the tokenizer stops at that token only (:func:`klpo.train.models.tokens.stop_set`)."""
+
+
 DataSource = Literal["builtin", "builtin-overopt", "builtin-chat-arith", "jsonl", "datasets"]
 
 
@@ -179,7 +186,8 @@ class DataConfig(_Section):
         description="Where prompts come from: the built-in arithmetic task, the same task as the "
         "over-optimisation task (a proxy reward to train on, exact correctness as the gold "
         "reward; docs/overopt.md), the built-in chat task for an instruction-tuned model "
-        "(arithmetic and word problems as chat messages, scored by the numeric reward; "
+        "(arithmetic and word problems as chat messages, scored by the numeric reward; with "
+        "data.chat=false, as plain text for a model without a chat template; "
         "docs/real-models.md), a JSONL file, or a datasets dataset (a local path, or a Hub "
         "id fetched by datasets; HF_HUB_OFFLINE=1 reads the local cache only). Every column "
         "of a row reaches TRL-form reward functions by name (docs/rewards.md).",
@@ -797,7 +805,8 @@ class TrainConfig(_Section):
     def _overopt_defaults(cls, data: Any) -> Any:
         """builtin-overopt: the proxy reward, the gold reward and room to write past the answer,
         each unless given (docs/overopt.md). builtin-chat-arith: chat rendering and the numeric
-        reward, unless given (docs/real-models.md)."""
+        reward, unless given, and with data.chat=false (plain-text prompts) a completion that
+        stops at its first newline (:data:`PLAIN_CHAT_STOP`; docs/real-models.md)."""
         if not isinstance(data, dict):
             return data
         d = data.get("data")
@@ -807,6 +816,11 @@ class TrainConfig(_Section):
             data.setdefault("rewards", [{"name": "numeric"}])
             if isinstance(d, dict) and "chat" not in d:
                 data["data"] = {**d, "chat": True}
+            rollout = data.get("rollout")
+            plain = isinstance(d, dict) and d.get("chat") is False
+            if plain and (rollout is None or (isinstance(rollout, dict) and "stop" not in rollout)):
+                # plain text: the answer's line ends the completion, before the next question
+                data["rollout"] = {**(rollout or {}), "stop": list(PLAIN_CHAT_STOP)}
             return data
         if source != "builtin-overopt":
             return data

@@ -21,6 +21,14 @@ left    ``Leo had 52 marbles. He gave away 17. How many marbles ...`` a - b, wit
 groups  ``Ava has 4 boxes with 6 pens in each. How many pens ...``    a * b, a in 2..9, b in 2..12
 ======  ============================================================  ===========================
 
+**Without a chat template** (``data.chat: false``, a base model such as Gemma 3 270M): the same
+conversation as plain text, the few-shot layout of a base model's prompt: the system prompt, a
+blank line, then each solved example as ``Question: ...`` and ``Answer: 19`` lines, a blank line
+after each, and the question ending with ``Answer:`` (:func:`plain_prompt`). The tokenizer then
+adds its own special tokens once (Gemma's BOS; :class:`klpo.train.models.tokens.Codec`), and a
+completion ends at its first newline (``rollout.stop`` defaults to newlines there:
+:data:`klpo.train.config.PLAIN_CHAT_STOP`), where the next question would begin.
+
 The problems come from ``random.Random(seed).random()`` alone (whose sequence Python guarantees
 across platforms and versions), distinct by question text; the first ``n_heldout`` are the
 held-out split and the next ``n_train`` the train split, so the two are disjoint by construction
@@ -34,7 +42,7 @@ from dataclasses import dataclass, replace
 
 from klpo.train.data.sources import Example
 
-__all__ = ["KINDS", "SHOTS", "SYSTEM_PROMPT", "ChatArithmeticTask"]
+__all__ = ["KINDS", "SHOTS", "SYSTEM_PROMPT", "ChatArithmeticTask", "plain_prompt"]
 
 SYSTEM_PROMPT = (
     "You are a calculator. Solve the problem and reply with only the final number: "
@@ -69,6 +77,38 @@ _NAMES = (
 )  # fmt: skip
 _THINGS = ("apples", "marbles", "stickers", "pencils", "cards", "coins", "books", "shells")
 _BOXES = ("boxes", "bags", "rows", "packs", "jars", "shelves")
+
+
+def plain_prompt(messages: tuple[tuple[str, str], ...]) -> str:
+    """The chat task's messages as the plain-text prompt of a model without a chat template.
+
+    >>> print(plain_prompt((("system", "Be brief."), ("user", "What is 1 + 1?"),
+    ...                     ("assistant", "2"), ("user", "What is 2 + 3?"))))
+    Be brief.
+    <BLANKLINE>
+    Question: What is 1 + 1?
+    Answer: 2
+    <BLANKLINE>
+    Question: What is 2 + 3?
+    Answer:
+
+    Raises:
+        ValueError: a role is not system (first only), user or assistant, or the last message
+            is not the user's.
+    """
+    parts: list[str] = []
+    for i, (role, content) in enumerate(messages):
+        if role == "system" and i == 0:
+            parts.append(f"{content}\n\n")
+        elif role == "user":
+            parts.append(f"Question: {content}\nAnswer:")
+        elif role == "assistant" and parts and parts[-1].endswith("Answer:"):
+            parts.append(f" {content}\n\n")
+        else:
+            raise ValueError(f"message {i} ({role!r}) has no place in a plain-text prompt")
+    if not parts or not parts[-1].endswith("Answer:"):
+        raise ValueError("a plain-text prompt must end with a user message (the question)")
+    return "".join(parts)
 
 
 def _pick(rng: random.Random, seq: tuple) -> object:
@@ -114,12 +154,15 @@ class ChatArithmeticTask:
         seed: seeds the draw.
         shots: the solved examples before each question, a key of :data:`SHOTS`; the problems
             drawn do not depend on it.
+        chat: each prompt as chat messages for a chat template (default), or as plain text
+            (:func:`plain_prompt`) for a model without one.
     """
 
     n_heldout: int = 500
     n_train: int = 5000
     seed: int = 0
     shots: str = "one"
+    chat: bool = True
 
     def __post_init__(self) -> None:
         if self.shots not in SHOTS:
@@ -143,9 +186,14 @@ class ChatArithmeticTask:
 
     def example(self, kind: str, question: str, answer: int) -> Example:
         """The problem as an :class:`Example`: the system prompt, the solved examples and the
-        question as chat messages; the answer as its decimal string; ``kind`` in the row."""
+        question as chat messages (or, with ``chat`` off, as their plain text); the answer as
+        its decimal string; ``kind`` in the row."""
         shots = tuple(m for q, a in SHOTS[self.shots] for m in (("user", q), ("assistant", a)))
         messages = (("system", SYSTEM_PROMPT), *shots, ("user", f"{question} {INSTRUCTION}"))
+        if not self.chat:
+            text = plain_prompt(messages)
+            row = {"prompt": text, "answer": str(answer), "kind": kind}
+            return Example(prompt=text, answer=str(answer), row=row)
         row = {"prompt": [{"role": r, "content": c} for r, c in messages], "answer": str(answer)}
         return Example(prompt="", answer=str(answer), messages=messages, row={**row, "kind": kind})
 

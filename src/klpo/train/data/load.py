@@ -17,7 +17,7 @@ def load_examples(cfg: TrainConfig) -> tuple[list[Example], list[Example]]:
         train, heldout = ArithmeticTask().splits()
         return list(train), list(heldout[: d.eval_size])
     if d.source == "builtin-chat-arith":
-        train, heldout = ChatArithmeticTask(shots=d.shots).splits()
+        train, heldout = ChatArithmeticTask(shots=d.shots, chat=d.chat).splits()
         return train, heldout[: d.eval_size]
     if d.source == "jsonl":
         train = read_jsonl(d.path, d.prompt_field, d.answer_field)

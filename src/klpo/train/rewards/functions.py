@@ -48,6 +48,10 @@ Built-in functions (:data:`BUILTIN`), each in ``{0.0, 1.0}`` but the last:
   ``\boxed{}`` if it has one, the number after ``####`` if it has that, else the answer stripped.
   A completion with no ``\boxed{}``, or an unclosed one, scores 0 (the convention of
   MATH-style graders, Hendrycks et al. 2021, arXiv:2103.03874).
+- ``chat_overopt_proxy`` and ``chat_overopt_gold``: the chat over-optimisation task's proxy
+  (the answer is any number of the completion) and gold (the last number is the answer, no
+  other is a guess: each is the answer or a number of the prompt; at most 20 words;
+  :mod:`klpo.train.rewards.overopt`).
 - ``overopt_proxy``: the over-optimisation task's deliberately flawed proxy, in [0, 1.5]
   (:func:`klpo.train.rewards.overopt.overopt_proxy`).
 
@@ -75,7 +79,8 @@ from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
-from klpo.train.rewards.overopt import overopt_proxy
+from klpo.train.rewards.decimals import NUMBER, numbers_in
+from klpo.train.rewards.overopt import chat_overopt_gold, chat_overopt_proxy, overopt_proxy
 
 __all__ = [
     "ANSWER_PROBLEMS",
@@ -264,7 +269,7 @@ def _call(fn: RewardFn, batch: RewardBatch) -> Any:
 # --------------------------------------------------------------------------------------------
 # Number extraction (GSM8K's "#### 42" format).
 
-_NUMBER = re.compile(r"(?:(?<![\w.])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+_NUMBER = NUMBER
 _FORMAT = re.compile(r"(?:(?:.*\n)?[ \t]*####[ \t]*)?" + _NUMBER.pattern, re.DOTALL)
 
 
@@ -387,12 +392,19 @@ BUILTIN: dict[str, RewardFn] = {
     "numeric": numeric,
     "format": format_reward,
     "boxed": boxed,
+    "chat_overopt_proxy": chat_overopt_proxy,
+    "chat_overopt_gold": chat_overopt_gold,
     "overopt_proxy": overopt_proxy,
 }
 
 
 def _empty(text: str) -> bool:
     return not text.strip().strip("$").strip()
+
+
+def _one_number(answer: str) -> str | None:
+    n = len(numbers_in(answer))
+    return None if n == 1 else f"the answer {answer!r} holds {n} numbers where one is needed"
 
 
 ANSWER_PROBLEMS: dict[str, Callable[[str], str | None]] = {
@@ -402,6 +414,8 @@ ANSWER_PROBLEMS: dict[str, Callable[[str], str | None]] = {
         else None
     ),
     "numeric": lambda a: "the answer holds no number" if extract_number(a) is None else None,
+    "chat_overopt_proxy": lambda a: _one_number(a),
+    "chat_overopt_gold": lambda a: _one_number(a),
     "boxed": lambda a: (
         f"the answer {a!r} is empty once its \\boxed{{}}, '####' and '$' are taken off, so an "
         "empty \\boxed{} would score as right"
