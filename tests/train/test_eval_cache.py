@@ -21,7 +21,10 @@ from klpo.train.runtime.samples import read_samples
 def _run(quick, tiny_model, out, logs, **extra):
     cfg = build_config(overrides=quick(tiny_model, out, **{"run.steps": 2, **extra}))
     loop.train(cfg, log=logs.append)
-    rows = [{k: v for k, v in r.items() if not is_timing(k)} for r in read_metrics(out / "metrics.jsonl")]
+    rows = [
+        {k: v for k, v in r.items() if not is_timing(k)}
+        for r in read_metrics(out / "metrics.jsonl")
+    ]
     evals = [s for s in read_samples(out / "samples.jsonl") if s["split"] == "eval"]
     return rows, evals
 
@@ -77,7 +80,7 @@ def test_a_damaged_entry_is_recomputed_and_replaced(setting, tmp_path):
     ev, hit = cached_evaluation(tmp_path, "k", compute)
     assert not hit and calls == [1]
     (tmp_path / "k.json").write_text('{"accuracy": ')  # cut short
-    again, hit = cached_evaluation(tmp_path, "k", compute)
+    _, hit = cached_evaluation(tmp_path, "k", compute)
     assert not hit and calls == [1, 1]
     back, hit = cached_evaluation(tmp_path, "k", compute)
     assert hit and calls == [1, 1]
