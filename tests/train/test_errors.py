@@ -1195,8 +1195,14 @@ def test_lab_report_never_replaces_a_report_unasked(tmp_path, monkeypatch):
 def tiny_study(**kw):
     from klpo.study.spec import Choice, StudyConfig
 
-    given = {"betas": [0.1], "seeds": [0], "steps": 2, **kw}
-    return StudyConfig(choices=[Choice(estimator="k3", placement="loss")], **given)
+    given = {
+        "choices": [Choice(estimator="k3", placement="loss")],
+        "betas": [0.1],
+        "seeds": [0],
+        "steps": 2,
+        **kw,
+    }
+    return StudyConfig(**given)
 
 
 def test_compare_refuses_an_out_of_another_study_or_of_other_files(tmp_path, monkeypatch):
@@ -1311,3 +1317,30 @@ def test_make_reference_and_docs_never_replace_what_they_did_not_write(tmp_path)
     assert (docs / "guide.md").read_text() == "# hand-written\n"
     again = cli("docs", "--out", str(docs))  # its own pages are replaced
     assert again.exit_code == 0, again.output
+
+
+def test_a_study_may_grow_by_seeds_betas_or_choices_but_not_shrink_or_change(tmp_path):
+    import yaml
+
+    from klpo.study.runner import study_changes
+    from klpo.study.spec import Choice
+
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(tiny_study().model_dump(), sort_keys=False))
+    grown = [
+        tiny_study(seeds=[0, 1]),
+        tiny_study(betas=[0.1, 0.3]),
+        tiny_study(
+            choices=[
+                Choice(estimator="k3", placement="loss"),
+                Choice(estimator="full", placement="loss"),
+            ],
+            seeds=[0, 2],
+        ),
+    ]
+    for study in grown:
+        assert study_changes(study, tmp_path) == []
+    assert study_changes(tiny_study(seeds=[1]), tmp_path) == ["seeds: [0] -> [1]"]
+    assert study_changes(tiny_study(seeds=[0, 1], steps=3), tmp_path) == [
+        "seeds: [0] -> [0, 1]",
+        "steps: 2 -> 3",
+    ]

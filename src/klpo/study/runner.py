@@ -63,6 +63,7 @@ PRESENTATION_KEYS = frozenset(
 )
 EVAL_CACHE = "eval-cache"  # OUT/eval-cache: the runs' shared starting evaluations (run.eval_cache)
 STUDY_SCHEDULING_KEYS = frozenset({"workers"})  # how the runs are scheduled, not what they are
+GRID_KEYS = frozenset({"seeds", "betas", "choices"})  # a study may grow along these
 RUN_AGAIN = frozenset({"crashed", "interrupted"})  # statuses a re-run does not reuse
 INTERRUPTED_CODES = frozenset(
     {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
@@ -182,19 +183,33 @@ def changed_runs(runs: list[Run], out: Path) -> list[str]:
 
 def study_changes(study: StudyConfig, out: Path) -> list[str]:
     """``key: saved -> now`` for each setting of the study in ``out`` (its ``study.yaml``) that
-    the study re-run over it changes, outside :data:`STUDY_SCHEDULING_KEYS`."""
+    the study re-run over it changes, outside :data:`STUDY_SCHEDULING_KEYS`.
+
+    A study may grow: ``seeds``, ``betas`` and ``choices`` (:data:`GRID_KEYS`) may change when
+    every run of the saved grid is still in the new one (more seeds, another beta, one more
+    choice); the finished runs are then reused, each checked by :func:`changed_runs`."""
     path = out / "study.yaml"
     try:
-        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
-        saved = StudyConfig.model_validate(saved).model_dump(mode="json")
+        saved_study = StudyConfig.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+        saved = saved_study.model_dump(mode="json")
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
         return [f"its study.yaml cannot be read ({str(err).splitlines()[0]})"]
     now = study.model_dump(mode="json")
-    return [
-        f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+    changed = [
+        k
         for k in sorted(set(saved) | set(now))
         if k not in STUDY_SCHEDULING_KEYS and saved.get(k) != now.get(k)
     ]
+    if changed and set(changed) <= GRID_KEYS:
+        other = saved_study.model_copy(update={k: getattr(study, k) for k in STUDY_SCHEDULING_KEYS})
+        if {r.name for r in _grid(other)} <= {r.name for r in _grid(study)}:
+            return []  # the grid grew: every saved run is still in it
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed]
+
+
+def _grid(study: StudyConfig) -> list[Run]:
+    """:func:`study_grid` without resolving the model (the names are what is compared)."""
+    return study_grid(study.model_copy(update={"model": None}))
 
 
 def _refuse_other_study(out: Path, what: str, changed: list[str]) -> None:
