@@ -42,10 +42,14 @@ chunks, with peak memory, the measurement behind ``LOSS_TILE_ELEMENTS``. ``--hea
 Gemma 3 270M's head instead of the default shapes (log-probs, N = 4096, H = 640, V = 262,144;
 :data:`HEADS`) with naive, both klpo methods, the peers and the floors (:data:`HEAD_METHODS`;
 ``--methods`` overrides), ``--tokens N`` another token count (a smaller trial first), and
-``--warmups 0`` skips the warm-up round, where one round of a method takes a minute::
+``--warmups 0`` skips the warm-up round, and ``--once`` calls each method once in its own
+process, its time and peak from that call (no interleaving, no floors), where one call of a
+method takes minutes::
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
         --head gemma3 --reps 1 --warmups 0
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
+        --head gemma3 --once
 """
 
 from __future__ import annotations
@@ -362,7 +366,7 @@ def _peak(case: Case) -> dict:
     _reset_peak()
     base = _rss_kib("VmRSS")
     run, has_output = _method(case, hidden, weight, tokens, coef, hidden_ref, weight_ref)
-    out = run()
+    seconds, out = _timed(run)
     hwm = _rss_kib("VmHWM")
     peak = hwm - base
     err = None
@@ -371,7 +375,7 @@ def _peak(case: Case) -> dict:
             k = min(CHECK_TOKENS, case.n)
             ref = _reference(case, hidden, weight, tokens, hidden_ref, weight_ref)
             err = float((out[:k].double() - ref).abs().max())
-    return {"peak_mib": peak / 1024, "rss_mib": hwm / 1024, "err": err}
+    return {"peak_mib": peak / 1024, "rss_mib": hwm / 1024, "err": err, "once_s": seconds}
 
 
 def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
@@ -435,9 +439,27 @@ def run_child(request: dict, timeout: float) -> dict:
 
 
 def measure_group(
-    case: Case, methods: list[str], reps: int, timeout: float, warmups: int = 1
+    case: Case,
+    methods: list[str],
+    reps: int,
+    timeout: float,
+    warmups: int = 1,
+    once: bool = False,
 ) -> dict:
-    """Times (one process, interleaved) and peaks (one process each) of ``methods`` on ``case``."""
+    """Times (one process, interleaved) and peaks (one process each) of ``methods`` on ``case``;
+    ``once``: each method's one call in its own process gives both (no floors)."""
+    if once:  # each method once in its own process: its time and peak from that one call
+        out = {}
+        for m in methods:
+            if m == "floor":
+                continue
+            c = Case(case.kind, m, case.n, case.h, case.v, case.dtype, baseline=case.baseline)
+            r = run_child({"what": "peak", "case": asdict(c)}, timeout)
+            if "once_s" in r:
+                t = r["once_s"]
+                r = {**r, "time": t, "min": t, "max": t, "reps": 1, "rounds": [t]}
+            out[m] = r
+        return out
     request = {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}
     times = run_child({**request, "warmups": warmups}, timeout)
     if "error" in times:
@@ -645,6 +667,12 @@ def main() -> None:
     parser.add_argument(
         "--warmups", type=int, default=1, help="untimed rounds before the timed ones (default 1)"
     )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="each method called once, in its own process, its time and peak from that call "
+        "(no warm-up, no interleaving, no floors): for shapes where one call takes minutes",
+    )
     parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
     parser.add_argument(
         "--sweep-loss", action="store_true", help="the token chunks of klpo's fused loss"
@@ -713,6 +741,7 @@ def main() -> None:
                     args.reps,
                     args.timeout,
                     args.warmups,
+                    args.once,
                 )
                 print(f"  {title}: {json.dumps(results)}", file=sys.stderr, flush=True)
                 groups.append((title, results))
@@ -720,8 +749,13 @@ def main() -> None:
     print("\n" + ratio_table(groups))
     print(
         f"\nTotal wall time {time.perf_counter() - start:.0f} s. time: one forward + backward, "
-        f"median [min, max] of {args.reps} interleaved rounds after {args.warmups} warm-up "
-        "round(s); peak: peak RSS over "
+        + (
+            "one call in its own process, no warm-up (--once); "
+            if args.once
+            else f"median [min, max] of {args.reps} interleaved rounds after {args.warmups} "
+            "warm-up round(s); "
+        )
+        + "peak: peak RSS over "
         "the inputs' RSS, own process; err: max |error| of logp (KL) on the first 64 tokens "
         "against float64. Floors: the bare GEMMs of any method (logits, grad hidden, grad weight, "
         "in the inputs' dtype, faster backend) and the GEMMs klpo runs (plus the recompute, "
