@@ -570,6 +570,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
             callbacks=[timer],
             peft_config=peft_config,
         )
+        init_peak = _vm_hwm_mib()  # the peak so far: loading both models, building the trainer
         trainer.train()
     step_s = [e - b for b, e in zip(timer.begin, timer.end, strict=True)]
     gaps = [b - e for e, b in zip(timer.end, timer.begin[1:], strict=False)]
@@ -582,6 +583,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
         "gen_score_s": gen_score,
         "between_steps_s": gaps,
         "threads": torch.get_num_threads(),
+        "init_peak_rss_mib": init_peak,
     }
 
 
@@ -610,6 +612,7 @@ def run_trl(s: Settings, work: Path) -> dict:
         **run,
         "split": split,
         "version": raw["version"],
+        "init_peak_rss_mib": raw.get("init_peak_rss_mib"),
         "between_steps_s": statistics.median(raw["between_steps_s"] or [0.0]),
     }
 
