@@ -113,6 +113,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
+PERTURB = [0.2]  # the loss check's policy: the reference plus this × each tensor's std of noise
 
 
 KLPO_PYTHON = [sys.executable]  # klpo's runs' interpreter (--klpo-python)
@@ -625,8 +626,9 @@ def loss_worker(s: Settings, out_path: str) -> None:
     """klpo's GRPO loss (the trainer's ``micro_step``) and TRL's ``_compute_loss`` on one batch.
 
     The batch: 16 prompts × 8 completions sampled by a policy moved off the reference (seeded
-    noise of 0.2 × each tensor's std, so that the KL term is not zero), scored by klpo's trainer
-    (rewards, log-probs, group advantages). TRL gets the same prompt and completion ids and masks,
+    noise of 0.2 × each tensor's std, :data:`PERTURB`, so that the KL term is not zero;
+    ``--perturb`` with ``--worker loss`` sets it), scored by klpo's trainer (rewards, log-probs,
+    group advantages). TRL gets the same prompt and completion ids and masks,
     advantages, reference log-probs and token count, and no old log-probs (what its trainer does
     with one update per batch: pi_old is the policy's own detached log-probs).
     """
@@ -655,7 +657,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
         gen = torch.Generator().manual_seed(s.seed + 1)
         with torch.no_grad():
             for p in m.policy.parameters():
-                p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
+                p.add_(PERTURB[0] * p.std() * torch.randn(p.shape, generator=gen))
         prompts, answers = rendered_prompts(s, m.tokenizer)
         m.policy.eval()
         rollout = generate(
@@ -1047,6 +1049,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-path", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--perturb", type=float, default=PERTURB[0], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         s = Settings.for_workload(
@@ -1059,6 +1062,7 @@ def main() -> None:
             model_dir=args.model_dir,
             data_path=args.data_path,
         )
+        PERTURB[0] = args.perturb  # the loss worker run alone: how far the policy is moved
         {"trl": trl_worker, "loss": loss_worker, "floor": floor_worker}[args.worker](s, args.out)
         return
 
