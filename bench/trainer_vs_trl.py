@@ -145,7 +145,7 @@ class Settings:
     temperature: float = 1.0
     grad_clip: float = 1.0
     workload: str = "a"
-    model_dir: str = ""  # workloads b-e: the locally built model (compute_workload.build_model)
+    model_dir: str = ""  # b, c: the locally built model (compute_workload); d, e: the real one
     data_path: str = ""  # workloads b-e: its prompts as JSONL
 
     @classmethod

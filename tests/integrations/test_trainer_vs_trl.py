@@ -308,7 +308,10 @@ def test_floor_head_in_chunks_is_the_one_pass_gradient(bench, monkeypatch):
 
 @pytest.fixture(scope="module")
 def real(bench):
-    return bench.real_workload()
+    try:
+        yield bench.real_workload()
+    finally:
+        sys.modules.pop("real_workload", None)
 
 
 def test_workloads_d_e_are_the_real_model_jobs(bench, real, tmp_path):
