@@ -38,7 +38,18 @@ and to the fastest / leanest peer.
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``. ``--sweep`` times klpo alone over a grid of
 tile sizes (and with the entropy on), the measurement behind ``klpo.logprobs.TOKEN_CHUNK`` and
 ``default_vocab_chunk``; ``--sweep-loss`` times ``klpo loss`` (``fused_loss``) over its token
-chunks, with peak memory, the measurement behind ``LOSS_TILE_ELEMENTS``.
+chunks, with peak memory, the measurement behind ``LOSS_TILE_ELEMENTS``. ``--head gemma3`` takes
+Gemma 3 270M's head instead of the default shapes (log-probs, N = 4096, H = 640, V = 262,144;
+:data:`HEADS`) with naive, both klpo methods, the peers and the floors (:data:`HEAD_METHODS`;
+``--methods`` overrides), ``--tokens N`` another token count (a smaller trial first), and
+``--warmups 0`` skips the warm-up round, and ``--once`` calls each method once in its own
+process, its time and peak from that call (no interleaving, no floors), where one call of a
+method takes minutes::
+
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
+        --head gemma3 --reps 1 --warmups 0
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
+        --head gemma3 --once
 """
 
 from __future__ import annotations
@@ -56,6 +67,14 @@ FULL_SHAPES = [(512, 896, 151936)]
 FULL_KL_SHAPES = [(256, 896, 151936)]
 QUICK_SHAPES = [(256, 896, 32000)]
 QUICK_KL_SHAPES = [(128, 896, 32000)]
+# --head NAME: a real model's head, log-probs only, in place of the default shapes.
+HEADS = {
+    # Gemma 3 270M (H = 640, V = 262,144): one GRPO batch of 4096 completion tokens. Naive's
+    # float32 logits are 4 GiB; with their log-softmax and its gradient alive in the backward
+    # pass its peak is about 12 GiB (HEAD_METHODS leaves out the per-backend and soft-cap rows).
+    "gemma3": [(4096, 640, 262144)],
+}
+HEAD_METHODS = ["naive", "klpo", "klpo loss", "liger", "trl", "floor"]
 DTYPES = ["float32", "bfloat16"]
 LOGP_METHODS = [
     "naive",
@@ -347,20 +366,21 @@ def _peak(case: Case) -> dict:
     _reset_peak()
     base = _rss_kib("VmRSS")
     run, has_output = _method(case, hidden, weight, tokens, coef, hidden_ref, weight_ref)
-    out = run()
-    peak = _rss_kib("VmHWM") - base
+    seconds, out = _timed(run)
+    hwm = _rss_kib("VmHWM")
+    peak = hwm - base
     err = None
     if has_output:
         with torch.no_grad():
             k = min(CHECK_TOKENS, case.n)
             ref = _reference(case, hidden, weight, tokens, hidden_ref, weight_ref)
             err = float((out[:k].double() - ref).abs().max())
-    return {"peak_mib": peak / 1024, "err": err}
+    return {"peak_mib": peak / 1024, "rss_mib": hwm / 1024, "err": err, "once_s": seconds}
 
 
-def _times(case: Case, methods: list[str], reps: int) -> dict:
-    """Seconds of each method (and the floors) on the same inputs: one warm-up each, then ``reps``
-    interleaved rounds. ImportError (a peer not installed): "absent"."""
+def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
+    """Seconds of each method (and the floors) on the same inputs: ``warmups`` untimed rounds
+    (one), then ``reps`` interleaved rounds. ImportError (a peer not installed): "absent"."""
     import dataclasses
 
     hidden, weight, tokens, coef, hidden_ref, weight_ref = _inputs(case)
@@ -374,8 +394,9 @@ def _times(case: Case, methods: list[str], reps: int) -> dict:
             runs[m] = _method(c, hidden, weight, tokens, coef, hidden_ref, weight_ref)[0]
         except ImportError:
             out[m] = {"error": "absent"}
-    for run in runs.values():
-        run()
+    for _ in range(warmups):
+        for run in runs.values():
+            run()
     secs = {m: [] for m in runs}
     for _ in range(reps):
         for m, run in runs.items():
@@ -397,7 +418,7 @@ def child(request: dict) -> dict:
     case = Case(**request["case"])
     if request["what"] == "peak":
         return _peak(case)
-    return _times(case, request["methods"], request["reps"])
+    return _times(case, request["methods"], request["reps"], request.get("warmups", 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,11 +438,30 @@ def run_child(request: dict, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def measure_group(case: Case, methods: list[str], reps: int, timeout: float) -> dict:
-    """Times (one process, interleaved) and peaks (one process each) of ``methods`` on ``case``."""
-    times = run_child(
-        {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}, timeout
-    )
+def measure_group(
+    case: Case,
+    methods: list[str],
+    reps: int,
+    timeout: float,
+    warmups: int = 1,
+    once: bool = False,
+) -> dict:
+    """Times (one process, interleaved) and peaks (one process each) of ``methods`` on ``case``;
+    ``once``: each method's one call in its own process gives both (no floors)."""
+    if once:  # each method once in its own process: its time and peak from that one call
+        out = {}
+        for m in methods:
+            if m == "floor":
+                continue
+            c = Case(case.kind, m, case.n, case.h, case.v, case.dtype, baseline=case.baseline)
+            r = run_child({"what": "peak", "case": asdict(c)}, timeout)
+            if "once_s" in r:
+                t = r["once_s"]
+                r = {**r, "time": t, "min": t, "max": t, "reps": 1, "rounds": [t]}
+            out[m] = r
+        return out
+    request = {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}
+    times = run_child({**request, "warmups": warmups}, timeout)
     if "error" in times:
         return {m: dict(times) for m in methods}
     for m in methods:
@@ -574,6 +614,34 @@ def sweep_loss(timeout: float, reps: int) -> None:
             print(f"| {kind} N={n} H=896 V=151936 | {tc} | {cell} | {mib} |", flush=True)
 
 
+def head_shapes(head: str, tokens: int | None) -> list[tuple[int, int, int]]:
+    """The log-prob shapes of ``--head`` (:data:`HEADS`), with ``tokens`` tokens if given."""
+    if head not in HEADS:
+        raise ValueError(f"--head takes {', '.join(HEADS)}, got {head!r}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
+    return [(tokens or n, h, v) for n, h, v in HEADS[head]]
+
+
+def naive_bytes(n: int, v: int) -> int:
+    """What naive's forward + backward holds at its peak beyond its inputs: three float32
+    ``[n, v]`` tensors (the log-softmax kept for the backward, the gradient at it, the logits'
+    gradient)."""
+    return 3 * n * v * 4
+
+
+def mem_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, under 2 minutes")
@@ -592,6 +660,19 @@ def main() -> None:
         default="",
         help="another logprobs.py: adds 'klpo (baseline)' and 'klpo loss (baseline)'",
     )
+    parser.add_argument(
+        "--head", choices=sorted(HEADS), help="a real model's head instead of the default shapes"
+    )
+    parser.add_argument("--tokens", type=int, help="with --head: this many tokens (N)")
+    parser.add_argument(
+        "--warmups", type=int, default=1, help="untimed rounds before the timed ones (default 1)"
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="each method called once, in its own process, its time and peak from that call "
+        "(no warm-up, no interleaving, no floors): for shapes where one call takes minutes",
+    )
     parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
     parser.add_argument(
         "--sweep-loss", action="store_true", help="the token chunks of klpo's fused loss"
@@ -602,10 +683,18 @@ def main() -> None:
         return
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in DTYPES]
-    if bad or args.reps < 1:
+    if bad or args.reps < 1 or args.warmups < 0:
         parser.error(
-            f"--dtypes takes {','.join(DTYPES)} and --reps ≥ 1; got {args.dtypes}, {args.reps}"
+            f"--dtypes takes {','.join(DTYPES)}, --reps ≥ 1 and --warmups ≥ 0; got "
+            f"{args.dtypes}, {args.reps}, {args.warmups}"
         )
+    if args.tokens is not None and not args.head:
+        parser.error("--tokens sets the token count of --head's shapes; give --head too")
+    if args.head:
+        try:
+            head = head_shapes(args.head, args.tokens)
+        except ValueError as err:
+            parser.error(str(err))
     print(machine(), flush=True)
     if args.sweep:
         sweep(args.timeout, dtypes, args.reps)
@@ -616,6 +705,16 @@ def main() -> None:
 
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     kl_shapes = QUICK_KL_SHAPES if args.quick else FULL_KL_SHAPES
+    if args.head:
+        shapes, kl_shapes = head, []
+        avail = mem_available()
+        need = max(naive_bytes(n, v) for n, _, v in head)
+        wants_naive = not args.methods or "naive" in args.methods.split(",")
+        if wants_naive and avail is not None and need * 1.25 > avail:
+            sys.exit(
+                f"naive needs about {need / 2**30:.1f} GiB at its peak and {avail / 2**30:.1f} "
+                "GiB is available: give fewer --tokens, or --methods without naive"
+            )
     start = time.perf_counter()
     groups = []
     for kind, shape_list, methods in (
@@ -627,6 +726,8 @@ def main() -> None:
                 title = f"{kind} N={n} H={h} V={v} {dtype}"
                 first = (n, h, v) == shape_list[0] and kind == "logp"
                 chosen = [m for m in methods if m not in ABLATIONS or first] + ["floor"]
+                if args.head:
+                    chosen = list(HEAD_METHODS)
                 if args.baseline:
                     chosen += BASELINE_METHODS
                 if args.methods:
@@ -635,7 +736,12 @@ def main() -> None:
                     continue
                 base = os.path.abspath(args.baseline) if args.baseline else None
                 results = measure_group(
-                    Case(kind, "", n, h, v, dtype, baseline=base), chosen, args.reps, args.timeout
+                    Case(kind, "", n, h, v, dtype, baseline=base),
+                    chosen,
+                    args.reps,
+                    args.timeout,
+                    args.warmups,
+                    args.once,
                 )
                 print(f"  {title}: {json.dumps(results)}", file=sys.stderr, flush=True)
                 groups.append((title, results))
@@ -643,7 +749,13 @@ def main() -> None:
     print("\n" + ratio_table(groups))
     print(
         f"\nTotal wall time {time.perf_counter() - start:.0f} s. time: one forward + backward, "
-        f"median [min, max] of {args.reps} interleaved rounds after a warm-up; peak: peak RSS over "
+        + (
+            "one call in its own process, no warm-up (--once); "
+            if args.once
+            else f"median [min, max] of {args.reps} interleaved rounds after {args.warmups} "
+            "warm-up round(s); "
+        )
+        + "peak: peak RSS over "
         "the inputs' RSS, own process; err: max |error| of logp (KL) on the first 64 tokens "
         "against float64. Floors: the bare GEMMs of any method (logits, grad hidden, grad weight, "
         "in the inputs' dtype, faster backend) and the GEMMs klpo runs (plus the recompute, "

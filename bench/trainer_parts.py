@@ -11,8 +11,9 @@ per-token path forced (``algo.fused_loss=off``: the log-probs' gradient taken in
 pass, not the forward), and the whole ``update`` with the optimizer step and the gradient clip,
 as configured (``auto``: on from ``klpo.train.step.fused.FUSED_LOSS_MIN_VOCAB`` entries) and
 again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-parameter model,
-``--workload c`` its 104M one with a real vocabulary (151,936 entries); ``--vocab N`` gives (b) or
-(c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
+``--workload c`` its 104M one with a real vocabulary (151,936 entries), ``--workload d`` and
+``e`` the real models (SmolLM2-135M-Instruct with its chat prompts, Gemma 3 270M; ``make
+real-models``); ``--vocab N`` gives (b) or (c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
 ``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
 (``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
 the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
@@ -51,12 +52,15 @@ import trainer_vs_trl as bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20, help="timed rounds (default 20)")
-    parser.add_argument("--workload", choices=bench.WORKLOADS, default="a", help="a, b or c")
+    parser.add_argument("--workload", choices=bench.WORKLOADS, default="a", help="a, b, c, d or e")
     parser.add_argument("--vocab", type=int, help="(b), (c): this vocabulary size instead")
     parser.add_argument("--only", default="", help="time only the parts whose name holds this")
     parser.add_argument("--set", action="append", default=[], help="a klpo override, k=v")
     parser.add_argument("--threads", type=int, default=bench.Settings.threads, help="torch threads")
-    parser.add_argument("--prompts", type=int, help="the batch's prompts (the workload's: 16, 4)")
+    parser.add_argument(
+        "--prompts", type=int, help="the batch's prompts (the workload's: 16, 4, 2)"
+    )
+    parser.add_argument("--new-tokens", type=int, help="max new tokens (the workload's)")
     parser.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument(
         "--cpu-time",
@@ -65,9 +69,13 @@ def main() -> None:
         "to other processes on a busy machine); each call's time is also logged on stderr",
     )
     args = parser.parse_args()
-    if args.vocab is not None and args.workload == "a":
-        parser.error("--vocab applies to the built models of workloads b and c, not a")
+    if args.vocab is not None and args.workload not in bench.BUILT:
+        parser.error(
+            f"--vocab applies to the built models of workloads b and c, not {args.workload}"
+        )
     more = {"prompts_per_step": args.prompts} if args.prompts else {}
+    if args.new_tokens:
+        more["max_new_tokens"] = args.new_tokens
     s = bench.Settings.for_workload(args.workload, threads=args.threads, **more)
     torch.set_num_threads(s.threads)
     tmp = tempfile.mkdtemp()  # the model and prompts of workload b; removed at the end
@@ -92,7 +100,9 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.step.types import SamplingPass
     from klpo.train.step.update import micro_step, update
 
-    if args.workload != "a":
+    if args.workload in bench.REAL:
+        s = bench.with_built_model(s, Path(tmp))
+    elif args.workload != "a":
         import compute_workload
 
         w, v = args.workload, args.vocab
@@ -104,12 +114,13 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     cfg = load_config(None, [*bench.klpo_overrides(s, tmp), *args.set])
     torch.manual_seed(s.seed)
     m = build_models(cfg, Dist(), None)
-    order = bench.prompt_order(bench.Settings(**{**s.__dict__, "steps": 1}))
-    prompts, answers = [p for p, _ in order], [a for _, a in order]
+    prompts, answers = bench.rendered_prompts(s, m.tokenizer)  # chat ones rendered
     model, g = m.policy, s.group_size
     model.eval()
     new = s.max_new_tokens
-    ro = generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new)
+    ro = generate(
+        model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new, codec=m.codec
+    )
     model.train()
     backbone, weight = Backbone(model), model.get_output_embeddings().weight
     reward_fns = build_rewards(cfg.rewards)
@@ -134,7 +145,15 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     def klpo_generate():
         model.eval()
         with torch.no_grad():
-            generate(model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new)
+            generate(
+                model,
+                m.tokenizer,
+                prompts,
+                answers,
+                group_size=g,
+                max_new_tokens=new,
+                codec=m.codec,
+            )
         model.train()
 
     def klpo_score():

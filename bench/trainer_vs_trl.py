@@ -1,11 +1,16 @@
 """klpo train against TRL's GRPOTrainer: the same GRPO run, side by side, in one table.
 
-Three workloads (``--workload a|b|c``, a comma-separated list, ``both`` = a,b, ``all``): (a),
-described below; (b), compute-bound: the ~23.5M-parameter Llama that ``compute_workload.py``
-builds locally, 4 prompts of 64 tokens × 8 completions of 128 tokens per step, its
-``lexical_reward``, otherwise the same settings; (c), a real vocabulary: the same job on the
-~104M-parameter Llama of ``compute_workload.SHAPES["c"]`` (Qwen2.5's vocabulary size, 151,936,
-hidden 512, 8 layers), its ``lexical_reward_c``. Each side runs ``--runs`` times (3), interleaved
+Five workloads (``--workload a|b|c|d|e``, a comma-separated list, ``both`` = a,b, ``real`` =
+d,e, ``all``): (a), described below; (b), compute-bound: the ~23.5M-parameter Llama that
+``compute_workload.py`` builds locally, 4 prompts of 64 tokens × 8 completions of 128 tokens per
+step, its ``lexical_reward``, otherwise the same settings; (c), a real vocabulary: the same job on
+the ~104M-parameter Llama of ``compute_workload.SHAPES["c"]`` (Qwen2.5's vocabulary size, 151,936,
+hidden 512, 8 layers), its ``lexical_reward_c``; (d) and (e), the project's real models
+(``real_workload.py``, converted by ``make real-models``), full fine-tuning, 2 prompts × 4
+completions a step: (d) SmolLM2-135M-Instruct (V = 49,152), chat prompts rendered by its template
+on both sides (TRL gets them as conversational messages), up to 48 new tokens, klpo's ``numeric``
+reward; (e) Gemma 3 270M base (V = 262,144), plain prompts, up to 32 new tokens,
+``real_workload.first_number``. Each side runs ``--runs`` times (3), interleaved
 A B A B A B; the table gives the median of the per-run median step times with their min–max, each
 side's peak RSS (the largest of its runs' processes), and the floor: the model alone on the same
 step's tokens (:func:`floor_worker`). For workload (a):
@@ -108,11 +113,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FINAL_FRACTION = 0.2  # the final reward averages the last 20% of steps
+PERTURB = [0.2]  # the loss check's policy: the reference plus this × each tensor's std of noise
 
 
 KLPO_PYTHON = [sys.executable]  # klpo's runs' interpreter (--klpo-python)
-WORKLOADS = ("a", "b", "c")
-ALIASES = {"both": ("a", "b"), "all": WORKLOADS}  # --workload both: (a) and (b), as before (c)
+WORKLOADS = ("a", "b", "c", "d", "e")
+BUILT = ("b", "c")  # compute_workload's locally built Llamas
+REAL = ("d", "e")  # the real models (real_workload)
+ALIASES = {"both": ("a", "b"), "real": REAL, "all": WORKLOADS}  # both: (a) and (b), as before (c)
+SHAPES = {  # (prompts_per_step, group_size, max_new_tokens) of the workloads after (a)
+    "b": (4, 8, 128),
+    "c": (4, 8, 128),
+    "d": (2, 4, 48),
+    "e": (2, 4, 32),
+}
 
 
 @dataclass(frozen=True)
@@ -131,18 +145,22 @@ class Settings:
     temperature: float = 1.0
     grad_clip: float = 1.0
     workload: str = "a"
-    model_dir: str = ""  # workloads b, c: the locally built model (compute_workload.build_model)
-    data_path: str = ""  # workloads b, c: its prompts as JSONL
+    model_dir: str = ""  # b, c: the locally built model (compute_workload); d, e: the real one
+    data_path: str = ""  # workloads b-e: its prompts as JSONL
 
     @classmethod
     def for_workload(cls, workload: str, **kw) -> Settings:
         """(a) the built-in task and shipped model, 16 × 8 completions of 4 tokens;
         (b) the ~23.5M-parameter Llama of ``compute_workload``, (c) its ~104M-parameter one with
-        a real vocabulary: 4 × 8 completions of 128 tokens after 64-token prompts."""
+        a real vocabulary: 4 × 8 completions of 128 tokens after 64-token prompts; (d)
+        SmolLM2-135M-Instruct, 2 × 4 completions of up to 48 tokens; (e) Gemma 3 270M, 2 × 4 of
+        up to 32 (:data:`SHAPES`)."""
         if workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {WORKLOADS}, got {workload!r}")
         if workload != "a":
-            kw = {"prompts_per_step": 4, "max_new_tokens": 128, **kw, "workload": workload}
+            prompts, group, new = SHAPES[workload]
+            shape = {"prompts_per_step": prompts, "group_size": group, "max_new_tokens": new}
+            kw = {**shape, **kw, "workload": workload}
         return cls(**kw)
 
     @property
@@ -154,9 +172,31 @@ class Settings:
 # Settings → each trainer's configuration (no timing, no TRL needed: tested).
 
 
+def real_workload():
+    """``bench/real_workload.py`` (workloads d, e), found beside this file however it was loaded
+    (the trainer's own processes import it from ``PYTHONPATH``: :func:`_env`)."""
+    name = "real_workload"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def klpo_overrides(s: Settings, out_dir: str) -> list[str]:
     """``klpo train --set`` overrides for the job, overhead off."""
-    if s.workload != "a":
+    if s.workload in REAL:
+        real = real_workload()
+        task = [
+            f"model.policy={s.model_dir}",
+            "data.source=jsonl",
+            f"data.path={s.data_path}",
+            f"data.chat={str(real.CHAT[s.workload]).lower()}",
+            "data.max_prompt_tokens=128",
+            f"rewards=[{{name: '{real.REWARD_NAMES[s.workload]}', weight: 1.0}}]",
+        ]
+    elif s.workload != "a":
         reward = "lexical_reward" if s.workload == "b" else f"lexical_reward_{s.workload}"
         task = [
             f"model.policy={s.model_dir}",
@@ -239,8 +279,9 @@ def trl_config_kwargs(s: Settings, out_dir: str) -> dict:
     }
 
 
-def prompt_order(s: Settings) -> list[tuple[str, str]]:
-    """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``."""
+def prompt_examples(s: Settings) -> list:
+    """The examples (:class:`klpo.train.data.sources.Example`, chat messages unrendered) in the
+    order klpo's trainer serves them, ``steps × prompts_per_step``."""
     from klpo.train.data.sources import Example, PromptStream, read_jsonl
     from klpo.train.data.task import ArithmeticTask
 
@@ -248,8 +289,35 @@ def prompt_order(s: Settings) -> list[tuple[str, str]]:
         train = read_jsonl(s.data_path)
     else:
         train, _ = ArithmeticTask().splits()
-    stream = PromptStream([Example(e.prompt, e.answer) for e in train], seed=s.seed)
-    return [(e.prompt, e.answer) for e in stream.next(s.steps * s.prompts_per_step)]
+    stream = PromptStream([Example(e.prompt, e.answer, e.messages) for e in train], seed=s.seed)
+    return stream.next(s.steps * s.prompts_per_step)
+
+
+def prompt_order(s: Settings) -> list[tuple[str, str]]:
+    """(prompt, answer) in the order klpo's trainer serves them, ``steps × prompts_per_step``
+    (a chat prompt's text is empty: its messages are in :func:`trl_prompts`)."""
+    return [(e.prompt, e.answer) for e in prompt_examples(s)]
+
+
+def trl_prompts(s: Settings) -> list:
+    """TRL's ``prompt`` column in the same order: a conversational prompt (a list of
+    ``{role, content}`` messages, which TRL renders with the tokenizer's chat template as klpo's
+    ``data.chat`` does) where the example has messages, else the plain string."""
+    return [
+        [{"role": r, "content": c} for r, c in e.messages] if e.messages else e.prompt
+        for e in prompt_examples(s)
+    ]
+
+
+def rendered_prompts(s: Settings, tokenizer) -> tuple[list[str], list[str]]:
+    """(prompt texts as klpo's sampler sees them, answers) for one step's batch: chat messages
+    rendered as the trainer renders them (:func:`klpo.train.data.sources.render_chat`)."""
+    from klpo.train.data.sources import render_chat
+
+    chat = s.workload in REAL and real_workload().CHAT[s.workload]
+    one = Settings(**{**s.__dict__, "steps": 1})
+    examples = render_chat(prompt_examples(one), tokenizer, chat=chat)
+    return [e.prompt for e in examples], [e.answer for e in examples]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,7 +503,10 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
     from klpo.train.models.load import default_reference_path
     from klpo.train.rewards.functions import exact_match
 
-    if s.workload != "a":
+    if s.workload in REAL:
+        task_reward = real_workload().rewards()[s.workload]
+        model_dir = s.model_dir
+    elif s.workload != "a":
         from compute_workload import REWARDS
 
         task_reward = REWARDS[s.workload]
@@ -444,15 +515,17 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
         task_reward = exact_match
         model_dir = str(default_reference_path())
     order = prompt_order(s)
-    data = Dataset.from_dict({"prompt": [p for p, _ in order], "answer": [a for _, a in order]})
+    data = Dataset.from_dict({"prompt": trl_prompts(s), "answer": [a for _, a in order]})
     rewards: list[float] = []
     tokens: list[int] = []
     gen_score: list[float] = []
     generate_s: list[float] = []
 
     def exact_match_reward(prompts, completions, answer, completion_ids, **_):
-        """klpo's reward of the workload; records the step's mean reward and completion tokens."""
-        scores = task_reward(list(prompts), list(completions), list(answer))
+        """klpo's reward of the workload; records the step's mean reward and completion tokens.
+        A conversational completion (one assistant message) is scored on its text, as klpo's."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = task_reward(list(prompts), texts, list(answer))
         rewards.append(math.fsum(scores) / len(scores))
         tokens.append(sum(len(ids) for ids in completion_ids))  # up to and including EOS
         return scores
@@ -498,6 +571,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
             callbacks=[timer],
             peft_config=peft_config,
         )
+        init_peak = _vm_hwm_mib()  # the peak so far: loading both models, building the trainer
         trainer.train()
     step_s = [e - b for b, e in zip(timer.begin, timer.end, strict=True)]
     gaps = [b - e for e, b in zip(timer.end, timer.begin[1:], strict=False)]
@@ -510,6 +584,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
         "gen_score_s": gen_score,
         "between_steps_s": gaps,
         "threads": torch.get_num_threads(),
+        "init_peak_rss_mib": init_peak,
     }
 
 
@@ -538,6 +613,7 @@ def run_trl(s: Settings, work: Path) -> dict:
         **run,
         "split": split,
         "version": raw["version"],
+        "init_peak_rss_mib": raw.get("init_peak_rss_mib"),
         "between_steps_s": statistics.median(raw["between_steps_s"] or [0.0]),
     }
 
@@ -550,8 +626,9 @@ def loss_worker(s: Settings, out_path: str) -> None:
     """klpo's GRPO loss (the trainer's ``micro_step``) and TRL's ``_compute_loss`` on one batch.
 
     The batch: 16 prompts × 8 completions sampled by a policy moved off the reference (seeded
-    noise of 0.2 × each tensor's std, so that the KL term is not zero), scored by klpo's trainer
-    (rewards, log-probs, group advantages). TRL gets the same prompt and completion ids and masks,
+    noise of 0.2 × each tensor's std, :data:`PERTURB`, so that the KL term is not zero;
+    ``--perturb`` with ``--worker loss`` sets it), scored by klpo's trainer (rewards, log-probs,
+    group advantages). TRL gets the same prompt and completion ids and masks,
     advantages, reference log-probs and token count, and no old log-probs (what its trainer does
     with one update per batch: pi_old is the policy's own detached log-probs).
     """
@@ -580,17 +657,18 @@ def loss_worker(s: Settings, out_path: str) -> None:
         gen = torch.Generator().manual_seed(s.seed + 1)
         with torch.no_grad():
             for p in m.policy.parameters():
-                p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen))
-        order = prompt_order(Settings(**{**s.__dict__, "steps": 1}))
+                p.add_(PERTURB[0] * p.std() * torch.randn(p.shape, generator=gen))
+        prompts, answers = rendered_prompts(s, m.tokenizer)
         m.policy.eval()
         rollout = generate(
             m.policy,
             m.tokenizer,
-            [p for p, _ in order],
-            [a for _, a in order],
+            prompts,
+            answers,
             group_size=s.group_size,
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
+            codec=m.codec,
         )
         m.policy.train()
         reward_fns = resolve_rewards({"exact_match": 1.0})
@@ -641,6 +719,13 @@ def loss_worker(s: Settings, out_path: str) -> None:
         loss.backward()
         trl_value = float(loss)
         trl_grad = torch.cat([p.grad.flatten() for p in params]).double()
+        # The yardstick of float32 rounding: TRL's own gradient with the batch's rows reversed
+        # (the same loss, its sums over rows and tokens taken in another order).
+        flipped = {k: v.flip(0) if k != "num_items_in_batch" else v for k, v in inputs.items()}
+        for p in params:
+            p.grad = None
+        trl.GRPOTrainer._compute_loss(trainer, trainer.model, flipped).backward()
+        trl_flip = torch.cat([p.grad.flatten() for p in params]).double()
 
     Path(out_path).write_text(
         json.dumps(
@@ -650,6 +735,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
                 "abs": abs(klpo_value - trl_value),
                 "rel": abs(klpo_value - trl_value) / max(abs(trl_value), 1e-30),
                 "grad_rel": float((klpo_grad - trl_grad).norm() / trl_grad.norm()),
+                "trl_reversed_grad_rel": float((trl_flip - trl_grad).norm() / trl_grad.norm()),
                 "grad_norm": float(trl_grad.norm()),
                 "loss_kl": metrics["loss/kl"],
                 "k3_mean": metrics["loss/kl"],  # the token mean of k3 (its weight is 1)
@@ -681,6 +767,8 @@ def _cli(s: Settings) -> list[str]:
         s.workload,
         "--prompts",
         str(s.prompts_per_step),
+        "--new-tokens",
+        str(s.max_new_tokens),
         "--model-dir",
         s.model_dir,
         "--data-path",
@@ -775,16 +863,17 @@ def floor_worker(s: Settings, out_path: str) -> None:
         cfg = load_config(None, klpo_overrides(s, tmp))
         torch.manual_seed(s.seed)
         m = build_models(cfg, Dist(), None)
-    order = prompt_order(Settings(**{**s.__dict__, "steps": 1}))
+    prompts, answers = rendered_prompts(s, m.tokenizer)
     model = m.policy
     model.eval()
     rollout = generate(
         model,
         m.tokenizer,
-        [p for p, _ in order],
-        [a for _, a in order],
+        prompts,
+        answers,
         group_size=s.group_size,
         max_new_tokens=s.max_new_tokens,
+        codec=m.codec,
     )
     g = s.group_size
     backbone = Backbone(model)
@@ -905,12 +994,18 @@ def parse_workloads(text: str) -> tuple[str, ...]:
 
 
 def with_built_model(s: Settings, work: Path) -> Settings:
-    """Workloads (b) and (c): build the model and write the prompts under ``work`` (no download)."""
-    import compute_workload
-
+    """Workloads (b) and (c): build the model and write the prompts under ``work`` (no download);
+    (d) and (e): the real model from klpo's cache (``make real-models``) and the prompts."""
     w = s.workload
-    model_dir = compute_workload.build_model(work / f"model-{w}", w)
-    data = compute_workload.write_prompts(work / f"prompts-{w}.jsonl", 4 * 64, s.seed, w)
+    if w in REAL:
+        real = real_workload()
+        model_dir = real.model_dir(w)
+        data = real.write_prompts(work / f"prompts-{w}.jsonl", 4 * 64, s.seed, w)
+    else:
+        import compute_workload
+
+        model_dir = compute_workload.build_model(work / f"model-{w}", w)
+        data = compute_workload.write_prompts(work / f"prompts-{w}.jsonl", 4 * 64, s.seed, w)
     return Settings(**{**s.__dict__, "model_dir": str(model_dir), "data_path": str(data)})
 
 
@@ -926,10 +1021,22 @@ def main() -> None:
     parser.add_argument(
         "--workload",
         default="both",
-        help="a, b, c, a comma-separated list of them, both (a,b; the default) or all",
+        help="a, b, c, d, e, a comma-separated list of them, both (a,b; the default), real "
+        "(d,e) or all",
     )
     parser.add_argument(
-        "--prompts", type=int, help="prompts a step (16 on (a), 4 on (b), (c)): a smaller job"
+        "--prompts",
+        type=int,
+        help="prompts a step (16 on (a), 4 on (b), (c), 2 on (d), (e)): a smaller job",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, help="max new tokens (the workload's: 4, 128, 48, 32)"
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated: floor, loss (the floor's or the fixed-batch check's process, e.g. "
+        "for a run that measures only the trainers' peak memory at a larger batch)",
     )
     parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
     parser.add_argument(
@@ -942,6 +1049,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data-path", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--perturb", type=float, default=PERTURB[0], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         s = Settings.for_workload(
@@ -949,14 +1057,19 @@ def main() -> None:
             steps=args.steps or 1,
             seed=args.seed,
             **({"prompts_per_step": args.prompts} if args.prompts else {}),
+            **({"max_new_tokens": args.new_tokens} if args.new_tokens else {}),
             threads=args.threads,
             model_dir=args.model_dir,
             data_path=args.data_path,
         )
+        PERTURB[0] = args.perturb  # the loss worker run alone: how far the policy is moved
         {"trl": trl_worker, "loss": loss_worker, "floor": floor_worker}[args.worker](s, args.out)
         return
 
     workloads = parse_workloads(args.workload)
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    if skip - {"floor", "loss"}:
+        parser.error(f"--skip takes floor and loss, got {args.skip!r}")
     KLPO_PYTHON[0] = args.klpo_python
     has_trl = importlib.util.find_spec("trl") is not None
     start = time.perf_counter()
@@ -969,6 +1082,8 @@ def main() -> None:
             s = Settings.for_workload(w, seed=args.seed, threads=args.threads)
             if args.prompts:
                 s = Settings(**{**s.__dict__, "prompts_per_step": args.prompts})
+            if args.new_tokens:
+                s = Settings(**{**s.__dict__, "max_new_tokens": args.new_tokens})
             s = Settings(**{**s.__dict__, "steps": args.steps or (30 if w == "a" else 4)})
             if w != "a":
                 s = with_built_model(s, work)
@@ -988,9 +1103,10 @@ def main() -> None:
                     else:
                         trl_runs.append(t)
                         _log(f"[{w}] TRL run {i + 1}", t)
-            floor = run_floor(s, work / f"{w}-0")
-            _log(f"[{w}] floor", floor)
-            loss = run_loss_check(s, work / f"{w}-0") if trl_runs else None
+            floor = None if "floor" in skip else run_floor(s, work / f"{w}-0")
+            if floor:
+                _log(f"[{w}] floor", floor)
+            loss = run_loss_check(s, work / f"{w}-0") if trl_runs and "loss" not in skip else None
             klpo = combine(klpo_runs)
             trl = combine(trl_runs) if trl_runs else None
             print(
@@ -1009,7 +1125,8 @@ def main() -> None:
                 print(
                     f"Fixed batch ({loss['sequences']} completions, {loss['tokens']} tokens): klpo "
                     f"micro_step loss {loss['klpo']:.9f}, TRL _compute_loss {loss['trl']:.9f}; "
-                    f"relative {loss['rel']:.2e}; gradient relative error {loss['grad_rel']:.2e}."
+                    f"relative {loss['rel']:.2e}; gradient relative error {loss['grad_rel']:.2e} "
+                    f"(TRL's own with the rows reversed: {loss['trl_reversed_grad_rel']:.2e})."
                 )
             print()
     print(

@@ -1,5 +1,5 @@
 """The non-timing helpers of ``bench/trainer_vs_trl.py`` (and ``trainer_parts.py``'s table):
-summaries by hand, the two configs, the three workloads, the peak RSS of a worker.
+summaries by hand, the two configs, the five workloads, the peak RSS of a worker.
 
 The summaries and klpo's config run everywhere; the TRL config needs TRL (peer, skipped without).
 """
@@ -130,7 +130,7 @@ def test_workload_b_is_the_compute_bound_job(bench, cw, tmp_path):
     # the reward by hand: w3 and w99 hit (< 100), w100 and w5000 do not; no words: 0
     assert cw.lexical_reward([""] * 3, ["w3 w100 w99 w5000", "", "w0"], [""] * 3) == [0.5, 0.0, 1.0]
     with pytest.raises(ValueError, match="--workload"):
-        bench.Settings.for_workload("d")
+        bench.Settings.for_workload("f")
 
 
 def _run(step, tps, reward, se, rss=100.0):
@@ -194,9 +194,10 @@ def test_run_worker_reports_the_childs_own_peak_rss(bench):
 
 def test_workloads_parse(bench):
     assert bench.parse_workloads("both") == ("a", "b")
-    assert bench.parse_workloads("all") == ("a", "b", "c")
+    assert bench.parse_workloads("all") == ("a", "b", "c", "d", "e")
+    assert bench.parse_workloads("real") == ("d", "e")
     assert bench.parse_workloads("c") == ("c",) and bench.parse_workloads("a, c") == ("a", "c")
-    with pytest.raises(SystemExit, match="--workload takes a, b, c"):
+    with pytest.raises(SystemExit, match="--workload takes a, b, c, d, e"):
         bench.parse_workloads("a,x")
 
 
@@ -303,3 +304,87 @@ def test_floor_head_in_chunks_is_the_one_pass_gradient(bench, monkeypatch):
     torch.testing.assert_close(body.grad, want[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(weight.grad, want[1], rtol=1e-6, atol=1e-6)
     assert body.grad.abs().max() > 0.1  # (the gradients are not all but zero)
+
+
+@pytest.fixture(scope="module")
+def real(bench):
+    try:
+        yield bench.real_workload()
+    finally:
+        sys.modules.pop("real_workload", None)
+
+
+def test_workloads_d_e_are_the_real_model_jobs(bench, real, tmp_path):
+    """(d): SmolLM2's chat job, 2 × 4 completions of 48 tokens, the numeric reward; (e): Gemma's
+    plain prompts, 2 × 4 of 32, the first number. TRL gets the same problems in the same order:
+    (d) as one user message each (TRL renders it with the template), (e) as the same strings."""
+    from klpo.train.config import load_config
+    from klpo.train.data.load import load_examples
+    from klpo.train.data.sources import PromptStream
+
+    for w, chat, reward, new in (("d", True, "numeric", 48), ("e", False, "first_number", 32)):
+        data = real.write_prompts(tmp_path / f"{w}.jsonl", 12, seed=0, workload=w)
+        s = bench.Settings.for_workload(w, steps=3, model_dir="m", data_path=str(data))
+        assert (s.prompts_per_step, s.group_size, s.max_new_tokens) == (2, 4, new)
+        cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path / f"run-{w}")))
+        assert cfg.data.chat is chat and cfg.data.max_prompt_tokens == 128
+        assert cfg.rewards[0].name.endswith(reward) and cfg.model.policy == "m"
+        train, _ = load_examples(cfg)
+        served = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle).next(3 * 2)
+        assert bench.prompt_order(s) == [(e.prompt, e.answer) for e in served]
+        got = bench.trl_prompts(s)
+        assert len(got) == 6
+        if chat:
+            want = [[{"role": r, "content": c} for r, c in e.messages] for e in served]
+            assert got == want and got[0][0]["content"].endswith(real.WORKING)
+        else:
+            assert got == [e.prompt for e in served] and got[0].startswith("Question: ")
+            assert got[0].endswith("\nAnswer:")
+    # the first problem of the chat task's train split (its held-out one skipped), by hand from
+    # ChatArithmeticTask(n_heldout=1, n_train=2).problems()
+    from klpo.train.data.chat_task import ChatArithmeticTask
+
+    _, q, a = ChatArithmeticTask(n_heldout=1, n_train=2, seed=0).problems()[1]
+    assert real.prompts(1, 0, "e") == [{"prompt": f"Question: {q}\nAnswer:", "answer": str(a)}]
+    with pytest.raises(ValueError, match="real workloads are d, e"):
+        real.prompts(1, 0, "b")
+
+
+def test_first_number_reward_by_hand(real):
+    got = real.first_number(
+        [""] * 5,
+        [" 85\n\nQuestion: What is 2 + 3?\nAnswer: 5", " 58", " it is -3 or 7", "", " 12 then 85"],
+        ["85", "85", "-3", "1", "85"],
+    )
+    assert got == [1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("w", ["d", "e"])
+def test_real_prompts_are_the_ids_trl_gives(bench, real, w, tmp_path, request):
+    """klpo's rendered prompts through the run's codec are the token ids TRL's GRPOTrainer gives
+    the same prompts: (d) ``apply_chat_template(conversations, add_generation_prompt=True,
+    tokenize=True, return_dict=True)``, the template's special tokens once; (e) the tokenizer's
+    own (Gemma: a BOS), as TRL 1.16's ``GRPOTrainer._tokenize_prompts`` does."""
+    from klpo.train.config import load_config
+    from klpo.train.models.load import load_tokenizer
+    from klpo.train.models.tokens import run_codec
+
+    model = request.getfixturevalue("smollm2_dir" if w == "d" else "gemma3_dir")
+    data = real.write_prompts(tmp_path / "p.jsonl", 8, seed=0, workload=w)
+    s = bench.Settings.for_workload(w, steps=1, model_dir=str(model), data_path=str(data))
+    cfg = load_config(None, bench.klpo_overrides(s, str(tmp_path / "run")))
+    tok = load_tokenizer(str(model))
+    texts, answers = bench.rendered_prompts(s, tok)
+    got = run_codec(cfg, tok, model).ids(texts)
+    prompts = bench.trl_prompts(s)
+    if w == "d":  # as TRL's _tokenize_prompts calls it on a batch of conversations
+        want = tok.apply_chat_template(
+            conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        assert "<|im_start|>assistant" in texts[0]
+    else:
+        want = tok(prompts)["input_ids"]
+        assert got[0][0] == tok.bos_token_id and got[0][1] != tok.bos_token_id
+    assert got == want and len(got) == 2
+    assert answers == [a for _, a in bench.prompt_order(s)]
