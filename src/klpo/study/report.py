@@ -156,7 +156,7 @@ def _real_table(
     runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for r in results:
         runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
-    no_kl = {(r["algo"], int(r["seed"])): r["name"] for r in results if r["placement"] == "none"}
+    no_kl = {(r["algo"], int(r["seed"])): r["name"] for r in results if r["choice"] == "no KL"}
     lines = [
         "",
         "## Held-out accuracy problem by problem",

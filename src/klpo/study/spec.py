@@ -105,7 +105,7 @@ class Choice(BaseModel):
     @property
     def label(self) -> str:
         if self.placement == "none":
-            return "no KL"
+            return f"no KL ({self.variant})" if self.variant else "no KL"
         name = f"{self.estimator} ({self.variant})" if self.variant else self.estimator
         return f"{name} {self.placement}"
 
