@@ -89,9 +89,10 @@ PRODUCTS: dict[str, Product] = {
         "--out",
         "study",
         (("study.yaml",),),
-        "a re-run with the same settings (its `study.yaml`; `--workers` may differ) finishes "
-        "it, reusing its finished runs and continuing crashed or interrupted ones from their "
-        "last checkpoint",
+        "a re-run with the same settings (its `study.yaml`; `--workers` may differ), or with "
+        "more seeds, betas or choices, finishes it, reusing its finished runs and continuing "
+        "crashed or interrupted ones from their last checkpoint; the runs share one "
+        "evaluation of their common start (`eval-cache/`, `run.eval_cache`)",
     ),
     "lab report": Product(
         "klpo lab report",
