@@ -355,7 +355,8 @@ def cached_evaluation(
         info = json.loads(meta.read_text(encoding="utf-8"))
         ts = load_file(str(tensors))
         first = Rollout(
-            **{k: ts[k] for k in _TENSORS},
+            **{k: ts[k] for k in _TENSORS[:-1]},
+            truncated=ts.get("truncated"),  # (a rollout may have none)
             prompts=info["prompts"],
             completions=info["completions"],
             answers=info["answers"],
@@ -367,7 +368,8 @@ def cached_evaluation(
     ev = compute()
     if ev.first.engine_logp is None:
         r = ev.first
-        write_atomic(tensors, save({k: getattr(r, k).contiguous().cpu() for k in _TENSORS}))
+        kept = {k: t.contiguous().cpu() for k in _TENSORS if (t := getattr(r, k)) is not None}
+        write_atomic(tensors, save(kept))
         info = {
             "accuracy": ev.accuracy,
             "reward": ev.reward,
