@@ -77,9 +77,11 @@ def export(out: Path, dest: Path) -> int:
         shutil.copyfile(png, dest / png.name)
     shutil.rmtree(dest / "runs", ignore_errors=True)
     kept = 0
+    from klpo.study.runner import finished_row
+
     for run in sorted((out / "runs").iterdir()):
-        if not (run / "result.yaml").is_file():
-            continue  # not finished: the study runs it again
+        if finished_row(run) is None:
+            continue  # not finished, crashed or interrupted: the study runs it again
         target = dest / "runs" / run.name
         target.mkdir(parents=True)
         for name in RUN_TEXT:

@@ -25,6 +25,7 @@ def _study(out: Path, model: str) -> None:
         (run / "metrics.jsonl").write_text('{"step": 0, "accuracy/heldout": 0.06}\n')
         (run / "samples.jsonl").write_text(f'{{"step": 0, "prompt": "2 + 2 =", "dir": "{run}"}}\n')
     (out / "runs" / "a" / "result.yaml").write_text(f"name: a\nstatus: ok\ndir: {out}/runs/a\n")
+    (out / "runs" / "b" / "result.yaml").write_text("name: b\nstatus: interrupted\n")
     (out / "study.yaml").write_text("task: chat-arith\nmodel: smollm2\n")
     (out / "train-config.yaml").write_text(f"model:\n  policy: {model}\n")
     (out / "report.md").write_text("# report\n")
@@ -39,7 +40,7 @@ def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(
     monkeypatch.setattr(arc, "_models", lambda: {"smollm2": model})
     out, dest, back = tmp_path / "study", tmp_path / "archive", tmp_path / "elsewhere" / "study"
     _study(out, model)
-    assert arc.export(out, dest) == 1  # b has no result.yaml: not finished, not kept
+    assert arc.export(out, dest) == 1  # b was interrupted: not kept
     kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert kept == [
         "kl.png",
