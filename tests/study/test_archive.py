@@ -67,3 +67,27 @@ def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(
         assert "run `make real-models` first" in str(e) and "'smollm2'" in str(e)
     else:
         raise AssertionError("a model not converted here must be named")
+
+
+def test_an_archive_under_docs_is_committed_not_ignored_by_git():
+    """The archive's runs live in ``DEST/runs``; a repository that ignores ``runs/`` must
+    re-include them under docs/, or ``git add`` drops every run the archive holds."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = [
+        "docs/study-real/chat-arith/runs/grpo_k3-loss_b0.2_s0/metrics.jsonl.gz",
+        "docs/study-stale/stale-2/runs/grpo_no-KL_b0_s0/result.yaml",
+    ]
+    out = subprocess.run(
+        ["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.stdout == "", f"git ignores the study archives' runs: {out.stdout}"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "runs/compare/x"], cwd=ROOT, capture_output=True
+    )
+    assert ignored.returncode == 0  # a study run outside docs/ stays out of the repository
