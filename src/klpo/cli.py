@@ -1218,7 +1218,11 @@ _DOCTOR_REFERENCE = typer.Option(
     None, "--reference", metavar="PATH", help="Reference: a model directory or a .gguf file."
 )
 _DOCTOR_DATA = typer.Option(
-    None, "--data", metavar="FILE", help="Prompts: JSONL with a 'prompt' field, or text lines."
+    None,
+    "--data",
+    metavar="FILE",
+    help="Prompts: JSONL with a 'prompt' field (a string, or a list of chat messages for "
+    "--chat), or text lines.",
 )
 _DOCTOR_LAYER = typer.Option(
     None,

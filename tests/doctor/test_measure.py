@@ -143,6 +143,23 @@ def test_read_prompts_errors(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("a\n\nb\nc\n")
     assert M.read_prompts(txt, 2) == ["a", "b"]
+    bad.write_text('{"prompt": "1+1="}\n{"prompt": [{"role": "user"}]}\n')
+    with pytest.raises(DoctorError, match=r"p\.jsonl:2: chat message 0 must be an object"):
+        M.read_prompts(bad, 4)
+
+
+def test_conversational_prompts_are_read_and_need_chat(tmp_path):
+    """TRL's conversational format: ``prompt`` a list of messages, kept as (role, content)."""
+    data = tmp_path / "p.jsonl"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    data.write_text(json.dumps({"prompt": "plain"}) + "\n" + json.dumps({"prompt": msgs}) + "\n")
+    got = M.read_prompts(data, 8)
+    assert got == ["plain", (("system", "Be brief."), ("user", "2 + 2?"))]
+    with pytest.raises(
+        DoctorError, match=r"--data prompt 2 is a list of chat messages; add --chat"
+    ):
+        M.render_prompts(None, got, chat=False)
+    assert M.render_prompts(None, ["a"], chat=False) == ["a"]
 
 
 def test_cli_measures_on_the_shipped_model(perturbed, prompts):
@@ -437,6 +454,17 @@ def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
     model = load_causal_lm(REF)  # any model: the codec reads only its generation config
     codec = M._prompt_codec(tok, model, [got], "test", chat=True)
     assert codec.ids([got])[0] == tok(got, add_special_tokens=False)["input_ids"]
+    # A conversation (a solved example before the question) renders as the template renders it,
+    # its own system message kept in place of --chat's.
+    conv = [
+        {"role": "system", "content": "Reply with a number."},
+        {"role": "user", "content": "What is 12 + 7?"},
+        {"role": "assistant", "content": "19"},
+        {"role": "user", "content": text},
+    ]
+    pairs = tuple((m["role"], m["content"]) for m in conv)
+    (both,) = M.render_prompts(tok, [pairs], chat=True, system_prompt="Be brief.")
+    assert both == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     # No template, no chat: the shipped model's tokenizer has none.
     with pytest.raises(DoctorError, match="--chat needs a tokenizer with a chat template"):
         M.render_prompts(load_tokenizer(REF), [text], chat=True)

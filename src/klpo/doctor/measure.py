@@ -79,12 +79,18 @@ PLACEMENTS: tuple[str, ...] = ("loss", "reward", "reward-to-go")
 TARGETS: tuple[str, ...] = ("per-position θ‖ref", "per-position ref‖θ", "sequence θ‖ref")
 
 
-def read_prompts(path: str | Path, limit: int) -> list[str]:
-    """Prompts from a JSONL file (a ``prompt`` field per line) or a text file (one per line)."""
+Prompt = str | tuple[tuple[str, str], ...]
+"""A prompt of ``--data``: a text, or a conversation of ``(role, content)`` messages."""
+
+
+def read_prompts(path: str | Path, limit: int) -> list[Prompt]:
+    """Prompts from a JSONL file (a ``prompt`` field per line: a string, or a conversation as a
+    list of ``{"role", "content"}`` messages, TRL's conversational format, which ``--chat``
+    renders) or a text file (one per line)."""
     p = Path(path)
     if not p.is_file():
         raise DoctorError(f"--data file {str(p)!r} does not exist")
-    out: list[str] = []
+    out: list[Prompt] = []
     for n, line in enumerate(p.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -93,12 +99,7 @@ def read_prompts(path: str | Path, limit: int) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DoctorError(f"{p}:{n}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise DoctorError(
-                    f"{p}:{n}: expected an object with a string field 'prompt'; give JSONL "
-                    "with a 'prompt' per line, or a .txt file with one prompt per line"
-                )
-            out.append(row["prompt"])
+            out.append(_jsonl_prompt(row, f"{p}:{n}"))
         else:
             out.append(line)
         if len(out) == limit:
@@ -106,6 +107,23 @@ def read_prompts(path: str | Path, limit: int) -> list[str]:
     if not out:
         raise DoctorError(f"--data file {str(p)!r} holds no prompts")
     return out
+
+
+def _jsonl_prompt(row: object, where: str) -> Prompt:
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        from klpo.train.data.sources import chat_messages
+
+        try:
+            return chat_messages(prompt, where)
+        except ValueError as err:
+            raise DoctorError(str(err)) from None
+    raise DoctorError(
+        f"{where}: expected an object with a string field 'prompt' (or a list of chat messages); "
+        "give JSONL with a 'prompt' per line, or a .txt file with one prompt per line"
+    )
 
 
 @dataclass
@@ -1031,18 +1049,30 @@ def _check_same_tokenizer(tok: Any, model: str, reference: str) -> None:
 
 
 def render_prompts(
-    tok: Any, texts: list[str], *, chat: bool, system_prompt: str | None = None
+    tok: Any, texts: Sequence[Prompt], *, chat: bool, system_prompt: str | None = None
 ) -> list[str]:
     """The prompts as the policy sees them: with ``chat``, rendered by the tokenizer's chat
     template as the trainer renders ``data.chat`` prompts
-    (:func:`klpo.train.data.sources.render_chat`: one user message, ``system_prompt`` first,
-    the assistant's generation prompt); else as they are."""
+    (:func:`klpo.train.data.sources.render_chat`: a text is one user message, a conversation is
+    kept; ``system_prompt`` first unless the conversation starts with one; the assistant's
+    generation prompt); else as they are (a conversation is then an error naming ``--chat``)."""
     if not chat:
-        return texts
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise DoctorError(
+                    f"--data prompt {i + 1} is a list of chat messages; add --chat to render "
+                    "them with the tokenizer's chat template"
+                )
+        return list(texts)  # type: ignore[arg-type]
     from klpo.train.data.sources import Example, render_chat
 
     try:
-        examples = [Example(t, "", where=f"prompt {i + 1}") for i, t in enumerate(texts)]
+        examples = [
+            Example(t, "", where=f"prompt {i + 1}")
+            if isinstance(t, str)
+            else Example("", "", messages=t, where=f"prompt {i + 1}")
+            for i, t in enumerate(texts)
+        ]
         done = render_chat(examples, tok, chat=True, system_prompt=system_prompt)
     except ValueError as err:
         raise DoctorError(str(err).replace("data.chat=true", "--chat")) from None
@@ -1105,6 +1135,8 @@ def measure(
 
     _check_options(prompts, samples, max_new_tokens, sketch)
     texts = read_prompts(data, prompts)
+    if not chat:  # a conversation needs --chat: said before any model loads
+        render_prompts(None, texts, chat=False)
     free = available_bytes()
     policy, ref, tok = _load_pair(model, reference, free)
     rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)

@@ -169,7 +169,7 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
     answer = None if answer is None else str(answer)
     if isinstance(prompt, list):
         return Example(
-            prompt="", answer=answer, messages=_messages(prompt, where), where=where, row=row
+            prompt="", answer=answer, messages=chat_messages(prompt, where), where=where, row=row
         )
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(
@@ -179,7 +179,13 @@ def _example(row: object, prompt_field: str, answer_field: str, where: str) -> E
     return Example(prompt=prompt, answer=answer, where=where, row=row)
 
 
-def _messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
+def chat_messages(value: list, where: str) -> tuple[tuple[str, str], ...]:
+    """A prompt given as chat messages (``[{"role": ..., "content": ...}]``) as ``(role,
+    content)`` pairs; a ValueError naming ``where`` and the message for anything else.
+
+    >>> chat_messages([{"role": "user", "content": "2 + 2?"}], "data.jsonl:1")
+    (('user', '2 + 2?'),)
+    """
     out = []
     for i, msg in enumerate(value):
         ok = (
