@@ -1,4 +1,5 @@
-"""No signal, no step: a batch whose every advantage is exactly 0 does not move the policy."""
+"""No signal, no step: a batch whose every advantage is exactly 0 does not move the policy, unless
+a KL term in the loss has a policy off the reference to pull back."""
 
 from __future__ import annotations
 
@@ -93,3 +94,60 @@ def test_skipped_steps_advance_the_schedule_and_resume_exactly(tiny_model, quick
         return [{k: v for k, v in r.items() if not is_timing(k)} for r in run]
 
     assert rows(read_metrics(part / "metrics.jsonl")) == rows(whole)
+
+
+def _moved_reference(tiny_model, out):
+    """A copy of the tiny model with seeded noise on every weight: a reference the policy is
+    off from its first step."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(tiny_model, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    moved = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()
+    }
+    save_file(moved, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["full", "k3"])
+def test_a_kl_in_the_loss_still_pulls_a_policy_off_the_reference(
+    tiny_model, quick, tmp_path, estimator
+):
+    # Every reward 0, so no advantage signal; the reference is elsewhere, so the KL term in the
+    # loss has a real gradient. Oracle: the same run with the skip turned off, step for step and
+    # weight for weight; and, for `full`, KL(pi_theta ‖ pi_ref) falls, as the regulariser's pull
+    # must make it (k3's gradient is that of KL(pi_ref ‖ pi_theta), which this KL need not follow).
+    ref = _moved_reference(tiny_model, tmp_path / "ref")
+    extra = {"model.reference": str(ref), "kl.estimator": estimator}
+    on = _run(tiny_model, quick, tmp_path / "on", **extra)
+    off = _run(tiny_model, quick, tmp_path / "off", **extra, **{"algo.skip_no_signal": "false"})
+    assert [r["step/skipped"] for r in on] == [0.0, 0.0, 0.0, 0.0]
+    assert [r["kl/ref/exact"] for r in on] == [r["kl/ref/exact"] for r in off]
+    kls = [r["kl/ref/exact"] for r in on]
+    assert kls[0] > 1e-3
+    assert kls[-1] < kls[0] or estimator != "full"
+    final_on, final_off = _final_policy(tmp_path / "on"), _final_policy(tmp_path / "off")
+    assert all(torch.equal(final_on[k], final_off[k]) for k in final_on)
+    # No KL in the loss (in the reward at beta 0: none at all): nothing pulls, the steps are
+    # skipped and the policy stays where it started.
+    none = _run(tiny_model, quick, tmp_path / "none", **{**extra, "kl.placement": "none"})
+    assert [r["step/skipped"] for r in none] == [1.0, 1.0, 1.0, 1.0]
+    start = load_file(tiny_model / "model.safetensors")
+    assert all(torch.equal(_final_policy(tmp_path / "none")[k], start[k]) for k in start)
+
+
+def test_the_floor_decides_when_the_policy_counts_as_at_the_reference(tiny_model, quick, tmp_path):
+    # A floor above the step's exact KL: the policy counts as at the reference, the steps are
+    # skipped as with no KL at all.
+    ref = _moved_reference(tiny_model, tmp_path / "ref")
+    rows = _run(
+        tiny_model, quick, tmp_path / "high",
+        **{"model.reference": str(ref), "algo.skip_kl_floor": 1e6},
+    )  # fmt: skip
+    assert [r["step/skipped"] for r in rows] == [1.0, 1.0, 1.0, 1.0]
+    start, final = load_file(tiny_model / "model.safetensors"), _final_policy(tmp_path / "high")
+    assert all(torch.equal(final[k], start[k]) for k in start)  # nothing moved

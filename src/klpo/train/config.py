@@ -408,9 +408,20 @@ class AlgoConfig(_Section):
         True,
         description="Skip the optimizer steps of a step whose batch has no advantage signal "
         "(every advantage of every completion token exactly 0: with a group baseline, every "
-        "group's rewards equal; with a critic, returns equal to the values): the policy does not "
-        "move on rounding noise or on the KL term alone (metric step/skipped). The step's "
-        "forward and backward passes still run; the learning-rate schedule still advances.",
+        "group's rewards equal; with a critic, returns equal to the values) and whose KL term "
+        "has nothing to pull back: no KL in the loss, or the policy at the reference (the step's "
+        "exact KL(pi_old ‖ pi_ref) per token at most skip_kl_floor). So the policy does not move "
+        "on rounding noise, while a KL in the loss keeps pulling a policy that has left the "
+        "reference back on every step, as a KL in the reward does (metric step/skipped). The "
+        "step's forward and backward passes still run; the learning-rate schedule still "
+        "advances.",
+    )
+    skip_kl_floor: float = Field(
+        1e-6,
+        ge=0,
+        description="skip_no_signal: the exact KL(pi_old ‖ pi_ref) per token (nats) above which "
+        "the policy counts as off the reference, so that a step without advantage signal still "
+        "takes the KL term's gradient in the loss (exactly 0 at the reference itself).",
     )
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip below: 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above (DAPO clip-higher).")

@@ -84,7 +84,8 @@ METRICS: dict[str, str] = {
     "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps "
     "(on a skipped step, the norm of the gradient that was not applied)",
     "step/skipped": "1 when the step's optimizer steps were skipped because its batch had no "
-    "advantage signal (algo.skip_no_signal: every advantage exactly 0), else 0",
+    "advantage signal (algo.skip_no_signal: every advantage exactly 0) and its KL term nothing "
+    "to pull back (none in the loss, or the policy at the reference: algo.skip_kl_floor), else 0",
     "rollout/dynamic_rounds": "rollout.dynamic_sampling: sampling rounds this step, each of "
     "rollout.prompts_per_step prompts (1: none extra)",
     "rollout/groups_kept": "rollout.dynamic_sampling: groups with unequal rewards the step "

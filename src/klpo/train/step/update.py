@@ -53,6 +53,7 @@ __all__ = [
     "critic_step",
     "forward",
     "has_signal",
+    "kl_pulls_back",
     "micro_metrics",
     "micro_step",
     "policy_loss",
@@ -109,7 +110,9 @@ def update(
     """
     a = cfg.algo
     mask = s.rollout.mask
-    skip = a.skip_no_signal and not has_signal(s, dist)
+    no_signal = a.skip_no_signal and not has_signal(s, dist)
+    kl_pulls: bool | None = None  # decided once pi_old's exact KL is known (the first forward)
+    skip = False
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     batch_mask = POLICY_LOSSES[a.policy_loss].batch_mask
@@ -147,6 +150,9 @@ def update(
             # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
             for k, v in step_losses.items():
                 tally.add(k, v, 1.0 / dist.world)
+            if no_signal and kl_pulls is None:
+                kl_pulls = kl_pulls_back(s, term, dist, a.skip_kl_floor)
+            skip = no_signal and not kl_pulls
             _optimizer_step(m, opt, clip, tally, skip=skip)
     if term.ref is not None:
         tally.add("time/ref_update", ref_seconds, 1.0)
@@ -185,6 +191,23 @@ def has_signal(s: Scored, dist: Dist) -> bool:
     """
     local = bool((s.adv[s.rollout.mask] != 0).any())
     return dist.any(local)
+
+
+def kl_pulls_back(s: Scored, term: KLTerm, dist: Dist, floor: float) -> bool:
+    """Whether a step without advantage signal still has a KL gradient to take: a KL term in
+    the loss (on the policy's or the reference's completions) and the policy off the reference,
+    its exact KL(pi_old ‖ pi_ref) per token over the rows recorded so far, on every rank, above
+    ``floor`` (a collective: every rank must call it). At the reference the KL and its gradient
+    are exactly 0, and a step on them would be AdamW scaling rounding up to the learning rate;
+    off it, the KL term's pull is the regulariser itself, which a KL in the reward exerts on
+    every step through the advantages (:func:`has_signal`)."""
+    in_loss = term.loss_coef > 0 or (term.ref is not None and term.ref_coef > 0)
+    if not in_loss:
+        return False
+    valid = s.rollout.mask & s.old.filled[:, None]
+    total = torch.stack([s.old.kl[valid].double().sum(), valid.sum().double()])
+    kl_sum, n = dist.all_sum(total).tolist()
+    return n > 0 and kl_sum / n > floor
 
 
 def _optimizer_step(m: Models, opt: Optimizers, clip: float, tally: Tally, *, skip: bool) -> None:
