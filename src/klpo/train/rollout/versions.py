@@ -206,6 +206,15 @@ def exact_tv(
     ``mask`` are computed (0 elsewhere), ``row_chunk`` of them at a time (default
     :data:`klpo.logprobs.ROW_ELEMENTS` // V), so at most two ``[row_chunk, V]`` tiles of logits
     exist; float32 arithmetic (float64 for float64 features). Symmetric, in [0, 1].
+
+    Example:
+        >>> import math, torch
+        >>> from klpo.train.models.backbone import OWN_LOGITS
+        >>> z = torch.tensor([[[0.0, 0.0]]])  # pi = (1/2, 1/2)
+        >>> z_ref = torch.tensor([[[math.log(3.0), 0.0]]])  # pi_ref = (3/4, 1/4)
+        >>> exact_tv(z, OWN_LOGITS, z_ref, OWN_LOGITS, torch.ones(1, 1, dtype=torch.bool),
+        ...          temperature=1.0)  # (|1/2 - 3/4| + |1/2 - 1/4|) / 2
+        tensor([[0.2500]])
     """
     if features.shape[:-1] != mask.shape or features_ref.shape[:-1] != mask.shape:
         raise ValueError(

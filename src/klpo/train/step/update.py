@@ -195,7 +195,10 @@ def trm_keep(cfg: TrainConfig, mb: MicroBatch) -> Tensor | None:
         return None
     behav = mb.r.sampler_logp
     if behav is None:  # (the config refuses trm_delta without a behaviour policy)
-        raise RuntimeError("algo.trm_delta needs the sampler's log-probs (rollout.staleness > 0)")
+        raise RuntimeError(
+            "algo.trm_delta needs the sampler's log-probs (rollout.staleness > 0 or "
+            "rollout.engine=vllm), and this rollout has none"
+        )
     logp_old, mask = mb.logp_old, mb.r.mask
     return offpolicy.trm_mask(
         logp_old, behav.to(logp_old.device), mask, delta=a.trm_delta,
