@@ -464,7 +464,7 @@ def test_trm_drops_the_rows_out_of_the_trust_region_at_any_micro_batch(stale, tr
     from klpo import offpolicy
 
     model, m, _ring, params = stale
-    rollout, _, scored, delta = trm_batch
+    rollout, gap, scored, delta = trm_batch
     mask = rollout.mask
     want_rows = torch.tensor(_naive_trm_keep(scored.old.logp, rollout.behav_logp, mask, delta))
     assert 0 < int(want_rows.sum()) < len(want_rows)  # the mask drops some rows, not all
@@ -493,6 +493,18 @@ def test_trm_drops_the_rows_out_of_the_trust_region_at_any_micro_batch(stale, tr
     _update_grad(_config(model, **TRM_OVER, **over), m, scored, params)
     rows = torch.tensor([x <= radius for x in mean_k1])
     assert 0 < int(rows.sum()) < len(rows) and torch.equal(scored.keep, mask & rows[:, None])
+    # The exact statistic: each row's largest exact KL(pi_behav ‖ pi_old) of the behaviour pass.
+    assert torch.equal(rollout.behav_kl, gap.kl)
+    kl_max = [float(gap.kl[i][mask[i]].max()) for i in range(mask.shape[0])]
+    radius = _between(kl_max)
+    over = {"algo.trm_delta": radius, "algo.trm_statistic": "exact"}
+    _update_grad(_config(model, **TRM_OVER, **over), m, scored, params)
+    rows = torch.tensor([x <= radius for x in kl_max])
+    assert 0 < int(rows.sum()) < len(rows) and torch.equal(scored.keep, mask & rows[:, None])
+    lib = offpolicy.trm_mask(
+        scored.old.logp, rollout.behav_logp, mask, delta=radius, token_kl=gap.kl
+    )
+    assert torch.equal(scored.keep, lib)
     # The oracle: clip's gradient at the first update (ratio 1, no clip binds) with the TIS weight
     # min(pi_old / pi_behav, 2), over the kept rows only, normalised by every valid token.
     w = (scored.old.logp - rollout.behav_logp).exp().clamp(max=2.0).detach()
@@ -618,3 +630,6 @@ def test_trm_without_a_behaviour_policy_is_refused(tiny_model):
     cfg = _config(tiny_model, **{"rollout.staleness": 0, "rollout.engine": "vllm",
                                  "algo.trm_delta": 0.05})  # fmt: skip
     assert cfg.algo.trm_delta == 0.05 and cfg.algo.trm_statistic == "k3"
+    with pytest.raises(ValueError, match=r"algo\.trm_statistic=exact .* rollout\.staleness=0"):
+        _config(tiny_model, **{"rollout.staleness": 0, "rollout.engine": "vllm",
+                               "algo.trm_delta": 0.05, "algo.trm_statistic": "exact"})  # fmt: skip

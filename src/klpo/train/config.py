@@ -496,11 +496,13 @@ class AlgoConfig(_Section):
         "masked (its TIS weight included), not the KL term or the entropy bonus, and the "
         "masked tokens still count in the loss's normaliser. Metrics trm/*; docs/async.md.",
     )
-    trm_statistic: Literal["k1", "k3"] = Field(
+    trm_statistic: Literal["k1", "k3", "exact"] = Field(
         "k3",
         description="trm_delta: the token divergence, with rho = pi_old(y_t) / pi_behav(y_t): "
         "k1, -log rho (its absolute value under the max), or k3, rho - 1 - log rho (>= 0), "
-        "both estimates of KL(pi_behav ‖ pi_old) at the token.",
+        "both estimates of KL(pi_behav ‖ pi_old) at the token; or exact, that KL summed over "
+        "the vocabulary at the position (the behaviour pass's, rollout.staleness > 0 only: an "
+        "engine reports no logits).",
     )
     trm_aggregate: Literal["max", "mean"] = Field(
         "max",
@@ -946,6 +948,13 @@ class TrainConfig(_Section):
                 "behaviour policy apart from pi_old (rollout.staleness=0 with "
                 "rollout.engine=hf: every completion would be kept); set rollout.staleness >= 1 "
                 "or rollout.engine=vllm, or algo.trm_delta=null"
+            )
+        if delta is not None and self.algo.trm_statistic == "exact" and not self.rollout.staleness:
+            raise ValueError(
+                "algo.trm_statistic=exact reads the exact KL(pi_behav ‖ pi_old) of the stale "
+                "sampler's behaviour pass, but this run has rollout.staleness=0 (an engine "
+                "reports log-probs, not logits); set rollout.staleness >= 1, or "
+                "algo.trm_statistic=k3 (or k1)"
             )
 
     def _check_staleness(self) -> None:

@@ -13,10 +13,12 @@ log-probs of the sampled tokens at the sampling version (``Rollout.behav_logp``,
 ``Rollout.behav_version``), computed as the score pass computes pi_old, so at a lag of 0 they are
 pi_old's; and the exact KL(pi_behav ‖ pi_theta) at every position, against the weights that start
 the step, from the two passes' hidden states (:func:`klpo.logprobs.fused`'s exact KL, chunked
-over the vocabulary), and the exact total variation between the two at every position
-(:func:`exact_tv`, chunked over the positions). pi_old stays the trainer's recomputation at the current weights; the update
-reads pi_behav in the policy loss's importance weight (``rollout.tis_cap``) and in the KL term
-(``kl.behaviour_correction``, :func:`klpo.losses.kl_loss`).
+over the vocabulary; ``Rollout.behav_kl``), and the exact total variation between the two at
+every position (:func:`exact_tv`, chunked over the positions). pi_old stays the trainer's
+recomputation at the current weights; the update reads pi_behav in the policy loss's importance
+weight (``rollout.tis_cap``), in the KL term (``kl.behaviour_correction``,
+:func:`klpo.losses.kl_loss`) and in Trust Region Masking's statistic (``algo.trm_delta``; the
+exact KL with ``algo.trm_statistic=exact``).
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def exact_tv(
 def behaviour_pass(
     cfg: TrainConfig, m: Models, rollout: Rollout, behaviour: Behaviour
 ) -> tuple[Rollout, SamplerGap]:
-    """(the rollout with ``behav_logp`` and ``behav_version``, the :class:`SamplerGap`: ``[B, C]``
+    """(the rollout with ``behav_logp``, ``behav_version`` and ``behav_kl``, the :class:`SamplerGap`: ``[B, C]``
     exact KL(pi_behav ‖ pi_theta) and total variation at each position, 0 where masked), with the
     current weights in the policy; ``behaviour`` is :func:`sampled_features` of the sampling
     version."""
@@ -262,5 +264,8 @@ def behaviour_pass(
         behaviour.features, behaviour.head, hidden, head, mask,
         temperature=cfg.rollout.temperature,
     ).float()  # fmt: skip
-    done = dataclasses.replace(rollout, behav_logp=logp, behav_version=behaviour.version)
+    done = dataclasses.replace(
+        rollout, behav_logp=logp, behav_version=behaviour.version,
+        behav_kl=kl.to(rollout.mask.device),
+    )  # fmt: skip
     return done, SamplerGap(kl, tv)

@@ -185,7 +185,8 @@ def trm_keep(cfg: TrainConfig, mb: MicroBatch) -> Tensor | None:
 
     :func:`klpo.offpolicy.trm_mask` of log pi_old against the log-probs of the policy that
     sampled the tokens (the stale sampler's or the engine's), radius ``algo.trm_delta``,
-    ``algo.trm_statistic``, ``algo.trm_aggregate`` (Li et al. 2025, arXiv:2512.23075). pi_old is
+    ``algo.trm_statistic``, ``algo.trm_aggregate`` (Li et al. 2025, arXiv:2512.23075); with
+    ``exact``, the behaviour pass's exact KL(pi_behav ‖ pi_old) at each position. pi_old is
     the trainer's recomputation at the weights that start the step (pi_theta at the first update,
     the pi_theta of M2PO's mask too), fixed over the update, and the statistic is each row's own:
     the mask of a row is the same in every micro-batch, optimizer step and epoch, so it is the
@@ -200,9 +201,15 @@ def trm_keep(cfg: TrainConfig, mb: MicroBatch) -> Tensor | None:
             "rollout.engine=vllm), and this rollout has none"
         )
     logp_old, mask = mb.logp_old, mb.r.mask
+    exact = a.trm_statistic == "exact"
+    if exact and mb.r.behav_kl is None:  # (the config refuses it without staleness)
+        raise RuntimeError(
+            "algo.trm_statistic=exact needs the behaviour pass's exact KL (rollout.staleness > 0)"
+        )
     return offpolicy.trm_mask(
         logp_old, behav.to(logp_old.device), mask, delta=a.trm_delta,
-        statistic=a.trm_statistic, aggregate=a.trm_aggregate,
+        statistic="k3" if exact else a.trm_statistic, aggregate=a.trm_aggregate,
+        token_kl=mb.r.behav_kl.to(logp_old.device) if exact else None,
     )  # fmt: skip
 
 
