@@ -23,6 +23,7 @@ MODULES = (
     "klpo.train.rewards.decimals",
     "klpo.train.rewards.overopt",
     "klpo.train.data.chat_task",
+    "klpo.train.rollout.versions",
 )
 # Where every public function must carry an example.
 EVERY_FUNCTION = ("klpo.kl", "klpo.losses", "klpo.ref_kl")

@@ -11,7 +11,9 @@ placement × correction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +370,266 @@ def test_m2po_masks_over_the_optimizer_steps_tokens_at_any_micro_batch(stale, qu
     loss = -(torch.where(keep, scored.adv * logp, 0.0)).sum() / mask.sum()
     want = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
     assert float((grads[0] - want).norm()) <= 1e-4 * float(want.norm())
+
+
+# --------------------------------------------------------------------------------------------
+# Trust Region Masking in the trainer: whole completions dropped from the policy loss.
+
+
+def _naive_trm_keep(old, behav, mask, delta: float) -> list[bool]:
+    """Per row, a loop: the largest k3 = rho - 1 - log rho, rho = pi_old / pi_behav, over its
+    valid tokens, <= delta (a row without a token kept)."""
+    keep = []
+    for i in range(mask.shape[0]):
+        stats = [
+            math.exp(float(old[i, t]) - float(behav[i, t]))
+            - 1.0
+            - (float(old[i, t]) - float(behav[i, t]))
+            for t in range(mask.shape[1])
+            if bool(mask[i, t])
+        ]
+        keep.append(not stats or max(stats) <= delta)
+    return keep
+
+
+@pytest.fixture(scope="module")
+def trm_batch(stale):
+    """Sixteen completions of up to four tokens sampled by pi_behav (version 0), its behaviour
+    pass against pi_theta (version 1, in the policy), and their scoring."""
+
+    model, m, ring, _params = stale
+    with pytest.MonkeyPatch.context() as patch:  # (the test reward, before the autouse fixture)
+        patch.syspath_prepend(str(Path(__file__).parent))
+        return _trm_batch(model, m, ring)
+
+
+def _trm_batch(model, m, ring):
+    from klpo.train.rollout.samplers import generate
+
+    cfg = _config(model, **TRM_OVER)
+    with ring.at(m.policy, 0):
+        torch.manual_seed(1)
+        rollout = generate(
+            m.policy, m.tokenizer, ["12+7=", "3+4=", "5+5=", "9+1="], [""] * 4, group_size=4,
+            max_new_tokens=4, temperature=TEMPERATURE, codec=m.codec,
+        )  # fmt: skip
+        behaviour = sampled_features(cfg, m, rollout, 0)
+    rollout, gap = behaviour_pass(cfg, m, rollout, behaviour)
+    scored = score(cfg, m, rollout, resolve_rewards({"klpo_test_rewards:digits": 1.0}), 0.0)
+    if not bool(scored.old.filled.all()):  # the update's first forward fills pi_old (lr 0)
+        _update_grad(cfg, m, scored, [p for p in m.policy.parameters() if p.requires_grad])
+    assert bool(scored.old.filled.all())
+    # The radius: between the rows' largest k3, so that the mask drops some rows, not all.
+    stats = []
+    old, behav, mask = scored.old.logp.double(), rollout.behav_logp.double(), rollout.mask
+    for i in range(mask.shape[0]):
+        k3 = (old[i] - behav[i]).exp() - 1 - (old[i] - behav[i])
+        stats.append(float(k3[mask[i]].max()))
+    return rollout, gap, scored, _between(stats)
+
+
+def _between(stats: list[float]) -> float:
+    """A radius halfway between the two middle statistics: about half the rows kept, none at the
+    boundary (where the two ways of rounding a mean could disagree)."""
+    ranked = sorted(stats)
+    return 0.5 * (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2])
+
+
+TRM_OVER = {
+    "kl.placement": "none", "rollout.group_size": 4, "rollout.prompts_per_step": 4,
+    "rollout.max_new_tokens": 4, "rewards": "[{name: 'klpo_test_rewards:digits'}]",
+}  # fmt: skip
+
+
+def _update_grad(cfg, m, scored, params):
+    opt = Optimizers(torch.optim.SGD(params, lr=0.0), None)
+    beta = cfg.kl.beta if cfg.kl.placement != "none" else 0.0
+    tally = update(
+        cfg, m, scored, opt, kl_term(cfg, beta=beta, beta_old=1.0), Dist(),
+        torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    return torch.cat([p.grad.flatten() for p in params]), tally.result(lambda x: x)
+
+
+def _policy_logp(m, rollout):
+    """``[B, C]`` log pi_theta of the sampled tokens from the model's own logits (with the graph)."""
+    ids, att = rollout.input_ids, rollout.attention_mask.long()
+    logits = m.policy(input_ids=ids, attention_mask=att, position_ids=position_ids(att)).logits
+    c = rollout.completion_ids.shape[1]
+    logp = (logits[:, -c - 1 : -1] / TEMPERATURE).log_softmax(-1)
+    return logp.gather(-1, rollout.completion_ids[..., None])[..., 0]
+
+
+def test_trm_drops_the_rows_out_of_the_trust_region_at_any_micro_batch(stale, trm_batch):
+    from klpo import offpolicy
+
+    model, m, _ring, params = stale
+    rollout, gap, scored, delta = trm_batch
+    mask = rollout.mask
+    want_rows = torch.tensor(_naive_trm_keep(scored.old.logp, rollout.behav_logp, mask, delta))
+    assert 0 < int(want_rows.sum()) < len(want_rows)  # the mask drops some rows, not all
+    want_keep = mask & want_rows[:, None]
+    by_hand = offpolicy.trm_mask(scored.old.logp, rollout.behav_logp, mask, delta=delta)
+    assert torch.equal(by_hand, want_keep)
+    grads = []
+    for micro in (0, 3):
+        cfg = _config(model, **TRM_OVER, **{"algo.trm_delta": delta, "algo.micro_batch": micro})
+        g, res = _update_grad(cfg, m, scored, params)
+        grads.append(g)
+        assert torch.equal(scored.keep, want_keep), micro  # the step's mask: the library's
+        dropped = mask & ~want_keep
+        assert res["trm/masked_frac"][0] == pytest.approx(
+            float(dropped.sum()) / float(mask.sum()), abs=1e-12
+        )
+        assert res["trm/seq_masked_frac"][0] == pytest.approx(
+            float((~want_rows).sum()) / len(want_rows), abs=1e-12
+        )
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    # The other statistic and aggregate reach the mask: |mean k1| per row, by hand.
+    log_rho = (scored.old.logp - rollout.behav_logp).double()
+    mean_k1 = [abs(float(-log_rho[i][mask[i]].mean())) for i in range(mask.shape[0])]
+    radius = _between(mean_k1)
+    over = {"algo.trm_delta": radius, "algo.trm_statistic": "k1", "algo.trm_aggregate": "mean"}
+    _update_grad(_config(model, **TRM_OVER, **over), m, scored, params)
+    rows = torch.tensor([x <= radius for x in mean_k1])
+    assert 0 < int(rows.sum()) < len(rows) and torch.equal(scored.keep, mask & rows[:, None])
+    # The exact statistic: each row's largest exact KL(pi_behav ‖ pi_old) of the behaviour pass.
+    assert torch.equal(rollout.behav_kl, gap.kl)
+    kl_max = [float(gap.kl[i][mask[i]].max()) for i in range(mask.shape[0])]
+    radius = _between(kl_max)
+    over = {"algo.trm_delta": radius, "algo.trm_statistic": "exact"}
+    _update_grad(_config(model, **TRM_OVER, **over), m, scored, params)
+    rows = torch.tensor([x <= radius for x in kl_max])
+    assert 0 < int(rows.sum()) < len(rows) and torch.equal(scored.keep, mask & rows[:, None])
+    lib = offpolicy.trm_mask(
+        scored.old.logp, rollout.behav_logp, mask, delta=radius, token_kl=gap.kl
+    )
+    assert torch.equal(scored.keep, lib)
+    # The oracle: clip's gradient at the first update (ratio 1, no clip binds) with the TIS weight
+    # min(pi_old / pi_behav, 2), over the kept rows only, normalised by every valid token.
+    w = (scored.old.logp - rollout.behav_logp).exp().clamp(max=2.0).detach()
+    logp = _policy_logp(m, rollout)
+    loss = -(torch.where(want_keep, w * scored.adv * logp, 0.0)).sum() / mask.sum()
+    want = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    assert float(want.norm()) > 1e-4
+    assert float((grads[0] - want).norm()) <= 1e-4 * float(want.norm())
+
+
+def test_trm_leaves_the_kl_term_unmasked_and_combines_with_m2po(stale, trm_batch):
+    """With k3 in the loss: TRM's gradient is the unmasked one less the policy loss's gradient on
+    the dropped rows (the KL term keeps every token). With m2po: both masks apply, the step's
+    mask is their intersection, and sampler/masked_frac is its share."""
+    from klpo import offpolicy
+    from klpo.train.step.step_metrics import sampler_metrics
+
+    model, m, _ring, params = stale
+    rollout, gap, scored, delta = trm_batch
+    mask = rollout.mask
+    kl_over = {**TRM_OVER, "kl.placement": "loss", "kl.estimator": "k3"}
+    g_all, _ = _update_grad(_config(model, **kl_over), m, scored, params)
+    g_trm, _ = _update_grad(
+        _config(model, **kl_over, **{"algo.trm_delta": delta}), m, scored, params
+    )
+    dropped_rows = mask & ~offpolicy.trm_mask(
+        scored.old.logp, rollout.behav_logp, mask, delta=delta
+    )
+    w = (scored.old.logp - rollout.behav_logp).exp().clamp(max=2.0).detach()
+    logp = _policy_logp(m, rollout)
+    loss = -(torch.where(dropped_rows, w * scored.adv * logp, 0.0)).sum() / mask.sum()
+    pg_dropped = torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+    assert float(pg_dropped.norm()) > 1e-4
+    assert float((g_trm - (g_all - pg_dropped)).norm()) <= 1e-4 * float(g_all.norm())
+
+    cfg = _config(
+        model, **TRM_OVER,
+        **{"algo.trm_delta": delta, "algo.policy_loss": "m2po", "algo.m2po_threshold": 10.0},
+    )  # fmt: skip
+    _, res = _update_grad(cfg, m, scored, params)
+    log_r = scored.old.logp - rollout.behav_logp
+    m2po = offpolicy.m2po_mask(log_r, mask, threshold=10.0)
+    trm = offpolicy.trm_mask(scored.old.logp, rollout.behav_logp, mask, delta=delta)
+    assert bool((trm & ~m2po).any()) and bool((m2po & ~trm).any())  # neither holds the other
+    both = m2po & trm
+    assert torch.equal(scored.keep, both)
+    got = sampler_metrics(cfg, scored, gap, step=2)
+    frac = float((mask & ~both).sum()) / float(mask.sum())
+    assert 0 < frac < 1 and got["sampler/masked_frac"] == pytest.approx(frac, abs=1e-12)
+    share = float((mask & ~trm).sum()) / float(mask.sum())
+    assert res["trm/masked_frac"][0] == pytest.approx(share, abs=1e-12) and share < frac
+
+
+def test_the_exact_tv_of_the_behaviour_pass_is_the_vocabularys(stale, trm_batch):
+    """sampler/tv_exact(_max) and the pass's per-position TV against float64 over the vocabulary
+    from both versions' own logits; and the KL's, as a check of the same positions."""
+    from klpo.train.step.step_metrics import sampler_metrics
+
+    model, m, ring, _params = stale
+    rollout, gap, scored, _ = trm_batch
+    ids, att = rollout.input_ids, rollout.attention_mask.long()
+    c = rollout.completion_ids.shape[1]
+
+    def probs():
+        with torch.no_grad():
+            out = m.policy(input_ids=ids, attention_mask=att, position_ids=position_ids(att))
+        return (out.logits[:, -c - 1 : -1].double() / TEMPERATURE).softmax(-1)
+
+    with ring.at(m.policy, 0):
+        q = probs()
+    p = probs()
+    mask = rollout.mask
+    tv = torch.where(mask, 0.5 * (p - q).abs().sum(-1), 0.0)
+    kl = torch.where(mask, (q * (q.log() - p.log())).sum(-1), 0.0)
+    assert float(tv.max()) > 1e-2  # the versions differ
+    torch.testing.assert_close(gap.tv.double(), tv, rtol=0, atol=2e-6)
+    torch.testing.assert_close(gap.kl.double(), kl, rtol=0, atol=2e-5)
+    unmasked = dataclasses.replace(scored, keep=None)  # (as an update without a mask leaves it)
+    got = sampler_metrics(_config(model, **TRM_OVER), unmasked, gap, step=2)
+    assert got["sampler/tv_exact"] == pytest.approx(float(tv[mask].mean()), abs=2e-6)
+    assert got["sampler/tv_exact_max"] == pytest.approx(float(tv.max()), abs=2e-6)
+    assert "sampler/masked_frac" not in got  # no mask in this config
+
+
+def test_exact_tv_in_chunks_is_the_naive_float64_sum():
+    from klpo.heads import Head
+    from klpo.logprobs import LogitTransform
+    from klpo.train.models.backbone import OWN_LOGITS
+    from klpo.train.rollout.versions import exact_tv
+
+    gen = torch.Generator().manual_seed(3)
+    hidden, hidden_ref = torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen)
+    w, w_ref = torch.randn(11, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    bias = torch.randn(11, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    cap = LogitTransform.make(1.5, softcap=3.0)
+    head, head_ref = Head(w, bias, cap), Head(w_ref, None, None)
+
+    def naive(z, z_ref):
+        p, q = (z.double() / 0.7).softmax(-1), (z_ref.double() / 0.7).softmax(-1)
+        return torch.where(mask, 0.5 * (p - q).abs().sum(-1), 0.0)
+
+    z = torch.tanh(1.5 * (hidden.double() @ w.double().T + bias.double()) / 3.0) * 3.0
+    want = naive(z, hidden_ref.double() @ w_ref.double().T)
+    for chunk in (None, 1, 3):
+        got = exact_tv(hidden, head, hidden_ref, head_ref, mask, temperature=0.7, row_chunk=chunk)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    logits, logits_ref = torch.randn(2, 5, 11, generator=gen), torch.randn(2, 5, 11, generator=gen)
+    got = exact_tv(logits.double(), OWN_LOGITS, logits_ref.double(), OWN_LOGITS, mask,
+                   temperature=0.7, row_chunk=2)  # fmt: skip
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, naive(logits, logits_ref), rtol=0, atol=1e-12)
+    same = exact_tv(hidden, head, hidden, head, mask, temperature=0.7)
+    assert float(same.abs().max()) < 1e-6  # zero against itself
+    with pytest.raises(ValueError, match=r"must both be \[B, C, \.\.\.\]"):
+        exact_tv(hidden, head, hidden_ref[:1], head_ref, mask, temperature=0.7)
+
+
+def test_trm_without_a_behaviour_policy_is_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"algo\.trm_delta=0\.05 .* set rollout\.staleness >= 1"):
+        _config(tiny_model, **{"rollout.staleness": 0, "algo.trm_delta": 0.05})
+    cfg = _config(tiny_model, **{"rollout.staleness": 0, "rollout.engine": "vllm",
+                                 "algo.trm_delta": 0.05})  # fmt: skip
+    assert cfg.algo.trm_delta == 0.05 and cfg.algo.trm_statistic == "k3"
+    with pytest.raises(ValueError, match=r"algo\.trm_statistic=exact .* rollout\.staleness=0"):
+        _config(tiny_model, **{"rollout.staleness": 0, "rollout.engine": "vllm",
+                               "algo.trm_delta": 0.05, "algo.trm_statistic": "exact"})  # fmt: skip

@@ -202,14 +202,15 @@ COVERAGE = [
         "algo.penalty_target": 0.01,
     },
     # An engine that reports its own log-probs (engine/*): the perturbed stand-in for vLLM.
-    {"rollout.engine": "vllm"},
+    {"rollout.engine": "vllm", "algo.trm_delta": 0.05},  # TRM on the engine's log-probs too
     {
         "data.source": "builtin-overopt",
         "algo.policy_loss": "gspo",
         "kl.reference_reset": "{every: 1}",
     },
     {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
-    {"rollout.staleness": 1, "algo.policy_loss": "m2po"},  # rollout/staleness, sampler/*, m2po/*
+    # rollout/staleness, sampler/* (masked_frac: both masks), m2po/*, trm/*
+    {"rollout.staleness": 1, "algo.policy_loss": "m2po", "algo.trm_delta": 0.05},
 ]
 
 

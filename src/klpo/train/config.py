@@ -465,7 +465,8 @@ class AlgoConfig(_Section):
         "the tokens its batch mask keeps, the mask dropping the tokens of largest (log pi_old - "
         "log pi_behav)² over the optimizer step until the rest's mean is below m2po_threshold "
         "(m2po; Zheng, Zhao & Chen 2025; pi_behav the stale sampler's or the engine's, else "
-        "pi_old). klpo.offpolicy; docs/async.md.",
+        "pi_old). Trust Region Masking's sequence mask (trm_delta) applies on top of any of "
+        "them. klpo.offpolicy; docs/async.md.",
     )
     gspo_clip_low: float = Field(
         3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
@@ -493,6 +494,32 @@ class AlgoConfig(_Section):
         gt=0,
         description="m2po: tau_M2, the mean (log pi_old - log pi_behav)² the kept tokens of an "
         "optimizer step stay below (the paper's 0.04).",
+    )
+    trm_delta: float | None = Field(
+        None,
+        ge=0,
+        description="Trust Region Masking (Li et al. 2025, arXiv:2512.23075): the radius of "
+        "a sequence mask on the policy loss, which drops every token of a completion whose "
+        "token divergence between pi_old and pi_behav (trm_statistic, over the completion by "
+        "trm_aggregate) exceeds it; null: off. Combines with any policy_loss (with m2po, both "
+        "masks apply). It needs a behaviour policy: rollout.staleness > 0 (the stale "
+        "sampler's log-probs) or rollout.engine=vllm (the engine's). Only the policy loss is "
+        "masked (its TIS weight included), not the KL term or the entropy bonus, and the "
+        "masked tokens still count in the loss's normaliser. Metrics trm/*; docs/async.md.",
+    )
+    trm_statistic: Literal["k1", "k3", "exact"] = Field(
+        "k3",
+        description="trm_delta: the token divergence, with rho = pi_old(y_t) / pi_behav(y_t): "
+        "k1, -log rho (its absolute value under the max), or k3, rho - 1 - log rho (>= 0), "
+        "both estimates of KL(pi_behav ‖ pi_old) at the token; or exact, that KL summed over "
+        "the vocabulary at the position (the behaviour pass's, rollout.staleness > 0 only: an "
+        "engine reports no logits).",
+    )
+    trm_aggregate: Literal["max", "mean"] = Field(
+        "max",
+        description="trm_delta: the completion's statistic, the largest token divergence "
+        "(the paper's D_tok,max) or their mean over its tokens (verl's seq_mean_k1/k3; for k1 "
+        "the absolute value of the mean).",
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(
@@ -892,6 +919,7 @@ class TrainConfig(_Section):
                 "for the uncorrected term"
             )
         self._check_staleness()
+        self._check_trm()
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
@@ -920,6 +948,25 @@ class TrainConfig(_Section):
                 "and adapter-free reference are not sharded); use dist.strategy=ddp with LoRA"
             )
         return self
+
+    def _check_trm(self) -> None:
+        """Trust Region Masking needs a behaviour policy other than pi_old."""
+        delta = self.algo.trm_delta
+        if delta is not None and self.rollout.staleness == 0 and self.rollout.engine == "hf":
+            raise ValueError(
+                f"algo.trm_delta={delta:g} masks the completions whose divergence between pi_old "
+                "and the behaviour policy that sampled them exceeds it, but this run has no "
+                "behaviour policy apart from pi_old (rollout.staleness=0 with "
+                "rollout.engine=hf: every completion would be kept); set rollout.staleness >= 1 "
+                "or rollout.engine=vllm, or algo.trm_delta=null"
+            )
+        if delta is not None and self.algo.trm_statistic == "exact" and not self.rollout.staleness:
+            raise ValueError(
+                "algo.trm_statistic=exact reads the exact KL(pi_behav ‖ pi_old) of the stale "
+                "sampler's behaviour pass, but this run has rollout.staleness=0 (an engine "
+                "reports log-probs, not logits); set rollout.staleness >= 1, or "
+                "algo.trm_statistic=k3 (or k1)"
+            )
 
     def _check_staleness(self) -> None:
         """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""

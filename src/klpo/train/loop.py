@@ -33,14 +33,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from klpo.train.config import TrainConfig
 from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
 from klpo.train.rollout.samplers import Rollout
-from klpo.train.rollout.versions import behaviour_pass, sampled_features
+from klpo.train.rollout.versions import SamplerGap, behaviour_pass, sampled_features
 from klpo.train.rollout.worker import step_seed
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
@@ -187,13 +186,13 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
 
     # Sample, with the policy's current weights; the reference's own samples where needed.
     run.engine.sync_weights(m.policy)
-    totals, dynamic, kl_behav = None, {}, None
+    totals, dynamic, gap = None, {}, None
     if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
         mine, rollout, totals, dynamic = got.examples, got.rollout, got.totals, got.metrics
     else:
         mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
-        rollout, kl_behav = _sample(run, step, mine)
+        rollout, gap = _sample(run, step, mine)
     t1 = time.perf_counter()
     # The step's KL term with the controllers' coefficients (and the reference's samples).
     beta, beta_old = run.control.kl.value, run.control.penalty.value
@@ -211,8 +210,8 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
 
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
-    if kl_behav is not None:  # rollout.staleness: the sampler's lag and distance
-        metrics.update(sampler_metrics(cfg, scored, kl_behav, step))
+    if gap is not None:  # rollout.staleness: the sampler's lag and distance
+        metrics.update(sampler_metrics(cfg, scored, gap, step))
     run.control.after_step(cfg, step, metrics, term)
     if run.versions is not None:  # the weights this step ends with: version `step`
         run.versions.keep(step, m.policy)
@@ -231,10 +230,10 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     return metrics, float(dist.all_sum(rollout.mask.sum()).item()), scored
 
 
-def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, Tensor | None]:
+def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap | None]:
     """The step's rollout of the prompts ``mine``; with ``rollout.staleness`` sampled by the
-    behaviour version of the ring, with its log-probs, and the exact KL(pi_behav ‖ pi_old) at
-    each position (:mod:`klpo.train.rollout.versions`), else None."""
+    behaviour version of the ring, with its log-probs, and the exact KL(pi_behav ‖ pi_old) and
+    total variation at each position (:mod:`klpo.train.rollout.versions`), else None."""
     prompts, answers = [e.prompt for e in mine], [e.answer for e in mine]
     ring = run.versions
     if ring is None:

@@ -48,6 +48,9 @@ class Rollout:
     # None without staleness (see klpo.train.rollout.versions).
     behav_logp: Tensor | None = None
     behav_version: int | None = None
+    # [B, C] the exact KL(pi_behav ‖ pi_old) at each position (0 where mask is False), from the
+    # same behaviour pass; None without staleness
+    behav_kl: Tensor | None = None
 
     @property
     def sampler_logp(self) -> Tensor | None:
@@ -81,6 +84,7 @@ class Rollout:
             truncated=move(self.truncated),
             engine_logp=move(self.engine_logp),
             behav_logp=move(self.behav_logp),
+            behav_kl=move(self.behav_kl),
         )
 
     @staticmethod
@@ -133,6 +137,7 @@ class Rollout:
             engine_logp=None if self.engine_logp is None else self.engine_logp[idx],
             behav_logp=None if self.behav_logp is None else self.behav_logp[idx],
             behav_version=self.behav_version,
+            behav_kl=None if self.behav_kl is None else self.behav_kl[idx],
         )
 
 

@@ -13,9 +13,12 @@ log-probs of the sampled tokens at the sampling version (``Rollout.behav_logp``,
 ``Rollout.behav_version``), computed as the score pass computes pi_old, so at a lag of 0 they are
 pi_old's; and the exact KL(pi_behav ‖ pi_theta) at every position, against the weights that start
 the step, from the two passes' hidden states (:func:`klpo.logprobs.fused`'s exact KL, chunked
-over the vocabulary). pi_old stays the trainer's recomputation at the current weights; the update
-reads pi_behav in the policy loss's importance weight (``rollout.tis_cap``) and in the KL term
-(``kl.behaviour_correction``, :func:`klpo.losses.kl_loss`).
+over the vocabulary; ``Rollout.behav_kl``), and the exact total variation between the two at
+every position (:func:`exact_tv`, chunked over the positions). pi_old stays the trainer's
+recomputation at the current weights; the update reads pi_behav in the policy loss's importance
+weight (``rollout.tis_cap``), in the KL term (``kl.behaviour_correction``,
+:func:`klpo.losses.kl_loss`) and in Trust Region Masking's statistic (``algo.trm_delta``; the
+exact KL with ``algo.trm_statistic=exact``).
 """
 
 from __future__ import annotations
@@ -24,17 +27,26 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from klpo.heads import Head
+from klpo.logprobs import ROW_ELEMENTS
 from klpo.train.config import TrainConfig
-from klpo.train.models.backbone import shares_prompt, token_outputs
+from klpo.train.models.backbone import ModelHead, OwnLogits, shares_prompt, token_outputs
 from klpo.train.models.build import Models, unwrap
 from klpo.train.rollout.samplers import Rollout, completion_hidden
 
-__all__ = ["Behaviour", "VersionRing", "behaviour_pass", "sampled_features"]
+__all__ = [
+    "Behaviour",
+    "SamplerGap",
+    "VersionRing",
+    "behaviour_pass",
+    "exact_tv",
+    "sampled_features",
+]
 
 
 def _trainable(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -156,13 +168,88 @@ def sampled_features(cfg: TrainConfig, m: Models, rollout: Rollout, version: int
     return Behaviour(version, hidden, head)
 
 
+class SamplerGap(NamedTuple):
+    """The exact distance between pi_behav and the weights that start the step, per position."""
+
+    kl: Tensor  # [B, C] KL(pi_behav ‖ pi_theta), 0 where masked
+    tv: Tensor  # [B, C] (1/2) sum_v |pi_behav(v) - pi_theta(v)|, 0 where masked
+
+
+def _logits(features: Tensor, head: ModelHead, temperature: float, dtype: torch.dtype) -> Tensor:
+    """``[n, V]`` the scaled logits ``transform(features @ weight.T + bias) / temperature`` of a
+    head (the features themselves with the model's own logits), in ``dtype``."""
+    if isinstance(head, OwnLogits):
+        return features.to(dtype) / temperature
+    assert isinstance(head, Head)
+    z = features.to(dtype) @ head.weight.to(dtype).T
+    if head.bias is not None:
+        z = z + head.bias.to(dtype)
+    if head.transform is not None:
+        z = head.transform.apply(z)
+    return z / temperature
+
+
+@torch.no_grad()
+def exact_tv(
+    features: Tensor,
+    head: ModelHead,
+    features_ref: Tensor,
+    head_ref: ModelHead,
+    mask: Tensor,
+    *,
+    temperature: float,
+    row_chunk: int | None = None,
+) -> Tensor:
+    r"""``[B, C]`` the exact total variation ``(1/2) sum_v |pi(v) - pi_ref(v)|`` at each position.
+
+    ``pi = softmax(transform(features @ weight.T + bias) / temperature)`` from a model's last
+    hidden states ``[B, C, H]`` and its head (or its own logits ``[B, C, V]`` with
+    :data:`klpo.train.models.backbone.OWN_LOGITS`), ``pi_ref`` likewise. Only the positions where
+    ``mask`` are computed (0 elsewhere), ``row_chunk`` of them at a time (default
+    :data:`klpo.logprobs.ROW_ELEMENTS` // V), so at most two ``[row_chunk, V]`` tiles of logits
+    exist; float32 arithmetic (float64 for float64 features). Symmetric, in [0, 1].
+
+    Example:
+        >>> import math, torch
+        >>> from klpo.train.models.backbone import OWN_LOGITS
+        >>> z = torch.tensor([[[0.0, 0.0]]])  # pi = (1/2, 1/2)
+        >>> z_ref = torch.tensor([[[math.log(3.0), 0.0]]])  # pi_ref = (3/4, 1/4)
+        >>> exact_tv(z, OWN_LOGITS, z_ref, OWN_LOGITS, torch.ones(1, 1, dtype=torch.bool),
+        ...          temperature=1.0)  # (|1/2 - 3/4| + |1/2 - 1/4|) / 2
+        tensor([[0.2500]])
+    """
+    if features.shape[:-1] != mask.shape or features_ref.shape[:-1] != mask.shape:
+        raise ValueError(
+            f"features {tuple(features.shape)} and features_ref {tuple(features_ref.shape)} "
+            f"must both be [B, C, ...] with [B, C] = the mask's {tuple(mask.shape)}"
+        )
+    if row_chunk is not None and row_chunk < 1:
+        raise ValueError(
+            f"row_chunk must be a positive int (positions per chunk), got {row_chunk!r}"
+        )
+    device = features.device
+    dtype = torch.float64 if features.dtype == torch.float64 else torch.float32
+    flat = features.reshape(-1, features.shape[-1])
+    flat_ref = features_ref.to(device).reshape(-1, features_ref.shape[-1])
+    where = torch.nonzero(mask.to(device).flatten())[:, 0]
+    tv = torch.zeros(flat.shape[0], dtype=dtype, device=device)
+    vocab = flat.shape[-1] if isinstance(head, OwnLogits) else head.weight.shape[0]  # type: ignore[union-attr]
+    step = row_chunk or max(1, ROW_ELEMENTS // max(vocab, 1))
+    for idx in where.split(step):  # (only these positions' tiles of logits are made)
+        p = torch.softmax(_logits(flat[idx], head, temperature, dtype), -1)
+        q = torch.softmax(_logits(flat_ref[idx], head_ref, temperature, dtype), -1)
+        tv[idx] = (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
+    return tv.reshape(mask.shape)
+
+
 @torch.no_grad()
 def behaviour_pass(
     cfg: TrainConfig, m: Models, rollout: Rollout, behaviour: Behaviour
-) -> tuple[Rollout, Tensor]:
-    """(the rollout with ``behav_logp`` and ``behav_version``, ``[B, C]`` exact
-    KL(pi_behav ‖ pi_theta) at each position, 0 where masked), with the current weights in the
-    policy; ``behaviour`` is :func:`sampled_features` of the sampling version."""
+) -> tuple[Rollout, SamplerGap]:
+    """(the rollout with ``behav_logp``, ``behav_version`` and ``behav_kl``, the :class:`SamplerGap`: ``[B, C]``
+    exact KL(pi_behav ‖ pi_theta) and total variation at each position, 0 where masked), with the
+    current weights in the policy; ``behaviour`` is :func:`sampled_features` of the sampling
+    version."""
     device = behaviour.features.device
     hidden, head = _features(cfg, m, rollout.to(device))
     tokens = rollout.completion_ids.to(device)
@@ -173,5 +260,12 @@ def behaviour_pass(
     mask = rollout.mask.to(device)
     logp = torch.where(mask, out.logp.float(), 0.0).to(rollout.mask.device)
     kl = torch.where(mask, out.kl.float(), 0.0)
-    done = dataclasses.replace(rollout, behav_logp=logp, behav_version=behaviour.version)
-    return done, kl
+    tv = exact_tv(
+        behaviour.features, behaviour.head, hidden, head, mask,
+        temperature=cfg.rollout.temperature,
+    ).float()  # fmt: skip
+    done = dataclasses.replace(
+        rollout, behav_logp=logp, behav_version=behaviour.version,
+        behav_kl=kl.to(rollout.mask.device),
+    )  # fmt: skip
+    return done, SamplerGap(kl, tv)

@@ -120,6 +120,12 @@ METRICS: dict[str, str] = {
     "m2po/masked_frac": "algo.policy_loss=m2po: share of the update's tokens its mask dropped "
     "(the largest (log pi_old - log pi_behav)², until the rest's mean is below "
     "algo.m2po_threshold), pooled over the optimizer steps",
+    "trm/masked_frac": "algo.trm_delta: share of the update's valid tokens Trust Region Masking "
+    "dropped from the policy loss (every token of a completion whose algo.trm_statistic "
+    "between pi_old and pi_behav, by algo.trm_aggregate, exceeds algo.trm_delta; Li et al. "
+    "2025), pooled over the optimizer steps",
+    "trm/seq_masked_frac": "algo.trm_delta: share of the completions with a token that Trust "
+    "Region Masking dropped whole, pooled over the optimizer steps",
     "rollout/staleness": "rollout.staleness: how many policy versions behind the trainer the "
     "step's batch was sampled (min(k, step - 1); docs/async.md)",
     "sampler/ess": "rollout.staleness: Kish's effective sample size of the token weights w = "
@@ -139,10 +145,18 @@ METRICS: dict[str, str] = {
     "the step (DPPO's statistic)",
     "sampler/clip_frac": "rollout.staleness: share of tokens whose w is outside [1 - "
     "algo.clip_low, 1 + algo.clip_high] (where a ratio clip to the sampler would bind)",
+    "sampler/masked_frac": "rollout.staleness with algo.policy_loss=m2po or algo.trm_delta: "
+    "share of the step's valid tokens the policy loss's masks dropped at the update's first "
+    "epoch (M2PO's and TRM's together; logged only with such a mask)",
     "sampler/kl_exact": "rollout.staleness: exact KL(pi_behav ‖ pi_old) per position, summed "
     "over the vocabulary, mean over the step's tokens",
     "sampler/kl_exact_max": "rollout.staleness: the largest exact KL(pi_behav ‖ pi_old) at a "
     "position of the step",
+    "sampler/tv_exact": "rollout.staleness: exact total variation between pi_behav and pi_old "
+    "per position, half the L1 distance of the two distributions over the vocabulary, mean over "
+    "the step's tokens",
+    "sampler/tv_exact_max": "rollout.staleness: the largest exact total variation between "
+    "pi_old and pi_behav at a position of the step",
 }
 
 

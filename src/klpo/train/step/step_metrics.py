@@ -16,6 +16,7 @@ from torch import Tensor
 from klpo import advantages, kl, losses, mismatch, offpolicy, reduce
 from klpo.train.config import TrainConfig
 from klpo.train.rollout.samplers import Rollout
+from klpo.train.rollout.versions import SamplerGap
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step.kl_term import KLTerm, needs_exact_kl
@@ -127,23 +128,27 @@ def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> 
     return out
 
 
-def sampler_metrics(cfg: TrainConfig, s: Scored, kl_exact: Tensor, step: int) -> dict[str, float]:
+def sampler_metrics(cfg: TrainConfig, s: Scored, gap: SamplerGap, step: int) -> dict[str, float]:
     """A stale sampler's distance to the trainer (``rollout.staleness``): ``rollout/staleness``,
     the batch's lag in versions at ``step``; :func:`klpo.offpolicy.trust_region_metrics` of
     pi_old (the weights that start the step, pi_theta at the first update) against pi_behav on
-    the rollout's tokens; and ``sampler/kl_exact`` and ``sampler/kl_exact_max`` from
-    ``kl_exact`` ``[B, C]``, the exact KL(pi_behav ‖ pi_old) at each position
-    (:func:`klpo.train.rollout.versions.behaviour_pass`). One process (the preflight says so)."""
+    the rollout's tokens, with ``sampler/masked_frac`` where the policy loss masked tokens
+    (``s.keep``: M2PO's, TRM's, at the update's first epoch); and the exact values from ``gap``
+    (:func:`klpo.train.rollout.versions.behaviour_pass`, ``[B, C]`` at each position):
+    ``sampler/kl_exact`` and ``sampler/kl_exact_max`` of KL(pi_behav ‖ pi_old),
+    ``sampler/tv_exact`` and ``sampler/tv_exact_max`` of their total variation. One process
+    (the preflight says so)."""
     r, a = s.rollout, cfg.algo
     mask = r.mask
     out = offpolicy.trust_region_metrics(
         s.old.logp, r.behav_logp.to(s.old.logp.device), mask, clip_low=a.clip_low,
-        clip_high=a.clip_high,
+        clip_high=a.clip_high, keep=None if s.keep is None else s.keep.to(mask.device),
     )  # fmt: skip
-    kl_exact = kl_exact.to(mask.device).double()
-    out["sampler/kl_exact"] = float(reduce.masked_mean(kl_exact, mask))
-    out["sampler/kl_exact_max"] = (
-        float(torch.where(mask, kl_exact, 0.0).max()) if mask.any() else 0.0
-    )
+    for name, value in (("kl_exact", gap.kl), ("tv_exact", gap.tv)):
+        value = value.to(mask.device).double()
+        out[f"sampler/{name}"] = float(reduce.masked_mean(value, mask))
+        out[f"sampler/{name}_max"] = (
+            float(torch.where(mask, value, 0.0).max()) if mask.any() else 0.0
+        )
     out["rollout/staleness"] = float(step - 1 - r.behav_version)
     return out

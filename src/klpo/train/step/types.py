@@ -90,6 +90,10 @@ class Scored:
     # each reward function's value of each completion (None: it did not score it)
     per_reward: dict[str, list[float | None]] = field(default_factory=dict)
     scored: Tensor | None = None  # [B] bool: some reward function scored it (None: all did)
+    # [B, C] bool: the valid tokens the policy loss's masks keep (M2PO's, TRM's) at the update's
+    # first epoch, filled by the update (None: no such mask); the step logs it as
+    # sampler/masked_frac
+    keep: Tensor | None = None
 
 
 @dataclass

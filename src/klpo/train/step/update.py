@@ -10,7 +10,8 @@ global normaliser, accumulates the micro-steps' gradients and steps the optimize
    a row at the sampling parameters fills pi_old (:class:`~klpo.train.step.types.SamplingPass`);
 2. :func:`policy_loss`: the loss, ``red(pg) + beta red(kl) + entropy_coef red(-entropy)``, from
    the policy loss (:data:`klpo.train.algorithms.POLICY_LOSSES`, with truncated importance
-   sampling against an engine's log-probs, :mod:`klpo.mismatch`), the step's KL term with its
+   sampling against an engine's log-probs, :mod:`klpo.mismatch`, and Trust Region Masking's
+   sequence mask, :func:`trm_keep`, on ``pg`` alone), the step's KL term with its
    coefficients (:class:`~klpo.train.step.kl_term.KLTerm`, passed whole) and the entropy
    bonus, plus a mixture-of-experts policy's router load-balancing loss (:func:`router_aux`);
    then its backward;
@@ -59,6 +60,7 @@ __all__ = [
     "policy_loss",
     "router_aux",
     "shuffle_rows",
+    "trm_keep",
     "update",
 ]
 
@@ -116,9 +118,12 @@ def update(
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
     batch_mask = POLICY_LOSSES[a.policy_loss].batch_mask
+    # The tokens the masks keep at the first epoch (sampler/masked_frac): M2PO's of the first
+    # epoch's optimizer steps, TRM's (the same at every epoch) from the micro-steps.
+    s.keep = mask.clone() if batch_mask or a.trm_delta is not None else None
     tally = Tally()
     ref_seconds, ref_logged = 0.0, False
-    for _ in range(a.epochs):
+    for epoch in range(a.epochs):
         order = shuffle_rows(cfg, s.rollout, gen)
         for mb in order.chunk(a.minibatches):
             # One normaliser for the whole minibatch, over its micro-batches and all ranks.
@@ -127,7 +132,7 @@ def update(
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
-            keep = _batch_mask(cfg, s, mb, tally) if batch_mask else None
+            keep = _batch_mask(cfg, s, mb, tally, first=epoch == 0) if batch_mask else None
             if term.ref is not None:
                 head = unwrap(m.backbone).head()
                 part = ref_term(cfg, m.backbone, head, term)
@@ -160,10 +165,11 @@ def update(
     return tally
 
 
-def _batch_mask(cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally) -> Tensor:
+def _batch_mask(cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally, *, first: bool) -> Tensor:
     """``[B, C]`` M2PO's mask over the optimizer step's tokens ``rows`` (False elsewhere), from
     log pi_old - log pi_behav (pi_behav the stale sampler's or the engine's log-probs, else
-    pi_old: all kept); the share it drops goes to ``m2po/masked_frac``."""
+    pi_old: all kept); the share it drops goes to ``m2po/masked_frac``, and at the ``first``
+    epoch its rows into ``s.keep``."""
     if not bool(s.old.filled.all()):
         raise RuntimeError("M2PO's mask needs pi_old before the update (the score pass fills it)")
     mask = s.rollout.mask
@@ -174,7 +180,43 @@ def _batch_mask(cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally) -> Tens
     keep = torch.zeros_like(mask)
     keep[rows] = kept
     tally.add("m2po/masked_frac", float((mask[rows] & ~kept).sum()), float(mask[rows].sum()))
+    if first and s.keep is not None:
+        s.keep[rows] &= kept
     return keep
+
+
+def trm_keep(cfg: TrainConfig, mb: MicroBatch) -> Tensor | None:
+    """``[b, C]`` bool: the micro-batch's valid tokens that Trust Region Masking keeps, or None
+    (``algo.trm_delta`` null).
+
+    :func:`klpo.offpolicy.trm_mask` of log pi_old against the log-probs of the policy that
+    sampled the tokens (the stale sampler's or the engine's), radius ``algo.trm_delta``,
+    ``algo.trm_statistic``, ``algo.trm_aggregate`` (Li et al. 2025, arXiv:2512.23075); with
+    ``exact``, the behaviour pass's exact KL(pi_behav ‖ pi_old) at each position. pi_old is
+    the trainer's recomputation at the weights that start the step (pi_theta at the first update,
+    the pi_theta of M2PO's mask too), fixed over the update, and the statistic is each row's own:
+    the mask of a row is the same in every micro-batch, optimizer step and epoch, so it is the
+    mask of the whole batch at any split. Read after the forward that may fill pi_old."""
+    a = cfg.algo
+    if a.trm_delta is None:
+        return None
+    behav = mb.r.sampler_logp
+    if behav is None:  # (the config refuses trm_delta without a behaviour policy)
+        raise RuntimeError(
+            "algo.trm_delta needs the sampler's log-probs (rollout.staleness > 0 or "
+            "rollout.engine=vllm), and this rollout has none"
+        )
+    logp_old, mask = mb.logp_old, mb.r.mask
+    exact = a.trm_statistic == "exact"
+    if exact and mb.r.behav_kl is None:  # (the config refuses it without staleness)
+        raise RuntimeError(
+            "algo.trm_statistic=exact needs the behaviour pass's exact KL (rollout.staleness > 0)"
+        )
+    return offpolicy.trm_mask(
+        logp_old, behav.to(logp_old.device), mask, delta=a.trm_delta,
+        statistic="k3" if exact else a.trm_statistic, aggregate=a.trm_aggregate,
+        token_kl=mb.r.behav_kl.to(logp_old.device) if exact else None,
+    )  # fmt: skip
 
 
 def has_signal(s: Scored, dist: Dist) -> bool:
@@ -267,7 +309,9 @@ def micro_step(
     its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
     forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the optimizer step's last
     micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term with its
-    coefficients. ``keep``: ``[B, C]`` a batch-level policy-loss mask (M2PO), or None.
+    coefficients. ``keep``: ``[B, C]`` a batch-level policy-loss mask (M2PO), or None. With
+    ``algo.trm_delta`` the policy loss drops the rows :func:`trm_keep` masks; the shares go to
+    ``trm/masked_frac`` (tokens) and ``trm/seq_masked_frac`` (completions with a token).
     """
     r = s.rollout.select(rows)
     mask = r.mask
@@ -279,7 +323,8 @@ def micro_step(
     mb = MicroBatch(s, rows, r, red, None if keep is None else keep[rows.to(keep.device)])
     with _no_sync(m.backbone, sync):
         out, fused = forward(cfg, m, mb, term, dist)
-        total, metrics = policy_loss(cfg, mb, out, term)
+        trm = trm_keep(cfg, mb)
+        total, metrics = policy_loss(cfg, mb, out, term, trm=trm)
         aux = router_aux(cfg, m, mb, n_global)
         if aux is not None:
             metrics["loss/router_aux"] = aux.item()
@@ -296,6 +341,13 @@ def micro_step(
         total = total.detach() + cfg.algo.vf_coef * loss_v.detach()
     metrics["loss/total"] = total.item()
     micro_metrics(cfg, out.logp, mb.logp_old, mb.adv, mask, tally)
+    if trm is not None:
+        rows_with_tokens = mask.any(-1)
+        dropped_rows = rows_with_tokens & ~trm.any(-1)
+        tally.add("trm/masked_frac", float((mask & ~trm).sum()), float(mask.sum()))
+        tally.add("trm/seq_masked_frac", float(dropped_rows.sum()), float(rows_with_tokens.sum()))
+        if s.keep is not None:
+            s.keep[rows.to(s.keep.device)] &= trm.to(s.keep.device)
     return metrics
 
 
@@ -371,9 +423,15 @@ def policy_loss(
     mb: MicroBatch,
     out: logprobs.FusedOutput,
     term: KLTerm,
+    *,
+    trm: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's loss ``red(pg) + beta w red(kl) + entropy_coef red(-entropy)`` (its
     share of the optimizer step's) and its parts' values.
+
+    ``trm``: ``[b, C]`` bool, Trust Region Masking's kept tokens (:func:`trm_keep`), or None.
+    It masks ``pg`` alone, after its TIS weight (the masked rows' tokens still count in the
+    normaliser, as M2PO's): the KL term and the entropy bonus keep every token.
 
     ``w = term.loss_weight`` is the weight of the per-token KL term ``term.estimator`` in the KL
     term (0: no KL in the loss), ``beta = term.beta``; a non-exact estimator carries the
@@ -390,6 +448,8 @@ def policy_loss(
         # Tokens sampled by an inference engine or a stale sampler: truncated importance
         # sampling against the trainer's pi_old (decoupled PPO, with pi_prox = pi_old).
         pg = mismatch.tis_policy_loss(pg, logp_old, behav, cap=cfg.rollout.tis_cap)
+    if trm is not None:  # Trust Region Masking: the rows out of the trust region drop out
+        pg = torch.where(trm, pg, 0.0)
     loss_pg = red(pg)
     total = loss_pg
     metrics = {"loss/policy": loss_pg.item()}
