@@ -24,6 +24,8 @@ MODULES = (
     "klpo.train.rewards.overopt",
     "klpo.train.data.chat_task",
     "klpo.train.rollout.versions",
+    "klpo.doctor.measure",
+    "klpo.train.data.sources",
 )
 # Where every public function must carry an example.
 EVERY_FUNCTION = ("klpo.kl", "klpo.losses", "klpo.ref_kl")

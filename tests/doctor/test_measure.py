@@ -505,3 +505,22 @@ def test_real_model_identical_pair_measures_zero(smollm2_dir, tmp_path):
         for s in row["targets"].values():
             assert s["cos"] is None and s["beta"] is None
     assert m["memory"]["estimate"]["weights"] == m["memory"]["measured"]["weights"]
+
+
+def test_a_heavy_tailed_inconsistent_row_is_explained_and_a_light_one_is_not():
+    rows = [
+        {"estimator": "k3", "placement": "loss", "claim": {"status": "inconsistent"}},
+        {"estimator": "k2", "placement": "loss", "claim": {"status": "inconsistent"}},
+        {"estimator": "k1", "placement": "reward", "claim": {"status": "consistent"}},
+        {"estimator": "abs", "placement": "loss", "claim": None},
+    ]
+    values = {
+        "k3": {"token": {"excess_kurtosis": 1.7e3}},
+        "k2": {"token": {"excess_kurtosis": 3.0}},  # light: an inconsistency is not excused
+        "k1": {"token": {"excess_kurtosis": 1e4}},  # consistent: nothing to explain
+        "abs": {"token": {"excess_kurtosis": 1e4}},
+    }
+    notes = M.heavy_tail_notes(rows, values)
+    assert notes[0] == "" and len(notes) == 2
+    assert notes[1].startswith("  k3 loss: its per-token values have excess kurtosis 1.7e+03")
+    assert M.heavy_tail_notes(rows[1:], values) == []

@@ -65,6 +65,7 @@ __all__ = [
     "PLACEMENTS",
     "Terms",
     "gradient_cosines",
+    "heavy_tail_notes",
     "measure",
     "read_prompts",
     "render_measurement",
@@ -1419,6 +1420,40 @@ def _pm(x: float | None, half: float | None) -> str:
 _SHORT = {TARGETS[0]: "θ‖ref", TARGETS[1]: "ref‖θ", TARGETS[2]: "seq θ‖ref"}
 
 
+HEAVY_TAIL_KURTOSIS = 100.0
+"""The excess kurtosis of an estimator's per-token values above which :func:`heavy_tail_notes`
+reads an INCONSISTENT gradient row as the batch missing rare tokens."""
+
+
+def heavy_tail_notes(rows: list[dict[str, Any]], values: dict[str, Any]) -> list[str]:
+    """A line for each INCONSISTENT gradient row whose estimator's per-token values have an
+    excess kurtosis above :data:`HEAVY_TAIL_KURTOSIS`: there the identity `klpo explain` states
+    is an expectation over every token at each prefix, and much of it is carried by tokens the
+    policy rarely samples (for ``k3``, those with pi_theta ≪ pi_ref, whose weight
+    pi_ref/pi_theta is unbounded), so a batch of this size follows another direction; the
+    jackknife interval, which assumes light tails, is then too narrow to tell a wrong identity
+    from a short sample.
+
+    >>> rows = [{"estimator": "k3", "placement": "loss", "claim": {"status": "inconsistent"}}]
+    >>> heavy_tail_notes(rows, {"k3": {"token": {"excess_kurtosis": 1700.0}}})[1][:40]
+    '  k3 loss: its per-token values have exc'
+    """
+    out = []
+    for r in rows:
+        c, name = r["claim"], r["estimator"]
+        kurt = values.get(name, {}).get("token", {}).get("excess_kurtosis")
+        if c is None or c["status"] != "inconsistent" or kurt is None or kurt < HEAVY_TAIL_KURTOSIS:
+            continue
+        out.append(
+            f"  {name} {r['placement']}: its per-token values have excess kurtosis {kurt:.3g}: the "
+            "gradient explain names is an expectation over every token, much of it carried by "
+            "tokens this policy rarely samples, so a batch of this size follows the direction "
+            "above instead (the interval assumes light tails); more --samples move it towards "
+            "explain's"
+        )
+    return ([""] if out else []) + out
+
+
 def render_measurement(m: dict[str, Any]) -> str:
     """The measurement for people: two value tables and one gradient table with intervals."""
     e = m["exact"]
@@ -1485,6 +1520,7 @@ def render_measurement(m: dict[str, Any]) -> str:
                 word = "undefined (a zero target)"
             tail = f"  {c['gradient']:<19}{proj:>13}  {word}"
         lines.append(f" {mark}{r['estimator']:<13}{r['placement']:<13}{cells}{tail}")
+    lines += heavy_tail_notes(g["rows"], m["values"])
     lines += [
         "",
         "  cosines are of the expected gradients, corrected for the noise in each norm "
