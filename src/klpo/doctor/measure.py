@@ -1459,7 +1459,7 @@ def render_measurement(m: dict[str, Any]) -> str:
     e = m["exact"]
     lines = [
         f"measured on your models: {m['sequences']} completions, {m['tokens']} tokens "
-        f"(--seed {m['seed']}{', chat template' if m.get('chat') else ''})",
+        f"(--seed={m['seed']}{', chat template' if m.get('chat') else ''})",
         f"  exact KL(pi_theta ‖ pi_ref): {_num(e['token_mean_kl_theta_ref'], 4)} per token, "
         f"{_num(e['sequence_mean_kl_theta_ref'], 4)} per sequence; "
         f"KL(pi_ref ‖ pi_theta): {_num(e['token_mean_kl_ref_theta'], 4)} per token",
