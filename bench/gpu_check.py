@@ -3,7 +3,7 @@
     bash bench/gpu_check.sh [--dry-run]     # from the repository root; drives this script
 
 Stages, each in a process of its own with its own time limit, all within ``--budget`` seconds
-(480: 8 minutes); a stage that fails or runs out of time is reported as such and the rest run:
+(560: 9⅓ minutes); a stage that fails or runs out of time is reported as such and the rest run:
 
 1. ``tests/test_cuda.py``: the kernels, the twelve KL estimators and two GRPO steps on the device
    against float64 on the CPU.
@@ -25,6 +25,12 @@ Stages, each in a process of its own with its own time limit, all within ``--bud
    per-token outputs for the log-probs; ``LigerFusedLinearJSD`` at ``jsd_beta=1``, KL(policy ‖
    reference), for the KL); median of 5 interleaved rounds after a warm-up (CUDA-synchronised),
    peak memory over the inputs', max |error| against float64 on 64 tokens.
+5. The overlap of sampling with the update (docs/async.md): the LoRA run of stage 3 with the
+   sampler one version behind (``rollout.staleness=1``), in the trainer's process (the
+   deterministic mode: sample, then update) and in the rollout worker's (``rollout.asynchronous``:
+   step t+1's batch sampled while step t updates). Both train on the same batches, so their
+   metrics agree but for the timings (a digest of them is compared); the ratio of tokens/s is
+   what the overlap gains, and ``time/generate`` falls to the wait for the worker's batch.
 
 ``--dry-run`` runs the same stages and code paths on the CPU at tiny shapes (a 2-layer model with
 4096 vocabulary entries, 2 prompts × 4 completions of 8 tokens, 2 steps, FSDP on 2 processes,
@@ -73,13 +79,13 @@ class Plan:
 GPU = Plan(
     "0.5b", 16, 8, 128, 4, 4, (4096, 896, 151936),
     {"tests": 100, "build": 90, "lora": 100, "trl": 130, "kernels": 90, "fsdp": 100,
-     "fused on": 80, "fused off": 80},
-    budget=480,
+     "fused on": 80, "fused off": 80, "stale sync": 80, "stale async": 80},
+    budget=560,
 )  # fmt: skip
 DRY = Plan(
     "tiny", 2, 4, 8, 2, 1, (64, 32, 4096),
-    dict.fromkeys(["tests", "build", "lora", "trl", "kernels", "fsdp", "fused on", "fused off"],
-                  300),
+    dict.fromkeys(["tests", "build", "lora", "trl", "kernels", "fsdp", "fused on", "fused off",
+                   "stale sync", "stale async"], 300),
     budget=1800,  # a busy CPU: generous; the stages take ~1 minute together on idle cores
     fsdp_procs=2,
 )  # fmt: skip
@@ -90,6 +96,8 @@ STAGES = {  # klpo's runs: their overrides
     "fsdp": ["model.dtype=bfloat16", "dist.strategy=fsdp", "model.gradient_checkpointing=true"],
     "fused on": [*FUSED, "algo.fused_loss=on"],  # at any vocabulary (the dry run's too)
     "fused off": [*FUSED, "algo.fused_loss=off"],  # the per-token path: the backward's gradient
+    "stale sync": [*LORA, "rollout.staleness=1"],  # sample with the version one back, then update
+    "stale async": [*LORA, "rollout.staleness=1", "rollout.asynchronous=true"],  # overlapped
 }
 
 
@@ -161,9 +169,27 @@ def klpo_worker(plan: Plan, s: bench.Settings, run_dir: str, stage: str) -> dict
         [r["reward/mean"] for r in rows],
     )
     update = statistics.median(r["time/update"] for r in rows[1:] or rows)  # steps 2..N
+    generate = statistics.median(r["time/generate"] for r in rows[1:] or rows)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return {**out, "update": update, "peak_gib": _peak_gib(), "world": world,
-            "cuda": torch.cuda.is_available(), "fused_loss_calls": calls[0]}  # fmt: skip
+    return {**out, "update": update, "generate": generate, "peak_gib": _peak_gib(),
+            "world": world, "cuda": torch.cuda.is_available(), "fused_loss_calls": calls[0],
+            "digest": metrics_digest(rows)}  # fmt: skip
+
+
+def metrics_digest(rows: list[dict]) -> str:
+    """A hash of every metric but the timings and the memory: two runs of one job on the same
+    batches (the stale sampler in the trainer's process or in the worker's) give the same."""
+    import hashlib
+
+    kept = [
+        {
+            k: v
+            for k, v in sorted(r.items())
+            if not k.startswith(("time/", "memory/", "tokens_per_s"))
+        }
+        for r in rows
+    ]
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _count_calls(module, name: str) -> list[int]:
@@ -289,6 +315,8 @@ def stages(plan: Plan, dry: bool, work: Path, gpus: int) -> list[tuple[str, list
         ("fsdp", cmd("fsdp", torchrun)),
         ("fused on", cmd("fused on")),
         ("fused off", cmd("fused off")),
+        ("stale sync", cmd("stale sync")),
+        ("stale async", cmd("stale async")),
     ]
 
 
@@ -386,6 +414,20 @@ def table(res: dict) -> str:
             f"| forward-pass gradient, bf16 full, exact KL: {what} | on {_cell(on, key, spec)} | "
             f"off {_cell(off, key, spec)} | {_ratio(on, off, key)} |"
         )
+    sync, overlap = res["stale sync"], res["stale async"]
+    same = sync.get("digest") is not None and sync.get("digest") == overlap.get("digest")
+    for key, what, spec in (
+        ("tokens_per_s", "tokens/s", ".0f"),
+        ("generate", "generate s", ".3f"),
+        ("median_step_s", "step s", ".3f"),
+    ):
+        rows.append(
+            f"| sampler one version behind, LoRA: {what} | worker {_cell(overlap, key, spec)} | "
+            f"in-process {_cell(sync, key, spec)} | {_ratio(overlap, sync, key)} |"
+        )
+    rows.append(
+        f"| the two on the same batches (metrics digest) | {'same' if same else 'DIFFER'} | | |"
+    )
     rows += kernel_rows(res["kernels"])
     return "\n".join(rows)
 
@@ -428,7 +470,7 @@ def details(res: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--budget", type=float, help="seconds for all stages (480; dry run 1800)")
+    parser.add_argument("--budget", type=float, help="seconds for all stages (560; dry run 1800)")
     parser.add_argument("--logs", help="keep each stage's output in this folder")
     parser.add_argument("--json", help="write every result to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

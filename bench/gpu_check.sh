@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, one command (bench/gpu_check.py says what it runs): klpo's CUDA tests, GRPO on a
 # 0.5B-shape model with the real vocabulary (bf16 + LoRA, FSDP on all GPUs, the forward-pass
-# gradient on and off) side by side with TRL's GRPOTrainer on the same job and GPU, and the
-# log-prob kernels against naive PyTorch and Liger-Kernel's Triton kernels; one table of ratios.
-# Within 8 minutes on one GPU; nothing is downloaded. The peers (TRL, Liger-Kernel, and what they
+# gradient on and off, the sampler one version behind with and without the rollout worker's
+# overlap) side by side with TRL's GRPOTrainer on the same job and GPU, and the log-prob kernels
+# against naive PyTorch and Liger-Kernel's Triton kernels; one table of ratios.
+# Within 9⅓ minutes on one GPU; nothing is downloaded. The peers (TRL, Liger-Kernel, and what they
 # and klpo need beyond the machine's own packages) are installed from bench/wheels/, prepared
 # beforehand by bench/gpu_wheels.sh, into a temporary folder: no network needed.
 #

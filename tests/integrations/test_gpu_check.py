@@ -1,10 +1,12 @@
 """``bench/gpu_check.sh --dry-run``: every stage of the GPU check, on the CPU at tiny shapes.
 
-The dry run builds the 2-layer model, runs klpo's four GRPO runs (bf16 + LoRA, FSDP on two
-processes, the exact KL with the forward-pass gradient on and off), TRL's where it is importable,
-and the kernels, then prints the one table. The checks: every stage finished, each run trained the
-steps and tokens it was given, the forward-pass gradient was taken exactly where it was asked for,
-FSDP ran on two processes, and the kernels' errors against float64 are float32's, not bf16's.
+The dry run builds the 2-layer model, runs klpo's six GRPO runs (bf16 + LoRA, FSDP on two
+processes, the exact KL with the forward-pass gradient on and off, the sampler one version behind
+in the trainer's process and in the rollout worker's), TRL's where it is importable, and the
+kernels, then prints the one table. The checks: every stage finished, each run trained the steps
+and tokens it was given, the forward-pass gradient was taken exactly where it was asked for, FSDP
+ran on two processes, the worker's run trained on the in-process run's batches (every metric but
+the timings equal), and the kernels' errors against float64 are float32's, not bf16's.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def test_dry_run_runs_every_stage(tmp_path):
     assert collected and int(collected[1]) >= 26, res["tests"]  # the device tests, no error
     assert res["build"]["vocab"] == 4096
     # 2 steps of 2 prompts × 4 completions of at most 8 tokens, in each of klpo's runs
-    for stage in ("lora", "fsdp", "fused on", "fused off"):
+    for stage in ("lora", "fsdp", "fused on", "fused off", "stale sync", "stale async"):
         r = res[stage]
         assert "error" not in r, (stage, r)
         assert r["steps"] == 2 and 0 < r["tokens_per_step"] <= 2 * 4 * 8 and r["tokens_per_s"] > 0
@@ -77,6 +79,8 @@ def test_dry_run_runs_every_stage(tmp_path):
     # the forward-pass gradient: taken once per update with it on, never with it off or with k3
     assert res["fused on"]["fused_loss_calls"] == 2
     assert res["fused off"]["fused_loss_calls"] == res["lora"]["fused_loss_calls"] == 0
+    # the overlap stage: the same job whether the stale batch is sampled in or beside the trainer
+    assert res["stale async"]["digest"] == res["stale sync"]["digest"] != res["lora"]["digest"]
     trl = res["trl"]
     if importlib.util.find_spec("trl") is None:
         assert trl["error"] == "absent"
@@ -91,6 +95,13 @@ def test_dry_run_runs_every_stage(tmp_path):
         assert methods["naive"]["err"] > 1e-3  # the bf16 logits, so the oracle can tell
         assert "GPU" in methods["liger"]["error"] or "ms" in methods["liger"]
     table = proc.stdout
-    for row in ("tests/test_cuda.py", "GRPO bf16 + LoRA r=16", "FSDP", "forward-pass gradient"):
+    for row in (
+        "tests/test_cuda.py",
+        "GRPO bf16 + LoRA r=16",
+        "FSDP",
+        "forward-pass gradient",
+        "sampler one version behind",
+        "metrics digest) | same",
+    ):
         assert row in table
     assert "logp N=64 H=32 V=4096 bf16" in table and "kl N=64 H=32 V=4096 bf16" in table
