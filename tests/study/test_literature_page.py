@@ -19,6 +19,7 @@ except ImportError:  # the study in one module
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGE = DOCS / "literature.md"
 VERDICTS = ("reproduced", "not reproduced", "mostly not reproduced", "out of reach")
+REAL_VERDICTS = ("holds", "differs", "not decided")  # the real-model column's
 
 
 def _section(text: str, heading: str) -> str:
@@ -49,8 +50,10 @@ def test_every_claim_has_a_section_a_verdict_and_what_would_change_it() -> None:
     ids = [_row_ids(r[0])[0] for r in rows]
     assert len(ids) == len(set(ids)) >= 25
     for row, rid in zip(rows, ids, strict=True):
-        assert len(row) == 6 and all(row), row  # id, paper, claim, setting, measured, verdict
-        assert row[5].startswith(VERDICTS), (rid, row[5])
+        assert len(row) == 7 and all(row), row  # id, paper, claim, setting, measured, verdict,
+        assert row[5].startswith(VERDICTS), (rid, row[5])  # and the real model's verdict
+        real = re.fullmatch(r".*\*\*([^*]+)\*\*", row[6])
+        assert real and real[1].startswith(REAL_VERDICTS), (rid, row[6])
         section = text[text.index(f'<a id="{rid}"></a>') :]
         section = section[: section.find("<a id=", 1) if "<a id=" in section[1:] else None]
         assert re.search(r"\*\*(Reproduced|Not reproduced|Out of reach|Mostly not)", section), rid
