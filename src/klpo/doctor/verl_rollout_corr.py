@@ -148,18 +148,32 @@ def _one_rs(option: str, part: str) -> tuple[float | None, float]:
     return lower, upper
 
 
-def _settings(s: Settings) -> _Rc:
+def _settings(s: Settings, script: Script | None) -> _Rc:
     bypass = s.bool(f"{RC}.bypass_mode")
     return _Rc(
         is_level=s.get(f"{RC}.rollout_is"),
-        is_thr=s.get(f"{RC}.rollout_is_threshold"),
+        is_thr=_threshold(s, script, f"{RC}.rollout_is_threshold"),
         normalize=s.bool(f"{RC}.rollout_is_batch_normalize"),
         rs=s.get(f"{RC}.rollout_rs"),
-        rs_thr=s.get(f"{RC}.rollout_rs_threshold"),
+        rs_thr=_threshold(s, script, f"{RC}.rollout_rs_threshold"),
         bypass=bypass,
         loss_type=s.str(f"{RC}.loss_type") if bypass else None,
         log_probs=s.bool("actor_rollout_ref.rollout.calculate_log_probs"),
     )
+
+
+def _written(script: Script | None, key: str) -> str:
+    """The override's value as the script writes it (after the shell's quoting), or ''."""
+    word = (script.overrides.get(key) or script.overrides.get("+" + key)) if script else None
+    return word.partition("=")[2] if word else ""
+
+
+def _threshold(s: Settings, script: Script | None, key: str) -> Any:
+    """A threshold as Hydra reads it: a value quoted for Hydra (``'0.5_5'``) is its text."""
+    value, raw = s.get(key), _written(script, key)
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    return value
 
 
 def _options(rs: Any) -> list[str]:
@@ -227,10 +241,8 @@ def _hydra_digits(r: Reading, s: Settings, script: Script | None) -> None:
     """A ``lower_upper`` threshold Hydra reads as one number: ``0.5_5`` is 0.55 (an underscore
     between digits is a digit separator in Hydra's grammar, as in Python's)."""
     for key in (f"{RC}.rollout_is_threshold", f"{RC}.rollout_rs_threshold"):
-        word = (script.overrides.get(key) or script.overrides.get("+" + key)) if script else None
-        value = s.values.get(key)
-        raw = word.partition("=")[2] if word else ""
-        if isinstance(value, int | float) and re.search(r"\d_\d", raw):
+        value, raw = s.values.get(key), _written(script, key)
+        if isinstance(value, int | float) and re.fullmatch(r"[+-]?[\d.]*\d_\d[\d._]*", raw):
             r.warn(
                 "warning",
                 [key],
@@ -242,7 +254,7 @@ def _hydra_digits(r: Reading, s: Settings, script: Script | None) -> None:
 
 def read_correction(r: Reading, s: Settings, script: Script | None = None) -> Correction:
     """Findings for ``algorithm.rollout_correction`` and the klpo keys that do the same."""
-    rc = _settings(s)
+    rc = _settings(s, script)
     _hydra_digits(r, s, script)
     _ignored(r, s, rc)
     refused = _refusals(rc)
