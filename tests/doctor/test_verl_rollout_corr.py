@@ -472,3 +472,18 @@ def test_composed_by_hydra_it_reads_as_with_the_table(tmp_path):
     assert composed.equivalent == tabled.equivalent
     assert composed.equivalent["algo"]["trm_delta"] == 0.02
     assert composed.equivalent["rollout"]["tis_cap"] == 1.5
+
+
+def test_an_older_verls_correction_keys_are_named_not_dropped(tmp_path):
+    """verl 0.7's rollout_rs_threshold_lower and 0.6's flat algorithm.rollout_is_level are
+    not verl 0.9.1's: a warning names them, whatever composed them."""
+    d = _run(
+        tmp_path,
+        f"+{RC}.rollout_rs_threshold_lower=0.5",
+        "+algorithm.rollout_is_level=token",
+    )
+    [w] = [f for f in d["findings"] if f["text"].startswith("not read: ")]
+    assert w["level"] == "warning"
+    assert list(w["keys"]) == [f"{RC}.rollout_rs_threshold_lower", "algorithm.rollout_is_level"]
+    assert f"verl 0.9.1's rollout correction is {RC} with only rollout_is," in w["text"]
+    assert _keys(d) == {}

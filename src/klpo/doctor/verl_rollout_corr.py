@@ -46,6 +46,10 @@ RS_OPTIONS = (
     *("seq_max_k2", "seq_max_k3"),
 )
 LOSS_TYPES = ("ppo_clip", "reinforce")
+KEYS = (
+    *("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize"),
+    *("rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type", "_target_"),
+)  # RolloutCorrectionConfig's fields in verl 0.9.1
 SAFETY_BOUND = 20.0  # verl clamps log r to [-20, 20] before every statistic and weight
 _STAT = {"k1": "-log r", "k2": "(log r)^2 / 2", "k3": "r - 1 - log r"}
 _OVER = {"seq_sum": "summed over", "seq_mean": "averaged over", "seq_max": "the largest over"}
@@ -237,6 +241,30 @@ def _ignored(r: Reading, s: Settings, rc: _Rc) -> None:
         )
 
 
+def _unread(r: Reading, s: Settings) -> None:
+    """Rollout-correction keys verl 0.9.1 does not have (another version's, composed from its
+    files, or added with '+'): named, never silently dropped. verl 0.6 kept them flat under
+    ``algorithm.`` (``rollout_is`` a bool, ``rollout_is_level``, ``rollout_is_mode``,
+    ``rollout_is_threshold_lower``, ``rollout_is_veto_threshold``); 0.7's
+    ``rollout_correction`` had ``rollout_rs_threshold_lower`` and
+    ``rollout_token_veto_threshold``, which 0.8 removed."""
+    other = sorted(
+        k
+        for k in s.values
+        if (k.startswith(RC + ".") and k[len(RC) + 1 :] not in KEYS)
+        or k.startswith(("algorithm.rollout_is", "algorithm.rollout_rs"))
+    )
+    if other:
+        r.warn(
+            "warning",
+            other,
+            f"not read: {', '.join(other)}: verl 0.9.1's rollout correction is {RC} with only "
+            f"{', '.join(k for k in KEYS if k != '_target_')}, and the doctor reads its "
+            "semantics; keys of an older verl (0.6's flat algorithm.rollout_is_*, 0.7's "
+            "rollout_rs_threshold_lower and rollout_token_veto_threshold) are not described",
+        )
+
+
 def _hydra_digits(r: Reading, s: Settings, script: Script | None) -> None:
     """A ``lower_upper`` threshold Hydra reads as one number: ``0.5_5`` is 0.55 (an underscore
     between digits is a digit separator in Hydra's grammar, as in Python's)."""
@@ -255,6 +283,7 @@ def _hydra_digits(r: Reading, s: Settings, script: Script | None) -> None:
 def read_correction(r: Reading, s: Settings, script: Script | None = None) -> Correction:
     """Findings for ``algorithm.rollout_correction`` and the klpo keys that do the same."""
     rc = _settings(s, script)
+    _unread(r, s)
     _hydra_digits(r, s, script)
     _ignored(r, s, rc)
     refused = _refusals(rc)
