@@ -15,7 +15,8 @@ any python then runs that section.
 What is pinned: every table (each field the doctor reads included) equals the one the installed
 framework gives, so a version bump lists each changed default; verl's ``kl_penalty`` value and
 gradient for every name equal the doctor's model of the term (clamps, ``+`` straight-through);
-verl's KL loss call site passes no old log-probs (no importance weight); verl's iterator takes
+verl's KL loss call site passes no old log-probs (no importance weight); verl's rollout
+correction rejection keeps what klpo's trm_mask keeps under the doctor's keys; verl's iterator takes
 the doctor's number of optimiser steps; the ReMax and GRPO credits; TRL's own config resolution
 of the optimiser steps per generation and its refusal of unknown fields; OpenRLHF's own
 ``compute_approx_kl`` (value clamp, ``unbiased_gradient``) and the ``group_norm`` division, at
@@ -156,6 +157,47 @@ def test_verl_kl_loss_carries_no_importance_weight():
     assert "policy_loss += kl_loss * config.kl_loss_coef" in src
     [t] = read(EX / "verl_grpo_qwen2_7b_math.sh").terms
     assert not t.corrected
+
+
+@needs_verl
+@pytest.mark.parametrize(
+    ("option", "threshold"),
+    [("seq_max_k3", 0.05), ("seq_mean_k3", 0.02), ("seq_mean_k1", "0.8_1.25"),
+     ("seq_mean_k1", 1.1), ("seq_max_k2", 0.08)],
+)  # fmt: skip
+def test_verl_rejection_is_the_translated_trm_mask(option, threshold, tmp_path):
+    """verl's own compute_rollout_rejection_mask (rollout_corr_helper.py) keeps exactly the
+    completions klpo's trm_mask keeps under the keys the doctor prints for it; verl's threshold
+    parsers read what the doctor's do."""
+    from verl.trainer.ppo import rollout_corr_helper as rch
+
+    from klpo import offpolicy
+    from klpo.doctor.verl_rollout_corr import RC, is_threshold, rs_thresholds
+
+    g = torch.Generator().manual_seed(1)
+    log_r = torch.randn(400, 12, generator=g, dtype=F64) * 0.3
+    log_r += torch.randn(400, 1, generator=g, dtype=F64) * 0.2
+    mask = torch.rand(400, 12, generator=g) > 0.2
+    mask[:, 0] = True
+    kept, _ = rch.compute_rollout_rejection_mask(log_r, mask.to(F64), option, threshold)
+    verl_keep = kept.sum(-1) == mask.sum(-1)
+    cfg = tmp_path / "run.sh"
+    cfg.write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo "
+        f"{RC}.rollout_rs={option} {RC}.rollout_rs_threshold={threshold}\n"
+    )
+    algo = diagnose(cfg)["equivalent"]["config"]["algo"]
+    klpo_keep = offpolicy.trm_mask(
+        log_r, torch.zeros_like(log_r), mask, delta=algo["trm_delta"],
+        statistic=algo["trm_statistic"], aggregate=algo["trm_aggregate"],
+    ).any(-1)  # fmt: skip
+    assert klpo_keep.tolist() == verl_keep.tolist()
+    theirs = rch._parse_rollout_rs_thresholds([option], threshold)
+    assert {o: (v["lower"], v["upper"]) for o, v in theirs.items()} == rs_thresholds(
+        [option], threshold
+    )
+    for spec in (2.0, "0.5_5.0", "3"):
+        assert rch._parse_rollout_is_threshold(spec) == is_threshold(spec)
 
 
 @needs_verl

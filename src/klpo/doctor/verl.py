@@ -9,7 +9,9 @@ Hydra (:mod:`klpo.doctor.tables`; checked against the installed verl by
 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``: the value, the ``+`` straight-through
 gradient, the k3 clamps; ``agg_loss``; the advantage estimators), ``verl/trainer/ppo/ray_trainer.py``
 (``apply_kl_penalty``) and ``verl/workers/utils/losses.py`` (``ppo_loss``: the KL loss, with no
-importance weight); the peer tests run those functions. A ``klpo:NAME`` estimator is
+importance weight); the peer tests run those functions. ``algorithm.rollout_correction`` (its
+importance weights and rejection against the rollout engine's log-probs) is
+:mod:`klpo.doctor.verl_rollout_corr`'s. A ``klpo:NAME`` estimator is
 :mod:`klpo.integrations.verl`'s. docs/frameworks.md has the table of names.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from klpo import kl
-from klpo.doctor import tables, verl_hydra
+from klpo.doctor import tables, verl_hydra, verl_rollout_corr
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.openrlhf import script_notes
 from klpo.doctor.reading import (
@@ -264,7 +266,8 @@ def read(
         credit = ADVANTAGES.get(adv, (None, "summed over the completion"))[1]
         r.terms.append(_term(s, "reward", credit, adv, ctrl))
     _findings(r, s, adv, agg, loss_mode, norm_std, epochs, minibatches)
-    _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches)
+    corr = verl_rollout_corr.read_correction(r, s, script)
+    _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches, corr)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
@@ -643,8 +646,10 @@ def _equivalent(
     norm_std: bool,
     epochs: int,
     minibatches: int,
+    corr: verl_rollout_corr.Correction,
 ) -> None:
-    """The klpo configs: the same thing, and what was most likely meant."""
+    """The klpo configs: the same thing, and what was most likely meant; ``corr`` holds
+    algorithm.rollout_correction's keys (rollout.tis_cap, algo.trm_*)."""
     algo_name, _ = ADVANTAGES.get(adv, (None, ""))
     algo: dict[str, Any] = {
         "name": algo_name or "grpo",
@@ -695,6 +700,8 @@ def _equivalent(
         mapping = [(k, v) for k, v in mapping if not v.startswith("model.lora.")]
     carried, missing = carry(s, mapping)
     carried.update(_clip_sides(s))  # clip_ratio where a one-sided ratio is null
+    carried.update(corr.keys)
+    r.equivalent_differences.extend(corr.differences)
     if missing:
         r.equivalent_differences.append(f"no klpo key (any more) for: {', '.join(missing)}")
     build_equivalent(r, algo, rollout, controller, carried, s)
