@@ -167,7 +167,10 @@ def sampler_metrics(
         token_kl=gap.kl.to(mask.device).double(), token_tv=gap.tv.to(mask.device).double(),
     )  # fmt: skip
     keys = list(stats)
-    mine = torch.stack([*stats.values(), torch.tensor(lag, dtype=stats["tokens"].dtype)])
+    tokens = stats["tokens"]
+    mine = torch.stack(
+        [*stats.values(), torch.tensor(lag, dtype=tokens.dtype, device=tokens.device)]
+    )
     rows = dist.stack(mine)  # [world, K + 1], every rank's in rank order
     merged = offpolicy.merge_trust_region_stats(
         [dict(zip(keys, row[:-1], strict=True)) for row in rows]
