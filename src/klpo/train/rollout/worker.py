@@ -13,6 +13,8 @@ deterministic mode, while its sampling overlaps the updates of the k steps befor
 sampled with torch's generator seeded by ``(run.seed, step)``, so a run's batches do not depend on
 the timing of the two processes, and a resumed run (the ring restored from its checkpoint,
 the requests sent again from the restored prompt stream) samples what the uninterrupted one does.
+Under ``torchrun`` each rank starts its own worker, which samples that rank's share of each step's
+prompts (:meth:`klpo.train.runtime.dist.Dist.share`) seeded by ``(run.seed, step, rank)``.
 
 The worker returns the rollout with its version and the last hidden states of the completions at
 that version (and its head's weights); the trainer forms the behaviour log-probs and the exact
