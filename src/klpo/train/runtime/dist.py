@@ -57,6 +57,8 @@ class Dist:
         if not self.enabled:
             return x, 0
         sizes = [int(n) for n in self.stack(torch.tensor(x.numel(), device=x.device)).tolist()]
+        if not any(sizes):
+            return x, 0
         padded = torch.zeros(max(sizes), dtype=x.dtype, device=x.device)
         padded[: x.numel()] = x
         rows = self.stack(padded)
