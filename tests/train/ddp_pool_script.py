@@ -11,7 +11,7 @@ rank 2's, so that a mask of each rank's tokens alone would not be the whole batc
 (the optimizer step's tokens being every rank's rows). Each rank writes OUT_DIR/rankR.json: the
 pooled metrics, the one-process metrics and mask of the whole batch (its rows in the order of
 the ranks' shuffled rows), whether its mask is its rows' of the whole batch's, and the results
-of ``Dist.stack`` and ``Dist.cat``.
+of ``Dist.stack`` and ``Dist.cat`` (of values, and of none on every rank).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def main(out_dir: str) -> None:
 
     stacked = dist.stack(torch.tensor([float(dist.rank), -torch.inf], dtype=F64))
     cat, start = dist.cat(torch.arange(dist.rank + 1, dtype=F64) + 10 * dist.rank)
+    nothing, nothing_at = dist.cat(torch.zeros(0, dtype=F64))
     result = {
         "pooled": pooled,
         "want": want,
@@ -108,6 +109,7 @@ def main(out_dir: str) -> None:
         ),
         "stack": stacked.tolist(),
         "cat": [cat.tolist(), start],
+        "cat_of_nothing": [nothing.tolist(), nothing_at],
     }
     (Path(out_dir) / f"rank{dist.rank}.json").write_text(json.dumps(result))
     shutdown(dist)

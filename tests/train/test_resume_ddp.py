@@ -148,6 +148,7 @@ def test_the_sampler_metrics_and_m2pos_mask_pool_over_three_ranks(tmp_path):
         assert got["mask_is_the_whole_batchs"] and got["dropped_some"]
         assert got["m2po_masked_frac"] == got["want_m2po_masked_frac"]
         assert got["stack"] == [[0.0, -math.inf], [1.0, -math.inf], [2.0, -math.inf]]
+        assert got["cat_of_nothing"] == [[], 0]
     assert any(got["alone_differs"] for got in ranks)
     assert [got["cat"] for got in ranks] == [
         [[0.0, 10.0, 11.0, 20.0, 21.0, 22.0], s] for s in (0, 1, 3)
