@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -356,6 +357,112 @@ def test_trust_region_metrics_with_no_token_and_half_given_logits():
         offpolicy.trust_region_metrics(
             x, x, torch.ones(1, 2, dtype=torch.bool), logits=torch.zeros(1, 2, 3)
         )
+
+
+def _stale_batch(gen, b=7, n=5, v=6, shift=0.0):
+    """A float64 batch of the sampler's and the trainer's logits, sampled tokens, ragged rows
+    (one row without a token) and a mask of kept tokens; ``shift`` is added to the first three
+    rows' log weights (so the shares' largest weights are far apart)."""
+    logits = torch.randn(b, n, v, generator=gen, dtype=F64)
+    logits_behav = logits + 0.4 * torch.randn(b, n, v, generator=gen, dtype=F64)
+    tokens = torch.randint(0, v, (b, n), generator=gen)
+    lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    lq = torch.log_softmax(logits_behav, -1).gather(-1, tokens[..., None])[..., 0]
+    lp[:3] += shift
+    lengths = torch.randint(1, n + 1, (b,), generator=gen)
+    lengths[b // 2] = 0
+    mask = torch.arange(n)[None, :] < lengths[:, None]
+    keep = mask & (torch.rand(b, n, generator=gen) > 0.3)
+    return lp, lq, mask, keep, logits, logits_behav
+
+
+def _share_stats(batch, rows, **kw):
+    """One share's statistics, trimmed to its own longest row (as a rank pads its own rows)."""
+    lp, lq, mask, keep, logits, logits_behav = (x[rows] for x in batch)
+    width = max(1, int(mask.sum(-1).max())) if rows else 1
+    cut = (slice(None), slice(0, width))
+    return offpolicy.trust_region_stats(
+        lp[cut], lq[cut], mask[cut], keep=keep[cut], logits=logits[cut],
+        logits_behav=logits_behav[cut], **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shift", [0.0, 30.0])
+@pytest.mark.parametrize("cuts", [[4], [2, 5], [0, 3, 4]], ids=["two", "three", "empty"])
+def test_pooled_trust_region_stats_are_the_whole_batchs(cuts, shift):
+    """Every sampler/* metric of a batch split by rows into shares (each padded to its own
+    width, a share without a row and one without a token, weights e^30 apart), each share's statistics merged, is the
+    whole batch's trust_region_metrics, to float64 rounding; one share alone, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    batch = _stale_batch(gen, shift=shift)
+    lp, lq, mask, keep, logits, logits_behav = batch
+    kw = {"clip_low": 0.15, "clip_high": 0.25, "temperature": 0.9}
+    whole = offpolicy.trust_region_metrics(
+        lp, lq, mask, keep=keep, logits=logits, logits_behav=logits_behav, **kw
+    )
+    bounds = [0, *cuts, lp.shape[0]]
+    shares = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    parts = [_share_stats(batch, rows, **kw) for rows in shares]
+    if cuts == [0, 3, 4]:
+        assert shares[0] == [] and shares[2] == [3] and float(parts[2]["tokens"]) == 0
+    pooled = offpolicy.finish_trust_region_stats(offpolicy.merge_trust_region_stats(parts))
+    assert list(pooled) == list(whole) and len(whole) == 14
+    for key, value in whole.items():
+        assert pooled[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    assert 0 < whole["sampler/masked_frac"] < 1 and whole["sampler/ess"] < 1
+    one = offpolicy.merge_trust_region_stats([_share_stats(batch, list(range(7)), **kw)])
+    assert offpolicy.finish_trust_region_stats(one) == whole
+
+
+def test_trust_region_stats_take_the_exact_values_per_position():
+    """token_kl= and token_tv= (the trainer's chunked exact values) give the logits' metrics."""
+    gen = torch.Generator().manual_seed(6)
+    lp, lq, mask, keep, logits, logits_behav = _stale_batch(gen)
+    from_logits = offpolicy.trust_region_metrics(
+        lp, lq, mask, logits=logits, logits_behav=logits_behav
+    )
+    p, q = torch.softmax(logits, -1), torch.softmax(logits_behav, -1)
+    kl = (q * (q.log() - p.log())).sum(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    stats = offpolicy.trust_region_stats(lp, lq, mask, token_kl=kl, token_tv=tv)
+    given = offpolicy.finish_trust_region_stats(stats)
+    assert list(given) == list(from_logits)
+    for key, value in from_logits.items():
+        assert given[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    with pytest.raises(ValueError, match="give both token_kl= and token_tv="):
+        offpolicy.trust_region_stats(lp, lq, mask, token_kl=kl)
+    with pytest.raises(ValueError, match="not both"):
+        offpolicy.trust_region_stats(
+            lp, lq, mask, token_kl=kl, token_tv=tv, logits=logits, logits_behav=logits_behav
+        )
+    with pytest.raises(ValueError, match="share 1 has the statistics"):
+        offpolicy.merge_trust_region_stats(
+            [stats, offpolicy.trust_region_stats(lp, lq, mask, keep=keep)]
+        )
+
+
+def test_m2po_keep_over_the_shares_concatenated_is_the_whole_batchs_mask():
+    """Each share's (log r)² concatenated in order, m2po_keep once, each share its slice: the
+    whole batch's m2po_mask (ties included, ranked in the batch's order)."""
+    gen = torch.Generator().manual_seed(7)
+    log_r = 0.3 * torch.randn(6, 5, generator=gen, dtype=F64)
+    log_r[1, :2] = 0.2  # ties
+    log_r[4, 1] = -0.2
+    mask = torch.rand(6, 5, generator=gen) > 0.3
+    for tau in (0.005, 0.02, 0.04):
+        whole = offpolicy.m2po_mask(log_r, mask, threshold=tau)
+        assert 0 < int(whole.sum()) < int(mask.sum())
+        shares = [slice(0, 2), slice(2, 2), slice(2, 6)]  # (a share with no row)
+        values = [log_r[s].square()[mask[s]] for s in shares]
+        kept = offpolicy.m2po_keep(torch.cat(values), threshold=tau)
+        start = 0
+        for s, v in zip(shares, values, strict=True):
+            got = torch.zeros_like(mask[s])
+            got[mask[s]] = kept[start : start + v.numel()]
+            start += v.numel()
+            assert torch.equal(got, whole[s])
+    with pytest.raises(ValueError, match="m2 must be 1-D"):
+        offpolicy.m2po_keep(log_r, threshold=0.1)
 
 
 def test_the_docstring_examples_pass():

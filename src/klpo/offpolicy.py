@@ -35,6 +35,7 @@ weight (:func:`klpo.losses.kl_loss`, and ``klpo explain --staleness`` for what e
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -49,18 +50,21 @@ from klpo._tensor import (
     wide_dtype,
 )
 from klpo.logprobs import exact_kl
-from klpo.reduce import masked_mean
 
 __all__ = [
     "decoupled_ppo",
     "dppo",
     "dppo_mask",
     "effective_sample_size",
+    "finish_trust_region_stats",
     "m2po",
+    "m2po_keep",
     "m2po_mask",
+    "merge_trust_region_stats",
     "sampler_k2",
     "trm_mask",
     "trust_region_metrics",
+    "trust_region_stats",
 ]
 
 Divergence = Literal["tv", "kl"]
@@ -186,15 +190,53 @@ def m2po_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.04) -> Te
     """
     check_float("log_ratio", log_ratio)
     check_mask(mask, log_ratio.shape)
-    if not threshold > 0:
-        raise ValueError(f"the M2 threshold tau must be > 0, got {threshold!r}")
+    _check_tau(threshold)
     with torch.no_grad():
         m2 = log_ratio.detach().to(wide_dtype(log_ratio)).square()
-        values = m2[mask]
-        n = values.numel()
         keep = torch.zeros_like(mask)
+        keep[mask] = m2po_keep(m2[mask], threshold=threshold)
+    return keep
+
+
+def _check_tau(threshold: float) -> None:
+    if not threshold > 0:
+        raise ValueError(f"the M2 threshold tau must be > 0, got {threshold!r}")
+
+
+def m2po_keep(m2: Tensor, *, threshold: float = 0.04) -> Tensor:
+    r"""The rule of :func:`m2po_mask` on a flat sample: which of the values ``m2`` it keeps.
+
+    ``m2``: 1-D, the ``(log r_i)²`` of the batch's valid tokens in the batch's order (row by
+    row). The values are ranked from the largest (ties in that order), and the k largest
+    dropped, k the fewest for which the mean of the rest is below ``threshold`` (all dropped if
+    none is). Only the ranking and the suffix means matter, so a batch spread over processes is
+    masked as one process holding it would: concatenate every process's values in rank order
+    (as one process would hold their rows), apply this once, and give each process its slice
+    (:mod:`klpo.train.step.update` under ``torchrun``).
+
+    Args:
+        m2: ``[n]`` float, >= 0 (read detached).
+        threshold: tau_M2 > 0.
+
+    Returns:
+        ``[n]`` bool, True where the value is kept.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> offpolicy.m2po_keep(torch.tensor([0.25, 0.01, 0.0016, 0.09]), threshold=0.04)
+        tensor([False,  True,  True,  True])
+    """
+    check_float("m2", m2)
+    if m2.dim() != 1:
+        raise ValueError(f"m2 must be 1-D (one value per valid token), got {tuple(m2.shape)}")
+    _check_tau(threshold)
+    with torch.no_grad():
+        values = m2.detach()
+        n = values.numel()
+        kept = torch.zeros(n, dtype=torch.bool, device=values.device)
         if n == 0:
-            return keep
+            return kept
         order = torch.argsort(values, descending=True, stable=True)
         ranked = values[order]
         # The mean of ranked[i:], for i = 0..n-1: keep ranked[k:] for the first k below tau.
@@ -203,10 +245,8 @@ def m2po_mask(log_ratio: Tensor, mask: Tensor, *, threshold: float = 0.04) -> Te
         )
         below = torch.nonzero(suffix_mean < threshold)
         k = int(below[0]) if below.numel() else n
-        kept = torch.zeros(n, dtype=torch.bool, device=mask.device)
         kept[order[k:]] = True
-        keep[mask] = kept
-    return keep
+    return kept
 
 
 def m2po(
@@ -565,56 +605,283 @@ def trust_region_metrics(
         >>> m["sampler/ess"], m["sampler/m2"], m["sampler/kl_k3"], m["sampler/tv"]
         (1.0, 0.0, 0.0, 0.0)
     """
+    return finish_trust_region_stats(
+        trust_region_stats(
+            logp, logp_behav, mask, clip_low=clip_low, clip_high=clip_high, keep=keep,
+            logits=logits, logits_behav=logits_behav, temperature=temperature,
+        )
+    )  # fmt: skip
+
+
+# The sufficient statistics of trust_region_metrics, by how they pool over shares of a batch.
+_SUMS = ("tokens", "seqs", "m2", "kl_k1", "kl_k3", "tv", "clip", "masked", "kl_exact", "tv_exact")
+_MAXIMA = ("kl_k3_max", "tv_binary_max", "kl_exact_max", "tv_exact_max")
+_ESS = (("ess", "tokens"), ("ess_seq", "seqs"))  # (prefix, its count): shift, w, w2
+
+
+def trust_region_stats(
+    logp: Tensor,
+    logp_behav: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    keep: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_behav: Tensor | None = None,
+    temperature: float = 1.0,
+    token_kl: Tensor | None = None,
+    token_tv: Tensor | None = None,
+) -> dict[str, Tensor]:
+    r"""The sufficient statistics of :func:`trust_region_metrics` on one share of a batch.
+
+    ``trust_region_metrics(...)`` is ``finish_trust_region_stats(trust_region_stats(...))``, bit
+    for bit. For a batch spread over processes (``torchrun``: each rank holds some rows), each
+    share's statistics are merged by :func:`merge_trust_region_stats` (in any order of the
+    shares, the same on every process) and then finished: the metrics of one process holding
+    the whole batch, up to rounding. The statistics are 0-d float64 tensors (float32 on MPS):
+
+    - sums over the valid tokens: their count ``tokens``, ``m2``, ``kl_k1``, ``kl_k3``, ``tv``,
+      ``clip`` (the tokens outside the clip range), ``masked`` (with ``keep``), ``kl_exact`` and
+      ``tv_exact`` (with the logits or ``token_kl`` / ``token_tv``); ``seqs``, the rows with a
+      valid token;
+    - maxima over the valid tokens (``-inf`` over none): ``kl_k3_max``, ``tv_binary_max``,
+      ``kl_exact_max``, ``tv_exact_max``;
+    - for Kish's ESS of the token and of the sequence weights, ``ess_shift`` (the largest log
+      weight, ``-inf`` over none), ``ess_w`` = sum of ``exp(log w - shift)`` and ``ess_w2`` of
+      its square (``ess_seq_*`` likewise over the rows' summed log weights): two shares merge by
+      rescaling each to the larger shift, so no weight overflows.
+
+    Args:
+        as :func:`trust_region_metrics`, and ``token_kl``, ``token_tv``: optional ``[B, T]``
+            exact KL(pi_behav ‖ pi_theta) and total variation per position, already computed
+            (e.g. from hidden states in chunks), instead of the logits.
+
+    Returns:
+        a dict of 0-d tensors, the same keys for every share given the same options.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> lp, behav = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.2, -1.9, -0.5]])
+        >>> mask = torch.ones(1, 3, dtype=torch.bool)
+        >>> whole = offpolicy.trust_region_metrics(lp, behav, mask)
+        >>> parts = [offpolicy.trust_region_stats(lp[:, s], behav[:, s], mask[:, s])
+        ...          for s in (slice(0, 1), slice(1, 3))]  # (a split of tokens, not of rows)
+        >>> pooled = offpolicy.finish_trust_region_stats(offpolicy.merge_trust_region_stats(parts))
+        >>> abs(pooled["sampler/ess"] - whole["sampler/ess"]) < 1e-15
+        True
+    """
     with torch.no_grad():
         lp, behav = _wide(logp.detach(), logp_behav=logp_behav)
         check_mask(mask, lp.shape)
         log_w = lp - behav
         w = capped_exp(log_w)
-        any_tok = mask.any()
+
+        def total(x: Tensor) -> Tensor:
+            return torch.where(mask, x, 0.0).sum()
 
         def biggest(x: Tensor) -> Tensor:
-            return torch.where(any_tok, torch.where(mask, x, -torch.inf).max(), 0.0)
+            if x.numel() == 0:
+                return torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
+            return torch.where(mask, x, -torch.inf).max()
 
         rows = mask.any(-1)
         seq_log_w = torch.where(mask, log_w, 0.0).sum(-1)
-        values: dict[str, Tensor] = {
-            "sampler/ess": effective_sample_size(log_w, mask),
-            "sampler/ess_seq": effective_sample_size(seq_log_w, rows),
-            "sampler/m2": masked_mean(log_w.square(), mask),
-            "sampler/kl_k1": masked_mean(-log_w, mask),
-            "sampler/kl_k3": masked_mean(torch.expm1(log_w.clamp(max=700.0)) - log_w, mask),
-            "sampler/kl_k3_max": biggest(torch.expm1(log_w.clamp(max=700.0)) - log_w),
-            "sampler/tv": masked_mean(0.5 * (w - 1).abs(), mask),
-            "sampler/tv_binary_max": biggest((lp.exp() - behav.exp()).abs()),
-            "sampler/clip_frac": masked_mean(
-                ((w < 1.0 - clip_low) | (w > 1.0 + clip_high)).to(lp.dtype), mask
-            ),
+        k3 = torch.expm1(log_w.clamp(max=700.0)) - log_w
+        out: dict[str, Tensor] = {
+            "tokens": mask.sum().to(lp.dtype),
+            "seqs": rows.sum().to(lp.dtype),
+            **_ess_stats("ess", log_w, mask),
+            **_ess_stats("ess_seq", seq_log_w, rows),
+            "m2": total(log_w.square()),
+            "kl_k1": total(-log_w),
+            "kl_k3": total(k3),
+            "kl_k3_max": biggest(k3),
+            "tv": total(0.5 * (w - 1).abs()),
+            "tv_binary_max": biggest((lp.exp() - behav.exp()).abs()),
+            "clip": total(((w < 1.0 - clip_low) | (w > 1.0 + clip_high)).to(lp.dtype)),
         }
         if keep is not None:
             check_mask(keep, lp.shape)
-            values["sampler/masked_frac"] = masked_mean((~keep).to(lp.dtype), mask)
-        if (logits is None) != (logits_behav is None):
+            out["masked"] = total((~keep).to(lp.dtype))
+        exact = _exact_values(
+            lp, logits, logits_behav, temperature, token_kl=token_kl, token_tv=token_tv
+        )
+        if exact is not None:
+            kl, tv = exact
+            out |= {
+                "kl_exact": total(kl),
+                "kl_exact_max": biggest(kl),
+                "tv_exact": total(tv),
+                "tv_exact_max": biggest(tv),
+            }
+    return out
+
+
+def _ess_stats(prefix: str, log_w: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``shift``, ``w``, ``w2`` of :func:`effective_sample_size`'s sums over ``mask``."""
+    x = log_w[mask]
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return {f"{prefix}_shift": zero - torch.inf, f"{prefix}_w": zero, f"{prefix}_w2": zero}
+    shift = x.max()
+    w = torch.exp(x - shift)
+    return {f"{prefix}_shift": shift, f"{prefix}_w": w.sum(), f"{prefix}_w2": w.square().sum()}
+
+
+def _exact_values(
+    lp: Tensor,
+    logits: Tensor | None,
+    logits_behav: Tensor | None,
+    temperature: float,
+    *,
+    token_kl: Tensor | None,
+    token_tv: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:
+    """``[B, T]`` the exact KL(pi_behav ‖ pi_theta) and total variation in ``lp``'s dtype, from
+    the two models' logits or as given, or None."""
+    if (logits is None) != (logits_behav is None):
+        raise ValueError(
+            "give both logits= and logits_behav= ([B, T, V], the trainer's and the sampler's "
+            "logits at the same positions) for the exact values, or neither"
+        )
+    if (token_kl is None) != (token_tv is None):
+        raise ValueError(
+            "give both token_kl= and token_tv= ([B, T], the exact KL and total variation per "
+            "position) for the exact values, or neither"
+        )
+    if logits is not None and token_kl is not None:
+        raise ValueError("give the exact values as logits= and logits_behav=, or as token_kl= "
+                         "and token_tv=, not both")  # fmt: skip
+    if token_kl is not None and token_tv is not None:
+        for name, x in (("token_kl", token_kl), ("token_tv", token_tv)):
+            check_float(name, x)
+            check_same_shape(name, x, hint="[B, T] per position", logp=lp)
+        return token_kl.detach().to(lp.dtype), token_tv.detach().to(lp.dtype)
+    if logits is None or logits_behav is None:
+        return None
+    if logits.shape != logits_behav.shape or logits.shape[:-1] != lp.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and logits_behav {tuple(logits_behav.shape)} "
+            f"must both be [B, T, V] with [B, T] = {tuple(lp.shape)}"
+        )
+    kl = exact_kl(logits_behav.detach(), logits.detach(), temperature=temperature)
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    p = torch.softmax(logits.detach().to(dt) / temperature, -1)
+    q = torch.softmax(logits_behav.detach().to(dt) / temperature, -1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    return kl.to(lp.dtype), tv.to(lp.dtype)
+
+
+def merge_trust_region_stats(parts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    r"""The statistics of the union of disjoint shares of a batch (:func:`trust_region_stats`).
+
+    Sums add, maxima take the largest, and each ESS's sums are rescaled to the largest shift
+    (``w · exp(shift_i - shift)``, its square's by the square), the shares in the order given.
+    Every process merging the same list gets the same bits.
+
+    Args:
+        parts: one dict per share, all with the same keys.
+
+    Returns:
+        a dict of the same keys.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> lp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2, dtype=torch.bool)
+        >>> one = offpolicy.trust_region_stats(lp, lp - 0.1, mask)
+        >>> float(offpolicy.merge_trust_region_stats([one, one])["tokens"])
+        4.0
+    """
+    if not parts:
+        raise ValueError("merge_trust_region_stats needs at least one share's statistics")
+    keys = list(parts[0])
+    for i, part in enumerate(parts):
+        if list(part) != keys:
             raise ValueError(
-                "give both logits= and logits_behav= ([B, T, V], the trainer's and the sampler's "
-                "logits at the same positions) for the exact values, or neither"
+                f"share {i} has the statistics {sorted(part)}, share 0 {sorted(keys)}: every "
+                "share must be computed with the same options (keep=, the exact values)"
             )
-        if logits is not None and logits_behav is not None:
-            if logits.shape != logits_behav.shape or logits.shape[:-1] != lp.shape:
-                raise ValueError(
-                    f"logits {tuple(logits.shape)} and logits_behav {tuple(logits_behav.shape)} "
-                    f"must both be [B, T, V] with [B, T] = {tuple(lp.shape)}"
-                )
-            kl = exact_kl(logits_behav.detach(), logits.detach(), temperature=temperature)
-            dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            p = torch.softmax(logits.detach().to(dt) / temperature, -1)
-            q = torch.softmax(logits_behav.detach().to(dt) / temperature, -1)
-            tv = 0.5 * (p - q).abs().sum(-1)
-            kl, tv = kl.to(lp.dtype), tv.to(lp.dtype)
+    with torch.no_grad():
+        out: dict[str, Tensor] = {}
+        for key in keys:
+            column = torch.stack([p[key] for p in parts])
+            if key in _SUMS:
+                out[key] = column.sum()
+            elif key in _MAXIMA:
+                out[key] = column.max()
+        for prefix, _ in _ESS:
+            shifts = torch.stack([p[f"{prefix}_shift"] for p in parts])
+            shift = shifts.max()
+            # A share with no weight (shift -inf) adds 0; so does every share when none has one.
+            scale = torch.where(shifts > -torch.inf, torch.exp(shifts - shift), 0.0)
+            w = torch.stack([p[f"{prefix}_w"] for p in parts])
+            w2 = torch.stack([p[f"{prefix}_w2"] for p in parts])
+            out |= {
+                f"{prefix}_shift": shift,
+                f"{prefix}_w": (w * scale).sum(),
+                f"{prefix}_w2": (w2 * scale.square()).sum(),
+            }
+    return {key: out[key] for key in keys}
+
+
+def finish_trust_region_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
+    r"""The metrics of :func:`trust_region_metrics` from its statistics (one share's, or several
+    merged by :func:`merge_trust_region_stats`).
+
+    Means are the sums over the token count (0 over no token), maxima 0 over no token, and
+    Kish's ESS ``w² / (n · w2)`` (1 over no weight).
+
+    Args:
+        stats: the dict of :func:`trust_region_stats` or :func:`merge_trust_region_stats`.
+
+    Returns:
+        a dict of floats, the keys ``sampler/...``.
+
+    Example:
+        >>> import torch
+        >>> from klpo import offpolicy
+        >>> lp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2, dtype=torch.bool)
+        >>> stats = offpolicy.trust_region_stats(lp, lp, mask)  # the sampler agrees: ESS 1
+        >>> offpolicy.finish_trust_region_stats(stats)["sampler/ess"]
+        1.0
+    """
+    with torch.no_grad():
+        n = stats["tokens"]
+
+        def mean(key: str) -> Tensor:
+            return torch.where(n > 0, stats[key] / n.clamp_min(1), 0.0)
+
+        def biggest(key: str) -> Tensor:
+            return torch.where(n > 0, stats[key], 0.0)
+
+        def ess(prefix: str, count: Tensor) -> Tensor:
+            w, w2 = stats[f"{prefix}_w"], stats[f"{prefix}_w2"]
+            if not bool(count > 0):
+                return torch.ones((), dtype=w.dtype, device=w.device)
+            return w.square() / (count * w2)
+
+        values: dict[str, Tensor] = {
+            "sampler/ess": ess("ess", n),
+            "sampler/ess_seq": ess("ess_seq", stats["seqs"]),
+            "sampler/m2": mean("m2"),
+            "sampler/kl_k1": mean("kl_k1"),
+            "sampler/kl_k3": mean("kl_k3"),
+            "sampler/kl_k3_max": biggest("kl_k3_max"),
+            "sampler/tv": mean("tv"),
+            "sampler/tv_binary_max": biggest("tv_binary_max"),
+            "sampler/clip_frac": mean("clip"),
+        }
+        if "masked" in stats:
+            values["sampler/masked_frac"] = mean("masked")
+        if "kl_exact" in stats:
             values |= {
-                "sampler/kl_exact": masked_mean(kl, mask),
-                "sampler/kl_exact_max": biggest(kl),
-                "sampler/tv_exact": masked_mean(tv, mask),
-                "sampler/tv_exact_max": biggest(tv),
+                "sampler/kl_exact": mean("kl_exact"),
+                "sampler/kl_exact_max": biggest("kl_exact_max"),
+                "sampler/tv_exact": mean("tv_exact"),
+                "sampler/tv_exact_max": biggest("tv_exact_max"),
             }
         stacked = torch.stack([v.to(torch.float64).reshape(()) for v in values.values()])
     return dict(zip(values, stacked.cpu().tolist(), strict=True))

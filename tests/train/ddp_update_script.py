@@ -8,7 +8,10 @@ scores it and takes one update; rank 0 saves the policy's parameters and the ste
 OUT-VARIANT.safetensors and .json. With N = 1 it is the single-process reference. VARIANT ``on-policy`` (default): one
 epoch, the KL (k3) in the loss; ``off-policy``: two epochs, the KL in the reward and the loss, an
 entropy bonus; ``ppo`` and ``reinforce++``: those algorithms, the KL in the reward, two epochs
-(their advantages are whitened over the whole batch, every rank's share).
+(their advantages are whitened over the whole batch, every rank's share); ``stale-m2po``: the
+batch sampled by the policy one version back (``rollout.staleness=1``, the ring's behaviour pass
+on the whole batch, each rank keeping its rows), M2PO's loss (its mask over the whole optimizer
+step's tokens) and the ``sampler/*`` metrics, which every rank also writes (OUT.rankR.json).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from klpo.train.data.load import load_examples
 from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
 from klpo.train.rollout.samplers import generate
+from klpo.train.rollout.versions import SamplerGap, VersionRing, behaviour_pass, sampled_features
 from klpo.train.runtime.dist import init_distributed, shutdown
 from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
-from klpo.train.step.step_metrics import step_metrics
+from klpo.train.step.step_metrics import sampler_metrics, step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 
@@ -37,6 +41,12 @@ VARIANTS = {
     "off-policy": ["algo.epochs=2", "kl.placement=reward+loss", "algo.entropy_coef=0.01"],
     "ppo": ["algo.name=ppo", "algo.epochs=2", "kl.placement=reward"],
     "reinforce++": ["algo.name=reinforce++", "algo.epochs=2", "kl.placement=reward"],
+    "stale-m2po": [
+        "rollout.staleness=1",
+        "algo.policy_loss=m2po",
+        "algo.m2po_threshold=0.002",
+        "rollout.tis_cap=null",
+    ],
 }
 
 
@@ -69,13 +79,27 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
             p.add_(0.05 * torch.randn_like(p))
     train, _ = load_examples(cfg)
     prompts = train[:4]
-    torch.manual_seed(1)
-    full = generate(
-        m.policy, m.tokenizer, [e.prompt for e in prompts], [e.answer for e in prompts],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
+    texts, answers = [e.prompt for e in prompts], [e.answer for e in prompts]
+    gap = None
+    if cfg.rollout.staleness:  # sampled by version 0; the policy moved on to version 1
+        ring = VersionRing(1)
+        ring.keep(0, m.policy)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in m.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        ring.keep(1, m.policy)
+        with ring.at(m.policy, 0):
+            torch.manual_seed(1)
+            full = generate(m.policy, m.tokenizer, texts, answers, group_size=4, max_new_tokens=4)
+            behaviour = sampled_features(cfg, m, full, 0)
+        full, gap = behaviour_pass(cfg, m, full, behaviour)
+    else:
+        torch.manual_seed(1)
+        full = generate(m.policy, m.tokenizer, texts, answers, group_size=4, max_new_tokens=4)
     share = len(full.prompts) // dist.world
-    mine = full.select(list(range(dist.rank * share, (dist.rank + 1) * share)))
+    rows = list(range(dist.rank * share, (dist.rank + 1) * share))
+    mine = full.select(rows)
     reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     scored = score(cfg, m, mine, reward_fns, 0.5, dist)
     critic = m.critic_core
@@ -93,6 +117,10 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
         torch.Generator().manual_seed(0),
     )
     metrics = step_metrics(cfg, scored, upd, dist)
+    if gap is not None:
+        mine_gap = SamplerGap(gap.kl[rows], gap.tv[rows])
+        metrics |= sampler_metrics(cfg, scored, mine_gap, 2, dist)
+        Path(out).with_suffix(f".rank{dist.rank}.json").write_text(json.dumps(metrics))
     if dist.is_main:
         params = {k: v.detach().clone() for k, v in m.policy.state_dict().items()}
         if critic is not None:

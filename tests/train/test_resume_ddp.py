@@ -4,6 +4,7 @@ and metrics."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -121,3 +122,75 @@ def test_torchrun_klpo_train(tiny_model, quick, tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (out / "checkpoints" / "step_000002" / "policy" / "model.safetensors").is_file()
+
+
+def torchrun(n: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    done = subprocess.run([*cmd, *args], env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_sampler_metrics_and_m2pos_mask_pool_over_three_ranks(tmp_path):
+    """Over a real gloo group of three ranks (one without a token), every sampler/* metric is
+    the one-process value of the whole batch to float64 rounding, the same bits on every rank,
+    and each rank's M2PO mask is its rows' of the whole batch's (which a mask of the rank's own
+    tokens is not)."""
+    torchrun(3, str(HERE / "ddp_pool_script.py"), str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    want = ranks[0]["want"]
+    assert len(want) == 15 and 0 < want["sampler/masked_frac"] < 1
+    for got in ranks:
+        assert got["pooled"] == ranks[0]["pooled"]
+        assert list(got["pooled"]) == list(want)
+        for key, value in want.items():
+            assert got["pooled"][key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+        assert got["mask_is_the_whole_batchs"] and got["dropped_some"]
+        assert got["m2po_masked_frac"] == got["want_m2po_masked_frac"]
+        assert got["stack"] == [[0.0, -math.inf], [1.0, -math.inf], [2.0, -math.inf]]
+        assert got["cat_of_nothing"] == [[], 0]
+    assert any(got["alone_differs"] for got in ranks)
+    assert [got["cat"] for got in ranks] == [
+        [[0.0, 10.0, 11.0, 20.0, 21.0, 22.0], s] for s in (0, 1, 3)
+    ]
+
+
+@pytest.mark.slow
+def test_torchrun_a_stale_m2po_update_is_the_one_process_update(tiny_model, tmp_path):
+    """A batch sampled one version back, M2PO's loss: two ranks give the one-process parameters
+    and metrics, sampler/* and m2po/masked_frac included, the same on both ranks."""
+    outs = {n: tmp_path / f"world{n}.safetensors" for n in (1, 2)}
+    for n, out in outs.items():
+        torchrun(n, str(HERE / "ddp_update_script.py"), str(tiny_model), str(out), "stale-m2po")
+    one, two = load_file(str(outs[1])), load_file(str(outs[2]))
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6, msg=k)
+    m1, m2 = (json.loads(outs[n].with_suffix(".json").read_text()) for n in (1, 2))
+    ranks = [json.loads(outs[2].with_suffix(f".rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] == m2
+    assert set(m1) == set(m2) and 0 < m1["m2po/masked_frac"] < 1
+    assert m1["rollout/staleness"] == 1.0 and 0 < m1["sampler/ess"] < 1
+    assert len([k for k in m1 if k.startswith("sampler/")]) == 14
+    for k, v in m1.items():
+        assert m2[k] == pytest.approx(v, rel=2e-5, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_torchrun_klpo_train_with_a_stale_sampler(tiny_model, quick, tmp_path):
+    """rollout.staleness=1 and M2PO under two ranks: the run logs the pooled sampler metrics,
+    and with rollout.asynchronous (one rollout worker per rank) the same metrics, bit for bit."""
+    extra = {
+        "run.steps": 2, "run.eval_every": 0, "rollout.staleness": 1, "algo.policy_loss": "m2po",
+        "algo.m2po_threshold": 0.002, "rollout.tis_cap": "null",
+    }  # fmt: skip
+    rows = {}
+    for mode in ("false", "true"):
+        out = tmp_path / f"async-{mode}"
+        over = quick(tiny_model, out, **extra, **{"rollout.asynchronous": mode})
+        torchrun(2, "-m", "klpo", "train", *sets(over))
+        rows[mode] = comparable(read_metrics(out / "metrics.jsonl"))
+    assert rows["true"] == rows["false"]
+    train = [r for r in rows["false"] if r["step"] > 0]
+    assert [r["rollout/staleness"] for r in train] == [0.0, 1.0]
+    assert train[0]["sampler/kl_exact"] == 0.0 and train[1]["sampler/kl_exact"] > 0
+    assert 0 < train[1]["sampler/ess"] < 1 and "m2po/masked_frac" in train[1]

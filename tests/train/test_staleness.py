@@ -633,3 +633,30 @@ def test_trm_without_a_behaviour_policy_is_refused(tiny_model):
     with pytest.raises(ValueError, match=r"algo\.trm_statistic=exact .* rollout\.staleness=0"):
         _config(tiny_model, **{"rollout.staleness": 0, "rollout.engine": "vllm",
                                "algo.trm_delta": 0.05, "algo.trm_statistic": "exact"})  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Under torchrun: accepted, each rank seeded apart (the pooling: tests/train/test_resume_ddp.py).
+
+
+def test_a_stale_m2po_run_under_torchrun_passes_the_preflight(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    from klpo.train import loop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for asynchronous in ("false", "true"):
+        over = {
+            "rollout.staleness": 1, "algo.policy_loss": "m2po",
+            "rollout.asynchronous": asynchronous,
+        }  # fmt: skip
+        cfg = build_config(overrides=quick(tiny_model, tmp_path / "r", **over))
+        loop.check_run(cfg, log=lambda *_: None)
+
+
+def test_each_rank_samples_a_step_with_its_own_seed():
+    from klpo.train.rollout.worker import step_seed
+
+    assert step_seed(3, 5) == step_seed(3, 5, 0) == 3 * 1_000_003 + 5  # one process: as before
+    seeds = {step_seed(3, 5, rank) for rank in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)

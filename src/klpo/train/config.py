@@ -357,7 +357,8 @@ class RolloutConfig(_Section):
         "torch thread, its own copy of the policy) up to rollout.staleness steps ahead of the "
         "update, with the weights pushed after each step, instead of in the trainer between "
         "steps; the same versions (each batch k behind after the first k steps), each step "
-        "seeded by (run.seed, step) (docs/async.md).",
+        "seeded by (run.seed, step, rank); under torchrun one worker per rank, sampling that "
+        "rank's share of the prompts (docs/async.md).",
     )
     vllm_memory: float = Field(
         0.3,

@@ -211,7 +211,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
     if gap is not None:  # rollout.staleness: the sampler's lag and distance
-        metrics.update(sampler_metrics(cfg, scored, gap, step))
+        metrics.update(sampler_metrics(cfg, scored, gap, step, dist))
     run.control.after_step(cfg, step, metrics, term)
     if run.versions is not None:  # the weights this step ends with: version `step`
         run.versions.keep(step, m.policy)
@@ -245,7 +245,7 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap |
             raise RuntimeError(f"step {step}: the rollout worker sampled other prompts")
         return behaviour_pass(run.cfg, run.models, rollout, behaviour)
     version = ring.behaviour_version(step)
-    torch.manual_seed(step_seed(run.cfg.run.seed, step))  # as the worker seeds each step
+    torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))  # as the worker
     with ring.at(run.models.policy, version):
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)

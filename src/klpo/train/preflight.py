@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES
+from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.data.load import load_examples
 from klpo.train.data.sources import Example, render_chat
@@ -414,18 +414,6 @@ def preflight(
     check_model_sources(cfg, **names)
     check_models(cfg)
     check_engine(cfg, dist.world)
-    if cfg.rollout.staleness and dist.world > 1:
-        raise ConfigError(
-            f"rollout.staleness={cfg.rollout.staleness} runs in one process for now (its "
-            f"sampler/* metrics are not pooled over ranks), but this run has {dist.world} "
-            "(torchrun); launch one process, or set rollout.staleness=0"
-        )
-    if POLICY_LOSSES[cfg.algo.policy_loss].batch_mask and dist.world > 1:
-        raise ConfigError(
-            f"algo.policy_loss={cfg.algo.policy_loss} masks by a statistic of the optimizer "
-            f"step's tokens, computed in one process for now, but this run has {dist.world} "
-            "(torchrun); launch one process, or choose another algo.policy_loss"
-        )
     codec, train_set, heldout = check_tokenizers_and_prompts(cfg, train_set, heldout, **names)
     log(f"run directory: {cfg.run.out_dir}")
     for line in config_lines(cfg):  # what it trains and how (klpo.train.models.describe)

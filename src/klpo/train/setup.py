@@ -190,7 +190,7 @@ def setup(
         cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log
     )
     if cfg.rollout.asynchronous:  # last: teardown stops it (a failed setup has none to stop)
-        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0)
+        run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0, dist)
     return run
 
 

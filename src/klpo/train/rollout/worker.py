@@ -13,6 +13,8 @@ deterministic mode, while its sampling overlaps the updates of the k steps befor
 sampled with torch's generator seeded by ``(run.seed, step)``, so a run's batches do not depend on
 the timing of the two processes, and a resumed run (the ring restored from its checkpoint,
 the requests sent again from the restored prompt stream) samples what the uninterrupted one does.
+Under ``torchrun`` each rank starts its own worker, which samples that rank's share of each step's
+prompts (:meth:`klpo.train.runtime.dist.Dist.share`) seeded by ``(run.seed, step, rank)``.
 
 The worker returns the rollout with its version and the last hidden states of the completions at
 that version (and its head's weights); the trainer forms the behaviour log-probs and the exact
@@ -40,6 +42,7 @@ from klpo.train.models.load import DTYPES, autocast
 from klpo.train.rollout.engines import Sampling
 from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 from klpo.train.rollout.versions import Behaviour, VersionRing
+from klpo.train.runtime.dist import Dist
 
 __all__ = ["AsyncSampler", "StaleBatch", "step_seed"]
 
@@ -51,9 +54,15 @@ class StaleBatch(RuntimeError):
     """The worker's batch for a step is older than ``rollout.staleness`` versions."""
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The worker's torch seed for ``step``'s sampling."""
-    return (seed * 1_000_003 + step) % (2**63)
+RANK_STRIDE = 0x9E3779B97F4A7C15
+"""What each rank adds to the seed of a step's sampling (odd, so the ranks' seeds differ)."""
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The torch seed of ``step``'s sampling on ``rank`` (the worker's and the deterministic
+    mode's): under ``torchrun`` each rank draws its own completions, and rank 0's seed is that
+    of a run of one process."""
+    return (seed * 1_000_003 + step + rank * RANK_STRIDE) % (2**63)
 
 
 def _load(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
@@ -74,6 +83,7 @@ def _worker(
     sampling: Sampling,
     share_prompt: bool,
     seed: int,
+    rank: int,
     device: str,
     dtype: torch.dtype,
     inbox: Any,
@@ -94,7 +104,7 @@ def _worker(
                 _load(backbone.model, tensors)
                 continue
             step, prompts, answers = payload
-            torch.manual_seed(step_seed(seed, step))
+            torch.manual_seed(step_seed(seed, step, rank))
             s = sampling
             with autocast(dtype, torch.device(device)):  # as the hf engine samples
                 rollout = generate(
@@ -123,12 +133,19 @@ class AsyncSampler:
     batch, :meth:`advance` after each step, :meth:`close` at the end."""
 
     def __init__(
-        self, cfg: TrainConfig, m: Models, ring: VersionRing, stream: PromptStream, step0: int
+        self,
+        cfg: TrainConfig,
+        m: Models,
+        ring: VersionRing,
+        stream: PromptStream,
+        step0: int,
+        dist: Dist | None = None,
     ) -> None:
         from klpo.train.models.backbone import shares_prompt
 
         self.cfg, self.models, self.ring = cfg, m, ring
         self.k = cfg.rollout.staleness
+        self.dist = dist if dist is not None else Dist()  # each rank's worker samples its share
         self.ahead = copy.deepcopy(stream)  # the prompts of the steps requested ahead
         self.requested = step0
         self.pushed: int | None = None
@@ -141,7 +158,7 @@ class AsyncSampler:
             target=_worker,
             args=(
                 worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg), shares_prompt(cfg),
-                cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
+                cfg.run.seed, self.dist.rank, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
             ),
             daemon=True,
         )  # fmt: skip
@@ -158,7 +175,7 @@ class AsyncSampler:
         if version != self.pushed:
             self.inbox.put(("weights", (version, self.ring.versions[version])))
             self.pushed = version
-        examples = self.ahead.next(self.cfg.rollout.prompts_per_step)
+        examples = self.dist.share(self.ahead.next(self.cfg.rollout.prompts_per_step))
         self.inbox.put(
             ("sample", (step, [e.prompt for e in examples], [e.answer for e in examples]))
         )

@@ -43,6 +43,27 @@ class Dist:
             x = y.to(x.device)
         return x
 
+    def stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (the same shape on every rank), stacked in rank order:
+        ``[world, *x.shape]``, ``x[None]`` in a world of one. Exact: a sum over the ranks of rows
+        that are zero but for each rank's own (``-inf`` entries stay ``-inf``)."""
+        rows = torch.zeros((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        rows[self.rank] = x
+        return self.all_sum(rows)
+
+    def cat(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's 1-D ``x`` (any length) concatenated in rank order, and where this rank's
+        begins; ``(x, 0)`` in a world of one."""
+        if not self.enabled:
+            return x, 0
+        sizes = [int(n) for n in self.stack(torch.tensor(x.numel(), device=x.device)).tolist()]
+        if not any(sizes):
+            return x, 0
+        padded = torch.zeros(max(sizes), dtype=x.dtype, device=x.device)
+        padded[: x.numel()] = x
+        rows = self.stack(padded)
+        return torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), sum(sizes[: self.rank])
+
     def share(self, items: list) -> list:
         """This rank's equal, consecutive share of ``items`` (a step's prompts: whole groups)."""
         n = len(items) // self.world

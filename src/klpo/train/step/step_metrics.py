@@ -128,7 +128,9 @@ def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> 
     return out
 
 
-def sampler_metrics(cfg: TrainConfig, s: Scored, gap: SamplerGap, step: int) -> dict[str, float]:
+def sampler_metrics(
+    cfg: TrainConfig, s: Scored, gap: SamplerGap, step: int, dist: Dist | None = None
+) -> dict[str, float]:
     """A stale sampler's distance to the trainer (``rollout.staleness``): ``rollout/staleness``,
     the batch's lag in versions at ``step``; :func:`klpo.offpolicy.trust_region_metrics` of
     pi_old (the weights that start the step, pi_theta at the first update) against pi_behav on
@@ -136,19 +138,43 @@ def sampler_metrics(cfg: TrainConfig, s: Scored, gap: SamplerGap, step: int) -> 
     (``s.keep``: M2PO's, TRM's, at the update's first epoch); and the exact values from ``gap``
     (:func:`klpo.train.rollout.versions.behaviour_pass`, ``[B, C]`` at each position):
     ``sampler/kl_exact`` and ``sampler/kl_exact_max`` of KL(pi_behav ‖ pi_old),
-    ``sampler/tv_exact`` and ``sampler/tv_exact_max`` of their total variation. One process
-    (the preflight says so)."""
+    ``sampler/tv_exact`` and ``sampler/tv_exact_max`` of their total variation.
+
+    Under ``torchrun`` (``dist`` of several ranks) every rank's sufficient statistics
+    (:func:`klpo.offpolicy.trust_region_stats`) are gathered in rank order and merged
+    (:func:`klpo.offpolicy.merge_trust_region_stats`): every rank logs the metrics of one
+    process holding the whole step's batch (up to rounding), the same bits on each;
+    ``rollout/staleness`` is the mean of the ranks' lags (the same on each rank)."""
     r, a = s.rollout, cfg.algo
     mask = r.mask
-    out = offpolicy.trust_region_metrics(
-        s.old.logp, r.behav_logp.to(s.old.logp.device), mask, clip_low=a.clip_low,
-        clip_high=a.clip_high, keep=None if s.keep is None else s.keep.to(mask.device),
-    )  # fmt: skip
-    for name, value in (("kl_exact", gap.kl), ("tv_exact", gap.tv)):
-        value = value.to(mask.device).double()
-        out[f"sampler/{name}"] = float(reduce.masked_mean(value, mask))
-        out[f"sampler/{name}_max"] = (
-            float(torch.where(mask, value, 0.0).max()) if mask.any() else 0.0
+    behav = r.behav_logp.to(s.old.logp.device)
+    keep = None if s.keep is None else s.keep.to(mask.device)
+    lag = float(step - 1 - r.behav_version)
+    if dist is None or not dist.enabled:
+        out = offpolicy.trust_region_metrics(
+            s.old.logp, behav, mask, clip_low=a.clip_low, clip_high=a.clip_high, keep=keep
         )
-    out["rollout/staleness"] = float(step - 1 - r.behav_version)
+        for name, value in (("kl_exact", gap.kl), ("tv_exact", gap.tv)):
+            value = value.to(mask.device).double()
+            out[f"sampler/{name}"] = float(reduce.masked_mean(value, mask))
+            out[f"sampler/{name}_max"] = (
+                float(torch.where(mask, value, 0.0).max()) if mask.any() else 0.0
+            )
+        out["rollout/staleness"] = lag
+        return out
+    stats = offpolicy.trust_region_stats(
+        s.old.logp, behav, mask, clip_low=a.clip_low, clip_high=a.clip_high, keep=keep,
+        token_kl=gap.kl.to(mask.device).double(), token_tv=gap.tv.to(mask.device).double(),
+    )  # fmt: skip
+    keys = list(stats)
+    tokens = stats["tokens"]
+    mine = torch.stack(
+        [*stats.values(), torch.tensor(lag, dtype=tokens.dtype, device=tokens.device)]
+    )
+    rows = dist.stack(mine)  # [world, K + 1], every rank's in rank order
+    merged = offpolicy.merge_trust_region_stats(
+        [dict(zip(keys, row[:-1], strict=True)) for row in rows]
+    )
+    out = offpolicy.finish_trust_region_stats(merged)
+    out["rollout/staleness"] = float(rows[:, -1].sum() / dist.world)
     return out

@@ -132,7 +132,7 @@ def update(
             if opt.critic is not None:
                 opt.critic.zero_grad(set_to_none=True)
             step_losses: dict[str, float] = {}
-            keep = _batch_mask(cfg, s, mb, tally, first=epoch == 0) if batch_mask else None
+            keep = _batch_mask(cfg, s, mb, tally, dist, first=epoch == 0) if batch_mask else None
             if term.ref is not None:
                 head = unwrap(m.backbone).head()
                 part = ref_term(cfg, m.backbone, head, term)
@@ -165,18 +165,33 @@ def update(
     return tally
 
 
-def _batch_mask(cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally, *, first: bool) -> Tensor:
+def _batch_mask(
+    cfg: TrainConfig, s: Scored, rows: Tensor, tally: Tally, dist: Dist, *, first: bool
+) -> Tensor:
     """``[B, C]`` M2PO's mask over the optimizer step's tokens ``rows`` (False elsewhere), from
     log pi_old - log pi_behav (pi_behav the stale sampler's or the engine's log-probs, else
     pi_old: all kept); the share it drops goes to ``m2po/masked_frac``, and at the ``first``
-    epoch its rows into ``s.keep``."""
+    epoch its rows into ``s.keep``.
+
+    Under ``torchrun`` the optimizer step's tokens are every rank's ``rows``: each rank's
+    ``(log pi_old - log pi_behav)²`` are gathered in rank order (:meth:`Dist.cat`), the rule
+    (:func:`klpo.offpolicy.m2po_keep`) applied once to them all, and each rank takes its own
+    slice, so that it masks its rows as one process holding every rank's would."""
     if not bool(s.old.filled.all()):
         raise RuntimeError("M2PO's mask needs pi_old before the update (the score pass fills it)")
     mask = s.rollout.mask
     behav = s.rollout.sampler_logp
     old = s.old.logp[rows]
     log_ratio = old - (old if behav is None else behav[rows].to(old.dtype))
-    kept = offpolicy.m2po_mask(log_ratio, mask[rows], threshold=cfg.algo.m2po_threshold)
+    threshold = cfg.algo.m2po_threshold
+    if dist.enabled:
+        valid = mask[rows]
+        m2 = log_ratio.detach().to(torch.float64).square()[valid]
+        everyone, start = dist.cat(m2)
+        kept = torch.zeros_like(valid)
+        kept[valid] = offpolicy.m2po_keep(everyone, threshold=threshold)[start : start + m2.numel()]
+    else:
+        kept = offpolicy.m2po_mask(log_ratio, mask[rows], threshold=threshold)
     keep = torch.zeros_like(mask)
     keep[rows] = kept
     tally.add("m2po/masked_frac", float((mask[rows] & ~kept).sum()), float(mask[rows].sum()))
