@@ -660,3 +660,44 @@ def test_each_rank_samples_a_step_with_its_own_seed():
     assert step_seed(3, 5) == step_seed(3, 5, 0) == 3 * 1_000_003 + 5  # one process: as before
     seeds = {step_seed(3, 5, rank) for rank in range(8)}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_prime_rls_loss_is_anchored_to_the_sampler_and_verls_dppo_to_pi_old(stale, trm_batch):
+    """dppo-tv-k2 (prime-rl's loss) takes its mask, its weight and its k2 term against pi_behav,
+    with no TIS weight on top (the ratio to the sampler is the weight); with
+    algo.dppo_anchor=old (verl's anchor) against pi_old, times the TIS weight. Each gradient is
+    autograd's of the loss written out from the library's pieces; at the first update the
+    old-anchored k2 term and mask do nothing, so the two anchors differ."""
+    from klpo import offpolicy
+
+    model, m, _ring, params = stale
+    rollout, _gap, scored, _ = trm_batch
+    mask, adv, behav, old = rollout.mask, scored.adv, rollout.behav_logp, scored.old.logp
+    over = {**TRM_OVER, "algo.policy_loss": "dppo-tv-k2", "algo.sampler_k2_coef": 0.5,
+            "algo.dppo_delta_low": 0.05, "algo.dppo_delta_high": 0.05}  # fmt: skip
+
+    def autograd(anchor, weight):
+        logp = _policy_logp(m, rollout)
+        pg = offpolicy.dppo(logp, anchor, adv, delta_low=0.05, delta_high=0.05)
+        per_tok = weight * (pg + offpolicy.sampler_k2(logp, anchor, coef=0.5))
+        loss = torch.where(mask, per_tok, 0.0).sum() / mask.sum()
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    g_sampler, _ = _update_grad(_config(model, **over), m, scored, params)
+    g_old, _ = _update_grad(
+        _config(model, **over, **{"algo.dppo_anchor": "old"}), m, scored, params
+    )
+    want_sampler = autograd(behav, 1.0)
+    want_old = autograd(old, (old - behav).exp().clamp(max=2.0).detach())
+    keep = offpolicy.dppo_mask(old, behav, adv, delta_low=0.05, delta_high=0.05)
+    assert 0 < int((keep & mask).sum()) < int(mask.sum())  # the sampler's mask drops some tokens
+    for got, want in ((g_sampler, want_sampler), (g_old, want_old)):
+        assert float((got - want).norm()) <= 1e-4 * float(want.norm())
+    assert float((g_sampler - g_old).norm()) > 0.05 * float(g_old.norm())
+
+
+def test_dppo_anchor_is_refused_outside_the_dppo_losses(tiny_model):
+    with pytest.raises(ValueError, match=r"algo\.dppo_anchor=sampler anchors a DPPO loss"):
+        _config(tiny_model, **{"algo.dppo_anchor": "sampler"})
+    cfg = _config(tiny_model, **{"algo.policy_loss": "dppo-tv", "algo.dppo_anchor": "sampler"})
+    assert cfg.algo.dppo_anchor == "sampler"

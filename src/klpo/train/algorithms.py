@@ -180,6 +180,7 @@ class ClipSettings(Protocol):
     dppo_delta_low: float
     dppo_delta_high: float
     sampler_k2_coef: float
+    dppo_anchor: str | None
     m2po_threshold: float
 
 
@@ -222,9 +223,21 @@ def _dppo_kl_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -
 
 
 def _dppo_tv_k2_loss(a: ClipSettings, logp, logp_old, adv, mask, beta_old: float) -> Tensor:
-    """prime-rl's default RL loss: the DPPO-TV policy gradient plus k2 toward the sampler."""
+    """prime-rl's default RL loss: the DPPO-TV policy gradient plus k2 toward ``logp_old``, the
+    sampler's log-probs where the update anchors it there (:func:`anchors_to_sampler`)."""
     pg = _dppo_tv_loss(a, logp, logp_old, adv, mask, beta_old)
     return pg + offpolicy.sampler_k2(logp, logp_old, coef=a.sampler_k2_coef).to(pg.dtype)
+
+
+def anchors_to_sampler(a: ClipSettings, policy_loss: str) -> bool:
+    """Whether ``policy_loss`` takes its ratio to the behaviour policy that sampled the tokens
+    rather than to pi_old: ``algo.dppo_anchor``, or by default the sampler for ``dppo-tv-k2``
+    (prime-rl, which keeps no pi_old apart from the inference engine's log-probs) and pi_old for
+    ``dppo-tv`` and ``dppo-kl`` (verl's anchor)."""
+    if not policy_loss.startswith("dppo"):
+        return False
+    anchor = getattr(a, "dppo_anchor", None)
+    return anchor == "sampler" if anchor is not None else policy_loss == "dppo-tv-k2"
 
 
 def _m2po_loss(a: ClipSettings, logp, logp_old, adv, keep, beta_old: float) -> Tensor:

@@ -461,8 +461,9 @@ class AlgoConfig(_Section):
         "weight capped at 1 + clip_high, no lower bound); DPPO's binary-TV or binary-KL mask "
         "instead of the ratio clip, anchored to pi_old, with the weight sg(min(ratio, 20)) on "
         "log pi (dppo-tv, dppo-kl; Qi et al. 2026; thresholds dppo_delta_low/high); or "
-        "prime-rl's default, dppo-tv plus sampler_k2_coef·(log pi_theta - log pi_old)², a k2 "
-        "penalty toward the sampling policy (dppo-tv-k2); or M2PO's unclipped ratio surrogate on "
+        "prime-rl's default, dppo-tv plus sampler_k2_coef·(log pi_theta - log pi_behav)², a k2 "
+        "penalty toward the sampling policy, its mask and weight anchored to the sampler "
+        "(dppo-tv-k2; dppo_anchor); or M2PO's unclipped ratio surrogate on "
         "the tokens its batch mask keeps, the mask dropping the tokens of largest (log pi_old - "
         "log pi_behav)² over the optimizer step until the rest's mean is below m2po_threshold "
         "(m2po; Zheng, Zhao & Chen 2025; pi_behav the stale sampler's or the engine's, else "
@@ -487,8 +488,18 @@ class AlgoConfig(_Section):
     sampler_k2_coef: float = Field(
         1e-3,
         ge=0,
-        description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_old)² per token "
-        "(prime-rl's kl_tau, default 1e-3).",
+        description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_anchor)² per token "
+        "(prime-rl's kl_tau, default 1e-3; the anchor: dppo_anchor).",
+    )
+    dppo_anchor: Literal["old", "sampler"] | None = Field(
+        None,
+        description="dppo-*: the policy the mask, the weight and the k2 term are anchored to: "
+        "old, the trainer's pi_old (verl's dppo_tv/dppo_kl), with the TIS weight of "
+        "rollout.tis_cap on top; or sampler, the behaviour policy that sampled the tokens (the "
+        "stale sampler's or the engine's log-probs; prime-rl, which has no pi_old), whose ratio "
+        "pi_theta/pi_behav is then the importance weight itself (no TIS weight on top). Where no "
+        "behaviour policy is apart from pi_old the two are the same. null: sampler for "
+        "dppo-tv-k2, old for dppo-tv and dppo-kl.",
     )
     m2po_threshold: float = Field(
         0.04,
@@ -921,6 +932,7 @@ class TrainConfig(_Section):
             )
         self._check_staleness()
         self._check_trm()
+        self._check_dppo_anchor()
         reason = kl.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
@@ -949,6 +961,15 @@ class TrainConfig(_Section):
                 "and adapter-free reference are not sharded); use dist.strategy=ddp with LoRA"
             )
         return self
+
+    def _check_dppo_anchor(self) -> None:
+        """``algo.dppo_anchor`` belongs to the DPPO losses."""
+        anchor, loss = self.algo.dppo_anchor, self.algo.policy_loss
+        if anchor is not None and not loss.startswith("dppo"):
+            raise ValueError(
+                f"algo.dppo_anchor={anchor} anchors a DPPO loss, but algo.policy_loss={loss}; "
+                "set algo.policy_loss to dppo-tv, dppo-kl or dppo-tv-k2, or algo.dppo_anchor=null"
+            )
 
     def _check_trm(self) -> None:
         """Trust Region Masking needs a behaviour policy other than pi_old."""

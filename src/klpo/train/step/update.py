@@ -35,7 +35,7 @@ from torch import Tensor
 
 from klpo import logprobs, losses, mismatch, offpolicy, reduce
 from klpo.heads import Head
-from klpo.train.algorithms import POLICY_LOSSES
+from klpo.train.algorithms import POLICY_LOSSES, anchors_to_sampler
 from klpo.train.config import TrainConfig
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import reference_args, shares_prompt, token_outputs
@@ -457,9 +457,13 @@ def policy_loss(
     kl_estimator, kl_weight, beta = term.estimator, term.loss_weight, term.beta
     adv, mask, logp, logp_old = mb.adv, r.mask, out.logp, mb.logp_old
     spec = POLICY_LOSSES[a.policy_loss]
-    pg = spec.loss(a, logp, logp_old, adv, mb.keep if spec.batch_mask else mask, term.beta_old)
     behav = r.sampler_logp
-    if behav is not None and cfg.rollout.tis_cap is not None:
+    # A DPPO loss anchored to the sampler takes its ratio to pi_behav: that ratio is the
+    # importance weight (prime-rl's loss), so no TIS weight goes on top of it.
+    to_sampler = behav is not None and anchors_to_sampler(a, a.policy_loss)
+    anchor = behav if to_sampler else logp_old
+    pg = spec.loss(a, logp, anchor, adv, mb.keep if spec.batch_mask else mask, term.beta_old)
+    if behav is not None and cfg.rollout.tis_cap is not None and not to_sampler:
         # Tokens sampled by an inference engine or a stale sampler: truncated importance
         # sampling against the trainer's pi_old (decoupled PPO, with pi_prox = pi_old).
         pg = mismatch.tis_policy_loss(pg, logp_old, behav, cap=cfg.rollout.tis_cap)
