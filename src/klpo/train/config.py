@@ -356,7 +356,8 @@ class RolloutConfig(_Section):
         description="rollout.staleness > 0: sample in a rollout worker process (spawned, one "
         "torch thread, its own copy of the policy) up to rollout.staleness steps ahead of the "
         "update, with the weights pushed after each step, instead of in the trainer between "
-        "steps; the same versions (each batch k behind after the first k steps), each step "
+        "steps; the same versions (each batch k behind after the first k steps; with "
+        "rollout.async_weights=newest the newest pushed, 0 to k behind), each step "
         "seeded by (run.seed, step, rank); under torchrun one worker per rank, sampling that "
         "rank's share of the prompts (docs/async.md).",
     )
