@@ -181,3 +181,20 @@ def test_a_stale_sampler_refuses_what_it_cannot_do_yet(extra, needle):
     if extra == "kl.off_policy_correction=false":  # the uncorrected term is spelt out
         cfg = build_config(overrides=["rollout.staleness=2", extra, "kl.behaviour_correction=none"])
         assert cfg.kl.behaviour_correction == "none"
+
+
+def test_the_newest_weights_need_the_worker_and_say_the_lag_varies():
+    from klpo.train.models.describe import config_lines
+
+    stale = ["rollout.staleness=2", "rollout.asynchronous=true"]
+    assert build_config(overrides=stale).rollout.async_weights == "fixed"  # the default
+    cfg = build_config(overrides=[*stale, "rollout.async_weights=newest"])
+    assert (
+        "staleness: the sampler up to 2 versions behind the trainer (the newest weights pushed: "
+        "the lag depends on the timing), in a worker process sampling ahead;"
+    ) in "\n".join(config_lines(cfg))
+    for over in (["rollout.staleness=2"], []):
+        with pytest.raises(ConfigError, match=r"set rollout\.asynchronous=true, or rollout\.async"):
+            build_config(overrides=[*over, "rollout.async_weights=newest"])
+    with pytest.raises(ConfigError, match="async_weights"):
+        build_config(overrides=[*stale, "rollout.async_weights=latest"])

@@ -304,6 +304,9 @@ def test_the_trainer_refuses_a_batch_older_than_the_staleness():
     sampler.outbox.put(("batch", (8, 5, None, None, None)))
     with pytest.raises(RuntimeError, match="sent the batch of step 8 for step 9"):
         sampler.take(9)
+    sampler.outbox.put(("batch", (4, 4, None, None, None)))  # step 4 by 4: from its future
+    with pytest.raises(RuntimeError, match=r"version 4, newer than the weights that start"):
+        sampler.take(4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -701,3 +704,187 @@ def test_dppo_anchor_is_refused_outside_the_dppo_losses(tiny_model):
         _config(tiny_model, **{"algo.dppo_anchor": "sampler"})
     cfg = _config(tiny_model, **{"algo.policy_loss": "dppo-tv", "algo.dppo_anchor": "sampler"})
     assert cfg.algo.dppo_anchor == "sampler"
+
+
+# --------------------------------------------------------------------------------------------
+# rollout.async_weights=newest: the worker samples with the newest version pushed (lag 0 .. k).
+
+
+def test_the_newest_version_pushed_is_picked_never_one_more_than_k_behind():
+    from klpo.train.rollout.worker import pick_version
+
+    def naive(pushed, step, k, oldest=0):  # every version allowed for the step, the newest
+        allowed = [v for v in pushed if max(step - 1 - k, oldest) <= v <= step - 1]
+        return (
+            max(allowed)
+            if allowed and max(allowed) == max([v for v in pushed if v <= step - 1])
+            else None
+        )
+
+    for k in (0, 1, 2, 3):
+        for step in range(1, 9):
+            for n in range(0, 10):
+                for pushed in (range(n), range(n // 2, n), [n - 1] if n else []):
+                    for oldest in (0, 2):
+                        got = pick_version(pushed, step, k, oldest)
+                        assert got == naive(list(pushed), step, k, oldest), (pushed, step, k)
+                        if got is not None:
+                            assert max(step - 1 - k, oldest) <= got <= step - 1
+    assert pick_version([0], 1, 2) == 0  # the first step: the starting weights, lag 0
+    assert pick_version([0, 1, 2, 3], 4, 2) == 3  # the newest, lag 0
+    assert pick_version([0, 1], 5, 2) is None  # 1 is 3 behind step 5: wait for version 2
+    assert pick_version([0, 1, 2, 3], 2, 2) == 1  # 2 and 3 would be from step 2's future
+    assert pick_version([3], 3, 2, oldest=3) is None  # a resumed ring: nothing older than 3
+    with pytest.raises(ValueError, match=r"staleness must be an integer >= 0"):
+        pick_version([0], 1, -1)
+    with pytest.raises(ValueError, match=r"step must be >= 1"):
+        pick_version([0], 0, 1)
+
+
+def _logp_at(m, rollout, temperature):
+    """``[B, C]`` the policy's log-probs of the sampled tokens from a whole forward of its own
+    logits (the oracle of the behaviour pass's), 0 where masked."""
+    ids, att = rollout.input_ids, rollout.attention_mask.long()
+    with torch.no_grad():
+        logits = m.policy(input_ids=ids, attention_mask=att, position_ids=position_ids(att)).logits
+    c = rollout.completion_ids.shape[1]
+    logp = (logits[:, -c - 1 : -1].double() / temperature).log_softmax(-1)
+    logp = logp.gather(-1, rollout.completion_ids[..., None])[..., 0]
+    return torch.where(rollout.mask, logp, 0.0)
+
+
+class _ScriptedInbox:
+    """The worker's inbox, the trainer's side played by a script: the messages of a phase are
+    all queued at once; when the worker waits (a blocking ``get`` on an empty inbox) the next
+    phase is queued, and the worker's pending step is noted; after the last phase, "stop"."""
+
+    def __init__(self, phases):
+        import collections
+
+        self.phases, self.queued, self.waits = list(phases), collections.deque(), 0
+
+    def get_nowait(self):
+        import queue
+
+        if not self.queued:
+            raise queue.Empty
+        return self.queued.popleft()
+
+    def get(self):
+        if not self.queued:
+            if not self.phases:
+                return ("stop", None)
+            self.waits += 1
+            self.queued.extend(self.phases.pop(0))
+        return self.queued.popleft()
+
+
+def test_the_newest_worker_samples_with_the_newest_version_and_waits_for_the_oldest_allowed(
+    tiny_model,
+):
+    """The worker's loop (in this process, its inbox scripted) with k = 2: a worker behind the
+    trainer finds versions 0, 1, 2 and the requests of steps 1 .. 4 queued and samples steps
+    1, 2, 3, 4 with versions 0, 1, 2, 2 (the newest not from the step's future); step 6 with
+    only version 2 received waits (2 is 3 behind) and takes version 3 when it comes; step 7
+    finds 4, 5, 6 and takes 6. Every batch's behaviour log-probs, formed by the trainer from
+    the worker's hidden states, are the policy's own at the version reported (a whole forward
+    with that version's weights from the ring), to float rounding."""
+    import copy
+    import queue
+
+    from klpo.train.models.backbone import shares_prompt
+    from klpo.train.models.load import DTYPES
+    from klpo.train.rollout.engines import Sampling
+    from klpo.train.rollout.worker import AsyncSampler, _worker
+
+    extra = {
+        "rollout.staleness": 2, "rollout.asynchronous": "true", "rollout.async_weights": "newest",
+        "rollout.max_new_tokens": 3,
+    }  # fmt: skip
+    cfg = _config(tiny_model, **extra)
+    m = build_models(cfg, Dist(), None)
+    ring = VersionRing(10)  # (a store of every version here)
+    gen = torch.Generator().manual_seed(1)
+    params = [p for p in m.policy.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for version in range(7):
+            ring.keep(version, m.policy)
+            for p in params:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    ring.keep(7, m.policy)  # the policy holds version 7 (the trainer's current weights)
+
+    def weights(v):
+        return ("weights", (v, ring.versions[v]))
+
+    def request(step):
+        return ("sample", (step, [PROMPT], ["7"], max(step - 3, 0)))
+
+    phases = [
+        [weights(0), request(1), request(2), request(3), weights(1), weights(2), request(4)],
+        [request(5)],
+        [request(6)],
+        [weights(3)],
+        [weights(4), weights(5), weights(6), request(7)],
+    ]
+    inbox, outbox = _ScriptedInbox(phases), queue.Queue()
+    _worker(
+        copy.deepcopy(m.backbone), m.tokenizer, m.codec, Sampling.from_config(cfg),
+        shares_prompt(cfg), cfg.run.seed, 0, "cpu", DTYPES[cfg.model.dtype], inbox, outbox, 2,
+    )  # fmt: skip
+    assert inbox.waits == 5 and not inbox.phases  # (at the start; after 4, 5; at 6; after 6)
+    sampler = AsyncSampler.__new__(AsyncSampler)  # the trainer's side of take()
+    sampler.k, sampler.outbox, sampler.models, sampler.device = 2, outbox, m, torch.device("cpu")
+    sampler.process = None
+    versions = []
+    for step in range(1, 8):
+        rollout, behaviour = sampler.take(step)
+        versions.append(behaviour.version)
+        done, _ = behaviour_pass(cfg, m, rollout, behaviour)
+        assert done.behav_version == behaviour.version
+        with ring.at(m.policy, behaviour.version):
+            want = _logp_at(m, rollout, TEMPERATURE)
+        assert torch.allclose(done.behav_logp.double(), want, atol=1e-5, rtol=0), step
+    assert versions == [0, 1, 2, 2, 2, 3, 6]  # lags 0, 0, 0, 1, 2, 2, 0
+    assert outbox.empty()
+
+
+def test_a_newest_run_logs_lags_within_k_and_the_behaviour_of_the_version_used(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    """A run with the worker on the newest weights (k = 2), stopped after step 4 and resumed to
+    step 5: every logged ``rollout/staleness`` is an integer in [0, 2], 0 at the first step and
+    at the first after the resume (the worker starts from the restored newest version), and is
+    the lag of the version the worker reported; each batch's behaviour log-probs are the policy's
+    own at that version (from the trainer's ring, a whole forward), to float rounding (step 4's
+    at the earliest is sampled by a version pushed after the start)."""
+    import multiprocessing
+
+    from klpo.train import loop
+
+    checked = {}
+    sample = loop._sample
+
+    def checking(run, step, mine):
+        rollout, gap = sample(run, step, mine)
+        v = rollout.behav_version
+        with run.versions.at(run.models.policy, v):
+            want = _logp_at(run.models, rollout, run.cfg.rollout.temperature)
+        checked[step] = (v, float((rollout.behav_logp.double() - want).abs().max()))
+        return rollout, gap
+
+    monkeypatch.setattr(loop, "_sample", checking)
+    extra = {
+        "rollout.staleness": 2, "rollout.asynchronous": "true", "rollout.async_weights": "newest",
+        "run.save_every": 2, "run.eval_every": 0, "kl.estimator": "k3",
+    }  # fmt: skip
+    run_dir = tmp_path / "run"
+    loop.train(build_config(overrides=quick(tiny_model, run_dir, **extra, **{"run.steps": 4})))
+    over = quick(tiny_model, run_dir, **extra, **{"run.steps": 5})
+    loop.train(build_config(overrides=over), resume=True, log=lambda *_: None)
+    lags = [r["rollout/staleness"] for r in _rows(run_dir)]
+    assert len(lags) == 5 and all(lag in (0.0, 1.0, 2.0) for lag in lags), lags
+    assert lags[0] == 0.0 and lags[4] == 0.0, lags
+    assert sorted(checked) == [1, 2, 3, 4, 5]
+    assert lags == [float(step - 1 - checked[step][0]) for step in range(1, 6)]
+    assert all(diff < 1e-5 for _, diff in checked.values()), checked
+    assert not multiprocessing.active_children()

@@ -356,9 +356,20 @@ class RolloutConfig(_Section):
         description="rollout.staleness > 0: sample in a rollout worker process (spawned, one "
         "torch thread, its own copy of the policy) up to rollout.staleness steps ahead of the "
         "update, with the weights pushed after each step, instead of in the trainer between "
-        "steps; the same versions (each batch k behind after the first k steps), each step "
+        "steps; the same versions (each batch k behind after the first k steps; with "
+        "rollout.async_weights=newest the newest pushed, 0 to k behind), each step "
         "seeded by (run.seed, step, rank); under torchrun one worker per rank, sampling that "
         "rank's share of the prompts (docs/async.md).",
+    )
+    async_weights: Literal["fixed", "newest"] = Field(
+        "fixed",
+        description="rollout.asynchronous: which version the worker samples a step with. "
+        "'fixed': version t - 1 - k for step t, exactly k behind after the first k steps (the "
+        "deterministic mode's batches, bit for bit; what the tests and studies use). 'newest': "
+        "the newest version the trainer has pushed when the worker starts the step, never older "
+        "than t - 1 - k (it waits for that one), so the lag is between 0 and k and depends on "
+        "the timing of the two processes: such a run is not reproducible bit for bit; "
+        "rollout/staleness logs each batch's lag (docs/async.md).",
     )
     vllm_memory: float = Field(
         0.3,
@@ -993,6 +1004,12 @@ class TrainConfig(_Section):
     def _check_staleness(self) -> None:
         """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
         k = self.rollout.staleness
+        if self.rollout.async_weights != "fixed" and not self.rollout.asynchronous:
+            raise ValueError(
+                f"rollout.async_weights={self.rollout.async_weights} picks the weights in the "
+                "rollout worker, but rollout.asynchronous is false (the trainer samples with "
+                "version t - 1 - k); set rollout.asynchronous=true, or rollout.async_weights=fixed"
+            )
         if k == 0:
             if self.rollout.asynchronous:
                 raise ValueError(

@@ -45,9 +45,12 @@ def config_lines(cfg: TrainConfig) -> list[str]:
     )
     if ro.staleness:
         where = "a worker process sampling ahead" if ro.asynchronous else "the trainer"
+        behind = f"{_n(ro.staleness, 'version')} behind the trainer"
+        if ro.asynchronous and ro.async_weights == "newest":
+            behind = f"up to {behind} (the newest weights pushed: the lag depends on the timing)"
         cap = f" {_num(k.behaviour_cap)}" if k.behaviour_correction == "is-cap" else ""
         lines.append(
-            f"staleness: the sampler {_n(ro.staleness, 'version')} behind the trainer, in "
+            f"staleness: the sampler {behind}, in "
             f"{where}; KL term's correction {k.behaviour_correction}{cap}, policy loss's TIS cap "
             f"{'none' if ro.tis_cap is None else _num(ro.tis_cap)} (docs/async.md)"
         )

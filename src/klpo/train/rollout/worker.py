@@ -16,10 +16,18 @@ the requests sent again from the restored prompt stream) samples what the uninte
 Under ``torchrun`` each rank starts its own worker, which samples that rank's share of each step's
 prompts (:meth:`klpo.train.runtime.dist.Dist.share`) seeded by ``(run.seed, step, rank)``.
 
+With ``rollout.async_weights: newest`` the trainer pushes every version (after step s, version s,
+then the request of step s + k + 1; at the start the newest kept, before the first requests), and
+the worker, before sampling a step, reads every message already queued and samples with the
+newest version received (:func:`pick_version`), never one older than t - 1 - k for step t (it
+waits for that one) nor from the step's future: the lag is between 0 and k and depends on the
+timing (a worker that keeps up samples each step as soon as it is requested, k behind; one that
+falls behind catches up with fresher weights), so such a run is not reproducible bit for bit.
+
 The worker returns the rollout with its version and the last hidden states of the completions at
 that version (and its head's weights); the trainer forms the behaviour log-probs and the exact
 KL(pi_behav ‖ pi_old) from them (:func:`klpo.train.rollout.versions.behaviour_pass`) and refuses a
-batch more than k versions old.
+batch more than k versions old or from a version newer than the weights that start the step.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import copy
 import queue
 import time
 import traceback
+from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -44,7 +54,7 @@ from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
 from klpo.train.rollout.versions import Behaviour, VersionRing
 from klpo.train.runtime.dist import Dist
 
-__all__ = ["AsyncSampler", "StaleBatch", "step_seed"]
+__all__ = ["AsyncSampler", "StaleBatch", "pick_version", "step_seed"]
 
 WAIT_S = 600.0
 """The longest wait for one batch from the worker before the trainer gives up."""
@@ -63,6 +73,35 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
     mode's): under ``torchrun`` each rank draws its own completions, and rank 0's seed is that
     of a run of one process."""
     return (seed * 1_000_003 + step + rank * RANK_STRIDE) % (2**63)
+
+
+def pick_version(pushed: Iterable[int], step: int, staleness: int, oldest: int = 0) -> int | None:
+    """``rollout.async_weights: newest``: the version the worker samples ``step`` (1-based) with,
+    given the versions ``pushed`` to it so far: the newest that is not from the step's future
+    (at most ``step - 1``, the weights that start it), if it is at least ``step - 1 -
+    staleness`` and ``oldest`` (the oldest version the trainer's ring keeps, after a resume
+    from a checkpoint without one); None where there is none yet (the worker waits for the
+    trainer's next version).
+
+    Example:
+        >>> pick_version([0, 1, 2], step=5, staleness=2)  # the newest; 2 >= 5 - 1 - 2
+        2
+        >>> pick_version([0, 1], step=5, staleness=2) is None  # 1 is 3 behind: wait for 2
+        True
+        >>> pick_version([0, 1, 2, 3], step=3, staleness=2)  # 3 would be from step 3's future
+        2
+    """
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(
+            f"staleness must be an integer >= 0 (rollout.staleness), got {staleness!r}"
+        )
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (steps count from 1), got {step!r}")
+    fit = [v for v in pushed if v <= step - 1]
+    if not fit:
+        return None
+    newest = max(fit)
+    return newest if newest >= max(step - 1 - staleness, oldest) else None
 
 
 def _load(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
@@ -88,44 +127,107 @@ def _worker(
     dtype: torch.dtype,
     inbox: Any,
     outbox: Any,
+    staleness: int | None = None,
 ) -> None:
-    """The worker process: weights and requests from ``inbox`` in order, batches to ``outbox``."""
+    """The worker process: weights and requests from ``inbox``, batches to ``outbox``. With
+    ``staleness`` None (``rollout.async_weights: fixed``) the messages are taken in order, each
+    request sampled with the weights received last; with k, each request with the version of
+    :func:`pick_version` among those received (every message already queued is read first)."""
     torch.set_num_threads(1)
     try:
         backbone = backbone.to(device)
         backbone.eval()
         version = None
-        while True:
-            kind, payload = inbox.get()
-            if kind == "stop":
-                break
+        if staleness is None:
+            while True:
+                kind, payload = inbox.get()
+                if kind == "stop":
+                    break
+                if kind == "weights":
+                    version, tensors = payload
+                    _load(backbone.model, tensors)
+                    continue
+                step, prompts, answers, _ = payload
+                _sample_step(backbone, tokenizer, codec, sampling, share_prompt, seed, rank,
+                             device, dtype, outbox, step, version, prompts, answers)  # fmt: skip
+            return
+        held: dict[int, dict[str, Tensor]] = {}  # received, not loaded
+        pending: deque = deque()  # requests received, not sampled
+        stop = False
+
+        def read(kind: str, payload: Any) -> bool:
             if kind == "weights":
-                version, tensors = payload
-                _load(backbone.model, tensors)
+                held[payload[0]] = payload[1]
+            elif kind == "sample":
+                pending.append(payload)
+            return kind == "stop"
+
+        while not stop:
+            while not stop:  # every message already queued
+                try:
+                    stop = read(*inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if stop:
+                break
+            choice = None
+            if pending:
+                step, prompts, answers, oldest = pending[0]
+                have = [*held, *([] if version is None else [version])]
+                choice = pick_version(have, step, staleness, oldest)
+            if choice is None:  # nothing to do yet: wait for the next message
+                stop = read(*inbox.get())
                 continue
-            step, prompts, answers = payload
-            torch.manual_seed(step_seed(seed, step, rank))
-            s = sampling
-            with autocast(dtype, torch.device(device)):  # as the hf engine samples
-                rollout = generate(
-                    backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
-                    max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                    max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
-                )  # fmt: skip
-            with torch.no_grad():
-                hidden = completion_hidden(backbone, rollout, share_prompt=share_prompt)
-                head = backbone.head()
-                weights = (
-                    None
-                    if not isinstance(head, Head)
-                    else (
-                        head.weight.detach().cpu().clone(),
-                        None if head.bias is None else head.bias.detach().cpu().clone(),
-                    )
-                )
-            outbox.put(("batch", (step, version, rollout, hidden.detach().cpu(), weights)))
+            pending.popleft()
+            if choice != version:
+                _load(backbone.model, held[choice])
+                version = choice
+            for v in [v for v in held if v <= version]:  # no later step takes an older one
+                del held[v]
+            _sample_step(backbone, tokenizer, codec, sampling, share_prompt, seed, rank,
+                         device, dtype, outbox, step, version, prompts, answers)  # fmt: skip
     except BaseException:  # said to the trainer, which raises it
         outbox.put(("error", traceback.format_exc()))
+
+
+def _sample_step(
+    backbone: torch.nn.Module,
+    tokenizer: Any,
+    codec: Any,
+    sampling: Sampling,
+    share_prompt: bool,
+    seed: int,
+    rank: int,
+    device: str,
+    dtype: torch.dtype,
+    outbox: Any,
+    step: int,
+    version: int | None,
+    prompts: list,
+    answers: list,
+) -> None:
+    """Sample one step's request with the weights the worker holds (``version``) and send the
+    batch: the rollout, its version, the completions' last hidden states and the head."""
+    torch.manual_seed(step_seed(seed, step, rank))
+    s = sampling
+    with autocast(dtype, torch.device(device)):  # as the hf engine samples
+        rollout = generate(
+            backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+            max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
+        )  # fmt: skip
+    with torch.no_grad():
+        hidden = completion_hidden(backbone, rollout, share_prompt=share_prompt)
+        head = backbone.head()
+        weights = (
+            None
+            if not isinstance(head, Head)
+            else (
+                head.weight.detach().cpu().clone(),
+                None if head.bias is None else head.bias.detach().cpu().clone(),
+            )
+        )
+    outbox.put(("batch", (step, version, rollout, hidden.detach().cpu(), weights)))
 
 
 class AsyncSampler:
@@ -145,6 +247,7 @@ class AsyncSampler:
 
         self.cfg, self.models, self.ring = cfg, m, ring
         self.k = cfg.rollout.staleness
+        self.newest = cfg.rollout.async_weights == "newest"
         self.dist = dist if dist is not None else Dist()  # each rank's worker samples its share
         self.ahead = copy.deepcopy(stream)  # the prompts of the steps requested ahead
         self.requested = step0
@@ -159,25 +262,32 @@ class AsyncSampler:
             args=(
                 worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg), shares_prompt(cfg),
                 cfg.run.seed, self.dist.rank, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
+                self.k if self.newest else None,
             ),
             daemon=True,
         )  # fmt: skip
         self.process.start()
         del worker_copy
+        if self.newest and step0 < cfg.run.steps:  # the newest kept, for the first requests
+            self._push(ring.latest)
         for step in range(step0 + 1, step0 + self.k + 2):
             self._request(step)
 
+    def _push(self, version: int) -> None:
+        self.inbox.put(("weights", (version, self.ring.versions[version])))
+        self.pushed = version
+
     def _request(self, step: int) -> None:
-        """The weights step ``step`` samples with (if not pushed yet), then its request."""
+        """The weights step ``step`` samples with (``fixed``: if not pushed yet), then its
+        request, with the oldest version it may be sampled by."""
         if step > self.cfg.run.steps:
             return
         version = self.ring.behaviour_version(step)
-        if version != self.pushed:
-            self.inbox.put(("weights", (version, self.ring.versions[version])))
-            self.pushed = version
+        if not self.newest and version != self.pushed:
+            self._push(version)
         examples = self.dist.share(self.ahead.next(self.cfg.rollout.prompts_per_step))
         self.inbox.put(
-            ("sample", (step, [e.prompt for e in examples], [e.answer for e in examples]))
+            ("sample", (step, [e.prompt for e in examples], [e.answer for e in examples], version))
         )
         self.requested = step
 
@@ -210,6 +320,11 @@ class AsyncSampler:
                 f"step {step}: the rollout worker's batch was sampled by policy version "
                 f"{version}, {lag} versions behind, more than rollout.staleness={self.k}"
             )
+        if lag < 0:
+            raise RuntimeError(
+                f"step {step}: the rollout worker's batch was sampled by policy version "
+                f"{version}, newer than the weights that start the step (version {step - 1})"
+            )
         head = unwrap(self.models.backbone).head()
         if weights is not None:
             head = head._replace(
@@ -221,7 +336,10 @@ class AsyncSampler:
         return rollout, Behaviour(version, hidden.to(self.device), head)
 
     def advance(self, step: int) -> None:
-        """After ``step`` (its version kept in the ring): the request of step ``step + k + 1``."""
+        """After ``step`` (its version kept in the ring): with ``newest`` that version (while
+        steps are left to sample), then the request of step ``step + k + 1``."""
+        if self.newest and step < self.cfg.run.steps:
+            self._push(step)
         self._request(step + self.k + 1)
 
     def close(self) -> None:
