@@ -89,8 +89,9 @@ def export(out: Path, dest: Path) -> int:
             (target / name).write_text(to_archive(text, out, models), encoding="utf-8")
         for name in RUN_GZIP:
             data = to_archive((run / name).read_text(encoding="utf-8"), out, models)
-            with gzip.open(target / f"{name}.gz", "wt", encoding="utf-8", compresslevel=9) as f:
-                f.write(data)
+            # mtime 0: the same run exports to the same bytes, so a re-export changes nothing
+            packed = gzip.compress(data.encode("utf-8"), compresslevel=9, mtime=0)
+            (target / f"{name}.gz").write_bytes(packed)
         kept += 1
     return kept
 
