@@ -675,48 +675,60 @@ def trust_region_stats(
     with torch.no_grad():
         lp, behav = _wide(logp.detach(), logp_behav=logp_behav)
         check_mask(mask, lp.shape)
-        log_w = lp - behav
-        w = capped_exp(log_w)
-
-        def total(x: Tensor) -> Tensor:
-            return torch.where(mask, x, 0.0).sum()
-
-        def biggest(x: Tensor) -> Tensor:
-            if x.numel() == 0:
-                return torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
-            return torch.where(mask, x, -torch.inf).max()
-
-        rows = mask.any(-1)
-        seq_log_w = torch.where(mask, log_w, 0.0).sum(-1)
-        k3 = torch.expm1(log_w.clamp(max=700.0)) - log_w
-        out: dict[str, Tensor] = {
-            "tokens": mask.sum().to(lp.dtype),
-            "seqs": rows.sum().to(lp.dtype),
-            **_ess_stats("ess", log_w, mask),
-            **_ess_stats("ess_seq", seq_log_w, rows),
-            "m2": total(log_w.square()),
-            "kl_k1": total(-log_w),
-            "kl_k3": total(k3),
-            "kl_k3_max": biggest(k3),
-            "tv": total(0.5 * (w - 1).abs()),
-            "tv_binary_max": biggest((lp.exp() - behav.exp()).abs()),
-            "clip": total(((w < 1.0 - clip_low) | (w > 1.0 + clip_high)).to(lp.dtype)),
-        }
+        out = _sampled_stats(lp, behav, mask, clip_low=clip_low, clip_high=clip_high)
         if keep is not None:
             check_mask(keep, lp.shape)
-            out["masked"] = total((~keep).to(lp.dtype))
+            out["masked"] = _masked_total((~keep).to(lp.dtype), mask)
         exact = _exact_values(
             lp, logits, logits_behav, temperature, token_kl=token_kl, token_tv=token_tv
         )
         if exact is not None:
             kl, tv = exact
             out |= {
-                "kl_exact": total(kl),
-                "kl_exact_max": biggest(kl),
-                "tv_exact": total(tv),
-                "tv_exact_max": biggest(tv),
+                "kl_exact": _masked_total(kl, mask),
+                "kl_exact_max": _masked_max(kl, mask),
+                "tv_exact": _masked_total(tv, mask),
+                "tv_exact_max": _masked_max(tv, mask),
             }
     return out
+
+
+def _masked_total(x: Tensor, mask: Tensor) -> Tensor:
+    """The sum of ``x`` over ``mask``, a 0-d tensor."""
+    return torch.where(mask, x, 0.0).sum()
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """The largest ``x`` over ``mask``, ``-inf`` over none."""
+    if x.numel() == 0:
+        return torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
+    return torch.where(mask, x, -torch.inf).max()
+
+
+def _sampled_stats(
+    lp: Tensor, behav: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> dict[str, Tensor]:
+    """:func:`trust_region_stats` from the sampled tokens' log-probs alone (the counts, the ESS
+    sums, M2, k1, k3, the TV estimate, the binary TV and the clip count)."""
+    log_w = lp - behav
+    w = capped_exp(log_w)
+    rows = mask.any(-1)
+    seq_log_w = torch.where(mask, log_w, 0.0).sum(-1)
+    k3 = torch.expm1(log_w.clamp(max=700.0)) - log_w
+    clipped = ((w < 1.0 - clip_low) | (w > 1.0 + clip_high)).to(lp.dtype)
+    return {
+        "tokens": mask.sum().to(lp.dtype),
+        "seqs": rows.sum().to(lp.dtype),
+        **_ess_stats("ess", log_w, mask),
+        **_ess_stats("ess_seq", seq_log_w, rows),
+        "m2": _masked_total(log_w.square(), mask),
+        "kl_k1": _masked_total(-log_w, mask),
+        "kl_k3": _masked_total(k3, mask),
+        "kl_k3_max": _masked_max(k3, mask),
+        "tv": _masked_total(0.5 * (w - 1).abs(), mask),
+        "tv_binary_max": _masked_max((lp.exp() - behav.exp()).abs(), mask),
+        "clip": _masked_total(clipped, mask),
+    }
 
 
 def _ess_stats(prefix: str, log_w: Tensor, mask: Tensor) -> dict[str, Tensor]:
