@@ -5,7 +5,8 @@ Each lag is its own ``klpo compare`` study (``configs/studies/stale.yaml``, with
 ``docs/study-real/archive.py export``. This script reads each archive's ``results.csv`` and its
 runs' metrics and prints one markdown table: per lag and KL choice, the final held-out accuracy
 (mean ± sd over seeds), the exact KL(pi_theta ‖ pi_ref) per token over the last 10 steps, the
-runs that failed, and the mean over every step of the trust-region diagnostics
+runs that failed (collapsed ones included, which still count in the means: on the
+over-optimisation task a collapse is the outcome the study measures), and the mean over every step of the trust-region diagnostics
 (``sampler/*``, docs/async.md) and of the largest per-position exact KL(pi_behav ‖ pi_old).
 
     python docs/study-stale/summary.py docs/study-stale            # the table, to stdout
@@ -32,6 +33,7 @@ DIAGNOSTICS = (  # (metric, column heading, format)
     ("sampler/tv_exact", "TV", ".4f"),
     ("sampler/clip_frac", "clip share", ".3f"),
 )
+FINISHED = ("ok", "collapsed")  # results.csv statuses of runs that ran every step
 CHOICE_ORDER = ("no KL", "k3 (no IS) loss", "k3 (IS) loss", "full loss", "no KL (sampler k2)")
 
 
@@ -89,13 +91,16 @@ def cells(root: Path) -> list[dict]:
         for r in rows:
             by_choice.setdefault(r["choice"], []).append(r)
         for choice, runs in by_choice.items():
-            done = [r for r in runs if r["status"] == "ok"]
+            # A collapsed run finished: on the over-optimisation task its collapse is the
+            # outcome measured, so its accuracy and KL count; a crashed or diverged one's do not.
+            done = [r for r in runs if r["status"] in FINISHED]
             diags = [run_diagnostics(read_metrics(study_dir / "runs" / r["name"])) for r in done]
             cell = {
                 "lag": lag,
                 "choice": choice,
                 "seeds": len(done),
                 "failed": sum(r["status"] != "ok" for r in runs),
+                "runs": len(runs),
                 "acc": [float(r["acc_final"]) for r in done],
                 "acc_start": float(runs[0]["acc_start"]),
                 "kl": [float(r["kl_exact_final"]) for r in done],
@@ -117,7 +122,7 @@ def table(found: list[dict]) -> str:
         diag = ["–" if math.isnan(c[k]) else format(c[k], spec) for k, _, spec in DIAGNOSTICS]
         kl = statistics.fmean(c["kl"]) if c["kl"] else math.nan
         row = [c["choice"], str(c["lag"]), str(c["seeds"]), mean_sd(c["acc"]) if c["acc"] else "–"]
-        row += [f"{kl:.3f}", f"{c['failed']}/{c['seeds'] + c['failed']}", *diag]
+        row += [f"{kl:.3f}", f"{c['failed']}/{c['runs']}", *diag]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -69,5 +69,16 @@ def test_cells_pool_seeds_and_average_each_runs_diagnostics(tmp_path, summary):
     assert "| full loss | 2 | 2 | 0.500 ± 0.141 | 0.200 | 1/3 | 0.650 | 0.0650 |" in text
 
 
+def test_a_collapsed_run_counts_in_the_means_and_as_failed(tmp_path, summary):
+    """On the over-optimisation task a collapse is the outcome measured: the run ran every step,
+    so its accuracy and KL are averaged with the others, and it is counted as failed."""
+    runs = [_run("c0", "no KL", 0.5, 0.2), _run("c1", "no KL", 0.1, 4.0, status="collapsed")]
+    _study(tmp_path, 4, runs, {})
+    (cell,) = summary.cells(tmp_path)
+    assert cell["acc"] == [0.5, 0.1] and cell["kl"] == [0.2, 4.0]
+    assert cell["seeds"] == 2 and cell["failed"] == 1
+    assert "| no KL | 4 | 2 | 0.300 ± 0.283 | 2.100 | 1/2 | – |" in summary.table([cell])
+
+
 def test_doctests(summary):
     assert doctest.testmod(summary, raise_on_error=False).failed == 0
