@@ -6,8 +6,8 @@ Each lag is its own ``klpo compare`` study (``configs/studies/stale.yaml``, with
 runs' metrics and prints one markdown table: per lag and KL choice, the final held-out accuracy
 (mean ± sd over seeds), the exact KL(pi_theta ‖ pi_ref) per token over the last 10 steps, the
 runs that failed (collapsed ones included, which still count in the means: on the
-over-optimisation task a collapse is the outcome the study measures), and the mean over every step of the trust-region diagnostics
-(``sampler/*``, docs/async.md) and of the largest per-position exact KL(pi_behav ‖ pi_old).
+over-optimisation task a collapse is the outcome the study measures), and the mean over every
+step of the trust-region diagnostics (``sampler/*``, docs/async.md) and of the largest per-position exact KL(pi_behav ‖ pi_old).
 
     python docs/study-stale/summary.py docs/study-stale            # the table, to stdout
     python docs/study-stale/summary.py docs/study-stale --out docs/study-stale/table.md
