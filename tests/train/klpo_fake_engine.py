@@ -16,6 +16,10 @@ from klpo.train.rollout.engines import EngineSpec, HFEngine, Sampling
 from klpo.train.rollout.samplers import Rollout, completion_hidden
 
 
+def _copy(policy) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in policy.parameters() if p.requires_grad]
+
+
 class PerturbedEngine:
     name = "perturbed"
 
@@ -24,12 +28,21 @@ class PerturbedEngine:
         self.policy, self.delta, self.temperature = policy, delta, cfg.rollout.temperature
         self.synced = 0
         self.closed = False
+        self.weights: list[torch.Tensor] | None = None  # what the last sync loaded
 
     def sync_weights(self, policy) -> None:
         assert policy is self.policy
         self.synced += 1
+        self.weights = _copy(policy)
 
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
+        # A real engine samples with the weights it was last loaded with, the policy module's
+        # own being elsewhere: this one samples with the module, so it checks they are those.
+        assert self.weights is not None, "sampled before any sync_weights"
+        now = _copy(self.policy)
+        assert all(torch.equal(a, b) for a, b in zip(self.weights, now, strict=True)), (
+            "the engine samples with weights other than those it was synced to"
+        )
         r = self.hf.sample(prompts, answers)
         backbone = Backbone(self.policy)
         weight, bias, _ = backbone.head()

@@ -158,7 +158,6 @@ def test_report_to_as_trl_writes_it():
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ("rollout.engine=vllm", "rollout.staleness=2 with rollout.engine=vllm is not supported"),
         ("rollout.dynamic_sampling=true", "with rollout.dynamic_sampling is not supported"),
         ("kl.reference_reset={every: 5}", "with kl.reference_reset is not supported"),
         ("kl.off_policy_correction=false", "set that, or kl.off_policy_correction=true"),

@@ -182,3 +182,77 @@ def test_a_lora_policy_is_sent_merged_and_left_unmerged(tiny_model):
     q_base = policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     assert (got["model.layers.0.self_attn.q_proj.weight"] - q_base).abs().max() > 1e-3
     assert torch.equal(policy(input_ids=ids).logits, before)
+
+
+# An engine behind the trainer (rollout.staleness with rollout.engine=vllm): it is loaded with the
+# sampling version every step, its log-probs weight the policy loss (they are what the tokens
+# were drawn from), and the trainer's own at that version are pi_behav for the KL term and the
+# exact sampler metrics; engine/* is the engine against the trainer at the same weights.
+
+
+def test_a_stale_engine_is_loaded_with_the_sampling_version_each_step(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    """k = 1: step t samples with version t - 2 (step 1 with version 0). The fake engine fails
+    a sample with weights other than those of its last sync, so one sync a step at the sampling
+    version is checked; engine/* is delta exactly only against the trainer at that version
+    (against pi_old, the current weights, it would carry the lag too)."""
+    made: list = []
+    over = {
+        "run.steps": 3, "run.eval_every": 0, "rollout.engine": "vllm", "rollout.staleness": 1,
+        "rollout.tis_cap": 2.0,
+    }  # fmt: skip
+    monkeypatch.setitem(engines.ENGINES, "vllm", _fake().spec(0.3, made))
+    loop.train(build_config(overrides=quick(tiny_model, tmp_path / "r", **over)), log=print)
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    (engine,) = made
+    assert engine.synced == 3 and engine.closed
+    k3 = math.exp(-0.3) - 1 + 0.3
+    for step, row in enumerate(rows, start=1):
+        assert row["rollout/staleness"] == min(1, step - 1)
+        assert row["engine/k1"] == pytest.approx(0.3, abs=1e-5)
+        assert row["engine/k3"] == pytest.approx(k3, abs=1e-5)
+        assert row["engine/abs_max"] == pytest.approx(0.3, abs=1e-5)
+    assert rows[0]["sampler/kl_exact"] == pytest.approx(0.0, abs=1e-6)  # version 0 = pi_old
+    assert all(row["sampler/kl_exact"] > 1e-6 for row in rows[1:])  # one version behind
+    # The sampler's weights are the engine's: k1 of KL(pi_behav ‖ pi_old) on the tokens is the
+    # trainer's gap (0 at step 1, where the two are the same weights) plus delta.
+    assert rows[0]["sampler/kl_k1"] == pytest.approx(0.3, abs=1e-5)
+
+
+def test_a_stale_engines_log_probs_weight_the_policy_loss_and_the_trainers_the_kl(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    """Step 1 of k = 1 (version 0, the weights that start the step): sampled by the HF engine
+    the TIS weight pi_old / pi_behav is 1; by the engine it is pi_old / pi_engine = e^-delta,
+    so the policy's gradient is e^-delta times the HF run's, while k3 in the loss, corrected
+    by pi_theta / pi_behav with the trainer's pi_behav, is the HF run's (with the engine's
+    log-probs there it would be e^-delta times it)."""
+    reference = _fake_reference(tmp_path / "ref")
+    extra = {
+        "rollout.staleness": 1, "kl.estimator": "k3", "kl.placement": "loss",
+        "kl.behaviour_correction": "is", "model.reference": reference,
+        "optim.grad_clip": "null", "rollout.tis_cap": 2.0,
+    }  # fmt: skip
+    hf = _one_step(tiny_model, quick, tmp_path / "hf", monkeypatch, **extra)
+    vllm = _one_step(tiny_model, quick, tmp_path / "vllm", monkeypatch, delta=0.5, **extra)
+    assert vllm["reward/mean"] == hf["reward/mean"]
+    assert hf["loss/kl"] > 0
+    assert vllm["loss/kl"] == pytest.approx(hf["loss/kl"], rel=1e-5)
+    assert vllm["engine/tis_weight"] == pytest.approx(math.exp(-0.5), abs=1e-5)
+    assert hf["sampler/ess"] == pytest.approx(1.0)
+    # The policy loss alone: the KL term's gradient would not scale.
+    no_kl = {**extra, "kl.placement": "none"}
+    hf_pg = _one_step(tiny_model, quick, tmp_path / "hf-pg", monkeypatch, **no_kl)
+    vllm_pg = _one_step(tiny_model, quick, tmp_path / "vllm-pg", monkeypatch, delta=0.5, **no_kl)
+    assert hf_pg["grad_norm"] > 1e-3
+    assert vllm_pg["grad_norm"] == pytest.approx(math.exp(-0.5) * hf_pg["grad_norm"], rel=1e-4)
+
+
+def test_an_asynchronous_engine_other_than_hf_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout\.asynchronous with rollout\.engine=vllm"):
+        build_config(
+            overrides=["rollout.staleness=1", "rollout.asynchronous=true", "rollout.engine=vllm"]
+        )
+    stale = build_config(overrides=["rollout.staleness=2", "rollout.engine=vllm"])
+    assert stale.rollout.engine == "vllm" and stale.rollout.staleness == 2

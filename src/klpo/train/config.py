@@ -349,7 +349,9 @@ class RolloutConfig(_Section):
         "start step t, kept in a ring of the last k versions (the trainable tensors, on the CPU; "
         "saved in the checkpoint). 0: the synchronous loop. The behaviour policy's log-probs "
         "then weight the policy loss (rollout.tis_cap) and the KL term "
-        "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md).",
+        "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md). "
+        "With rollout.engine=vllm the engine is loaded with the sampling version each step "
+        "and its log-probs weight the policy loss, the trainer's own at that version the KL.",
     )
     asynchronous: bool = Field(
         False,
@@ -1017,8 +1019,14 @@ class TrainConfig(_Section):
                     "rollout.staleness versions old: set rollout.staleness >= 1 (e.g. 1)"
                 )
             return
+        if self.rollout.asynchronous and self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.asynchronous with rollout.engine={self.rollout.engine} is not supported "
+                "yet (the rollout worker samples with an hf engine of its own); set "
+                "rollout.asynchronous=false (the trainer's engine then samples "
+                f"{k} versions behind, docs/async.md), or rollout.engine=hf"
+            )
         clash = {
-            "rollout.engine=vllm": self.rollout.engine != "hf",
             "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
             "kl.reference_reset": self.kl.reference_reset is not None,
             "dist.strategy=fsdp": self.dist.strategy == "fsdp",
@@ -1027,7 +1035,7 @@ class TrainConfig(_Section):
             if bad:
                 raise ValueError(
                     f"rollout.staleness={k} with {what} is not supported yet (the ring of policy "
-                    "versions holds the hf engine's own trainable tensors, unsharded, over a "
+                    "versions holds the policy's own trainable tensors, unsharded, over a "
                     "fixed reference and one sampling round per step); set rollout.staleness=0 "
                     "or drop that setting"
                 )

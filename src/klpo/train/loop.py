@@ -184,8 +184,10 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     lr = advance_lr(run.opt)  # optim.lr_scheduler's value at this step
     progress = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
 
-    # Sample, with the policy's current weights; the reference's own samples where needed.
-    run.engine.sync_weights(m.policy)
+    # Sample, with the policy's current weights (a stale sampler's: in _sample); the
+    # reference's own samples where needed.
+    if run.versions is None:
+        run.engine.sync_weights(m.policy)
     totals, dynamic, gap = None, {}, None
     if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
@@ -247,6 +249,7 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap |
     version = ring.behaviour_version(step)
     torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))  # as the worker
     with ring.at(run.models.policy, version):
+        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)
     return behaviour_pass(run.cfg, run.models, rollout, behaviour)

@@ -54,9 +54,12 @@ class Rollout:
 
     @property
     def sampler_logp(self) -> Tensor | None:
-        """log-probs of the policy that sampled the tokens where it is not the trainer's pi_old:
-        the stale behaviour policy's, else an engine's, else None."""
-        return self.behav_logp if self.behav_logp is not None else self.engine_logp
+        """log-probs of what sampled the tokens where it is not the trainer's pi_old: an
+        engine's (a stale one's too: they are what the tokens were drawn from), else the stale
+        behaviour policy's (the trainer's at the sampling version), else None. The policy
+        loss's weights and masks take these; the KL term and the exact sampler metrics the
+        trainer's own (``behav_logp``, ``behav_kl``)."""
+        return self.engine_logp if self.engine_logp is not None else self.behav_logp
 
     @property
     def input_ids(self) -> Tensor:

@@ -115,11 +115,11 @@ def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> 
     tally.merge(upd)
     if s.rollout.engine_logp is None:
         return finish_metrics(tally, dist)
-    # The engine's log-probs against the trainer's pi_old: means pool tokens, maxima over ranks.
-    mask = s.rollout.mask
-    gap = mismatch.mismatch_metrics(
-        s.old.logp, s.rollout.engine_logp, mask, cap=cfg.rollout.tis_cap
-    )
+    # The engine's log-probs against the trainer's at the same weights: pi_old, or a stale
+    # engine's sampling version (pi_behav); means pool tokens, maxima over ranks.
+    r = s.rollout
+    mask, own = r.mask, s.old.logp if r.behav_logp is None else r.behav_logp.to(s.old.logp.device)
+    gap = mismatch.mismatch_metrics(own, r.engine_logp, mask, cap=cfg.rollout.tis_cap)
     extremes = {k: gap.pop(k) for k in ("engine/k3_max", "engine/abs_max")}
     tally.add_means(gap, float(mask.sum()))
     out = finish_metrics(tally, dist)
@@ -134,7 +134,8 @@ def sampler_metrics(
     """A stale sampler's distance to the trainer (``rollout.staleness``): ``rollout/staleness``,
     the batch's lag in versions at ``step``; :func:`klpo.offpolicy.trust_region_metrics` of
     pi_old (the weights that start the step, pi_theta at the first update) against pi_behav on
-    the rollout's tokens, with ``sampler/masked_frac`` where the policy loss masked tokens
+    the rollout's tokens (the log-probs the policy loss weights with, ``Rollout.sampler_logp``:
+    an engine's where one sampled), with ``sampler/masked_frac`` where the policy loss masked tokens
     (``s.keep``: M2PO's, TRM's, at the update's first epoch); and the exact values from ``gap``
     (:func:`klpo.train.rollout.versions.behaviour_pass`, ``[B, C]`` at each position):
     ``sampler/kl_exact`` and ``sampler/kl_exact_max`` of KL(pi_behav ‖ pi_old),
@@ -147,7 +148,7 @@ def sampler_metrics(
     ``rollout/staleness`` is the mean of the ranks' lags (the same on each rank)."""
     r, a = s.rollout, cfg.algo
     mask = r.mask
-    behav = r.behav_logp.to(s.old.logp.device)
+    behav = r.sampler_logp.to(s.old.logp.device)  # the weights' (an engine's, if it sampled)
     keep = None if s.keep is None else s.keep.to(mask.device)
     lag = float(step - 1 - r.behav_version)
     if dist is None or not dist.enabled:
