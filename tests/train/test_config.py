@@ -159,7 +159,6 @@ def test_report_to_as_trl_writes_it():
     ("extra", "needle"),
     [
         ("rollout.dynamic_sampling=true", "with rollout.dynamic_sampling is not supported"),
-        ("kl.reference_reset={every: 5}", "with kl.reference_reset is not supported"),
         ("kl.off_policy_correction=false", "set that, or kl.off_policy_correction=true"),
     ],
 )

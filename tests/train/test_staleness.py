@@ -251,6 +251,45 @@ def test_a_resumed_stale_run_continues_as_the_uninterrupted_one(tiny_model, quic
     assert all(0 < r["sampler/ess"] <= 1 for r in rows)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_reference_reset_under_a_stale_sampler_and_its_resume(tiny_model, quick, tmp_path, lora):
+    """k = 1, the reference reset after step 2: at step 3 the weights that start the step are the
+    reference (exact KL 0 up to float32 rounding). A full fine-tune's ring is untouched (step 3
+    samples version 1, a lag of 1); a LoRA policy's merge makes every kept adapter stale, so its
+    ring restarts (step 3 samples version 2, the current weights: lag 0, no sampler gap). A run
+    stopped at step 2, just after the reset, resumes bit for bit."""
+    from klpo.train import loop
+
+    extra = {
+        "rollout.staleness": 1, "kl.reference_reset": "{every: 2}", "run.save_every": 2,
+        "run.eval_every": 0, "kl.estimator": "k3",
+    }  # fmt: skip
+    if lora:
+        extra["model.lora"] = "{r: 4, alpha: 8}"
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    loop.train(build_config(overrides=quick(tiny_model, whole, **extra, **{"run.steps": 4})))
+    rows = _rows(whole)
+    assert [r["reference/updates"] for r in rows] == [0, 1, 1, 2]
+    assert rows[1]["kl/ref/exact"] > 1e-5 and abs(rows[2]["kl/ref/exact"]) < 1e-6
+    lags = [r["rollout/staleness"] for r in rows]
+    assert lags == ([0.0, 1.0, 0.0, 1.0] if lora else [0.0, 1.0, 1.0, 1.0])
+    if lora:
+        assert rows[2]["sampler/kl_exact"] == 0.0
+    else:
+        assert rows[2]["sampler/kl_exact"] > 0
+    loop.train(build_config(overrides=quick(tiny_model, part, **extra, **{"run.steps": 2})))
+    over = quick(tiny_model, part, **extra, **{"run.steps": 4})
+    loop.train(build_config(overrides=over), resume=True, log=lambda *_: None)
+    assert _rows(part) == rows
+
+
+def test_a_lora_reference_reset_is_refused_with_the_rollout_worker():
+    base = ["rollout.staleness=1", "rollout.asynchronous=true", "kl.reference_reset={every: 2}"]
+    assert build_config(overrides=base).kl.reference_reset is not None  # a full fine-tune's
+    with pytest.raises(ValueError, match=r"rollout\.asynchronous with kl\.reference_reset on a LoRA"):
+        build_config(overrides=[*base, "model.lora={r: 4, alpha: 8}"])
+
+
 # --------------------------------------------------------------------------------------------
 # The asynchronous sampler: a worker process with the same versions and seeds.
 

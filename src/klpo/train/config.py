@@ -1026,17 +1026,24 @@ class TrainConfig(_Section):
                 "rollout.asynchronous=false (the trainer's engine then samples "
                 f"{k} versions behind, docs/async.md), or rollout.engine=hf"
             )
+        merges = self.model.lora is not None and self.model.reference is None
+        if self.rollout.asynchronous and self.kl.reference_reset is not None and merges:
+            raise ValueError(
+                "rollout.asynchronous with kl.reference_reset on a LoRA policy is not supported "
+                "yet (the reset merges the adapters into the base weights, which the rollout "
+                "worker holds a copy of); set rollout.asynchronous=false (the ring restarts "
+                "at each reset, docs/async.md), or train without LoRA"
+            )
         clash = {
             "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
-            "kl.reference_reset": self.kl.reference_reset is not None,
             "dist.strategy=fsdp": self.dist.strategy == "fsdp",
         }
         for what, bad in clash.items():
             if bad:
                 raise ValueError(
                     f"rollout.staleness={k} with {what} is not supported yet (the ring of policy "
-                    "versions holds the policy's own trainable tensors, unsharded, over a "
-                    "fixed reference and one sampling round per step); set rollout.staleness=0 "
+                    "versions holds the policy's own trainable tensors, unsharded, and one "
+                    "sampling round per step); set rollout.staleness=0 "
                     "or drop that setting"
                 )
         if not self.kl.off_policy_correction and self.kl.behaviour_correction != "none":

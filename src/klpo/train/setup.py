@@ -181,7 +181,7 @@ def setup(
         restore(run, plan)
     if run.versions is not None and not run.versions.versions:
         run.versions.keep(run.step0, m.policy)
-    control.reset = reference_reset(cfg, m, opt)
+    control.reset = reference_reset(cfg, m, opt, run.versions)
     run.writer = _open_run_dir(run, plan)
     run.engine = make_engine(cfg, m, dist, resolve_model_path(cfg.model.policy))
     if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
@@ -337,9 +337,12 @@ def _moved_reference(run: TrainRun) -> torch.nn.Module | dict[str, Tensor] | Non
     return run.models.reference.model
 
 
-def reference_reset(cfg: TrainConfig, m: Models, opt: Optimizers) -> ResetFn | None:
+def reference_reset(
+    cfg: TrainConfig, m: Models, opt: Optimizers, ring: VersionRing | None = None
+) -> ResetFn | None:
     """How ``kl.reference_reset`` moves the reference, chosen once: LoRA's merge-and-restart
-    when the reference is the policy's base, else a weight copy (None: a frozen reference)."""
+    when the reference is the policy's base (which restarts a stale sampler's ``ring`` too: its
+    adapters belong to the old base), else a weight copy (None: a frozen reference)."""
     r = cfg.kl.reference_reset
     if r is None:
         return None
@@ -347,9 +350,19 @@ def reference_reset(cfg: TrainConfig, m: Models, opt: Optimizers) -> ResetFn | N
     def clear() -> None:
         opt.policy.state.clear()
 
-    if isinstance(m.reference, AdapterFreeReference):
-        return merge_reset(m.policy, cfg.run.seed, clear)
-    return weight_reset(m.reference.model, m.policy, r.alpha, clear if r.reset_optimizer else None)
+    if not isinstance(m.reference, AdapterFreeReference):
+        return weight_reset(
+            m.reference.model, m.policy, r.alpha, clear if r.reset_optimizer else None
+        )
+    merge = merge_reset(m.policy, cfg.run.seed, clear)
+    if ring is None:
+        return merge
+
+    def merge_and_restart_ring(updates: int) -> None:
+        merge(updates)
+        ring.restart()
+
+    return merge_and_restart_ring
 
 
 def _open_run_dir(run: TrainRun, plan: plans.RunPlan) -> MetricsWriter | None:

@@ -93,6 +93,13 @@ class VersionRing:
         a checkpoint without one: it fills up as a fresh run's does)."""
         return max(step - 1 - self.staleness, min(self.versions, default=0))
 
+    def restart(self) -> None:
+        """Forget every version: a LoRA reference reset merged the adapters into the base that
+        the kept adapters were trained on, so none of them is a policy any more. The next
+        :meth:`keep` starts the ring again, and the batches after it lag 0, 1, .., k versions
+        as a fresh run's do."""
+        self.versions.clear()
+
     def forget_after(self, version: int) -> None:
         """Drop the versions newer than ``version`` (a resumed ring's, past the resumed step)."""
         for v in [v for v in self.versions if v > version]:

@@ -127,8 +127,9 @@ METRICS: dict[str, str] = {
     "trm/seq_masked_frac": "algo.trm_delta: share of the completions with a token that Trust "
     "Region Masking dropped whole, pooled over the optimizer steps",
     "rollout/staleness": "rollout.staleness: how many policy versions behind the trainer the "
-    "step's batch was sampled (min(k, step - 1); with rollout.async_weights=newest the batch's "
-    "own lag, 0 to k, timing-dependent; under torchrun the mean of the ranks'; docs/async.md)",
+    "step's batch was sampled (min(k, step - 1), counted afresh after a LoRA policy's "
+    "kl.reference_reset; with rollout.async_weights=newest the batch's own lag, 0 to k, "
+    "timing-dependent; under torchrun the mean of the ranks'; docs/async.md)",
     "sampler/ess": "rollout.staleness: Kish's effective sample size of the token weights w = "
     "pi_old / pi_behav, in (0, 1] (VCPO's collapse predictor; pi_old is pi_theta at the first "
     "update)",
