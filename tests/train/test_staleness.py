@@ -286,7 +286,9 @@ def test_a_reference_reset_under_a_stale_sampler_and_its_resume(tiny_model, quic
 def test_a_lora_reference_reset_is_refused_with_the_rollout_worker():
     base = ["rollout.staleness=1", "rollout.asynchronous=true", "kl.reference_reset={every: 2}"]
     assert build_config(overrides=base).kl.reference_reset is not None  # a full fine-tune's
-    with pytest.raises(ValueError, match=r"rollout\.asynchronous with kl\.reference_reset on a LoRA"):
+    with pytest.raises(
+        ValueError, match=r"rollout\.asynchronous with kl\.reference_reset on a LoRA"
+    ):
         build_config(overrides=[*base, "model.lora={r: 4, alpha: 8}"])
 
 
