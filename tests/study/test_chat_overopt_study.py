@@ -83,7 +83,7 @@ def test_the_gemma_study_file_changes_one_train_key_of_the_preset(monkeypatch, t
 
 def _fake_run(out: Path, choice: str, beta: float, seed: int, curve: dict) -> Run:
     """A finished run's metrics.jsonl: 12 steps of constant gold, proxy and sequence KL, and
-    held-out gold at steps 0 and 12."""
+    held-out gold at steps 0, 6 and 12."""
     est, placement = ("k1", "none") if choice == "no KL" else ("full", "loss")
     name = f"grpo_{choice.replace(' ', '-')}_b{beta:g}_s{seed}"
     d = out / "runs" / name
@@ -96,6 +96,7 @@ def _fake_run(out: Path, choice: str, beta: float, seed: int, curve: dict) -> Ru
              "reward/gold": curve["gold"], "reward/proxy": curve["proxy"],
              "reward/mean": curve["proxy"], "entropy": 1.0, "completion/length": 10.0}
         )  # fmt: skip
+    rows[6]["accuracy/heldout"] = curve["mid"]
     rows[-1]["accuracy/heldout"] = curve["end"]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Run(
@@ -112,10 +113,13 @@ def test_the_report_shows_both_frontiers_by_hand(tmp_path):
         update={"steps": 12, "eval_every": 12, "eval_size": 20, "seeds": [0, 1]}
     )
     curves = {
-        ("no KL", 0.0): {"kl": 12.0, "gold": 0.1, "proxy": 0.9, "start": 0.1, "end": 0.05},
-        ("full loss", 0.8): {"kl": 1.5, "gold": 0.3, "proxy": 0.4, "start": 0.1, "end": 0.25},
-        ("full loss", 0.05): {"kl": 6.0, "gold": 0.4, "proxy": 0.7, "start": 0.1, "end": 0.15},
-    }
+        ("no KL", 0.0): {"kl": 12.0, "gold": 0.1, "proxy": 0.9, "start": 0.1, "mid": 0.2,
+                         "end": 0.05},
+        ("full loss", 0.8): {"kl": 1.5, "gold": 0.3, "proxy": 0.4, "start": 0.1, "mid": 0.1,
+                             "end": 0.25},
+        ("full loss", 0.05): {"kl": 6.0, "gold": 0.4, "proxy": 0.7, "start": 0.1, "mid": 0.3,
+                              "end": 0.15},
+    }  # fmt: skip
     results = []
     for (choice, beta), curve in curves.items():
         for seed in (0, 1):
@@ -148,6 +152,22 @@ def test_the_report_shows_both_frontiers_by_hand(tmp_path):
     assert held[2] == "0.100"  # the start
     assert held[3:9] == ["–", "–", "0.250 (0.8)", "0.250 (0.8)", "0.250 (0.8)", "0.250 (0.8)"]
     assert row("## Frontier on held-out problems", "no KL")[3:9] == ["–"] * 5 + ["0.050 (0)"]
+    # Over every held-out evaluation after the start (steps 6 and 12): the KL is constant, so a
+    # beta's two points share it; no KL's best is its midway 0.2, beyond every budget but any.
+    evals = "The same over every held-out **evaluation** after the start"
+    at = next(i for i, x in enumerate(lines) if x.startswith(evals))
+    pick = lines[at:]
+    full_ev = next(x for x in pick if x.startswith("| grpo | full loss |"))
+    assert [c.strip() for c in full_ev.strip("|").split("|")][2:8] == [
+        "–", "–", "0.250 (0.8, step 12)", "0.250 (0.8, step 12)", "0.300 (0.05, step 6)",
+        "0.300 (0.05, step 6)",
+    ]  # fmt: skip
+    nokl_ev = next(x for x in pick if x.startswith("| grpo | no KL |"))
+    assert [c.strip() for c in nokl_ev.strip("|").split("|")][2:8] == ["–"] * 5 + [
+        "0.200 (0, step 6)"
+    ]
+    assert "| grpo | full loss | 0.8 | 0.100 (1.50) | 0.250 (1.50) |" in lines
+    assert "| grpo | no KL | 0 | 0.200 (12.00) | 0.050 (12.00) |" in lines
     assert "## Over-optimisation: gold against proxy reward" in report
     assert "held-out accuracy is the gold reward (`chat_overopt_gold`" in report
     assert (tmp_path / "frontier.png").is_file() and (tmp_path / "gold_proxy.png").is_file()

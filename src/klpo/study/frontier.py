@@ -17,6 +17,10 @@ over two sets of points, each a mean over seeds of WINDOW-step running means:
 - **checkpoints**: every step of every beta's seed-averaged curve: what stopping at the best
   checkpoint would give, if the gold reward could be watched.
 
+On the real model's chat task the held-out gold reward (greedy, at each evaluation) has its own
+frontier, at the end and over the **evaluations**: each evaluation step of each beta (the start
+apart), its held-out gold and the sequence KL of that step's samples, means over seeds.
+
 A point with a non-finite KL or gold reward (a diverged run) is never within a budget.
 """
 
@@ -35,6 +39,7 @@ __all__ = [
     "CHAT_BUDGETS",
     "ChoiceFrontier",
     "Curve",
+    "Evaluation",
     "best_within",
     "frontier_figure",
     "frontier_plots",
@@ -95,13 +100,27 @@ class Curve:
 
 
 @dataclass
+class Evaluation:
+    """One beta's held-out evaluation after the start: the step, its held-out gold reward and
+    the sequence KL over the WINDOW steps up to it (as a run's final KL is over its last
+    WINDOW steps), means over the seeds."""
+
+    beta: float
+    step: int
+    gold: float
+    kl_seq: float
+
+
+@dataclass
 class ChoiceFrontier:
-    """A KL choice across its betas: per-beta cells (``summarise_cells`` rows) and curves."""
+    """A KL choice across its betas: per-beta cells (``summarise_cells`` rows), curves and
+    held-out evaluations."""
 
     algo: str
     choice: str
     cells: list[dict[str, Any]]
     curves: list[Curve] = field(default_factory=list)
+    evaluations: list[Evaluation] = field(default_factory=list)
 
     def final_points(self) -> list[tuple[float, float]]:
         return [(c["kl_seq_final"], c["gold_final"]) for c in self.cells]
@@ -195,7 +214,7 @@ def frontier_table(
 
 
 def heldout_frontier_table(
-    frontiers: Sequence[ChoiceFrontier], budgets: Sequence[float] = BUDGETS
+    frontiers: Sequence[ChoiceFrontier], window: int, budgets: Sequence[float] = BUDGETS
 ) -> list[str]:
     """The frontier on held-out problems: per KL choice, the best held-out gold reward at the
     end of training (greedy, the cells' ``acc_mean``: held-out accuracy is scored with the gold
@@ -230,6 +249,40 @@ def heldout_frontier_table(
         starts = [c["acc_start"] for c in f.cells if math.isfinite(c["acc_start"])]
         start = _f(sum(starts) / len(starts)) if starts else "–"
         lines.append(f"| {f.algo} | {f.choice} | {start} | {' | '.join(cols)} |")
+    if not any(f.evaluations for f in frontiers):
+        return lines
+    lines += [
+        "",
+        "The same over every held-out **evaluation** after the start: each evaluation's "
+        "held-out gold reward (mean over seeds) against the exact sequence KL over the "
+        f"{window} steps up to it, one point per beta and evaluation, the beta and step that reach it in brackets: "
+        "what stopping at the best evaluation would give.",
+        "",
+        f"| algo | KL choice | {head} |",
+        "| --- | --- | " + " | ".join("---" for _ in budgets) + " |",
+    ]
+    for f in order:
+        pts = {(e.kl_seq, e.gold): e for e in f.evaluations}
+        cols = []
+        for b in budgets:
+            gold, kl = best_within(pts, b)
+            e = pts.get((kl, gold))
+            cols.append("–" if e is None else f"{_f(gold)} ({e.beta:g}, step {e.step})")
+        lines.append(f"| {f.algo} | {f.choice} | {' | '.join(cols)} |")
+    steps = sorted({e.step for f in frontiers for e in f.evaluations})
+    lines += [
+        "",
+        "Each cell's held-out gold reward at every evaluation after the start, with the exact "
+        f"sequence KL over the {window} steps up to it in brackets (means over seeds):",
+        "",
+        "| algo | KL choice | beta | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in steps) + " |",
+    ]
+    for f in order:
+        for beta in sorted({e.beta for e in f.evaluations}):
+            at = {e.step: e for e in f.evaluations if e.beta == beta}
+            cols = [f"{_f(at[s].gold)} ({_f(at[s].kl_seq, 2)})" if s in at else "–" for s in steps]
+            lines.append(f"| {f.algo} | {f.choice} | {beta:g} | {' | '.join(cols)} |")
     return lines
 
 

@@ -21,6 +21,7 @@ from klpo.study.frontier import (
     CHAT_BUDGETS,
     ChoiceFrontier,
     Curve,
+    Evaluation,
     frontier_plots,
     frontier_table,
     heldout_frontier_table,
@@ -78,7 +79,7 @@ def write_results(
         budgets = CHAT_BUDGETS if study.chat else BUDGETS
         lines += frontier_table(fronts, WINDOW, budgets)
         if study.chat:
-            lines += heldout_frontier_table(fronts, budgets)
+            lines += heldout_frontier_table(fronts, WINDOW, budgets)
         lines += _overopt_table(cells)
     lines += _budget_table(cells)
     failures = [r for r in results if r["status"] != "ok"]
@@ -277,8 +278,33 @@ def _frontiers(
             if steps and all(b[0] == steps for b in bands):
                 gold, proxy, seq = (b[1] for b in bands)
                 curves.append(Curve(c["beta"], steps, gold, proxy, seq))
-        fronts.append(ChoiceFrontier(algo, choice, cs, curves))
+        evals = [
+            e for c in cs for e in _evaluations(c["beta"], runs[(algo, choice, c["beta"])], out)
+        ]
+        fronts.append(ChoiceFrontier(algo, choice, cs, curves, evals))
     return fronts
+
+
+def _evaluations(beta: float, runs: list[dict[str, Any]], out: Path) -> list[Evaluation]:
+    """The held-out evaluations after the start that every seed of a cell made: the step, the
+    held-out gold (``accuracy/heldout``) and the mean ``kl/ref/seq`` over the WINDOW steps up
+    to it, seed means."""
+    per_seed = []
+    for r in runs:
+        steps, acc = metric_curve(out / "runs" / r["name"], "accuracy/heldout")
+        kl = dict(zip(*metric_curve(out / "runs" / r["name"], "kl/ref/seq"), strict=True))
+        seed = {}
+        for s, a in zip(steps, acc, strict=True):
+            window = [kl[t] for t in range(s - WINDOW + 1, s + 1) if t in kl]
+            if s > 0 and window:
+                seed[s] = (a, sum(window) / len(window))
+        per_seed.append(seed)
+    shared = set.intersection(*(set(d) for d in per_seed)) if per_seed else set()
+    n = len(per_seed)
+    return [
+        Evaluation(beta, s, sum(d[s][0] for d in per_seed) / n, sum(d[s][1] for d in per_seed) / n)
+        for s in sorted(shared)
+    ]
 
 
 def _overopt_table(cells: list[dict[str, Any]]) -> list[str]:
