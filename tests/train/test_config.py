@@ -158,7 +158,11 @@ def test_report_to_as_trl_writes_it():
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ("rollout.dynamic_sampling=true", "with rollout.dynamic_sampling is not supported"),
+        ("dist.strategy=fsdp", "with dist.strategy=fsdp is not supported yet"),
+        (
+            "rollout.dynamic_sampling=true,rollout.asynchronous=true",
+            "rollout.asynchronous with rollout.dynamic_sampling is not supported",
+        ),
         ("kl.off_policy_correction=false", "set that, or kl.off_policy_correction=true"),
     ],
 )
@@ -174,7 +178,7 @@ def test_a_stale_sampler_refuses_what_it_cannot_do_yet(extra, needle):
     assert not any(line.startswith("staleness") for line in config_lines(build_config()))
     assert build_config().rollout.staleness == 0  # the synchronous loop by default
     with pytest.raises(ConfigError) as err:
-        build_config(overrides=["rollout.staleness=2", extra])
+        build_config(overrides=["rollout.staleness=2", *extra.split(",")])
     assert needle in str(err.value)
     if extra == "kl.off_policy_correction=false":  # the uncorrected term is spelt out
         cfg = build_config(overrides=["rollout.staleness=2", extra, "kl.behaviour_correction=none"])

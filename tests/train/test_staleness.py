@@ -283,6 +283,37 @@ def test_a_reference_reset_under_a_stale_sampler_and_its_resume(tiny_model, quic
     assert _rows(part) == rows
 
 
+def test_dynamic_sampling_under_a_stale_sampler_keeps_groups_with_signal_and_resumes(
+    tiny_model, quick, tmp_path
+):
+    """k = 1 with DAPO's dynamic sampling: every round of a step is sampled by the behaviour
+    version (its lag logged as without it), only groups with signal are trained on (half_signal:
+    a kept group's rewards are 0, 1, 0, 1, so the mean is exactly 1/2), the sampler gap is
+    measured on the kept groups, and a run stopped at step 2 resumes bit for bit (the prompt
+    stream and the ring in the checkpoint)."""
+    from klpo.train import loop
+
+    extra = {
+        "rollout.staleness": 1, "rollout.dynamic_sampling": "true",
+        "rollout.dynamic_sampling_max_rounds": 8, "run.save_every": 1, "run.eval_every": 0,
+        "rewards": "[{name: 'klpo_test_rewards:half_signal'}]", "kl.estimator": "k3",
+    }  # fmt: skip
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    loop.train(build_config(overrides=quick(tiny_model, whole, **extra, **{"run.steps": 4})))
+    rows = _rows(whole)
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    prompts = build_config(overrides=quick(tiny_model, whole, **extra)).rollout.prompts_per_step
+    for r in rows:
+        assert r["reward/mean"] == 0.5 and r["rollout/groups_kept"] == prompts
+        assert r["rollout/extra_completions"] >= 0 and 0 < r["sampler/ess"] <= 1
+    assert sum(r["rollout/groups_dropped"] for r in rows) > 0
+    assert rows[0]["sampler/kl_exact"] == 0.0 and rows[-1]["sampler/kl_exact"] > 0
+    loop.train(build_config(overrides=quick(tiny_model, part, **extra, **{"run.steps": 2})))
+    over = quick(tiny_model, part, **extra, **{"run.steps": 4})
+    loop.train(build_config(overrides=over), resume=True, log=lambda *_: None)
+    assert _rows(part) == rows
+
+
 def test_a_lora_reference_reset_is_refused_with_the_rollout_worker():
     base = ["rollout.staleness=1", "rollout.asynchronous=true", "kl.reference_reset={every: 2}"]
     assert build_config(overrides=base).kl.reference_reset is not None  # a full fine-tune's

@@ -1034,18 +1034,20 @@ class TrainConfig(_Section):
                 "worker holds a copy of); set rollout.asynchronous=false (the ring restarts "
                 "at each reset, docs/async.md), or train without LoRA"
             )
-        clash = {
-            "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
-            "dist.strategy=fsdp": self.dist.strategy == "fsdp",
-        }
-        for what, bad in clash.items():
-            if bad:
-                raise ValueError(
-                    f"rollout.staleness={k} with {what} is not supported yet (the ring of policy "
-                    "versions holds the policy's own trainable tensors, unsharded, and one "
-                    "sampling round per step); set rollout.staleness=0 "
-                    "or drop that setting"
-                )
+        if self.rollout.asynchronous and self.rollout.dynamic_sampling:
+            raise ValueError(
+                "rollout.asynchronous with rollout.dynamic_sampling is not supported yet (the "
+                "rollout worker samples one round of prompts per step, ahead of the rewards "
+                "that decide whether another round is needed); set rollout.asynchronous=false "
+                f"(the trainer then samples every round {k} versions behind, docs/async.md), "
+                "or rollout.dynamic_sampling=false"
+            )
+        if self.dist.strategy == "fsdp":
+            raise ValueError(
+                f"rollout.staleness={k} with dist.strategy=fsdp is not supported yet (the ring "
+                "of policy versions holds the policy's own trainable tensors, unsharded); set "
+                "rollout.staleness=0, or dist.strategy=ddp"
+            )
         if not self.kl.off_policy_correction and self.kl.behaviour_correction != "none":
             raise ValueError(
                 f"kl.off_policy_correction=false with rollout.staleness={k} and "

@@ -190,8 +190,7 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
         run.engine.sync_weights(m.policy)
     totals, dynamic, gap = None, {}, None
     if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
-        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
-        mine, rollout, totals, dynamic = got.examples, got.rollout, got.totals, got.metrics
+        mine, rollout, totals, dynamic, gap = _sample_with_signal(run, step, progress)
     else:
         mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
         rollout, gap = _sample(run, step, mine)
@@ -253,6 +252,24 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap |
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)
     return behaviour_pass(run.cfg, run.models, rollout, behaviour)
+
+
+def _sample_with_signal(run: TrainRun, step: int, progress: TrainerState) -> tuple:
+    """DAPO's dynamic sampling (:mod:`klpo.train.step.dynamic`): rounds of prompts until the
+    step's groups have signal; with ``rollout.staleness`` every round is sampled by the step's
+    behaviour version, and the kept groups get its log-probs and the sampler gap as one batch."""
+    cfg, ring = run.cfg, run.versions
+    if ring is None:
+        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
+        return got.examples, got.rollout, got.totals, got.metrics, None
+    version = ring.behaviour_version(step)
+    torch.manual_seed(step_seed(cfg.run.seed, step, run.dist.rank))
+    with ring.at(run.models.policy, version):
+        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
+        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
+        behaviour = sampled_features(cfg, run.models, got.rollout, version)
+    rollout, gap = behaviour_pass(cfg, run.models, got.rollout, behaviour)
+    return got.examples, rollout, got.totals, got.metrics, gap
 
 
 def _samples_due(cfg: TrainConfig, step: int, last: bool) -> bool:
