@@ -158,7 +158,10 @@ def test_report_to_as_trl_writes_it():
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        ("dist.strategy=fsdp", "with dist.strategy=fsdp is not supported yet"),
+        (
+            "dist.strategy=fsdp,rollout.asynchronous=true",
+            "rollout.asynchronous with dist.strategy=fsdp is not supported",
+        ),
         (
             "rollout.dynamic_sampling=true,rollout.asynchronous=true",
             "rollout.asynchronous with rollout.dynamic_sampling is not supported",

@@ -93,6 +93,39 @@ def test_torchrun_fsdp_train_resumes_and_exports_a_plain_model(tiny_model, quick
         loop.train(cfg, resume=True, log=lambda *_: None)
 
 
+@pytest.mark.slow
+def test_a_stale_sampler_under_fsdp_resumes_and_samples_as_ddp(tiny_model, tmp_path):
+    """k = 1 on two ranks: each rank's ring holds its shards, the swap drops the root's gathered
+    weights (else the root's outlive the swap, the sampler mixes two versions and the run leaves
+    DDP's at step 2), the checkpoint's ring holds whole tensors, a resumed run logs the uninterrupted one's metrics bit for bit,
+    and the sharded run samples and trains as the unsharded DDP run does."""
+    from klpo.train.runtime.checkpoint import version_tensors
+    from klpo.train.runtime.metrics import is_timing
+
+    torchrun("fsdp_stale_script.py", str(tiny_model), str(tmp_path))
+
+    def rows(name: str) -> list[dict]:
+        return [
+            {k: v for k, v in r.items() if not is_timing(k)}
+            for r in read_metrics(tmp_path / name / "metrics.jsonl")
+        ]
+
+    whole, ddp = rows("whole"), rows("ddp")
+    assert rows("part") == whole
+    assert [r["rollout/staleness"] for r in whole] == [0.0, 1.0, 1.0, 1.0]
+    assert whole[0]["sampler/kl_exact"] == 0.0 and all(r["sampler/kl_exact"] > 0 for r in whole[1:])
+    for a, b in zip(whole, ddp, strict=True):
+        for k in ("reward/mean", "kl/ref/exact", "sampler/kl_exact", "sampler/ess", "loss/total"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), (a["step"], k)
+    ring = version_tensors(tmp_path / "part" / "checkpoints" / "step_000002")
+    start = load_file(str(tiny_model / "model.safetensors"))
+    assert sorted({k.split("/")[0] for k in ring}) == ["1", "2"]
+    for key, t in ring.items():
+        name = key.split("/", 1)[1].removeprefix("model.")
+        if name in start:
+            assert t.shape == start[name].shape, key  # whole, not a rank's shard
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

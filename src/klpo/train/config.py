@@ -1042,11 +1042,12 @@ class TrainConfig(_Section):
                 f"(the trainer then samples every round {k} versions behind, docs/async.md), "
                 "or rollout.dynamic_sampling=false"
             )
-        if self.dist.strategy == "fsdp":
+        if self.rollout.asynchronous and self.dist.strategy == "fsdp":
             raise ValueError(
-                f"rollout.staleness={k} with dist.strategy=fsdp is not supported yet (the ring "
-                "of policy versions holds the policy's own trainable tensors, unsharded); set "
-                "rollout.staleness=0, or dist.strategy=ddp"
+                "rollout.asynchronous with dist.strategy=fsdp is not supported yet (the rollout "
+                "worker holds a whole copy of the policy, pushed from the trainer, which holds "
+                "shards); set rollout.asynchronous=false (the trainer then samples "
+                f"{k} versions behind with its own shards, docs/async.md), or dist.strategy=ddp"
             )
         if not self.kl.off_policy_correction and self.kl.behaviour_correction != "none":
             raise ValueError(

@@ -247,7 +247,7 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap |
         return behaviour_pass(run.cfg, run.models, rollout, behaviour)
     version = ring.behaviour_version(step)
     torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))  # as the worker
-    with ring.at(run.models.policy, version):
+    with ring.at(run.models.policy, version, run.models.backbone):
         run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)
@@ -264,7 +264,7 @@ def _sample_with_signal(run: TrainRun, step: int, progress: TrainerState) -> tup
         return got.examples, got.rollout, got.totals, got.metrics, None
     version = ring.behaviour_version(step)
     torch.manual_seed(step_seed(cfg.run.seed, step, run.dist.rank))
-    with ring.at(run.models.policy, version):
+    with ring.at(run.models.policy, version, run.models.backbone):
         run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
         behaviour = sampled_features(cfg, run.models, got.rollout, version)

@@ -176,7 +176,7 @@ def setup(
     run = TrainRun(cfg, dist, Path(cfg.run.out_dir), log, m, stream, heldout, reward_fns, control,
                    opt, update_gen)  # fmt: skip
     if cfg.rollout.staleness:
-        run.versions = VersionRing(cfg.rollout.staleness)
+        run.versions = VersionRing(cfg.rollout.staleness, sharded=run.sharded)
     if plan.start is not None:
         restore(run, plan)
     if run.versions is not None and not run.versions.versions:
@@ -241,6 +241,9 @@ def save(run: TrainRun, step: int) -> None:
         run.dist.barrier()
         policy = fsdp.StagedShards(staged, run.models.policy.config)
     c = run.control
+    # The ring of versions, whole (a collective under FSDP: every rank gathers its shards).
+    ring = run.versions
+    versions = ring.state_dict(policy=run.models.policy) if ring is not None else None
     if run.dist.is_main:
         ckpt_io.save_checkpoint(
             run.dir,
@@ -260,7 +263,7 @@ def save(run: TrainRun, step: int) -> None:
                 **({"mix_window": c.window.state_dict()} if c.window is not None else {}),
             },
             keep=run.cfg.run.save_total_limit,
-            versions=run.versions.state_dict() if run.versions is not None else None,
+            versions=versions,
         )
     run.dist.barrier()
 
@@ -286,7 +289,7 @@ def restore(run: TrainRun, plan: plans.RunPlan) -> None:
     c.ref_updates = int(meta.get("reference_updates", 0))
     saved_versions = ckpt_io.version_tensors(start)
     if run.versions is not None and saved_versions is not None:
-        run.versions.load_state_dict(saved_versions)
+        run.versions.load_state_dict(saved_versions, policy=m.policy)
         run.versions.forget_after(run.step0)
     run.stream.load_state_dict(meta["data"])
     restore_lr_scheduler(opt.lr_scheduler, meta.get("lr_scheduler"), run.step0)

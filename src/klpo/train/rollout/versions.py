@@ -53,21 +53,46 @@ def _trainable(policy: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in unwrap(policy).named_parameters() if p.requires_grad}
 
 
+def _local(p: Tensor) -> Tensor:
+    """The tensor this process holds of ``p``: its shard under FSDP (a DTensor), else ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _reshard(root: torch.nn.Module | None) -> None:
+    """Drop the FSDP units' gathered parameters (the root keeps its own gathered from its
+    forward on, ``reshard_after_forward=False``), so the next pass gathers the shards anew."""
+    if root is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in root.modules():
+        if isinstance(mod, FSDPModule):
+            mod.reshard()
+
+
 class VersionRing:
     """The last ``staleness + 1`` policy versions' trainable tensors, on the CPU.
 
     Version ``v`` is the policy after ``v`` training steps. :meth:`keep` stores the policy's
     current tensors as a version and forgets those more than ``staleness`` behind it;
     :meth:`at` puts one into the policy for a block.
+
+    Under FSDP (``dist.strategy: fsdp``) each process keeps its own shards of every version, so
+    the ring costs (k + 1) / world of the trainable weights a process; :meth:`at` swaps the
+    shards and drops the gathered parameters around the swap (the root's outlive its forward),
+    and :meth:`state_dict` gathers whole tensors (a collective), so a checkpoint's ring is the
+    same whatever the world size, and :meth:`load_state_dict` takes each process's shards back.
     """
 
-    def __init__(self, staleness: int) -> None:
+    def __init__(self, staleness: int, *, sharded: bool = False) -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
             raise ValueError(
                 f"rollout.staleness must be an integer >= 1 for a ring of versions, got "
                 f"{staleness!r}"
             )
-        self.staleness = staleness
+        self.staleness, self.sharded = staleness, sharded
         self.versions: dict[int, dict[str, Tensor]] = {}
 
     @property
@@ -82,7 +107,8 @@ class VersionRing:
         ``version - staleness``."""
         with torch.no_grad():
             self.versions[version] = {
-                n: p.detach().to("cpu", copy=True) for n, p in _trainable(policy).items()
+                n: self._local(p).detach().to("cpu", copy=True)
+                for n, p in _trainable(policy).items()
             }
         for old in [v for v in self.versions if v < version - self.staleness]:
             del self.versions[old]
@@ -106,8 +132,11 @@ class VersionRing:
             del self.versions[v]
 
     @contextmanager
-    def at(self, policy: torch.nn.Module, version: int) -> Iterator[None]:
-        """``policy`` holds ``version``'s tensors inside the block and its own after it."""
+    def at(
+        self, policy: torch.nn.Module, version: int, root: torch.nn.Module | None = None
+    ) -> Iterator[None]:
+        """``policy`` holds ``version``'s tensors inside the block and its own after it
+        (``root``: the FSDP root unit, whose gathered parameters are dropped around the swap)."""
         if version not in self.versions:
             raise KeyError(
                 f"policy version {version} is not in the ring (it holds {sorted(self.versions)})"
@@ -122,28 +151,69 @@ class VersionRing:
         if version == self.latest:  # the policy holds it already
             yield
             return
+        root = root if self.sharded else None
+        _reshard(root)
         with torch.no_grad():
-            current = {n: p.detach().clone() for n, p in params.items()}
+            current = {n: self._local(p).detach().clone() for n, p in params.items()}
             for n, p in params.items():
-                p.copy_(saved[n])
+                self._local(p).copy_(saved[n])
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in params.items():
-                    p.copy_(current[n])
+                    self._local(p).copy_(current[n])
+            _reshard(root)
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every kept version's tensors, flat: ``"<version>/<name>"``."""
-        return {f"{v}/{n}": t for v, ts in self.versions.items() for n, t in ts.items()}
+    def _local(self, p: Tensor) -> Tensor:
+        return _local(p) if self.sharded else p
 
-    def load_state_dict(self, tensors: dict[str, Tensor]) -> None:
-        """The versions of :meth:`state_dict`, replacing those held."""
+    def state_dict(self, policy: torch.nn.Module | None = None) -> dict[str, Tensor]:
+        """Every kept version's tensors, flat: ``"<version>/<name>"``; with a sharded
+        ``policy`` the whole tensors, gathered from every process (call it on all of them)."""
+        params = _trainable(policy) if policy is not None and self.sharded else {}
+        out = {}
+        for v in sorted(self.versions):
+            for n, t in self.versions[v].items():
+                out[f"{v}/{n}"] = _whole(t, params[n]) if n in params else t
+        return out
+
+    def load_state_dict(
+        self, tensors: dict[str, Tensor], policy: torch.nn.Module | None = None
+    ) -> None:
+        """The versions of :meth:`state_dict`, replacing those held; with a sharded ``policy``
+        each process keeps its own shards of the whole tensors."""
+        params = _trainable(policy) if policy is not None and self.sharded else {}
         versions: dict[int, dict[str, Tensor]] = {}
         for key, t in tensors.items():
             v, name = key.split("/", 1)
+            if name in params:
+                t = _shard_of(t, params[name])
             versions.setdefault(int(v), {})[name] = t.to("cpu")
         self.versions = versions
+
+
+def _whole(shard: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor of this process's ``shard`` of a parameter laid out as ``like`` (a
+    DTensor): gathered from every process."""
+    from torch.distributed.tensor import DTensor
+
+    d = DTensor.from_local(
+        shard.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+        stride=like.stride(),
+    )  # fmt: skip
+    return d.full_tensor().to("cpu")
+
+
+def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
+    """This process's shard of ``whole``, laid out as ``like`` (every process holds ``whole``,
+    so nothing is sent)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    d = distribute_tensor(
+        whole.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
+    return d.to_local().detach().clone()
 
 
 @dataclass
