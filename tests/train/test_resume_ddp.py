@@ -124,10 +124,12 @@ def test_torchrun_klpo_train(tiny_model, quick, tmp_path):
     assert (out / "checkpoints" / "step_000002" / "policy" / "model.safetensors").is_file()
 
 
-def torchrun(n: int, *args: str) -> None:
+def torchrun(n: int, *args: str) -> str:
+    """Run ``args`` under torchrun with ``n`` ranks; their stdout and stderr."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
     done = subprocess.run([*cmd, *args], env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
 @pytest.mark.slow
@@ -178,18 +180,29 @@ def test_torchrun_a_stale_m2po_update_is_the_one_process_update(tiny_model, tmp_
 @pytest.mark.slow
 def test_torchrun_klpo_train_with_a_stale_sampler(tiny_model, quick, tmp_path):
     """rollout.staleness=1 and M2PO under two ranks: the run logs the pooled sampler metrics,
-    and with rollout.asynchronous (one rollout worker per rank) the same metrics, bit for bit."""
+    and with rollout.asynchronous the same metrics, bit for bit, with a rollout worker per rank
+    and with one for the node (rollout.async_workers=node: the first rank's worker samples both
+    shares, each with its rank's seed, and scatters them)."""
     extra = {
         "run.steps": 2, "run.eval_every": 0, "rollout.staleness": 1, "algo.policy_loss": "m2po",
         "algo.m2po_threshold": 0.002, "rollout.tis_cap": "null",
     }  # fmt: skip
-    rows = {}
-    for mode in ("false", "true"):
+    modes = {
+        "false": {"rollout.asynchronous": "false"},
+        "true": {"rollout.asynchronous": "true"},
+        "node": {"rollout.asynchronous": "true", "rollout.async_workers": "node"},
+    }
+    rows, said = {}, {}
+    for mode, over in modes.items():
         out = tmp_path / f"async-{mode}"
-        over = quick(tiny_model, out, **extra, **{"rollout.asynchronous": mode})
-        torchrun(2, "-m", "klpo", "train", *sets(over))
+        said[mode] = torchrun(
+            2, "-m", "klpo", "train", *sets(quick(tiny_model, out, **extra, **over))
+        )
         rows[mode] = comparable(read_metrics(out / "metrics.jsonl"))
+    one = "rollout worker: one for ranks 0-1 of the node, started by rank 0"
+    assert one in said["node"] and one not in said["true"]
     assert rows["true"] == rows["false"]
+    assert rows["node"] == rows["false"]
     train = [r for r in rows["false"] if r["step"] > 0]
     assert [r["rollout/staleness"] for r in train] == [0.0, 1.0]
     assert train[0]["sampler/kl_exact"] == 0.0 and train[1]["sampler/kl_exact"] > 0

@@ -352,6 +352,28 @@ def test_an_asynchronous_resume_samples_what_the_deterministic_run_samples(
     assert not multiprocessing.active_children()  # the worker stopped with the run
 
 
+def test_a_node_worker_serves_the_ranks_torchrun_numbers_on_its_node(monkeypatch):
+    """rollout.async_workers=node: the ranks of a node are LOCAL_WORLD_SIZE consecutive ones
+    (torchrun's numbering); each takes its own share of the step's prompts."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [Dist(rank=r, world=4).node_ranks() for r in range(4)] == [
+        [0, 1],
+        [0, 1],
+        [2, 3],
+        [2, 3],
+    ]
+    items = list(range(8))
+    assert [Dist(rank=3, world=4).share(items, r) for r in (2, 3)] == [[4, 5], [6, 7]]
+    assert Dist(rank=3, world=4).share(items) == [6, 7]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide the world of 4"):
+        Dist(rank=0, world=4).node_ranks()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert Dist().node_ranks() == [0]  # a plain klpo train: a node of one
+    with pytest.raises(ValueError, match=r"rollout\.async_workers=node places the rollout"):
+        build_config(overrides=["rollout.staleness=1", "rollout.async_workers=node"])
+
+
 def test_the_trainer_refuses_a_batch_older_than_the_staleness():
     import queue
 
@@ -365,7 +387,9 @@ def test_the_trainer_refuses_a_batch_older_than_the_staleness():
 
     sampler = AsyncSampler.__new__(AsyncSampler)
     sampler.k, sampler.process, sampler.outbox = 2, Alive(), queue.Queue()
-    sampler.outbox.put(("batch", (6, 2, None, None, None)))  # step 6 by version 2: 3 behind
+    sampler.leader, sampler.ranks = True, [0]
+    part = [(0, None, None, None)]  # one rank's (rank, rollout, hidden, head weights)
+    sampler.outbox.put(("batch", (6, 2, part)))  # step 6 by version 2: 3 behind
     with pytest.raises(
         StaleBatch, match=r"version 2, 3 versions behind, more than rollout\.staleness=2"
     ):
@@ -373,10 +397,10 @@ def test_the_trainer_refuses_a_batch_older_than_the_staleness():
     sampler.outbox.put(("error", "Traceback: boom"))
     with pytest.raises(RuntimeError, match="the rollout worker failed:\nTraceback: boom"):
         sampler.take(7)
-    sampler.outbox.put(("batch", (8, 5, None, None, None)))
+    sampler.outbox.put(("batch", (8, 5, part)))
     with pytest.raises(RuntimeError, match="sent the batch of step 8 for step 9"):
         sampler.take(9)
-    sampler.outbox.put(("batch", (4, 4, None, None, None)))  # step 4 by 4: from its future
+    sampler.outbox.put(("batch", (4, 4, part)))  # step 4 by 4: from its future
     with pytest.raises(RuntimeError, match=r"version 4, newer than the weights that start"):
         sampler.take(4)
 
@@ -889,7 +913,7 @@ def test_the_newest_worker_samples_with_the_newest_version_and_waits_for_the_old
         return ("weights", (v, ring.versions[v]))
 
     def request(step):
-        return ("sample", (step, [PROMPT], ["7"], max(step - 3, 0)))
+        return ("sample", (step, [(0, [PROMPT], ["7"])], max(step - 3, 0)))
 
     phases = [
         [weights(0), request(1), request(2), request(3), weights(1), weights(2), request(4)],
@@ -901,12 +925,12 @@ def test_the_newest_worker_samples_with_the_newest_version_and_waits_for_the_old
     inbox, outbox = _ScriptedInbox(phases), queue.Queue()
     _worker(
         copy.deepcopy(m.backbone), m.tokenizer, m.codec, Sampling.from_config(cfg),
-        shares_prompt(cfg), cfg.run.seed, 0, "cpu", DTYPES[cfg.model.dtype], inbox, outbox, 2,
+        shares_prompt(cfg), cfg.run.seed, "cpu", DTYPES[cfg.model.dtype], inbox, outbox, 2,
     )  # fmt: skip
     assert inbox.waits == 5 and not inbox.phases  # (at the start; after 4, 5; at 6; after 6)
     sampler = AsyncSampler.__new__(AsyncSampler)  # the trainer's side of take()
     sampler.k, sampler.outbox, sampler.models, sampler.device = 2, outbox, m, torch.device("cpu")
-    sampler.process = None
+    sampler.process, sampler.leader, sampler.ranks = None, True, [0]
     versions = []
     for step in range(1, 8):
         rollout, behaviour = sampler.take(step)

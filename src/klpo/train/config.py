@@ -373,6 +373,15 @@ class RolloutConfig(_Section):
         "the timing of the two processes: such a run is not reproducible bit for bit; "
         "rollout/staleness logs each batch's lag (docs/async.md).",
     )
+    async_workers: Literal["rank", "node"] = Field(
+        "rank",
+        description="rollout.asynchronous under torchrun: 'rank', a rollout worker per rank "
+        "sampling that rank's share of the prompts; 'node', one worker per node, started by "
+        "the node's first rank, sampling every share of the node's ranks (each with its rank's "
+        "seed, so the batches are those of a worker per rank, bit for bit) and scattering them "
+        "(one copy of the sampler's weights a node; with async_weights=newest the node's ranks "
+        "sample each step with one version) (docs/async.md).",
+    )
     vllm_memory: float = Field(
         0.3,
         gt=0,
@@ -1006,6 +1015,12 @@ class TrainConfig(_Section):
     def _check_staleness(self) -> None:
         """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
         k = self.rollout.staleness
+        if self.rollout.async_workers != "rank" and not self.rollout.asynchronous:
+            raise ValueError(
+                f"rollout.async_workers={self.rollout.async_workers} places the rollout "
+                "workers, but rollout.asynchronous is false (the trainer samples in its own "
+                "process); set rollout.asynchronous=true, or rollout.async_workers=rank"
+            )
         if self.rollout.async_weights != "fixed" and not self.rollout.asynchronous:
             raise ValueError(
                 f"rollout.async_weights={self.rollout.async_weights} picks the weights in the "

@@ -191,6 +191,10 @@ def setup(
     )
     if cfg.rollout.asynchronous:  # last: teardown stops it (a failed setup has none to stop)
         run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0, dist)
+        ranks = run.sampler.ranks
+        if dist.is_main and len(ranks) > 1:
+            log(f"rollout worker: one for ranks {ranks[0]}-{ranks[-1]} of the node, started by "
+                f"rank {ranks[0]} (rollout.async_workers=node)")  # fmt: skip
     return run
 
 

@@ -14,7 +14,12 @@ sampled with torch's generator seeded by ``(run.seed, step)``, so a run's batche
 the timing of the two processes, and a resumed run (the ring restored from its checkpoint,
 the requests sent again from the restored prompt stream) samples what the uninterrupted one does.
 Under ``torchrun`` each rank starts its own worker, which samples that rank's share of each step's
-prompts (:meth:`klpo.train.runtime.dist.Dist.share`) seeded by ``(run.seed, step, rank)``.
+prompts (:meth:`klpo.train.runtime.dist.Dist.share`) seeded by ``(run.seed, step, rank)``. With
+``rollout.async_workers: node`` the first rank of each node starts the one worker of the node;
+its requests carry every share of the node's ranks, the worker samples each with its rank's seed
+(so the batches are a worker-per-rank run's, bit for bit), and that rank scatters the parts to
+the others (``scatter_object_list`` over the node's group). One copy of the sampler's weights per
+node instead of per rank, and with ``async_weights: newest`` one version for the whole node's step.
 
 With ``rollout.async_weights: newest`` the trainer pushes every version (after step s, version s,
 then the request of step s + k + 1; at the start the newest kept, before the first requests), and
@@ -122,7 +127,6 @@ def _worker(
     sampling: Sampling,
     share_prompt: bool,
     seed: int,
-    rank: int,
     device: str,
     dtype: torch.dtype,
     inbox: Any,
@@ -132,8 +136,16 @@ def _worker(
     """The worker process: weights and requests from ``inbox``, batches to ``outbox``. With
     ``staleness`` None (``rollout.async_weights: fixed``) the messages are taken in order, each
     request sampled with the weights received last; with k, each request with the version of
-    :func:`pick_version` among those received (every message already queued is read first)."""
+    :func:`pick_version` among those received (every message already queued is read first).
+    A request holds the shares of one or more ranks, ``(rank, prompts, answers)``; each is
+    sampled with its rank's seed and the batch holds them all, in order."""
     torch.set_num_threads(1)
+
+    def sample(step: int, version: int | None, parts: list) -> None:
+        common = (backbone, tokenizer, codec, sampling, share_prompt, seed, device, dtype, step)
+        batch = [_sample_part(*common, rank, prompts, answers) for rank, prompts, answers in parts]
+        outbox.put(("batch", (step, version, batch)))
+
     try:
         backbone = backbone.to(device)
         backbone.eval()
@@ -147,9 +159,8 @@ def _worker(
                     version, tensors = payload
                     _load(backbone.model, tensors)
                     continue
-                step, prompts, answers, _ = payload
-                _sample_step(backbone, tokenizer, codec, sampling, share_prompt, seed, rank,
-                             device, dtype, outbox, step, version, prompts, answers)  # fmt: skip
+                step, parts, _ = payload
+                sample(step, version, parts)
             return
         held: dict[int, dict[str, Tensor]] = {}  # received, not loaded
         pending: deque = deque()  # requests received, not sampled
@@ -172,7 +183,7 @@ def _worker(
                 break
             choice = None
             if pending:
-                step, prompts, answers, oldest = pending[0]
+                step, parts, oldest = pending[0]
                 have = [*held, *([] if version is None else [version])]
                 choice = pick_version(have, step, staleness, oldest)
             if choice is None:  # nothing to do yet: wait for the next message
@@ -184,30 +195,27 @@ def _worker(
                 version = choice
             for v in [v for v in held if v <= version]:  # no later step takes an older one
                 del held[v]
-            _sample_step(backbone, tokenizer, codec, sampling, share_prompt, seed, rank,
-                         device, dtype, outbox, step, version, prompts, answers)  # fmt: skip
+            sample(step, version, parts)
     except BaseException:  # said to the trainer, which raises it
         outbox.put(("error", traceback.format_exc()))
 
 
-def _sample_step(
+def _sample_part(
     backbone: torch.nn.Module,
     tokenizer: Any,
     codec: Any,
     sampling: Sampling,
     share_prompt: bool,
     seed: int,
-    rank: int,
     device: str,
     dtype: torch.dtype,
-    outbox: Any,
     step: int,
-    version: int | None,
+    rank: int,
     prompts: list,
     answers: list,
-) -> None:
-    """Sample one step's request with the weights the worker holds (``version``) and send the
-    batch: the rollout, its version, the completions' last hidden states and the head."""
+) -> tuple[int, Rollout, Tensor, Any]:
+    """Sample one rank's share of a step's request with the weights the worker holds: the
+    rank, the rollout, the completions' last hidden states and the head's weights."""
     torch.manual_seed(step_seed(seed, step, rank))
     s = sampling
     with autocast(dtype, torch.device(device)):  # as the hf engine samples
@@ -227,12 +235,14 @@ def _sample_step(
                 None if head.bias is None else head.bias.detach().cpu().clone(),
             )
         )
-    outbox.put(("batch", (step, version, rollout, hidden.detach().cpu(), weights)))
+    return rank, rollout, hidden.detach().cpu(), weights
 
 
 class AsyncSampler:
     """The trainer's side of the worker (see the module): start it, :meth:`take` each step's
-    batch, :meth:`advance` after each step, :meth:`close` at the end."""
+    batch, :meth:`advance` after each step, :meth:`close` at the end. With
+    ``rollout.async_workers: node`` only the node's first rank (the leader) holds a worker;
+    every rank still advances its copy of the prompt stream and takes its batch each step."""
 
     def __init__(
         self,
@@ -249,51 +259,62 @@ class AsyncSampler:
         self.k = cfg.rollout.staleness
         self.newest = cfg.rollout.async_weights == "newest"
         self.dist = dist if dist is not None else Dist()  # each rank's worker samples its share
+        per_node = cfg.rollout.async_workers == "node"
+        self.ranks = self.dist.node_ranks() if per_node else [self.dist.rank]
+        self.leader = self.ranks[0] == self.dist.rank
+        self.group = self.dist.node_group() if per_node and self.dist.enabled else None
         self.ahead = copy.deepcopy(stream)  # the prompts of the steps requested ahead
         self.requested = step0
         self.pushed: int | None = None
         core = unwrap(m.backbone)
         self.device = next(core.parameters()).device
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        worker_copy = copy.deepcopy(core).to("cpu")
-        self.process = ctx.Process(
-            target=_worker,
-            args=(
-                worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg), shares_prompt(cfg),
-                cfg.run.seed, self.dist.rank, str(self.device), DTYPES[cfg.model.dtype], self.inbox, self.outbox,
-                self.k if self.newest else None,
-            ),
-            daemon=True,
-        )  # fmt: skip
-        self.process.start()
-        del worker_copy
+        self.process = None
+        if self.leader:
+            ctx = torch.multiprocessing.get_context("spawn")
+            self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+            worker_copy = copy.deepcopy(core).to("cpu")
+            self.process = ctx.Process(
+                target=_worker,
+                args=(
+                    worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg),
+                    shares_prompt(cfg), cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype],
+                    self.inbox, self.outbox, self.k if self.newest else None,
+                ),
+                daemon=True,
+            )  # fmt: skip
+            self.process.start()
+            del worker_copy
         if self.newest and step0 < cfg.run.steps:  # the newest kept, for the first requests
             self._push(ring.latest)
         for step in range(step0 + 1, step0 + self.k + 2):
             self._request(step)
 
     def _push(self, version: int) -> None:
-        self.inbox.put(("weights", (version, self.ring.versions[version])))
+        if self.leader:
+            self.inbox.put(("weights", (version, self.ring.versions[version])))
         self.pushed = version
 
     def _request(self, step: int) -> None:
         """The weights step ``step`` samples with (``fixed``: if not pushed yet), then its
-        request, with the oldest version it may be sampled by."""
+        request, with the oldest version it may be sampled by: the shares of the worker's
+        ranks (every rank draws the step's prompts, to keep its stream where the leader's is)."""
         if step > self.cfg.run.steps:
             return
         version = self.ring.behaviour_version(step)
         if not self.newest and version != self.pushed:
             self._push(version)
-        examples = self.dist.share(self.ahead.next(self.cfg.rollout.prompts_per_step))
-        self.inbox.put(
-            ("sample", (step, [e.prompt for e in examples], [e.answer for e in examples], version))
-        )
+        items = self.ahead.next(self.cfg.rollout.prompts_per_step)
+        if self.leader:
+            parts = [
+                (r, [e.prompt for e in mine], [e.answer for e in mine])
+                for r in self.ranks
+                for mine in [self.dist.share(items, r)]
+            ]
+            self.inbox.put(("sample", (step, parts, version)))
         self.requested = step
 
-    def take(self, step: int) -> tuple[Rollout, Behaviour]:
-        """The worker's batch for ``step`` and its behaviour features; raises
-        :class:`StaleBatch` for a batch older than k versions."""
+    def _receive(self, step: int) -> list:
+        """The leader's batch of ``step`` from its worker: one part per rank of the worker."""
         t0 = time.monotonic()
         while True:
             try:
@@ -311,9 +332,26 @@ class AsyncSampler:
                     ) from None
         if kind == "error":
             raise RuntimeError(f"the rollout worker failed:\n{payload}")
-        got, version, rollout, hidden, weights = payload
+        got, version, batch = payload
         if got != step:
             raise RuntimeError(f"the rollout worker sent the batch of step {got} for step {step}")
+        return [(step, version, *part[1:]) for part in batch]
+
+    def take(self, step: int) -> tuple[Rollout, Behaviour]:
+        """The worker's batch for ``step`` and its behaviour features; raises
+        :class:`StaleBatch` for a batch older than k versions."""
+        parts = self._receive(step) if self.leader else None
+        if len(self.ranks) > 1:  # rollout.async_workers=node: the leader scatters the parts
+            import torch.distributed as tdist
+
+            out: list = [None]
+            tdist.scatter_object_list(out, parts, src=self.ranks[0], group=self.group)
+            mine = out[0]
+        else:
+            mine = parts[0]
+        got, version, rollout, hidden, weights = mine
+        if got != step:
+            raise RuntimeError(f"step {step}: the node's rollout worker sent step {got}'s batch")
         lag = step - 1 - version
         if lag > self.k:
             raise StaleBatch(
@@ -344,6 +382,8 @@ class AsyncSampler:
 
     def close(self) -> None:
         """Stop the worker (at once if it does not stop by itself)."""
+        if self.process is None:
+            return
         if self.process.is_alive():
             self.inbox.put(("stop", None))
             self.process.join(timeout=10)

@@ -64,10 +64,37 @@ class Dist:
         rows = self.stack(padded)
         return torch.cat([rows[r, :n] for r, n in enumerate(sizes)]), sum(sizes[: self.rank])
 
-    def share(self, items: list) -> list:
-        """This rank's equal, consecutive share of ``items`` (a step's prompts: whole groups)."""
+    def share(self, items: list, rank: int | None = None) -> list:
+        """This rank's (or ``rank``'s) equal, consecutive share of ``items`` (a step's prompts:
+        whole groups)."""
         n = len(items) // self.world
-        return items[self.rank * n : (self.rank + 1) * n]
+        r = self.rank if rank is None else rank
+        return items[r * n : (r + 1) * n]
+
+    def node_ranks(self) -> list[int]:
+        """The ranks on this rank's node, in order: torchrun numbers a node's ranks
+        consecutively, ``LOCAL_WORLD_SIZE`` of them (all of them outside torchrun)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if local < 1 or self.world % local:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={local} does not divide the world of {self.world} ranks "
+                "(torchrun starts the same number of ranks on every node)"
+            )
+        first = self.rank - self.rank % local
+        return list(range(first, first + local))
+
+    def node_group(self) -> object | None:
+        """A process group of this node's ranks (a collective: every rank calls it, at the same
+        point); None, the default group, when the world is one node."""
+        ranks = self.node_ranks()
+        if len(ranks) == self.world:
+            return None
+        mine = None
+        for first in range(0, self.world, len(ranks)):  # every node's group, on every rank
+            group = tdist.new_group(list(range(first, first + len(ranks))))
+            if first == ranks[0]:
+                mine = group
+        return mine
 
     def gather_objects(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (``[obj]`` in a world of one)."""
