@@ -197,20 +197,29 @@ def frontier_table(
             f"| {f.algo} | {f.choice} | {' | '.join(cols)} | {peak_s} | {gap} | {sd} | "
             f"{failed}/{runs} |"
         )
-    lines += [
-        "",
+    lines += _budget_table_head(
         "The same frontier over **checkpoints**: the best gold reward at any step (after the "
         f"first {window}) of any beta's seed-averaged {window}-step running means, within each "
         "budget: what stopping at the best step would give if the gold reward could be watched.",
-        "",
-        f"| algo | KL choice | {head} |",
-        "| --- | --- | " + " | ".join("---" for _ in budgets) + " |",
-    ]
+        budgets,
+    )
     for f in order:
         pts = f.checkpoint_points(skip=window)
         cols = [_f(best_within(pts, b)[0]) for b in budgets]
         lines.append(f"| {f.algo} | {f.choice} | {' | '.join(cols)} |")
     return lines
+
+
+def _budget_table_head(text: str, budgets: Sequence[float]) -> list[str]:
+    """A paragraph, then the head of a table of one column per KL budget."""
+    head = " | ".join(f"seq KL {_b(b)}" for b in budgets)
+    return [
+        "",
+        text,
+        "",
+        f"| algo | KL choice | {head} |",
+        "| --- | --- | " + " | ".join("---" for _ in budgets) + " |",
+    ]
 
 
 def heldout_frontier_table(
@@ -251,16 +260,13 @@ def heldout_frontier_table(
         lines.append(f"| {f.algo} | {f.choice} | {start} | {' | '.join(cols)} |")
     if not any(f.evaluations for f in frontiers):
         return lines
-    lines += [
-        "",
+    lines += _budget_table_head(
         "The same over every held-out **evaluation** after the start: each evaluation's "
         "held-out gold reward (mean over seeds) against the exact sequence KL over the "
-        f"{window} steps up to it, one point per beta and evaluation, the beta and step that reach it in brackets: "
-        "what stopping at the best evaluation would give.",
-        "",
-        f"| algo | KL choice | {head} |",
-        "| --- | --- | " + " | ".join("---" for _ in budgets) + " |",
-    ]
+        f"{window} steps up to it, one point per beta and evaluation, the beta and step that "
+        "reach it in brackets: what stopping at the best evaluation would give.",
+        budgets,
+    )
     for f in order:
         pts = {(e.kl_seq, e.gold): e for e in f.evaluations}
         cols = []
