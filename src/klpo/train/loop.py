@@ -30,7 +30,10 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -245,16 +248,26 @@ def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap |
         if rollout.prompts != [p for p in prompts for _ in range(g)]:
             raise RuntimeError(f"step {step}: the rollout worker sampled other prompts")
         return behaviour_pass(run.cfg, run.models, rollout, behaviour)
-    version = ring.behaviour_version(step)
-    torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))  # as the worker
-    with ring.at(run.models.policy, version, run.models.backbone):
-        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
+    with _behaviour_weights(run, step) as version:
         rollout = run.engine.sample(prompts, answers)
         behaviour = sampled_features(run.cfg, run.models, rollout, version)
     return behaviour_pass(run.cfg, run.models, rollout, behaviour)
 
 
-def _sample_with_signal(run: TrainRun, step: int, progress: TrainerState) -> tuple:
+@contextmanager
+def _behaviour_weights(run: TrainRun, step: int) -> Iterator[int]:
+    """The policy (and the engine's copy) at the ring's behaviour version of ``step`` inside the
+    block, which gets that version; torch's generator seeded as the rollout worker's is."""
+    version = run.versions.behaviour_version(step)
+    torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))
+    with run.versions.at(run.models.policy, version, run.models.backbone):
+        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
+        yield version
+
+
+def _sample_with_signal(
+    run: TrainRun, step: int, progress: TrainerState
+) -> tuple[list, Rollout, Any, dict[str, float], SamplerGap | None]:
     """DAPO's dynamic sampling (:mod:`klpo.train.step.dynamic`): rounds of prompts until the
     step's groups have signal; with ``rollout.staleness`` every round is sampled by the step's
     behaviour version, and the kept groups get its log-probs and the sampler gap as one batch."""
@@ -262,10 +275,7 @@ def _sample_with_signal(run: TrainRun, step: int, progress: TrainerState) -> tup
     if ring is None:
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
         return got.examples, got.rollout, got.totals, got.metrics, None
-    version = ring.behaviour_version(step)
-    torch.manual_seed(step_seed(cfg.run.seed, step, run.dist.rank))
-    with ring.at(run.models.policy, version, run.models.backbone):
-        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
+    with _behaviour_weights(run, step) as version:
         got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
         behaviour = sampled_features(cfg, run.models, got.rollout, version)
     rollout, gap = behaviour_pass(cfg, run.models, got.rollout, behaviour)
