@@ -53,6 +53,7 @@ __all__ = [
     "last_step",
     "run_study",
     "runs_left_s",
+    "seed_major",
 ]
 
 POLL_S = 2.0
@@ -62,7 +63,8 @@ PRESENTATION_KEYS = frozenset(
     {"run.progress", "run.threads", "run.tensorboard", "run.out_dir", "run.eval_cache"}
 )
 EVAL_CACHE = "eval-cache"  # OUT/eval-cache: the runs' shared starting evaluations (run.eval_cache)
-STUDY_SCHEDULING_KEYS = frozenset({"workers"})  # how the runs are scheduled, not what they are
+# How the runs are scheduled and analysed, not what they are.
+STUDY_SCHEDULING_KEYS = frozenset({"workers", "comparisons", "added_after", "alpha", "cpu_hours"})
 GRID_KEYS = frozenset({"seeds", "betas", "choices"})  # a study may grow along these
 RUN_AGAIN = frozenset({"crashed", "interrupted"})  # statuses a re-run does not reuse
 INTERRUPTED_CODES = frozenset(
@@ -402,6 +404,18 @@ def runs_left_s(walls: list[float], left: int, workers: int) -> float | None:
     return sum(done) / len(done) * math.ceil(left / max(1, workers))
 
 
+def seed_major(runs: list[Run], seeds: list[int]) -> list[int]:
+    """The order runs start in: the first seed of every cell, then the second, ...; so a study
+    stopped part-way (a budget, a signal) has every cell at the same number of seeds, the unit
+    its comparisons are decided by (:mod:`klpo.study.seeds`). Indices into ``runs``.
+
+    >>> from types import SimpleNamespace as R
+    >>> seed_major([R(seed=0), R(seed=1), R(seed=0), R(seed=1)], [0, 1])
+    [0, 2, 1, 3]
+    """
+    return sorted(range(len(runs)), key=lambda i: (seeds.index(runs[i].seed), i))
+
+
 def _run_all(
     study: StudyConfig,
     runs: list[Run],
@@ -427,7 +441,8 @@ def _run_all(
         ThreadPoolExecutor(max_workers=study.workers) as pool,
     ):
         futures = {
-            pool.submit(_execute, r, out, study, on_start, signals): i for i, r in enumerate(runs)
+            pool.submit(_execute, runs[i], out, study, on_start, signals): i
+            for i in seed_major(runs, study.seeds)
         }
         pending, n = set(futures), 0
         while pending:

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from klpo import kl
 from klpo.train.algorithms import Algorithm
@@ -38,6 +45,7 @@ __all__ = [
     "KL_BUDGET_SEQ",
     "TASKS",
     "Choice",
+    "Comparison",
     "StudyConfig",
     "chat_overopt_study",
     "load_study",
@@ -108,6 +116,60 @@ class Choice(BaseModel):
             return f"no KL ({self.variant})" if self.variant else "no KL"
         name = f"{self.estimator} ({self.variant})" if self.variant else self.estimator
         return f"{name} {self.placement}"
+
+
+class Comparison(BaseModel):
+    """A comparison the study names before its runs: cell ``a`` against cell ``b`` on one result
+    column, the seed the unit (:mod:`klpo.study.seeds`).
+
+    A cell is written as its choice's label and, for a choice with a KL term, its beta after an
+    ``@``: ``"full loss @ 0.1"``, ``"no KL"``. Runs of the same seed are paired (the same prompts
+    in the same order from the same start), so the test is on the seed-by-seed differences."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    a: str = Field(description="The first cell: a choice's label, '@ beta' for a KL choice.")
+    b: str = Field(description="The cell it is compared with, written the same way.")
+    metric: str = Field(
+        "acc_final",
+        description="The result.yaml column compared (acc_final: held-out accuracy at the end; "
+        "gold_final, kl_exact_final, ...).",
+    )
+    algo: str = Field("grpo", description="The algorithm of both cells.")
+
+    @field_validator("a", "b")
+    @classmethod
+    def _cell_written(cls, v: str) -> str:
+        parse_cell(v)
+        return v
+
+    @property
+    def name(self) -> str:
+        return f"{self.a} vs {self.b}" + ("" if self.metric == "acc_final" else f" ({self.metric})")
+
+
+def parse_cell(cell: str) -> tuple[str, float | None]:
+    """``"full loss @ 0.1"`` as ``("full loss", 0.1)``; ``"no KL"`` as ``("no KL", None)``.
+
+    >>> parse_cell("k3+ loss @ 0.05")
+    ('k3+ loss', 0.05)
+    """
+    label, at, beta = cell.partition("@")
+    label = " ".join(label.split())
+    if not label:
+        raise ValueError(f"cell {cell!r} names no choice; write e.g. 'full loss @ 0.1' or 'no KL'")
+    if not at:
+        return label, None
+    try:
+        return label, float(beta)
+    except ValueError:
+        raise ValueError(
+            f"cell {cell!r}: the beta after '@' must be a number, e.g. 'full loss @ 0.1'"
+        ) from None
+
+
+def _cell_name(label: str, beta: float | None) -> str:
+    return label if beta is None else f"{label} @ {beta:g}"
 
 
 def _default_choices() -> list[Choice]:
@@ -218,6 +280,26 @@ class StudyConfig(BaseModel):
         description="Convergence (task overopt): the first step at which the 10-step running "
         "mean of the gold reward (reward/gold, on the step's sampled completions) reaches this.",
     )
+    comparisons: list[Comparison] = Field(
+        default_factory=list,
+        description="The primary comparisons, named before the runs: each decided with the "
+        "seed as the unit and a Holm correction over the list (klpo.study.seeds); every other "
+        "comparison a report makes is exploratory and says so.",
+    )
+    added_after: list[str] = Field(
+        default_factory=list,
+        description="Cells ('full loss @ 0.05', 'no KL (no skip)') added after earlier results "
+        "of the study were seen; the report marks them as such.",
+    )
+    alpha: float = Field(
+        0.05, gt=0, lt=1, description="The family-wise error rate of the primary comparisons."
+    )
+    cpu_hours: float | None = Field(
+        None,
+        gt=0,
+        description="The CPU budget planned for the study's runs, in hours (the report sets the "
+        "measured CPU time beside it).",
+    )
     kl_budget: float | None = Field(
         None,
         gt=0,
@@ -265,6 +347,29 @@ class StudyConfig(BaseModel):
         if not v:
             raise ValueError("must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _cells_in_grid(self) -> StudyConfig:
+        cells = self.cells()
+        named = [(c.algo, c.a) for c in self.comparisons] + [
+            (c.algo, c.b) for c in self.comparisons
+        ]
+        named += [(None, cell) for cell in self.added_after]
+        for algo, cell in named:
+            key = parse_cell(cell)
+            if not any(k == key and (algo is None or algo in algos) for k, algos in cells.items()):
+                shown = ", ".join(repr(_cell_name(*k)) for k in cells)
+                raise ValueError(f"cell {cell!r} is not in the study's grid; its cells: {shown}")
+        return self
+
+    def cells(self) -> dict[tuple[str, float | None], list[str]]:
+        """``{(choice label, beta or None): algorithms}``: every cell of the grid."""
+        out: dict[tuple[str, float | None], list[str]] = {}
+        for choice in self.choices:
+            betas = [None] if choice.placement == "none" else (choice.betas or self.betas)
+            for beta in betas:
+                out.setdefault((choice.label, beta), []).extend(choice.algos)
+        return out
 
 
 def quick_study() -> StudyConfig:
