@@ -25,6 +25,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         del os.environ["COLUMNS"], os.environ["LINES"]
 
 
+@pytest.fixture
+def scratch_registry():
+    """klpo's estimator registry (:data:`klpo.registry.SPECS`, which :mod:`klpo.kl` re-exports),
+    its rows put back after the test: what the test registers or replaces ends with it."""
+    from klpo import registry
+
+    saved = dict(registry.SPECS)
+    yield registry.SPECS
+    registry.SPECS.clear()
+    registry.SPECS.update(saved)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``architectures`` (the whole-mapping sweep, minutes) run only when the marker
     expression names them (``-m architectures``); otherwise they are deselected, not skipped."""

@@ -9,11 +9,13 @@ import inspect
 
 import pytest
 
-from klpo import kl
-
 # The library modules whose examples run here: quick, no files, no network.
 MODULES = (
     "klpo.kl",
+    "klpo.registry",
+    "klpo.estimators",
+    "klpo.explain",
+    "klpo._lazy",
     "klpo.losses",
     "klpo.ref_kl",
     "klpo.offpolicy",
@@ -29,13 +31,12 @@ MODULES = (
     "klpo.train.data.sources",
 )
 # Where every public function must carry an example.
-EVERY_FUNCTION = ("klpo.kl", "klpo.losses", "klpo.ref_kl")
+EVERY_FUNCTION = ("klpo.kl", "klpo.registry", "klpo.losses", "klpo.ref_kl")
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples_pass(name, monkeypatch):
-    # kl.register's example registers and removes an estimator: on a copy, whatever happens.
-    monkeypatch.setattr(kl, "SPECS", dict(kl.SPECS))
+def test_docstring_examples_pass(name, scratch_registry):
+    # kl.register's example registers and removes an estimator: put back, whatever happens.
     module = importlib.import_module(name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

@@ -43,17 +43,13 @@ float64); the result has that dtype.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
 from klpo._tensor import check_mask
+from klpo.registry import MODES, Mode
 
 __all__ = ["MODES", "Mode", "masked_mean", "masked_sum", "normaliser", "reduce"]
-
-Mode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-MODES: tuple[str, ...] = get_args(Mode)
 
 
 def _check_mask(x: Tensor, mask: Tensor) -> None:

@@ -21,7 +21,8 @@ LAYERS = (
     "klpo.lab",
     "klpo.train",  # the trainer's package: its docstring only
     "klpo.train.runtime",
-    "klpo.train.algorithms",
+    "klpo.train.algorithms",  # the tables' traits, no torch (their functions: algorithm_fns)
+    "klpo.train.algorithm_fns",
     "klpo.train.spellings",
     "klpo.train.rollout.choices",  # the rollout's tables, whose names the config takes
     "klpo.train.config",
@@ -52,6 +53,8 @@ LIBRARY = (
     "klpo",  # the package: its names, the submodules imported on first use
     "klpo._threads",
     "klpo._names",
+    "klpo._lazy",
+    "klpo.registry",  # the estimators' traits and the library's names, no torch
     "klpo._io",
     "klpo._tensor",
     "klpo.control",
@@ -61,6 +64,8 @@ LIBRARY = (
     "klpo.fused_loss_kernel",
     "klpo.heads",
     "klpo.logprobs",
+    "klpo.estimators",
+    "klpo.explain",
     "klpo.kl",
     "klpo.ref_kl",
     "klpo.reduce",

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from klpo import advantages, kl, logprobs, losses, reduce
 from klpo.train import loop
-from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, whiten_over_ranks
+from klpo.train.algorithm_fns import whiten_over_ranks
+from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES
 from klpo.train.config import ConfigError, build_config
 from klpo.train.data.load import load_examples
 from klpo.train.loop import TrainingDiverged

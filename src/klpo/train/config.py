@@ -28,8 +28,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from klpo import control, kl, reduce
-from klpo.kl import Placement
+from klpo import control, registry
+from klpo.registry import MODES, Placement
 from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, Algorithm, PolicyLoss
 from klpo.train.rollout.choices import ENGINES, SAMPLERS
 from klpo.train.runtime.trackers import TRACKERS
@@ -456,7 +456,7 @@ class AlgoConfig(_Section):
     )
     loss_reduction: str = Field(
         "token-mean",
-        description=f"How per-token losses are reduced: one of {', '.join(reduce.MODES)}.",
+        description=f"How per-token losses are reduced: one of {', '.join(MODES)}.",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO, REINFORCE++).")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
@@ -563,7 +563,7 @@ class AlgoConfig(_Section):
     @field_validator("loss_reduction")
     @classmethod
     def _known_reduction(cls, v: str) -> str:
-        return one_of("reduction", v, reduce.MODES)
+        return one_of("reduction", v, MODES)
 
     @field_validator("fused_loss", mode="before")
     @classmethod
@@ -603,8 +603,8 @@ class ReferenceReset(_Section):
 class KLConfig(_Section):
     estimator: str = Field(
         "full",
-        description=f"KL estimator: a per-token one ({', '.join(kl.ESTIMATORS)}) or one that also "
-        f"samples completions from the reference ({', '.join(kl.REF_SAMPLED)}; loss only).",
+        description=f"KL estimator: a per-token one ({', '.join(registry.ESTIMATORS)}) or one that also "
+        f"samples completions from the reference ({', '.join(registry.REF_SAMPLED)}; loss only).",
     )
     placement: Placement = Field(
         "loss",
@@ -696,10 +696,10 @@ class KLConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
-        if v in FOREIGN_ESTIMATORS and v not in kl.ESTIMATORS:
+        if v in FOREIGN_ESTIMATORS and v not in registry.ESTIMATORS:
             mine, note = FOREIGN_ESTIMATORS[v]
             raise ValueError(f"unknown estimator {v!r}: did you mean {mine!r}? ({note})")
-        return one_of("estimator", v, tuple(kl.SPECS))
+        return one_of("estimator", v, tuple(registry.SPECS))
 
     @field_validator("ref_is_clip")
     @classmethod
@@ -944,7 +944,7 @@ class TrainConfig(_Section):
             )
         if (
             not self.kl.off_policy_correction
-            and kl.SPECS[self.kl.estimator].off_policy == "carried"
+            and registry.SPECS[self.kl.estimator].off_policy == "carried"
         ):
             raise ValueError(
                 f"kl.off_policy_correction=false with kl.estimator={self.kl.estimator}: it "
@@ -955,7 +955,7 @@ class TrainConfig(_Section):
         self._check_staleness()
         self._check_trm()
         self._check_dppo_anchor()
-        reason = kl.refusal(self.kl.estimator, self.kl.placement)
+        reason = registry.refusal(self.kl.estimator, self.kl.placement)
         if self.kl.placement != "none" and reason is not None:
             raise ValueError(
                 f"kl.estimator={self.kl.estimator} with kl.placement={self.kl.placement}: {reason}"
@@ -970,7 +970,7 @@ class TrainConfig(_Section):
                 "dist.strategy=fsdp does not shard PPO's critic yet; use dist.strategy=ddp for "
                 f"{self.algo.name}, or a critic-free algorithm ({free}) with fsdp"
             )
-        ref_sampled = self.kl.estimator in kl.REF_SAMPLED and self.kl.placement != "none"
+        ref_sampled = self.kl.estimator in registry.REF_SAMPLED and self.kl.placement != "none"
         if ref_sampled and (self.dist.strategy == "fsdp" or self.model.lora is not None):
             raise ValueError(
                 f"kl.estimator={self.kl.estimator} samples completions from the reference, which "

@@ -19,7 +19,7 @@ leaves at once so that the group stops rather than hangs.
 Under ``torchrun`` each rank samples its share of the step's prompts (whole groups) and every loss
 is divided by the global token (or sequence) count, so the gradient equals that of one process
 holding the whole batch (batch-whitening merges every rank's statistics,
-:func:`klpo.train.algorithms.whiten_over_ranks`); the metrics are ratios of sums over
+:func:`klpo.train.algorithm_fns.whiten_over_ranks`); the metrics are ratios of sums over
 micro-batches and ranks (:class:`klpo.train.runtime.metrics.Tally`), so they too are the whole
 batch's at any split.
 """

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from klpo import kl, losses
-from klpo.train.algorithms import ALGORITHMS, AdvantageInputs
+from klpo.train.algorithm_fns import AdvantageInputs
+from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import TrainConfig
 from klpo.train.data.sources import Example
 from klpo.train.models.backbone import shares_prompt, token_outputs
