@@ -956,19 +956,20 @@ def test_a_newest_run_logs_lags_within_k_and_the_behaviour_of_the_version_used(
     import multiprocessing
 
     from klpo.train import loop
+    from klpo.train.step.sampling import Worker
 
     checked = {}
-    sample = loop._sample
+    sample = Worker.sample
 
-    def checking(run, step, mine):
-        rollout, gap = sample(run, step, mine)
-        v = rollout.behav_version
-        with run.versions.at(run.models.policy, v):
-            want = _logp_at(run.models, rollout, run.cfg.rollout.temperature)
-        checked[step] = (v, float((rollout.behav_logp.double() - want).abs().max()))
-        return rollout, gap
+    def checking(self, step, progress):
+        got = sample(self, step, progress)
+        v = got.rollout.behav_version
+        with self.ring.at(self.models.policy, v):
+            want = _logp_at(self.models, got.rollout, self.cfg.rollout.temperature)
+        checked[step] = (v, float((got.rollout.behav_logp.double() - want).abs().max()))
+        return got
 
-    monkeypatch.setattr(loop, "_sample", checking)
+    monkeypatch.setattr(Worker, "sample", checking)
     extra = {
         "rollout.staleness": 2, "rollout.asynchronous": "true", "rollout.async_weights": "newest",
         "run.save_every": 2, "run.eval_every": 0, "kl.estimator": "k3",

@@ -30,20 +30,12 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from klpo.train.config import TrainConfig
 from klpo.train.outdir import DirLock
 from klpo.train.preflight import preflight
 from klpo.train.rewards.functions import TrainerState, get_reward
-from klpo.train.rollout.samplers import Rollout
-from klpo.train.rollout.versions import SamplerGap, behaviour_pass, sampled_features
-from klpo.train.rollout.worker import step_seed
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist, PeerFailed, init_distributed, is_peer_failure, shutdown
 from klpo.train.runtime.stop import Interrupted, StopOnSignal, klpo_command
@@ -59,11 +51,10 @@ from klpo.train.setup import (
     teardown,
     write_run_report,
 )
-from klpo.train.step.dynamic import sample_with_signal
 from klpo.train.step.kl_term import sample_kl_term
 from klpo.train.step.sample_records import train_records
 from klpo.train.step.score import score
-from klpo.train.step.step_metrics import sampler_metrics, step_metrics
+from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Scored
 from klpo.train.step.update import update
 
@@ -186,100 +177,28 @@ def train_step(run: TrainRun, step: int) -> tuple[dict[str, float], float, Score
     t0 = time.perf_counter()
     lr = advance_lr(run.opt)  # optim.lr_scheduler's value at this step
     progress = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
-
-    # Sample, with the policy's current weights (a stale sampler's: in _sample); the
-    # reference's own samples where needed.
-    if run.versions is None:
-        run.engine.sync_weights(m.policy)
-    totals, dynamic, gap = None, {}, None
-    if cfg.rollout.dynamic_sampling:  # DAPO: only groups with signal (one process)
-        mine, rollout, totals, dynamic, gap = _sample_with_signal(run, step, progress)
-    else:
-        mine = dist.share(run.stream.next(cfg.rollout.prompts_per_step))
-        rollout, gap = _sample(run, step, mine)
+    # Sample (plain, a stale ring's version or the worker's, as chosen at setup).
+    got = run.sampling.sample(step, progress)
     t1 = time.perf_counter()
     # The step's KL term with the controllers' coefficients (and the reference's samples).
     beta, beta_old = run.control.kl.value, run.control.penalty.value
-    term = sample_kl_term(cfg, m, mine, rollout, run.control.window, beta=beta, beta_old=beta_old)
+    term = sample_kl_term(cfg, m, got.examples, got.rollout, run.control.window, beta=beta,
+                          beta_old=beta_old)  # fmt: skip
     t1r = time.perf_counter()
-
     # Score (rewards, log-probs, advantages), then update.
-    scored = score(
-        cfg, m, rollout, run.reward_fns, term.beta, dist, examples=mine, state=progress,
-        totals=totals,
-    )  # fmt: skip
+    scored = score(cfg, m, got.rollout, run.reward_fns, term.beta, dist, examples=got.examples,
+                   state=progress, totals=got.totals)  # fmt: skip
     t2 = time.perf_counter()
     upd = update(cfg, m, scored, run.opt, term, dist, run.update_gen)
     t3 = time.perf_counter()
-
     # Control: the controllers see the whole step's metrics, the same on every rank.
     metrics = step_metrics(cfg, scored, upd, dist, term)
-    if gap is not None:  # rollout.staleness: the sampler's lag and distance
-        metrics.update(sampler_metrics(cfg, scored, gap, step, dist))
+    metrics.update(run.sampling.metrics(got, scored, step))
     run.control.after_step(cfg, step, metrics, term)
-    if run.versions is not None:  # the weights this step ends with: version `step`
-        run.versions.keep(step, m.policy)
-    if run.sampler is not None:  # pushed to the worker, with the request k + 1 steps ahead
-        run.sampler.advance(step)
-    metrics.update(
-        {
-            "beta": term.beta,
-            "lr": lr,
-            "time/generate": t1 - t0,
-            "time/score": t2 - t1r,
-            "time/update": t3 - t2,
-            **dynamic,
-        }
-    )
-    return metrics, float(dist.all_sum(rollout.mask.sum()).item()), scored
-
-
-def _sample(run: TrainRun, step: int, mine: list) -> tuple[Rollout, SamplerGap | None]:
-    """The step's rollout of the prompts ``mine``; with ``rollout.staleness`` sampled by the
-    behaviour version of the ring, with its log-probs, and the exact KL(pi_behav ‖ pi_old) and
-    total variation at each position (:mod:`klpo.train.rollout.versions`), else None."""
-    prompts, answers = [e.prompt for e in mine], [e.answer for e in mine]
-    ring = run.versions
-    if ring is None:
-        return run.engine.sample(prompts, answers), None
-    if run.sampler is not None:  # rollout.asynchronous: sampled ahead by the worker
-        rollout, behaviour = run.sampler.take(step)
-        g = rollout.group_size
-        if rollout.prompts != [p for p in prompts for _ in range(g)]:
-            raise RuntimeError(f"step {step}: the rollout worker sampled other prompts")
-        return behaviour_pass(run.cfg, run.models, rollout, behaviour)
-    with _behaviour_weights(run, step) as version:
-        rollout = run.engine.sample(prompts, answers)
-        behaviour = sampled_features(run.cfg, run.models, rollout, version)
-    return behaviour_pass(run.cfg, run.models, rollout, behaviour)
-
-
-@contextmanager
-def _behaviour_weights(run: TrainRun, step: int) -> Iterator[int]:
-    """The policy (and the engine's copy) at the ring's behaviour version of ``step`` inside the
-    block, which gets that version; torch's generator seeded as the rollout worker's is."""
-    version = run.versions.behaviour_version(step)
-    torch.manual_seed(step_seed(run.cfg.run.seed, step, run.dist.rank))
-    with run.versions.at(run.models.policy, version, run.models.backbone):
-        run.engine.sync_weights(run.models.policy)  # an engine's copy: the sampling version
-        yield version
-
-
-def _sample_with_signal(
-    run: TrainRun, step: int, progress: TrainerState
-) -> tuple[list, Rollout, Any, dict[str, float], SamplerGap | None]:
-    """DAPO's dynamic sampling (:mod:`klpo.train.step.dynamic`): rounds of prompts until the
-    step's groups have signal; with ``rollout.staleness`` every round is sampled by the step's
-    behaviour version, and the kept groups get its log-probs and the sampler gap as one batch."""
-    cfg, ring = run.cfg, run.versions
-    if ring is None:
-        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
-        return got.examples, got.rollout, got.totals, got.metrics, None
-    with _behaviour_weights(run, step) as version:
-        got = sample_with_signal(cfg, run.stream, run.engine, run.reward_fns, progress)
-        behaviour = sampled_features(cfg, run.models, got.rollout, version)
-    rollout, gap = behaviour_pass(cfg, run.models, got.rollout, behaviour)
-    return got.examples, rollout, got.totals, got.metrics, gap
+    run.sampling.end_step(step)
+    times = {"time/generate": t1 - t0, "time/score": t2 - t1r, "time/update": t3 - t2}
+    metrics.update({"beta": term.beta, "lr": lr, **times, **got.metrics})
+    return metrics, float(dist.all_sum(got.rollout.mask.sum()).item()), scored
 
 
 def _samples_due(cfg: TrainConfig, step: int, last: bool) -> bool:

@@ -58,6 +58,7 @@ from klpo.train.runtime.samples import user_messages
 from klpo.train.step.after_step import Control, make_kl_controller, make_penalty_controller
 from klpo.train.step.kl_term import make_window
 from klpo.train.step.sample_records import eval_records
+from klpo.train.step.sampling import Sampling, sampling
 from klpo.train.step.types import Optimizers
 
 __all__ = [
@@ -98,6 +99,7 @@ class TrainRun:
     last_evaluation: str = ""  # the latest held-out accuracy with its interval, for the log
     versions: VersionRing | None = None  # rollout.staleness: the last k policy versions
     sampler: AsyncSampler | None = None  # rollout.asynchronous: the rollout worker
+    sampling: Sampling | None = None  # how each step samples (plain, stale ring, worker)
 
     @property
     def sharded(self) -> bool:
@@ -195,6 +197,9 @@ def setup(
         if dist.is_main and len(ranks) > 1:
             log(f"rollout worker: one for ranks {ranks[0]}-{ranks[-1]} of the node, started by "
                 f"rank {ranks[0]} (rollout.async_workers=node)")  # fmt: skip
+    run.sampling = sampling(
+        cfg, dist, m, run.stream, run.engine, reward_fns, ring=run.versions, worker=run.sampler
+    )
     return run
 
 

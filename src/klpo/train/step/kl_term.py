@@ -88,6 +88,12 @@ class KLTerm:
     ref: RefBatch | None = None  # the reference's completions (ref_is, adaptive_mix)
 
     @property
+    def exact(self) -> bool:
+        """Whether the per-token estimator is the exact KL at each position (:func:`needs_exact_kl`):
+        the update's forward then takes the reference's hidden states, not token log-probs."""
+        return needs_exact_kl(self.estimator)
+
+    @property
     def loss_weight(self) -> float:
         """The per-token estimator's weight in the loss: ``weight``, or 0 where the KL is not in
         the loss or its coefficient ``beta · weight`` is not positive (no KL in the loss)."""

@@ -45,7 +45,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step import microbatch
 from klpo.train.step.fused import on_policy_weights, takes_fused_loss
-from klpo.train.step.kl_term import KLTerm, needs_exact_kl, ref_term
+from klpo.train.step.kl_term import KLTerm, ref_term
 from klpo.train.step.score import values
 from klpo.train.step.types import Optimizers, Scored
 
@@ -400,7 +400,7 @@ def forward(
     s, rows, r, mask = mb.s, mb.rows, mb.r, mb.r.mask
     kl_coef = term.loss_coef
     recording = not bool(s.old.filled[rows].all())
-    exact = needs_exact_kl(term.estimator)
+    exact = term.exact
     need_ref = (kl_coef > 0 and exact) or recording
     head = unwrap(m.backbone).head()
     head_ref = m.reference.head() if need_ref else None
@@ -475,7 +475,7 @@ def policy_loss(
     if kl_weight:
         kl_tok = (
             out.kl
-            if needs_exact_kl(kl_estimator)
+            if term.exact
             else losses.kl_loss(kl_estimator, logp, mb.s.logp_ref[mb.rows], **_kl_old(cfg, mb))
         )
         loss_kl = kl_weight * red(kl_tok)
