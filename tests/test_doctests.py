@@ -19,6 +19,8 @@ MODULES = (
     "klpo.losses",
     "klpo.ref_kl",
     "klpo.offpolicy",
+    "klpo.trust_region",
+    "klpo.loss_metrics",
     "klpo._names",
     "klpo._threads",
     "klpo.doctor.advice",

@@ -15,7 +15,8 @@ and a masked or clipped token's gradient is exactly 0 instead of ``0 · inf = Na
 float32 (float64 when an input is float64). verl instead clamps the log-ratio to [-20, 20], which
 zeroes the gradient beyond; klpo does not clamp.
 
-Metrics (:func:`policy_metrics`, :func:`value_metrics`, :func:`kl_metrics`) are computed under
+Metrics (:func:`policy_metrics`, :func:`value_metrics`, :func:`kl_metrics`, in
+:mod:`klpo.loss_metrics`, named here too) are computed under
 ``torch.no_grad`` as token means over the loss's mask and returned as plain floats with namespaced
 keys; with no valid token every metric is 0.0.
 """
@@ -29,16 +30,15 @@ import torch
 from torch import Tensor
 
 from klpo import kl
+from klpo._ratios import check_per_token, kl_to_old, log_ratio
 from klpo._tensor import (
-    capped,
     capped_exp,
-    check_float,
     check_mask,
-    check_same_shape,
+    host_floats,
     to_out,
     wide_dtype,
 )
-from klpo.reduce import masked_mean
+from klpo.loss_metrics import kl_metrics, policy_metrics, value_metrics
 
 __all__ = [
     "cispo",
@@ -57,25 +57,6 @@ __all__ = [
 ]
 
 OldKL = Literal["k1", "k3"]
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers.
-
-
-def _check(ref: Tensor, **tensors: Tensor) -> None:
-    """Every tensor is a float tensor of ``ref``'s shape."""
-    check_same_shape(
-        "logp/values", ref, hint="per-token [B, T] inputs over the same tokens", **tensors
-    )
-
-
-def _log_ratio(logp: Tensor, logp_old: Tensor) -> Tensor:
-    """u = logp - sg(logp_old), in the wide dtype; the gradient flows into logp only."""
-    check_float("logp", logp)
-    _check(logp, logp_old=logp_old)
-    wide = wide_dtype(logp)
-    return logp.to(wide) - logp_old.detach().to(wide)
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,24 +111,14 @@ def ppo_clip(
         raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (the bound is -c·A for A < 0), got {dual_clip!r}")
-    u = _log_ratio(logp, logp_old)
-    _check(logp, adv=adv)
+    u = log_ratio(logp, logp_old)
+    check_per_token(logp, adv=adv)
     a = adv.detach().to(u.dtype)
     ratio = capped_exp(u)
     loss = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     if dual_clip is not None:
         loss = torch.where(a < 0, torch.minimum(loss, -a * dual_clip), loss)
     return to_out(loss, logp, logp_old, adv)
-
-
-def _kl_old(u: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(pi_old ‖ pi_theta) from y ~ pi_old, u = logp - logp_old."""
-    if estimator == "k1":
-        return -u
-    if estimator == "k3":
-        # (r - 1) - log r with r = pi_theta / pi_old = exp(u); expm1 keeps it accurate near u = 0.
-        return torch.expm1(capped(u)) - u
-    raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
 
 
 def ppo_kl_penalty(
@@ -199,10 +170,10 @@ def ppo_kl_penalty(
     """
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
-    u = _log_ratio(logp, logp_old)
-    _check(logp, adv=adv)
+    u = log_ratio(logp, logp_old)
+    check_per_token(logp, adv=adv)
     a = adv.detach().to(u.dtype)
-    loss = -a * capped_exp(u) + beta * _kl_old(u, estimator)
+    loss = -a * capped_exp(u) + beta * kl_to_old(u, estimator)
     return to_out(loss, logp, logp_old, adv)
 
 
@@ -228,7 +199,7 @@ def sequence_log_ratio(logp: Tensor, logp_old: Tensor, mask: Tensor) -> Tensor:
         >>> losses.sequence_log_ratio(torch.tensor([[0.2, 0.4, 9.0]]), torch.zeros(1, 3), mask)
         tensor([0.3000], dtype=torch.float64)
     """
-    u = _log_ratio(logp, logp_old)
+    u = log_ratio(logp, logp_old)
     check_mask(mask, logp.shape)
     n = mask.sum(-1).clamp(min=1).to(u.dtype)
     return torch.where(mask, u, 0.0).sum(-1) / n
@@ -292,9 +263,9 @@ def gspo(
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
     if not clip_high >= 0.0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
-    _check(logp, adv=adv)
+    check_per_token(logp, adv=adv)
     log_s = sequence_log_ratio(logp, logp_old, mask)  # [B]
-    u = _log_ratio(logp, logp_old)
+    u = log_ratio(logp, logp_old)
     # value log s_i, gradient d log pi_theta(y_it): GSPO-token.
     log_s_tok = log_s.detach()[:, None] + (u - u.detach())
     s_tok = capped_exp(log_s_tok)
@@ -338,7 +309,7 @@ def gspo_metrics(
             "clip_frac/seq": torch.where(rows, clipped.double(), 0.0).sum() / k,
             "ratio/seq_mean": torch.where(rows, s.double(), 0.0).sum() / k,
         }
-    return _floats(out)
+    return host_floats(out)
 
 
 def cispo(
@@ -386,8 +357,8 @@ def cispo(
         raise ValueError(f"clip_low must be in [0, 1) or None, got {clip_low!r}")
     if not clip_high >= 0.0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
-    u = _log_ratio(logp, logp_old)
-    _check(logp, adv=adv)
+    u = log_ratio(logp, logp_old)
+    check_per_token(logp, adv=adv)
     a = adv.detach().to(u.dtype)
     w = capped_exp(u.detach())
     w = w.clamp(min=1.0 - clip_low if clip_low is not None else None, max=1.0 + clip_high)
@@ -433,7 +404,7 @@ def value_loss(
     """
     if not isinstance(values, Tensor) or not values.is_floating_point():
         raise TypeError("values must be a float tensor")
-    _check(values, values_old=values_old, returns=returns)
+    check_per_token(values, values_old=values_old, returns=returns)
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be > 0 or None, got {clip!r}")
     wide = wide_dtype(values)
@@ -558,9 +529,9 @@ def kl_loss(
     if cap is None:
         if spec.off_policy == "carried":
             return est
-        u = _log_ratio(logp, logp_old).detach()
+        u = log_ratio(logp, logp_old).detach()
         return to_out(capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
-    u = _log_ratio(logp, logp_old).detach()
+    u = log_ratio(logp, logp_old).detach()
     if spec.off_policy == "carried":  # sg(min(w, C) / w) = sg(min(1, C / w))
         scale = torch.exp(torch.clamp(math.log(cap) - u, max=0.0))
         return to_out(scale * est.to(u.dtype), logp, logp_ref, logp_old)
@@ -643,190 +614,3 @@ def kl_reward(
         r = rewards.detach().to(torch.float64 if f64 else torch.float32)
         out = torch.where(mask, r - beta * est.to(r.dtype), 0.0)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Metrics.
-
-
-def _floats(values: dict[str, Tensor]) -> dict[str, float]:
-    """One device sync for the whole dict; NaN never leaves (0-token means are 0 already)."""
-    keys = list(values)
-    stacked = torch.stack([values[k].detach().to(torch.float64).reshape(()) for k in keys])
-    return dict(zip(keys, stacked.cpu().tolist(), strict=True))
-
-
-def _masked_extreme(x: Tensor, mask: Tensor, largest: bool) -> Tensor:
-    fill = -torch.inf if largest else torch.inf
-    v = torch.where(mask, x, fill)
-    ext = v.max() if largest else v.min()
-    return torch.where(mask.any(), ext, 0.0)
-
-
-def policy_metrics(
-    logp: Tensor,
-    logp_old: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-) -> dict[str, float]:
-    r"""Diagnostics of the PPO update, token means over ``mask``, under ``no_grad``.
-
-    Keys:
-
-    - ``clip_frac``: tokens where a clip binds (``clip_frac/low + clip_frac/high``; verl's
-      ``pg_clipfrac``);
-    - ``clip_frac/high``: ``A > 0`` and ``ratio > 1 + clip_high``;
-    - ``clip_frac/low``: ``A < 0`` and ``ratio < 1 - clip_low``;
-    - ``clip_frac/dual``: ``A < 0`` and ``ratio > dual_clip`` (0 without a dual clip; verl's
-      ``pg_clipfrac_lower``);
-    - ``kl/old/k1``: mean of ``logp_old - logp``, k1 of KL(pi_old ‖ pi_theta) (verl's ``ppo_kl``);
-    - ``kl/old/k3``: mean of ``(r - 1) - log r``, k3 of the same KL (≥ 0, lower variance);
-    - ``ratio/mean``, ``ratio/max``, ``ratio/min``: of ``r = pi_theta / pi_old``.
-
-    Args:
-        logp, logp_old, adv, mask: ``[B, T]``.
-        clip_low, clip_high, dual_clip: as :func:`ppo_clip`.
-
-    Returns:
-        a dict of floats.
-
-    Example:
-        >>> import math, torch
-        >>> from klpo import losses
-        >>> logp = torch.tensor([[math.log(2.0), 0.0]])  # ratios 2 (clipped, A > 0) and 1
-        >>> mask = torch.ones(1, 2, dtype=torch.bool)
-        >>> m = losses.policy_metrics(logp, torch.zeros(1, 2), torch.ones(1, 2), mask)
-        >>> keys = ("clip_frac/high", "kl/old/k1", "ratio/mean")
-        >>> {k: round(m[k], 4) for k in keys}
-        {'clip_frac/high': 0.5, 'kl/old/k1': -0.3466, 'ratio/mean': 1.5}
-    """
-    check_mask(mask, logp.shape)
-    with torch.no_grad():
-        u = _log_ratio(logp, logp_old)
-        _check(logp, adv=adv)
-        a = adv.detach().to(u.dtype)
-        ratio = capped_exp(u)
-        high = (a > 0) & (ratio > 1.0 + clip_high)
-        low = (a < 0) & (ratio < 1.0 - clip_low)
-        dual = (a < 0) & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(mask)
-        values = {
-            "clip_frac": masked_mean((high | low).double(), mask),
-            "clip_frac/high": masked_mean(high.double(), mask),
-            "clip_frac/low": masked_mean(low.double(), mask),
-            "clip_frac/dual": masked_mean(dual.double(), mask),
-            "kl/old/k1": masked_mean(_kl_old(u, "k1"), mask),
-            "kl/old/k3": masked_mean(_kl_old(u, "k3"), mask),
-            "ratio/mean": masked_mean(ratio, mask),
-            "ratio/max": _masked_extreme(ratio, mask, largest=True),
-            "ratio/min": _masked_extreme(ratio, mask, largest=False),
-        }
-    return _floats(values)
-
-
-def value_metrics(
-    values: Tensor,
-    values_old: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    *,
-    clip: float | None = None,
-) -> dict[str, float]:
-    r"""Diagnostics of the critic, token means over ``mask``, under ``no_grad``.
-
-    Keys:
-
-    - ``value/clip_frac``: tokens where the clipped term is strictly the larger (verl's
-      ``vf_clipfrac``; 0 without a clip);
-    - ``value/explained_var``: ``1 - Var(R - V) / Var(R)`` over the valid tokens (1 is a perfect
-      critic, 0 no better than a constant; 0.0 when Var(R) = 0);
-    - ``value/mean``: mean of V; ``value/mse``: mean of (V - R)².
-
-    Args:
-        values, values_old, returns, mask: ``[B, T]``.
-        clip: as :func:`value_loss`.
-
-    Returns:
-        a dict of floats.
-
-    Example:
-        >>> import torch
-        >>> from klpo import losses
-        >>> v, r = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 3.0]])
-        >>> mask = torch.ones(1, 2, dtype=torch.bool)
-        >>> losses.value_metrics(v, v, r, mask)  # explained: 1 - Var(R - V) / Var(R) = 1 - 1/4
-        {'value/clip_frac': 0.0, 'value/explained_var': 0.75, 'value/mean': 1.5, 'value/mse': 0.5}
-    """
-    check_mask(mask, values.shape)
-    with torch.no_grad():
-        _check(values, values_old=values_old, returns=returns)
-        v, v_old, ret = (t.detach().to(torch.float64) for t in (values, values_old, returns))
-        err = (v - ret) ** 2
-        if clip is not None:
-            clipped = (torch.clamp(v, v_old - clip, v_old + clip) - ret) ** 2
-            clip_frac = masked_mean((clipped > err).double(), mask)
-        else:
-            clip_frac = torch.zeros((), dtype=torch.float64)
-        var_r = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
-        resid = ret - v
-        var_resid = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
-        explained = torch.where(
-            var_r > 0, 1.0 - var_resid / torch.where(var_r > 0, var_r, 1.0), 0.0
-        )
-        out = {
-            "value/clip_frac": clip_frac,
-            "value/explained_var": explained,
-            "value/mean": masked_mean(v, mask),
-            "value/mse": masked_mean(err, mask),
-        }
-    return _floats(out)
-
-
-def kl_metrics(
-    logp: Tensor | None,
-    logp_ref: Tensor | None,
-    mask: Tensor,
-    *,
-    estimators: tuple[str, ...] = ("k1", "k3"),
-    logits: Tensor | None = None,
-    logits_ref: Tensor | None = None,
-) -> dict[str, float]:
-    r"""Token-mean estimates of KL(pi_theta ‖ pi_ref), one key ``kl/ref/<name>`` per estimator.
-
-    On-policy tokens (the rollout) make ``kl/ref/k1`` and ``kl/ref/k3`` unbiased estimates of the
-    per-token KL; ``kl/ref/full`` (pass ``logits``, ``logits_ref``) is exact at each position.
-
-    Args:
-        logp, logp_ref, mask: ``[B, T]``.
-        estimators: names from :data:`klpo.kl.ESTIMATORS` (``k3_is`` is evaluated with w = 1).
-        logits, logits_ref: ``[B, T, V]``, for ``full``.
-
-    Returns:
-        a dict of floats.
-
-    Example:
-        >>> import torch
-        >>> from klpo import losses
-        >>> logp, logp_ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
-        >>> m = losses.kl_metrics(logp, logp_ref, torch.ones(1, 2, dtype=torch.bool))
-        >>> {k: round(v, 4) for k, v in m.items()}  # means of d (0.5, -1), of k3 (0.1065, 0.7183)
-        {'kl/ref/k1': -0.25, 'kl/ref/k3': 0.4124}
-    """
-    with torch.no_grad():
-        out = {}
-        for name in estimators:
-            est = kl.estimate(
-                name,
-                logp,
-                logp_ref,
-                logp_old=logp,
-                logits=logits,
-                logits_ref=logits_ref,
-                mask=mask,
-            )
-            check_mask(mask, est.shape)
-            out[f"kl/ref/{name}"] = masked_mean(est, mask)
-    return _floats(out)

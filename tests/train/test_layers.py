@@ -57,6 +57,7 @@ LIBRARY = (
     "klpo.registry",  # the estimators' traits and the library's names, no torch
     "klpo._io",
     "klpo._tensor",
+    "klpo._ratios",
     "klpo.control",
     "klpo.gemm",
     "klpo._logits",
@@ -70,7 +71,9 @@ LIBRARY = (
     "klpo.ref_kl",
     "klpo.reduce",
     "klpo.mismatch",
+    "klpo.loss_metrics",
     "klpo.losses",
+    "klpo.trust_region",
     "klpo.offpolicy",
     "klpo.advantages",
 )
