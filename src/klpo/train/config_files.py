@@ -29,11 +29,11 @@ from pydantic import ValidationError
 from klpo.train.config import (
     ConfigError,
     TrainConfig,
-    _format_errors,
     apply_overrides,
     parse_override,
     read_config_file,
 )
+from klpo.train.config.files import format_errors
 
 __all__ = ["DEFAULT", "SET", "Layered", "Sources", "annotated_yaml", "load_configs", "merge_layer"]
 
@@ -166,7 +166,7 @@ def _apply_set(data: dict[str, Any], text: str, sources: Sources, defaults: dict
 
 
 def _error_source(sources: Sources):
-    """``source_of(loc, msg)`` for :func:`klpo.train.config._format_errors`: the file or ``--set``
+    """``source_of(loc, msg)`` for :func:`klpo.train.config.format_errors`: the file or ``--set``
     of the key an error names; for an error of the whole config, the sources of the keys its
     message names (``rollout.group_size from b.yaml``)."""
 
@@ -201,7 +201,7 @@ def load_configs(paths: Sequence[str | Path] = (), overrides: Sequence[str] = ()
         cfg = TrainConfig.model_validate(data)
     except ValidationError as err:  # the source named where there is more than one
         source_of = _error_source(sources) if len(layers) > 1 else None
-        raise ConfigError(_format_errors(err, source_of)) from None
+        raise ConfigError(format_errors(err, source_of)) from None
     return Layered(cfg, layers, sources)
 
 
