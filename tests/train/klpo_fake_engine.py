@@ -76,7 +76,7 @@ def spec(delta: float, made: list | None = None) -> EngineSpec:
 def recording(rollouts: list, prompts: list | None = None) -> EngineSpec:
     """The ``hf`` engine's own row, its samples recorded: each :class:`Rollout` the engine
     returns goes to ``rollouts``, each prompt it was given to ``prompts``."""
-    from klpo.train.rollout.choices import ENGINES
+    from klpo.train.choices import ENGINES
 
     hf = ENGINES["hf"].factory()
 

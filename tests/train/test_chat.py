@@ -105,7 +105,7 @@ def test_train_with_chat_prompts(chat_model, quick, tmp_path, monkeypatch):
         )
     )  # fmt: skip
     seen = []
-    from klpo.train.rollout.choices import ENGINES
+    from klpo.train.choices import ENGINES
 
     fake = importlib.import_module("klpo_fake_engine")  # tests/train, on sys.path in a test
     monkeypatch.setitem(ENGINES, "hf", fake.recording([], seen))  # what the hf engine is given

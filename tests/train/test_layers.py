@@ -24,7 +24,7 @@ LAYERS = (
     "klpo.train.algorithms",  # the tables' traits, no torch (their functions: algorithm_fns)
     "klpo.train.algorithm_fns",
     "klpo.train.spellings",
-    "klpo.train.rollout.choices",  # the rollout's tables, whose names the config takes
+    "klpo.train.choices",  # the rollout's tables, whose names the config takes
     "klpo.train.config",
     "klpo.train.config_files",
     "klpo.train.lr_schedule",

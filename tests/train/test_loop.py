@@ -370,8 +370,8 @@ def test_a_kl_in_the_reward_adds_its_returns_to_go_to_the_advantages(
 def test_every_variant_has_one_table_entry():
     from typing import get_args
 
+    from klpo.train.choices import ENGINES, SAMPLERS
     from klpo.train.config import AlgoConfig, RolloutConfig
-    from klpo.train.rollout.choices import ENGINES, SAMPLERS
 
     # The config's types are the tables' names, in the tables' order: one list of each.
     assert get_args(AlgoConfig.model_fields["name"].annotation) == tuple(ALGORITHMS)

@@ -23,12 +23,12 @@ import torch
 from transformers import GenerationConfig
 
 from klpo.train import loop
+from klpo.train.choices import ENGINES
 from klpo.train.config import ConfigError, build_config
 from klpo.train.data.sources import Example, render_chat
 from klpo.train.models.load import load_causal_lm, load_tokenizer
 from klpo.train.models.tokens import Codec, StopSet, check_single_bos, run_codec, stop_set
 from klpo.train.rollout import engines
-from klpo.train.rollout.choices import ENGINES
 from klpo.train.rollout.samplers import completion_mask, generate
 from klpo.train.runtime.metrics import read_metrics
 

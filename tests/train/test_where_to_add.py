@@ -15,9 +15,9 @@ import pytest
 from klpo import advantages, losses
 from klpo.train import loop
 from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec, PolicyLossSpec
+from klpo.train.choices import ENGINES
 from klpo.train.config import ConfigError, build_config
 from klpo.train.rewards import functions as reward_functions
-from klpo.train.rollout.choices import ENGINES
 from klpo.train.runtime.metrics import read_metrics
 
 

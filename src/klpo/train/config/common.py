@@ -14,17 +14,17 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from klpo.train.rollout.choices import ENGINES, SAMPLERS
+from klpo.train.choices import ENGINES, SAMPLERS
 from klpo.train.runtime.trackers import TRACKERS
 
 Tracker = Literal[tuple(TRACKERS)]  # type: ignore[valid-type]
 """The names of :data:`klpo.train.runtime.trackers.TRACKERS`, as the config's type."""
 
 Engine = Literal[tuple(ENGINES)]  # type: ignore[valid-type]
-"""The names of :data:`klpo.train.rollout.choices.ENGINES`, as the config's type."""
+"""The names of :data:`klpo.train.choices.ENGINES`, as the config's type."""
 
 Sampler = Literal[tuple(SAMPLERS)]  # type: ignore[valid-type]
-"""The names of :data:`klpo.train.rollout.choices.SAMPLERS`, as the config's type."""
+"""The names of :data:`klpo.train.choices.SAMPLERS`, as the config's type."""
 
 
 def table_row(table: Mapping[str, object]) -> WrapValidator:

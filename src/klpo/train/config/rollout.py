@@ -10,13 +10,13 @@ from pydantic import (
     model_validator,
 )
 
+from klpo.train.choices import ENGINES, SAMPLERS
 from klpo.train.config.common import (
     Engine,
     Sampler,
     Section,
     table_row,
 )
-from klpo.train.rollout.choices import ENGINES, SAMPLERS
 
 
 class RolloutConfig(Section):

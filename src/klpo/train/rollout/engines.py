@@ -23,7 +23,7 @@ module with its adapters disabled) is untouched. Sending only the adapters (vLLM
 ``enable_lora`` with a new ``LoRARequest`` per step) would move fewer bytes; it is not built.
 
 Engines are made by :func:`make_engine` from the table :data:`ENGINES`
-(:mod:`klpo.train.rollout.choices`, below the config, which takes its names).
+(:mod:`klpo.train.choices`, below the config, which takes its names).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from klpo.train.choices import ENGINES, EngineFactory, EngineSpec
 from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.load import DTYPES, autocast
 from klpo.train.models.tokens import Codec, generation_config, stop_set
-from klpo.train.rollout.choices import ENGINES, EngineFactory, EngineSpec
 from klpo.train.rollout.samplers import Rollout, generate
 
 __all__ = [

@@ -21,10 +21,10 @@ from torch import Tensor
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
+from klpo.train.choices import SAMPLERS
 from klpo.train.models.cache import cache_support
 from klpo.train.models.load import cache_kwargs, output_cache
 from klpo.train.models.tokens import Codec
-from klpo.train.rollout.choices import SAMPLERS
 
 
 @dataclass
