@@ -474,7 +474,7 @@ def test_preflight_fails_before_any_model_loads_or_file_is_written(
 
 def test_whiten_over_ranks_in_a_world_of_one_is_plain_whiten():
     """One process: the same bits as klpo.advantages.whiten (the merge of one shard is itself).
-    Two processes are checked against one in tests/train/test_step_metrics.py."""
+    Two processes are checked against one in tests/train/step/test_step_metrics.py."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 5, generator=gen)
     mask = torch.rand(4, 5, generator=gen) > 0.3

@@ -25,7 +25,7 @@ def test_print_config_is_the_resolved_yaml_after_file_and_sets(tmp_path):
     config.write_text("kl:\n  beta: 0.5\noptim:\n  lr: 0.001\n")
     code, out, _ = invoke("train", "-c", str(config), "--set", "kl.beta=0.02", "--print-config")
     assert code == 0
-    # the resolved config, with each given key's source as a comment (tests/train/test_config_files.py)
+    # the resolved config, with each given key's source as a comment (tests/train/config/test_config_files.py)
     assert yaml.safe_load(out) == yaml.safe_load(dump_config(load_config(config, ["kl.beta=0.02"])))
     printed = build_config(yaml.safe_load(out))
     assert printed.kl.beta == 0.02 and printed.optim.lr == 0.001  # --set over the file

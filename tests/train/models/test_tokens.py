@@ -37,7 +37,9 @@ def _families():
     """The family builders (loaded by path: tests/train is on sys.path only during a test)."""
     name = "klpo_families"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).parents[1] / f"{name}.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

@@ -74,7 +74,7 @@ def test_file_errors(tmp_path):
 def test_shipped_configs_load():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "configs"
+    root = Path(__file__).resolve().parents[3] / "configs"
     files = sorted(root.glob("*.yaml"))
     assert len(files) >= 3
     for f in files:
@@ -83,7 +83,7 @@ def test_shipped_configs_load():
 
 @pytest.mark.parametrize(
     "path",
-    sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+    sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml")),
     ids=lambda p: p.name,
 )
 def test_example_configs_load(path):

@@ -498,7 +498,7 @@ def trm_batch(stale):
 
     model, m, ring, _params = stale
     with pytest.MonkeyPatch.context() as patch:  # (the test reward, before the autouse fixture)
-        patch.syspath_prepend(str(Path(__file__).parent))
+        patch.syspath_prepend(str(Path(__file__).parents[1]))
         return _trm_batch(model, m, ring)
 
 
@@ -735,7 +735,7 @@ def test_trm_without_a_behaviour_policy_is_refused(tiny_model):
 
 
 # --------------------------------------------------------------------------------------------
-# Under torchrun: accepted, each rank seeded apart (the pooling: tests/train/test_resume_ddp.py).
+# Under torchrun: accepted, each rank seeded apart (the pooling: tests/train/runtime/test_resume_ddp.py).
 
 
 def test_a_stale_m2po_run_under_torchrun_passes_the_preflight(

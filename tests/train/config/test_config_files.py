@@ -15,7 +15,7 @@ from klpo.study.spec import load_study
 from klpo.train.config import ConfigError, TrainConfig, build_config
 from klpo.train.config_files import DEFAULT, SET, annotated_yaml, load_configs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LORA = ROOT / "configs" / "grpo-lora.yaml"
 runner = CliRunner()
 

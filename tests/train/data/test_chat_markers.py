@@ -19,10 +19,12 @@ from klpo.train.data.sources import Example, read_dataset, read_jsonl, render_ch
 
 
 def _families():
-    """The family builders, loaded by path as tests/train/test_tokens.py loads them."""
+    """The family builders, loaded by path as tests/train/models/test_tokens.py loads them."""
     name = "klpo_families"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).parents[1] / f"{name}.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

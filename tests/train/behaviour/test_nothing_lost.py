@@ -236,7 +236,7 @@ def test_a_warm_up_longer_than_the_run_is_warned_with_the_peak(tiny_model, quick
 # ---------------------------------------------------------------------------------------------
 # The study: interrupted, terminated, or meeting a trainer that is still running.
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/train: the scripts and helpers it shares
 SRC = HERE.parents[1] / "src"
 
 

@@ -28,7 +28,7 @@ from klpo.train.step.step_metrics import finish_metrics, step_metrics
 from klpo.train.step.types import Optimizers
 from klpo.train.step.update import update
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/train: the scripts and helpers it shares
 SRC = HERE.parents[1] / "src"
 
 
@@ -161,7 +161,7 @@ def test_every_metric_is_the_same_for_one_and_two_processes(tiny_model, tmp_path
     epochs: every metric of the step and every parameter after it agree. ``off-policy``: GRPO
     with the KL in the reward and the loss; ``ppo`` and ``reinforce++`` whiten their advantages
     over the whole batch (every rank's statistics merged), so their gradients are the whole
-    batch's too. The on-policy variant is checked in tests/train/test_resume_ddp.py."""
+    batch's too. The on-policy variant is checked in tests/train/runtime/test_resume_ddp.py."""
     variants = ["off-policy", "ppo", "reinforce++"]
     script = str(HERE / "ddp_update_script.py")
     for n in (1, 2):

@@ -31,7 +31,9 @@ def _families():
 
     name = "klpo_families"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).parents[1] / f"{name}.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -371,7 +373,7 @@ def test_the_eval_scripts_mcnemar_p_value_by_enumeration():
     import itertools
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "chat_arith_eval.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "chat_arith_eval.py"
     spec = importlib.util.spec_from_file_location("chat_arith_eval", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -30,7 +30,7 @@ from klpo.train.runtime import checkpoint as ck
 from klpo.train.runtime.metrics import read_metrics
 from klpo.train.runtime.stop import StopOnSignal
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/train: the scripts and helpers it shares
 SRC = HERE.parents[1] / "src"
 runner = CliRunner()
 
@@ -428,7 +428,7 @@ def test_bad_model_directories_are_named(tiny_model, tmp_path, monkeypatch):
 
 def test_names_not_in_the_local_cache_fail_fast(tiny_model, tmp_path, monkeypatch):
     # The suite runs offline (tests/conftest.py): an id not in the cache is named, with the
-    # variable that keeps the Hub offline (tests/train/test_hub.py has the online cases).
+    # variable that keeps the Hub offline (tests/train/models/test_hub.py has the online cases).
     no_models(monkeypatch)
     base = ["train", "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "run.progress=false"]
     t0 = time.monotonic()

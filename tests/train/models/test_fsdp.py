@@ -17,7 +17,7 @@ from klpo.train.config import ConfigError, build_config
 from klpo.train.runtime.metrics import read_metrics
 from klpo.train.tools.export import export_run
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/train: the scripts and helpers it shares
 SRC = HERE.parents[1] / "src"
 
 

@@ -238,7 +238,7 @@ def test_the_worked_example_of_the_docs_runs():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "rewards.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def brevity" in b)
     rows = [json.loads(x) for x in re.search(r"```json\n(.*?)```", text, re.S)[1].splitlines()]
     ns: dict = {}
