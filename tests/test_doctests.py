@@ -20,6 +20,7 @@ MODULES = (
     "klpo.ref_kl",
     "klpo.offpolicy",
     "klpo.trust_region",
+    "klpo.teacher",
     "klpo.loss_metrics",
     "klpo._names",
     "klpo._threads",
@@ -33,7 +34,7 @@ MODULES = (
     "klpo.train.data.sources",
 )
 # Where every public function must carry an example.
-EVERY_FUNCTION = ("klpo.kl", "klpo.registry", "klpo.losses", "klpo.ref_kl")
+EVERY_FUNCTION = ("klpo.kl", "klpo.registry", "klpo.teacher", "klpo.losses", "klpo.ref_kl")
 
 
 @pytest.mark.parametrize("name", MODULES)

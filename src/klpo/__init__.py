@@ -12,6 +12,7 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.offpolicy`   the field's off-policy losses (decoupled PPO, M2PO, DPPO, TRM, k2 to the sampler) and trust-region diagnostics
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
+- :mod:`klpo.teacher`     divergences to a teacher over the vocabulary (on-policy distillation)
 
 Submodules are imported on first use: ``import klpo`` imports none of them.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "losses",
     "offpolicy",
     "reduce",
+    "teacher",
 ]
 
 _SUBMODULES = frozenset(__all__) - {"__version__"}

@@ -68,6 +68,7 @@ LIBRARY = (
     "klpo.estimators",
     "klpo.explain",
     "klpo.kl",
+    "klpo.teacher",
     "klpo.ref_kl",
     "klpo.reduce",
     "klpo.mismatch",

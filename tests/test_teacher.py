@@ -1,0 +1,199 @@
+"""The teacher divergences against float64 oracles: values by direct summation over the
+vocabulary, gradients by the closed forms derived in klpo.teacher's notes (and gradcheck),
+identities between the forms, and the compatibility switches' zero gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klpo import teacher
+from klpo.logprobs import exact_kl
+
+F64 = torch.float64
+
+
+def _pair(
+    seed: int, n: int = 5, v: int = 7, scale: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    z = scale * torch.randn(n, v, generator=g, dtype=F64)
+    zt = scale * torch.randn(n, v, generator=g, dtype=F64)
+    return z, zt
+
+
+def _naive(z: torch.Tensor, zt: torch.Tensor, t: float = 1.0):
+    """q, p and their logs, by the textbook softmax, one row at a time (float64)."""
+    q = [[math.exp(x / t) for x in row] for row in z.tolist()]
+    p = [[math.exp(x / t) for x in row] for row in zt.tolist()]
+    q = [[x / sum(r) for x in r] for r in q]
+    p = [[x / sum(r) for x in r] for r in p]
+    return torch.tensor(q, dtype=F64), torch.tensor(p, dtype=F64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_kl_value_and_its_gradient_q_minus_p(temperature: float) -> None:
+    z, zt = _pair(0)
+    z.requires_grad_(True)
+    q, p = _naive(z.detach(), zt, temperature)
+    want = (p * (p.log() - q.log())).sum(-1)
+    got = teacher.forward_kl(z, zt, temperature=temperature)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+    assert torch.allclose(grad, (q - p) / temperature, rtol=0, atol=1e-12)
+    assert zt.grad is None
+
+
+def test_jsd_is_forward_and_reverse_at_its_ends_and_bounded_between() -> None:
+    z, zt = _pair(1)
+    q, p = _naive(z, zt)
+    assert torch.equal(teacher.jsd(z, zt, 0.0), teacher.forward_kl(z, zt))
+    assert torch.allclose(teacher.jsd(z, zt, 1.0), exact_kl(z, zt), rtol=0, atol=1e-12)
+    for beta in (0.1, 0.5, 0.9):
+        m = (1 - beta) * q + beta * p
+        want = beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)
+        got = teacher.jsd(z, zt, beta)
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+        bound = -beta * math.log(beta) - (1 - beta) * math.log(1 - beta)
+        assert bool((got >= 0).all()) and bool((got <= bound + 1e-12).all())
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+        teacher.jsd(z, zt, 1.5)
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.5, 0.8])
+def test_jsd_gradient_is_the_closed_form(beta: float) -> None:
+    z, zt = _pair(2)
+    z.requires_grad_(True)
+    q, p = _naive(z.detach(), zt)
+    m = (1 - beta) * q + beta * p
+    kl_qm = (q * (q / m).log()).sum(-1, keepdim=True)
+    want = (1 - beta) * q * (q.log() - m.log() - kl_qm)
+    (grad,) = torch.autograd.grad(teacher.jsd(z, zt, beta).sum(), z)
+    assert torch.allclose(grad, want, rtol=0, atol=1e-12)
+
+
+def test_the_teachers_topk_are_its_likeliest_tokens_unnormalised() -> None:
+    _, zt = _pair(3)
+    logp, ids = teacher.teacher_topk(zt, 3)
+    _, p = _naive(zt, zt)
+    for row in range(zt.shape[0]):
+        order = sorted(range(zt.shape[1]), key=lambda v: -p[row, v].item())[:3]
+        assert ids[row].tolist() == order
+        assert torch.allclose(logp[row].exp(), p[row, order], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="k must be an integer"):
+        teacher.teacher_topk(zt, 0)
+
+
+def test_topk_forward_kl_is_the_truncated_sum_with_its_gradient() -> None:
+    z, zt = _pair(4)
+    z.requires_grad_(True)
+    q, p = _naive(z.detach(), zt)
+    logp, ids = teacher.teacher_topk(zt, 3)
+    got = teacher.topk_forward_kl(z, logp, ids)
+    want = torch.stack(
+        [sum(p[r, i] * (p[r, i].log() - q[r, i].log()) for i in ids[r].tolist()) for r in range(5)]
+    )
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+    big_p = p.gather(-1, ids).sum(-1, keepdim=True)
+    on_k = torch.zeros_like(p).scatter(-1, ids, p.gather(-1, ids))
+    assert torch.allclose(grad, big_p * q - on_k, rtol=0, atol=1e-12)  # (P q - p 1[K]) / T
+
+
+def test_verls_clamp_zeroes_the_whole_positions_gradient_where_the_sum_is_negative() -> None:
+    z = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.5, 0.0]], dtype=F64, requires_grad=True)
+    logp, ids = teacher.teacher_topk(torch.tensor([[1.0, 0.0, 0.0]] * 2, dtype=F64), 1)
+    plain = teacher.topk_forward_kl(z, logp, ids)
+    assert plain[0] < 0 < plain[1]  # the sharper student's row is negative
+    clamped = teacher.topk_forward_kl(z, logp, ids, clamp_zero=True)
+    assert clamped[0] == 0 and clamped[1] == plain[1]
+    (grad,) = torch.autograd.grad(clamped.sum(), z)
+    assert bool((grad[0] == 0).all()) and bool((grad[1] != 0).any())
+
+
+def test_the_log_prob_floor_takes_the_floored_tokens_gradient_away() -> None:
+    z = torch.tensor([[0.0, -30.0, 0.0]], dtype=F64, requires_grad=True)
+    ids = torch.tensor([[0, 1]])
+    logp = torch.log(torch.tensor([[0.5, 0.3]], dtype=F64))
+    floored = teacher.topk_forward_kl(z, logp, ids, log_prob_floor=-10.0)
+    q1 = float(torch.log_softmax(z.detach(), -1)[0, 1])
+    assert q1 < -10.0
+    want = 0.5 * (math.log(0.5) - float(torch.log_softmax(z.detach(), -1)[0, 0])) + 0.3 * (
+        math.log(0.3) + 10.0
+    )
+    assert math.isclose(float(floored.detach()), want, rel_tol=0, abs_tol=1e-12)
+    (grad,) = torch.autograd.grad(floored.sum(), z)
+    q = torch.softmax(z.detach(), -1)
+    # only token 0's term carries a gradient: 0.5 (q - e_0)
+    assert torch.allclose(grad, 0.5 * (q - torch.tensor([[1.0, 0.0, 0.0]], dtype=F64)), atol=1e-12)
+
+
+def test_the_tail_bucket_makes_a_kl_below_the_forward_kl_and_exact_at_k_v_minus_1() -> None:
+    for seed in range(5):
+        z, zt = _pair(10 + seed)
+        full = teacher.forward_kl(z, zt)
+        for k in (1, 3, 5):
+            logp, ids = teacher.teacher_topk(zt, k)
+            tail = teacher.topk_tail_kl(z, logp, ids)
+            assert bool((tail >= 0).all()) and bool((tail <= full + 1e-12).all())
+        logp, ids = teacher.teacher_topk(zt, zt.shape[-1] - 1)  # the tail is one token: exact
+        assert torch.allclose(teacher.topk_tail_kl(z, logp, ids), full, rtol=0, atol=1e-10)
+
+
+def test_student_topk_is_the_reverse_kl_at_k_v_and_truncated_below() -> None:
+    z, zt = _pair(5)
+    assert torch.allclose(teacher.student_topk_kl(z, zt, 7), exact_kl(z, zt), atol=1e-12)
+    q, p = _naive(z, zt)
+    got = teacher.student_topk_kl(z, zt, 2)
+    for r in range(5):
+        top = sorted(range(7), key=lambda v: -q[r, v].item())[:2]
+        want = sum(q[r, i] * (q[r, i].log() - p[r, i].log()) for i in top)
+        assert math.isclose(float(got[r]), float(want), abs_tol=1e-12)
+    # verl#7806's review: q = (0.6, 0.4), p = (0.9, 0.1), k = 1: -0.243279, where the KL is 0.311
+    zq = torch.log(torch.tensor([[0.6, 0.4]], dtype=F64)).requires_grad_(True)
+    zp = torch.log(torch.tensor([[0.9, 0.1]], dtype=F64))
+    assert math.isclose(float(teacher.student_topk_kl(zq, zp, 1).detach()), -0.243279, abs_tol=1e-6)
+    assert math.isclose(float(exact_kl(zq, zp).detach()), 0.311239, abs_tol=1e-6)
+    clamped = teacher.student_topk_kl(zq, zp, 1, clamp_zero=True)
+    (grad,) = torch.autograd.grad(clamped.sum(), zq)
+    assert float(clamped.detach()) == 0.0 and bool((grad == 0).all())
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda z, zt: teacher.forward_kl(z, zt, temperature=0.8),
+        lambda z, zt: teacher.jsd(z, zt, 0.3),
+        lambda z, zt: teacher.topk_forward_kl(z, *teacher.teacher_topk(zt, 3)),
+        lambda z, zt: teacher.topk_tail_kl(z, *teacher.teacher_topk(zt, 3)),
+        lambda z, zt: teacher.student_topk_kl(z, zt, 3),
+    ],
+)
+def test_gradcheck_in_float64(fn) -> None:
+    z, zt = _pair(6, n=3, v=6)
+    torch.autograd.gradcheck(lambda x: fn(x, zt), (z.requires_grad_(True),))
+
+
+def test_chunks_change_nothing(monkeypatch) -> None:
+    z, zt = _pair(7, n=9, v=5)
+    z32, zt32 = z.float().requires_grad_(True), zt.float()
+    whole = teacher.jsd(z32, zt32, 0.4)
+    (g_whole,) = torch.autograd.grad(whole.sum(), z32)
+    monkeypatch.setattr(teacher, "ROW_ELEMENTS", 10)  # 2 rows a chunk: 5 chunks, recomputed
+    chunked = teacher.jsd(z32, zt32, 0.4)
+    (g_chunked,) = torch.autograd.grad(chunked.sum(), z32)
+    assert torch.equal(whole, chunked) and torch.equal(g_whole, g_chunked)
+    assert whole.dtype == torch.float32
+
+
+def test_bad_inputs_name_the_argument() -> None:
+    z, zt = _pair(8)
+    with pytest.raises(ValueError, match="logits_teacher"):
+        teacher.forward_kl(z, zt[:, :3])
+    logp, ids = teacher.teacher_topk(zt, 2)
+    with pytest.raises(ValueError, match="teacher_topk_ids must be an integer tensor"):
+        teacher.topk_forward_kl(z, logp, ids.float())
+    with pytest.raises(ValueError, match="must have the positions of logits"):
+        teacher.topk_forward_kl(z[:2], logp, ids)
