@@ -161,6 +161,13 @@ def explain(
         metavar="SD",
         help="With --staleness: the sd of one policy version's step in logit space (> 0).",
     ),
+    teacher: bool = typer.Option(
+        False,
+        "--teacher",
+        help="On-policy distillation: each teacher term (sampled, exact, JSD, top-k with verl's "
+        "clamps) with the divergence and gradient it follows per position and over a "
+        "sequence, by exact enumeration (klpo.lab.teacher).",
+    ),
 ) -> None:
     """Say what a KL estimator in a placement really does: value, bias, sign and gradient.
 
@@ -168,6 +175,15 @@ def explain(
     """
     from klpo import kl
 
+    if teacher:
+        from klpo.lab import teacher as opd
+
+        if as_json:
+            json.dump(opd.to_json(), sys.stdout, indent=2, ensure_ascii=False)
+            sys.stdout.write("\n")
+        else:
+            console().print(opd.render(), highlight=False, soft_wrap=True)
+        return
     if staleness is not None:
         if off_policy:
             raise typer.BadParameter(
