@@ -21,6 +21,7 @@ MODULES = (
     "klpo.offpolicy",
     "klpo.trust_region",
     "klpo.teacher",
+    "klpo.vocab_parallel",
     "klpo.loss_metrics",
     "klpo._names",
     "klpo._threads",

@@ -13,6 +13,7 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.reduce`      the named loss aggregations
 - :mod:`klpo.control`     KL coefficient controllers
 - :mod:`klpo.teacher`     divergences to a teacher over the vocabulary (on-policy distillation)
+- :mod:`klpo.vocab_parallel`  log-probs, entropy and exact KL over a head sharded by vocabulary
 
 Submodules are imported on first use: ``import klpo`` imports none of them.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "offpolicy",
     "reduce",
     "teacher",
+    "vocab_parallel",
 ]
 
 _SUBMODULES = frozenset(__all__) - {"__version__"}

@@ -65,6 +65,7 @@ LIBRARY = (
     "klpo.fused_loss_kernel",
     "klpo.heads",
     "klpo.logprobs",
+    "klpo.vocab_parallel",
     "klpo.estimators",
     "klpo.explain",
     "klpo.kl",
