@@ -197,3 +197,38 @@ def test_bad_inputs_name_the_argument() -> None:
         teacher.topk_forward_kl(z, logp, ids.float())
     with pytest.raises(ValueError, match="must have the positions of logits"):
         teacher.topk_forward_kl(z[:2], logp, ids)
+
+
+@pytest.mark.parametrize(("divergence", "beta"), [("reverse", 0.5), ("forward", 0.5), ("jsd", 0.3)])
+def test_from_hidden_equals_the_logits_forms_values_and_gradients(divergence, beta) -> None:
+    g = torch.Generator().manual_seed(11)
+    h, w, b = (torch.randn(s, generator=g, dtype=F64) for s in ((9, 4), (7, 4), (7,)))
+    ht, wt, bt = (torch.randn(s, generator=g, dtype=F64) for s in ((9, 6), (7, 6), (7,)))
+    up = torch.randn(9, generator=g, dtype=F64)
+    ref = {"reverse": teacher.reverse_kl, "forward": teacher.forward_kl}.get(
+        divergence, lambda z, zt, **kw: teacher.jsd(z, zt, beta, **kw)
+    )
+    leaves = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    want = ref(leaves[0] @ leaves[1].T + leaves[2], ht @ wt.T + bt, temperature=0.7)
+    (want * up).sum().backward()
+    mine = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    got = teacher.from_hidden(
+        mine[0], mine[1], ht, wt, divergence=divergence, beta=beta, bias=mine[2],
+        bias_teacher=bt, temperature=0.7, row_chunk=4,
+    )  # fmt: skip
+    (got * up).sum().backward()
+    assert torch.allclose(got, want.detach(), rtol=0, atol=1e-12)
+    for a, b_ in zip(mine, leaves, strict=True):
+        assert torch.allclose(a.grad, b_.grad, rtol=0, atol=1e-12)
+
+
+def test_from_hidden_refuses_what_it_cannot_score() -> None:
+    h, w = torch.zeros(3, 4), torch.zeros(5, 4)
+    with pytest.raises(ValueError, match="divergence must be one of"):
+        teacher.from_hidden(h, w, h, w, divergence="tv")
+    with pytest.raises(ValueError, match="same positions over the same vocabulary"):
+        teacher.from_hidden(h, w, h[:2], w)
+    assert torch.equal(
+        teacher.from_hidden(h, w, h, w, divergence="jsd", beta=1.0),
+        teacher.from_hidden(h, w, h, w, divergence="reverse"),
+    )

@@ -113,3 +113,48 @@ def test_one_process_is_the_single_device_computation_and_bad_shapes_are_named()
         vocab_parallel(x["hidden"], x["weight_ref"], x["tokens"])
     with pytest.raises(ValueError, match="hidden_ref and weight_ref together"):
         vocab_parallel(x["hidden"], x["weight"], x["tokens"], hidden_ref=x["hidden_ref"])
+
+
+def _rank_teacher(rank: int, world: int, port: int, out: str) -> None:
+    from klpo.teacher import from_hidden
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = _inputs()
+    v_r = V // world
+    rows = slice(rank * v_r, (rank + 1) * v_r)
+    result = {}
+    for divergence in ("forward", "jsd"):
+        h = x["hidden"].clone().requires_grad_(True)
+        w = x["weight"][rows].clone().requires_grad_(True)
+        got = from_hidden(
+            h, w, x["hidden_ref"], x["weight_ref"][rows], divergence=divergence, beta=0.4,
+            temperature=T, group=None, row_chunk=4,
+        )  # fmt: skip
+        (x["up"][0] * got).sum().backward()
+        result[divergence] = (got.detach(), h.grad, w.grad)
+    torch.save(result, Path(out) / f"teacher{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_teachers_divergence_over_a_sharded_head_is_the_single_devices(tmp_path) -> None:
+    from klpo import teacher
+
+    world = 2
+    mp.spawn(_rank_teacher, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    x = _inputs()
+    zt = x["hidden_ref"] @ x["weight_ref"].T
+    for divergence, fn in (
+        ("forward", lambda z: teacher.forward_kl(z, zt, temperature=T)),
+        ("jsd", lambda z: teacher.jsd(z, zt, 0.4, temperature=T)),
+    ):
+        h, w = x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True)
+        want = fn(h @ w.T)
+        (x["up"][0] * want).sum().backward()
+        for rank in range(world):
+            value, g_h, g_w = torch.load(tmp_path / f"teacher{rank}.pt")[divergence]
+            rows = slice(rank * (V // world), (rank + 1) * (V // world))
+            assert torch.allclose(value, want.detach(), rtol=0, atol=1e-12), divergence
+            assert torch.allclose(g_h, h.grad, rtol=0, atol=1e-12), divergence
+            assert torch.allclose(g_w, w.grad[rows], rtol=0, atol=1e-12), divergence

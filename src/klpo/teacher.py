@@ -43,14 +43,18 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as torch_dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from klpo._tensor import check_float, check_same_shape
 from klpo.logprobs import ROW_ELEMENTS, exact_kl
+from klpo.vocab_parallel import all_reduce, slice_logits
 
 __all__ = [
+    "DIVERGENCES",
     "forward_kl",
+    "from_hidden",
     "jsd",
     "reverse_kl",
     "student_topk_kl",
@@ -330,3 +334,165 @@ def student_topk_kl(
         return value.clamp_min(0.0) if clamp_zero else value
 
     return _by_rows(rows, logits, logits_teacher)
+
+
+# --------------------------------------------------------------------------------------------
+# From hidden states: the exact divergences through a fused head.
+
+DIVERGENCES = ("reverse", "forward", "jsd")
+"""What :func:`from_hidden` computes: KL(pi_theta ‖ pi_T), KL(pi_T ‖ pi_theta), JSD_beta."""
+
+
+class _FromHidden(torch.autograd.Function):
+    """The divergence at each position from both models' hidden states and head shards, a chunk
+    of tokens at a time, its logits tile recomputed in the backward pass (module notes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, hidden_t, weight_t, bias_t, opts):
+        kind, beta, temperature, group, rows = opts
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        n = hidden.shape[0]
+        value = torch.empty(n, dtype=dtype)
+        saved = torch.empty(n, 3, dtype=dtype)  # L, L_T, and the JSD's KL(q ‖ m) (else 0)
+        for s in range(0, n, rows):
+            x, xt = _tiles(
+                hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature
+            )
+            big_l, big_lt = _normalisers(x, xt, group)
+            log_q, log_p = x - big_l[:, None], xt - big_lt[:, None]
+            q, p = log_q.exp(), log_p.exp()
+            if kind == "jsd":
+                log_m = torch.logaddexp(log_q + math.log(1 - beta), log_p + math.log(beta))
+                parts = torch.stack(
+                    [(p * (log_p - log_m)).sum(-1), (q * (log_q - log_m)).sum(-1)], -1
+                )
+                parts = all_reduce(parts, torch_dist.ReduceOp.SUM, group)
+                value[s : s + rows] = beta * parts[:, 0] + (1 - beta) * parts[:, 1]
+                saved[s : s + rows, 2] = parts[:, 1]
+            else:
+                terms = q * (log_q - log_p) if kind == "reverse" else p * (log_p - log_q)
+                value[s : s + rows] = all_reduce(terms.sum(-1), torch_dist.ReduceOp.SUM, group)
+                saved[s : s + rows, 2] = value[s : s + rows]
+            saved[s : s + rows, 0], saved[s : s + rows, 1] = big_l, big_lt
+        ctx.save_for_backward(hidden, weight, bias, hidden_t, weight_t, bias_t, saved)
+        ctx.opts = opts
+        return value.clamp_min(0.0)
+
+    @staticmethod
+    def backward(ctx, grad_value):
+        hidden, weight, bias, hidden_t, weight_t, bias_t, saved = ctx.saved_tensors
+        kind, beta, temperature, group, rows = ctx.opts
+        dtype = saved.dtype
+        w = weight.to(dtype)
+        grad_h = torch.zeros(hidden.shape, dtype=dtype)
+        grad_w = torch.zeros_like(w)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=dtype)
+        up = grad_value.to(dtype)
+        for s in range(0, hidden.shape[0], rows):
+            sl = slice(s, s + rows)
+            x, xt = _tiles(
+                hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature
+            )
+            log_q, log_p = x - saved[sl, :1], xt - saved[sl, 1:2]
+            q = log_q.exp()
+            if kind == "forward":  # d KL(p ‖ q) / dx = q - p
+                g = q - log_p.exp()
+            elif kind == "reverse":  # q (log q - log p - KL)
+                g = q * (log_q - log_p - saved[sl, 2:3])
+            else:  # (1 - beta) q (log q - log m - KL(q ‖ m))
+                log_m = torch.logaddexp(log_q + math.log(1 - beta), log_p + math.log(beta))
+                g = (1 - beta) * q * (log_q - log_m - saved[sl, 2:3])
+            g = g * (up[sl, None] / temperature)
+            h = hidden[sl].to(dtype)
+            grad_h[sl] = g @ w
+            grad_w += g.T @ h
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        grad_h = all_reduce(grad_h, torch_dist.ReduceOp.SUM, group)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None
+
+
+def _tiles(hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature):
+    """The chunk's scaled logits tiles of both models, ``[rows, V_r]`` each."""
+    x = slice_logits(
+        hidden[s : s + rows].to(dtype), weight.to(dtype),
+        None if bias is None else bias.to(dtype), temperature,
+    )  # fmt: skip
+    xt = slice_logits(
+        hidden_t[s : s + rows].to(dtype), weight_t.to(dtype),
+        None if bias_t is None else bias_t.to(dtype), temperature,
+    )  # fmt: skip
+    return x, xt
+
+
+def _normalisers(x: Tensor, xt: Tensor, group) -> tuple[Tensor, Tensor]:
+    """L = log sum exp of each row over the whole (sharded) vocabulary, for both models: one
+    all-reduce MAX, one SUM."""
+    m = all_reduce(
+        torch.stack([x.max(-1).values, xt.max(-1).values], -1), torch_dist.ReduceOp.MAX, group
+    )
+    sums = torch.stack([torch.exp(x - m[:, :1]).sum(-1), torch.exp(xt - m[:, 1:]).sum(-1)], -1)
+    sums = all_reduce(sums, torch_dist.ReduceOp.SUM, group)
+    return m[:, 0] + sums[:, 0].log(), m[:, 1] + sums[:, 1].log()
+
+
+def from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_teacher: Tensor,
+    weight_teacher: Tensor,
+    *,
+    divergence: str = "reverse",
+    beta: float = 0.5,
+    bias: Tensor | None = None,
+    bias_teacher: Tensor | None = None,
+    temperature: float = 1.0,
+    group=None,
+    row_chunk: int | None = None,
+) -> Tensor:
+    r"""An exact divergence to the teacher at each position, from both models' hidden states.
+
+    ``divergence``: ``"reverse"`` KL(pi_theta ‖ pi_T), ``"forward"`` KL(pi_T ‖ pi_theta) or
+    ``"jsd"`` (TRL's generalised JSD at ``beta``), as :func:`reverse_kl`, :func:`forward_kl`
+    and :func:`jsd` from logits, but the logits ``hidden @ weight.T + bias`` of each model exist
+    only as one ``[row_chunk, V_r]`` tile (recomputed in the backward pass). The two models may
+    differ in width (``hidden [N, H]``, ``hidden_teacher [N, H_T]``) but share the vocabulary.
+    With ``group`` the heads are sharded by vocabulary as :func:`klpo.vocab_parallel.vocab_parallel`
+    says (``weight`` and ``weight_teacher`` holding the same rows of the vocabulary).
+    Gradients flow to the student's ``hidden``, ``weight`` and ``bias``; the teacher's are
+    detached. Returns ``[N]`` float32 (float64 for float64 inputs).
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> h, w, ht, wt = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 4), (6, 4), (3, 5), (6, 5)))
+        >>> got = from_hidden(h, w, ht, wt, divergence="forward")
+        >>> torch.allclose(got, forward_kl(h @ w.T, ht @ wt.T), atol=1e-12)
+        True
+    """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
+    if divergence == "jsd" and not 0.0 < beta < 1.0:
+        if beta in (0.0, 1.0):
+            divergence = "forward" if beta == 0.0 else "reverse"
+        else:
+            raise ValueError(f"jsd: beta must be in [0, 1] (0 forward KL, 1 reverse), got {beta!r}")
+    for name, h, w in (("", hidden, weight), ("_teacher", hidden_teacher, weight_teacher)):
+        if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
+            raise ValueError(
+                f"from_hidden: hidden{name} [N, H] and weight{name} [V_r, H] must share H, got "
+                f"{tuple(h.shape)} and {tuple(w.shape)}"
+            )
+    if hidden_teacher.shape[0] != hidden.shape[0] or weight_teacher.shape[0] != weight.shape[0]:
+        raise ValueError(
+            "from_hidden: the teacher must score the same positions over the same vocabulary "
+            f"rows: hidden {tuple(hidden.shape)} / {tuple(hidden_teacher.shape)}, weight "
+            f"{tuple(weight.shape)} / {tuple(weight_teacher.shape)}"
+        )
+    rows = row_chunk or max(1, ROW_ELEMENTS // max(weight.shape[0], 1))
+    opts = (divergence, float(beta), float(temperature), group, int(rows))
+    return _FromHidden.apply(
+        hidden, weight, bias, hidden_teacher.detach(), weight_teacher.detach(),
+        None if bias_teacher is None else bias_teacher.detach(), opts,
+    )  # fmt: skip

@@ -42,24 +42,25 @@ from torch import Tensor
 from klpo._logits import FusedOutput
 from klpo.logprobs import ROW_ELEMENTS
 
-__all__ = ["vocab_parallel"]
+__all__ = ["all_reduce", "slice_logits", "vocab_parallel", "world_size"]
 
 
-def _world(group) -> int:
+def world_size(group) -> int:
+    """The size of ``group``, 1 where no process group is initialised."""
     if not torch_dist.is_available() or not torch_dist.is_initialized():
         return 1
     return torch_dist.get_world_size(group)
 
 
-def _all_reduce(x: Tensor, op, group) -> Tensor:
-    if _world(group) > 1:
+def all_reduce(x: Tensor, op, group) -> Tensor:
+    """``x`` reduced in place over ``group`` with ``op`` (nothing to do in a world of one)."""
+    if world_size(group) > 1:
         torch_dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def _slice_logits(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
-) -> Tensor:
+def slice_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """``(hidden @ weight.T + bias) / temperature``: the scaled logits of a shard's rows."""
     x = hidden @ weight.T
     if bias is not None:
         x = x + bias
@@ -79,25 +80,25 @@ class _VocabParallel(torch.autograd.Function):
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         for s in range(0, n, rows):
             h = hidden[s : s + rows].to(dtype)
-            x = _slice_logits(h, w, b, temperature)
+            x = slice_logits(h, w, b, temperature)
             local_y = tokens[s : s + rows] - start
             mine = (local_y >= 0) & (local_y < v_r)
             x_y = torch.where(mine, x.gather(-1, local_y.clamp(0, v_r - 1)[:, None])[:, 0], 0.0)
             maxes = [x.max(-1).values]
             if with_ref:
-                xr = _slice_logits(
+                xr = slice_logits(
                     hidden_ref[s : s + rows].to(dtype),
                     weight_ref.to(dtype),
                     None if bias_ref is None else bias_ref.to(dtype),
                     temperature,
                 )
                 maxes.append(xr.max(-1).values)
-            m = _all_reduce(torch.stack(maxes, -1), torch_dist.ReduceOp.MAX, group)
+            m = all_reduce(torch.stack(maxes, -1), torch_dist.ReduceOp.MAX, group)
             e = torch.exp(x - m[:, :1])
             sums = [e.sum(-1), (e * x).sum(-1), x_y]
             if with_ref:
                 sums += [torch.exp(xr - m[:, 1:]).sum(-1), (e * (x - xr)).sum(-1)]
-            tot = _all_reduce(torch.stack(sums, -1), torch_dist.ReduceOp.SUM, group)
+            tot = all_reduce(torch.stack(sums, -1), torch_dist.ReduceOp.SUM, group)
             big_l = m[:, 0] + tot[:, 0].log()
             logp[s : s + rows] = tot[:, 2] - big_l
             ent[s : s + rows] = big_l - tot[:, 1] / tot[:, 0]
@@ -131,11 +132,11 @@ class _VocabParallel(torch.autograd.Function):
         for s in range(0, n, rows):
             sl = slice(s, s + rows)
             h = hidden[sl].to(dtype)
-            log_pi = _slice_logits(h, w, b, temperature) - stats[sl, :1]
+            log_pi = slice_logits(h, w, b, temperature) - stats[sl, :1]
             pi = log_pi.exp()
             g = -a[sl, None] * pi - bb[sl, None] * pi * (log_pi + stats[sl, 1:2])
             if hidden_ref is not None:
-                xr = _slice_logits(
+                xr = slice_logits(
                     hidden_ref[sl].to(dtype),
                     weight_ref.to(dtype),
                     None if bias_ref is None else bias_ref.to(dtype),
@@ -152,7 +153,7 @@ class _VocabParallel(torch.autograd.Function):
             grad_w += g.T @ h
             if grad_b is not None:
                 grad_b += g.sum(0)
-        grad_h = _all_reduce(grad_h, torch_dist.ReduceOp.SUM, group)
+        grad_h = all_reduce(grad_h, torch_dist.ReduceOp.SUM, group)
         return (
             grad_h.to(hidden.dtype),
             grad_w.to(weight.dtype),
