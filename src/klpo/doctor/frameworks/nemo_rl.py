@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, Settings, Term, flatten
+from klpo.doctor.reading import DoctorError, Reading, Settings, Term, flatten, merge
 
-__all__ = ["DEFAULTS", "VERSION", "load", "read"]
+__all__ = ["DEFAULTS", "VERSION", "detect", "load", "read", "read_settings"]
 
 VERSION = "0.6.0+7ea279a"
 RELEASE = "0.6.0"  # the r0.6.0 release: no weight on the KL
@@ -67,11 +67,32 @@ CARRIED = [
 ]
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+def detect(doc: Any) -> tuple[int, str] | None:
+    """NeMo-RL's evidence: a ``loss_fn`` section beside ``grpo``/``ppo``/``policy``, or a child
+    config's ``defaults: PARENT.yaml`` (a file name, where Hydra's ``defaults`` is a list)."""
+    data = doc.data or {}
+    if "loss_fn" in data and set(data) & {"grpo", "policy", "ppo"}:
+        return 3, "NeMo-RL's loss_fn section beside " + ", ".join(
+            k for k in ("grpo", "ppo", "policy") if k in data
+        )
+    parent = data.get("defaults")
+    if isinstance(parent, str) and parent.endswith((".yaml", ".yml")):
+        return 2, f"a child config's defaults: {parent} (NeMo-RL's parent config)"
+    return None
+
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``nemo-rl`` row's reader: a GRPO/PPO YAML (its ``defaults:`` chain merged), or a
+    launch script's ``run_grpo*.py --config FILE key=value ...``."""
+    if doc.kind == "script":
+        from klpo.doctor.launch import config_and_overrides
+
+        ep = doc.entry()
+        if ep is None or ep.framework != "nemo-rl":
+            raise DoctorError(f"{doc.source}: no nemo-rl training command with --config found")
+        cfg, over = config_and_overrides(ep, doc.path, doc.source)
+        return read_settings(merge(load(cfg), over), doc.source, version)
+    return read_settings(load(doc.path), doc.source, version)
 
 
 def load(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -92,10 +113,10 @@ def load(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         )
     if p.resolve() in seen:
         raise DoctorError(f"{path}: defaults: {parent} is a cycle")
-    return _merge(load(p, (*seen, path.resolve())), data)
+    return merge(load(p, (*seen, path.resolve())), data)
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read a NeMo-RL GRPO/PPO config (its ``defaults:`` chain already merged)."""
     weighted = version is None or not version.startswith(RELEASE) or "+" in version
     shown = VERSION if weighted else RELEASE

@@ -23,12 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import framework_command
-from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.launch import framework_command, script_notes
 from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 from klpo.doctor.tables import version_key
 
-__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read_script_text"]
+__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read"]
 
 VERSION = "0.3.0"
 A = "trainer.algorithm"
@@ -70,11 +69,10 @@ def no_gradient_version(version: str) -> bool:
     return version_key(v) < version_key("0.2.0")
 
 
-def read_script_text(
-    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
-) -> Reading:
+def read(doc: Any, version: str | None = None) -> Reading:
     """Read a SkyRL launch script's ``main_base`` command and its ``key=value`` overrides."""
-    script, ep = framework_command(text, source, given, "skyrl", "SkyRL `main_base`")
+    source = doc.source
+    script, ep = framework_command(doc, "skyrl", "SkyRL `main_base`")
     values = {}
     for w in ep.command.words[ep.at + 1 :]:
         key, eq, value = w.partition("=")

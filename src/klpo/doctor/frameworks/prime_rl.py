@@ -16,13 +16,12 @@ threshold; ``custom`` is the user's function.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, Settings, flatten
+from klpo.doctor.reading import Reading, Settings, flatten
 
-__all__ = ["DEFAULTS", "VERSION", "load", "read"]
+__all__ = ["DEFAULTS", "VERSION", "detect", "read", "read_settings"]
 
 VERSION = "0.8.0"
 DEFAULTS: dict[str, Any] = {
@@ -50,25 +49,21 @@ CARRIED = [
 ]
 
 
-def load(path: Path) -> dict[str, Any]:
-    from klpo.doctor.reading import read_text
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise DoctorError(
-                f"{path}: reading TOML needs Python 3.11 or later (tomllib), or the tomli package"
-            ) from None
-    try:
-        return tomllib.loads(read_text(path))
-    except tomllib.TOMLDecodeError as err:
-        raise DoctorError(f"{path}: not valid TOML: {err}") from None
+SECTIONS = ("trainer", "orchestrator", "inference")
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def detect(doc: Any) -> tuple[int, str] | None:
+    """prime-rl's evidence: its ``trainer``, ``orchestrator`` or ``inference`` tables."""
+    seen = [k for k in SECTIONS if isinstance((doc.data or {}).get(k), dict)]
+    return (3, f"prime-rl's [{'], ['.join(seen)}] table(s)") if seen else None
+
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``prime-rl`` row's reader: an ``rl`` TOML config."""
+    return read_settings(doc.data, doc.source, version)
+
+
+def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read a prime-rl ``rl`` config."""
     r = Reading(framework="prime-rl", defaults_version=VERSION, version=version, source=source)
     s = Settings(flatten(data), DEFAULTS, source)

@@ -19,9 +19,18 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import Reading, Settings, Term, check_known, flatten
+from klpo.doctor.reading import (
+    DoctorError,
+    Reading,
+    Settings,
+    Term,
+    check_known,
+    flatten,
+    load_mapping,
+    merge,
+)
 
-__all__ = ["DEFAULTS", "VERSION", "read"]
+__all__ = ["DEFAULTS", "VERSION", "detect", "read", "read_settings"]
 
 VERSION = "2.0.0"
 DEFAULTS: dict[str, Any] = {
@@ -56,7 +65,30 @@ CARRIED = [
 ]
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def detect(doc: Any) -> tuple[int, str] | None:
+    """AReaL's evidence: an ``actor`` section with ``kl_ctl``, or beside ``gconfig``."""
+    data = doc.data or {}
+    actor = data.get("actor")
+    if isinstance(actor, dict) and ("gconfig" in data or "kl_ctl" in actor):
+        return 3, "AReaL's actor section" + (" beside gconfig" if "gconfig" in data else "")
+    return None
+
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``areal`` row's reader: an experiment YAML, or a launcher command's
+    ``--config FILE key=value ...``."""
+    if doc.kind == "script":
+        from klpo.doctor.launch import config_and_overrides
+
+        ep = doc.entry()
+        if ep is None or ep.framework != "areal":
+            raise DoctorError(f"{doc.source}: no areal training command with --config found")
+        cfg, over = config_and_overrides(ep, doc.path, doc.source)
+        return read_settings(merge(load_mapping(cfg), over), doc.source, version)
+    return read_settings(doc.data, doc.source, version)
+
+
+def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read an AReaL PPO/GRPO experiment config."""
     r = Reading(framework="areal", defaults_version=VERSION, version=version, source=source)
     s = Settings(flatten(data), DEFAULTS, source)

@@ -22,11 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import framework_command
-from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.launch import framework_command, script_notes
 from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 
-__all__ = ["DEFAULTS", "VERSION", "read_script_text"]
+__all__ = ["DEFAULTS", "VERSION", "read"]
 
 VERSION = "0.3.1+624b824"
 DEFAULTS: dict[str, Any] = {
@@ -99,13 +98,10 @@ def parse_flags(words: list[str]) -> dict[str, Any]:
     return out
 
 
-def read_script_text(
-    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
-) -> Reading:
+def read(doc: Any, version: str | None = None) -> Reading:
     """Read a slime launch script's ``train.py`` / ``train_async.py`` command."""
-    script, ep = framework_command(
-        text, source, given, "slime", "slime `train.py` / `train_async.py`"
-    )
+    source = doc.source
+    script, ep = framework_command(doc, "slime", "slime `train.py` / `train_async.py`")
     flags = parse_flags(ep.command.words[ep.at + 1 :])
     r = Reading(framework="slime", defaults_version=VERSION, version=version, source=source)
     if version is not None and not version.startswith("0.3"):
