@@ -14,7 +14,7 @@ from typing import Any
 
 from klpo.doctor.reading import Reading, known_key, nearest
 
-__all__ = ["check_keys", "unknown_key_text"]
+__all__ = ["check_keys", "settle", "unknown_key_text"]
 
 
 def unknown_key_text(
@@ -83,5 +83,23 @@ def check_keys(
             policy,
             default,
         )
-        r.warn(level, [labels.get(key, key)], text, kind="unknown-key")
+        keys = [labels.get(key, key)] + ([labels.get(near, near)] if near else [])
+        r.warn(level, keys, text, kind="unknown-key")
     return kept
+
+
+def settle(
+    r: Reading, read: dict[str, Any] | set[str], labels: dict[str, str] | None = None
+) -> None:
+    """Grade the lenient unknown-key findings once the reader is done: a warning where the key
+    meant (the nearest real one) is a setting the reading used (``read``: the
+    :attr:`~klpo.doctor.reading.Settings.read` keys), a note otherwise (a silently dropped key
+    that changes nothing the doctor reports)."""
+    from dataclasses import replace
+
+    spelled = {labels.get(k, k) for k in read} if labels else set(read)
+    for i, f in enumerate(r.findings):
+        if f.kind == "unknown-key" and f.level == "warning":
+            near = f.keys[1] if len(f.keys) > 1 else None
+            if near not in spelled:
+                r.findings[i] = replace(f, level="note")

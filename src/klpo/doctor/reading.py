@@ -28,6 +28,7 @@ __all__ = [
     "UnknownFramework",
     "duplicate_keys",
     "flatten",
+    "interpolate",
     "known_key",
     "load_mapping",
     "merge",
@@ -309,6 +310,55 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def interpolate(data: dict[str, Any], resolvers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``data`` with its OmegaConf interpolations evaluated: ``${a.b}`` references to other keys
+    and two-argument resolvers ``${name:x,y}`` from ``resolvers`` (NeMo-RL's ``mul``, ...), as
+    the framework's loader resolves them; what cannot be resolved stays as written.
+
+    >>> interpolate({"a": 2, "b": {"c": "${a}", "d": "${mul:${a},3}"}}, {"mul": lambda x, y: x * y})
+    {'a': 2, 'b': {'c': 2, 'd': 6}}
+    """
+    resolvers = resolvers or {}
+    flat = flatten(data)
+
+    def value(text: str, depth: int = 0) -> Any:
+        if depth > 20:
+            return text
+        m = re.fullmatch(r"\$\{([\w.]+)\}", text.strip())
+        if m and m.group(1) in flat:
+            got = flat[m.group(1)]
+            return value(got, depth + 1) if isinstance(got, str) and "${" in got else got
+        m = re.fullmatch(r"\$\{(\w+):(.*)\}", text.strip())
+        if m and m.group(1) in resolvers:
+            args = [value(a, depth + 1) if "${" in a else scalar(a) for a in _arguments(m.group(2))]
+            if len(args) == 2 and all(isinstance(v, int | float) for v in args):
+                return resolvers[m.group(1)](*args)
+        return text
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, str) and "${" in node:
+            return value(node)
+        return node
+
+    return walk(data)
+
+
+def _arguments(text: str) -> list[str]:
+    """``a, ${b}, ${c:d,e}`` -> its top-level comma-separated arguments."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        cur += ch
+    return [*out, cur.strip()]
 
 
 def known_key(key: str, table: dict[str, Any]) -> bool:

@@ -307,63 +307,84 @@ def openrlhf_table(root: str | Path, version: str) -> dict[str, Any]:
 
 _WRAPPERS = {"Optional", "Union", "Annotated", "NotRequired", "Required", "Final", "SerializeAsAny"}
 _OPEN = {"dict", "Dict", "Mapping", "MutableMapping", "DictConfig", "Any", "object"}
+_SCALARS = {"Path", "PosixPath", "Decimal", "None", "Literal", "MISSING", "ClassVar"}
 
 
-def _source_classes(files: list[Path]) -> dict[str, ast.ClassDef]:
-    """Every class defined in ``files`` by name; a name defined twice is the earlier file's."""
-    out: dict[str, ast.ClassDef] = {}
+def _source_classes(files: list[Path]) -> dict[str, ast.ClassDef | ast.AST]:
+    """Every class defined in ``files`` by name, and every module-level type alias (``X:
+    TypeAlias = A | B``, ``X = Annotated[...]``) as its annotation; a name defined twice is the
+    earlier file's. Each class remembers the names of its own file (``_klpo_scope``), which
+    win when its fields are resolved (two files may each define a ``ModelConfig``)."""
+    out: dict[str, ast.ClassDef | ast.AST] = {}
     for f in reversed(files):
-        for node in ast.walk(ast.parse(Path(f).read_text(), filename=str(f))):
+        tree = ast.parse(Path(f).read_text(), filename=str(f))
+        scope: dict[str, ast.ClassDef | ast.AST] = {}
+        for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                out[node.name] = node
+                scope[node.name] = node
+        for node in tree.body:
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.value is not None
+                and "TypeAlias" in ast.unparse(node.annotation)
+            ):
+                scope[node.target.id] = node.value
+            elif (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Subscript | ast.BinOp)
+            ):
+                scope[node.targets[0].id] = node.value
+        for node in scope.values():
+            if isinstance(node, ast.ClassDef):
+                node._klpo_scope = scope  # type: ignore[attr-defined]
+        out.update(scope)
     return out
 
 
-def _annotation(node: ast.AST | None, classes: dict[str, ast.ClassDef]) -> tuple[str, str | None]:
-    """``("class", name)`` where the annotation is (an optional of) a known class, ``("open",
-    None)`` for a mapping that takes any key, else ``("leaf", None)``."""
+def _annotation(node: ast.AST | None, classes: dict[str, Any]) -> tuple[str, list[str]]:
+    """``("class", names)`` where the annotation is (an optional or a union of) known classes,
+    ``("open", [])`` for a mapping that takes any key, else ``("leaf", [])``."""
     if node is None:
-        return "leaf", None
+        return "leaf", []
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         try:
             node = ast.parse(node.value, mode="eval").body
         except SyntaxError:
-            return "leaf", None
+            return "leaf", []
+    parts: list[ast.AST] = []
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        parts = [_annotation(node.left, classes), _annotation(node.right, classes)]
-        return next(
-            (p for p in parts if p[0] == "class"),
-            next((p for p in parts if p[0] == "open"), ("leaf", None)),
-        )
-    name = (
-        node.id
-        if isinstance(node, ast.Name)
-        else node.attr
-        if isinstance(node, ast.Attribute)
-        else None
-    )
-    if isinstance(node, ast.Subscript):
-        head = _annotation(node.value, classes)
+        parts = [node.left, node.right]
+    elif isinstance(node, ast.Subscript):
         outer = (
             node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", "")
         )
         if outer in _OPEN:
-            return "open", None
-        if outer in _WRAPPERS:
-            inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            if outer == "Annotated":
-                inner = inner[:1]
-            parts = [_annotation(a, classes) for a in inner]
-            return next(
-                (p for p in parts if p[0] == "class"),
-                next((p for p in parts if p[0] == "open"), ("leaf", None)),
-            )
-        return head if head[0] == "open" else ("leaf", None)
+            return "open", []
+        if outer not in _WRAPPERS:
+            return "leaf", []
+        parts = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if outer == "Annotated":
+            parts = parts[:1]
+    if parts:
+        found = [_annotation(p, classes) for p in parts]
+        names = [n for kind, ns in found if kind == "class" for n in ns]
+        if names:
+            return "class", list(dict.fromkeys(names))
+        return ("open", []) if any(k == "open" for k, _ in found) else ("leaf", [])
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
     if name in _OPEN:
-        return "open", None
-    if name in classes:
-        return "class", name
-    return "leaf", None
+        return "open", []
+    target = classes.get(name) if name else None
+    if isinstance(target, ast.ClassDef):
+        return "class", [name]
+    if target is not None:  # a type alias
+        return _annotation(target, {k: v for k, v in classes.items() if k != name})
+    if name and name[:1].isupper() and name not in _SCALARS:
+        return "open", []  # a class of another package: its keys are not checked
+    return "leaf", []
 
 
 def _field_default(
@@ -383,14 +404,13 @@ def _field_default(
                 while isinstance(fac, ast.Call):
                     fac = fac.func
                 name = getattr(fac, "id", getattr(fac, "attr", ""))
-                if name in classes:
+                if isinstance(classes.get(name), ast.ClassDef):
                     return None, name
                 return ({"dict": {}, "list": [], "set": []}.get(name), None)
             given = kw.get("default", value.args[0] if value.args else None)
             return (_literal(given), None) if given is not None else (None, None)
-        name = fname
-        if name in classes:
-            return None, name
+        if isinstance(classes.get(fname), ast.ClassDef):
+            return None, fname
     return _literal(value), None
 
 
@@ -405,32 +425,34 @@ def class_keys(files: list[Path], root: str, prefix: str = "") -> dict[str, Any]
     """Every dotted key of config class ``root`` (defined in ``files``) with its default, read
     statically: ``@dataclass`` classes, pydantic models and TypedDicts, their base classes'
     fields first; a field typed as another class of ``files`` (or built by its
-    ``default_factory``) is walked into; a mapping-typed field is an open section (``{}``:
-    any key under it)."""
+    ``default_factory``), or a union of such classes (every variant's keys), is walked into; a
+    mapping-typed field is an open section (``{}``: any key under it)."""
     classes = _source_classes([Path(f) for f in files])
     out: dict[str, Any] = {}
 
-    def walk(name: str, pre: str, stack: tuple[str, ...]) -> None:
-        cls = classes[name]
+    def walk(name: str | ast.ClassDef, pre: str, stack: tuple[str, ...]) -> None:
+        cls = classes[name] if isinstance(name, str) else name
+        scope = {**classes, **getattr(cls, "_klpo_scope", {})}
         for base in cls.bases:
             bname = getattr(base, "id", getattr(base, "attr", ""))
-            if bname in classes and bname not in stack:
-                walk(bname, pre, (*stack, bname))
+            if isinstance(scope.get(bname), ast.ClassDef) and bname not in stack:
+                walk(scope[bname], pre, (*stack, bname))
         for node in cls.body:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
             fname = node.target.id
-            if fname.startswith("_") or "ClassVar" in ast.unparse(node.annotation):
+            if "ClassVar" in ast.unparse(node.annotation):
                 continue
-            kind, nested = _annotation(node.annotation, classes)
-            default, built = _field_default(node.value, classes)
-            nested = built or nested
+            kind, nested = _annotation(node.annotation, scope)
+            default, built = _field_default(node.value, scope)
+            names = dict.fromkeys([*([built] if built else []), *nested])
+            nested = [n for n in names if n not in stack]
             key = pre + fname
-            if nested is not None and nested not in stack:
-                walk(nested, key + ".", (*stack, nested))
-                out.setdefault(key, default) if not any(
-                    k.startswith(key + ".") for k in out
-                ) else None
+            if nested:
+                for n in reversed(nested):  # the default's class (first) wins shared keys
+                    walk(scope[n], key + ".", (*stack, n))
+                if not any(k.startswith(key + ".") for k in out):
+                    out[key] = default
             elif kind == "open":
                 out[key] = {}
             else:
@@ -527,6 +549,33 @@ SOURCE_TABLES: dict[str, tuple[str, str, list[tuple[str, list[str], str]]]] = {
         ],
     ),
 }
+_PRIME = "packages/prime-rl-configs/src/prime_rl/configs/"
+SOURCE_TABLES["prime-rl"] = (
+    "0.8.0",
+    "PrimeIntellect-ai/prime-rl 559b447: RLConfig (packages/prime-rl-configs/src/prime_rl/configs/*.py), every variant of a union",
+    [
+        (
+            "",
+            [
+                _PRIME + f
+                for f in (
+                    "rl.py",
+                    "trainer.py",
+                    "orchestrator.py",
+                    "algorithm.py",
+                    "inference.py",
+                    "shared.py",
+                    "monitors.py",
+                    "evals.py",
+                    "env_server.py",
+                )
+            ],
+            "RLConfig",
+        ),
+    ],
+)
+# Sections whose model takes any key (pydantic extra="allow": vLLM's own arguments).
+OPEN_SECTIONS: dict[str, tuple[str, ...]] = {"prime-rl": ("inference.vllm",)}
 ARGPARSE_TABLES: dict[str, tuple[str, str, list[str]]] = {
     "slime": (
         "0.3.1+624b824",
@@ -552,6 +601,9 @@ def source_table(framework: str, root: str | Path) -> dict[str, Any]:
             defaults.update(
                 class_keys([root / f for f in files if (root / f).is_file()], cls, prefix)
             )
+        for section in OPEN_SECTIONS.get(framework, ()):
+            defaults = {k: v for k, v in defaults.items() if not k.startswith(section + ".")}
+            defaults[section] = {}
     return {
         "framework": framework,
         "version": version,

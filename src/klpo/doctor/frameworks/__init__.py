@@ -326,7 +326,20 @@ _row(
               "refused (ConfigKeyError)",
               "areal/api/cli_args.py:3534-3541"),
     "areal",
-    entries=(Entry(r"areal\.(infra\.)?launcher\.\w+"),),
+    entries=(
+        Entry(r"areal\.(infra\.)?launcher\.\w+"),
+        # An example's own training script, given AReaL's --config and AReaL overrides.
+        Entry(r"(.*/)?\w+\.py", needs=r"(gconfig|actor|rollout|ref|critic)\.[\w.]+"),
+    ),
+)  # fmt: skip
+_row(
+    "roll", "ROLL (RLVR pipeline)", ("0.3.0+8eb27cc",), "mapping script",
+    KeyPolicy("lenient",
+              "dacite.from_dict builds RLVRConfig with dacite's default Config (strict=False): "
+              "an unknown key is dropped without a word",
+              "examples/start_rlvr_pipeline.py:27"),
+    "roll",
+    entries=(Entry(r"start_rlvr(_vl)?_pipeline\.py", base=True),),
 )  # fmt: skip
 _row(
     "unsloth", "Unsloth (TRL GRPO, patched)", ("2026.8.19",), "python",

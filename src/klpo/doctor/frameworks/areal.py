@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.keys import check_keys
 from klpo.doctor.reading import (
     DoctorError,
     Reading,
@@ -26,6 +28,7 @@ from klpo.doctor.reading import (
     Term,
     check_known,
     flatten,
+    interpolate,
     load_mapping,
     merge,
 )
@@ -62,6 +65,8 @@ CARRIED = [
     ("actor.optimizer.lr", "optim.lr"),
     ("actor.optimizer.weight_decay", "optim.weight_decay"),
     ("actor.optimizer.gradient_clipping", "optim.grad_clip"),
+    ("critic.path", "model.critic"),
+    ("critic.optimizer.lr", "optim.critic_lr"),
 ]
 
 
@@ -90,8 +95,31 @@ def read(doc: Any, version: str | None = None) -> Reading:
 
 def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read an AReaL PPO/GRPO experiment config."""
+    from klpo.doctor.frameworks import ROWS
+
     r = Reading(framework="areal", defaults_version=VERSION, version=version, source=source)
-    s = Settings(flatten(data), DEFAULTS, source)
+    table = tables.load("areal", VERSION).defaults
+    r.defaults_from = (
+        f"the doctor's table of AReaL {VERSION}'s GRPOConfig dataclasses (klpo/assets/doctor)"
+    )
+    data = interpolate(data)
+    flat = flatten(data)
+    sections = {k.split(".")[0] for k in table}
+    own = {k: v for k, v in flat.items() if k.split(".")[0] not in sections}
+    given = check_keys(r, {k: v for k, v in flat.items() if k not in own}, table, "AReaL",
+                       VERSION, ROWS["areal"].policy)  # fmt: skip
+    if own:
+        tops = sorted({k.split(".")[0] for k in own})
+        r.warn(
+            "warning",
+            tops,
+            f"{', '.join(tops)}: not in AReaL {VERSION}'s GRPOConfig. Built into GRPOConfig "
+            "itself AReaL refuses them and does not start (ConfigKeyError, cli_args.py:3534-"
+            "3541); an example's own train script may extend the config class with them, which "
+            "the doctor does not read",
+            kind="unknown-key",
+        )
+    s = Settings(given, {**DEFAULTS, **table}, source)
     coef = s.float("actor.kl_ctl") or 0.0
     kind = check_known(
         s.str("actor.kl_estimator") or "", ("k1", "k2", "k3"), "actor.kl_estimator", source
@@ -100,9 +128,12 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     mb = s.int("actor.ppo_n_minibatches") or 1
     stale = s.int("rollout.max_head_offpolicyness") or 0
     decoupled, recompute = s.bool("actor.use_decoupled_loss"), s.bool("actor.recompute_logprob")
-    r.algorithm, r.group_size, r.updates_per_batch = "grpo" if n > 1 else "ppo", n, mb
+    critic = isinstance(data.get("critic"), dict)
+    algo_name = _algorithm(r, s, data, critic, n)
+    r.algorithm, r.group_size, r.updates_per_batch = algo_name, n, mb
     r.asynchronous = stale > 0
     has_ref = isinstance(data.get("ref"), dict)
+    _unread(r, s, data)
     if coef > 0 and not has_ref:
         r.warn(
             "error",
@@ -122,7 +153,8 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
                 placement="reward",
                 beta=coef,
                 beta_option="actor.kl_ctl",
-                reduction="per token into the reward, then GAE",
+                reduction="per token into the reward, then GAE"
+                + (" with the critic's values" if critic else " over zero values (returns-to-go)"),
                 logged_as="kl_rewards",
             )
         )
@@ -137,11 +169,64 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
             )
     else:
         r.warn("note", ["actor.kl_ctl"], "kl_ctl is 0: no reference model, no KL term")
-    algo = {"name": "grpo" if n > 1 else "ppo", "epochs": 1, "minibatches": mb,
-            "loss_reduction": "token-mean"}  # fmt: skip
-    carried, _ = carry(s, CARRIED)
-    build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
+    algo: dict[str, Any] = {"name": algo_name, "epochs": 1, "minibatches": mb,
+                            "loss_reduction": "token-mean"}  # fmt: skip
+    if critic:
+        algo["gamma"], algo["lam"] = s.float("actor.discount"), s.float("actor.gae_lambda")
+    carried, _ = carry(s, [(k, v) for k, v in CARRIED if critic or not k.startswith("critic.")])
+    group = algo_name in ("grpo", "rloo")
+    build_equivalent(r, algo, {"group_size": max(n, 2) if group else n}, {}, carried, s)
     build_intended(r)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
+
+
+def _algorithm(r: Reading, s: Settings, data: dict[str, Any], critic: bool, n: int) -> str:
+    """What the config builds: PPO with GAE on a critic's values when it has a ``critic:``
+    section (rl_trainer.py:198-203, actor.py:276-279), else GAE over zero values (returns-to-go)
+    normalised by group (``grpo``) or by batch (``reinforce``); a group baseline over groups of
+    one is named."""
+    actor = data.get("actor") if isinstance(data.get("actor"), dict) else {}
+    norms = {k: actor[k] for k in ("reward_norm", "adv_norm") if isinstance(actor.get(k), dict)}
+    grouped = [k for k, v in norms.items() if v.get("mean_level") == "group"]
+    for k in grouped:
+        size = s.int(f"actor.{k}.group_size") or 1
+        if size == 1 or n == 1:
+            r.warn(
+                "error",
+                [f"actor.{k}.group_size", "gconfig.n_samples"],
+                f"actor.{k} subtracts the mean of groups of one (group_size {size}, n_samples "
+                f"{n}): every {'reward' if k == 'reward_norm' else 'advantage'} is zero"
+                + (" and the task reward is erased (AReaL warns: cli_args.py:1900-1907)"
+                   if k == "reward_norm" else "")
+                + "; set group_size to gconfig.n_samples and n_samples above 1",
+                kind="zero-advantage",
+            )  # fmt: skip
+        elif size != n:
+            r.warn("warning", [f"actor.{k}.group_size", "gconfig.n_samples"],
+                   f"actor.{k}.group_size {size} is not gconfig.n_samples {n}: the groups "
+                   "normalised are not the prompt's samples", kind="structure")  # fmt: skip
+    if critic:
+        r.warn("note", ["critic"],
+               "a critic: section: PPO with GAE on the critic's values (AReaL builds the critic "
+               "and trains it beside the actor: rl_trainer.py:198-203)", kind="structure")  # fmt: skip
+        return "ppo"
+    return "grpo" if grouped else "reinforce"
+
+
+def _unread(r: Reading, s: Settings, data: dict[str, Any]) -> None:
+    """Keys AReaL accepts but nothing reads: the reference's own KL settings (``ref`` is a
+    PPOActorConfig, cli_args.py:3411; only the actor's kl_ctl and kl_estimator are read,
+    actor.py:76-77)."""
+    ref = data.get("ref") if isinstance(data.get("ref"), dict) else {}
+    for key in ("kl_ctl", "kl_estimator"):
+        if key in ref:
+            r.warn(
+                "warning",
+                [f"ref.{key}", f"actor.{key}"],
+                f"ref.{key} = {ref[key]!r} is a valid key (ref is a PPOActorConfig) that nothing "
+                f"reads: the reward KL uses actor.{key} ({s.get(f'actor.{key}')!r}); move it to "
+                "the actor: section",
+                kind="unread-key",
+            )

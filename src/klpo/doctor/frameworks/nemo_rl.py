@@ -15,8 +15,18 @@ E[(k + dk/dlp) ∇lp]: for k1 that is E[(d + 1)∇lp] = grad KL(pi_theta ‖ pi_
 E[(k3 + 1 − e^{−d})∇lp] = E[d ∇lp], the same (per token it is d·∇lp: klpo's ``k3+``; with
 ``use_on_policy_kl_approximation`` klpo's ``k3_is``), and for k2 E[(d + d²/2)∇lp], **biased**. The r0.6.0
 release (2026-04-14) predates it: there k3 is verl's clamped ``low_var_kl``, k1 has zero expected
-gradient and k2 is grad KL's. ``use_kl_in_reward`` moves the term to the reward (Reinforce++)
-and zeroes the loss's coefficient (``loss_functions.py:240``).
+gradient and k2 is grad KL's. ``use_kl_in_reward`` zeroes the loss's coefficient
+(``loss_functions.py:240-242``) and hands the KL to the advantage estimator, where only
+``reinforce_plus_plus`` and PPO's ``gae`` read it (``advantage_estimator.py:193-265, 302-410``):
+under GRPO (and GDPO) the setting leaves **no KL at all**.
+
+Keys: the pydantic models take ``extra="allow"`` (lenient): a misspelt key is kept, read by
+nobody, and the default stays in force; the ``loss_fn``, ``grpo`` and ``ppo`` sections are
+checked against the version's table (``klpo/assets/doctor/nemo-rl-<version>.json``, read from the
+models by :mod:`klpo.doctor.tables`). Combinations NeMo-RL asserts against are named with the
+assertion's line: the reference's log-probs skipped with a non-zero coefficient
+(``ppo.py:1241-1242``, PPO's default skip; ``grpo.py:711-715``), a reward KL on the zero
+placeholder of ``force_on_policy_ratio`` (``grpo.py:2479-2485``).
 """
 
 from __future__ import annotations
@@ -24,8 +34,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, Settings, Term, flatten, merge
+from klpo.doctor.keys import check_keys, settle
+from klpo.doctor.reading import (
+    DoctorError,
+    Reading,
+    Settings,
+    Term,
+    flatten,
+    interpolate,
+    merge,
+)
 
 __all__ = ["DEFAULTS", "VERSION", "detect", "load", "read", "read_settings"]
 
@@ -39,8 +59,8 @@ DEFAULTS: dict[str, Any] = {
     "loss_fn.use_kl_in_reward": False,
     "loss_fn.use_on_policy_kl_approximation": False,
     "loss_fn.token_level_loss": True,
-    "grpo.num_prompts_per_step": None,
-    "grpo.num_generations_per_prompt": 1,
+    "grpo.num_prompts_per_step": 32,
+    "grpo.num_generations_per_prompt": 16,
     "grpo.adv_estimator.name": "grpo",
     "grpo.async_grpo.enabled": False,
     "policy.train_global_batch_size": None,
@@ -67,18 +87,46 @@ CARRIED = [
 ]
 
 
+OTHER_ALGORITHMS = ("distillation", "dpo", "sft", "rm", "on_policy_distillation")
+
+
 def detect(doc: Any) -> tuple[int, str] | None:
-    """NeMo-RL's evidence: a ``loss_fn`` section beside ``grpo``/``ppo``/``policy``, or a child
-    config's ``defaults: PARENT.yaml`` (a file name, where Hydra's ``defaults`` is a list)."""
+    """NeMo-RL's evidence: a ``loss_fn`` section beside ``grpo``/``ppo``/``policy``, a master
+    config's ``policy``, ``checkpointing`` and ``cluster`` sections, or a child config's
+    ``defaults: PARENT.yaml`` (a file name, where Hydra's ``defaults`` is a list). NeMo-RL's
+    other algorithms (DPO, SFT, distillation) are refused by name."""
     data = doc.data or {}
-    if "loss_fn" in data and set(data) & {"grpo", "policy", "ppo"}:
-        return 3, "NeMo-RL's loss_fn section beside " + ", ".join(
-            k for k in ("grpo", "ppo", "policy") if k in data
-        )
     parent = data.get("defaults")
-    if isinstance(parent, str) and parent.endswith((".yaml", ".yml")):
-        return 2, f"a child config's defaults: {parent} (NeMo-RL's parent config)"
+    child = isinstance(parent, str) and parent.endswith((".yaml", ".yml"))
+    if child:
+        try:
+            data = load(doc.path)  # the parent decides what the child is
+        except DoctorError:
+            return 2, f"a child config's defaults: {parent} (NeMo-RL's parent config)"
+    master = {"policy", "checkpointing", "cluster"} <= set(data) or (
+        "loss_fn" in data and set(data) & {"grpo", "policy", "ppo"}
+    )
+    if master and not set(data) & {"grpo", "ppo"}:
+        other = [k for k in OTHER_ALGORITHMS if k in data]
+        if other:
+            raise DoctorError(
+                f"{doc.source}: a NeMo-RL {other[0]} config; the doctor reads NeMo-RL's GRPO and "
+                "PPO configs (their grpo: or ppo: section), whose losses it knows"
+            )
+    if master:
+        return 3, "NeMo-RL's master config sections (" + ", ".join(
+            k for k in ("loss_fn", "grpo", "ppo", "policy", "cluster") if k in data
+        ) + ")" + (f", through its parent {parent}" if child else "")
     return None
+
+
+_RESOLVERS = {"add": lambda a, b: a + b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
+              "max": max}  # nemo_rl/utils/config.py:198-204  # fmt: skip
+
+
+def resolve(data: dict[str, Any]) -> dict[str, Any]:
+    """The config with its interpolations evaluated as NeMo-RL's loader does (its resolvers)."""
+    return interpolate(data, _RESOLVERS)
 
 
 def read(doc: Any, version: str | None = None) -> Reading:
@@ -91,8 +139,8 @@ def read(doc: Any, version: str | None = None) -> Reading:
         if ep is None or ep.framework != "nemo-rl":
             raise DoctorError(f"{doc.source}: no nemo-rl training command with --config found")
         cfg, over = config_and_overrides(ep, doc.path, doc.source)
-        return read_settings(merge(load(cfg), over), doc.source, version)
-    return read_settings(load(doc.path), doc.source, version)
+        return read_settings(resolve(merge(load(cfg), over)), doc.source, version)
+    return read_settings(resolve(load(doc.path)), doc.source, version)
 
 
 def load(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -116,8 +164,25 @@ def load(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merge(load(p, (*seen, path.resolve())), data)
 
 
+# adv_estimator.name -> (klpo algorithm, whether it reads a reward-side KL, how it credits it)
+ADVANTAGES: dict[str, tuple[str | None, bool, str]] = {
+    "grpo": ("grpo", False, ""),
+    "gdpo": (None, False, ""),
+    "reinforce_plus_plus": (
+        "reinforce++",
+        True,
+        "per token subtracted from the advantage after the prompt's mean baseline, then "
+        "normalised over the batch (advantage_estimator.py:248-265)",
+    ),
+    "gae": ("ppo", True, "per token into the reward, then GAE (advantage_estimator.py:386-394)"),
+    "raw_reward": (None, False, ""),
+}
+
+
 def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read a NeMo-RL GRPO/PPO config (its ``defaults:`` chain already merged)."""
+    from klpo.doctor.frameworks import ROWS
+
     weighted = version is None or not version.startswith(RELEASE) or "+" in version
     shown = VERSION if weighted else RELEASE
     r = Reading(framework="nemo-rl", defaults_version=shown, version=version, source=source)
@@ -131,11 +196,21 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     # A PPO config (nemo_rl/algorithms/ppo.py) holds its batch under ppo:, with ppo_epochs
     # (default 4, ppo.py:193) passes over each batch; GRPO's under grpo:, one pass.
     sec = "ppo" if isinstance(data.get("ppo"), dict) else "grpo"
-    defaults = dict(DEFAULTS)
+    table = tables.load("nemo-rl", VERSION).defaults
+    defaults = {**table, **{k: v for k, v in DEFAULTS.items() if k not in table}}
     if sec == "ppo":
-        defaults = {k.replace("grpo.", "ppo.", 1): v for k, v in DEFAULTS.items()}
-        defaults.update({"ppo.ppo_epochs": 4, "ppo.adv_estimator.name": "gae"})
-    s = Settings(flatten(data), defaults, source)
+        defaults.update(
+            {
+                k.replace("grpo.", "ppo.", 1): v
+                for k, v in DEFAULTS.items()
+                if k.startswith("grpo.") and k.replace("grpo.", "ppo.", 1) not in table
+            }
+        )
+        defaults["ppo.adv_estimator.name"] = "gae"  # the default_factory's (ppo.py:197-207)
+    flat = flatten(data)
+    given = check_keys(r, flat, table, "NeMo-RL", VERSION, ROWS["nemo-rl"].policy,
+                       checked=("loss_fn", sec))  # fmt: skip
+    s = Settings(given, defaults, source)
     coef = s.float("loss_fn.reference_policy_kl_penalty") or 0.0
     kind = s.str("loss_fn.reference_policy_kl_type") or "k3"
     if kind not in ("k1", "k2", "k3"):
@@ -151,32 +226,115 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     gbs = s.int("policy.train_global_batch_size")
     epochs = (s.int("ppo.ppo_epochs") or 1) if sec == "ppo" else 1
     steps = max(1, (prompts * n) // gbs) if prompts and gbs else 1
-    adv = s.str(f"{sec}.adv_estimator.name") or "grpo"
+    adv = s.str(f"{sec}.adv_estimator.name") or ("gae" if sec == "ppo" else "grpo")
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * steps
-    r.asynchronous = bool(s.get(f"{sec}.async_grpo.enabled"))
-    if coef == 0:
+    r.asynchronous = bool(s.get(f"{sec}.async_{sec}.enabled"))
+    if _refused(r, s, sec, coef, in_reward):
+        pass  # the run does not start: no term is in effect
+    elif coef == 0:
         r.warn(
             "note", ["loss_fn.reference_policy_kl_penalty"], "the KL coefficient is 0: no KL term"
         )
     elif in_reward:
-        r.terms.append(
-            Term(
-                option=f"use_kl_in_reward=true, reference_policy_kl_type={kind}",
-                framework_name=kind,
-                estimator=kind,
-                placement="reward",
-                beta=coef,
-                beta_option="loss_fn.reference_policy_kl_penalty",
-                reduction="per token into the reward (Reinforce++), the loss's coefficient zeroed",
-                logged_as="kl_penalty",
-            )
-        )
+        _reward_term(r, s, sec, adv, kind, coef)
     else:
         _loss_term(r, kind, coef, weighted, approx, token)
+    _structure(r, s, sec, adv, n)
     _equivalent(r, s, adv, n, steps, token, epochs, sec)
+    settle(r, s.read)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
+
+
+def _refused(r: Reading, s: Settings, sec: str, coef: float, in_reward: bool) -> bool:
+    """The KL combinations NeMo-RL asserts against at start-up (the run does not start)."""
+    skip = s.bool(f"{sec}.skip_reference_policy_logprobs_calculation")
+    if skip and coef != 0:
+        where = "ppo.py:1241-1242" if sec == "ppo" else "grpo.py:711-715"
+        default = (
+            ""
+            if s.given(f"{sec}.skip_reference_policy_logprobs_calculation")
+            else (" (PPO's default, ppo.py:181)" if sec == "ppo" else "")
+        )
+        r.warn(
+            "error",
+            [f"{sec}.skip_reference_policy_logprobs_calculation",
+             "loss_fn.reference_policy_kl_penalty"],
+            f"{sec}.skip_reference_policy_logprobs_calculation is true{default} with "
+            f"reference_policy_kl_penalty {coef:g}: NeMo-RL asserts the coefficient is 0 when "
+            f"the reference's log-probs are skipped (nemo_rl/algorithms/{where}), so the run "
+            "does not start. Fix: set the coefficient to 0 (no KL), or the skip to false",
+            kind="refused",
+        )  # fmt: skip
+        return True
+    if (
+        in_reward
+        and coef != 0
+        and s.bool("loss_fn.force_on_policy_ratio")
+        and not s.get(f"{sec}.seq_logprob_error_threshold")
+    ):
+        r.warn(
+            "error",
+            ["loss_fn.use_kl_in_reward", "loss_fn.force_on_policy_ratio"],
+            "use_kl_in_reward with force_on_policy_ratio (and no seq_logprob_error_threshold): "
+            "the old log-probs are a zero placeholder and NeMo-RL asserts against a reward KL "
+            "computed from it (nemo_rl/algorithms/grpo.py:2479-2485); the run does not start",
+            kind="refused",
+        )
+        return True
+    return False
+
+
+def _reward_term(r: Reading, s: Settings, sec: str, adv: str, kind: str, coef: float) -> None:
+    """use_kl_in_reward: the loss's coefficient is zeroed (loss_functions.py:240-242), and
+    only an advantage estimator that reads the KL applies it."""
+    _, reads, credit = ADVANTAGES.get(adv, (None, False, ""))
+    if not reads:
+        r.warn(
+            "error",
+            ["loss_fn.use_kl_in_reward", f"{sec}.adv_estimator.name"],
+            f"use_kl_in_reward with the {adv} advantage estimator: no KL at all. NeMo-RL zeroes "
+            "the loss's KL coefficient when use_kl_in_reward is set (loss_functions.py:240-242) "
+            f"and {adv}'s advantage never reads the reward-side KL (advantage_estimator.py:57-"
+            "190: the reward KL is applied only by reinforce_plus_plus and PPO's gae). Fix: "
+            "use_kl_in_reward false (the KL in the loss), or adv_estimator reinforce_plus_plus",
+            kind="cancelled",
+        )
+        return
+    est = {"k1": "k1", "k2": "k2", "k3": "low_var_kl"}[kind]
+    r.terms.append(
+        Term(
+            option=f"use_kl_in_reward=true, reference_policy_kl_type={kind}",
+            framework_name=kind,
+            estimator=est,
+            placement="reward",
+            beta=coef,
+            beta_option="loss_fn.reference_policy_kl_penalty",
+            reduction=credit + "; the loss's coefficient zeroed",
+            value_clamp=(-10.0, 10.0),
+            log_ratio_clamp=(-20.0, 20.0),
+            logged_as="kl_penalty",
+        )
+    )
+
+
+def _structure(r: Reading, s: Settings, sec: str, adv: str, n: int) -> None:
+    """What the config builds: PPO's critic (gae), asynchrony per algorithm."""
+    if sec == "ppo" and adv == "gae":
+        r.warn("note", ["ppo.adv_estimator.name"],
+               "PPO with GAE: a value model (the value: section) is trained beside the policy "
+               "(ppo.py:1125-1160)", kind="structure")  # fmt: skip
+    if r.asynchronous:
+        age = s.get(f"{sec}.async_{sec}.max_trajectory_age_steps")
+        r.warn(
+            "note",
+            [f"{sec}.async_{sec}.enabled"],
+            f"asynchronous {sec.upper()} ({sec}.async_{sec}.enabled): trajectories up to "
+            f"{age} training step(s) old are trained on, so every term sees tokens of an older "
+            "policy from the first step",
+            kind="structure",
+        )
 
 
 def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool, token: bool):
@@ -251,17 +409,16 @@ def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool,
 def _equivalent(
     r: Reading, s: Settings, adv: str, n: int, steps: int, token: bool, epochs: int, sec: str
 ) -> None:
+    name = ADVANTAGES.get(adv, (None, False, ""))[0]
     algo: dict[str, Any] = {
-        "name": {"grpo": "grpo", "reinforce_plus_plus": "reinforce++", "gae": "ppo"}.get(
-            adv, "grpo"
-        ),
+        "name": name or "grpo",
         "epochs": epochs,
         "minibatches": steps,
         "loss_reduction": "token-mean" if token else "seq-mean-token-mean",
     }
-    if adv not in ("grpo", "reinforce_plus_plus", "gae"):
+    if name is None:
         r.equivalent_differences.append(f"klpo has no advantage estimator {adv!r}; grpo shown")
-    if adv == "grpo" and s.get(f"{sec}.use_leave_one_out_baseline") is True:
+    if adv == "grpo" and s.get(f"{sec}.adv_estimator.use_leave_one_out_baseline") is True:
         r.equivalent_differences.append(
             "NeMo-RL's GRPO baseline is leave-one-out (use_leave_one_out_baseline); klpo's "
             "grpo subtracts the group mean"
