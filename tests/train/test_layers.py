@@ -42,6 +42,7 @@ LAYERS = (
     "klpo.train.tools",
     "klpo.study",
     "klpo.integrations",
+    "klpo.measure",  # the estimator lab on a user's models (klpo doctor --model)
     "klpo.doctor",
     "klpo.cli",
     "klpo.__main__",
