@@ -298,7 +298,12 @@ def test_openrlhf_loss_aggregation_is_carried(tmp_path):
 def _all_fixtures():
     return sorted(
         p
-        for p in [*FIX.glob("*"), *EX.glob("*"), *FIX.glob("field/*/*"), *FIX.glob("field/*/*/*")]
+        for p in [
+            *FIX.glob("*"),
+            *EX.glob("*"),
+            *FIX.glob("field/**/*"),
+            *FIX.glob("evidence/**/*"),
+        ]
         if p.is_file()
         and p.suffix in (".sh", ".yaml", ".json", ".toml", ".py")
         and "ignored" not in p.name

@@ -171,6 +171,10 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
         r.warn("note", ["actor.kl_ctl"], "kl_ctl is 0: no reference model, no KL term")
     algo: dict[str, Any] = {"name": algo_name, "epochs": 1, "minibatches": mb,
                             "loss_reduction": "token-mean"}  # fmt: skip
+    if algo_name == "grpo":  # divided by the group's std only where a norm says std_level group
+        norms = [s.get(f"actor.{k}.std_level") for k in ("reward_norm", "adv_norm")
+                 if isinstance((data.get("actor") or {}).get(k), dict)]  # fmt: skip
+        algo["std"] = "sample" if "group" in norms else "none"
     if critic:
         algo["gamma"], algo["lam"] = s.float("actor.discount"), s.float("actor.gae_lambda")
     carried, _ = carry(s, [(k, v) for k, v in CARRIED if critic or not k.startswith("critic.")])
@@ -212,7 +216,10 @@ def _algorithm(r: Reading, s: Settings, data: dict[str, Any], critic: bool, n: i
                "a critic: section: PPO with GAE on the critic's values (AReaL builds the critic "
                "and trains it beside the actor: rl_trainer.py:198-203)", kind="structure")  # fmt: skip
         return "ppo"
-    return "grpo" if grouped else "reinforce"
+    if not grouped:
+        return "reinforce"
+    # A group baseline: leave-one-out (mean_leave1out) is RLOO's, else the group mean (GRPO's).
+    return "rloo" if any(norms[k].get("mean_leave1out") for k in grouped) else "grpo"
 
 
 def _unread(r: Reading, s: Settings, data: dict[str, Any]) -> None:

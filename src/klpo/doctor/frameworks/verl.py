@@ -17,6 +17,7 @@ importance weights and rejection against the rollout engine's log-probs) is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,11 @@ def overrides(doc: Any) -> tuple[dict, Script]:
         if "=" not in word or word.startswith("-"):
             continue
         key, _, value = word.partition("=")
+        if re.fullmatch(r"[a-z_]+", key) and key not in ("algorithm", "data"):
+            # A config-group choice of the defaults list (model_engine=megatron): Hydra
+            # composes another file into the config, so it shapes the keys there are.
+            script.hydra[f"group {key}"] = word
+            continue
         if "." in key.lstrip("+~") or key.lstrip("+~") in ("algorithm", "data"):
             out[key] = scalar(value)
             script.overrides[key] = word
@@ -302,8 +308,9 @@ def _composition(
                 f"under verl/trainer, or under {files.root}): the table of verl's ppo_trainer "
                 "config is read instead"
             )
+    groups = tuple(w for k, w in hydra.items() if k.startswith("group "))
     try:
-        return verl_hydra.compose(files, name, (), primary), None
+        return verl_hydra.compose(files, name, (), primary, groups), None
     except ValueError as err:
         return None, f"Hydra cannot compose {name} from {primary}: {err}; the table is read"
 
@@ -365,9 +372,24 @@ def _start(
 def _other_config(
     r: Reading, script: Script | None, table: tables.Table, why: str | None
 ) -> str | None:
-    """A ``--config-name`` other than ppo_trainer that the doctor could not compose."""
+    """A ``--config-name`` other than ppo_trainer, or a config-group choice (``model_engine=
+    megatron``), that the doctor could not compose."""
     name = (script.hydra.get("name") if script is not None else None) or "ppo_trainer"
     other = None if name.removesuffix(".yaml") == "ppo_trainer" else name
+    groups = [w for k, w in (script.hydra if script is not None else {}).items()
+              if k.startswith("group ")]  # fmt: skip
+    if groups and not other:
+        other = " ".join(groups)
+        r.warn(
+            "warning",
+            [w.partition("=")[0] for w in groups],
+            f"the script chooses the config group(s) {other}, which the doctor's table (verl "
+            f"{table.version}'s ppo_trainer with its default groups) does not hold: keys of "
+            "that group are not checked and its defaults may differ"
+            + ("" if why else " (verl's config files and hydra-core would let the doctor "
+               "compose it: run it inside a verl checkout or beside an installed verl)"),
+        )  # fmt: skip
+        return other
     if other:
         r.warn(
             "warning",
@@ -404,7 +426,9 @@ def _settings(
             word = next((w for k, w in written.items() if k.lstrip("+") == key), None)
             raw.append(word or verl_hydra.hydra_override(key, checked[key]))
         deleted = [w for k, w in written.items() if k.startswith("~")]
-        comp = verl_hydra.compose(comp.files, comp.name, [*raw, *deleted], comp.primary)
+        comp = verl_hydra.compose(
+            comp.files, comp.name, [*raw, *deleted], comp.primary, comp.groups
+        )
     if comp.refused:
         named = [k for k in readable if f"'{k}" in comp.refused or f" {k}" in comp.refused]
         r.warn(
