@@ -174,3 +174,10 @@ def test_the_doctor_imports_the_measurement_only_for_model():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == "[]"
+
+
+def test_the_docs_table_has_every_row():
+    docs = (DOCTOR.parents[2] / "docs" / "frameworks.md").read_text()
+    section = docs.split("## The frameworks, as a table")[1].split("\n## ")[0]
+    missing = [name for name in frameworks.names() if f"`{name}`" not in section]
+    assert not missing, f"docs/frameworks.md's table of frameworks lacks {missing}"
