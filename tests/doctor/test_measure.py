@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import klpo.measure as M
 from klpo.cli import app
 from klpo.measure import MeasureError
+from klpo.measure import run as measure_run
 from klpo.measure.intervals import _u_stats
 from klpo.measure.objectives import _stats
 from klpo.measure.prompts import _prompt_codec
@@ -443,10 +444,10 @@ def test_reading_is_printed_before_the_measurement(perturbed, prompts):
 
 def test_a_measurement_beyond_the_free_memory_is_refused(perturbed, prompts, monkeypatch):
     weights = M.weights_bytes(perturbed) + M.weights_bytes(REF)
-    monkeypatch.setattr(M, "available_bytes", lambda: weights - 1)
+    monkeypatch.setattr(measure_run, "available_bytes", lambda: weights - 1)
     with pytest.raises(MeasureError, match=r"the two models need .* GB in float32"):
         M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lambda _: None)
-    monkeypatch.setattr(M, "available_bytes", lambda: 1000 + weights)
+    monkeypatch.setattr(measure_run, "available_bytes", lambda: 1000 + weights)
     lines: list[str] = []
     with pytest.raises(MeasureError, match=r"lower it with fewer --prompts, --samples"):
         M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lines.append)

@@ -102,7 +102,7 @@ def test_strict_skyrl_refuses_a_misspelt_switch_and_the_default_kl_stays(tmp_pat
 
 def test_lenient_nemo_rl_accepts_a_misspelt_coefficient_and_the_doctor_names_it(tmp_path):
     # ClippedPGLossConfig takes extra="allow" (loss_functions.py:111): the typo is kept and read
-    # by nobody, so the default 0.01 (loss_functions.py:127) stays in force.
+    # by nobody, so the default 0.01 (loss_functions.py:128) stays in force.
     text = (
         (NEMO / "grpo_math_1B.yaml")
         .read_text()

@@ -77,6 +77,7 @@ class ValueStats:
             "frac_negative": self.frac_negative,
             "stderr": self.stderr,
             "sd_stderr": self.sd_stderr,
+            "target": self.target,
             "samples": math.nan if self.samples is None else self.samples,
             "excess_kurtosis": self.excess_kurtosis,
             "max": self.maximum,

@@ -303,7 +303,7 @@ _row(
     KeyPolicy("strict",
               "the config dataclasses are built key by key and an unknown key is refused "
               "(ValueError: Invalid fields ...); a '+key' override is refused too",
-              "skyrl/train/config/config.py:1564-1573, 1788-1795"),
+              "skyrl/train/config/config.py:1564-1573, 1788-1794"),
     "skyrl", detector=None,
     entries=(
         Entry(r"skyrl(_train)?(\.train)?\.entrypoints\.main_base"),

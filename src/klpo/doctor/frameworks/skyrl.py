@@ -13,7 +13,7 @@ What they do: ``skyrl/backends/skyrl_train/utils/ppo_utils.py:88-125`` (``comput
 ``workers/worker.py:1069-1080`` (the KL loss: a token mean per sequence, then the batch mean, times
 ``kl_loss_coef``; in the reward, ``rewards − kl · kl_loss_coef``). Keys: SkyRL builds its config
 dataclasses key by key and refuses an unknown key (``config.py:1564-1573``) or a ``+key``
-(``:1788-1795``), checked here against the version's table (read from the dataclasses by
+(``:1788-1794``), checked here against the version's table (read from the dataclasses by
 :mod:`klpo.doctor.tables`); the two KL switches together fail an assertion
 (``utils/utils.py:312-314``). Version trap: from PR #137 (2025-08-14) to PR #1353 (commit
 ``9d7bca9``, 2026-03-20) ``compute_approx_kl`` ran under ``@torch.no_grad``: in ``skyrl-train``
@@ -94,7 +94,7 @@ def read(doc: Any, version: str | None = None) -> Reading:
             "error",
             added,
             f"{', '.join(added)}: SkyRL refuses the '+' prefix for adding a config field "
-            "(config.py:1788-1795, from_cli_overrides) and does not start; subclass the config "
+            "(config.py:1788-1794, from_cli_overrides) and does not start; subclass the config "
             "dataclass to add one",
             kind="refused",
         )
