@@ -108,7 +108,6 @@ class ValueStats:
             m4=float((w * dev2.square()).sum()),
         )
 
-
     @classmethod
     def of_errors(cls, values: Tensor, exact: Tensor) -> ValueStats:
         """Statistics of samples ``values`` ``[N]`` of estimates whose exact value differs from
