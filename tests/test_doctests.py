@@ -31,7 +31,8 @@ MODULES = (
     "klpo.train.data.chat_task",
     "klpo.train.rollout.versions",
     "klpo.train.rollout.worker",
-    "klpo.doctor.measure",
+    "klpo.measure.render",
+    "klpo.lab.stats",
     "klpo.train.data.sources",
 )
 # Where every public function must carry an example.

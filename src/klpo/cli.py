@@ -1196,20 +1196,22 @@ def compare(
 # klpo doctor: what a framework's KL settings really do (klpo.doctor).
 
 
-# The doctor's options, one constant each: the command below reads as its parameters.
+# The doctor's options, one constant each: the command below reads as its parameters. The
+# frameworks are the rows of klpo.doctor.frameworks (importing the table imports no reader).
+from klpo.doctor.frameworks import ROWS as _DOCTOR_ROWS  # noqa: E402
+
 _DOCTOR_CONFIG = typer.Argument(
     ...,
     metavar="CONFIG...",
-    help="A training config or launch script: verl, TRL (GRPO/RLOO, `trl grpo --config`), "
-    "OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, Unsloth or klpo (several: one "
-    "report each).",
+    help="A training config or launch script of "
+    + ", ".join(r.title for r in _DOCTOR_ROWS.values())
+    + " (several: one report each).",
 )
 _DOCTOR_FRAMEWORK = typer.Option(
     None,
     "--framework",
     metavar="NAME",
-    help="verl, trl-grpo, trl-rloo, openrlhf, klpo, nemo-rl, slime, skyrl, prime-rl, "
-    "areal or unsloth (default: detected).",
+    help=", ".join(_DOCTOR_ROWS) + " (default: detected).",
 )
 _DOCTOR_FRAMEWORK_VERSION = typer.Option(
     None,

@@ -61,6 +61,22 @@ EXPECTED: dict[str, tuple] = {
     "unsloth/qwen3_4b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 4, 1, False, []),
     "unsloth/llama3_1_8b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 6, 1, False, []),
     "unsloth/gemma3_1b_grpo.py": ("unsloth", "2026.8.19 (TRL 1.16.0)", [("k3", "loss", 0.001)], 4, 1, False, []),
+    # AReaL's PPO example: a critic (PPO with GAE), kl_ctl 0, 4 samples, 1 minibatch, 2 versions stale.
+    "areal/gsm8k_ppo.yaml": ("areal", "2.0.0", [], 4, 1, True, []),
+    # ROLL 8eb27cc. reinforce, no KL (add_token_level_kl false, use_kl_loss default false);
+    # 64 prompts × 8 = 512 over 16 megatron ranks (TP·PP·CP = 1) = 32 per rank, / (1 × 32) = 1.
+    "roll/qwen2.5-7B-rlvr_megatron/rlvr_config.yaml": ("roll", "0.3.0+8eb27cc", [], 8, 1, False, []),
+    # The same YAML through its launch script (--config_name rlvr_config, beside it).
+    "roll/qwen2.5-7B-rlvr_megatron/run_rlvr_pipeline.sh": ("roll", "0.3.0+8eb27cc", [], 8, 1, False, []),
+    # async_generation_ratio 1: asynchronous; 512 / (16 / TP 2) = 64 per rank, / 64 = 1.
+    "roll/qwen2.5-7B-rlvr_megatron/rlvr_config_async.yaml": ("roll", "0.3.0+8eb27cc", [], 8, 1, True, []),
+    # grpo, use_kl_loss with 0.01: k3 with its value clamped to ±10 (klpo's low_var_kl);
+    # 256 × 8 = 2048 / (32 / (TP 4 · PP 2)) = 512 per rank, / (1 × 512) = 1.
+    "roll/qwen3.5-27B-rlvr_megatron/rlvr_megatron_80GB.yaml": ("roll", "0.3.0+8eb27cc", [("low_var_kl", "loss", 0.01)], 8, 1, False, []),
+    # 128 × 8 = 1024 / 16 = 64 per rank, / 64 = 1 (its pg_variant is dropped: test_rules.py).
+    "roll/qwen2.5-7B-rlvr-offpolicy/rlvr_config.yaml": ("roll", "0.3.0+8eb27cc", [], 8, 1, False, []),
+    # fsdp2 over 16 ranks (no Ulysses): 512 / 16 = 32, / 32 = 1.
+    "roll/qwen3-8B-rlvr_fsdp2/rlvr_config.yaml": ("roll", "0.3.0+8eb27cc", [], 8, 1, False, []),
 }  # fmt: skip
 
 
@@ -90,7 +106,7 @@ def test_at_least_three_fixtures_per_new_framework():
     per: dict[str, int] = {}
     for name in EXPECTED:
         per[EXPECTED[name][0]] = per.get(EXPECTED[name][0], 0) + 1
-    assert set(per) == {"nemo-rl", "slime", "skyrl", "prime-rl", "areal", "unsloth"}
+    assert set(per) == {"nemo-rl", "slime", "skyrl", "prime-rl", "areal", "unsloth", "roll"}
     assert min(per.values()) >= 3
 
 
@@ -142,13 +158,15 @@ def test_slime_kl_coef_is_ignored_for_grpo(tmp_path):
     d = diagnose(_write(tmp_path, "s.sh", SLIME + "--kl-coef 0.05\n"))
     assert d["terms"] == []
     assert any("--kl-coef 0.05 is ignored for grpo" in t for t in _texts(d, "warning"))
-    # reinforce_plus_plus reads it: a reward term with the --kl-loss-type estimator.
-    e = diagnose(
-        _write(
-            tmp_path, "r.sh", SLIME + "--kl-coef 0.05 --advantage-estimator reinforce_plus_plus\n"
-        )
-    )
+    # reinforce_plus_plus reads it: a reward term with the --kl-loss-type estimator (slime
+    # asserts --normalize-advantages beside it: arguments.py:1848-1852).
+    rpp = "--kl-coef 0.05 --advantage-estimator reinforce_plus_plus"
+    e = diagnose(_write(tmp_path, "r.sh", SLIME + rpp + " --normalize-advantages\n"))
     assert [(t["estimator"], t["placement"]) for t in e["terms"]] == [("k1", "reward")]
+    f = diagnose(_write(tmp_path, "f.sh", SLIME + rpp + "\n"))
+    assert f["terms"] == []
+    [err] = [x for x in f["findings"] if x["kind"] == "refused"]
+    assert "arguments.py:1848-1852" in err["text"] and "does not start" in err["text"]
 
 
 def test_slime_unbiased_kl_is_k3_is_and_ref_resets_are_said(tmp_path):
@@ -287,3 +305,70 @@ def test_nemo_rl_on_policy_kl_approximation_is_k3_is(tmp_path):
     )
     [t] = diagnose(p)["terms"]
     assert (t["estimator"], t["corrected"]) == ("k3_is", True)
+
+
+# -- ROLL: what its RLVR pipeline does with the KL settings (roll/utils/functionals.py) --------
+
+ROLL = FIELD / "roll" / "qwen2.5-7B-rlvr_megatron" / "rlvr_config.yaml"
+
+
+def _roll(tmp_path, **changes):
+    import yaml
+
+    data = yaml.safe_load(ROLL.read_text())
+    data.update(changes)
+    return diagnose(_write(tmp_path, "rlvr.yaml", yaml.safe_dump(data)))
+
+
+def test_roll_default_init_kl_coef_loads_a_reference_it_never_applies():
+    d = diagnose(ROLL)
+    assert d["terms"] == []
+    assert any("init_kl_coef is ROLL's default 0.2" in t and "no KL term is applied" in t
+               for t in _texts(d, "note"))  # fmt: skip
+
+
+def test_roll_reward_kl_is_per_token_with_returns_to_go_and_its_controller(tmp_path):
+    d = _roll(tmp_path, add_token_level_kl=True, init_kl_coef=0.05, target_kl=0.1)
+    [t] = d["terms"]
+    # kl_penalty's default "kl" = log pi_old − log pi_ref (k1), beta init_kl_coef, adaptive
+    # toward target_kl (kl_controller.py); reinforce credits it by returns-to-go.
+    assert (t["estimator"], t["placement"], t["beta"], t["adaptive"]) == (
+        "k1",
+        "reward",
+        0.05,
+        True,
+    )
+    assert "returns-to-go" in t["reduction"]
+    assert d["equivalent"]["config"]["kl"]["controller"] == "adaptive"
+
+
+def test_roll_refuses_k3_in_the_reward(tmp_path):
+    # kl_penalty: Literal["kl", "abs", "mse", "full"] (base_config.py:527): dacite refuses k3.
+    d = _roll(tmp_path, add_token_level_kl=True, kl_penalty="k3")
+    assert d["terms"] == []
+    [f] = [x for x in d["findings"] if x["kind"] == "refused"]
+    assert "base_config.py:527" in f["text"] and "does not start" in f["text"]
+
+
+def test_roll_grpo_over_groups_of_one(tmp_path):
+    d = _roll(tmp_path, adv_estimator="grpo", num_return_sequences_in_group=1)
+    [f] = [x for x in d["findings"] if x["kind"] == "zero-advantage"]
+    assert "every advantage is zero" in f["text"] and "NaN" in f["text"]
+
+
+def test_roll_critic_is_built_for_gae_only(tmp_path):
+    d = _roll(tmp_path, critic={"model_args": {"model_name_or_path": "m"}})
+    assert [x["keys"] for x in d["findings"] if x["kind"] == "unread-key"] == [
+        ("critic", "adv_estimator")
+    ]
+    g = _roll(tmp_path, adv_estimator="gae")
+    assert g["algorithm"] == "gae" and g["equivalent"]["config"]["algo"]["name"] == "ppo"
+
+
+def test_roll_agentic_config_is_refused_by_name(tmp_path):
+    import yaml
+
+    data = yaml.safe_load(ROLL.read_text())
+    data["train_env_manager"] = {"group_size": 8}
+    with pytest.raises(DoctorError, match="ROLL agentic pipeline config"):
+        diagnose(_write(tmp_path, "agentic.yaml", yaml.safe_dump(data)))

@@ -298,11 +298,17 @@ def test_openrlhf_loss_aggregation_is_carried(tmp_path):
 def _all_fixtures():
     return sorted(
         p
-        for p in [*FIX.glob("*"), *EX.glob("*"), *FIX.glob("field/*/*")]
+        for p in [
+            *FIX.glob("*"),
+            *EX.glob("*"),
+            *FIX.glob("field/**/*"),
+            *FIX.glob("evidence/**/*"),
+        ]
         if p.is_file()
         and p.suffix in (".sh", ".yaml", ".json", ".toml", ".py")
         and "ignored" not in p.name
         and "dapo_gsm8k" not in p.name  # a named refusal (test_field.py)
+        and p.parent.name != "other"  # another framework's files: named unknowns (test_rules.py)
     )
 
 
@@ -310,7 +316,17 @@ def _all_fixtures():
 def test_equivalent_carries_every_setting_klpo_has_a_key_for(path):
     """Walk the readings: a setting the file gives, which the reader maps to a klpo key, is in
     the equivalent config with the file's value (or a difference says why not)."""
-    from klpo.doctor import areal, nemo_rl, openrlhf, prime_rl, skyrl, slime, trl, verl
+    from klpo.doctor.frameworks import (
+        areal,
+        nemo_rl,
+        openrlhf,
+        prime_rl,
+        roll,
+        skyrl,
+        slime,
+        trl,
+        verl,
+    )
 
     d = diagnose(path)
     carried = {
@@ -322,6 +338,7 @@ def test_equivalent_carries_every_setting_klpo_has_a_key_for(path):
         "skyrl": skyrl.CARRIED,
         "prime-rl": prime_rl.CARRIED,
         "areal": areal.CARRIED,
+        "roll": roll.CARRIED,
     }.get(d["framework"], trl.CARRIED)
     flat = _flat(d["equivalent"]["config"])
     keys = klpo_keys()

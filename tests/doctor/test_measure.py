@@ -17,9 +17,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import klpo.measure as M
 from klpo.cli import app
-from klpo.doctor import measure as M
-from klpo.doctor.reading import DoctorError
+from klpo.measure import MeasureError
+from klpo.measure import run as measure_run
+from klpo.measure.intervals import _u_stats
+from klpo.measure.objectives import _stats
+from klpo.measure.prompts import _prompt_codec
 from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
 from klpo.train.rollout.samplers import Rollout
 
@@ -120,31 +124,40 @@ def test_identical_models_measure_zero(prompts):
 
 
 def test_value_stats_by_hand():
+    # The lab's ValueStats.of_errors: bias = mean error, sd = the error's population sd (the
+    # estimate's noise given the exact value), its standard error sd / sqrt(n).
     x = torch.tensor([0.5, -0.1, 0.2, 0.0], dtype=F64)
     exact = torch.tensor([0.1, 0.1, 0.2, 0.2], dtype=F64)
-    s = M._stats(x, exact)
+    s = _stats(x, exact)
     err = [0.4, -0.2, 0.0, -0.2]
     mean_err = sum(err) / 4
-    sd = math.sqrt(sum((e - mean_err) ** 2 for e in err) / 3)
+    sd = math.sqrt(sum((e - mean_err) ** 2 for e in err) / 4)
+    assert s["n"] == 4
     assert s["bias"] == pytest.approx(mean_err)
     assert s["sd"] == pytest.approx(sd)
     assert s["bias_se"] == pytest.approx(sd / 2)
     assert s["fraction_negative"] == 0.25
+    assert s["exact"] == pytest.approx(0.15)
     assert s["relative_sd"] == pytest.approx(sd / 0.15)
+    # The values' own tail: mean 0.15, deviations 0.35, -0.25, 0.05, -0.15.
+    dev = [0.35, -0.25, 0.05, -0.15]
+    var = sum(d * d for d in dev) / 4
+    assert s["excess_kurtosis"] == pytest.approx(sum(d**4 for d in dev) / 4 / var**2 - 3)
+    assert s["max"] == 0.5
 
 
 def test_read_prompts_errors(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"question": "1+1="}\n')
     with pytest.raises(
-        DoctorError, match=r"p\.jsonl:1: expected an object with a string field 'prompt'"
+        MeasureError, match=r"p\.jsonl:1: expected an object with a string field 'prompt'"
     ):
         M.read_prompts(bad, 4)
     txt = tmp_path / "p.txt"
     txt.write_text("a\n\nb\nc\n")
     assert M.read_prompts(txt, 2) == ["a", "b"]
     bad.write_text('{"prompt": "1+1="}\n{"prompt": [{"role": "user"}]}\n')
-    with pytest.raises(DoctorError, match=r"p\.jsonl:2: chat message 0 must be an object"):
+    with pytest.raises(MeasureError, match=r"p\.jsonl:2: chat message 0 must be an object"):
         M.read_prompts(bad, 4)
 
 
@@ -156,7 +169,7 @@ def test_conversational_prompts_are_read_and_need_chat(tmp_path):
     got = M.read_prompts(data, 8)
     assert got == ["plain", (("system", "Be brief."), ("user", "2 + 2?"))]
     with pytest.raises(
-        DoctorError, match=r"--data prompt 2 is a list of chat messages; add --chat"
+        MeasureError, match=r"--data prompt 2 is a list of chat messages; add --chat"
     ):
         M.render_prompts(None, got, chat=False)
     assert M.render_prompts(None, ["a"], chat=False) == ["a"]
@@ -222,7 +235,7 @@ def sampled(perturbed):
     policy.requires_grad_(False)
     ref.requires_grad_(False)
     texts = ["12+34=", "7+8=", "56+21=", "3+4="]
-    codec = M._prompt_codec(tok, policy, texts, "test")
+    codec = _prompt_codec(tok, policy, texts, "test")
     torch.manual_seed(0)
     rollout = generate(policy, tok, texts, [""] * 4, group_size=4, max_new_tokens=5, codec=codec)
     return policy, ref, rollout
@@ -340,7 +353,7 @@ def test_t_quantile_closed_forms():
 
 def test_u_statistics_by_hand():
     g = torch.randn(3, 5, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
-    full, loo = M._u_stats(g)
+    full, loo = _u_stats(g)
     for p in range(3):
         off = [float(g[p, k, l]) for k in range(5) for l in range(5) if k != l]  # noqa: E741
         assert float(full[p]) == pytest.approx(sum(off) / 20)
@@ -431,12 +444,12 @@ def test_reading_is_printed_before_the_measurement(perturbed, prompts):
 
 def test_a_measurement_beyond_the_free_memory_is_refused(perturbed, prompts, monkeypatch):
     weights = M.weights_bytes(perturbed) + M.weights_bytes(REF)
-    monkeypatch.setattr(M, "available_bytes", lambda: weights - 1)
-    with pytest.raises(DoctorError, match=r"the two models need .* GB in float32"):
+    monkeypatch.setattr(measure_run, "available_bytes", lambda: weights - 1)
+    with pytest.raises(MeasureError, match=r"the two models need .* GB in float32"):
         M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lambda _: None)
-    monkeypatch.setattr(M, "available_bytes", lambda: 1000 + weights)
+    monkeypatch.setattr(measure_run, "available_bytes", lambda: 1000 + weights)
     lines: list[str] = []
-    with pytest.raises(DoctorError, match=r"lower it with fewer --prompts, --samples"):
+    with pytest.raises(MeasureError, match=r"lower it with fewer --prompts, --samples"):
         M.measure(perturbed, REF, prompts, samples=3, show_progress=False, say=lines.append)
     assert lines[1].startswith("memory: about") and "available" in lines[1]
 
@@ -452,7 +465,7 @@ def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
     (sys_,) = M.render_prompts(tok, [text], chat=True, system_prompt="Be brief.")
     assert sys_.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     model = load_causal_lm(REF)  # any model: the codec reads only its generation config
-    codec = M._prompt_codec(tok, model, [got], "test", chat=True)
+    codec = _prompt_codec(tok, model, [got], "test", chat=True)
     assert codec.ids([got])[0] == tok(got, add_special_tokens=False)["input_ids"]
     # A conversation (a solved example before the question) renders as the template renders it,
     # its own system message kept in place of --chat's.
@@ -466,7 +479,7 @@ def test_chat_prompts_follow_the_trainers_rule(smollm2_dir, tmp_path):
     (both,) = M.render_prompts(tok, [pairs], chat=True, system_prompt="Be brief.")
     assert both == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     # No template, no chat: the shipped model's tokenizer has none.
-    with pytest.raises(DoctorError, match="--chat needs a tokenizer with a chat template"):
+    with pytest.raises(MeasureError, match="--chat needs a tokenizer with a chat template"):
         M.render_prompts(load_tokenizer(REF), [text], chat=True)
 
 

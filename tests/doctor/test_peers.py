@@ -89,9 +89,9 @@ def test_verl_table_is_the_installed_verls():
 def _verl_term(name: str):
     """The doctor's term for verl's kl_loss_type ``name``."""
     cfg = {"actor_rollout_ref": {"actor": {"use_kl_loss": True, "kl_loss_type": name}}}
-    from klpo.doctor import verl as reader
+    from klpo.doctor.frameworks import verl as reader
 
-    [term] = reader.read(cfg, "peer").terms
+    [term] = reader.read_settings(cfg, "peer").terms
     return term
 
 
@@ -359,11 +359,11 @@ def _openrlhf_term(version: str, estimator: str, unbiased: bool = False):
     else:
         words = f"--algo.kl.use_loss --algo.kl.estimator {estimator}"
         words += " --algo.kl.unbiased_gradient" if unbiased else ""
-    from klpo.doctor import openrlhf
+    from klpo.doctor.document import Document
+    from klpo.doctor.frameworks import openrlhf
 
-    [t] = openrlhf.read_script(
-        f"python3 -m openrlhf.cli.train_ppo_ray {words}\n", "peer", version
-    ).terms
+    text = f"python3 -m openrlhf.cli.train_ppo_ray {words}\n"
+    [t] = openrlhf.read(Document(Path("peer.sh"), "peer", text, "script"), version).terms
     return t
 
 

@@ -168,3 +168,16 @@ def test_heredoc_body_is_not_commands():
 def test_quote_left_open_names_the_line():
     with pytest.raises(ValueError, match="line 2: No closing quotation"):
         read_script("A=1\nlaunch --x 'open\n")
+
+
+def test_a_case_on_a_command_substitution_reads_its_first_branch():
+    # verl's gspo example: DEVICE=${DEVICE:-$(python3 -c 'import torch_npu' ... || echo gpu)}; the
+    # substitution is never run, so `case "${DEVICE}"` reads its first branch and says so.
+    text = (
+        "DEVICE=${DEVICE:-$(python3 -c 'import torch_npu' 2>/dev/null && echo npu || echo gpu)}\n"
+        'case "${DEVICE}" in\n    gpu)\n        BS=512\n        ;;\n    npu)\n        BS=256\n'
+        "        ;;\nesac\npython3 run.py bs=$BS\n"
+    )
+    s = read_script(text)
+    assert s.commands[-1].words == ["python3", "run.py", "bs=512"]
+    assert any("first branch (`gpu)`)" in n for n in s.notes)

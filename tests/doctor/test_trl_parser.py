@@ -13,7 +13,7 @@ import pytest
 trl = pytest.importorskip("trl")
 
 from klpo.doctor import read  # noqa: E402
-from klpo.doctor import trl as reader  # noqa: E402
+from klpo.doctor.frameworks import trl as reader  # noqa: E402
 from klpo.doctor.reading import Settings  # noqa: E402
 
 FIX = Path(__file__).parent / "fixtures"

@@ -97,6 +97,28 @@ def test_a_typo_under_the_megatron_config_is_still_verls_refusal(checkout):
 
 
 @needs_hydra
+def test_a_config_group_choice_is_composed_into_the_keys(checkout):
+    """`model_engine=megatron` (verl's newer examples) chooses the megatron files of the
+    defaults list: its actor's megatron keys exist, a typo under them is still refused; without
+    the choice the same keys are refused (ppo_trainer's default group is dp)."""
+    keys = (
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 "
+        "actor_rollout_ref.actor.megatron.param_offload=True"
+    )
+    script = checkout / "examples" / "engine.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo model_engine=megatron "
+        f"{keys} actor_rollout_ref.actor.megatron.param_ofload=True\n"
+    )
+    r = read(script)
+    [err] = _texts(r, "error")
+    assert "param_ofload: no such key" in err and "did you mean" in err
+    bare = checkout / "examples" / "no_engine.sh"
+    bare.write_text(f"python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo {keys}\n")
+    assert len(_texts(read(bare), "error")) == 2
+
+
+@needs_hydra
 def test_hydras_own_rule_plus_on_an_existing_key_is_refused(checkout):
     """`+key=value` for a key the config has: Hydra refuses it ("Could not append"), so verl
     does not start; the table's reading cannot tell."""

@@ -91,7 +91,7 @@ def test_klpo_explain_knows_it(k1x2):
 def test_the_doctor_knows_it(k1x2, tmp_path):
     from klpo.doctor import diagnose
     from klpo.doctor.advice import intended_in_loss
-    from klpo.doctor.measure import ESTIMATORS as MEASURED
+    from klpo.measure import ESTIMATORS as MEASURED
 
     assert intended_in_loss(k1x2) == "k1+" and k1x2 in MEASURED
     cfg = tmp_path / "v.yaml"

@@ -43,6 +43,7 @@ LAYERS = (
     "klpo.train.tools",
     "klpo.study",
     "klpo.integrations",
+    "klpo.measure",  # the estimator lab on a user's models (klpo doctor --model)
     "klpo.doctor",
     "klpo.cli",
     "klpo.__main__",
@@ -136,7 +137,13 @@ def _package_graph() -> dict[str, set[str]]:
 
 def test_every_module_of_the_package_is_read():
     mods = set(_modules())
-    for m in ("klpo.logprobs", "klpo.heads", "klpo.lab.exact", "klpo.doctor.verl", "klpo.cli"):
+    for m in (
+        "klpo.logprobs",
+        "klpo.heads",
+        "klpo.lab.exact",
+        "klpo.doctor.frameworks.verl",
+        "klpo.cli",
+    ):
         assert m in mods
     assert {"klpo.train.loop", "klpo.study.runner", "klpo.integrations.trl"} <= mods
 
@@ -209,7 +216,7 @@ def test_no_import_circles_anywhere_in_the_package():
         ("klpo.train.step.update", "klpo.train.step"),
         ("klpo.train.loop", "klpo.train.loop"),
         ("klpo.study.runner", "klpo.study"),
-        ("klpo.doctor.verl", "klpo.doctor"),
+        ("klpo.doctor.frameworks.verl", "klpo.doctor"),
         ("klpo.cli", "klpo.cli"),
     ],
 )
@@ -225,7 +232,7 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
     assert targets == {"klpo.train.loop", "klpo.study.grid"}
     assert layer("klpo.train.loop") > layer("klpo.train.models.load")
     assert layer("klpo.study.grid") > layer("klpo.train.loop")
-    assert layer("klpo.doctor.verl") > layer("klpo.train.loop") > layer("klpo.lab.exact")
+    assert layer("klpo.doctor.frameworks.verl") > layer("klpo.train.loop") > layer("klpo.lab.exact")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 

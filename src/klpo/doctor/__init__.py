@@ -1,20 +1,24 @@
 r"""``klpo doctor``: what a training framework's KL settings really do, and the klpo config for it.
 
-Reads one configuration of verl (its Hydra YAML, or a launch script running ``main_ppo`` with
-``key=value`` overrides), TRL (``GRPOConfig`` / ``RLOOConfig`` fields as YAML or JSON), OpenRLHF (a
-launch script running ``train_ppo_ray``) or klpo itself; scripts are read as bash reads them
-(:mod:`klpo.doctor.shell`). It fills in the framework's own defaults for the version, from tables
-read from the frameworks themselves (:mod:`klpo.doctor.tables`: verl 0.9.1, TRL 1.16.0, OpenRLHF
-0.8.11 to 0.11.2), names every key the version does not have, and says, per KL term in effect: the
-klpo estimator and placement it is, what value it logs and which gradient it follows on- and
-off-policy (:func:`klpo.kl.explain`), where clamps zero that gradient, which settings are ignored or
-applied twice, how a group normalisation rescales a KL in the reward, and two klpo configs: the one
-that does the same thing and the one that does what the settings most likely meant.
+Reads one configuration of a framework in the table :mod:`klpo.doctor.frameworks` (verl, TRL,
+OpenRLHF, NeMo-RL, slime, SkyRL, prime-rl, AReaL, ROLL, Unsloth, klpo itself): its YAML/JSON
+settings, a launch script running its training command (read as bash reads it,
+:mod:`klpo.doctor.shell`), a TOML config or a Python script's config call. Which framework a file
+belongs to needs positive evidence (:func:`detect`): an entry point, a section only that
+framework has, mostly its own keys; without any the answer is a named "unknown", never another
+framework's reading. The reader fills in the framework's own defaults for the version, names
+every key the version does not have as the framework treats it (refused, or accepted and read by
+nobody), the combinations it refuses or that cancel a KL term, and says, per KL term in effect:
+the klpo estimator and placement it is, what value it logs and which gradient it follows on-
+and off-policy, where clamps zero that gradient, which settings are ignored or applied twice,
+and two klpo configs: the one that does the same thing and the one that does what the settings
+most likely meant.
 
     from klpo.doctor import diagnose, render
     print(render(diagnose("verl_grpo.yaml")))
 
-:mod:`klpo.doctor.measure` adds measurements on the user's own model pair (``--model``).
+``klpo doctor --model`` measures on the user's own model pair with :mod:`klpo.measure`, imported
+only then.
 
 The doctor sits above the library (it reads files and prints); nothing in ``klpo/*.py`` imports it.
 """
@@ -24,136 +28,109 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from klpo.doctor import areal, klpo_config, nemo_rl, openrlhf, prime_rl, skyrl, slime, trl, verl
-from klpo.doctor.reading import (
-    DoctorError,
-    Reading,
-    duplicate_keys,
-    load_mapping,
-    read_text,
-)
-from klpo.doctor.report import diagnosis, render
+from klpo.doctor import frameworks
+from klpo.doctor.document import Document, open_document
+from klpo.doctor.reading import DoctorError, Reading, UnknownFramework
 
-__all__ = ["FRAMEWORKS", "DoctorError", "detect", "diagnose", "read", "render"]
-
-FRAMEWORKS: tuple[str, ...] = (
-    "verl",
-    "trl-grpo",
-    "trl-rloo",
-    "openrlhf",
-    "klpo",
-    "nemo-rl",
-    "slime",
-    "skyrl",
-    "prime-rl",
-    "areal",
-    "unsloth",
-)
-
-_TEXT_SUFFIXES = (".sh", ".txt", ".args", ".cmd", ".bash", "")
+__all__ = [
+    "FRAMEWORKS",
+    "DoctorError",
+    "UnknownFramework",
+    "detect",
+    "diagnose",
+    "read",
+    "render",
+]
 
 
-def _script(text: str, path: Path, variables: dict[str, str] | None = None):
-    from klpo.doctor.shell import read_script
+def render(diag: dict[str, Any]) -> str:
+    """The diagnosis for people (:func:`klpo.doctor.report.render`)."""
+    from klpo.doctor.report import render as _render
 
-    try:
-        return read_script(text, variables)
-    except ValueError as err:
-        raise DoctorError(f"{path}: {err}") from None
+    return _render(diag)
 
 
-def _detect_script(text: str, path: Path) -> str:
+def __getattr__(name: str) -> Any:
+    if name == "FRAMEWORKS":  # the table's names, now (a registered row is one of them)
+        return frameworks.names()
+    raise AttributeError(name)
+
+
+def _detect_script(doc: Document) -> str:
     """A launch script's framework: its training command's entry point (comments and
     here-documents never count), else the flags its commands carry."""
-    from klpo.doctor.launch import entry_point
-
-    script = _script(text, path)
-    try:
-        ep = entry_point(script)
-    except DoctorError as err:
-        raise DoctorError(f"{path}: {err}") from None
+    ep = doc.entry()
     if ep is not None:
         return ep.framework
-    words = [w for c in script.commands for w in c.words]
-    if any(w.startswith(("--init_kl_coef", "--algo.kl.", "--kl_estimator")) for w in words):
-        return "openrlhf"
-    if any(w.startswith(("actor_rollout_ref.", "algorithm.")) and "=" in w for w in words):
-        return "verl"
-    raise DoctorError(
-        f"{path}: no training command the doctor knows (verl.trainer.main_ppo, "
-        "openrlhf.cli.train_ppo_ray, `trl grpo|rloo`, a launcher around one of them) and no "
-        f"framework flags in its commands; name it with --framework ({', '.join(FRAMEWORKS)})"
-    )
+    import re
 
-
-def detect_mapping(data: dict[str, Any], path: Path) -> str:
-    """The framework a YAML/JSON mapping of settings belongs to, from its keys."""
-    keys = set(data)
-    flat = " ".join(keys)
-    if "loss_fn" in keys and keys & {"grpo", "policy", "defaults", "ppo"}:
-        return "nemo-rl"
-    if "loss_fn" not in keys and "defaults" in keys and isinstance(data["defaults"], str):
-        return "nemo-rl"  # a NeMo-RL child config: its parent holds loss_fn
-    actor = data.get("actor")
-    if isinstance(actor, dict) and ("gconfig" in keys or "kl_ctl" in actor):
-        return "areal"
-    if "actor_rollout_ref" in keys or "algorithm" in keys or "actor_rollout_ref." in flat:
-        return "verl"
-    if isinstance(data.get("kl"), dict) or isinstance(data.get("algo"), dict):
-        return "klpo"
-    ppo_only = {"kl_coef", "vf_coef", "cliprange_value", "num_ppo_epochs", "whiten_rewards"}
-    if len(keys & ppo_only) >= 1 and not keys & {"num_generations", "loss_type"}:
-        raise DoctorError(
-            f"{path}: a TRL PPOConfig ({', '.join(sorted(keys & ppo_only))}): the doctor reads "
-            "TRL's GRPOConfig and RLOOConfig only, and does not read a PPO config as either"
+    words = [w for c in doc.script().commands for w in c.words]
+    for row in frameworks.ROWS.values():
+        if any(re.fullmatch(f, w) for f in row.flags for w in words):
+            return row.name
+    entries = ", ".join(
+        dict.fromkeys(
+            e.word.split("|")[0].replace("\\", "")
+            for row in frameworks.ROWS.values()
+            for e in row.entries
+            if e.refuse is None
         )
-    grpo_only = {
-        "loss_type",
-        "use_bias_correction_kl",
-        "scale_rewards",
-        "importance_sampling_level",
-    }
-    if keys & grpo_only:
-        return "trl-grpo"
-    if "normalize_advantages" in keys:
-        return "trl-rloo"
-    if keys & {"beta", "num_generations", "num_iterations", "output_dir"}:
-        return "trl-grpo"
-    raise DoctorError(
-        f"{path}: cannot tell which framework this config is for (no verl section such as "
-        "`algorithm` or `actor_rollout_ref`, no TRL field such as `beta` or `loss_type`, no klpo "
-        f"`kl` section, no OpenRLHF flag); name it with --framework ({', '.join(FRAMEWORKS)})"
+    )
+    raise UnknownFramework(
+        f"{doc.source}: not a config of any framework this doctor reads: {doc.describe()}, "
+        f"and no training command the doctor knows ({entries}, behind a launcher) nor any "
+        f"framework's flags in its commands; if it is one, name it with --framework "
+        f"({', '.join(frameworks.names())})"
     )
 
 
-def detect(path: Path) -> str:
+def _detect_settings(doc: Document) -> str:
+    """A mapping, TOML or Python file's framework: the row with the strongest positive
+    evidence (a section only it has beats most keys being its own)."""
+    found: list[tuple[int, str, str]] = []
+    for row in frameworks.ROWS.values():
+        if doc.kind not in row.kinds or row.detect is None:
+            continue
+        seen = row.detect(doc)
+        if seen:
+            strength, why = seen
+            found.append((strength, row.name, why))
+    if not found:
+        raise UnknownFramework(
+            f"{doc.source}: not a config of any framework this doctor reads: {doc.describe()}; "
+            "no framework's sections or keys were recognised, and the doctor does not read it "
+            f"as any of them; if it is one, name it with --framework "
+            f"({', '.join(frameworks.names())})"
+        )
+    found.sort(key=lambda x: -x[0])
+    best = [f for f in found if f[0] == found[0][0]]
+    if len(best) > 1:
+        raise DoctorError(
+            f"{doc.source}: it could be "
+            + " or ".join(f"{name} ({why})" for _, name, why in best)
+            + "; name it with --framework"
+        )
+    return found[0][1]
+
+
+def _detect(doc: Document) -> str:
+    return _detect_script(doc) if doc.kind == "script" else _detect_settings(doc)
+
+
+def detect(path: str | Path, variables: dict[str, str] | None = None) -> str:
     """The framework a config file belongs to, from its contents."""
-    path = Path(path)
-    text = read_text(path)
-    if path.suffix in _TEXT_SUFFIXES:
-        return _detect_script(text, path)
-    if path.suffix == ".toml":
-        return "prime-rl"
-    if path.suffix == ".py":
-        from klpo.doctor.pyscript import config_call
-
-        cls, _, unsloth, _ = config_call(text, str(path))
-        return "unsloth" if unsloth else "trl-grpo" if cls == "GRPOConfig" else "trl-rloo"
-    data = load_mapping(path)
-    if isinstance(data.get("run"), str):
-        return _detect_script(data["run"], path)
-    return detect_mapping(data, path)
+    return _detect(open_document(path, variables))
 
 
-def _refuse_duplicates(path: Path, text: str, framework: str) -> list[tuple[str, int, int]]:
-    """Duplicate keys: refused where the framework's loader refuses them (OmegaConf: verl, and
-    klpo's own), returned (for a warning) where it keeps the last (TRL's PyYAML / json)."""
-    dups = duplicate_keys(text, is_json=path.suffix == ".json")
-    if dups and not framework.startswith("trl"):
+def _duplicates(doc: Document, row: frameworks.Framework) -> list[tuple[str, int, int]]:
+    """Duplicate keys: refused where the framework's loader refuses them (OmegaConf), returned
+    (for a warning) where it keeps the last (PyYAML, json)."""
+    dups = doc.duplicate_keys()
+    if dups and row.duplicates == "refused":
         key, first, again = dups[0]
         where = f" (lines {first} and {again})" if first else ""
         raise DoctorError(
-            f"{path}: the key {key} is given twice{where}; {framework}'s loader refuses a "
+            f"{doc.path}: the key {key} is given twice{where}; {row.name}'s loader refuses a "
             "duplicated key (OmegaConf: 'duplicate key'), and the doctor does not pick one; "
             "keep one of them"
         )
@@ -172,112 +149,27 @@ def read(
     environment, ``$1``): ``klpo doctor --var NAME=VALUE``. A SkyPilot task file is read as its
     ``run:`` script, with its ``envs:`` as the variables.
     """
-    p = Path(path)
-    if not p.exists():
-        raise DoctorError(f"config file {str(p)!r} does not exist")
-    src = str(path)
-    text = read_text(p)
-    data = None
-    if p.suffix in (".toml", ".py"):
-        return _read_other(p, text, src, framework, version)
-    if p.suffix not in _TEXT_SUFFIXES:
-        data = load_mapping(p)
-        if isinstance(data.get("run"), str):
-            # A SkyPilot task: the command sits under `run:`, its variables under `envs:`.
-            envs = {k: "" if v is None else str(v) for k, v in (data.get("envs") or {}).items()}
-            text, data = data["run"], None
-            variables = {**envs, **(variables or {})}
-            src = f"{path} (its run: script)"
-    fw = framework or (detect_mapping(data, p) if data is not None else _detect_script(text, p))
-    if fw not in FRAMEWORKS:
-        raise DoctorError(f"unknown framework {fw!r}; choose one of: {', '.join(FRAMEWORKS)}")
-    if data is None:
-        return _read_script(fw, text, src, p, version, variables)
-    dups = _refuse_duplicates(p, text, fw)
-    if fw == "nemo-rl":
-        return nemo_rl.read(nemo_rl.load(p), src, version)
-    if fw == "areal":
-        return areal.read(data, src, version)
-    if fw == "prime-rl":
-        return prime_rl.read(data, src, version)
-    if fw in ("slime", "skyrl"):
+    doc = open_document(path, variables)
+    row = frameworks.get(framework or _detect(doc))
+    if doc.kind not in row.kinds:
+        kinds = " or ".join(sorted(row.kinds))
         raise DoctorError(
-            f"{src}: {fw} is read from its launch script (the training command's flags or "
-            "overrides), not from a YAML/JSON mapping; give the script"
+            f"{doc.source}: a {doc.kind} file; {row.name} is read from its {kinds} "
+            f"(its training command's flags or overrides for a script), not from a "
+            f"{doc.kind}; give the {kinds}"
         )
-    if fw == "verl":
-        r = verl.read(data, src, version, near=p)
-    elif fw in ("trl-grpo", "unsloth"):
-        r = trl.read_grpo(data, src, version, unsloth=fw == "unsloth")
-    elif fw == "trl-rloo":
-        r = trl.read_rloo(data, src, version)
-    else:
-        r = klpo_config.read(data, src, version)
+    dups = _duplicates(doc, row)
+    r = row.read(doc, version)
     for key, first, again in dups:
         r.warn(
             "warning",
             [key],
             f"{key} is given twice"
             + (f" (lines {first} and {again})" if first else "")
-            + ": TRL's parser (PyYAML / json) keeps the last value without a word; the doctor "
-            "read the last one; keep one of them",
+            + f": {row.name}'s parser (PyYAML / json) keeps the last value without a word; the "
+            "doctor read the last one; keep one of them",
         )
     return r
-
-
-def _read_other(
-    p: Path, text: str, src: str, framework: str | None, version: str | None
-) -> Reading:
-    """prime-rl's TOML, and a Python script's GRPOConfig(...) call (TRL, or Unsloth's TRL)."""
-    if p.suffix == ".toml":
-        if framework not in (None, "prime-rl"):
-            raise DoctorError(f"{src}: a TOML config; the doctor reads TOML as prime-rl's only")
-        return prime_rl.read(prime_rl.load(p), src, version)
-    from klpo.doctor.pyscript import config_call
-
-    cls, kwargs, unsloth, _ = config_call(text, src)
-    if framework == "unsloth" or (framework is None and unsloth):
-        if cls != "GRPOConfig":
-            raise DoctorError(f"{src}: Unsloth patches TRL's GRPO; the doctor reads its GRPOConfig")
-        return trl.read_grpo(kwargs, src, version, unsloth=True)
-    if cls == "RLOOConfig":
-        return trl.read_rloo(kwargs, src, version)
-    return trl.read_grpo(kwargs, src, version)
-
-
-def _read_script(
-    fw: str,
-    text: str,
-    src: str,
-    path: Path,
-    version: str | None,
-    variables: dict[str, str] | None,
-) -> Reading:
-    """A launch script (or a SkyPilot task's ``run:``), read by its training command's reader."""
-    if fw == "openrlhf":
-        return openrlhf.read_script(text, src, version, variables)
-    if fw == "verl":
-        data, script = verl.overrides(text, src, variables)
-        return verl.read(data, src, version, script, near=path)
-    if fw in ("trl-grpo", "trl-rloo"):
-        return trl.read_cli(text, src, path, version, variables)
-    if fw in ("nemo-rl", "areal"):
-        from klpo.doctor.launch import config_and_overrides, entry_point
-
-        ep = entry_point(_script(text, path, variables))
-        if ep is None or ep.framework != fw:
-            raise DoctorError(f"{src}: no {fw} training command with --config found")
-        cfg, over = config_and_overrides(ep, path, src)
-        if fw == "nemo-rl":
-            return nemo_rl.read(nemo_rl._merge(nemo_rl.load(cfg), over), src, version)
-        return areal.read(nemo_rl._merge(load_mapping(cfg), over), src, version)
-    if fw == "slime":
-        return slime.read_script_text(text, src, version, variables)
-    if fw == "skyrl":
-        return skyrl.read_script_text(text, src, version, variables)
-    raise DoctorError(
-        f"{src}: a {fw} config, not a launch script; give the {fw} config file itself"
-    )
 
 
 def diagnose(
@@ -287,4 +179,6 @@ def diagnose(
     variables: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole diagnosis of a config file as JSON-ready data (``klpo doctor --json``)."""
+    from klpo.doctor.report import diagnosis
+
     return diagnosis(read(path, framework, version, variables))

@@ -126,7 +126,7 @@ def _one(
         given_vars = _variables(variables or [])
         diag = diagnose(config, framework, version, given_vars)
         if given:
-            from klpo.doctor.measure import SKETCH, measure, render_measurement
+            from klpo.measure import SKETCH, measure, render_measurement
 
             if fmt == "text":  # the reading first: the measurement takes a while
                 typer.echo(render(diag))

@@ -1,7 +1,7 @@
 """What a framework reader returns: the KL terms a configuration switches on, and what it implies.
 
-A reader (:mod:`klpo.doctor.verl`, :mod:`~klpo.doctor.trl`, :mod:`~klpo.doctor.openrlhf`,
-:mod:`~klpo.doctor.klpo_config`) turns one configuration into a :class:`Reading`: the framework's
+A reader (a module of :mod:`klpo.doctor.frameworks`, one per row of the table) turns one
+configuration into a :class:`Reading`: the framework's
 own settings with their defaults filled in, each KL term in klpo's words (:class:`Term`: estimator,
 placement, coefficient, reduction, clamps), whether the tokens the KL term sees can come from an
 older policy, and findings (settings ignored, applied twice, or doing something other than what
@@ -20,13 +20,18 @@ from typing import Any
 import yaml
 
 __all__ = [
+    "FINDING_KINDS",
     "DoctorError",
     "Finding",
     "Reading",
     "Term",
+    "UnknownFramework",
     "duplicate_keys",
     "flatten",
+    "interpolate",
+    "known_key",
     "load_mapping",
+    "merge",
     "nearest",
     "read_text",
     "scalar",
@@ -35,6 +40,26 @@ __all__ = [
 
 class DoctorError(ValueError):
     """A configuration the doctor cannot read; the message names the file, the key and the fix."""
+
+
+class UnknownFramework(DoctorError):
+    """A file that is no config of any framework the doctor reads: the message says what it
+    looked like, and that no framework's reading was applied to it."""
+
+
+FINDING_KINDS: dict[str, str] = {
+    "unknown-key": "a key the framework's version does not have: refused (strict, Hydra "
+    "struct) or silently accepted and read by nobody (lenient), with the nearest real key",
+    "unread-key": "a key the framework accepts but no code of it reads",
+    "refused": "a combination the framework asserts against: the run does not start (the "
+    "assertion's file:line in the pinned version)",
+    "cancelled": "a combination that cancels a KL term: reported as no term, with the reason",
+    "structure": "what the config builds, not what it is named: the algorithm a critic "
+    "section implies, asynchrony, the group a baseline is taken over",
+    "zero-advantage": "a group baseline over groups of one: every advantage is zero",
+}
+"""The finding classes (:attr:`Finding.kind`) of the framework rules that are not about one
+KL term; a finding without a kind is about the KL terms themselves."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,7 @@ class Finding:
     level: str
     keys: tuple[str, ...]
     text: str
+    kind: str = ""  # one of FINDING_KINDS, or "" (about the KL terms)
 
 
 @dataclass
@@ -136,8 +162,12 @@ class Reading:
         (:attr:`asynchronous`)."""
         return self.updates_per_batch > 1 or self.asynchronous
 
-    def warn(self, level: str, keys: tuple[str, ...] | list[str], text: str) -> None:
-        self.findings.append(Finding(level, tuple(keys), text))
+    def warn(
+        self, level: str, keys: tuple[str, ...] | list[str], text: str, kind: str = ""
+    ) -> None:
+        if kind and kind not in FINDING_KINDS:
+            raise ValueError(f"unknown finding kind {kind!r}; one of {', '.join(FINDING_KINDS)}")
+        self.findings.append(Finding(level, tuple(keys), text, kind))
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -272,6 +302,76 @@ def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | Non
             by_tail.setdefault(k.rsplit(".", 1)[-1], k)
     hit = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.8)
     return by_tail[hit[0]] if hit else None
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base``, nested mappings key by key (OmegaConf's merge)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def interpolate(data: dict[str, Any], resolvers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``data`` with its OmegaConf interpolations evaluated: ``${a.b}`` references to other keys
+    and two-argument resolvers ``${name:x,y}`` from ``resolvers`` (NeMo-RL's ``mul``, ...), as
+    the framework's loader resolves them; what cannot be resolved stays as written.
+
+    >>> interpolate({"a": 2, "b": {"c": "${a}", "d": "${mul:${a},3}"}}, {"mul": lambda x, y: x * y})
+    {'a': 2, 'b': {'c': 2, 'd': 6}}
+    """
+    resolvers = resolvers or {}
+    flat = flatten(data)
+
+    def value(text: str, depth: int = 0) -> Any:
+        if depth > 20:
+            return text
+        m = re.fullmatch(r"\$\{([\w.]+)\}", text.strip())
+        if m and m.group(1) in flat:
+            got = flat[m.group(1)]
+            return value(got, depth + 1) if isinstance(got, str) and "${" in got else got
+        m = re.fullmatch(r"\$\{(\w+):(.*)\}", text.strip())
+        if m and m.group(1) in resolvers:
+            args = [value(a, depth + 1) if "${" in a else scalar(a) for a in _arguments(m.group(2))]
+            if len(args) == 2 and all(isinstance(v, int | float) for v in args):
+                return resolvers[m.group(1)](*args)
+        return text
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, str) and "${" in node:
+            return value(node)
+        return node
+
+    return walk(data)
+
+
+def _arguments(text: str) -> list[str]:
+    """``a, ${b}, ${c:d,e}`` -> its top-level comma-separated arguments."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        cur += ch
+    return [*out, cur.strip()]
+
+
+def known_key(key: str, table: dict[str, Any]) -> bool:
+    """Whether a framework's flattened key table has ``key``, or an open mapping above it
+    (a key whose value in the table is ``{}`` or None takes any key under it)."""
+    if key in table:
+        return True
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in table:
+            return table[prefix] in ({}, None)
+    return any(k.startswith(key + ".") for k in table)
 
 
 def read_text(path: Path) -> str:

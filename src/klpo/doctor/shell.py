@@ -508,7 +508,7 @@ def _control(script, ex, stack, line, sep, words, active) -> None:
         if head == "case" and len(words) >= 3:
             before = len(script.unresolved)
             value = " ".join(ex.words(words[1], line))
-            unknown = len(script.unresolved) > before or "${" in value
+            unknown = len(script.unresolved) > before or "${" in value or "$(" in value
             stack.append(_Frame("case", active(), line=line, value=value, unknown=unknown))
             return
         if top is not None and top.kind == "case" and head.endswith(")") and sep in (";", ";;"):

@@ -302,6 +302,316 @@ def openrlhf_table(root: str | Path, version: str) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# Key tables read statically from a framework's source: its config classes, walked with ast.
+
+_WRAPPERS = {"Optional", "Union", "Annotated", "NotRequired", "Required", "Final", "SerializeAsAny"}
+_OPEN = {"dict", "Dict", "Mapping", "MutableMapping", "DictConfig", "Any", "object"}
+_SCALARS = {"Path", "PosixPath", "Decimal", "None", "Literal", "MISSING", "ClassVar"}
+
+
+def _source_classes(files: list[Path]) -> dict[str, ast.ClassDef | ast.AST]:
+    """Every class defined in ``files`` by name, and every module-level type alias (``X:
+    TypeAlias = A | B``, ``X = Annotated[...]``) as its annotation; a name defined twice is the
+    earlier file's. Each class remembers the names of its own file (``_klpo_scope``), which
+    win when its fields are resolved (two files may each define a ``ModelConfig``)."""
+    out: dict[str, ast.ClassDef | ast.AST] = {}
+    for f in reversed(files):
+        tree = ast.parse(Path(f).read_text(), filename=str(f))
+        scope: dict[str, ast.ClassDef | ast.AST] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                scope[node.name] = node
+        for node in tree.body:
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.value is not None
+                and "TypeAlias" in ast.unparse(node.annotation)
+            ):
+                scope[node.target.id] = node.value
+            elif (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Subscript | ast.BinOp)
+            ):
+                scope[node.targets[0].id] = node.value
+        for node in scope.values():
+            if isinstance(node, ast.ClassDef):
+                node._klpo_scope = scope  # type: ignore[attr-defined]
+        out.update(scope)
+    return out
+
+
+def _annotation(node: ast.AST | None, classes: dict[str, Any]) -> tuple[str, list[str]]:
+    """``("class", names)`` where the annotation is (an optional or a union of) known classes,
+    ``("open", [])`` for a mapping that takes any key, else ``("leaf", [])``."""
+    if node is None:
+        return "leaf", []
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval").body
+        except SyntaxError:
+            return "leaf", []
+    parts: list[ast.AST] = []
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        parts = [node.left, node.right]
+    elif isinstance(node, ast.Subscript):
+        outer = (
+            node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", "")
+        )
+        if outer in _OPEN:
+            return "open", []
+        if outer not in _WRAPPERS:
+            return "leaf", []
+        parts = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if outer == "Annotated":
+            parts = parts[:1]
+    if parts:
+        found = [_annotation(p, classes) for p in parts]
+        names = [n for kind, ns in found if kind == "class" for n in ns]
+        if names:
+            return "class", list(dict.fromkeys(names))
+        return ("open", []) if any(k == "open" for k, _ in found) else ("leaf", [])
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+    if name in _OPEN:
+        return "open", []
+    target = classes.get(name) if name else None
+    if isinstance(target, ast.ClassDef):
+        return "class", [name]
+    if target is not None:  # a type alias
+        return _annotation(target, {k: v for k, v in classes.items() if k != name})
+    if name and name[:1].isupper() and name not in _SCALARS:
+        return "open", []  # a class of another package: its keys are not checked
+    return "leaf", []
+
+
+def _field_default(
+    value: ast.AST | None, classes: dict[str, ast.ClassDef]
+) -> tuple[Any, str | None]:
+    """``(default, class built by a default_factory)`` of a field's right-hand side."""
+    if value is None:
+        return None, None
+    if isinstance(value, ast.Call):
+        fname = getattr(value.func, "id", getattr(value.func, "attr", ""))
+        if fname in ("field", "Field"):
+            kw = {k.arg: k.value for k in value.keywords if k.arg}
+            if "default_factory" in kw:
+                fac = kw["default_factory"]
+                if isinstance(fac, ast.Lambda):
+                    fac = fac.body.func if isinstance(fac.body, ast.Call) else fac.body
+                while isinstance(fac, ast.Call):
+                    fac = fac.func
+                name = getattr(fac, "id", getattr(fac, "attr", ""))
+                if isinstance(classes.get(name), ast.ClassDef):
+                    return None, name
+                return ({"dict": {}, "list": [], "set": []}.get(name), None)
+            given = kw.get("default", value.args[0] if value.args else None)
+            return (_literal(given), None) if given is not None else (None, None)
+        if isinstance(classes.get(fname), ast.ClassDef):
+            return None, fname
+    return _literal(value), None
+
+
+def _literal(node: ast.AST) -> Any:
+    try:
+        return _jsonable(ast.literal_eval(node))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return ast.unparse(node)
+
+
+def class_keys(files: list[Path], root: str, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of config class ``root`` (defined in ``files``) with its default, read
+    statically: ``@dataclass`` classes, pydantic models and TypedDicts, their base classes'
+    fields first; a field typed as another class of ``files`` (or built by its
+    ``default_factory``), or a union of such classes (every variant's keys), is walked into; a
+    mapping-typed field is an open section (``{}``: any key under it)."""
+    classes = _source_classes([Path(f) for f in files])
+    out: dict[str, Any] = {}
+
+    def walk(name: str | ast.ClassDef, pre: str, stack: tuple[str, ...]) -> None:
+        cls = classes[name] if isinstance(name, str) else name
+        scope = {**classes, **getattr(cls, "_klpo_scope", {})}
+        for base in cls.bases:
+            bname = getattr(base, "id", getattr(base, "attr", ""))
+            if isinstance(scope.get(bname), ast.ClassDef) and bname not in stack:
+                walk(scope[bname], pre, (*stack, bname))
+        for node in cls.body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            fname = node.target.id
+            if "ClassVar" in ast.unparse(node.annotation):
+                continue
+            kind, nested = _annotation(node.annotation, scope)
+            default, built = _field_default(node.value, scope)
+            names = dict.fromkeys([*([built] if built else []), *nested])
+            nested = [n for n in names if n not in stack]
+            key = pre + fname
+            if nested:
+                for n in reversed(nested):  # the default's class (first) wins shared keys
+                    walk(scope[n], key + ".", (*stack, n))
+                if not any(k.startswith(key + ".") for k in out):
+                    out[key] = default
+            elif kind == "open":
+                out[key] = {}
+            else:
+                out[key] = default
+
+    walk(root, prefix, (root,))
+    return dict(sorted(out.items()))
+
+
+def argparse_flags(files: list[Path]) -> dict[str, Any]:
+    """Every ``--flag`` an ``add_argument`` call in ``files`` adds, with its static default."""
+    out: dict[str, Any] = {}
+    for f in files:
+        tree = ast.parse(Path(f).read_text(), filename=str(f))
+        for call, env in _parser_calls(tree):
+            kw = {k.arg: k.value for k in call.keywords if k.arg}
+            try:
+                action = _static(kw["action"], env) if "action" in kw else None
+            except ValueError:
+                action = None
+            try:
+                default = (
+                    _static(kw["default"], env)
+                    if "default" in kw
+                    else {"store_true": False, "store_false": True}.get(action)
+                )
+            except ValueError:
+                default = ast.unparse(kw["default"])
+            for a in call.args:
+                try:
+                    flag = _static(a, env)
+                except ValueError:
+                    continue
+                if isinstance(flag, str) and flag.startswith("--"):
+                    out[flag[2:]] = _jsonable(default)
+    return dict(sorted(out.items()))
+
+
+# framework -> (version, where its source is described, [(section prefix, [files], root class)])
+# The files are relative to a checkout of the framework at the pinned commit.
+SOURCE_TABLES: dict[str, tuple[str, str, list[tuple[str, list[str], str]]]] = {
+    "roll": (
+        "0.3.0+8eb27cc",
+        "alibaba/ROLL 8eb27cc: RLVRConfig (roll/pipeline/rlvr/rlvr_config.py, roll/configs/*.py)",
+        [
+            (
+                "",
+                [
+                    "roll/pipeline/rlvr/rlvr_config.py",
+                    "roll/configs/base_config.py",
+                    "roll/configs/worker_config.py",
+                    "roll/configs/model_args.py",
+                    "roll/configs/training_args.py",
+                    "roll/configs/data_args.py",
+                    "roll/configs/generating_args.py",
+                ],
+                "RLVRConfig",
+            ),
+        ],
+    ),
+    "areal": (
+        "2.0.0",
+        "areal-project/AReaL cbff54d: GRPOConfig (areal/api/cli_args.py)",
+        [
+            ("", ["areal/api/cli_args.py"], "GRPOConfig"),
+        ],
+    ),
+    "skyrl": (
+        "0.3.0",
+        "NovaSky-AI/SkyRL a956457: SkyRLTrainConfig (skyrl/train/config/config.py)",
+        [
+            ("", ["skyrl/train/config/config.py"], "SkyRLTrainConfig"),
+        ],
+    ),
+    "nemo-rl": (
+        "0.6.0+7ea279a",
+        "NVIDIA-NeMo/RL 7ea279a: the loss_fn, grpo and ppo sections' pydantic models (nemo_rl/algorithms/loss/loss_functions.py, grpo.py, ppo.py, advantage_estimator.py, reward_score_utils.py)",
+        [
+            ("loss_fn.", ["nemo_rl/algorithms/loss/loss_functions.py"], "ClippedPGLossConfig"),
+            (
+                "grpo.",
+                [
+                    "nemo_rl/algorithms/grpo.py",
+                    "nemo_rl/algorithms/advantage_estimator.py",
+                    "nemo_rl/algorithms/reward_functions.py",
+                ],
+                "GRPOConfig",
+            ),
+            (
+                "ppo.",
+                ["nemo_rl/algorithms/ppo.py", "nemo_rl/algorithms/reward_functions.py"],
+                "PPOConfig",
+            ),
+        ],
+    ),
+}
+_PRIME = "packages/prime-rl-configs/src/prime_rl/configs/"
+SOURCE_TABLES["prime-rl"] = (
+    "0.8.0",
+    "PrimeIntellect-ai/prime-rl 559b447: RLConfig (packages/prime-rl-configs/src/prime_rl/configs/*.py), every variant of a union",
+    [
+        (
+            "",
+            [
+                _PRIME + f
+                for f in (
+                    "rl.py",
+                    "trainer.py",
+                    "orchestrator.py",
+                    "algorithm.py",
+                    "inference.py",
+                    "shared.py",
+                    "monitors.py",
+                    "evals.py",
+                    "env_server.py",
+                )
+            ],
+            "RLConfig",
+        ),
+    ],
+)
+# Sections whose model takes any key (pydantic extra="allow": vLLM's own arguments).
+OPEN_SECTIONS: dict[str, tuple[str, ...]] = {"prime-rl": ("inference.vllm",)}
+ARGPARSE_TABLES: dict[str, tuple[str, str, list[str]]] = {
+    "slime": (
+        "0.3.1+624b824",
+        "THUDM/slime 624b824: slime's own flags (slime/utils/arguments.py); Megatron's and SGLang's are not listed",
+        [
+            "slime/utils/arguments.py",
+        ],
+    ),
+}
+
+
+def source_table(framework: str, root: str | Path) -> dict[str, Any]:
+    """The key table of ``framework`` (:data:`SOURCE_TABLES`, :data:`ARGPARSE_TABLES`) read from
+    a checkout of it at ``root``."""
+    root = Path(root)
+    if framework in ARGPARSE_TABLES:
+        version, source, files = ARGPARSE_TABLES[framework]
+        defaults = argparse_flags([root / f for f in files])
+    else:
+        version, source, sections = SOURCE_TABLES[framework]
+        defaults = {}
+        for prefix, files, cls in sections:
+            defaults.update(
+                class_keys([root / f for f in files if (root / f).is_file()], cls, prefix)
+            )
+        for section in OPEN_SECTIONS.get(framework, ()):
+            defaults = {k: v for k, v in defaults.items() if not k.startswith(section + ".")}
+            defaults[section] = {}
+    return {
+        "framework": framework,
+        "version": version,
+        "source": source + " read with ast (klpo.doctor.tables)",
+        "defaults": dict(sorted(defaults.items())),
+    }
+
+
 def _write(table: dict[str, Any]) -> Path:
     out = _path(table["framework"], table["version"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,7 +622,8 @@ def _write(table: dict[str, Any]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m klpo.doctor.tables verl|trl|openrlhf ROOT VERSION``: write the tables."""
+    """``python -m klpo.doctor.tables verl|trl|openrlhf ROOT VERSION`` or
+    ``python -m klpo.doctor.tables roll|areal|skyrl|nemo-rl|slime CHECKOUT``: write the tables."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(main.__doc__)
@@ -323,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         written = [_write(trl_table("grpo")), _write(trl_table("rloo"))]
     elif args[0] == "openrlhf" and len(args) == 3:
         written = [_write(openrlhf_table(args[1], args[2]))]
+    elif args[0] in (*SOURCE_TABLES, *ARGPARSE_TABLES) and len(args) == 2:
+        written = [_write(source_table(args[0], args[1]))]
     else:
         print(main.__doc__)
         return 2

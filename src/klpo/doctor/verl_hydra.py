@@ -139,6 +139,7 @@ class Composition:
     primary: Path
     refused: str | None = None
     own: dict[str, Any] = field(default_factory=dict)  # a user's config's own settings
+    groups: tuple[str, ...] = ()  # config-group choices composed into base and config
 
     @property
     def described(self) -> str:
@@ -227,9 +228,11 @@ def compose(
     name: str = _PPO,
     overrides: list[str] | tuple[str, ...] = (),
     primary: Path | None = None,
+    groups: tuple[str, ...] = (),
 ) -> Composition:
     """verl's config ``name`` (from ``primary``, verl's folder by default) composed by Hydra,
-    without and with ``overrides``.
+    without and with ``overrides``; ``groups`` (``model_engine=megatron``: choices of the
+    defaults list) are part of both, since they decide which keys there are.
 
     Raises:
         ValueError: Hydra cannot compose the named config itself (a missing file, a ``defaults``
@@ -241,17 +244,17 @@ def compose(
         () if primary == files.config_dir.resolve() else tuple(_searchpath(primary, name, files))
     )
     try:
-        base = _composed(str(primary), name, (), search)
+        base = _composed(str(primary), name, tuple(groups), search)
     except Exception as err:
         raise ValueError(_message(err)) from None
     refused = None
     config = base
     if overrides:
         try:
-            config = _composed(str(primary), name, tuple(overrides), search)
+            config = _composed(str(primary), name, (*groups, *overrides), search)
         except Exception as err:
             refused = _message(err)
-    return Composition(config, base, name, files, primary, refused)
+    return Composition(config, base, name, files, primary, refused, groups=tuple(groups))
 
 
 def ppo_base(files: VerlFiles) -> dict[str, Any]:

@@ -27,6 +27,8 @@ class ValueStats:
         target: the true KL the estimator is meant to estimate.
         samples: the Monte Carlo sample count, or None for exact values.
         m4: the fourth central moment of one sample (for the standard error of sd).
+        excess_kurtosis, maximum, p99: of the values themselves, where they are samples
+            (:meth:`of_errors`): how heavy their tail is.
     """
 
     mean: float
@@ -35,6 +37,9 @@ class ValueStats:
     target: float
     samples: int | None = None
     m4: float = math.nan
+    excess_kurtosis: float = math.nan
+    maximum: float = math.nan
+    p99: float = math.nan
 
     @property
     def bias(self) -> float:
@@ -72,6 +77,11 @@ class ValueStats:
             "frac_negative": self.frac_negative,
             "stderr": self.stderr,
             "sd_stderr": self.sd_stderr,
+            "target": self.target,
+            "samples": math.nan if self.samples is None else self.samples,
+            "excess_kurtosis": self.excess_kurtosis,
+            "max": self.maximum,
+            "p99": self.p99,
         }
         return {k: float(every[k]) for k in keys}
 
@@ -96,6 +106,42 @@ class ValueStats:
             target=target,
             samples=samples,
             m4=float((w * dev2.square()).sum()),
+        )
+
+    @classmethod
+    def of_errors(cls, values: Tensor, exact: Tensor) -> ValueStats:
+        """Statistics of samples ``values`` ``[N]`` of estimates whose exact value differs from
+        sample to sample, ``exact`` ``[N]`` (the KL at each position of a sampled sequence).
+
+        The target is the mean exact value, so ``bias`` is the mean error
+        ``mean(values - exact)``; ``sd`` and ``m4`` are the error's (population) moments, the
+        estimate's sampling noise once the exact value is fixed, and ``stderr`` is the bias's
+        standard error. ``frac_negative``, ``excess_kurtosis``, ``maximum`` and ``p99`` are the
+        values' own. With a constant ``exact`` this is the lab's statistic of the values.
+
+        >>> x = torch.tensor([0.5, -0.1, 0.3, 0.0], dtype=torch.float64)
+        >>> s = ValueStats.of_errors(x, torch.tensor([0.1, 0.1, 0.2, 0.2], dtype=torch.float64))
+        >>> round(s.bias, 6), round(s.sd, 6), s.frac_negative  # errors 0.4, -0.2, 0.1, -0.2
+        (0.025, 0.248747, 0.25)
+        """
+        x, e = values.flatten().to(torch.float64), exact.flatten().to(torch.float64)
+        if x.shape != e.shape or x.numel() == 0:
+            raise ValueError(f"values {tuple(x.shape)} and exact {tuple(e.shape)}: same length > 0")
+        n = x.numel()
+        dev = (x - e) - (x - e).mean()
+        var = float(dev.square().mean())
+        centred = x - x.mean()
+        var_x = float(centred.square().mean())
+        return cls(
+            mean=float(x.mean()),
+            sd=math.sqrt(max(var, 0.0)),
+            frac_negative=float((x < 0).double().mean()),
+            target=float(e.mean()),
+            samples=n,
+            m4=float(dev.square().square().mean()),
+            excess_kurtosis=float(centred.pow(4).mean()) / var_x**2 - 3.0 if var_x > 0 else 0.0,
+            maximum=float(x.max()),
+            p99=float(torch.quantile(x, 0.99)) if n > 1 else float(x.max()),
         )
 
 

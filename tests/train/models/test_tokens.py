@@ -447,8 +447,8 @@ def test_the_vllm_engine_follows_the_same_rule(emitting, quick, tmp_path, monkey
 
 
 def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, tmp_path):
-    from klpo.doctor import measure as M
-    from klpo.doctor.reading import DoctorError
+    import klpo.measure as M
+    from klpo.measure import MeasureError
     from klpo.train.models.backbone import Backbone
     from klpo.train.rollout.ref_samples import sample_reference
 
@@ -470,5 +470,5 @@ def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, t
     out = M.measure(str(path), str(path), str(data), prompts=2, samples=3, max_new_tokens=6)
     assert out["sequences"] == 6 and out["tokens"] == 6
     data.write_text("1+2=\n<|begin_of_text|>3+4=\n")
-    with pytest.raises(DoctorError, match=r"prompt 2: .*'<\|begin_of_text\|>' \(id 0\) twice"):
+    with pytest.raises(MeasureError, match=r"prompt 2: .*'<\|begin_of_text\|>' \(id 0\) twice"):
         M.measure(str(path), str(path), str(data), prompts=2, samples=3, max_new_tokens=6)

@@ -17,13 +17,14 @@ importance weights and rejection against the rollout engine's log-probs) is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from klpo import kl
 from klpo.doctor import tables, verl_hydra, verl_rollout_corr
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import (
     DoctorError,
     Reading,
@@ -31,14 +32,15 @@ from klpo.doctor.reading import (
     Term,
     check_known,
     flatten,
+    known_key,
     nearest,
     scalar,
     version_matches,
 )
-from klpo.doctor.shell import Script, read_script
+from klpo.doctor.shell import Script
 from klpo.train.algorithms import ALGORITHMS
 
-__all__ = ["ESTIMATOR_NAMES", "VERSION", "overrides", "read"]
+__all__ = ["ESTIMATOR_NAMES", "VERSION", "detect", "overrides", "read", "read_settings"]
 
 VERSION = "0.9.1"
 ACTOR = "actor_rollout_ref.actor"
@@ -127,17 +129,28 @@ def _clamps(name: str) -> tuple[tuple[float, float] | None, tuple[float, float] 
     return None, None
 
 
-def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tuple[dict, Script]:
-    """The ``key=value`` Hydra overrides of the ``main_ppo`` command in a launch script."""
-    try:
-        script = read_script(text, given)
-    except ValueError as err:
-        raise DoctorError(f"{source}: {err}") from None
-    from klpo.doctor.launch import entry_point
+def detect(doc: Any) -> tuple[int, str] | None:
+    """verl's evidence in a mapping: its ``actor_rollout_ref`` or ``algorithm`` section."""
+    data = doc.data or {}
+    seen = [k for k in ("actor_rollout_ref", "algorithm") if k in data]
+    seen += [k for k in data if k.startswith(("actor_rollout_ref.", "algorithm."))][:1]
+    return (3, f"verl's {' and '.join(seen)} section(s)") if seen else None
 
-    ep = entry_point(script)
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``verl`` row's reader: a Hydra YAML, or a launch script's ``main_ppo`` overrides."""
+    if doc.kind == "script":
+        data, script = overrides(doc)
+        return read_settings(data, doc.source, version, script, near=doc.path)
+    return read_settings(doc.data, doc.source, version, near=doc.path)
+
+
+def overrides(doc: Any) -> tuple[dict, Script]:
+    """The ``key=value`` Hydra overrides of the ``main_ppo`` command in a launch script."""
+    script, source = doc.script(), doc.source
+    ep = doc.entry()
     if ep is not None and ep.framework == "verl":
-        words = ep.command.words[ep.at + 1 :]
+        words = ep.arguments
     else:
         words = [w for c in script.commands for w in c.words]
     out: dict[str, Any] = {}
@@ -151,6 +164,11 @@ def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tu
         if "=" not in word or word.startswith("-"):
             continue
         key, _, value = word.partition("=")
+        if re.fullmatch(r"[a-z_]+", key) and key not in ("algorithm", "data"):
+            # A config-group choice of the defaults list (model_engine=megatron): Hydra
+            # composes another file into the config, so it shapes the keys there are.
+            script.hydra[f"group {key}"] = word
+            continue
         if "." in key.lstrip("+~") or key.lstrip("+~") in ("algorithm", "data"):
             out[key] = scalar(value)
             script.overrides[key] = word
@@ -162,16 +180,7 @@ def overrides(text: str, source: str, given: dict[str, str] | None = None) -> tu
     return out, script
 
 
-def _known(key: str, defaults: dict[str, Any]) -> bool:
-    """Whether verl's composed config has ``key`` (or an open mapping above it)."""
-    if key in defaults:
-        return True
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in defaults:
-            return defaults[prefix] in ({}, None)
-    return any(k.startswith(key + ".") for k in defaults)
+_known = known_key
 
 
 def _check_keys(
@@ -211,6 +220,7 @@ def _check_keys(
                 + (f" (did you mean {near}?)" if near else "")
                 + "; verl refuses it (Hydra: key not in struct) and does not start"
                 + ("" if not near else f"; the doctor read {near} as the file leaves it"),
+                kind="unknown-key",
             )
             continue
         out[bare] = value
@@ -224,7 +234,7 @@ def _check_keys(
     return out
 
 
-def read(
+def read_settings(
     data: dict[str, Any],
     source: str,
     version: str | None = None,
@@ -298,8 +308,9 @@ def _composition(
                 f"under verl/trainer, or under {files.root}): the table of verl's ppo_trainer "
                 "config is read instead"
             )
+    groups = tuple(w for k, w in hydra.items() if k.startswith("group "))
     try:
-        return verl_hydra.compose(files, name, (), primary), None
+        return verl_hydra.compose(files, name, (), primary, groups), None
     except ValueError as err:
         return None, f"Hydra cannot compose {name} from {primary}: {err}; the table is read"
 
@@ -361,9 +372,24 @@ def _start(
 def _other_config(
     r: Reading, script: Script | None, table: tables.Table, why: str | None
 ) -> str | None:
-    """A ``--config-name`` other than ppo_trainer that the doctor could not compose."""
+    """A ``--config-name`` other than ppo_trainer, or a config-group choice (``model_engine=
+    megatron``), that the doctor could not compose."""
     name = (script.hydra.get("name") if script is not None else None) or "ppo_trainer"
     other = None if name.removesuffix(".yaml") == "ppo_trainer" else name
+    groups = [w for k, w in (script.hydra if script is not None else {}).items()
+              if k.startswith("group ")]  # fmt: skip
+    if groups and not other:
+        other = " ".join(groups)
+        r.warn(
+            "warning",
+            [w.partition("=")[0] for w in groups],
+            f"the script chooses the config group(s) {other}, which the doctor's table (verl "
+            f"{table.version}'s ppo_trainer with its default groups) does not hold: keys of "
+            "that group are not checked and its defaults may differ"
+            + ("" if why else " (verl's config files and hydra-core would let the doctor "
+               "compose it: run it inside a verl checkout or beside an installed verl)"),
+        )  # fmt: skip
+        return other
     if other:
         r.warn(
             "warning",
@@ -400,7 +426,9 @@ def _settings(
             word = next((w for k, w in written.items() if k.lstrip("+") == key), None)
             raw.append(word or verl_hydra.hydra_override(key, checked[key]))
         deleted = [w for k, w in written.items() if k.startswith("~")]
-        comp = verl_hydra.compose(comp.files, comp.name, [*raw, *deleted], comp.primary)
+        comp = verl_hydra.compose(
+            comp.files, comp.name, [*raw, *deleted], comp.primary, comp.groups
+        )
     if comp.refused:
         named = [k for k in readable if f"'{k}" in comp.refused or f" {k}" in comp.refused]
         r.warn(
@@ -408,6 +436,7 @@ def _settings(
             named or ["hydra"],
             f"verl {comp.files.version} refuses these overrides and does not start (Hydra: "
             f"{comp.refused}); the doctor read the file's values as written",
+            kind="refused",
         )
     ppo = verl_hydra.ppo_base(comp.files)
     values, defaults = verl_hydra.settings(comp, readable, ppo)

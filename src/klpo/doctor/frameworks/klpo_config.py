@@ -9,10 +9,22 @@ from klpo.doctor.advice import build_intended
 from klpo.doctor.reading import DoctorError, Reading, Term
 from klpo.train.algorithms import ALGORITHMS
 
-__all__ = ["read"]
+__all__ = ["detect", "read", "read_settings"]
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def detect(doc: Any) -> tuple[int, str] | None:
+    """klpo's evidence: a ``kl`` or ``algo`` section (klpo's config is sections only)."""
+    data = doc.data or {}
+    seen = [k for k in ("kl", "algo") if isinstance(data.get(k), dict)]
+    return (3, f"klpo's {' and '.join(seen)} section(s)") if seen else None
+
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``klpo`` row's reader: a ``klpo train -c`` YAML."""
+    return read_settings(doc.data, doc.source, version)
+
+
+def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Validate ``data`` as a klpo train config and read it into a :class:`Reading`."""
     from klpo import __version__
     from klpo.train.config import ConfigError, build_config

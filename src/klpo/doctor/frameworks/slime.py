@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import framework_command
-from klpo.doctor.openrlhf import script_notes
-from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
+from klpo.doctor.keys import unknown_key_text
+from klpo.doctor.launch import framework_command, script_notes
+from klpo.doctor.reading import Reading, Settings, Term, check_known, nearest, scalar
 
-__all__ = ["DEFAULTS", "VERSION", "read_script_text"]
+__all__ = ["DEFAULTS", "VERSION", "read"]
 
 VERSION = "0.3.1+624b824"
 DEFAULTS: dict[str, Any] = {
@@ -52,8 +53,9 @@ DEFAULTS: dict[str, Any] = {
     "rollout-temperature": None,
     "rollout-top-p": None,
     "entropy-coef": 0.0,
+    "normalize-advantages": False,
 }
-SWITCHES = {"use-kl-loss", "use-unbiased-kl"}
+SWITCHES = {"use-kl-loss", "use-unbiased-kl", "normalize-advantages"}
 ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
 ADVANTAGES = {
     "grpo": "grpo",
@@ -79,8 +81,12 @@ CARRIED = [
 ]
 
 
-def parse_flags(words: list[str]) -> dict[str, Any]:
-    """``--flag value`` / ``--flag=value`` / switches, argparse's way for slime's flags."""
+def parse_flags(
+    words: list[str], switches: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """``--flag value`` / ``--flag=value`` / switches, argparse's way for slime's flags
+    (``switches``: flags that take no value, besides :data:`SWITCHES`)."""
+    switches = {*SWITCHES, *switches}
     out: dict[str, Any] = {}
     i = 0
     while i < len(words):
@@ -91,7 +97,7 @@ def parse_flags(words: list[str]) -> dict[str, Any]:
         name, eq, value = w[2:].partition("=")
         if eq:
             out[name] = scalar(value)
-        elif name in SWITCHES or i >= len(words) or words[i].startswith("--"):
+        elif name in switches or i >= len(words) or words[i].startswith("--"):
             out[name] = True
         else:
             out[name] = scalar(words[i])
@@ -99,15 +105,14 @@ def parse_flags(words: list[str]) -> dict[str, Any]:
     return out
 
 
-def read_script_text(
-    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
-) -> Reading:
+def read(doc: Any, version: str | None = None) -> Reading:
     """Read a slime launch script's ``train.py`` / ``train_async.py`` command."""
-    script, ep = framework_command(
-        text, source, given, "slime", "slime `train.py` / `train_async.py`"
-    )
-    flags = parse_flags(ep.command.words[ep.at + 1 :])
+    source = doc.source
+    script, ep = framework_command(doc, "slime", "slime `train.py` / `train_async.py`")
+    table = tables.load("slime", VERSION).defaults
+    flags = parse_flags(ep.arguments, {k for k, v in table.items() if isinstance(v, bool)})
     r = Reading(framework="slime", defaults_version=VERSION, version=version, source=source)
+    _unknown_flags(r, flags, table)
     if version is not None and not version.startswith("0.3"):
         r.warn(
             "warning",
@@ -127,16 +132,69 @@ def read_script_text(
     steps = _steps(s, n)
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, steps
     r.asynchronous = ep.name.rsplit("/", 1)[-1] == "train_async.py"
-    if use_loss and loss_coef > 0:
+    if _refused(r, s, adv, loss_coef, reward_coef):
+        pass  # the run does not start: no term is in effect
+    elif use_loss and loss_coef > 0:
         _loss_term(r, s, kind, unbiased, loss_coef)
+        _reward_term(r, kind, adv, reward_coef)
     else:
         _no_loss_term(r, s, use_loss, unbiased)
-    _reward_term(r, kind, adv, reward_coef)
+        _reward_term(r, kind, adv, reward_coef)
     _reference_and_staleness(r, s, steps)
     _equivalent(r, s, adv, steps, n)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
+
+
+_KL_FLAGS = ("kl", "use-kl", "use-unbiased", "advantage", "n-samples", "ref-", "normalize")
+
+
+def _unknown_flags(r: Reading, flags: dict[str, Any], table: dict[str, Any]) -> None:
+    """A flag slime's own parser does not have, near one of its KL or advantage flags:
+    Megatron's parser drops what no parser knows without a word (lenient), so the default stays
+    in force. (Megatron's and SGLang's own flags are not in slime's table, so only a near miss of
+    a KL flag is named.)"""
+    from klpo.doctor.frameworks import ROWS
+
+    for name in flags:
+        if name in table or name in DEFAULTS:
+            continue
+        near = nearest(name, [k for k in DEFAULTS if k.startswith(_KL_FLAGS)])
+        if near is None:
+            continue  # Megatron's or SGLang's own flags are not in slime's table
+        level, text = unknown_key_text(
+            f"--{name}", f"--{near}", "slime", VERSION, ROWS["slime"].policy, DEFAULTS[near]
+        )
+        r.warn(level, [f"--{name}", f"--{near}"],
+               text + " (unless Megatron or SGLang has such a flag)", kind="unknown-key")  # fmt: skip
+
+
+def _refused(r: Reading, s: Settings, adv: str, loss_coef: float, reward_coef: float) -> bool:
+    """The combinations slime_validate_args asserts against: the run does not start."""
+    refused = False
+    if reward_coef != 0 and loss_coef != 0:
+        r.warn(
+            "error",
+            ["--kl-coef", "--kl-loss-coef"],
+            f"--kl-coef {reward_coef:g} and --kl-loss-coef {loss_coef:g} both non-zero: slime "
+            "asserts only one of them is set (slime/utils/arguments.py:1846, "
+            "slime_validate_args) and does not start; keep one",
+            kind="refused",
+        )
+        refused = True
+    if adv in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and not s.bool(
+        "normalize-advantages"
+    ):
+        r.warn(
+            "error",
+            ["--advantage-estimator", "--normalize-advantages"],
+            f"--advantage-estimator {adv} without --normalize-advantages: slime asserts it "
+            "(slime/utils/arguments.py:1848-1852) and does not start",
+            kind="refused",
+        )
+        refused = True
+    return refused
 
 
 def _steps(s: Settings, n: int) -> int:

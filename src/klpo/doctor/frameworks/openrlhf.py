@@ -25,9 +25,9 @@ from typing import Any
 
 from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, nearest, scalar
 from klpo.doctor.shell import Script
-from klpo.doctor.shell import read_script as read_shell
 from klpo.train.algorithms import ALGORITHMS
 
 __all__ = [
@@ -36,8 +36,8 @@ __all__ = [
     "GROUPED_VERSION",
     "VERSION",
     "parse_args",
-    "read_script",
-    "script_notes",
+    "read",
+    "read_args",
 ]
 
 VERSION = GROUPED_VERSION = "0.11.2"
@@ -175,14 +175,12 @@ def _style(words: list[str]) -> str | None:
     return None
 
 
-def _arguments(script: Script) -> list[str]:
+def _arguments(doc: Any) -> list[str]:
     """The words after ``train_ppo_ray`` in its command (all words where there is none)."""
-    from klpo.doctor.launch import entry_point
-
-    ep = entry_point(script)
+    ep = doc.entry()
     if ep is None or ep.framework != "openrlhf":
-        return [w for c in script.commands for w in c.words]
-    return ep.command.words[ep.at + 1 :]
+        return [w for c in doc.script().commands for w in c.words]
+    return ep.arguments
 
 
 def _best_fit(words: list[str]) -> tables.Table:
@@ -204,15 +202,10 @@ def _best_fit(words: list[str]) -> tables.Table:
     return chosen or tables.load("openrlhf", GROUPED_VERSION)
 
 
-def read_script(
-    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
-) -> Reading:
-    """Read a launch script's ``train_ppo_ray`` command into a :class:`Reading`."""
-    try:
-        script = read_shell(text, given)
-    except ValueError as err:
-        raise DoctorError(f"{source}: {err}") from None
-    words = _arguments(script)
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``openrlhf`` row's reader: a launch script's ``train_ppo_ray`` command."""
+    source, script = doc.source, doc.script()
+    words = _arguments(doc)
     if version is None:
         table, note = _best_fit(words), None
     else:
@@ -221,10 +214,10 @@ def read_script(
         args, unknown = parse_args(words, table)
     except DoctorError as err:
         raise DoctorError(f"{source}: {err}") from None
-    return read(args, source, version, table, unknown=unknown, note=note, script=script)
+    return read_args(args, source, version, table, unknown=unknown, note=note, script=script)
 
 
-def read(
+def read_args(
     args: dict[str, Any],
     source: str,
     version: str | None,
@@ -271,21 +264,6 @@ def read(
     return r
 
 
-def script_notes(r: Reading, script: Script) -> None:
-    """What the script leaves undefined or decides at run time, said once."""
-    for n in script.notes:
-        r.warn("note", ["script"], n)
-    names = sorted({f"{u.assumed} (line {u.line})" for u in script.unresolved})
-    if names:
-        r.warn(
-            "note",
-            ["script"],
-            "the script uses names it does not define, kept as written where they appear: "
-            + ", ".join(names)
-            + "; a setting the doctor reads that holds one is a warning of its own",
-        )
-
-
 def _unknown_flags(r: Reading, unknown: list[str], table: tables.Table, flat: bool) -> None:
     by_flat = {f: g for g, f in FLAT.items()}
     for flag in unknown:
@@ -304,6 +282,7 @@ def _unknown_flags(r: Reading, unknown: list[str], table: tables.Table, flat: bo
             [flag],
             f"{flag}: no such flag in OpenRLHF {table.version} ({hint}); argparse refuses it "
             "(unrecognized arguments) and the run does not start; the doctor reads the rest",
+            kind="unknown-key",
         )
 
 

@@ -12,19 +12,30 @@ sampler's (binary TV, on the side of the advantage's sign) are masked from the p
 every token adds kl_tau · (log pi_trainer − log pi_inference)²: a k2 penalty (coefficient
 2 · kl_tau) toward the *sampling* policy, not toward a reference. ``ipo`` is the same with one
 threshold; ``custom`` is the user's function.
+
+Keys: prime-rl's pydantic configs refuse a key they do not have (strict); the file's keys are
+checked against the version's table (every variant of a union: any loss type's keys). GRPO's
+advantage is the reward minus its group's mean (``orchestrator/algo/grpo.py:29-30``): at the
+default ``group_size`` of 1 every advantage is zero.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, Settings, flatten
+from klpo.doctor.keys import check_keys
+from klpo.doctor.reading import Reading, Settings, flatten
 
-__all__ = ["DEFAULTS", "VERSION", "load", "read"]
+__all__ = ["DEFAULTS", "VERSION", "detect", "read", "read_settings"]
 
 VERSION = "0.8.0"
+# algo.type -> where its advantage subtracts the group's mean reward
+GROUP_MEAN = {
+    "grpo": "src/prime_rl/orchestrator/algo/grpo.py:29-30",
+    "max_rl": "src/prime_rl/orchestrator/algo/max_rl.py:25-26",
+}
 DEFAULTS: dict[str, Any] = {
     "trainer.loss.type": "default",
     "trainer.loss.kl_tau": 1e-3,
@@ -50,28 +61,42 @@ CARRIED = [
 ]
 
 
-def load(path: Path) -> dict[str, Any]:
-    from klpo.doctor.reading import read_text
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise DoctorError(
-                f"{path}: reading TOML needs Python 3.11 or later (tomllib), or the tomli package"
-            ) from None
-    try:
-        return tomllib.loads(read_text(path))
-    except tomllib.TOMLDecodeError as err:
-        raise DoctorError(f"{path}: not valid TOML: {err}") from None
+SECTIONS = ("trainer", "orchestrator", "inference")
 
 
-def read(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
+def detect(doc: Any) -> tuple[int, str] | None:
+    """prime-rl's evidence: its ``trainer`` or ``orchestrator`` tables (an ``rl`` config); an
+    SFT config (``data``, ``model``, no orchestrator) is refused by name."""
+    data = doc.data or {}
+    seen = [k for k in SECTIONS[:2] if isinstance(data.get(k), dict)]
+    if seen:
+        return 3, f"prime-rl's [{'], ['.join(seen)}] table(s)"
+    if isinstance(data.get("data"), dict) and isinstance(data.get("model"), dict):
+        from klpo.doctor.reading import DoctorError
+
+        raise DoctorError(
+            f"{doc.source}: a prime-rl SFT config ([data], [model], no [orchestrator]: `uv run "
+            "sft`); the doctor reads prime-rl's RL configs (`uv run rl`), whose loss it knows"
+        )
+    return None
+
+
+def read(doc: Any, version: str | None = None) -> Reading:
+    """The ``prime-rl`` row's reader: an ``rl`` TOML config."""
+    return read_settings(doc.data, doc.source, version)
+
+
+def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read a prime-rl ``rl`` config."""
+    from klpo.doctor.frameworks import ROWS
+
     r = Reading(framework="prime-rl", defaults_version=VERSION, version=version, source=source)
-    s = Settings(flatten(data), DEFAULTS, source)
+    table = tables.load("prime-rl", VERSION).defaults
+    r.defaults_from = (
+        f"the doctor's table of prime-rl {VERSION}'s RLConfig models (klpo/assets/doctor)"
+    )
+    given = check_keys(r, flatten(data), table, "prime-rl", VERSION, ROWS["prime-rl"].policy)
+    s = Settings(given, {**table, **DEFAULTS}, source)
     loss = s.str("trainer.loss.type") or "default"
     tau = s.float("trainer.loss.kl_tau") or 0.0
     g = s.int("orchestrator.group_size") or 1
@@ -79,6 +104,19 @@ def read(data: dict[str, Any], source: str, version: str | None = None) -> Readi
     algo_type = s.str("orchestrator.algo.type") or "grpo"
     r.algorithm, r.group_size, r.updates_per_batch = algo_type, g, 1
     r.asynchronous = stale > 0
+    if algo_type in GROUP_MEAN and g == 1:
+        r.warn(
+            "error",
+            ["orchestrator.group_size", "orchestrator.algo.type"],
+            ("orchestrator.group_size is prime-rl's default 1" if not s.given(
+                "orchestrator.group_size") else "orchestrator.group_size 1")
+            + f" under {algo_type}'s group-mean baseline ({GROUP_MEAN[algo_type]}): each group is "
+            "one rollout, its reward minus its own mean, so every advantage is zero"
+            + (" and train.filter_zero_advantages (default true) drops every token: nothing is "
+               "trained" if s.bool("orchestrator.train.filter_zero_advantages") else "")
+            + "; set orchestrator.group_size above 1 (e.g. 8)",
+            kind="zero-advantage",
+        )  # fmt: skip
     r.warn(
         "note",
         ["trainer.loss"],

@@ -11,24 +11,28 @@ are its config dataclasses' (``skyrl/train/config/config.py``): ``trainer.algori
 What they do: ``skyrl/backends/skyrl_train/utils/ppo_utils.py:88-125`` (``compute_approx_kl``: k1
 = d, abs, k2 = d²/2, k3 with log-ratio clamped to ±20 and value to ±10, verl's ``low_var_kl``) and
 ``workers/worker.py:1069-1080`` (the KL loss: a token mean per sequence, then the batch mean, times
-``kl_loss_coef``; in the reward, ``rewards − kl · kl_loss_coef``). Version trap: from PR #137
-(2025-08-14) to PR #1353 (commit ``9d7bca9``, 2026-03-20) ``compute_approx_kl`` ran under
-``@torch.no_grad``: in ``skyrl-train`` 0.1.0 to 0.4.0 and ``skyrl`` 0.1.0 the KL loss has **no
-gradient at all**; ``skyrl`` 0.2.0 (2026-04-22) and later have it. SkyRL's config is a set of
-dataclasses, not one table: keys the doctor does not read are listed, not checked.
+``kl_loss_coef``; in the reward, ``rewards − kl · kl_loss_coef``). Keys: SkyRL builds its config
+dataclasses key by key and refuses an unknown key (``config.py:1564-1573``) or a ``+key``
+(``:1788-1794``), checked here against the version's table (read from the dataclasses by
+:mod:`klpo.doctor.tables`); the two KL switches together fail an assertion
+(``utils/utils.py:312-314``). Version trap: from PR #137 (2025-08-14) to PR #1353 (commit
+``9d7bca9``, 2026-03-20) ``compute_approx_kl`` ran under ``@torch.no_grad``: in ``skyrl-train``
+0.1.0 to 0.4.0 and ``skyrl`` 0.1.0 the KL loss has **no gradient at all**; ``skyrl`` 0.2.0
+(2026-04-22) and later have it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.launch import framework_command
-from klpo.doctor.openrlhf import script_notes
+from klpo.doctor.keys import check_keys
+from klpo.doctor.launch import framework_command, script_notes
 from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 from klpo.doctor.tables import version_key
 
-__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read_script_text"]
+__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read"]
 
 VERSION = "0.3.0"
 A = "trainer.algorithm"
@@ -70,19 +74,36 @@ def no_gradient_version(version: str) -> bool:
     return version_key(v) < version_key("0.2.0")
 
 
-def read_script_text(
-    text: str, source: str, version: str | None = None, given: dict[str, str] | None = None
-) -> Reading:
+def read(doc: Any, version: str | None = None) -> Reading:
     """Read a SkyRL launch script's ``main_base`` command and its ``key=value`` overrides."""
-    script, ep = framework_command(text, source, given, "skyrl", "SkyRL `main_base`")
-    values = {}
-    for w in ep.command.words[ep.at + 1 :]:
+    source = doc.source
+    script, ep = framework_command(doc, "skyrl", "SkyRL `main_base`")
+    from klpo.doctor.frameworks import ROWS
+
+    values, added = {}, []
+    for w in ep.arguments:
         key, eq, value = w.partition("=")
         if eq and not key.startswith("-"):
+            if key.startswith("+"):
+                added.append(key)
             values[key.lstrip("+")] = scalar(value)
     r = Reading(framework="skyrl", defaults_version=VERSION, version=version, source=source)
     script_notes(r, script)
-    s = Settings(values, DEFAULTS, source)
+    if added:
+        r.warn(
+            "error",
+            added,
+            f"{', '.join(added)}: SkyRL refuses the '+' prefix for adding a config field "
+            "(config.py:1788-1794, from_cli_overrides) and does not start; subclass the config "
+            "dataclass to add one",
+            kind="refused",
+        )
+    table = tables.load("skyrl", VERSION).defaults
+    r.defaults_from = (
+        f"the doctor's table of SkyRL {VERSION}'s config dataclasses (klpo/assets/doctor)"
+    )
+    values = check_keys(r, values, table, "SkyRL", VERSION, ROWS["skyrl"].policy)
+    s = Settings(values, {**table, **DEFAULTS}, source)
     adv = s.str(f"{A}.advantage_estimator") or "grpo"  # a registry: custom names too
     kind = check_known(
         s.str(f"{A}.kl_estimator_type") or "", ESTIMATORS, f"{A}.kl_estimator_type", source
@@ -110,9 +131,13 @@ def _terms(r: Reading, kind: str, coef: float, use_loss: bool, use_reward: bool)
         r.warn(
             "error",
             [f"{A}.use_kl_loss", f"{A}.use_kl_in_reward"],
-            "use_kl_loss and use_kl_in_reward are mutually exclusive in SkyRL (config.py:831-835); "
-            "its config validation refuses both",
+            "use_kl_loss and use_kl_in_reward both true"
+            + ": SkyRL asserts they are mutually exclusive (skyrl/train/utils/utils.py:312-314, "
+            "validate_cfg) and does not start; use_kl_loss is true by default (config.py:833), "
+            "so a reward KL needs use_kl_loss=false beside it",
+            kind="refused",
         )
+        return
     for placement, on in (("loss", use_loss), ("reward", use_reward)):
         if not on:
             continue
@@ -160,7 +185,16 @@ def _no_gradient_window(r: Reading, version: str | None) -> None:
 
 
 def _findings(r: Reading, s: Settings) -> None:
-    """Another policy loss, and a KL loss on tokens of an older policy."""
+    """Another policy loss, a critic without a model, and a KL loss on tokens of an older
+    policy."""
+    if s.str(f"{A}.advantage_estimator") == "gae" and not s.get("trainer.critic.model.path"):
+        r.warn(
+            "error",
+            [f"{A}.advantage_estimator", "trainer.critic.model.path"],
+            "advantage_estimator gae without trainer.critic.model.path: SkyRL asserts the critic's "
+            "path is given for PPO (skyrl/train/utils/utils.py:306-310) and does not start",
+            kind="refused",
+        )
     if s.str(f"{A}.policy_loss_type") not in (None, "regular"):
         r.warn(
             "note",

@@ -39,7 +39,10 @@ __all__ = [
     "installed_table",
     "read_cli",
     "read_grpo",
+    "read_grpo_doc",
     "read_rloo",
+    "read_rloo_doc",
+    "read_unsloth_doc",
     "updates",
 ]
 
@@ -159,6 +162,7 @@ def _check_keys(
                 f"{key}: not a field of TRL {table.version}'s GRPOConfig; Unsloth drops it with "
                 "a printed notice and the run starts without it: it does nothing"
                 + (f" (did you mean {near}?)" if near else ""),
+                kind="unknown-key",
             )
             continue
         r.warn(
@@ -168,6 +172,7 @@ def _check_keys(
             + (f" (did you mean {near}?)" if near else "")
             + "; TRL refuses it (HfArgumentParser / the dataclass: unexpected argument) and "
             "does not start" + (f"; the doctor read {near} as the file leaves it" if near else ""),
+            kind="unknown-key",
         )
     return out
 
@@ -254,6 +259,7 @@ def _parse(r: Reading, kind: str, checked: dict[str, Any]) -> None:
             keys,
             f"TRL {trl.__version__}'s {cls.__name__} refuses these fields and does not start "
             f"(HfArgumentParser, {cls.__name__}.__post_init__): {message}",
+            kind="refused",
         )
 
 
@@ -290,6 +296,7 @@ def _finish(r: Reading, s: Settings, algo: dict[str, Any], rollout: dict[str, An
                 f"one generation holds {total} completions on {procs} processes, not a "
                 f"multiple of num_generations={g}: TRL refuses this config "
                 "(GRPOConfig.__post_init__) and does not start",
+                kind="refused",
             )
         gbs, processes = total, 1
     else:
@@ -570,38 +577,122 @@ def read_rloo(data: dict[str, Any], source: str, version: str | None = None) -> 
     return r
 
 
-def read_cli(
-    text: str,
-    source: str,
-    path: Any,
-    version: str | None = None,
-    variables: dict[str, str] | None = None,
-) -> Reading:
+def read_cli(doc: Any, version: str | None = None) -> Reading:
     """A launch script running ``trl grpo|rloo --config FILE [--field value ...]``.
 
     The config file is found as written, else beside the script; the command line's
     ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
     the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
     """
-    from klpo.doctor.launch import entry_point
     from klpo.doctor.reading import DoctorError
-    from klpo.doctor.shell import read_script
 
-    try:
-        script = read_script(text, variables)
-    except ValueError as err:
-        raise DoctorError(f"{source}: {err}") from None
-    ep = entry_point(script)
+    ep = doc.entry()
     if ep is None or not ep.framework.startswith("trl-"):
-        raise DoctorError(f"{source}: no `trl grpo` or `trl rloo` command found")
-    data, flags = _cli_fields(ep, path, source)
+        raise DoctorError(f"{doc.source}: no `trl grpo` or `trl rloo` command found")
+    data, flags = _cli_fields(ep, doc.path, doc.source)
     procs = _launcher_processes(ep)
     if procs is not None:
         flags.setdefault("num_processes", procs)
     merged = {**data, **flags}
     if ep.framework == "trl-rloo":
-        return read_rloo(merged, source, version)
-    return read_grpo(merged, source, version)
+        return read_rloo(merged, doc.source, version)
+    return read_grpo(merged, doc.source, version)
+
+
+# -- the rows' entry points (klpo.doctor.frameworks: trl-grpo, trl-rloo, unsloth) -------------
+
+
+@functools.lru_cache(maxsize=1)
+def _fields() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(GRPOConfig's fields, RLOOConfig's fields, the other keys a `trl` config file may hold),
+    from the shipped tables of TRL VERSION."""
+    grpo, rloo = tables.load("trl-grpo", VERSION), tables.load("trl-rloo", VERSION)
+    other = {*SCRIPT_KEYS, *LAUNCH_KEYS, *(grpo.cli or {}), *(rloo.cli or {})}
+    return frozenset(grpo.defaults), frozenset(rloo.defaults), frozenset(other)
+
+
+_PPO_ONLY = {"kl_coef", "vf_coef", "cliprange_value", "num_ppo_epochs", "whiten_rewards"}
+
+
+def _mapping_kind(data: dict[str, Any], source: str) -> tuple[str, str] | None:
+    """``(kind, why)`` for a mapping whose keys are mostly TRL's config fields, else None.
+
+    Most keys (three in four) must be fields of GRPOConfig or RLOOConfig (or the `trl` CLI's
+    other keys): a file of another framework that shares ``output_dir`` or ``beta`` is no TRL
+    config. RLOO when it holds fields only RLOOConfig has and none only GRPOConfig has."""
+    from klpo.doctor.reading import DoctorError
+
+    keys = set(data)
+    if keys & _PPO_ONLY and not keys & {"num_generations", "loss_type"}:
+        raise DoctorError(
+            f"{source}: a TRL PPOConfig ({', '.join(sorted(keys & _PPO_ONLY))}): the doctor "
+            "reads TRL's GRPOConfig and RLOOConfig only, and does not read a PPO config as either"
+        )
+    grpo, rloo, other = _fields()
+    if not keys or any(isinstance(v, dict) for v in data.values()):
+        return None
+    known = keys & (grpo | rloo | other)
+    if len(known) < 0.75 * len(keys):
+        return None
+    why = f"{len(known)} of its {len(keys)} keys are TRL config fields"
+    if keys & (rloo - grpo) and not keys & (grpo - rloo):
+        return "rloo", why + " (RLOOConfig's own among them)"
+    return "grpo", why
+
+
+def detect_grpo(doc: Any) -> tuple[int, str] | None:
+    if doc.kind == "python":
+        cls, _, _, line = doc.call()
+        return (2, f"a GRPOConfig(...) call (line {line})") if cls == "GRPOConfig" else None
+    found = _mapping_kind(doc.data, doc.source) if doc.kind == "mapping" else None
+    return (2, found[1]) if found and found[0] == "grpo" else None
+
+
+def detect_rloo(doc: Any) -> tuple[int, str] | None:
+    if doc.kind == "python":
+        cls, _, _, line = doc.call()
+        return (2, f"an RLOOConfig(...) call (line {line})") if cls == "RLOOConfig" else None
+    found = _mapping_kind(doc.data, doc.source) if doc.kind == "mapping" else None
+    return (2, found[1]) if found and found[0] == "rloo" else None
+
+
+def detect_unsloth(doc: Any) -> tuple[int, str] | None:
+    if doc.kind != "python":
+        return None
+    _, _, unsloth, line = doc.call()
+    return (3, f"imports Unsloth, and its config call at line {line}") if unsloth else None
+
+
+def read_grpo_doc(doc: Any, version: str | None = None) -> Reading:
+    """The ``trl-grpo`` row's reader: a GRPOConfig's fields (YAML/JSON, a script's
+    ``trl grpo --config``, a Python script's ``GRPOConfig(...)``)."""
+    if doc.kind == "script":
+        return read_cli(doc, version)
+    if doc.kind == "python":
+        cls, kwargs, _, _ = doc.call()
+        return (read_rloo if cls == "RLOOConfig" else read_grpo)(kwargs, doc.source, version)
+    return read_grpo(doc.data, doc.source, version)
+
+
+def read_rloo_doc(doc: Any, version: str | None = None) -> Reading:
+    """The ``trl-rloo`` row's reader."""
+    if doc.kind == "script":
+        return read_cli(doc, version)
+    if doc.kind == "python":
+        return read_rloo(doc.call()[1], doc.source, version)
+    return read_rloo(doc.data, doc.source, version)
+
+
+def read_unsloth_doc(doc: Any, version: str | None = None) -> Reading:
+    """The ``unsloth`` row's reader: a Python script's GRPOConfig(...) as Unsloth runs it."""
+    from klpo.doctor.reading import DoctorError
+
+    cls, kwargs, _, _ = doc.call()
+    if cls != "GRPOConfig":
+        raise DoctorError(
+            f"{doc.source}: Unsloth patches TRL's GRPO; the doctor reads its GRPOConfig"
+        )
+    return read_grpo(kwargs, doc.source, version, unsloth=True)
 
 
 def _cli_fields(ep: Any, path: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
