@@ -25,6 +25,11 @@ TORCH_FREE = (
     "klpo.control",
     "klpo.train.algorithms",
     "klpo.train.config",
+    "klpo.doctor",
+    "klpo.doctor.command",
+    "klpo.doctor.report",
+    "klpo.doctor.advice",
+    "klpo.doctor.frameworks",
 )
 """Modules that must import without torch."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from klpo import kl
+from klpo import registry
 from klpo.doctor.reading import Reading, Settings, Term
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
 
 def intended_in_loss(estimator: str) -> str:
     """The estimator that logs the same value as ``estimator`` (or the nearest one) but follows
-    grad KL(pi_theta ‖ pi_ref) in the loss: ``kl.SPECS[estimator].loss_variant``.
+    grad KL(pi_theta ‖ pi_ref) in the loss: ``registry.SPECS[estimator].loss_variant``.
 
     >>> intended_in_loss("k3"), intended_in_loss("k2"), intended_in_loss("low_var_kl")
     ('k3+', 'k2', 'k3+')
@@ -36,10 +36,10 @@ def intended_in_loss(estimator: str) -> str:
     Raises:
         ValueError: ``estimator`` is not registered in :data:`klpo.kl.SPECS`.
     """
-    spec = kl.SPECS.get(estimator)
+    spec = registry.SPECS.get(estimator)
     if spec is None:
         raise ValueError(
-            f"unknown KL estimator {estimator!r}; choose one of: {', '.join(kl.SPECS)}"
+            f"unknown KL estimator {estimator!r}; choose one of: {', '.join(registry.SPECS)}"
         )
     return spec.loss_variant
 
@@ -171,7 +171,7 @@ def build_equivalent(
     uncorrected = [
         t for t in reading.terms if t.placement == "loss" and not t.corrected and t.estimator
     ]
-    if uncorrected and kl.SPECS[uncorrected[0].estimator].off_policy != "carried":
+    if uncorrected and registry.SPECS[uncorrected[0].estimator].off_policy != "carried":
         kl_section["off_policy_correction"] = False
     if reading.terms and controller:
         kl_section.update(controller)

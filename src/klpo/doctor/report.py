@@ -1,7 +1,8 @@
 r"""The diagnosis: each KL term's logged value and followed gradient, its clamps, and the advice.
 
 What a term logs and which gradient it follows is not typed here: it comes from
-:func:`klpo.kl.explain`, which derives it by exact enumeration. Where a term's value is clamped,
+:func:`klpo.kl.explain`, which derives it by exact enumeration (its answers for the built-in rows
+shipped as a table, :func:`klpo.registry.explanation`, so that the doctor needs no torch). Where a term's value is clamped,
 the region in which the clamp zeroes the gradient is found the same way, by differentiating the
 framework's clamped term on a fine grid of log-ratios d = log pi_theta(y) - log pi_ref(y) and
 reporting where its gradient is exactly zero while the unclamped estimator's is not.
@@ -13,10 +14,9 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-import torch
 import yaml
 
-from klpo import kl
+from klpo import registry
 from klpo.doctor.advice import validate
 from klpo.doctor.reading import Reading, Term, version_matches
 
@@ -28,45 +28,56 @@ _BASE = {
 }  # fmt: skip
 
 
-def _framework_term(base: str, d: torch.Tensor, term: Term) -> torch.Tensor:
-    """The framework's per-token term as a function of d, clamps and straight-through included."""
-    x = -d  # log pi_ref - log pi_theta, the quantity verl clamps
+def _term_at(base: str, d: float, term: Term) -> tuple[float, float]:
+    """The framework's per-token term at log-ratio ``d`` and its derivative in ``d``, clamps
+    and straight-through included, as autograd differentiates them (a clamp passes the
+    gradient where its input lies within its bounds, ends included; ``|x|``'s slope at 0 is 0)."""
+    x, dx = -d, -1.0  # log pi_ref - log pi_theta, the quantity verl clamps
     if term.log_ratio_clamp is not None:
-        x = x.clamp(*term.log_ratio_clamp)
-    value = {
-        "k1": lambda: -x,
-        "k2": lambda: 0.5 * x * x,
-        "k3": lambda: torch.expm1(x) - x,
-        "abs": lambda: x.abs(),
-    }[base]()
+        lo, hi = term.log_ratio_clamp
+        inside = (lo is None or x >= lo) and (hi is None or x <= hi)
+        x = min(max(x, lo if lo is not None else x), hi if hi is not None else x)
+        dx = dx if inside else 0.0
+    if base == "k1":
+        value, slope = -x, -1.0
+    elif base == "k2":
+        value, slope = 0.5 * x * x, x
+    elif base == "k3":
+        value, slope = math.expm1(x) - x, math.expm1(x)
+    else:  # abs
+        value, slope = abs(x), (x > 0) - (x < 0)
+    grad = slope * dx
     if term.value_clamp is not None:
-        value = value.clamp(*term.value_clamp)
+        lo, hi = term.value_clamp
+        inside = (lo is None or value >= lo) and (hi is None or value <= hi)
+        value = min(max(value, lo if lo is not None else value), hi if hi is not None else value)
+        grad = grad if inside else 0.0
     if (term.estimator or "").endswith("+"):
-        k2 = 0.5 * d * d
-        value = k2 - k2.detach() + value.detach()
-    return value
+        grad = d  # the value's, with k2's gradient d (straight-through)
+    return value, grad
 
 
-def _runs(flags: torch.Tensor, d: torch.Tensor) -> list[tuple[float, float]]:
+def _runs(flags: list[bool], d: list[float]) -> list[tuple[float, float]]:
     """The [lo, hi] intervals of d where ``flags`` holds."""
     out, start = [], None
-    for i, f in enumerate(flags.tolist()):
+    for i, f in enumerate(flags):
         if f and start is None:
             start = i
         if not f and start is not None:
-            out.append((float(d[start]), float(d[i - 1])))
+            out.append((d[start], d[i - 1]))
             start = None
     if start is not None:
-        out.append((float(d[start]), float(d[-1])))
+        out.append((d[start], d[-1]))
     return out
 
 
 def clamp_regions(term: Term, span: float = 30.0, step: float = 1e-3) -> dict[str, Any] | None:
     """Where the term's clamps bind, and where they zero its gradient, over d ∈ [-span, span].
 
-    Returns None for an unclamped term; else ``{"value_clamp", "log_ratio_clamp", "binds",
-    "zero_gradient"}``, the last two as lists of ``[lo, hi]`` intervals of d (``±span`` stands
-    for "beyond").
+    The term and its derivative are evaluated in closed form on a grid of ``step`` (no torch:
+    :func:`_term_at`; a test checks them against autograd of the same clamps). Returns None for
+    an unclamped term; else ``{"value_clamp", "log_ratio_clamp", "binds", "zero_gradient"}``,
+    the last two as lists of ``[lo, hi]`` intervals of d (``±span`` stands for "beyond").
     """
     if term.value_clamp is None and term.log_ratio_clamp is None:
         return None
@@ -74,21 +85,19 @@ def clamp_regions(term: Term, span: float = 30.0, step: float = 1e-3) -> dict[st
     if base is None:
         return None
     n = round(2 * span / step) + 1
-    d = torch.linspace(-span, span, n, dtype=torch.float64, requires_grad=True)
-    value = _framework_term(base, d, term)
-    (grad,) = torch.autograd.grad(value.sum(), d)
+    grid = [-span + 2 * span * i / (n - 1) for i in range(n)]
     plain = Term(**{**asdict(term), "value_clamp": None, "log_ratio_clamp": None})
-    d2 = d.detach().clone().requires_grad_(True)
-    plain_value = _framework_term(base, d2, plain)
-    (plain_grad,) = torch.autograd.grad(plain_value.sum(), d2)
-    binds = (value.detach() != plain_value.detach()) | (grad != plain_grad)
-    zero = (grad == 0) & (plain_grad != 0)
-    dd = d.detach()
+    binds, zero = [], []
+    for d in grid:
+        value, grad = _term_at(base, d, term)
+        plain_value, plain_grad = _term_at(base, d, plain)
+        binds.append(value != plain_value or grad != plain_grad)
+        zero.append(grad == 0 and plain_grad != 0)
     return {
         "value_clamp": list(term.value_clamp) if term.value_clamp else None,
         "log_ratio_clamp": list(term.log_ratio_clamp) if term.log_ratio_clamp else None,
-        "binds": [list(r) for r in _runs(binds, dd)],
-        "zero_gradient": [list(r) for r in _runs(zero, dd)],
+        "binds": [list(r) for r in _runs(binds, grid)],
+        "zero_gradient": [list(r) for r in _runs(zero, grid)],
         "span": span,
     }
 
@@ -108,8 +117,15 @@ def _interval_text(lo: float, hi: float, span: float) -> str:
 
 
 def _explain(est: str | None, placement: str, on_policy: bool) -> dict[str, Any] | None:
+    """klpo explain's answer: the shipped table's (no torch), or derived where the row is not
+    the table's (an estimator registered since, which needs torch)."""
     if est is None:
         return None
+    shipped = registry.explanation(est, placement, on_policy=on_policy)
+    if shipped is not None:
+        return shipped.to_dict()
+    from klpo import kl
+
     return kl.explain(est, placement, on_policy=on_policy).to_dict()
 
 
@@ -118,7 +134,7 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
     rec["on_policy"] = _explain(term.estimator, term.placement, True)
     rec["off_policy"] = None
     if reading.off_policy and term.estimator is not None:
-        carried = kl.SPECS[term.estimator].off_policy == "carried"  # k3_is: its own weight
+        carried = registry.SPECS[term.estimator].off_policy == "carried"  # k3_is: its own weight
         if term.placement == "loss" and term.corrected and not carried:
             # klpo.losses.kl_loss's detached weight keeps the on-policy expected gradient.
             rec["off_policy"] = {**rec["on_policy"], "on_policy": False, "corrected_by": "weight"}
@@ -183,9 +199,9 @@ def _grad_text(rec: dict[str, Any] | None) -> str:
     if rec is None:
         return "klpo has no estimator for this term"
     g = rec["gradient"]
-    if g == kl.GRAD_ZERO:
+    if g == registry.GRAD_ZERO:
         return "zero in expectation: this term regularises nothing"
-    if g == kl.GRAD_OTHER:
+    if g == registry.GRAD_OTHER:
         return "no KL's gradient (biased)"
     note = (
         "" if not rec["mismatch"] else f"  ← not the gradient of {rec['estimates']}, the KL it logs"

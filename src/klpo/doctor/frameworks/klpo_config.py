@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from klpo import kl
+from klpo import registry
 from klpo.doctor.advice import build_intended
 from klpo.doctor.reading import DoctorError, Reading, Term
 from klpo.train.algorithms import ALGORITHMS
@@ -62,7 +62,7 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
         r.warn(
             "note", ["kl.placement", "kl.beta"], "no KL term: nothing holds the policy near pi_ref"
         )
-    exact = kl.SPECS[k.estimator].needs_logits  # full
+    exact = registry.SPECS[k.estimator].needs_logits  # full
     if exact and k.placement in ("reward", "reward+loss") and k.beta > 0:
         r.warn(
             "note",

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from klpo import kl
+from klpo import registry
 from klpo.doctor import tables, verl_hydra, verl_rollout_corr
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.launch import script_notes
@@ -68,7 +68,7 @@ ESTIMATOR_NAMES: dict[str, str | None] = {
 def _klpo_names() -> dict[str, str]:
     """klpo.integrations.verl's names, ``klpo:NAME`` -> NAME: every klpo estimator that works
     from token log-probs (:data:`klpo.kl.LOGPROB_ESTIMATORS`: all but ``full``), read now."""
-    return {f"klpo:{e}": e for e in kl.LOGPROB_ESTIMATORS}
+    return {f"klpo:{e}": e for e in registry.LOGPROB_ESTIMATORS}
 
 
 # loss_agg_mode -> klpo.reduce mode (None: klpo has none).
