@@ -1329,13 +1329,20 @@ def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     """Entry point of the ``klpo`` console script (and of ``python -m klpo``, ``torchrun -m
     klpo``): OpenMP's threads wait passively, set before anything imports torch. ``args``:
     the command line, ``sys.argv[1:]`` when None."""
-    from klpo._extras import MissingExtra
+    from klpo._extras import MissingExtra, extra_of, missing_message
     from klpo._threads import passive_openmp_wait
 
     passive_openmp_wait()
     try:
         app(args=args, prog_name=prog_name)
-    except MissingExtra as err:  # a command imported a part of klpo its install lacks
+    except ModuleNotFoundError as err:  # a command used a package its install of klpo lacks
+        extra = extra_of(err.name or "")
+        if extra is None:
+            raise
+        if not isinstance(err, MissingExtra):
+            words = sys.argv[1:] if args is None else args
+            what = f"klpo {words[0]}" if words else "klpo"
+            err = MissingExtra(missing_message(what, extra, [err.name.partition(".")[0]]))
         typer.echo(f"error: {err}", err=True)
         raise SystemExit(1) from None
 
