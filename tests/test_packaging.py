@@ -415,3 +415,31 @@ def test_extras_resolve_beside_a_vllm_torch_and_keep_it(wheel, tmp_path, torch_v
     }
     assert "torch" not in planned, f"pip would replace torch {torch_version}: {planned['torch']}"
     assert {"klpo", "numpy", "transformers", "peft"} <= set(planned)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bridges' tested versions: one fact, in the module and in docs/frameworks.md's matrix.
+
+
+@pytest.mark.parametrize(
+    ("module", "framework"), [("trl", "TRL"), ("verl", "verl")], ids=["trl", "verl"]
+)
+def test_bridges_tested_versions_are_the_documented_matrix(module, framework):
+    """Read without importing the bridge (it imports its framework, absent here)."""
+    import ast
+
+    source = (SRC / "klpo" / "integrations" / f"{module}.py").read_text(encoding="utf-8")
+    versions = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "TESTED_VERSIONS"
+    )
+    assert len(versions) >= 2
+    docs = (ROOT / "docs" / "frameworks.md").read_text(encoding="utf-8")
+    (row,) = [
+        line for line in docs.splitlines() if line.startswith(f"| `klpo.integrations.{module}`")
+    ]
+    tested = row.split("|")[2]
+    for version in versions:
+        assert f"{version}" in tested, (module, version, tested)
+    assert framework in tested
