@@ -247,12 +247,19 @@ def test_doctor_imports_nothing_an_extra_brings(config):
 # The wheel, installed from the registry into clean environments (slow; needs the registry).
 
 
+def _outside_env() -> dict[str, str]:
+    """This process's environment without PYTHONPATH: pip and the installed commands must see
+    the clean environment only, not this tree's klpo (nor its egg-info) on the path."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def _pip(python: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(python), "-m", "pip", "--disable-pip-version-check", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=_outside_env(),
     )
 
 
@@ -306,9 +313,8 @@ def _installed(bin_dir: Path) -> dict[str, str]:
 
 def _clean_run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     """A command in the installed environment, away from this tree (no PYTHONPATH)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=env, cwd=ROOT / "tests", **kwargs
+        cmd, capture_output=True, text=True, env=_outside_env(), cwd=ROOT / "tests", **kwargs
     )
 
 
@@ -384,6 +390,7 @@ def _stub_torch(python: Path, version: str) -> None:
         capture_output=True,
         text=True,
         check=True,
+        env=_outside_env(),
     ).stdout.strip()
     info = Path(site) / f"torch-{version}.dist-info"
     info.mkdir()
