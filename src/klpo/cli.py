@@ -1334,7 +1334,10 @@ def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
 
     passive_openmp_wait()
     try:
-        app(args=args, prog_name=prog_name)
+        if args is None:
+            app()  # the command line as given
+        else:
+            app(args=args, prog_name=prog_name)
     except ModuleNotFoundError as err:  # a command used a package its install of klpo lacks
         extra = extra_of(err.name or "")
         if extra is None:
