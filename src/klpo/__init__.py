@@ -15,7 +15,9 @@ The library is a set of pure tensor functions, one module per concern:
 - :mod:`klpo.teacher`     divergences to a teacher over the vocabulary (on-policy distillation)
 - :mod:`klpo.vocab_parallel`  log-probs, entropy and exact KL over a head sharded by vocabulary
 
-Submodules are imported on first use: ``import klpo`` imports none of them.
+Submodules are imported on first use: ``import klpo`` imports none of them, and no torch. The
+library needs torch and numpy (``pip install 'klpo[torch]'``); imported without them, a module
+says which install brings what it needs (:mod:`klpo._extras`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from klpo._extras import explain_missing
+
+# The version's one place: pyproject.toml reads it from here (``[tool.setuptools.dynamic]``).
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,6 +45,8 @@ __all__ = [
 ]
 
 _SUBMODULES = frozenset(__all__) - {"__version__"}
+
+explain_missing()
 
 
 def __getattr__(name: str) -> ModuleType:

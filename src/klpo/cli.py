@@ -1,7 +1,9 @@
 """The `klpo` command line: one sub-command per job.
 
-Heavy imports (transformers, matplotlib) happen inside the commands that need them, so
-``klpo explain`` starts in the time it takes to import torch.
+Every klpo import happens inside the command that needs it, so ``klpo --help`` and ``klpo
+doctor`` import no torch, and the light install (``pip install klpo``: no torch, no
+transformers) runs them. A command that needs the library or the trainer's stack and finds it
+missing exits 1 naming the install that brings it (:mod:`klpo._extras`).
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ def _root(
     ),
 ) -> None:
     """KL-regularised policy optimisation for language models: estimators, lab, trainer."""
+
+
+def _needs(extra: str, command: str) -> None:
+    """Exit 1, naming ``pip install 'klpo[EXTRA]'``, when ``command`` needs ``extra``'s
+    packages and one is not installed (found without importing it)."""
+    from klpo._extras import missing, missing_message
+
+    absent = missing(extra)
+    if absent:
+        typer.echo(f"error: {missing_message(command, extra, absent)}", err=True)
+        raise typer.Exit(1)
 
 
 def _free_cores() -> None:
@@ -443,6 +456,7 @@ def train(
     fetched from the Hugging Face Hub as transformers and datasets fetch it; HF_HUB_OFFLINE=1
     keeps to the local cache.
     """
+    _needs("train", "klpo train")
     layered = _train_config(config, overrides, resume, allow_config_change)
     if print_config:
         from klpo.train.config_files import annotated_yaml
@@ -560,6 +574,7 @@ def export(
     Full fine-tunes and FSDP-sharded runs give a plain model; LoRA runs give their adapters, or
     with --merge a plain model with the adapters merged in.
     """
+    _needs("train", "klpo export")
     from klpo.train.config import ConfigError
     from klpo.train.tools.export import export_run
 
@@ -826,6 +841,7 @@ def lab_report(
     ),
 ) -> None:
     """Run the default suite and write DIR/report.md, DIR/results.json and PNG plots."""
+    _needs("train", "klpo lab report")
     _free_cores()
     from pathlib import Path
 
@@ -907,6 +923,7 @@ def make_reference_cmd(
     With no options it reproduces the reference shipped in the package (and says whether the
     weights are bit-identical to it).
     """
+    _needs("train", "klpo make-reference")
     import dataclasses
 
     from klpo.train.runtime.progress import Progress
@@ -1017,6 +1034,7 @@ def make_reward_model_cmd(
 ) -> None:
     """Train a small reward model (a sequence classifier) on the built-in task from a limited
     labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
+    _needs("train", "klpo make-reward-model")
     import dataclasses
 
     from klpo.train.runtime.progress import Progress
@@ -1147,6 +1165,7 @@ def compare(
     from their last checkpoint). Ctrl-C or SIGTERM stops it: the runs under way stop after
     their step with a checkpoint, no new run starts, and the runs finished so far are summarised.
     """
+    _needs("train", "klpo compare")
     from klpo.study.runner import StudyInterrupted, run_study
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
@@ -1296,10 +1315,11 @@ def doctor(
     variables: list[str] | None = _DOCTOR_VARIABLES,
 ) -> None:
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
+    if model is not None:
+        _needs("train", "klpo doctor --model")
+        _free_cores()
     from klpo.doctor.command import run
 
-    if model is not None:
-        _free_cores()
     code = run(
         config,
         framework=framework,
@@ -1323,13 +1343,35 @@ def doctor(
         raise typer.Exit(code)
 
 
-def main() -> None:
+def main(args: list[str] | None = None, prog_name: str | None = None) -> None:
     """Entry point of the ``klpo`` console script (and of ``python -m klpo``, ``torchrun -m
-    klpo``): OpenMP's threads wait passively, set before anything imports torch."""
+    klpo``): OpenMP's threads wait passively, set before anything imports torch. ``args``:
+    the command line, ``sys.argv[1:]`` when None."""
+    from klpo._extras import MissingExtra, extra_of, missing_message
     from klpo._threads import passive_openmp_wait
 
     passive_openmp_wait()
-    app()
+    try:
+        if args is None:
+            app()  # the command line as given
+        else:
+            app(args=args, prog_name=prog_name)
+    except ModuleNotFoundError as err:  # a command used a package its install of klpo lacks
+        extra = extra_of(err.name or "")
+        if extra is None:
+            raise
+        if not isinstance(err, MissingExtra):
+            words = sys.argv[1:] if args is None else args
+            what = f"klpo {words[0]}" if words else "klpo"
+            err = MissingExtra(missing_message(what, extra, [err.name.partition(".")[0]]))
+        typer.echo(f"error: {err}", err=True)
+        raise SystemExit(1) from None
+
+
+def doctor_main() -> None:
+    """Entry point of the ``klpo-doctor`` console script, for pre-commit hooks and CI gates:
+    ``klpo-doctor ARGS`` is ``klpo doctor ARGS`` (the light install has both)."""
+    main(["doctor", *sys.argv[1:]], prog_name="klpo")
 
 
 if __name__ == "__main__":

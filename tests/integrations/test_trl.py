@@ -1,4 +1,5 @@
-"""Tests for klpo.integrations.trl against TRL 1.16's GRPOTrainer (peer: skipped without TRL).
+"""Tests for klpo.integrations.trl against TRL's GRPOTrainer (peer: skipped without TRL; run with
+TRL 1.0.0, 1.8.0 and 1.16.0, docs/frameworks.md's version matrix).
 
 Oracles: TRL's own ``GRPOTrainer._compute_loss`` (the stock loss, value and gradient) on a fixed
 batch; klpo's library functions assembled by hand (``ppo_clip`` + beta · ``kl_loss``, reduced);
@@ -102,7 +103,14 @@ def peer(tmp_path_factory):
     dataset = Dataset.from_dict({"prompt": [f"Q{i}: say a" for i in range(16)]})
 
     def make_trainer(
-        cls=None, *, max_steps=2, perturb=0.0, num_iterations=1, beta=BETA, **klpo_kwargs
+        cls=None,
+        *,
+        max_steps=2,
+        perturb=0.0,
+        num_iterations=1,
+        beta=BETA,
+        config=None,
+        **klpo_kwargs,
     ):
         from transformers import AutoTokenizer
 
@@ -123,6 +131,7 @@ def peer(tmp_path_factory):
             seed=0,
             use_cpu=True,
             bf16=False,
+            **(config or {}),
         )
         trainer = (cls or integration.KLPOGRPOTrainer)(
             model=str(path),
@@ -209,6 +218,19 @@ def assert_same(a, b, *, what):
     assert err.item() < 1e-5, f"{what}: gradient relative error {err.item():.2e}"
 
 
+def _trl_version(trl) -> tuple[int, int]:
+    major, minor = (
+        int("".join(c for c in p if c.isdigit()) or 0) for p in trl.__version__.split(".")[:2]
+    )
+    return major, minor
+
+
+def _differs_here(peer, loss_type) -> bool:
+    """Whether this TRL reduces ``loss_type`` otherwise than TRL 1.16 (the integration's table)."""
+    rows = peer[1].LOSS_TYPE_SINCE
+    return any(lt == loss_type and _trl_version(peer[0]) < since for lt, since, _ in rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # Construction.
 
@@ -235,10 +257,27 @@ def test_rejects_unsupported_estimators_and_placements(peer):
 
 
 @pytest.mark.peer
-def test_default_estimator_is_trls_own_choice(trainer):
-    # TRL 1.16's use_bias_correction_kl defaults to True: its KL term is the IS-weighted k3.
-    assert trainer.args.use_bias_correction_kl is True
-    assert trainer.kl_estimator == "k3_is"
+def test_a_loss_type_this_trl_reduces_otherwise_is_refused(peer):
+    """luspo before TRL 1.10 weights unmasked per-token losses, which klpo's KL term (reduced as
+    1.16 reduces) would not match: refused there, constructed from 1.10 on."""
+    _, integration, _, make_trainer = peer
+    (row,) = [r for r in integration.LOSS_TYPE_SINCE if r[0] == "luspo"]
+    config = {"loss_type": "luspo", "importance_sampling_level": "sequence"}
+    if _differs_here(peer, "luspo"):
+        with pytest.raises(ValueError, match=r"loss_type='luspo' with TRL .*use TRL >= 1\.10"):
+            make_trainer(config=config, kl_estimator="k3")
+    else:
+        assert make_trainer(config=config, kl_estimator="k3").loss_type == "luspo"
+    assert row[1] == (1, 10)
+
+
+@pytest.mark.peer
+def test_default_estimator_is_trls_own_choice(peer, trainer):
+    # TRL's use_bias_correction_kl defaults to True from 1.10 (its KL term the IS-weighted k3),
+    # to False before (plain k3); the default estimator follows whichever TRL says.
+    new = _trl_version(peer[0]) >= (1, 10)
+    assert trainer.args.use_bias_correction_kl is new
+    assert trainer.kl_estimator == ("k3_is" if new else "k3")
     assert trainer.kl_placement == "loss"
 
 
@@ -363,6 +402,8 @@ def klpo_trainer_loss(trainer, inputs, *, loss_type, estimator, placement="loss"
 @pytest.mark.peer
 @pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
 def test_override_reproduces_stock_trl_for_every_loss_type(peer, trainer, loss_type):
+    if _differs_here(peer, loss_type):
+        pytest.skip(f"TRL {peer[0].__version__} reduces {loss_type} otherwise: refused (next test)")
     model = trainer.model
     # An empty completion is in the batch: TRL counts its row in grpo, sapo, luspo and dr_grpo.
     off_policy = fixed_batch(model, lengths=(6, 0, 5, 2), seed=1)

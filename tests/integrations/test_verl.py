@@ -1,4 +1,5 @@
-"""Tests for klpo.integrations.verl against verl 0.9.1 (peer: skipped without verl).
+"""Tests for klpo.integrations.verl against verl (peer: skipped without verl; run with 0.7.1,
+0.8.0 and 0.9.1, docs/frameworks.md's version matrix).
 
 Oracles: verl's own call sites, run unchanged (``ray_trainer.apply_kl_penalty`` for the reward,
 ``workers.utils.losses.ppo_loss`` for the loss, both reducing or subtracting with verl's code);
@@ -227,11 +228,26 @@ def test_without_klpo_the_weight_is_missing_and_verls_names_are_untouched():
 def test_straight_through_matches_verls_plus_names_on_policy():
     flat, data, mask, _old, _ref = _batch(seed=4, spread=0.5)  # |d| < 1: no clamp binds
     data["old_log_probs"] = _padded(flat.detach(), mask)
+    # verl before 0.8 hands "k3+" itself to kl_penalty_forward, which knows only "k3": its own
+    # "+" names raise there (klpo's are not verl's code and work in every version).
+    broken = _verl_version() < (0, 8)
     for verl_name, ours in (("k3+", "k3+"), ("k1+", "k1+"), ("mse", "k2"), ("abs+", "abs+")):
+        if broken and verl_name.endswith("+"):
+            with pytest.raises(NotImplementedError):
+                _loss_and_grad(_config(verl_name), flat, data)
+            b, gb, _ = _loss_and_grad(_config("klpo:" + ours), flat, data)
+            assert torch.isfinite(b) and torch.isfinite(gb).all()
+            continue
         a, ga, _ = _loss_and_grad(_config(verl_name), flat, data)
         b, gb, _ = _loss_and_grad(_config("klpo:" + ours), flat, data)
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
+
+
+def _verl_version() -> tuple[int, int]:
+    import verl
+
+    return tuple(int(p) for p in verl.__version__.split(".")[:2])
 
 
 def _proto(old, ref, mask, scores):

@@ -1,8 +1,19 @@
 r"""klpo's KL estimators and placements inside TRL's ``GRPOTrainer``.
 
-Written against and tested with **TRL 1.16.0** (``trl/trainer/grpo_trainer.py``); another version
-gets a warning at import, since the override reaches into two of TRL's private methods. TRL is an
-optional peer, never a dependency of klpo: ``pip install trl==1.16.0`` (it brings accelerate).
+Written against **TRL 1.16.0** (``trl/trainer/grpo_trainer.py``) and tested with TRL 1.0.0, 1.8.0
+and 1.16.0 (:data:`TESTED_VERSIONS`; docs/frameworks.md has the matrix); a version outside that
+range gets a warning at import, since the override reaches into two of TRL's private methods.
+TRL is an optional peer, never a dependency of klpo: ``pip install trl==1.16.0`` (it brings
+accelerate).
+
+**Through TRL's own seams.** TRL's extension points are its trainers' subclasses (transformers'
+documented way to change a trainer's loss, which says that private methods can be overridden
+too "but these may change without notice") and reward functions (``reward_funcs``). This is a
+subclass of ``GRPOTrainer``; its reward placement is a reward function appended to
+``reward_funcs``, as TRL appends an environment's own; its loss placement overrides
+``_compute_loss`` and ``_get_per_token_logps_and_entropies``, because TRL adds its KL term
+inside ``_compute_loss`` with no hook of its own. Where a TRL release reduces a ``loss_type``
+otherwise than 1.16 (:data:`LOSS_TYPE_SINCE`), that loss type is refused there.
 
 Usage, a drop-in replacement for ``trl.GRPOTrainer`` with two more keyword arguments::
 
@@ -114,6 +125,8 @@ from klpo.reduce import masked_sum, reduce
 __all__ = [
     "ESTIMATORS",
     "LOSS_TYPE_MODES",
+    "LOSS_TYPE_SINCE",
+    "TESTED_VERSIONS",
     "TRL_VERSION",
     "KLPOGRPOTrainer",
     "loss_type_normaliser",
@@ -167,10 +180,27 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-if _version_tuple(getattr(trl, "__version__", "0")) != _version_tuple(TRL_VERSION):
+TESTED_VERSIONS: tuple[str, ...] = ("1.0.0", "1.8.0", "1.16.0")
+"""The TRL releases the peer tests ran against (docs/frameworks.md, the version matrix); a
+release between the oldest and the newest is taken as tested, another gets a warning."""
+
+_trl_release = _version_tuple(getattr(trl, "__version__", "0"))
+
+#: TRL releases whose reduction of a ``loss_type`` differs from TRL 1.16's, which
+#: :func:`loss_type_normaliser` reproduces: (loss_type, first release that agrees, what differs).
+#: Refused there, since klpo's KL term would not be reduced as TRL reduces its own terms.
+LOSS_TYPE_SINCE: tuple[tuple[str, tuple[int, int], str], ...] = (
+    (
+        "luspo",
+        (1, 10),
+        "TRL before 1.10 weights each row by its token count without masking the per-token loss",
+    ),
+)
+
+if not _version_tuple(TESTED_VERSIONS[0]) <= _trl_release <= _version_tuple(TESTED_VERSIONS[-1]):
     warnings.warn(
-        f"klpo.integrations.trl is written against TRL {TRL_VERSION} and overrides its private "
-        f"GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies; TRL "
+        f"klpo.integrations.trl is tested with TRL {', '.join(TESTED_VERSIONS)} and overrides "
+        f"its private GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies; TRL "
         f"{getattr(trl, '__version__', '?')} is installed. Run klpo's peer tests "
         "(tests/integrations/test_trl.py) before trusting the results.",
         stacklevel=2,
@@ -252,6 +282,7 @@ class _Call:
     input_ids: Tensor
     attention_mask: Tensor
     logits_to_keep: int
+    args: tuple[Any, ...]  # after logits_to_keep (TRL < 1.16 passes batch_size by position)
     kwargs: dict[str, Any]
     logps: Tensor
 
@@ -304,6 +335,13 @@ class KLPOGRPOTrainer(GRPOTrainer):
                 f"loss_type={self.loss_type!r} is not one klpo.integrations.trl knows how TRL "
                 f"reduces; supported: {', '.join(LOSS_TYPE_MODES)}"
             )
+        for loss_type, since, why in LOSS_TYPE_SINCE:
+            if self.loss_type == loss_type and _trl_release < since:
+                raise ValueError(
+                    f"loss_type={loss_type!r} with TRL {trl.__version__}: {why}, so klpo's KL "
+                    f"term would be reduced differently from TRL's own terms; use TRL >= "
+                    f"{since[0]}.{since[1]}, or another loss_type"
+                )
         if kl_estimator is None:
             kl_estimator = "k3_is" if self.args.use_bias_correction_kl else "k3"
         self.kl_estimator = kl_estimator
@@ -335,7 +373,11 @@ class KLPOGRPOTrainer(GRPOTrainer):
         if not isinstance(prompt, str | list):
             return
         prompt_ids, _, _ = self._tokenize_prompts([prompt])
-        tok = self._tokenizer
+        # TRL >= 1.4 keeps the tokenizer as `_tokenizer`; 1.0 only its processing class (a
+        # tokenizer, or a processor holding one).
+        tok = getattr(self, "_tokenizer", None) or getattr(
+            self.processing_class, "tokenizer", self.processing_class
+        )
         codec = Codec(tok, StopSet(()), chat=not isinstance(prompt, str))  # (stops unused)
         text = prompt if isinstance(prompt, str) else str(prompt)
         check_single_bos(
@@ -427,14 +469,8 @@ class KLPOGRPOTrainer(GRPOTrainer):
         if self._klpo_loss_calls is not None:
             self._klpo_loss_calls.append(out[0])
         elif self._klpo_rollout is not None:
-            if args:
-                raise RuntimeError(
-                    "TRL passed positional arguments beyond logits_to_keep to "
-                    "_get_per_token_logps_and_entropies; klpo.integrations.trl expects keywords "
-                    f"(TRL {TRL_VERSION})"
-                )
             self._klpo_rollout.append(
-                _Call(model, input_ids, attention_mask, logits_to_keep, dict(kwargs), out[0])
+                _Call(model, input_ids, attention_mask, logits_to_keep, args, dict(kwargs), out[0])
             )
         return out
 
@@ -472,13 +508,14 @@ class KLPOGRPOTrainer(GRPOTrainer):
                 logp = calls[-2].logps  # TRL computed old_per_token_logps: the sampling policy
             else:
                 with torch.no_grad():
-                    logp, _, _ = self._get_per_token_logps_and_entropies(
+                    logp = self._get_per_token_logps_and_entropies(  # (logps, entropies, ...)
                         self.model,
                         ref.input_ids,
                         ref.attention_mask,
                         ref.logits_to_keep,
+                        *ref.args,
                         **ref.kwargs,
-                    )
+                    )[0]
         finally:
             self._klpo_rollout = calls
         mask = ref.attention_mask[:, -ref.logits_to_keep :].bool()

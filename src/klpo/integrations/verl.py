@@ -1,9 +1,21 @@
 r"""klpo's KL estimators inside verl: any klpo estimator in verl's KL loss and KL reward.
 
-Written against and tested with **verl 0.9.1** (``verl/trainer/ppo/core_algos.py``'s
-``kl_penalty``, ``verl/workers/utils/losses.py``'s ``ppo_loss``, ``verl/trainer/ppo/ray_trainer.py``'s
-``apply_kl_penalty``); another version gets a warning at import. verl is an optional peer, never a
-dependency of klpo: ``pip install verl==0.9.1``.
+Written against **verl 0.9.1** (``verl/trainer/ppo/core_algos.py``'s ``kl_penalty``,
+``verl/workers/utils/losses.py``'s ``ppo_loss``, ``verl/trainer/ppo/ray_trainer.py``'s
+``apply_kl_penalty``) and tested with verl 0.7.1, 0.8.0 and 0.9.1 (:data:`TESTED_VERSIONS`;
+docs/frameworks.md has the matrix); a version outside that range gets a warning at import. verl
+is an optional peer, never a dependency of klpo: ``pip install verl==0.9.1``.
+
+**Why a rebinding and not a registry.** verl's plug-in seams are two registries in
+``core_algos``: ``register_policy_loss(name)`` (a policy loss, in 0.9.1 ``(old_log_prob,
+log_prob, advantages, response_mask, loss_agg_mode, config, rollout_log_probs) -> (loss,
+metrics)``, chosen by ``actor.policy_loss.loss_mode``) and ``register_adv_est(name)`` (an advantage estimator, chosen
+by ``algorithm.adv_estimator``), present in every verl from 0.4.1 to 0.9.1. Neither reaches the
+KL term: ``kl_penalty`` is a fixed chain of names in every one of those versions, called by name
+from ``ppo_loss`` (after the registered policy loss, which cannot see or change it) and from
+``apply_kl_penalty``. This bridge replaces only the KL term, so it registers nothing and rebinds
+those two functions instead, reversibly (:func:`install`, :func:`uninstall`); were verl to add a
+KL registry, the rebinding would give way to it.
 
 Usage: call :func:`install` once in every process that imports verl's trainer or workers, then
 name a klpo estimator with the ``klpo:`` prefix where verl takes an estimator name::
@@ -83,6 +95,7 @@ from klpo import kl, losses
 __all__ = [
     "ESTIMATORS",
     "PREFIX",
+    "TESTED_VERSIONS",
     "VERL_VERSION",
     "install",
     "installed",
@@ -93,17 +106,31 @@ __all__ = [
 ]
 
 VERL_VERSION = "0.9.1"
+TESTED_VERSIONS: tuple[str, ...] = ("0.7.1", "0.8.0", "0.9.1")
+"""The verl releases the peer tests ran against (docs/frameworks.md, the version matrix); a
+release between the oldest and the newest is taken as tested, another gets a warning."""
 PREFIX = "klpo:"
 
 #: The klpo estimators available in verl: those that work from token log-probs
 #: (:data:`klpo.kl.LOGPROB_ESTIMATORS`; ``full`` needs logits that verl does not pass).
 ESTIMATORS: Sequence[str] = kl.LOGPROB_ESTIMATORS
 
-if getattr(verl, "__version__", None) != VERL_VERSION:
+
+def _release(version: str) -> tuple[int, int]:
+    major, _, rest = version.partition(".")
+    minor = "".join(ch for ch in rest.partition(".")[0] if ch.isdigit())
+    return int(major or 0), int(minor or 0)
+
+
+if not (
+    _release(TESTED_VERSIONS[0])
+    <= _release(getattr(verl, "__version__", "0"))
+    <= _release(TESTED_VERSIONS[-1])
+):
     warnings.warn(
-        f"klpo.integrations.verl is written against verl {VERL_VERSION}; this is verl "
-        f"{getattr(verl, '__version__', '?')}. It rebinds verl's kl_penalty and ppo_loss: check "
-        "their signatures before trusting the results.",
+        f"klpo.integrations.verl is tested with verl {', '.join(TESTED_VERSIONS)}; this is verl "
+        f"{getattr(verl, '__version__', '?')}. It rebinds verl's kl_penalty and ppo_loss: run "
+        "klpo's peer tests (tests/integrations/test_verl.py) before trusting the results.",
         stacklevel=2,
     )
 

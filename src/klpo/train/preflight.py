@@ -361,6 +361,23 @@ def check_token_budget(cfg: TrainConfig, longest: int, where: str) -> None:
         )
 
 
+def check_fsdp_device(cfg: TrainConfig, dist: Dist) -> None:
+    """Refuse ``dist.strategy=fsdp`` on CPU with a torch whose CPU streams cannot record events:
+    FSDP2's all-gather records one on its stream, which fails inside the first forward on CPU
+    with torch 2.6, klpo's floor (CPU streams gained it in pytorch/pytorch#145935;
+    docs/install.md). Checked by the feature, not the version; CUDA streams always had it."""
+    import torch
+
+    sharded_cpu = dist.enabled and cfg.dist.strategy == "fsdp" and dist.device.type == "cpu"
+    if sharded_cpu and not hasattr(torch.cpu.Stream, "record_event"):
+        raise ConfigError(
+            f"dist.strategy=fsdp on CPU needs a torch whose CPU streams record events (FSDP2's "
+            f"all-gather does; they gained it after torch 2.6), and this is torch "
+            f"{torch.__version__}: install a newer torch in this environment, or set "
+            "dist.strategy=ddp"
+        )
+
+
 def preflight(
     cfg: TrainConfig, dist: Dist, *, resume: bool, log=print, allow_config_change: bool = False
 ) -> tuple[RunPlan, tuple[list[Example], list[Example]]]:
@@ -395,6 +412,7 @@ def preflight(
             "one process, so nothing would be sharded; launch it with torchrun --nproc_per_node "
             "N -m klpo train (N >= 2), or set dist.strategy=ddp for one process"
         )
+    check_fsdp_device(cfg, dist)
     schedule_warnings = check_lr_schedule(cfg)  # its kwargs, and whether any step trains
     plan = plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change

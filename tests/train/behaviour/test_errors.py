@@ -1068,6 +1068,28 @@ def test_fsdp_without_torchrun_is_refused(tiny_model, quick, tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("has_event", [True, False])
+def test_fsdp_on_cpu_needs_cpu_streams_that_record_events(has_event, monkeypatch):
+    """torch 2.6 (klpo's floor) has FSDP2 but its CPU streams have no record_event, which FSDP2's
+    all-gather calls: refused before anything loads; with the method (torch >= 2.7) accepted."""
+    import torch
+
+    from klpo.train.runtime.dist import Dist
+
+    if not has_event:
+        monkeypatch.delattr(torch.cpu.Stream, "record_event", raising=False)
+    cfg = build_config(overrides=["dist.strategy=fsdp"])
+    check = preflight.check_fsdp_device
+    if has_event:
+        check(cfg, Dist(rank=0, world=2))  # nothing to say
+        check(build_config(overrides=[]), Dist(rank=0, world=2))
+    else:
+        with pytest.raises(ConfigError, match=r"dist.strategy=fsdp on CPU needs a torch whose"):
+            check(cfg, Dist(rank=0, world=2))
+        check(build_config(overrides=["dist.strategy=ddp"]), Dist(rank=0, world=2))
+        check(cfg, Dist(rank=0, world=1))  # one process: refused elsewhere, with its own reason
+
+
 def test_a_token_budget_smaller_than_one_sequence_is_refused(
     tiny_model, quick, tmp_path, monkeypatch
 ):
