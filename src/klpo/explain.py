@@ -213,6 +213,12 @@ def _derive(name: str, spec: Spec, placement: str, on_policy: bool) -> Explanati
         value, grad = expected_value_and_gradient(
             name, placement, theta, ref, None if on_policy else old
         )
+        if not (math.isfinite(value) and bool(torch.isfinite(grad).all())):
+            raise ValueError(
+                f"estimator {name!r} gives a non-finite expected value or gradient ({value!r}) "
+                "on the enumeration's categoricals (V = 6, finite logits), so explain has no "
+                "answer for it; check its function on finite log-ratios"
+            )
         target = kl_tr if spec.target == THETA_REF else kl_rt
         unbiased &= math.isclose(value, target, rel_tol=_TOL, abs_tol=_TOL)
         if _close(grad, torch.zeros_like(grad)):

@@ -287,6 +287,8 @@ def register(name: str, spec: Spec, *, replace: bool = False) -> Spec:
         )
     if spec.fn is not None and not callable(spec.fn):
         raise ValueError(f"estimator {name!r}: fn={spec.fn!r} is not a function")
+    if spec.fn is not None and not isinstance(spec.fn, Ref):
+        _check_function(name, spec)
     if spec.mixed and not spec.ref_sampled:
         raise ValueError(f"estimator {name!r}: mixed=True needs ref_sampled=True")
     if spec.target not in (THETA_REF, REF_THETA):
@@ -305,6 +307,47 @@ def register(name: str, spec: Spec, *, replace: bool = False) -> Spec:
         )
     SPECS[name] = spec
     return spec
+
+
+def _check_function(name: str, spec: Spec) -> None:
+    """A registered function takes the arguments its traits say and returns a per-position
+    tensor of their shape (tried once on a small input; a function of tensors implies torch)."""
+    import inspect
+
+    args = ("logits", "logits_ref") if spec.needs_logits else ("logp", "logp_ref")
+    args += ("logp_old",) if spec.needs_old else ()
+    try:
+        inspect.signature(spec.fn).bind(*args)
+    except TypeError:
+        raise ValueError(
+            f"estimator {name!r}: fn={getattr(spec.fn, '__name__', spec.fn)!r} must take "
+            f"({', '.join(args)}) positionally, as its traits say (needs_logits="
+            f"{spec.needs_logits}, needs_old={spec.needs_old})"
+        ) from None
+    except ValueError:  # a builtin without an inspectable signature: the call below tells
+        pass
+    import torch
+
+    if spec.needs_logits:
+        inputs = (torch.zeros(1, 2, 4), torch.ones(1, 2, 4)), (1, 2)
+    else:
+        logp = torch.tensor([[-1.0, -2.0, -0.5]])
+        inputs = (logp, logp - 0.25, logp)[: len(args)], (1, 3)
+    (x, want) = inputs
+    try:
+        out = spec.fn(*x)
+    except Exception as err:
+        raise ValueError(
+            f"estimator {name!r}: fn failed on a small input of the shapes it will be given "
+            f"({', '.join(f'{a} {tuple(t.shape)}' for a, t in zip(args, x, strict=False))}): "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"estimator {name!r}: fn must return one value per position, a tensor of shape "
+            f"{want} for inputs of shape {tuple(x[0].shape)}; it returned {got}"
+        )
 
 
 def _spec(name: str) -> Spec:

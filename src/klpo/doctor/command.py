@@ -150,6 +150,14 @@ def _one(
     except (DoctorError, ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         return None, str(err)
+    except RecursionError:  # a YAML or JSON file nested deeper than its parser's stack
+        err = DoctorError(
+            f"{config}: nested too deeply to parse (the YAML/JSON parser recurses once per "
+            "level); a config is a few levels of sections and keys: check the file is the one "
+            "meant"
+        )
+        typer.echo(f"error: {err}", err=True)
+        return None, str(err)
     if "measurement" in diag:  # (the reading is on the screen already in text form)
         text = render_measurement(diag["measurement"])
         return diag, text if fmt == "text" else render(diag) + "\n\n" + text

@@ -413,6 +413,11 @@ def corrections_of(placement: str) -> tuple[str, ...]:
     return CORRECTIONS if placement == "reward" else CORRECTIONS[:-1]
 
 
+MAX_DRIFT = 20.0
+"""The largest staleness × version step the lab answers for: beyond a drift of about 20 in logit
+space a sampler and pi_theta share no probability mass that float64 can hold."""
+
+
 def staleness_rows(
     k: int,
     *,
@@ -433,6 +438,13 @@ def staleness_rows(
         raise ValueError(f"the version step must be a finite number > 0, got {step!r}")
     if not cap > 0:
         raise ValueError(f"the weight's cap C must be > 0, got {cap!r}")
+    if k < 0 or k * step > MAX_DRIFT:
+        raise ValueError(
+            f"staleness {k} at a version step of sd {step:g} moves the sampler's logits by "
+            f"about {k * step:g} from pi_theta's: past {MAX_DRIFT:g} the two share no mass in "
+            "float64 (the importance weights under- or overflow and every answer would be "
+            f"0/0); ask for K <= {int(MAX_DRIFT / step)} at this step, or a smaller --step"
+        )
     names = list(estimators or kl.ESTIMATORS)
     places = list(placements or kl.PLACEMENTS)
     fams = {"categorical": categorical_cases, "sequence": sequence_cases}

@@ -152,6 +152,13 @@ def _apply_set(data: dict[str, Any], text: str, sources: Sources, defaults: dict
     for i, p in enumerate(parts[:-1]):
         child = node.get(p) if isinstance(node, dict) else None
         here_default = _default_at(here_default, p)
+        if here_default is not None and not isinstance(here_default, dict | list):
+            key = ".".join(parts[: i + 1])
+            raise ConfigError(
+                f"--set {text!r}: {key} is one value (default {here_default!r}), not a section "
+                f"with keys, so {'.'.join(parts)} would make it a mapping; set it as "
+                f"{key}=VALUE, e.g. {key}={here_default!r}"
+            )
         if not isinstance(child, dict):  # a new section is made here
             sources.given.pop(tuple(parts[: i + 1]), None)
             if not isinstance(here_default, dict):

@@ -266,8 +266,27 @@ def _check_finite(run: TrainRun, step: int, metrics: dict[str, float]) -> None:
         raise TrainingDiverged(
             f"step {step}: {', '.join(f'{k} = {metrics[k]}' for k in bad)}; the weights are "
             "no longer finite, so training stopped (metrics up to this step are in "
-            f"{run.dir / 'metrics.jsonl'}). Lower optim.lr or raise kl.beta."
+            f"{run.dir / 'metrics.jsonl'}). {_divergence_advice(run.cfg)}"
         )
+
+
+LARGE_BETA = 10.0
+"""A KL coefficient above which a divergence is the KL term's own: its gradient, beta times the
+KL's, outweighs the policy gradient's (whose advantages are of order 1)."""
+
+
+def _divergence_advice(cfg: TrainConfig) -> str:
+    """What to change after a divergence: a KL coefficient that dwarfs the policy gradient is
+    the first suspect; otherwise the learning rate, and a KL that holds the policy nearer."""
+    k = cfg.kl
+    if k.placement != "none" and k.beta >= LARGE_BETA:
+        return (
+            f"kl.beta={k.beta:g} is large: the KL term's gradient, beta times the KL's, "
+            "outweighs the policy gradient's; lower kl.beta (0.01-1 is the usual range), or "
+            "optim.lr"
+        )
+    more = "" if k.placement == "none" else " or raise kl.beta (a KL term holds the policy nearer)"
+    return f"Lower optim.lr{more}."
 
 
 def _interrupted(run_dir: Path, step: int, stopper: StopOnSignal | None) -> Interrupted:

@@ -414,6 +414,7 @@ def preflight(
         )
     check_fsdp_device(cfg, dist)
     schedule_warnings = check_lr_schedule(cfg)  # its kwargs, and whether any step trains
+    check_eval_cache(cfg.run.eval_cache)
     plan = plan_run_dir(
         cfg, resume=resume, world=dist.world, allow_config_change=allow_config_change
     )
@@ -444,6 +445,24 @@ def preflight(
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)
     return plan, (train_set, heldout)
+
+
+def check_eval_cache(path: str | None) -> None:
+    """``run.eval_cache`` names a directory (made on first use), not a file."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(
+            f"run.eval_cache={path!r} is a file, not a directory: the cache keeps one file per "
+            "evaluation in it; give a directory (made if missing), e.g. run.eval_cache=runs/eval-cache"
+        )
+    parent = next((q for q in p.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(
+            f"run.eval_cache={path!r}: {parent} is a file, so no directory can be made under it; "
+            "give a directory path"
+        )
 
 
 REAL_MODEL_PARAMETERS = 10_000_000

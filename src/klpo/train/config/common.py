@@ -4,13 +4,15 @@ the error type."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -71,7 +73,26 @@ def one_of(what: str, value: str, allowed: Sequence[str]) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A section of the config: unknown keys refused, every number finite (``inf`` and ``nan``
+    are refused by name), and a count never given as ``true``/``false`` (YAML's booleans are
+    not taken as 1 and 0)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        if not isinstance(v, bool):
+            return v
+        field = cls.model_fields.get(info.field_name or "")
+        allowed = {a for a in get_args(field.annotation) or (field.annotation,)} if field else set()
+        if allowed & {int, float} and bool not in allowed:
+            kind = "a whole number" if int in allowed else "a number"
+            raise ValueError(
+                f"is {kind}, not {str(v).lower()} (YAML's true/false are not 1 and 0); give "
+                "the number, e.g. 1"
+            )
+        return v
 
 
 class ConfigError(ValueError):

@@ -202,6 +202,12 @@ def load_yaml(text: str, source: str) -> Any:
     ``source``, the key and both lines); other YAML errors propagate."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only
+    except RecursionError:
+        raise ConfigError(
+            f"{source}: nested too deeply for a config (PyYAML's parser recurses once per "
+            "level and ran out of stack); a config is a few levels of sections and keys, so "
+            "check the file is the one meant"
+        ) from None
     except DuplicateKeyError as err:
         raise ConfigError(
             f"{source}: {err.key!r} appears twice in one mapping, at lines {err.first} and "

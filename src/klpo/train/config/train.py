@@ -153,9 +153,17 @@ class TrainConfig(Section):
             )
 
     def _check_staleness(self) -> None:
-        """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet."""
+        """What a sampler that runs behind (``rollout.staleness`` > 0) cannot be combined with yet,
+        and its settings given without one."""
         k = self.rollout.staleness
         if k == 0:
+            if self.kl.behaviour_correction == "is-cap":
+                raise ValueError(
+                    "kl.behaviour_correction=is-cap caps the weight of the KL term of a batch "
+                    "sampled by a stale policy, but rollout.staleness=0: the sampler is the "
+                    "policy itself and nothing would be capped; set rollout.staleness >= 1, or "
+                    "kl.behaviour_correction=is (the default)"
+                )
             return
         merges = self.model.lora is not None and self.model.reference is None
         if self.rollout.asynchronous and self.kl.reference_reset is not None and merges:
