@@ -1114,6 +1114,12 @@ def compare(
         None, metavar="B1,B2,...", help="Comma-separated KL coefficients, e.g. 0.01,0.1."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+    report_only: bool = typer.Option(
+        False,
+        "--report-only",
+        help="Start no run: rewrite OUT's report from its finished runs (or, for an archive "
+        "without its runs, the sections its results.csv decides); refused if a run is missing.",
+    ),
     task: str = typer.Option(
         "builtin",
         "--task",
@@ -1132,10 +1138,18 @@ def compare(
     their step with a checkpoint, no new run starts, and the runs finished so far are summarised.
     """
     from klpo.study.runner import StudyInterrupted, run_study
+    from klpo.study.runner import report_only as rewrite_report
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
 
     study, grid = _compare_study(study_file, quick, task, workers, steps, seeds, betas)
+    if report_only:
+        try:
+            typer.echo(f"wrote {rewrite_report(study, out)}", err=True)
+        except ConfigError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
+        return
     if dry_run:
         for r in grid:
             typer.echo(r.name)

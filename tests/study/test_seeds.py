@@ -289,6 +289,9 @@ def test_paired_test_edges() -> None:
     assert same.p == 0.0 and math.isinf(same.t)
     none = paired_test([0.2, 0.3], [0.2, 0.3])
     assert none.p == 1.0
+    # 0.17 - 0.18 + 0.26 - 0.25 ... sums to 1e-17 in floats: no difference, not a tiny one
+    rounded = paired_test([0.17, 0.11, 0.26], [0.18, 0.11, 0.25])
+    assert rounded.diff == 0.0 and seeds_needed(rounded, 0.05) is None
     one = paired_test([0.2, math.nan], [0.1, 0.3])  # the NaN pair dropped: one left
     assert one.n == 1 and math.isnan(one.p)
     with pytest.raises(ValueError, match="pair seed by seed"):

@@ -299,6 +299,13 @@ def bootstrap_interval(
     return float(lo), float(hi)
 
 
+def _counts(draws: np.ndarray, k: int) -> np.ndarray:
+    """``[B, k]``: how often each of ``k`` indices occurs in each row of ``draws`` ``[B, n]``."""
+    out = np.zeros((draws.shape[0], k))
+    np.add.at(out, (np.arange(draws.shape[0])[:, None], draws), 1.0)
+    return out
+
+
 def crossed_bootstrap_interval(
     scores: np.ndarray | Sequence[Sequence[float]],
     level: float = 0.95,
@@ -330,11 +337,11 @@ def crossed_bootstrap_interval(
         raise ValueError("crossed_bootstrap_interval: scores must be finite")
     rng = np.random.default_rng(seed)
     s, p = table.shape
-    means = np.empty(n_boot)
-    row_draws = rng.integers(0, s, size=(n_boot, s))
-    col_draws = rng.integers(0, p, size=(n_boot, p))
-    for i in range(n_boot):  # each replicate an S × P sub-table: a loop, memory-light
-        means[i] = table[np.ix_(row_draws[i], col_draws[i])].mean()
+    # A replicate's mean over its S × P sub-table is w_rowᵀ T w_col / (S P), with w the number
+    # of times each seed and each problem was drawn.
+    row_counts = _counts(rng.integers(0, s, size=(n_boot, s)), s)
+    col_counts = _counts(rng.integers(0, p, size=(n_boot, p)), p)
+    means = np.einsum("bs,sp,bp->b", row_counts, table, col_counts) / (s * p)
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 
@@ -448,7 +455,10 @@ def paired_test(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> 
         return Difference(n, diff, math.nan, math.nan, math.nan, n - 1, math.nan, math.nan, math.nan,
                     True, mean_a=mean_a, mean_b=mean_b)  # fmt: skip
     est = t_interval(d, level)
-    if est.sd <= _ROUNDING * max(abs(x) for x in d):  # equal up to float rounding: no spread
+    scale = _ROUNDING * max(max(abs(x), abs(y)) for x, y in pairs)
+    if abs(est.mean) <= scale:  # equal means up to float rounding: no difference
+        est = Estimate(n, 0.0, est.sd, est.lo - est.mean, est.hi - est.mean)
+    if est.sd <= scale:  # equal differences up to float rounding: no spread
         est = Estimate(n, est.mean, 0.0, est.mean, est.mean)
     if est.sd == 0.0:
         t = 0.0 if est.mean == 0 else math.copysign(math.inf, est.mean)
@@ -478,6 +488,8 @@ def welch_test(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> D
     mean_a = math.fsum(a) / na if na else math.nan
     mean_b = math.fsum(b) / nb if nb else math.nan
     diff = mean_a - mean_b
+    if a and b and abs(diff) <= _ROUNDING * max(map(abs, a + b)):  # equal up to rounding
+        diff = 0.0
     if na < 2 or nb < 2:
         return Difference(na, diff, math.nan, math.nan, math.nan, math.nan, math.nan, math.nan,
                     math.nan, False, nb, mean_a, mean_b)  # fmt: skip
