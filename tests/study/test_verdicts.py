@@ -288,3 +288,16 @@ def test_the_cli_flag(tmp_path) -> None:
         app, ["compare", "--quick", "--report-only", "--out", str(tmp_path / "none")]
     )
     assert result.exit_code == 2 and "holds no study" in result.output
+
+
+def test_no_problem_table_from_a_few_logged_problems(tmp_path: Path) -> None:
+    """Runs that logged 4 of their 200 held-out problems (``run.log_samples``) have no
+    per-problem interval: the table must hold every problem of the evaluation."""
+    study = _study(eval_size=200)
+    results = [r for r in _results() if r["choice"] != "k3 loss"]
+    for r in results:
+        _chat_run(tmp_path, r, [1, 0, 0, 0], [1, 1, 0, 0])
+    report = write_results(results, tmp_path, study).read_text()
+    row = _row(report.splitlines(), "| full loss @ 0.1 vs no KL")
+    assert row[6] == "–"
+    assert _row(report.splitlines(), "| grpo | full loss | 0.1 | 3 |")[7] == "–"

@@ -119,7 +119,7 @@ def refresh_sections(results: list[dict[str, Any]], out: str | Path, study: Stud
         after = rest.find("\n## ", len(SEED_HEADING) + 1)
         rest = rest[after:] if after >= 0 else "\n"
     lines = _main_table(results, summarise_cells(results), study) + seed_sections(results, study)
-    write_text_atomic(report, "\n".join(lines) + rest)
+    write_text_atomic(report, "\n".join(lines) + "\n" + rest)
     return report
 
 

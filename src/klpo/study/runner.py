@@ -401,9 +401,7 @@ def report_only(study: StudyConfig, out: str | Path) -> Path:
             runs = study_grid(study)
             if changed := changed_runs(runs, out):
                 _refuse_other_study(out, "finished runs of a study with other settings", changed)
-            write_text_atomic(
-                out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False)
-            )
+            _record_spec(study, out)
             return write_results([finished[n] for n in names], out, study)
         kept = _csv_rows(out / "results.csv")
         rows = {n: finished[n] or kept.get(n) for n in names}
@@ -417,8 +415,20 @@ def report_only(study: StudyConfig, out: str | Path) -> Path:
                 f"finished in {out / 'runs'} nor a row in its results.csv ({shown}); run "
                 "klpo compare without --report-only to run them"
             )
-        write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
+        _record_spec(study, out)
         return refresh_sections([rows[n] for n in names], out, study)
+
+
+def _record_spec(study: StudyConfig, out: Path) -> None:
+    """Write ``study`` as ``out/study.yaml`` when its analysis keys (comparisons,
+    ``added_after``, ...) differ from the saved ones; an archive whose spec is unchanged keeps
+    its file byte for byte."""
+    saved = yaml.safe_load((out / "study.yaml").read_text(encoding="utf-8")) or {}
+    now = study.model_dump(mode="json")
+    defaults = StudyConfig.model_construct().model_dump(mode="json")
+    keys = STUDY_SCHEDULING_KEYS - {"workers"}
+    if any(saved.get(k, defaults.get(k)) != now[k] for k in keys):
+        write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
 
 
 def _csv_rows(path: Path) -> dict[str, dict[str, Any]]:

@@ -113,16 +113,19 @@ def _problem_interval(
     scores: Scores | None,
     a_runs: list[str],
     b_runs: list[str],
+    problems: int,
     a_when: str = "end",
     b_when: str = "end",
 ) -> tuple[float, float]:
     """The seeds × problems bootstrap interval of the mean per-problem difference of paired
-    runs (the problems every one of them scored), or NaN."""
+    runs, over the problems every one of them scored; NaN unless those are all ``problems``
+    of the evaluation (a run that logged a few held-out completions, ``run.log_samples``, has
+    no per-problem table)."""
     if scores is None or len(a_runs) < 2:
         return math.nan, math.nan
     tables = [(scores(x, a_when), scores(y, b_when)) for x, y in zip(a_runs, b_runs, strict=True)]
     shared = set.intersection(*(set(x) & set(y) for x, y in tables))
-    if not shared:
+    if len(shared) < problems:
         return math.nan, math.nan
     probs = sorted(shared)
     diff = np.array([[x[p] - y[p] for p in probs] for x, y in tables], dtype=np.float64)
@@ -142,7 +145,10 @@ def primary_comparisons(
         lo, hi = (math.nan, math.nan)
         if c.metric == "acc_final":
             lo, hi = _problem_interval(
-                scores, [a[s]["name"] for s in seeds], [b[s]["name"] for s in seeds]
+                scores,
+                [a[s]["name"] for s in seeds],
+                [b[s]["name"] for s in seeds],
+                study.eval_size,
             )
         out.append(Compared(c.name, c.a, c.b, c.metric, c.algo, paired_test(xs, ys), lo, hi))
     return out
@@ -166,14 +172,17 @@ def exploratory_comparisons(
         if base is not None and base != key and (algo, name, "no KL", "acc_final") not in named:
             seeds, xs, ys = _pair(runs, cells[base], "acc_final", "acc_final")
             lo, hi = _problem_interval(
-                scores, [runs[s]["name"] for s in seeds], [cells[base][s]["name"] for s in seeds]
+                scores,
+                [runs[s]["name"] for s in seeds],
+                [cells[base][s]["name"] for s in seeds],
+                study.eval_size,
             )
             test = paired_test(xs, ys)
             out.append(Compared(f"{name} vs no KL", name, "no KL", "acc_final", algo, test, lo, hi))
         if study.chat:
             seeds, xs, ys = _pair(runs, runs, "acc_final", "acc_start")
             names = [runs[s]["name"] for s in seeds]
-            lo, hi = _problem_interval(scores, names, names, "end", "start")
+            lo, hi = _problem_interval(scores, names, names, study.eval_size, "end", "start")
             test = paired_test(xs, ys)
             out.append(
                 Compared(f"{name} vs its start", name, "start", "acc_final", algo, test, lo, hi)
@@ -244,9 +253,9 @@ def seed_sections(
         "would reach power 0.8 if the observed difference and spread were the true ones. The "
         "verdicts are generated from the Holm-corrected t-test: **differs** only where it "
         "passes, else **not decided** (klpo.study.seeds). Held-out accuracy "
-        + ("is the gold reward on this task. " if study.over_optimisation else "at the end. ")
+        + ("is the gold reward on this task." if study.over_optimisation else "at the end.")
         + (
-            f"{ADDED_MARK}: a cell added after earlier results of the study were seen "
+            f" {ADDED_MARK}: a cell added after earlier results of the study were seen "
             "(`added_after`)."
             if added
             else ""
@@ -268,7 +277,7 @@ def seed_sections(
         if scores is not None and len(runs) >= 2:
             ends = [scores(runs[s]["name"], "end") for s in sorted(runs)]
             shared = sorted(set.intersection(*(set(e) for e in ends)))
-            if shared:
+            if len(shared) >= study.eval_size:
                 table = np.array([[e[p] for p in shared] for e in ends], dtype=np.float64)
                 clo, chi = crossed_bootstrap_interval(table)
                 crossed = f"{_f(clo)} to {_f(chi)}"
