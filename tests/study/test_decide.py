@@ -7,6 +7,7 @@ import csv
 import gzip
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,30 @@ def test_the_cells_must_be_written_as_a_spec_writes_them() -> None:
     with pytest.raises(ValueError, match="must be a number"):
         _claim(a="full loss @ high")
     assert math.isnan(paired_test([], []).p)
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PAGES = [
+    "literature/decisions.yaml",
+    "study-real/decisions.yaml",
+    "study-real/overopt-decisions.yaml",
+    "study-stale/decisions.yaml",
+    "study-overopt/decisions.yaml",
+]
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_committed_pages_carry_their_decisions(name: str) -> None:
+    """Each page's table of decisions is the one its archives give now, and its prose uses no
+    verdict the table does not back: no "beats" or "reproduced", and a bold **holds** or
+    **differs** only where some comparison of the page is decided so."""
+    spec_path = DOCS / name
+    assert main([str(spec_path), "--check"]) == 0, f"stale: python -m klpo.study.decide {name}"
+    spec = load_decisions(spec_path)
+    text = (spec_path.parent / spec.page).read_text(encoding="utf-8")
+    prose = text.split(BEGIN)[0] + text.split(END)[1]
+    assert not re.search(r"\b[Rr]eproduced\b|\bbeats\b", prose)
+    decided = {short_verdict(r.decision.verdict) for r in decide_file(spec)}
+    for word in ("holds", "differs"):
+        if f"**{word}**" in prose or f"**{word}:" in prose:
+            assert word in decided, (name, word)

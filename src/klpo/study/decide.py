@@ -90,8 +90,9 @@ class Claimed(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(description="The page's row this comparison backs (e.g. TM2).")
-    model: Literal["built-in", "SmolLM2"] = Field(
-        "built-in", description="The model: klpo's built-in one or SmolLM2-135M-Instruct."
+    model: Literal["built-in", "SmolLM2", "Gemma 3"] = Field(
+        "built-in",
+        description="The model: klpo's built-in one, SmolLM2-135M-Instruct or Gemma 3 270M.",
     )
     a: str = Field(description="Cell A as a study spec writes it: 'full loss @ 0.1', 'no KL'.")
     b: str | None = Field(description="Cell B, or null: A's values against 0 (one sample).")
