@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -1114,12 +1115,15 @@ def compare(
         None, metavar="B1,B2,...", help="Comma-separated KL coefficients, e.g. 0.01,0.1."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
-    report_only: bool = typer.Option(
-        False,
-        "--report-only",
-        help="Start no run: rewrite OUT's report from its finished runs (or, for an archive "
-        "without its runs, the sections its results.csv decides); refused if a run is missing.",
-    ),
+    report_only: Annotated[  # Annotated: a direct call of compare() gets False, not an Option
+        bool,
+        typer.Option(
+            "--report-only",
+            help="Start no run: rewrite OUT's report from its finished runs (or, for an archive "
+            "without its runs, the sections its results.csv decides); refused if a run is "
+            "missing.",
+        ),
+    ] = False,
     task: str = typer.Option(
         "builtin",
         "--task",
