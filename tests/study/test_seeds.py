@@ -435,3 +435,17 @@ def test_decide_applies_holm_over_the_family() -> None:
     three = decide([("strong", strong), ("weak", weak), ("weak again", weak)])
     assert [d.verdict.split(" ")[0] for d in three] == ["differs:", "not", "not"]
     assert three[1].seeds == seeds_needed(weak, three[1].level) and three[1].seeds > 3
+
+
+def test_crossed_bootstrap_equals_the_naive_subtable_means() -> None:
+    """The counts form (w_rowᵀ T w_col / (S P)) against averaging each drawn S × P sub-table,
+    with the same draws."""
+    rng = np.random.default_rng(11)
+    table = rng.normal(size=(4, 7))
+    n_boot = 300
+    draws = np.random.default_rng(3)
+    rows = draws.integers(0, 4, size=(n_boot, 4))
+    cols = draws.integers(0, 7, size=(n_boot, 7))
+    naive = [table[np.ix_(r, c)].mean() for r, c in zip(rows, cols, strict=True)]
+    want = tuple(np.quantile(naive, [0.025, 0.975]))
+    assert crossed_bootstrap_interval(table, n_boot=n_boot, seed=3) == pytest.approx(want)
