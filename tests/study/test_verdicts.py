@@ -301,3 +301,11 @@ def test_no_problem_table_from_a_few_logged_problems(tmp_path: Path) -> None:
     row = _row(report.splitlines(), "| full loss @ 0.1 vs no KL")
     assert row[6] == "–"
     assert _row(report.splitlines(), "| grpo | full loss | 0.1 | 3 |")[7] == "–"
+
+
+def test_the_report_lists_each_seeds_spikes(tmp_path: Path) -> None:
+    study = _study()
+    out = _archive(tmp_path, study)  # grad norms 1.5, 2.5, 3.5, 4.5 over steps 1-4
+    text = (out / "report.md").read_text()
+    assert "## Gradient-norm and loss spikes" in text
+    assert "| grpo | k3 loss | 0.1 | 2.50 / 2.50 / 2.50 | 0 / 0 / 0 | 0 / 0 / 0 |" in text

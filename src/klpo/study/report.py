@@ -32,6 +32,7 @@ from klpo.study.spec import StudyConfig, parse_cell
 from klpo.study.summary import (
     BUDGET_TOLERANCE,
     COLLAPSE_Z,
+    OUTLIER_MADS,
     RESULT_FIELDS,
     WINDOW,
     heldout_scores,
@@ -79,6 +80,7 @@ def write_results(
     if study.chat:
         lines += _real_table(results, cells, study, out)
     lines += _noise_table(cells, study)
+    lines += _spike_table(results, study)
     if study.over_optimisation:
         budgets = CHAT_BUDGETS if study.chat else BUDGETS
         lines += frontier_table(fronts, WINDOW, budgets)
@@ -306,6 +308,40 @@ def _noise_table(cells: list[dict[str, Any]], study: StudyConfig) -> list[str]:
             f"{_f(c['steps_to_target'], 0)} ({c['reached']}/{c['runs']}) | "
             f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
         )
+    return lines
+
+
+def _spike_table(results: list[dict[str, Any]], study: StudyConfig) -> list[str]:
+    """Early gradient-norm peaks and outlier steps, one row per cell, each seed's value
+    (``spike_summary``); no section when no run logged a gradient norm."""
+    runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in results:
+        if math.isfinite(num(r.get("grad_norm_peak"))):
+            runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    if not runs:
+        return []
+    lines = [
+        "",
+        "## Gradient-norm and loss spikes",
+        "",
+        "Per seed (in seed order): the largest gradient norm of an applied step over the first "
+        f"half of training (steps 1-{max(1, study.steps // 2)}), and over the whole run the steps "
+        "whose `grad_norm` lies above the run's own median by more than "
+        f"{OUTLIER_MADS:g} median absolute deviations, and those whose `loss/total` lies that far "
+        "from its median on either side (`klpo.study.summary.spike_summary`; skipped steps do "
+        "not count). The seed-level comparisons of these columns are a study's to name "
+        "(`comparisons` with `metric: grad_norm_peak`).",
+        "",
+        "| algo | KL choice | beta | early grad-norm peak | grad-norm outlier steps "
+        "| loss outlier steps |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (algo, choice, beta), rs in sorted(runs.items()):
+        rs = sorted(rs, key=lambda r: int(r["seed"]))
+        peaks = " / ".join(_f(num(r["grad_norm_peak"]), 2) for r in rs)
+        grads = " / ".join(_f(num(r.get("grad_norm_outliers")), 0) for r in rs)
+        losses = " / ".join(_f(num(r.get("loss_outliers")), 0) for r in rs)
+        lines.append(f"| {algo} | {choice} | {fmt(beta)} | {peaks} | {grads} | {losses} |")
     return lines
 
 

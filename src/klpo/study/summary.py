@@ -20,7 +20,9 @@ from klpo.train.runtime.samples import read_samples
 __all__ = [
     "BUDGET_TOLERANCE",
     "COLLAPSE_Z",
+    "OUTLIER_MADS",
     "RESULT_FIELDS",
+    "SPIKE_COLUMNS",
     "WINDOW",
     "collapse_threshold",
     "gold_summary",
