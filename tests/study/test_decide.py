@@ -211,3 +211,33 @@ def test_the_committed_pages_carry_their_decisions(name: str) -> None:
     for word in ("holds", "differs"):
         if f"**{word}**" in prose or f"**{word}:" in prose:
             assert word in decided, (name, word)
+
+
+def test_a_studys_primary_comparisons_are_their_own_family(tmp_path: Path) -> None:
+    _archive(
+        tmp_path,
+        "one",
+        {("full loss", 0.1): [0.5, 0.61, 0.7], ("k3 loss", 0.1): [0.2, 0.3, 0.35],
+         ("no KL", 0.0): [0.1, 0.2, 0.31]},
+    )  # fmt: skip
+    primary = "primary: one"
+    spec = DecisionFile(
+        page="p.md",
+        comparisons=[
+            _claim(id="A", family=primary),
+            _claim(id="B", a="k3 loss @ 0.1"),
+            _claim(id="C", a="k3 loss @ 0.1", b="full loss @ 0.1", family=primary),
+        ],
+    )
+    rows = decide_file(spec, tmp_path)
+    a = paired_test([0.5, 0.61, 0.7], [0.1, 0.2, 0.31])
+    b = paired_test([0.2, 0.3, 0.35], [0.1, 0.2, 0.31])
+    c = paired_test([0.2, 0.3, 0.35], [0.5, 0.61, 0.7])
+    assert [r.decision.p_holm for r in rows] == pytest.approx(
+        [holm([a.p, c.p])[0], b.p, holm([a.p, c.p])[1]]
+    )
+    table = decisions_markdown(rows, 0.05)
+    assert "over the page's 1 exploratory ones" in table and "(primary: one)" in table
+    assert "(primary: one, named before the runs)" in table
+    with pytest.raises(ValueError, match="family must be"):
+        _claim(family="main")

@@ -55,6 +55,26 @@ def test_spike_summary_skips_steps_whose_update_was_not_applied() -> None:
     assert got["loss_outliers"] == 1
     empty = spike_summary([{"step": 0, "accuracy/heldout": 0.1}], 8)
     assert all(math.isnan(v) for v in empty.values())
+    few = spike_summary(rows[:5], 8)  # 4 steps, 3 applied: too few to judge against
+    assert few["grad_norm_peak"] == 9.0 and math.isnan(few["grad_norm_outliers"])
+
+
+def test_a_step_is_judged_among_steps_of_its_kind() -> None:
+    # A real run: steps without an advantage signal carry only the KL's gradient (~0.02),
+    # steps with one ~0.5. Pooled, every signal step would lie beyond median + 5 MAD; judged
+    # among their own kind, only the 3.0 among the signal steps and the 0.4 among the KL-only
+    # steps are spikes.
+    # signal: median 0.56, MAD 0.14, above 1.26: 3.0; KL-only: median 0.0205, MAD 0.003, above
+    # 0.0355: 0.4; pooled: median 0.03, MAD 0.02, above 0.13: every signal step and the 0.4
+    signal = [0.42, 0.78, 0.55, 0.56, 3.0]
+    kl_only = [0.019, 0.021, 0.019, 0.025, 0.010, 0.03, 0.02, 0.4]
+    rows = [{"step": i + 1, "grad_norm": g, "loss/total": 0.0, "reward/group_std": 0.25}
+            for i, g in enumerate(signal)]  # fmt: skip
+    rows += [{"step": i + 6, "grad_norm": g, "loss/total": 0.0, "reward/group_std": 0.0}
+             for i, g in enumerate(kl_only)]  # fmt: skip
+    assert spike_summary(rows, 13)["grad_norm_outliers"] == 2
+    pooled = [{k: v for k, v in r.items() if k != "reward/group_std"} for r in rows]
+    assert outliers([r["grad_norm"] for r in pooled]) == 6  # what pooling would say
 
 
 def test_an_archived_run_gets_the_new_columns_from_its_metrics(tmp_path: Path) -> None:
@@ -308,4 +328,5 @@ def test_the_report_lists_each_seeds_spikes(tmp_path: Path) -> None:
     out = _archive(tmp_path, study)  # grad norms 1.5, 2.5, 3.5, 4.5 over steps 1-4
     text = (out / "report.md").read_text()
     assert "## Gradient-norm and loss spikes" in text
-    assert "| grpo | k3 loss | 0.1 | 2.50 / 2.50 / 2.50 | 0 / 0 / 0 | 0 / 0 / 0 |" in text
+    # 4 steps a run: the peak, but too few steps to judge outliers against
+    assert "| grpo | k3 loss | 0.1 | 2.50 / 2.50 / 2.50 | – / – / – | – / – / – |" in text

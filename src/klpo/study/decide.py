@@ -111,6 +111,19 @@ class Claimed(BaseModel):
     width: float = Field(0.05, description="source offset: half-width of the d window.")
     min_points: int = Field(20, description="source offset: baseline points a window needs.")
     trajectories: str | None = Field(None, description="source offset: a gao points CSV.")
+    family: str = Field(
+        "exploratory",
+        description="The Holm family: 'exploratory' (the page's own comparisons), or "
+        "'primary: NAME' for a study's comparisons named in its spec before its runs, "
+        "corrected over that study's primary family only.",
+    )
+
+    @field_validator("family")
+    @classmethod
+    def _family(cls, v: str) -> str:
+        if v != "exploratory" and not v.startswith("primary: "):
+            raise ValueError(f"family must be 'exploratory' or 'primary: NAME', got {v!r}")
+        return v
 
     @field_validator("a", "b", "baseline")
     @classmethod
@@ -294,16 +307,24 @@ class Row:
 
 
 def decide_file(spec: DecisionFile, root: Path = DOCS) -> list[Row]:
-    """Every comparison of the file tested and decided, Holm over the file's whole family;
-    archives are read under ``root`` (the repository's docs/)."""
-    tests = [(c.id, _test(c, root)) for c in spec.comparisons]
-    decisions = decide(
-        tests,
-        spec.alpha,
-        claims=[c.claim for c in spec.comparisons],
-        names=[(c.a, c.b or "0") for c in spec.comparisons],
-    )
-    return [Row(c, d) for c, d in zip(spec.comparisons, decisions, strict=True)]
+    """Every comparison of the file tested and decided, Holm over each family: the page's
+    exploratory comparisons together, and a study's primary ones (named in its spec before its
+    runs, ``family: primary: NAME``) over their own family, as that study's report decides
+    them; archives are read under ``root`` (the repository's docs/)."""
+    tests = [_test(c, root) for c in spec.comparisons]
+    rows: list[Row | None] = [None] * len(tests)
+    for family in dict.fromkeys(c.family for c in spec.comparisons):
+        idx = [i for i, c in enumerate(spec.comparisons) if c.family == family]
+        members = [spec.comparisons[i] for i in idx]
+        decisions = decide(
+            [(c.id, tests[i]) for i, c in zip(idx, members, strict=True)],
+            spec.alpha,
+            claims=[c.claim for c in members],
+            names=[(c.a, c.b or "0") for c in members],
+        )
+        for i, c, d in zip(idx, members, decisions, strict=True):
+            rows[i] = Row(c, d)
+    return [r for r in rows if r is not None]
 
 
 def _f(x: float) -> str:
@@ -318,9 +339,17 @@ def _p(p: float) -> str:
 
 def decisions_markdown(rows: list[Row], alpha: float) -> str:
     """The page's table of decisions: one row per comparison."""
+    primary = sorted({r.claimed.family for r in rows} - {"exploratory"})
+    n_exploratory = sum(r.claimed.family == "exploratory" for r in rows)
+    families = (
+        f"over all {n_exploratory} of them"
+        if not primary
+        else f"over the page's {n_exploratory} exploratory ones, and over each study's primary "
+        f"comparisons, named before its runs, as that study decides them ({', '.join(primary)})"
+    )
     lines = [
         f"Every comparison below is tested with the seed as the unit and decided after Holm's "
-        f"correction over all {len(rows)} of them (alpha {alpha:g}): A and B are the means over "
+        f"correction {families} (alpha {alpha:g}): A and B are the means over "
         "seeds; A − B with its 95% t-interval; p of the paired t-test on the seed-by-seed "
         "differences (Welch's test where the runs cannot be paired, marked W; a test against 0 "
         "where B is 0); the exact permutation check (sign flips, or label swaps for Welch); "
@@ -345,13 +374,17 @@ def decisions_markdown(rows: list[Row], alpha: float) -> str:
         seeds = f"{t.n}" if t.paired else f"{t.n}, {t.n_b} W"
         claim = {None: "", ">": " (claim: A > B)", "<": " (claim: A < B)", "=": " (claim: A = B)"}
         lines.append(
-            f"| {c.id} | {c.model} | {c.what}{claim[c.claim]} | {c.a} | {c.b or '0'} | {metric} | "
+            f"| {c.id} | {c.model} | {c.what}{claim[c.claim]}{_family_words(c.family)} | {c.a} | {c.b or '0'} | {metric} | "
             f"{', '.join(c.archives) + (' / ' + ', '.join(c.b_archives) if c.b_archives else '')}"
             f" | {seeds} | {_f(t.mean_a)} | {_f(t.mean_b)} | {_f(t.diff)} ({_f(t.lo)} to "
             f"{_f(t.hi)}) | {_p(t.p)} | {_p(d.p_holm)} | {_p(t.p_perm)} | "
             f"{'–' if d.seeds is None else d.seeds} | **{d.verdict}** |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _family_words(family: str) -> str:
+    return "" if family == "exploratory" else f" ({family}, named before the runs)"
 
 
 def render_block(page_text: str, table: str) -> str:

@@ -32,6 +32,7 @@ from klpo.study.spec import StudyConfig, parse_cell
 from klpo.study.summary import (
     BUDGET_TOLERANCE,
     COLLAPSE_Z,
+    MIN_REFERENCE_STEPS,
     OUTLIER_MADS,
     RESULT_FIELDS,
     WINDOW,
@@ -326,11 +327,13 @@ def _spike_table(results: list[dict[str, Any]], study: StudyConfig) -> list[str]
         "",
         "Per seed (in seed order): the largest gradient norm of an applied step over the first "
         f"half of training (steps 1-{max(1, study.steps // 2)}), and over the whole run the steps "
-        "whose `grad_norm` lies above the run's own median by more than "
+        "whose `grad_norm` lies above the median of the run's steps of the same kind (with an "
+        "advantage signal, or with the KL's gradient alone) by more than "
         f"{OUTLIER_MADS:g} median absolute deviations, and those whose `loss/total` lies that far "
         "from its median on either side (`klpo.study.summary.spike_summary`; skipped steps do "
-        "not count). The seed-level comparisons of these columns are a study's to name "
-        "(`comparisons` with `metric: grad_norm_peak`).",
+        f"not count, a kind with fewer than {MIN_REFERENCE_STEPS} steps is not judged: –). The "
+        "seed-level comparisons of these columns are a study's to name (`comparisons` with "
+        "`metric: grad_norm_peak`).",
         "",
         "| algo | KL choice | beta | early grad-norm peak | grad-norm outlier steps "
         "| loss outlier steps |",

@@ -20,6 +20,7 @@ from klpo.train.runtime.samples import read_samples
 __all__ = [
     "BUDGET_TOLERANCE",
     "COLLAPSE_Z",
+    "MIN_REFERENCE_STEPS",
     "OUTLIER_MADS",
     "RESULT_FIELDS",
     "SPIKE_COLUMNS",
@@ -219,30 +220,49 @@ def outliers(values: list[float], *, two_sided: bool = False) -> int:
     return bad + sum(v > hi or (two_sided and v < lo) for v in finite)
 
 
+MIN_REFERENCE_STEPS = 5
+"""The fewest steps of one kind that make a reference for :func:`outliers`."""
+
+
 def spike_summary(rows: list[dict[str, Any]], steps: int) -> dict[str, float]:
     """Early spikes (natolambert/rlhf-book#489 reports k3 in the loss with large early loss and
     gradient-norm spikes): ``grad_norm_peak``, the largest per-step ``grad_norm`` over the
     first half of the run's ``steps`` (steps 1 .. steps // 2, at least step 1), and the counts
     of outlier steps over the whole run (:func:`outliers`): ``grad_norm_outliers`` above the
-    run's median + 5 MAD of ``grad_norm``, ``loss_outliers`` beyond median ± 5 MAD of
-    ``loss/total`` (two-sided: the total loss has either sign). Only the steps whose update was
-    applied count (``step/skipped`` not 1: a skipped step's gradient never reached the policy);
-    NaN where a run logged no such step.
+    median + 5 MAD of ``grad_norm``, ``loss_outliers`` beyond median ± 5 MAD of ``loss/total``
+    (two-sided: the total loss has either sign).
 
-    >>> rows = [{"step": s, "grad_norm": g, "loss/total": 0.0} for s, g in enumerate([0, 3, 1, 1, 1], 1)]
-    >>> spike_summary(rows, 4)  # peak over steps 1-2; MAD 0, so 3 is the one outlier
-    {'grad_norm_peak': 3.0, 'grad_norm_outliers': 1, 'loss_outliers': 0}
+    Only the steps whose update was applied count (``step/skipped`` not 1: a skipped step's
+    gradient never reached the policy). A step is judged against the run's steps of its own
+    kind: those with an advantage signal (``reward/group_std`` > 0) and those without, whose
+    gradient is the KL term's alone and typically 10-30× smaller on a real model, so that
+    pooling them would count every step with a signal as a spike; a kind with fewer than
+    :data:`MIN_REFERENCE_STEPS` steps is not judged. NaN where a run logged no such step.
+
+    >>> rows = [{"step": s, "grad_norm": g, "loss/total": 0.0} for s, g in enumerate([1, 9, 1, 1, 1, 1.1], 1)]
+    >>> spike_summary(rows, 4)  # peak over steps 1-2; median 1, MAD 0: 9 and 1.1 lie above
+    {'grad_norm_peak': 9.0, 'grad_norm_outliers': 2, 'loss_outliers': 0}
     """
     applied = [r for r in rows if r.get("step", 0) >= 1 and num(r.get("step/skipped", 0.0)) != 1]
-    grads = [num(r["grad_norm"]) for r in applied if "grad_norm" in r]
-    losses = [num(r["loss/total"]) for r in applied if "loss/total" in r]
+    kinds: dict[bool, list[dict[str, Any]]] = {}
+    for r in applied:
+        kinds.setdefault(num(r.get("reward/group_std", 1.0)) > 0, []).append(r)
+
+    def count(key: str, two_sided: bool) -> float:
+        judged = [
+            [num(r[key]) for r in rs if key in r]
+            for rs in kinds.values()
+            if sum(key in r for r in rs) >= MIN_REFERENCE_STEPS
+        ]
+        return sum(outliers(v, two_sided=two_sided) for v in judged) if judged else math.nan
+
     early = [
         num(r["grad_norm"]) for r in applied if "grad_norm" in r and r["step"] <= max(1, steps // 2)
     ]
     return {
         "grad_norm_peak": max(early, key=nan_low) if early else math.nan,
-        "grad_norm_outliers": outliers(grads) if grads else math.nan,
-        "loss_outliers": outliers(losses, two_sided=True) if losses else math.nan,
+        "grad_norm_outliers": count("grad_norm", False),
+        "loss_outliers": count("loss/total", True),
     }
 
 
