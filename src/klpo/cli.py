@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -1148,6 +1149,15 @@ def compare(
         None, metavar="B1,B2,...", help="Comma-separated KL coefficients, e.g. 0.01,0.1."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and exit."),
+    report_only: Annotated[  # Annotated: a direct call of compare() gets False, not an Option
+        bool,
+        typer.Option(
+            "--report-only",
+            help="Start no run: rewrite OUT's report from its finished runs (or, for an archive "
+            "without its runs, the sections its results.csv decides); refused if a run is "
+            "missing.",
+        ),
+    ] = False,
     task: str = typer.Option(
         "builtin",
         "--task",
@@ -1167,10 +1177,18 @@ def compare(
     """
     _needs("train", "klpo compare")
     from klpo.study.runner import StudyInterrupted, run_study
+    from klpo.study.runner import report_only as rewrite_report
     from klpo.study.summary import num
     from klpo.train.config import ConfigError
 
     study, grid = _compare_study(study_file, quick, task, workers, steps, seeds, betas)
+    if report_only:
+        try:
+            typer.echo(f"wrote {rewrite_report(study, out)}", err=True)
+        except ConfigError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
+        return
     if dry_run:
         for r in grid:
             typer.echo(r.name)

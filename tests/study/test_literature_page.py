@@ -18,8 +18,20 @@ except ImportError:  # the study in one module
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGE = DOCS / "literature.md"
-VERDICTS = ("reproduced", "not reproduced", "mostly not reproduced", "out of reach")
-REAL_VERDICTS = ("holds", "differs", "not decided")  # the real-model column's
+# The bold verdicts a cell of the verdicts table may hold: an identity checked exactly, a
+# quantity measured on the real model, or a training comparison's word from the decisions table.
+VERDICT_WORDS = (
+    "true (exact",
+    "false (exact",
+    "agrees",
+    "disagrees",
+    "holds",
+    "differs",
+    "not decided",
+    "out of reach",
+)
+TRAINING = ("holds", "differs", "not decided")
+COLUMN = {"built-in": 5, "SmolLM2": 6}
 
 
 def _section(text: str, heading: str) -> str:
@@ -44,23 +56,68 @@ def _row_ids(cell: str) -> list[str]:
     return re.findall(r"\]\(#([a-z0-9]+)\)", cell)
 
 
+def _bold(cell: str) -> list[str]:
+    return [" ".join(w.split()) for w in re.findall(r"\*\*([^*]+)\*\*", cell)]
+
+
 def test_every_claim_has_a_section_a_verdict_and_what_would_change_it() -> None:
     text = PAGE.read_text(encoding="utf-8")
     rows = _table_rows(_section(text, "## The verdicts"))
     ids = [_row_ids(r[0])[0] for r in rows]
     assert len(ids) == len(set(ids)) >= 25
     for row, rid in zip(rows, ids, strict=True):
-        assert len(row) == 7 and all(row), row  # id, paper, claim, setting, measured, verdict,
-        assert row[5].startswith(VERDICTS), (rid, row[5])  # and the real model's verdict
-        real = re.fullmatch(r".*\*\*([^*]+)\*\*", row[6])
-        assert real and real[1].startswith(REAL_VERDICTS), (rid, row[6])
+        assert len(row) == 7 and all(row), row  # id, paper, claim, setting, measured, verdicts
+        for col in (5, 6):
+            words = _bold(row[col])
+            assert words and all(w.startswith(VERDICT_WORDS) for w in words), (rid, row[col])
         section = text[text.index(f'<a id="{rid}"></a>') :]
         section = section[: section.find("<a id=", 1) if "<a id=" in section[1:] else None]
-        assert re.search(r"\*\*(Reproduced|Not reproduced|Out of reach|Mostly not)", section), rid
+        assert any(w.lower().startswith(VERDICT_WORDS) for w in _bold(section)), rid
     changes = _table_rows(_section(text, "## What would change each verdict"))
     covered = {i for r in changes for i in _row_ids(r[0])}
     assert covered == set(ids)
     assert not re.search(r"\b(TODO|TBD|FIXME|XXX)\b", text)
+    assert not re.search(r"\b[Rr]eproduced\b|\bbeats\b", text)  # the old, unbacked words
+
+
+def test_the_training_verdicts_are_the_decisions_tables() -> None:
+    """Every training verdict of the verdicts table is the word the seed-level test, corrected
+    over the page's comparisons, gives its row (with the seeds it would need), every bold
+    "holds" or "differs" in the table is backed by one, and the table of decisions on the page
+    is the one the archives give now."""
+    from klpo.study.decide import (
+        decide_file,
+        decisions_markdown,
+        load_decisions,
+        render_block,
+        short_verdict,
+    )
+
+    spec = load_decisions(DOCS / "literature" / "decisions.yaml")
+    decided = decide_file(spec)
+    text = PAGE.read_text(encoding="utf-8")
+    assert render_block(text, decisions_markdown(decided, spec.alpha)) == text, (
+        "the decisions block is stale: python -m klpo.study.decide docs/literature/decisions.yaml"
+    )
+    rows = {_row_ids(r[0])[0]: r for r in _table_rows(_section(text, "## The verdicts"))}
+    backed: dict[tuple[str, str], set[str]] = {}
+    for d in decided:
+        c, words = d.claimed, d.decision.verdict
+        cell = rows[c.id.lower().replace(".", "")][COLUMN[c.model]]
+        short = short_verdict(words)
+        assert f"**{short}**" in cell, (c.id, c.model, short, cell)
+        backed.setdefault((c.id.lower().replace(".", ""), c.model), set()).add(short)
+        if short == "not decided" and d.decision.seeds is not None:  # "about 15 seeds", "15 and 72"
+            assert re.search(rf"about (\d+ and )?{d.decision.seeds}\b[^|]*seeds", cell), (
+                c.id,
+                c.what,
+                d.decision.seeds,
+            )
+    for rid, row in rows.items():
+        for model, col in COLUMN.items():
+            for word in _bold(row[col]):
+                if word in ("holds", "differs"):
+                    assert word in backed.get((rid, model), set()), (rid, model, word)
 
 
 @pytest.mark.parametrize("name", ["literature.md", "choosing.md"])

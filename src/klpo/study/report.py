@@ -28,21 +28,25 @@ from klpo.study.frontier import (
 )
 from klpo.study.grid import fmt
 from klpo.study.plots import metric_curve, plot_results, seed_band
-from klpo.study.spec import StudyConfig
+from klpo.study.spec import StudyConfig, parse_cell
 from klpo.study.summary import (
     BUDGET_TOLERANCE,
     COLLAPSE_Z,
+    MIN_REFERENCE_STEPS,
+    OUTLIER_MADS,
     RESULT_FIELDS,
     WINDOW,
     heldout_scores,
+    metric_columns,
     nan_low,
     num,
     paired_change,
     summarise_cells,
 )
+from klpo.study.verdicts import ADDED_MARK, SEED_HEADING, Scores, cell_name, seed_sections
 from klpo.train.evaluate import wilson_interval
 
-__all__ = ["write_results"]
+__all__ = ["refresh_sections", "write_results"]
 
 
 def _f(x: float, digits: int = 3) -> str:
@@ -60,6 +64,7 @@ def write_results(
     ``unfinished``: the runs of the grid not yet finished (a study stopped by a signal), named
     at the report's end."""
     out = Path(out)
+    results = [metric_columns(r, out / "runs" / r["name"], study.steps) for r in results]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=RESULT_FIELDS, lineterminator="\n")
     writer.writeheader()
@@ -72,9 +77,11 @@ def write_results(
     plots += frontier_plots(fronts, out, WINDOW) if fronts else []
 
     lines = _main_table(results, cells, study)
+    lines += seed_sections(results, study, _score_reader(out))
     if study.chat:
         lines += _real_table(results, cells, study, out)
     lines += _noise_table(cells, study)
+    lines += _spike_table(results, study)
     if study.over_optimisation:
         budgets = CHAT_BUDGETS if study.chat else BUDGETS
         lines += frontier_table(fronts, WINDOW, budgets)
@@ -102,6 +109,48 @@ def write_results(
     return report
 
 
+def refresh_sections(results: list[dict[str, Any]], out: str | Path, study: StudyConfig) -> Path:
+    """Rewrite, in ``out/report.md``, the parts of the report that ``results`` alone decide
+    (one row per run, as ``results.csv`` keeps them): the title, summary line and main table,
+    and the seed-level section (:func:`~klpo.study.verdicts.seed_sections`, without per-problem
+    intervals); every other section and the plots are kept byte for byte. For an archive that
+    kept ``results.csv`` but not its runs; returns the report."""
+    report = Path(out) / "report.md"
+    old = report.read_text(encoding="utf-8")
+    rest = old[old.index("\n## ") :] if "\n## " in old else "\n"
+    if rest.startswith("\n" + SEED_HEADING):  # written before: replaced
+        after = rest.find("\n## ", len(SEED_HEADING) + 1)
+        rest = rest[after:] if after >= 0 else "\n"
+    lines = _main_table(results, summarise_cells(results), study) + seed_sections(results, study)
+    write_text_atomic(report, "\n".join(lines) + "\n" + rest)
+    return report
+
+
+def _score_reader(out: Path) -> Scores:
+    """``(run name, "start" | "end") -> {problem: score}``: a run's per-problem held-out scores
+    at its first and last evaluation, from its ``samples.jsonl`` (empty without one), each run
+    read once."""
+    cache: dict[str, dict[int, dict[int, float]]] = {}
+
+    def scores(name: str, when: str) -> dict[int, float]:
+        if name not in cache:
+            path = out / "runs" / name
+            cache[name] = heldout_scores(path) if (path / "samples.jsonl").is_file() else {}
+        by_step = cache[name]
+        if not by_step:
+            return {}
+        return by_step.get(0, {}) if when == "start" else by_step[max(by_step)]
+
+    return scores
+
+
+def _label(c: dict[str, Any], study: StudyConfig) -> str:
+    """A cell's KL choice, marked when the spec lists it in ``added_after``."""
+    added = {parse_cell(x) for x in study.added_after}
+    name = cell_name(c["choice"], c["beta"])
+    return f"{c['choice']} {ADDED_MARK}" if parse_cell(name) in added else c["choice"]
+
+
 def _main_table(
     results: list[dict[str, Any]], cells: list[dict[str, Any]], study: StudyConfig
 ) -> list[str]:
@@ -112,9 +161,15 @@ def _main_table(
         "# klpo compare: KL estimators and placements on real training",
         "",
         f"{len(results)} runs ({len(study.seeds)} seeds per cell, {study.steps} steps each, "
-        f"{study.workers} in parallel with one thread each): {run_s / 60:.1f} minutes of runs, "
-        f"about {run_s / 60 / study.workers:.1f} minutes elapsed; "
-        f"{n_fail} failed (crashed, diverged or collapsed: held-out accuracy below its start by "
+        f"{study.workers} in parallel with one thread each; their measured wall times add up to "
+        f"{run_s / 60:.1f} minutes"
+        + (
+            f", {run_s / 3600:.1f} hours against the {study.cpu_hours:g} CPU-hours planned in "
+            "the spec"
+            if study.cpu_hours
+            else ""
+        )
+        + f"); {n_fail} failed (crashed, diverged or collapsed: held-out accuracy below its start by "
         f"more than collapse_drop {study.collapse_drop:g} and {COLLAPSE_Z:g} standard errors on "
         f"{study.eval_size} problems, the error column says by how much). Study: `study.yaml`; "
         "the shared "
@@ -133,7 +188,7 @@ def _main_table(
     for c in sorted(cells, key=lambda c: (c["algo"], -nan_low(c["acc_mean"]))):
         failed = f"{c['failed']}/{c['runs']}" + (f" ({c['statuses']})" if c["failed"] else "")
         lines.append(
-            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {_f(c['acc_start'])} | "
+            f"| {c['algo']} | {_label(c, study)} | {fmt(c['beta'])} | {_f(c['acc_start'])} | "
             f"{_f(c['acc_mean'])} ± {_f(c['acc_sd'])} | {_f(c['kl_final'], 4)} | "
             f"{_f(c['kl_peak'], 4)} | {_f(c['kl_gap'], 4)} | {_f(c['reward_var'], 5)} | "
             f"{failed} | {_f(c['wall_s'], 0)} |"
@@ -160,8 +215,12 @@ def _real_table(
     no_kl = {(r["algo"], int(r["seed"])): r["name"] for r in results if r["choice"] == "no KL"}
     lines = [
         "",
-        "## Held-out accuracy problem by problem",
+        "## Held-out accuracy problem by problem (descriptive)",
         "",
+        "**Descriptive columns, not tests**: the intervals and p-values here pool the answers of "
+        "every seed and treat them as independent, but the answers of one run share its policy "
+        "and the seeds differ beyond binomial noise, so the seed is the unit (the section above "
+        "decides). "
         f"Each cell's held-out accuracy at the end pooled over its seeds (right answers out of "
         f"{study.eval_size} problems × seeds, greedy) with its 95% Wilson interval; the problems "
         "each run turned right and turned wrong against its own start, summed over seeds, and "
@@ -178,8 +237,9 @@ def _real_table(
             else ""
         ),
         "",
-        "| algo | KL choice | beta | acc end, pooled (95% Wilson) | vs start: gained / lost (p) "
-        "| vs no KL: gained / lost (p) | exact KL | entropy | length | collapsed |",
+        "| algo | KL choice | beta | acc end, answers pooled over seeds (95% Wilson) "
+        "| vs start, pooled: gained / lost (p) | vs no KL, pooled: gained / lost (p) "
+        "| exact KL | entropy | length | collapsed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in sorted(cells, key=lambda c: (c["algo"], -nan_low(c["acc_mean"]))):
@@ -201,7 +261,7 @@ def _real_table(
                 kl_pairs += [(base_end[i], end[i]) for i in sorted(set(base_end) & set(end))]
         collapsed = sum(r["status"] == "collapsed" for r in rs)
         lines.append(
-            f"| {c['algo']} | {c['choice']} | {fmt(c['beta'])} | {pooled} | "
+            f"| {c['algo']} | {_label(c, study)} | {fmt(c['beta'])} | {pooled} | "
             f"{_paired(start_pairs)} | {_paired(kl_pairs)} | {_f(c['kl_final'], 4)} | "
             f"{_f(c['entropy_final'], 3)} | {_f(c['length_final'], 1)} | "
             f"{collapsed}/{c['runs']} |"
@@ -249,6 +309,42 @@ def _noise_table(cells: list[dict[str, Any]], study: StudyConfig) -> list[str]:
             f"{_f(c['steps_to_target'], 0)} ({c['reached']}/{c['runs']}) | "
             f"{_f(c['wall_s'], 0)} | {_f(c['ref_time_s'], 0)} |"
         )
+    return lines
+
+
+def _spike_table(results: list[dict[str, Any]], study: StudyConfig) -> list[str]:
+    """Early gradient-norm peaks and outlier steps, one row per cell, each seed's value
+    (``spike_summary``); no section when no run logged a gradient norm."""
+    runs: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in results:
+        if math.isfinite(num(r.get("grad_norm_peak"))):
+            runs.setdefault((r["algo"], r["choice"], float(r["beta"])), []).append(r)
+    if not runs:
+        return []
+    lines = [
+        "",
+        "## Gradient-norm and loss spikes",
+        "",
+        "Per seed (in seed order): the largest gradient norm of an applied step over the first "
+        f"half of training (steps 1-{max(1, study.steps // 2)}), and over the whole run the steps "
+        "whose `grad_norm` lies above the median of the run's steps of the same kind (with an "
+        "advantage signal, or with the KL's gradient alone) by more than "
+        f"{OUTLIER_MADS:g} median absolute deviations, and those whose `loss/total` lies that far "
+        "from its median on either side (`klpo.study.summary.spike_summary`; skipped steps do "
+        f"not count, a kind with fewer than {MIN_REFERENCE_STEPS} steps is not judged: –). The "
+        "seed-level comparisons of these columns are a study's to name (`comparisons` with "
+        "`metric: grad_norm_peak`).",
+        "",
+        "| algo | KL choice | beta | early grad-norm peak | grad-norm outlier steps "
+        "| loss outlier steps |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (algo, choice, beta), rs in sorted(runs.items()):
+        rs = sorted(rs, key=lambda r: int(r["seed"]))
+        peaks = " / ".join(_f(num(r["grad_norm_peak"]), 2) for r in rs)
+        grads = " / ".join(_f(num(r.get("grad_norm_outliers")), 0) for r in rs)
+        losses = " / ".join(_f(num(r.get("loss_outliers")), 0) for r in rs)
+        lines.append(f"| {algo} | {choice} | {fmt(beta)} | {peaks} | {grads} | {losses} |")
     return lines
 
 

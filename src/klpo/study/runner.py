@@ -18,6 +18,7 @@ earlier study still writing it) is never cleared.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import yaml
 
 from klpo._io import write_text_atomic
 from klpo.study.grid import Run, study_grid
-from klpo.study.report import write_results
+from klpo.study.report import refresh_sections, write_results
 from klpo.study.spec import StudyConfig
 from klpo.study.summary import RESULT_FIELDS, num, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
@@ -51,6 +52,7 @@ __all__ = [
     "changed_runs",
     "finished_row",
     "last_step",
+    "report_only",
     "run_study",
     "runs_left_s",
     "seed_major",
@@ -375,6 +377,66 @@ def run_study(
     with DirLock(out, "klpo compare", option="--out"):
         _check_run_locks(runs, out)
         return _run_all(study, runs, configs, out, on_result, on_start, show_progress)
+
+
+def report_only(study: StudyConfig, out: str | Path) -> Path:
+    """Rewrite the report of the study in ``out`` without starting a run (``klpo compare
+    --report-only``): ``results.csv``, ``report.md`` and the plots from the finished runs in
+    ``out/runs`` (each checked, as a re-run checks it, against the config it would run with);
+    or, for an archive that keeps only ``results.csv`` (its runs not kept), the report's
+    sections computed from those rows (:func:`~klpo.study.report.refresh_sections`), the rest
+    of ``report.md`` and the plots untouched. Refused, naming the runs, when a run of the grid
+    is in neither; the study's settings must be those in ``out/study.yaml`` but for
+    :data:`STUDY_SCHEDULING_KEYS` (its comparisons, ``added_after``, ``alpha``, ...), which
+    are written there."""
+    out = Path(out)
+    if not (out / "study.yaml").is_file():
+        raise ConfigError(f"--report-only: {out} holds no study (no study.yaml); run it first")
+    if changed := study_changes(study, out):
+        _refuse_other_study(out, "a study with other settings", changed)
+    names = [r.name for r in _grid(study)]
+    finished = {n: finished_row(out / "runs" / n) for n in names}
+    with DirLock(out, "klpo compare", option="--out"):
+        if all(row is not None for row in finished.values()):
+            runs = study_grid(study)
+            if changed := changed_runs(runs, out):
+                _refuse_other_study(out, "finished runs of a study with other settings", changed)
+            _record_spec(study, out)
+            return write_results([finished[n] for n in names], out, study)
+        kept = _csv_rows(out / "results.csv")
+        rows = {n: finished[n] or kept.get(n) for n in names}
+        missing = [n for n in names if rows[n] is None]
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise ConfigError(
+                f"--report-only starts no run, and {len(missing)} runs of the grid have neither "
+                f"finished in {out / 'runs'} nor a row in its results.csv ({shown}); run "
+                "klpo compare without --report-only to run them"
+            )
+        _record_spec(study, out)
+        return refresh_sections([rows[n] for n in names], out, study)
+
+
+def _record_spec(study: StudyConfig, out: Path) -> None:
+    """Write ``study`` as ``out/study.yaml`` when its analysis keys (comparisons,
+    ``added_after``, ...) differ from the saved ones; an archive whose spec is unchanged keeps
+    its file byte for byte."""
+    saved = yaml.safe_load((out / "study.yaml").read_text(encoding="utf-8")) or {}
+    now = study.model_dump(mode="json")
+    defaults = StudyConfig.model_construct().model_dump(mode="json")
+    keys = STUDY_SCHEDULING_KEYS - {"workers"}
+    if any(saved.get(k, defaults.get(k)) != now[k] for k in keys):
+        write_text_atomic(out / "study.yaml", yaml.safe_dump(study.model_dump(), sort_keys=False))
+
+
+def _csv_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """``results.csv``'s rows by run name (none when there is no such file)."""
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8", newline="") as f:
+        return {row["name"]: row for row in csv.DictReader(f)}
 
 
 def _check_run_locks(runs: list[Run], out: Path) -> None:

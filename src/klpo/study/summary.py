@@ -20,16 +20,22 @@ from klpo.train.runtime.samples import read_samples
 __all__ = [
     "BUDGET_TOLERANCE",
     "COLLAPSE_Z",
+    "MIN_REFERENCE_STEPS",
+    "OUTLIER_MADS",
     "RESULT_FIELDS",
+    "SPIKE_COLUMNS",
     "WINDOW",
     "collapse_threshold",
     "gold_summary",
     "heldout_scores",
     "kl_budget_summary",
     "mcnemar_exact",
+    "metric_columns",
     "nan_low",
     "num",
+    "outliers",
     "paired_change",
+    "spike_summary",
     "steps_to_reach",
     "summarise_cells",
     "summarise_run",
@@ -71,6 +77,9 @@ RESULT_FIELDS = [
     "kl_seq_final",
     "entropy_final",
     "length_final",
+    "grad_norm_peak",
+    "grad_norm_outliers",
+    "loss_outliers",
     "wall_s",
     "error",
 ]
@@ -174,9 +183,100 @@ def summarise_run(
         **gold_summary(steps_rows),
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "length_final": _tail_mean(steps_rows, "completion/length"),
+        **spike_summary(rows, steps),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+OUTLIER_MADS = 5.0
+"""How many median absolute deviations above a run's own median make a step an outlier."""
+
+SPIKE_COLUMNS = ("grad_norm_peak", "grad_norm_outliers", "loss_outliers")
+"""The columns of :func:`spike_summary`, computed from ``metrics.jsonl`` (:func:`metric_columns`
+fills them in for runs summarised before they existed)."""
+
+
+def outliers(values: list[float], *, two_sided: bool = False) -> int:
+    """The number of outlier values of one run: above median + :data:`OUTLIER_MADS` · MAD, MAD
+    the median absolute deviation from the median (unscaled), the run's own values being the
+    reference (a robust rule: a few spikes move neither the median nor the MAD); with
+    ``two_sided``, also below median − OUTLIER_MADS · MAD. Non-finite values are outliers (a
+    step that overflowed is a spike). With MAD 0 (most values equal) any value off the median
+    on the judged side counts.
+
+    >>> outliers([1.0, 1.1, 0.9, 1.0, 1.2, 9.0])  # median 1.05, MAD 0.1: above 1.55
+    1
+    >>> outliers([0.0, 0.1, -0.1, 0.05, -3.0], two_sided=True)  # median 0, MAD 0.1
+    1
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    bad = len(values) - len(finite)
+    if not finite:
+        return bad
+    med = statistics.median(finite)
+    mad = statistics.median(abs(v - med) for v in finite)
+    hi, lo = med + OUTLIER_MADS * mad, med - OUTLIER_MADS * mad
+    return bad + sum(v > hi or (two_sided and v < lo) for v in finite)
+
+
+MIN_REFERENCE_STEPS = 5
+"""The fewest steps of one kind that make a reference for :func:`outliers`."""
+
+
+def spike_summary(rows: list[dict[str, Any]], steps: int) -> dict[str, float]:
+    """Early spikes (natolambert/rlhf-book#489 reports k3 in the loss with large early loss and
+    gradient-norm spikes): ``grad_norm_peak``, the largest per-step ``grad_norm`` over the
+    first half of the run's ``steps`` (steps 1 .. steps // 2, at least step 1), and the counts
+    of outlier steps over the whole run (:func:`outliers`): ``grad_norm_outliers`` above the
+    median + 5 MAD of ``grad_norm``, ``loss_outliers`` beyond median ± 5 MAD of ``loss/total``
+    (two-sided: the total loss has either sign).
+
+    Only the steps whose update was applied count (``step/skipped`` not 1: a skipped step's
+    gradient never reached the policy). A step is judged against the run's steps of its own
+    kind: those with an advantage signal (``reward/group_std`` > 0) and those without, whose
+    gradient is the KL term's alone and typically 10-30× smaller on a real model, so that
+    pooling them would count every step with a signal as a spike; a kind with fewer than
+    :data:`MIN_REFERENCE_STEPS` steps is not judged. NaN where a run logged no such step.
+
+    >>> rows = [{"step": s, "grad_norm": g, "loss/total": 0.0} for s, g in enumerate([1, 9, 1, 1, 1, 1.1], 1)]
+    >>> spike_summary(rows, 4)  # peak over steps 1-2; median 1, MAD 0: 9 and 1.1 lie above
+    {'grad_norm_peak': 9.0, 'grad_norm_outliers': 2, 'loss_outliers': 0}
+    """
+    applied = [r for r in rows if r.get("step", 0) >= 1 and num(r.get("step/skipped", 0.0)) != 1]
+    kinds: dict[bool, list[dict[str, Any]]] = {}
+    for r in applied:
+        kinds.setdefault(num(r.get("reward/group_std", 1.0)) > 0, []).append(r)
+
+    def count(key: str, two_sided: bool) -> float:
+        judged = [
+            [num(r[key]) for r in rs if key in r]
+            for rs in kinds.values()
+            if sum(key in r for r in rs) >= MIN_REFERENCE_STEPS
+        ]
+        return sum(outliers(v, two_sided=two_sided) for v in judged) if judged else math.nan
+
+    early = [
+        num(r["grad_norm"]) for r in applied if "grad_norm" in r and r["step"] <= max(1, steps // 2)
+    ]
+    return {
+        "grad_norm_peak": max(early, key=nan_low) if early else math.nan,
+        "grad_norm_outliers": count("grad_norm", False),
+        "loss_outliers": count("loss/total", True),
+    }
+
+
+def metric_columns(row: dict[str, Any], run_dir: Path, steps: int) -> dict[str, Any]:
+    """``row`` (a run's ``result.yaml`` row) with the columns computed from its
+    ``metrics.jsonl`` that it lacks (:data:`SPIKE_COLUMNS`): a run summarised before a column
+    existed gets it from its archived metrics, without running again. Returned unchanged when
+    it has them all or its metrics are not there."""
+    if all(k in row for k in SPIKE_COLUMNS):
+        return row
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return row
+    return {**spike_summary(read_metrics(path), steps), **row}
 
 
 COLLAPSE_Z = 2.0
