@@ -28,6 +28,7 @@ MODULES = (
     "klpo.train.rewards.overopt",
     "klpo.train.data.chat_task",
     "klpo.train.rollout.versions",
+    "klpo.train.rollout.samplers",
     "klpo.train.rollout.worker",
     "klpo.doctor.measure",
     "klpo.train.data.sources",

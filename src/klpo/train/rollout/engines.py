@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -41,10 +40,11 @@ from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.load import DTYPES, autocast
 from klpo.train.models.tokens import Codec, generation_config, stop_set
-from klpo.train.rollout.samplers import Rollout, generate
+from klpo.train.rollout.samplers import Decoding, Rollout, generate
 
 __all__ = [
     "ENGINES",
+    "Decoding",
     "EngineFactory",
     "EngineSpec",
     "HFEngine",
@@ -77,30 +77,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling settings every engine follows (from ``rollout.*`` and ``data.*``)."""
-
-    group_size: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    max_prompt_tokens: int | None
-    sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout.samplers)
-    synced: bool = False  # hf under FSDP: every rank steps generate until all are done
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, *, synced: bool = False) -> Sampling:
-        r = cfg.rollout
-        return cls(
-            r.group_size,
-            r.max_new_tokens,
-            r.temperature,
-            r.top_p,
-            cfg.data.max_prompt_tokens,
-            r.sampler,
-            synced,
-        )
+Sampling = Decoding
+"""The sampling settings every engine follows: :class:`klpo.train.rollout.samplers.Decoding`
+(this module's earlier name for it)."""
 
 
 class HFEngine:
@@ -117,7 +96,7 @@ class HFEngine:
         self,
         policy: Any,
         tokenizer: Any,
-        sampling: Sampling,
+        sampling: Decoding,
         *,
         backbone: torch.nn.Module | None = None,
         dtype: torch.dtype | None = None,
@@ -133,25 +112,13 @@ class HFEngine:
         """Nothing to do: this engine samples with the policy module itself."""
 
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
-        s = self.sampling
         self.policy.eval()
         if self.backbone is not None:
             unshard_root(self.backbone)
         try:
             with autocast(self.dtype, self.device):
                 return generate(
-                    self.policy,
-                    self.tokenizer,
-                    prompts,
-                    answers,
-                    group_size=s.group_size,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    max_prompt_tokens=s.max_prompt_tokens,
-                    sampler=s.sampler,
-                    synced=s.synced,
-                    codec=self.codec,
+                    self.policy, self.tokenizer, prompts, answers, self.sampling, codec=self.codec
                 )
         finally:
             self.policy.train()
@@ -215,7 +182,7 @@ class VLLMEngine:
         self,
         model_path: str,
         tokenizer: Any,
-        sampling: Sampling,
+        sampling: Decoding,
         *,
         dtype: str,
         seed: int,
@@ -264,15 +231,8 @@ class VLLMEngine:
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
         s, codec = self.sampling, self.codec
         g = s.group_size
-        texts = [p for p in prompts for _ in range(g)]
-        enc = codec.encode(texts)
-        lengths = enc["attention_mask"].sum(-1)
-        if s.max_prompt_tokens is not None and bool((lengths > s.max_prompt_tokens).any()):
-            row = int((lengths > s.max_prompt_tokens).nonzero()[0])
-            raise ValueError(
-                f"prompt {row // g} is {int(lengths[row])} tokens long, more than "
-                f"data.max_prompt_tokens={s.max_prompt_tokens}: {prompts[row // g][:80]!r}"
-            )
+        enc = codec.encode([p for p in prompts for _ in range(g)])
+        s.check_prompts(enc["attention_mask"].sum(-1), prompts, g)
         inputs = []
         for i in range(len(prompts)):
             ids = enc["input_ids"][i * g][enc["attention_mask"][i * g].bool()].tolist()
@@ -303,25 +263,14 @@ class VLLMEngine:
                 )
         width = max(1, *(len(r) for r in ids_rows))
         pad = self.tokenizer.pad_token_id
-        completion_ids = torch.full((len(texts), width), pad, dtype=torch.long)
-        engine_logp = torch.zeros(len(texts), width, dtype=torch.float32)
+        completion_ids = torch.full((len(prompts) * g, width), pad, dtype=torch.long)
+        engine_logp = torch.zeros(len(prompts) * g, width, dtype=torch.float32)
         for b, (ids, lp) in enumerate(zip(ids_rows, logp_rows, strict=True)):
             completion_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             engine_logp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
         # A row that stopped before `width` is padded with pad ids, which are not its tokens.
         done = codec.finish(completion_ids, torch.tensor([len(r) for r in ids_rows]))
-        return Rollout(
-            prompt_ids=enc["input_ids"],
-            prompt_mask=enc["attention_mask"].bool(),
-            completion_ids=done.ids,
-            mask=done.mask,
-            prompts=texts,
-            completions=done.texts,
-            answers=[a for a in answers for _ in range(g)],
-            group_size=g,
-            truncated=done.truncated,
-            engine_logp=torch.where(done.mask, engine_logp, 0.0),
-        )
+        return Rollout.from_encoded(enc, done, prompts, answers, g, engine_logp)
 
     def close(self) -> None:
         self.llm = None
@@ -337,7 +286,7 @@ def hf_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutE
     return HFEngine(
         m.policy,
         m.tokenizer,
-        Sampling.from_config(cfg, synced=synced),
+        Decoding.from_config(cfg, synced=synced),
         backbone=m.backbone,
         dtype=DTYPES[cfg.model.dtype],
         device=dist.device,
@@ -352,7 +301,7 @@ def vllm_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> Rollou
     return VLLMEngine(
         policy_path,
         m.tokenizer,
-        Sampling.from_config(cfg),
+        Decoding.from_config(cfg),
         dtype=cfg.model.dtype,
         seed=cfg.run.seed,
         memory=cfg.rollout.vllm_memory,
