@@ -442,8 +442,10 @@ def test_preflight_fails_before_any_model_loads_or_file_is_written(
     _no_model_loads(monkeypatch)
     out = tmp_path / "run"
     cfg = build_config(overrides=quick(tiny_model, out, **{"rollout.prompts_per_step": 3}))
-    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be divisible by .* \(2\)"):
-        loop._train(cfg, Dist(rank=0, world=2), False, print)
+    with monkeypatch.context() as m:  # two processes, as torchrun says (klpo train --check)
+        m.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be divisible by .* \(2\)"):
+            loop.check_run(cfg)
     assert not out.exists()
 
     # A reference of another vocabulary, and completions longer than the positions: refused
