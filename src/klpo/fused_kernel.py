@@ -465,38 +465,16 @@ class _Fused(torch.autograd.Function):
         logp = logp.clamp_max(0.0)
         ent = None if ent is None else ent.clamp_min(0.0)
         kl = None if kl is None else kl.clamp_min(0.0)
-        ctx.save_for_backward(
-            hidden,
-            weight,
-            bias,
-            tokens,
-            hidden_ref,
-            weight_ref,
-            bias_ref,
-            log_z,
-            log_z_ref,
-            ent,
-            kl,
-        )
+        saved = (hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, log_z, log_z_ref)
+        ctx.save_for_backward(*saved, ent, kl)
         ctx.aff, ctx.aff_ref, ctx.cd = aff, aff_ref, cd
         ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_kl):
-        (
-            hidden,
-            weight,
-            bias,
-            tokens,
-            hidden_ref,
-            weight_ref,
-            bias_ref,
-            log_z,
-            log_z_ref,
-            ent,
-            kl,
-        ) = ctx.saved_tensors
+        hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, *rest = ctx.saved_tensors
+        log_z, log_z_ref, ent, kl = rest
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 13
         if grad_logp is None and grad_entropy is None and grad_kl is None:
@@ -686,12 +664,8 @@ def fused(
     Long because: the docstring documents each of the public API's fourteen arguments (the body
     is a quarter of it).
     """
-    x = head_inputs(
-        tokens,
-        HeadArgs(hidden, weight, bias, transform),
-        HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref),
-        temperature,
-    )
+    ref = HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref)
+    x = head_inputs(tokens, HeadArgs(hidden, weight, bias, transform), ref, temperature)
     if vocab_chunk is None:
         vocab_chunk = default_vocab_chunk(min(math.prod(x.lead), token_chunk))
     for name, size in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):

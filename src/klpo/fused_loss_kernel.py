@@ -454,12 +454,8 @@ def fused_loss(
             "reference model's hidden states and head)"
         )
     # The same argument checks and layout as fused, on the same arguments.
-    x = head_inputs(
-        tokens,
-        HeadArgs(hidden, weight, bias, transform),
-        HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref),
-        temperature,
-    )
+    ref = HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref)
+    x = head_inputs(tokens, HeadArgs(hidden, weight, bias, transform), ref, temperature)
     weights = _checked_weights((logp_weight, entropy_weight, kl_weight), x.lead, hidden.device)
     if token_chunk is None:
         token_chunk = default_loss_token_chunk(weight.shape[0])

@@ -135,18 +135,11 @@ def _rollouts(
 
 
 def heldout_accuracy(
-    model: Any,
-    tokenizer: Any,
-    examples: Sequence[Example],
-    decoding: Decoding,
-    *,
-    reward: str | Callable[..., Sequence[float | None]] = "exact_match",
-    batch_size: int = 256,
-    codec: Codec | None = None,
+    model: Any, tokenizer: Any, examples: Sequence[Example], decoding: Decoding, **options: Any
 ) -> float:
     """Fraction of ``examples`` that the model solves with ``decoding`` (greedy:
-    ``Decoding(max_new_tokens=n, greedy=True)``; prompts tokenized and completions cut by
-    ``codec``, as :func:`generate` says).
+    ``Decoding(max_new_tokens=n, greedy=True)``): :func:`evaluate`'s accuracy, with its
+    ``options`` (``reward``, ``batch_size``, ``codec``, ``state``).
 
     ``accuracy = (1/N) sum_i reward(prompt_i, greedy completion_i, answer_i)``, with a reward in
     ``{0, 1}`` (``exact_match`` by default; any name or function of
@@ -160,10 +153,7 @@ def heldout_accuracy(
     Returns:
         The accuracy in ``[0, 1]``.
     """
-    evaluation = evaluate(
-        model, tokenizer, examples, decoding, reward=reward, batch_size=batch_size, codec=codec
-    )
-    return evaluation.accuracy
+    return evaluate(model, tokenizer, examples, decoding, **options).accuracy
 
 
 def evaluate(
@@ -177,8 +167,10 @@ def evaluate(
     state: rewards.TrainerState | None = None,
     codec: Codec | None = None,
 ) -> Evaluation:
-    """:func:`heldout_accuracy`, with the completions it was computed from; ``state`` is the
-    run's progress a TRL-form reward function is given (default: step 0 of 0)."""
+    """The held-out evaluation of ``examples`` (:func:`heldout_accuracy` says how the accuracy is
+    scored), with the completions it was computed from: prompts sampled in batches of
+    ``batch_size`` (:func:`generate`, tokenized and cut by ``codec``), scored by ``reward``;
+    ``state`` is the run's progress a TRL-form reward function is given (default: step 0 of 0)."""
     if not examples:
         raise ValueError("heldout_accuracy needs at least one example")
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward

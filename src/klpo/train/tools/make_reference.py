@@ -22,7 +22,7 @@ import random
 import string
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,14 +139,7 @@ class ReferenceConfig:
 
     def schedule(self) -> Schedule:
         """The supervised fine-tuning's steps, batches and optimizer settings."""
-        return Schedule(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            warmup=self.warmup,
-            weight_decay=self.weight_decay,
-            seed=self.seed,
-        )
+        return Schedule(**{f.name: getattr(self, f.name) for f in fields(Schedule)})
 
 
 @dataclass(frozen=True, kw_only=True)
