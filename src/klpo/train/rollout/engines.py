@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "RolloutEngine",
     "Sampling",
     "VLLMEngine",
+    "VLLMOptions",
     "check_engine",
     "hf_engine",
     "make_engine",
@@ -165,6 +167,18 @@ def _vllm_runner(llm: Any) -> Any:
     return getattr(worker, "worker", worker).model_runner
 
 
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What the vLLM ``LLM`` is built with: its weights' ``dtype`` (``model.dtype``), its
+    generator's ``seed`` (``run.seed``), the share of the accelerator's ``memory`` it may take
+    (``rollout.vllm_memory``) and the longest sequence it holds, prompt and completion."""
+
+    dtype: str
+    seed: int
+    memory: float
+    max_model_len: int
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in this process, synced with the policy's weights before each step.
 
@@ -183,11 +197,8 @@ class VLLMEngine:
         model_path: str,
         tokenizer: Any,
         sampling: Decoding,
+        options: VLLMOptions,
         *,
-        dtype: str,
-        seed: int,
-        memory: float,
-        max_model_len: int,
         codec: Codec | None = None,
     ) -> None:
         try:
@@ -207,11 +218,11 @@ class VLLMEngine:
         self.llm = vllm.LLM(
             model=model_path,
             tokenizer=model_path,
-            dtype=dtype,
-            seed=seed,
+            dtype=options.dtype,
+            seed=options.seed,
             enforce_eager=True,
-            gpu_memory_utilization=memory,
-            max_model_len=max_model_len,
+            gpu_memory_utilization=options.memory,
+            max_model_len=options.max_model_len,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
         )
@@ -298,16 +309,13 @@ def vllm_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> Rollou
     """``rollout.engine: vllm``: a vLLM engine in this process (:class:`VLLMEngine`)."""
     positions = getattr(m.policy.config, "max_position_embeddings", None)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return VLLMEngine(
-        policy_path,
-        m.tokenizer,
-        Decoding.from_config(cfg),
+    options = VLLMOptions(
         dtype=cfg.model.dtype,
         seed=cfg.run.seed,
         memory=cfg.rollout.vllm_memory,
         max_model_len=min(longest, positions) if positions else longest,
-        codec=m.codec,
     )
+    return VLLMEngine(policy_path, m.tokenizer, Decoding.from_config(cfg), options, codec=m.codec)
 
 
 def check_engine(cfg: TrainConfig, world: int) -> None:
