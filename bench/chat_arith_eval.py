@@ -35,6 +35,7 @@ from klpo.train.data.chat_task import ChatArithmeticTask
 from klpo.train.data.sources import render_chat
 from klpo.train.evaluate import evaluate, wilson_interval
 from klpo.train.models.tokens import Codec
+from klpo.train.rollout.samplers import Decoding
 
 
 def main() -> None:
@@ -64,7 +65,12 @@ def main() -> None:
     codec = replace(Codec.plain(tok, model), chat=True)
     t0 = time.perf_counter()
     ev = evaluate(
-        model, tok, examples, max_new_tokens=args.max_new_tokens, reward="numeric", codec=codec
+        model,
+        tok,
+        examples,
+        Decoding(max_new_tokens=args.max_new_tokens, greedy=True),
+        reward="numeric",
+        codec=codec,
     )
     t_eval = time.perf_counter() - t0
     k = int(sum(s for s in ev.scores if s))

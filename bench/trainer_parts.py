@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.models.build import build_models
     from klpo.train.optimizers import make_optimizers
     from klpo.train.rewards.model import build_rewards
-    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.rollout.samplers import Decoding, completion_hidden, generate
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
     from klpo.train.step.kl_term import kl_term
@@ -119,7 +119,12 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     model.eval()
     new = s.max_new_tokens
     ro = generate(
-        model, m.tokenizer, prompts, answers, group_size=g, max_new_tokens=new, codec=m.codec
+        model,
+        m.tokenizer,
+        prompts,
+        answers,
+        Decoding(group_size=g, max_new_tokens=new),
+        codec=m.codec,
     )
     model.train()
     backbone, weight = Backbone(model), model.get_output_embeddings().weight
@@ -150,8 +155,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
                 m.tokenizer,
                 prompts,
                 answers,
-                group_size=g,
-                max_new_tokens=new,
+                Decoding(group_size=g, max_new_tokens=new),
                 codec=m.codec,
             )
         model.train()

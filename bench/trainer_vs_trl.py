@@ -642,7 +642,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.models.build import build_models
     from klpo.train.rewards.functions import resolve_rewards
-    from klpo.train.rollout.samplers import generate
+    from klpo.train.rollout.samplers import Decoding, generate
     from klpo.train.runtime.dist import Dist
     from klpo.train.runtime.metrics import Tally
     from klpo.train.step.kl_term import kl_term
@@ -665,9 +665,9 @@ def loss_worker(s: Settings, out_path: str) -> None:
             m.tokenizer,
             prompts,
             answers,
-            group_size=s.group_size,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
+            Decoding(
+                group_size=s.group_size, max_new_tokens=s.max_new_tokens, temperature=s.temperature
+            ),
             codec=m.codec,
         )
         m.policy.train()
@@ -856,7 +856,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
     from klpo.train.config import load_config
     from klpo.train.models.backbone import Backbone
     from klpo.train.models.build import build_models
-    from klpo.train.rollout.samplers import completion_hidden, generate
+    from klpo.train.rollout.samplers import Decoding, completion_hidden, generate
     from klpo.train.runtime.dist import Dist
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -871,8 +871,7 @@ def floor_worker(s: Settings, out_path: str) -> None:
         m.tokenizer,
         prompts,
         answers,
-        group_size=s.group_size,
-        max_new_tokens=s.max_new_tokens,
+        Decoding(group_size=s.group_size, max_new_tokens=s.max_new_tokens),
         codec=m.codec,
     )
     g = s.group_size

@@ -567,14 +567,16 @@ def lean_sampler_column(b: Built) -> Outcome:
     (``generate``'s greedy search without its processors: a model's generation config may force
     an EOS, as BART's does); ``fallback`` where the cache cannot be repeated (``generate``)."""
     from klpo.train.models.cache import cache_support
-    from klpo.train.rollout.samplers import sample_lean
+    from klpo.train.rollout.samplers import Decoding, sample_lean
 
     support = cache_support(b.model)
     if not support.shared:
         return Outcome("fallback", f"generate: {support.reason}")
     prompts, mask = b.ids[:, :6], torch.ones_like(b.ids[:, :6])
     ids = {"eos_token_id": -1, "pad_token_id": 0}  # no row stops: every step compared
-    lean = sample_lean(b.model, prompts, mask, group_size=2, max_new_tokens=4, greedy=True, **ids)
+    lean = sample_lean(
+        b.model, prompts, mask, Decoding(group_size=2, max_new_tokens=4, greedy=True), **ids
+    )
     seq = prompts.repeat_interleave(2, 0)
     kwargs = {"use_cache": False} if heads.accepts_keyword(b.model, "use_cache") else {}
     with torch.no_grad():

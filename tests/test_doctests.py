@@ -30,6 +30,7 @@ MODULES = (
     "klpo.train.rewards.overopt",
     "klpo.train.data.chat_task",
     "klpo.train.rollout.versions",
+    "klpo.train.rollout.samplers",
     "klpo.train.rollout.worker",
     "klpo.measure.render",
     "klpo.lab.stats",

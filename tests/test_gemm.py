@@ -58,11 +58,12 @@ def test_roles_match_float64_products(backend, bias):
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("KLPO_GEMM", raising=False)
-    monkeypatch.setattr(gemm, "_MEMO", {})
+    gemm.forget_plans()
     monkeypatch.setattr(gemm, "TILE_TOKENS", 64)  # a small measurement: the logic, not the speed
     monkeypatch.setattr(gemm, "TILE_VOCAB", 96)
     monkeypatch.setattr(gemm, "ROUNDS", 1)
-    return tmp_path
+    yield tmp_path
+    gemm.forget_plans()  # the plans of the small measurement are not the machine's
 
 
 def test_cache_path_is_under_the_user_cache_dir(tmp_path, monkeypatch):
@@ -88,10 +89,10 @@ def test_plan_is_measured_once_cached_and_reread(cache_dir, monkeypatch):
     path = cache_dir / "klpo" / "gemm_plan.json"
     data = json.loads(path.read_text())
     entry = data["plans"][gemm.machine_key(32, torch.float32)]
-    assert {k: entry[k] for k in gemm.Plan._fields} == first._asdict()
+    assert gemm.Plan(**{k: entry[k] for k in gemm.Plan._fields}) == first
     assert set(entry["seconds"]) == set(gemm.ROLES)
     assert gemm.plan(32, torch.float32) == first and len(calls) == 1  # from memory
-    monkeypatch.setattr(gemm, "_MEMO", {})
+    gemm.forget_plans()
     assert gemm.plan(32, torch.float32) == first and len(calls) == 1  # from the file
     gemm.plan(48, torch.float32)  # another width: measured, the first entry kept
     assert len(calls) == 2
@@ -126,7 +127,7 @@ def test_corrupt_cache_is_measured_again_and_rewritten(cache_dir, content):
     path.write_text(content)
     got = gemm.plan(32, torch.float32)
     assert all(b in gemm.BACKENDS for b in got[:3])
-    assert gemm._read_cache(path) == {gemm.machine_key(32, torch.float32): got}
+    assert gemm.read_cache(path) == {gemm.machine_key(32, torch.float32): got}
 
 
 @pytest.mark.skipif(not gemm.ONEDNN, reason="one backend only: nothing to measure")

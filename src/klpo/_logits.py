@@ -342,3 +342,116 @@ def grad_tile(
     else:
         inner = torch.addcmul(alpha, d, gamma, out=d)
     return pi.mul_(inner)
+
+
+def check_head_args(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    bias: Tensor | None,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    bias_ref: Tensor | None,
+) -> None:
+    """The argument checks of :func:`klpo.logprobs.fused` and :func:`klpo.logprobs.fused_loss`."""
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's last dimension), got "
+            f"shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    lead = hidden.shape[:-1]
+    check_tokens(tokens, lead, vocab, "hidden", hidden.shape)
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
+    if (hidden_ref is None) != (weight_ref is None):
+        raise ValueError(
+            "the exact KL needs both hidden_ref and weight_ref (the reference model's hidden "
+            "states and head); pass both or neither"
+        )
+    if bias_ref is not None and weight_ref is None:
+        raise ValueError("bias_ref was given without hidden_ref and weight_ref")
+    if hidden_ref is not None:
+        check_float("hidden_ref", hidden_ref)
+        check_float("weight_ref", weight_ref)
+        if hidden_ref.shape[:-1] != lead or hidden_ref.dim() != hidden.dim():
+            raise ValueError(
+                f"hidden_ref has shape {tuple(hidden_ref.shape)} but hidden has shape "
+                f"{tuple(hidden.shape)}; they must agree in every dimension but the last"
+            )
+        if weight_ref.dim() != 2 or weight_ref.shape != (vocab, hidden_ref.shape[-1]):
+            raise ValueError(
+                f"weight_ref must be [V, H_ref] = [{vocab}, {hidden_ref.shape[-1]}], got shape "
+                f"{tuple(weight_ref.shape)}; policy and reference must share the vocabulary"
+            )
+        if bias_ref is not None:
+            check_float("bias_ref", bias_ref)
+            if bias_ref.shape != (vocab,):
+                raise ValueError(
+                    f"bias_ref must be [V] = [{vocab}], got shape {tuple(bias_ref.shape)}"
+                )
+
+
+class HeadArgs(NamedTuple):
+    """One model's head inputs as :func:`klpo.logprobs.fused` and :func:`klpo.logprobs.fused_loss` take them:
+    the hidden states ``[..., H]``, the head ``[V, H]``, its bias ``[V]`` and its logit
+    transform (the reference's: None where there is no reference)."""
+
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None = None
+    transform: LogitTransform | None = None
+
+
+class HeadInputs(NamedTuple):
+    """:func:`klpo.logprobs.fused`'s and :func:`klpo.logprobs.fused_loss`'s head inputs checked and laid out
+    for the kernels (:func:`head_inputs`)."""
+
+    lead: torch.Size  # hidden's shape without its last dimension: the outputs' shape
+    hidden: Tensor  # [N, H]
+    weight: Tensor  # [V, H]
+    bias: Tensor | None  # [V]
+    tokens: Tensor  # [N] int64 ids, on hidden's device
+    hidden_ref: Tensor | None  # [N, H_ref] detached
+    weight_ref: Tensor | None  # [V, H_ref] detached
+    bias_ref: Tensor | None  # [V] detached
+    aff: Affine  # the policy's transform with the temperature folded in
+    aff_ref: Affine  # the reference's
+    cd: torch.dtype  # the compute dtype: float64 if an input is, else float32
+
+    @property
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """The kernels' first seven arguments: hidden, weight, bias, tokens and the reference's
+        hidden states, weight and bias."""
+        return self[1:8]
+
+
+def head_inputs(tokens: Tensor, policy: HeadArgs, ref: HeadArgs, temperature: float) -> HeadInputs:
+    """The head inputs of :func:`klpo.logprobs.fused` and :func:`klpo.logprobs.fused_loss`,
+    checked (:func:`check_head_args`, the transforms and temperature by :func:`affine`) and laid
+    out for their kernels: hidden states flattened to ``[N, H]``, tokens to ``[N]`` int64 ids on
+    their device, the reference detached. Nothing is computed from the values."""
+    hidden, weight, bias, transform = policy
+    hidden_ref, weight_ref, bias_ref, transform_ref = ref
+    check_head_args(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
+    aff = affine(transform, temperature, "transform")
+    aff_ref = affine(transform_ref, temperature, "transform_ref")
+    return HeadInputs(
+        hidden.shape[:-1],
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        tokens.reshape(-1).to(device=hidden.device, dtype=torch.long),
+        None if hidden_ref is None else hidden_ref.detach().reshape(-1, hidden_ref.shape[-1]),
+        None if weight_ref is None else weight_ref.detach(),
+        None if bias_ref is None else bias_ref.detach(),
+        aff,
+        aff_ref,
+        compute_dtype(hidden, weight, bias, hidden_ref, weight_ref),
+    )

@@ -26,7 +26,7 @@ from klpo._tensor import (
 )
 from klpo._tensor import check_finite as _check_finite
 from klpo.logprobs import exact_kl
-from klpo.registry import ESTIMATORS, SPECS, _spec
+from klpo.registry import ESTIMATORS, SPECS, Spec, _spec
 
 __all__ = [
     "abs_",
@@ -510,29 +510,11 @@ def estimate(
     """
     spec = _spec(name)
     if spec.needs_logits:
-        if logits is None or logits_ref is None:
-            raise ValueError(
-                f"estimator {name!r} is the exact KL over the vocabulary and needs logits= and "
-                f"logits_ref= ([B, T, V]); estimators that work from logp and logp_ref alone: "
-                f"{', '.join(n for n in ESTIMATORS if not (SPECS[n].needs_logits or SPECS[n].needs_old))} (and with "
-                f"logp_old, the sampling policy's log-probs: "
-                f"{', '.join(n for n in ESTIMATORS if SPECS[n].needs_old)})"
-            )
-        value = spec.fn(logits, logits_ref)
-        if check_finite:
-            _check_full(value, mask)
-        return value
+        return _exact(name, spec, logits, logits_ref, mask, check_finite)
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
     if check_finite:
-        _check_pair(logp, logp_ref, "logp_ref")
-        if mask is not None:
-            check_mask(mask, logp.shape)
-        old = {}
-        if spec.needs_old and logp_old is not None:
-            _check_pair(logp, logp_old, "logp_old")
-            old = {"logp_old": logp_old}
-        _check_finite("logp", logp, mask, logp_ref=logp_ref, **old)
+        _check_logps(spec, logp, logp_ref, logp_old, mask)
     if spec.needs_old:
         if logp_old is None:
             raise ValueError(
@@ -542,3 +524,40 @@ def estimate(
             )
         return spec.fn(logp, logp_ref, logp_old)
     return spec.fn(logp, logp_ref)
+
+
+def _exact(
+    name: str,
+    spec: Spec,
+    logits: Tensor | None,
+    logits_ref: Tensor | None,
+    mask: Tensor | None,
+    check_finite: bool,
+) -> Tensor:
+    """:func:`estimate` of an estimator over the vocabulary (``full``), its result checked."""
+    if logits is None or logits_ref is None:
+        raise ValueError(
+            f"estimator {name!r} is the exact KL over the vocabulary and needs logits= and "
+            f"logits_ref= ([B, T, V]); estimators that work from logp and logp_ref alone: "
+            f"{', '.join(n for n in ESTIMATORS if not (SPECS[n].needs_logits or SPECS[n].needs_old))} (and with "
+            f"logp_old, the sampling policy's log-probs: "
+            f"{', '.join(n for n in ESTIMATORS if SPECS[n].needs_old)})"
+        )
+    value = spec.fn(logits, logits_ref)
+    if check_finite:
+        _check_full(value, mask)
+    return value
+
+
+def _check_logps(
+    spec: Spec, logp: Tensor, logp_ref: Tensor, logp_old: Tensor | None, mask: Tensor | None
+) -> None:
+    """:func:`estimate`'s checks of the token log-probs: shapes, the mask, finiteness."""
+    _check_pair(logp, logp_ref, "logp_ref")
+    if mask is not None:
+        check_mask(mask, logp.shape)
+    old = {}
+    if spec.needs_old and logp_old is not None:
+        _check_pair(logp, logp_old, "logp_old")
+        old = {"logp_old": logp_old}
+    _check_finite("logp", logp, mask, logp_ref=logp_ref, **old)

@@ -66,16 +66,16 @@ from klpo import gemm
 from klpo._logits import (
     Affine,
     FusedOutput,
+    HeadArgs,
     LogitTransform,
     add_at_targets,
     add_column_dots,
     add_column_sums,
-    affine,
-    check_float,
-    check_tokens,
+    check_head_args,
     coefficients,
     compute_dtype,
     grad_tile,
+    head_inputs,
     slope_of,
 )
 
@@ -465,38 +465,16 @@ class _Fused(torch.autograd.Function):
         logp = logp.clamp_max(0.0)
         ent = None if ent is None else ent.clamp_min(0.0)
         kl = None if kl is None else kl.clamp_min(0.0)
-        ctx.save_for_backward(
-            hidden,
-            weight,
-            bias,
-            tokens,
-            hidden_ref,
-            weight_ref,
-            bias_ref,
-            log_z,
-            log_z_ref,
-            ent,
-            kl,
-        )
+        saved = (hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, log_z, log_z_ref)
+        ctx.save_for_backward(*saved, ent, kl)
         ctx.aff, ctx.aff_ref, ctx.cd = aff, aff_ref, cd
         ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_kl):
-        (
-            hidden,
-            weight,
-            bias,
-            tokens,
-            hidden_ref,
-            weight_ref,
-            bias_ref,
-            log_z,
-            log_z_ref,
-            ent,
-            kl,
-        ) = ctx.saved_tensors
+        hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, *rest = ctx.saved_tensors
+        log_z, log_z_ref, ent, kl = rest
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 13
         if grad_logp is None and grad_entropy is None and grad_kl is None:
@@ -615,60 +593,6 @@ def _backward_tiles(
             grad_b[v0:v1] = grad_b_chunk
 
 
-def check_head_args(
-    hidden: Tensor,
-    weight: Tensor,
-    tokens: Tensor,
-    bias: Tensor | None,
-    hidden_ref: Tensor | None,
-    weight_ref: Tensor | None,
-    bias_ref: Tensor | None,
-) -> None:
-    """The argument checks of :func:`fused` and :func:`fused_loss`."""
-    check_float("hidden", hidden)
-    check_float("weight", weight)
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = {hidden.shape[-1]} (hidden's last dimension), got "
-            f"shape {tuple(weight.shape)}"
-        )
-    vocab = weight.shape[0]
-    lead = hidden.shape[:-1]
-    check_tokens(tokens, lead, vocab, "hidden", hidden.shape)
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias must be [V] = [{vocab}], got shape {tuple(bias.shape)}")
-    if (hidden_ref is None) != (weight_ref is None):
-        raise ValueError(
-            "the exact KL needs both hidden_ref and weight_ref (the reference model's hidden "
-            "states and head); pass both or neither"
-        )
-    if bias_ref is not None and weight_ref is None:
-        raise ValueError("bias_ref was given without hidden_ref and weight_ref")
-    if hidden_ref is not None:
-        check_float("hidden_ref", hidden_ref)
-        check_float("weight_ref", weight_ref)
-        if hidden_ref.shape[:-1] != lead or hidden_ref.dim() != hidden.dim():
-            raise ValueError(
-                f"hidden_ref has shape {tuple(hidden_ref.shape)} but hidden has shape "
-                f"{tuple(hidden.shape)}; they must agree in every dimension but the last"
-            )
-        if weight_ref.dim() != 2 or weight_ref.shape != (vocab, hidden_ref.shape[-1]):
-            raise ValueError(
-                f"weight_ref must be [V, H_ref] = [{vocab}, {hidden_ref.shape[-1]}], got shape "
-                f"{tuple(weight_ref.shape)}; policy and reference must share the vocabulary"
-            )
-        if bias_ref is not None:
-            check_float("bias_ref", bias_ref)
-            if bias_ref.shape != (vocab,):
-                raise ValueError(
-                    f"bias_ref must be [V] = [{vocab}], got shape {tuple(bias_ref.shape)}"
-                )
-
-
 def fused(
     hidden: Tensor,
     weight: Tensor,
@@ -736,42 +660,23 @@ def fused(
     Raises:
         ValueError / TypeError: naming the argument, for a wrong shape, dtype, token id, chunk size
         or temperature, or for half a reference.
+
+    Long because: the docstring documents each of the public API's fourteen arguments (the body
+    is a quarter of it).
     """
-    check_head_args(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
-    lead = hidden.shape[:-1]
+    ref = HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref)
+    x = head_inputs(tokens, HeadArgs(hidden, weight, bias, transform), ref, temperature)
     if vocab_chunk is None:
-        vocab_chunk = default_vocab_chunk(min(math.prod(lead), token_chunk))
+        vocab_chunk = default_vocab_chunk(min(math.prod(x.lead), token_chunk))
     for name, size in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
-    aff = affine(transform, temperature, "transform")
-    aff_ref = affine(transform_ref, temperature, "transform_ref")
-
-    def flat(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.reshape(-1, t.shape[-1])
-
-    def detached(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.detach()
-
+    plan = given_or_head_plan(plan, x.hidden, weight, x.cd)
     logp, ent, kl = _Fused.apply(
-        flat(hidden),
-        weight,
-        bias,
-        tokens.reshape(-1).to(device=hidden.device, dtype=torch.long),
-        detached(flat(hidden_ref)),
-        detached(weight_ref),
-        detached(bias_ref),
-        aff,
-        aff_ref,
-        bool(with_entropy),
-        token_chunk,
-        vocab_chunk,
-        given_or_head_plan(
-            plan, flat(hidden), weight, compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)
-        ),
+        *x.tensors, x.aff, x.aff_ref, bool(with_entropy), token_chunk, vocab_chunk, plan
     )
     return FusedOutput(
-        logp.view(lead),
-        None if ent is None else ent.view(lead),
-        None if kl is None else kl.view(lead),
+        logp.view(x.lead),
+        None if ent is None else ent.view(x.lead),
+        None if kl is None else kl.view(x.lead),
     )

@@ -19,15 +19,16 @@ from torch import Tensor
 from klpo import gemm
 from klpo._logits import (
     Affine,
+    HeadArgs,
     LogitTransform,
     add_column_dots,
     add_column_sums,
-    affine,
     check_float,
     coefficients,
     compute_dtype,
+    head_inputs,
 )
-from klpo.fused_kernel import HeadTiles, check_head_args, given_or_head_plan
+from klpo.fused_kernel import HeadTiles, given_or_head_plan
 
 __all__ = [
     "LOSS_TILE_ELEMENTS",
@@ -266,6 +267,13 @@ class _FusedLoss(torch.autograd.Function):
         plan: gemm.Plan,
         want: tuple[bool, bool, bool],
     ):
+        """The loss, the outputs and the gradients, token chunk by token chunk (the class says
+        how); ``want``: which of hidden, weight and bias get a gradient.
+
+        Long because: autograd hands a Function its inputs one by one (sixteen of them), and the
+        chunk loop keeps the tiles of one chunk in one frame, where splitting it would hold them
+        longer or recompute them.
+        """
         cd = compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
         need_h, need_w, need_b = want
         need_any = need_h or need_w or need_b
@@ -431,6 +439,9 @@ def fused_loss(
     Raises:
         ValueError / TypeError: naming the argument, as :func:`klpo.logprobs.fused`; no weight
         given; a weight whose shape is not ``tokens``'; ``kl_weight`` without a reference.
+
+    Long because: the docstring states the algorithm and its memory and documents the public
+    API's sixteen arguments (the body is a third of it).
     """
     if logp_weight is None and entropy_weight is None and kl_weight is None:
         raise ValueError(
@@ -442,45 +453,28 @@ def fused_loss(
             "kl_weight was given without a reference: pass hidden_ref and weight_ref (the "
             "reference model's hidden states and head)"
         )
-    # The same argument checks as fused, on the same arguments.
-    check_head_args(hidden, weight, tokens, bias, hidden_ref, weight_ref, bias_ref)
-    lead = hidden.shape[:-1]
-    weights = _checked_weights((logp_weight, entropy_weight, kl_weight), lead, hidden.device)
-    vocab = weight.shape[0]
+    # The same argument checks and layout as fused, on the same arguments.
+    ref = HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref)
+    x = head_inputs(tokens, HeadArgs(hidden, weight, bias, transform), ref, temperature)
+    weights = _checked_weights((logp_weight, entropy_weight, kl_weight), x.lead, hidden.device)
     if token_chunk is None:
-        token_chunk = default_loss_token_chunk(vocab)
+        token_chunk = default_loss_token_chunk(weight.shape[0])
     if not isinstance(token_chunk, int) or isinstance(token_chunk, bool) or token_chunk < 1:
         raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
-    aff = affine(transform, temperature, "transform")
-    aff_ref = affine(transform_ref, temperature, "transform_ref")
     grad_on = torch.is_grad_enabled()
     want = (
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    with_entropy = bool(with_entropy or entropy_weight is not None)
+    plan = given_or_head_plan(plan, x.hidden, weight, x.cd)
     loss, logp, ent, kl = _FusedLoss.apply(
-        flat_h,
-        weight,
-        bias,
-        tokens.reshape(-1).to(device=hidden.device, dtype=torch.long),
-        None if hidden_ref is None else hidden_ref.detach().reshape(-1, hidden_ref.shape[-1]),
-        None if weight_ref is None else weight_ref.detach(),
-        None if bias_ref is None else bias_ref.detach(),
-        *weights,
-        aff,
-        aff_ref,
-        bool(with_entropy or entropy_weight is not None),
-        token_chunk,
-        given_or_head_plan(
-            plan, flat_h, weight, compute_dtype(hidden, weight, bias, hidden_ref, weight_ref)
-        ),
-        want,
+        *x.tensors, *weights, x.aff, x.aff_ref, with_entropy, token_chunk, plan, want
     )
     return FusedLoss(
         loss,
-        logp.view(lead),
-        None if ent is None else ent.view(lead),
-        None if kl is None else kl.view(lead),
+        logp.view(x.lead),
+        None if ent is None else ent.view(x.lead),
+        None if kl is None else kl.view(x.lead),
     )

@@ -54,12 +54,14 @@ __all__ = [
     "cache_path",
     "cpu_fingerprint",
     "default_plan",
+    "forget_plans",
     "grad_hidden",
     "grad_weight",
     "grad_weight_new",
     "logits",
     "machine_key",
     "plan",
+    "read_cache",
 ]
 
 Backend = Literal["onednn", "mm"]
@@ -207,7 +209,7 @@ def machine_key(hidden_size: int, dtype: torch.dtype) -> str:
     )
 
 
-def _read_cache(path: Path) -> dict[str, Plan]:
+def read_cache(path: Path) -> dict[str, Plan]:
     """The valid plans in the cache file; {} if it is missing, unreadable or not klpo's format."""
     try:
         data = json.loads(path.read_text())
@@ -296,6 +298,12 @@ def measure(hidden_size: int, dtype: torch.dtype, rounds: int = ROUNDS) -> tuple
 _MEMO: dict[str, Plan] = {}
 
 
+def forget_plans() -> None:
+    """Forget the plans :func:`plan` holds in this process: the next call reads the cache file
+    (or measures), as a new process does."""
+    _MEMO.clear()
+
+
 def plan(hidden_size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Plan:
     """The GEMM plan for a head of width ``hidden_size`` with inputs of ``dtype`` on ``device``.
 
@@ -322,7 +330,7 @@ def plan(hidden_size: int, dtype: torch.dtype, device: torch.device | str = "cpu
     if key in _MEMO:
         return _MEMO[key]
     path = cache_path()
-    cached = _read_cache(path)
+    cached = read_cache(path)
     if key not in cached:
         found, secs = measure(hidden_size, dtype)
         cached[key] = found

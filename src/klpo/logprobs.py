@@ -416,10 +416,7 @@ def entropy(
 
     Args:
         logits: ``[..., V]``, any float dtype; no row may be ``-inf`` everywhere.
-        temperature: the sampling temperature the logits are divided by.
-        transform: the transform of raw head outputs (default: none).
-        row_chunk: rows per chunk (default ``ROW_ELEMENTS // V``: about 4M logits, 16 MiB in
-            float32, per chunk).
+        temperature, transform, row_chunk: as in :func:`token_logprobs`.
 
     Returns:
         ``[...]`` float32 (float64 for float64 logits).
@@ -459,8 +456,7 @@ def exact_kl(
         temperature: the sampling temperature both are divided by.
         transform: the transform of raw head outputs ``logits`` (default: none).
         transform_ref: likewise for ``logits_ref`` (default: none, whatever ``transform``).
-        row_chunk: rows per chunk (default ``ROW_ELEMENTS // V``: about 4M logits, 16 MiB in
-            float32, per chunk).
+        row_chunk: rows per chunk, as in :func:`token_logprobs`.
 
     Returns:
         ``[...]`` float32 (float64 when an input is float64).

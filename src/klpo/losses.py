@@ -39,6 +39,7 @@ from klpo._tensor import (
     wide_dtype,
 )
 from klpo.loss_metrics import kl_metrics, policy_metrics, value_metrics
+from klpo.registry import _spec
 
 __all__ = [
     "cispo",
@@ -514,28 +515,34 @@ def kl_loss(
     """
     if cap is not None and not cap > 0:
         raise ValueError(f"the weight's cap must be > 0 (or None for no cap), got {cap!r}")
-    if name not in kl.ESTIMATORS:
-        raise ValueError(
-            f"unknown KL estimator {name!r}; choose one of: {', '.join(kl.ESTIMATORS)}"
-        )
-    spec = kl.SPECS[name]
-    if spec.off_policy == "none":
+    rule = _spec(name).off_policy  # (ValueError naming the estimators for an unknown one)
+    if rule == "none":
         return kl.estimate(name, logp, logp_ref, logits=logits, logits_ref=logits_ref, mask=mask)
     if logp is None or logp_ref is None:
         raise ValueError(f"estimator {name!r} needs logp and logp_ref ([B, T] token log-probs)")
-    if logp_old is None:
-        logp_old = logp.detach()
+    logp_old = logp.detach() if logp_old is None else logp_old
     est = kl.estimate(name, logp, logp_ref, logp_old=logp_old.detach(), mask=mask)
-    if cap is None:
-        if spec.off_policy == "carried":
-            return est
-        u = log_ratio(logp, logp_old).detach()
-        return to_out(capped_exp(u) * est.to(u.dtype), logp, logp_ref, logp_old)
+    if rule == "carried" and cap is None:
+        return est
     u = log_ratio(logp, logp_old).detach()
-    if spec.off_policy == "carried":  # sg(min(w, C) / w) = sg(min(1, C / w))
-        scale = torch.exp(torch.clamp(math.log(cap) - u, max=0.0))
-        return to_out(scale * est.to(u.dtype), logp, logp_ref, logp_old)
-    return to_out(capped_exp(u).clamp(max=cap) * est.to(u.dtype), logp, logp_ref, logp_old)
+    weight = _OFF_POLICY_WEIGHTS[rule](u, cap)
+    return to_out(weight * est.to(u.dtype), logp, logp_ref, logp_old)
+
+
+def _importance_weight(u: Tensor, cap: float | None) -> Tensor:
+    """``"weighted"``: ``sg(w)``, or ``sg(min(w, C))`` under a cap, from ``u = sg(log w)``."""
+    w = capped_exp(u)
+    return w if cap is None else w.clamp(max=cap)
+
+
+def _cap_scale(u: Tensor, cap: float) -> Tensor:
+    """``"carried"`` under a cap: ``sg(min(w, C) / w) = sg(min(1, C / w))``."""
+    return torch.exp(torch.clamp(math.log(cap) - u, max=0.0))
+
+
+_OFF_POLICY_WEIGHTS = {"weighted": _importance_weight, "carried": _cap_scale}
+""":func:`kl_loss`'s factor on the estimate by the estimator's off-policy rule
+(:attr:`klpo.kl.Spec.off_policy`; ``"none"`` takes none, nor does ``"carried"`` without a cap)."""
 
 
 def kl_reward(

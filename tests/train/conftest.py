@@ -113,7 +113,7 @@ class ScoredRollout:
         from klpo.train.data.load import load_examples
         from klpo.train.models.build import build_models
         from klpo.train.rewards.functions import resolve_rewards
-        from klpo.train.rollout.samplers import generate
+        from klpo.train.rollout.samplers import Decoding, generate
         from klpo.train.runtime.dist import Dist
         from klpo.train.step.score import score
 
@@ -125,10 +125,7 @@ class ScoredRollout:
                 p.add_(nudge * torch.randn_like(p))
         self.train, _ = load_examples(cfg)
         prompts = self.train[:4]
-        self.rollout = generate(
-            self.models.policy, self.models.tokenizer, [e.prompt for e in prompts],
-            [e.answer for e in prompts], group_size=4, max_new_tokens=4,
-        )  # fmt: skip
+        self.rollout = generate(self.models.policy, self.models.tokenizer, [e.prompt for e in prompts], [e.answer for e in prompts], Decoding(group_size=4, max_new_tokens=4))  # fmt: skip
         self.reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
         self.scored = score(
             cfg, self.models, self.rollout, self.reward_fns, beta, self.dist, fill_old=fill_old

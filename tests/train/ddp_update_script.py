@@ -27,7 +27,7 @@ from klpo.train.config import build_config
 from klpo.train.data.load import load_examples
 from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import generate
+from klpo.train.rollout.samplers import Decoding, generate
 from klpo.train.rollout.versions import SamplerGap, VersionRing, behaviour_pass, sampled_features
 from klpo.train.runtime.dist import init_distributed, shutdown
 from klpo.train.step.kl_term import kl_term
@@ -91,12 +91,16 @@ def one_update(dist, model: str, out: str, variant: str) -> None:
         ring.keep(1, m.policy)
         with ring.at(m.policy, 0):
             torch.manual_seed(1)
-            full = generate(m.policy, m.tokenizer, texts, answers, group_size=4, max_new_tokens=4)
+            full = generate(
+                m.policy, m.tokenizer, texts, answers, Decoding(group_size=4, max_new_tokens=4)
+            )
             behaviour = sampled_features(cfg, m, full, 0)
         full, gap = behaviour_pass(cfg, m, full, behaviour)
     else:
         torch.manual_seed(1)
-        full = generate(m.policy, m.tokenizer, texts, answers, group_size=4, max_new_tokens=4)
+        full = generate(
+            m.policy, m.tokenizer, texts, answers, Decoding(group_size=4, max_new_tokens=4)
+        )
     share = len(full.prompts) // dist.world
     rows = list(range(dist.rank * share, (dist.rank + 1) * share))
     mine = full.select(rows)

@@ -26,7 +26,7 @@ from klpo.train.models.backbone import is_sharded
 from klpo.train.models.build import build_models
 from klpo.train.models.load import load_causal_lm, load_tokenizer
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import generate
+from klpo.train.rollout.samplers import Decoding, generate
 from klpo.train.runtime.dist import Dist, init_distributed, shutdown
 from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
@@ -58,7 +58,7 @@ def rollouts(cfg, model: str) -> list:
         prompts = train[4 * step : 4 * step + 4]
         torch.manual_seed(1 + step)
         texts, answers = [e.prompt for e in prompts], [e.answer for e in prompts]
-        out.append(generate(plain, tok, texts, answers, group_size=4, max_new_tokens=4))
+        out.append(generate(plain, tok, texts, answers, Decoding(group_size=4, max_new_tokens=4)))
     return out
 
 

@@ -12,8 +12,8 @@ import torch
 
 from klpo import logprobs
 from klpo.train.models.backbone import Backbone
-from klpo.train.rollout.engines import EngineSpec, HFEngine, Sampling
-from klpo.train.rollout.samplers import Rollout, completion_hidden
+from klpo.train.rollout.engines import EngineSpec, HFEngine
+from klpo.train.rollout.samplers import Decoding, Rollout, completion_hidden
 
 
 def _copy(policy) -> list[torch.Tensor]:
@@ -24,7 +24,7 @@ class PerturbedEngine:
     name = "perturbed"
 
     def __init__(self, cfg, policy, tokenizer, delta: float, codec=None) -> None:
-        self.hf = HFEngine(policy, tokenizer, Sampling.from_config(cfg), codec=codec)
+        self.hf = HFEngine(policy, tokenizer, Decoding.from_config(cfg), codec=codec)
         self.policy, self.delta, self.temperature = policy, delta, cfg.rollout.temperature
         self.synced = 0
         self.closed = False

@@ -20,7 +20,7 @@ from klpo.train.config import ConfigError, build_config
 from klpo.train.models.build import build_models
 from klpo.train.preflight import preflight
 from klpo.train.rollout import engines
-from klpo.train.rollout.samplers import generate
+from klpo.train.rollout.samplers import Decoding, generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import read_metrics
 
@@ -57,10 +57,7 @@ def test_hf_engine_is_generate(tiny_model, quick, tmp_path):
     assert m.policy.training and got.engine_logp is None
     torch.manual_seed(5)
     m.policy.eval()
-    want = generate(
-        m.policy, m.tokenizer, prompts, answers, group_size=4, max_new_tokens=4,
-        max_prompt_tokens=cfg.data.max_prompt_tokens, sampler=cfg.rollout.sampler,
-    )  # fmt: skip
+    want = generate(m.policy, m.tokenizer, prompts, answers, Decoding(group_size=4, max_new_tokens=4, max_prompt_tokens=cfg.data.max_prompt_tokens, sampler=cfg.rollout.sampler))  # fmt: skip
     for key in ("prompt_ids", "completion_ids", "mask", "truncated"):
         assert torch.equal(getattr(got, key), getattr(want, key)), key
     assert got.completions == want.completions

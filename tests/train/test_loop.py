@@ -20,7 +20,7 @@ from klpo.train.loop import TrainingDiverged
 from klpo.train.models import build as models_build
 from klpo.train.models.build import build_models, unwrap
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import completion_hidden, generate, position_ids
+from klpo.train.rollout.samplers import Decoding, completion_hidden, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, is_timing, read_metrics
 from klpo.train.step.fused import FUSED_LOSS_MIN_VOCAB, takes_fused_loss
@@ -294,10 +294,7 @@ def _fixed_batch(cfg, beta_shift=0.05):
             p.add_(beta_shift * torch.randn_like(p))
     train, _ = load_examples(cfg)
     torch.manual_seed(1)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
+    rollout = generate(m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]], Decoding(group_size=4, max_new_tokens=4))  # fmt: skip
     fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     return dist, m, rollout, fns
 
@@ -445,8 +442,10 @@ def test_preflight_fails_before_any_model_loads_or_file_is_written(
     _no_model_loads(monkeypatch)
     out = tmp_path / "run"
     cfg = build_config(overrides=quick(tiny_model, out, **{"rollout.prompts_per_step": 3}))
-    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be divisible by .* \(2\)"):
-        loop._train(cfg, Dist(rank=0, world=2), False, print)
+    with monkeypatch.context() as m:  # two processes, as torchrun says (klpo train --check)
+        m.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be divisible by .* \(2\)"):
+            loop.check_run(cfg)
     assert not out.exists()
 
     # A reference of another vocabulary, and completions longer than the positions: refused

@@ -151,11 +151,7 @@ class SequencePair:
             raise SpecError(f"need vocab >= 2 and length >= 1, got vocab={vocab}, length={length}")
         if length == 1 and vocab > MAX_VOCAB:
             raise SpecError(f"vocab {vocab} is larger than the limit {MAX_VOCAB}")
-        if length > 1 and vocab**length > MAX_SEQUENCES:
-            raise SpecError(
-                f"vocab^length = {vocab}^{length} = {vocab**length} sequences is too many to "
-                f"enumerate; keep it <= {MAX_SEQUENCES} (smaller vocab or shorter length)"
-            )
+        _check_enumerable(vocab, length)
         rows = num_prefixes(vocab, length)
         for name, t in (("policy", logits), ("reference", logits_ref)):
             if tuple(t.shape) != (rows, vocab):
@@ -244,11 +240,7 @@ class SequencePair:
         for name, v, lo in (("vocab", vocab, 2), ("length", length, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise SpecError(f"spec field {name!r} must be an integer >= {lo}, got {v!r}")
-        if length > 1 and vocab**length > MAX_SEQUENCES:
-            raise SpecError(
-                f"vocab^length = {vocab}^{length} = {vocab**length} sequences is too many to "
-                f"enumerate; keep it <= {MAX_SEQUENCES}"
-            )
+        _check_enumerable(vocab, length)
         order = prefixes(vocab, length)
         tables = []
         for field in ("policy", "reference"):
@@ -452,3 +444,12 @@ def drift_path(
     sigma = _scale_for_kl(base, eps, max_kl, perturb_ref=False)
     frac = torch.arange(steps + 1, dtype=torch.float64)[:, None] / steps
     return base, base + frac * sigma * eps
+
+
+def _check_enumerable(vocab: int, length: int) -> None:
+    """Refuse a sequence model with more than :data:`MAX_SEQUENCES` sequences to enumerate."""
+    if length > 1 and vocab**length > MAX_SEQUENCES:
+        raise SpecError(
+            f"vocab^length = {vocab}^{length} = {vocab**length} sequences is too many to "
+            f"enumerate; keep it <= {MAX_SEQUENCES} (smaller vocab or shorter length)"
+        )

@@ -31,10 +31,11 @@ from klpo.train.models.tokens import Codec
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import eval_reward
 from klpo.train.rollout.reward_batch import reward_batch
-from klpo.train.rollout.samplers import Rollout
+from klpo.train.rollout.samplers import Decoding, Rollout
 from klpo.train.rollout.samplers import generate as rollout_generate
 
 __all__ = [
+    "Decoding",
     "Evaluation",
     "cached_evaluation",
     "evaluate",
@@ -71,13 +72,9 @@ def generate(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[str],
+    decoding: Decoding,
     *,
-    max_new_tokens: int,
     batch_size: int = 256,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    sampler: str = "lean",
     codec: Codec | None = None,
 ) -> list[str]:
     """Completions of ``prompts`` by a decoder-only ``transformers`` model, cut at the first stop.
@@ -93,79 +90,56 @@ def generate(
         model: a causal LM with ``generate`` (``transformers.PreTrainedModel``).
         tokenizer: its tokenizer, with ``pad_token_id`` and ``eos_token_id`` set.
         prompts: the prompt texts.
-        max_new_tokens: the most tokens generated per completion, EOS included.
-        batch_size: prompts per ``generate`` call.
-        do_sample: sample (with ``temperature`` and ``top_p``, no top-k) from torch's global
-            generator instead of greedy decoding.
+        decoding: how to decode (:class:`~klpo.train.rollout.samplers.Decoding`): greedy, or
+            sampled with ``temperature`` and ``top_p`` (no top-k) from torch's global generator;
+            ``max_new_tokens`` the most tokens of a completion, EOS included.
+        batch_size: prompts per sampling call.
 
     Returns:
-        One completion text per prompt, in order.
+        ``decoding.group_size`` completion texts per prompt (one with the default), in order.
     """
+    rollouts = _rollouts(
+        model, tokenizer, prompts, [""] * len(prompts), decoding, batch_size, codec
+    )
+    return [c for r in rollouts for c in r.completions]
 
+
+def _rollouts(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    decoding: Decoding,
+    batch_size: int,
+    codec: Codec | None,
+) -> list[Rollout]:
+    """:func:`generate`'s completions as one rollout per batch of ``batch_size`` prompts."""
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise ValueError(
             "the tokenizer needs pad_token_id and eos_token_id for batched generation; set "
             "tokenizer.pad_token (e.g. to its eos_token) first"
         )
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(
-            f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}"
-        )
-    if do_sample and not (temperature > 0 and 0 < top_p <= 1):
-        raise ValueError(
-            f"sampling needs temperature > 0 and top_p in (0, 1], got {temperature} and {top_p}"
-        )
-    rollouts = _rollouts(
-        model, tokenizer, prompts, [""] * len(prompts), max_new_tokens, batch_size, do_sample,
-        temperature, top_p, sampler, codec,
-    )  # fmt: skip
-    return [c for r in rollouts for c in r.completions]
-
-
-def _rollouts(
-    model, tokenizer, prompts, answers, max_new_tokens, batch_size, do_sample, temperature, top_p,
-    sampler, codec=None,
-) -> list[Rollout]:  # fmt: skip
-    """:func:`generate`'s completions as one rollout (group size 1) per batch of prompts."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     was_training = model.training
     model.eval()
     out: list[Rollout] = []
     try:
         for start in range(0, len(prompts), batch_size):
             batch = list(prompts[start : start + batch_size])
-            out.append(
-                rollout_generate(
-                    model,
-                    tokenizer,
-                    batch,
-                    list(answers[start : start + batch_size]),
-                    group_size=1,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    greedy=not do_sample,
-                    sampler=sampler,
-                    codec=codec,
-                )
-            )
+            mine = list(answers[start : start + batch_size])
+            out.append(rollout_generate(model, tokenizer, batch, mine, decoding, codec=codec))
     finally:
         model.train(was_training)
     return out
 
 
 def heldout_accuracy(
-    model: Any,
-    tokenizer: Any,
-    examples: Sequence[Example],
-    *,
-    max_new_tokens: int,
-    reward: str | Callable[..., Sequence[float | None]] = "exact_match",
-    batch_size: int = 256,
-    sampler: str = "lean",
-    codec: Codec | None = None,
+    model: Any, tokenizer: Any, examples: Sequence[Example], decoding: Decoding, **options: Any
 ) -> float:
-    """Fraction of ``examples`` that the model solves with greedy decoding (prompts tokenized and
-    completions cut by ``codec``, as :func:`generate` says).
+    """Fraction of ``examples`` that the model solves with ``decoding`` (greedy:
+    ``Decoding(max_new_tokens=n, greedy=True)``): :func:`evaluate`'s accuracy, with its
+    ``options`` (``reward``, ``batch_size``, ``codec``, ``state``).
 
     ``accuracy = (1/N) sum_i reward(prompt_i, greedy completion_i, answer_i)``, with a reward in
     ``{0, 1}`` (``exact_match`` by default; any name or function of
@@ -179,40 +153,30 @@ def heldout_accuracy(
     Returns:
         The accuracy in ``[0, 1]``.
     """
-    return evaluate(
-        model,
-        tokenizer,
-        examples,
-        max_new_tokens=max_new_tokens,
-        reward=reward,
-        batch_size=batch_size,
-        sampler=sampler,
-        codec=codec,
-    ).accuracy
+    return evaluate(model, tokenizer, examples, decoding, **options).accuracy
 
 
 def evaluate(
     model: Any,
     tokenizer: Any,
     examples: Sequence[Example],
+    decoding: Decoding,
     *,
-    max_new_tokens: int,
     reward: str | Callable[..., Sequence[float | None]] = "exact_match",
     batch_size: int = 256,
-    sampler: str = "lean",
     state: rewards.TrainerState | None = None,
     codec: Codec | None = None,
 ) -> Evaluation:
-    """:func:`heldout_accuracy`, with the completions it was computed from; ``state`` is the
-    run's progress a TRL-form reward function is given (default: step 0 of 0)."""
+    """The held-out evaluation of ``examples`` (:func:`heldout_accuracy` says how the accuracy is
+    scored), with the completions it was computed from: prompts sampled in batches of
+    ``batch_size`` (:func:`generate`, tokenized and cut by ``codec``), scored by ``reward``;
+    ``state`` is the run's progress a TRL-form reward function is given (default: step 0 of 0)."""
     if not examples:
         raise ValueError("heldout_accuracy needs at least one example")
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
     name = reward if isinstance(reward, str) else getattr(reward, "__name__", "reward")
-    rollouts = _rollouts(
-        model, tokenizer, [e.prompt for e in examples], [e.answer for e in examples],
-        max_new_tokens, batch_size, False, 1.0, 1.0, sampler, codec,
-    )  # fmt: skip
+    prompts, answers = [e.prompt for e in examples], [e.answer for e in examples]
+    rollouts = _rollouts(model, tokenizer, prompts, answers, decoding, batch_size, codec)
     scores: list[float | None] = []
     for k, r in enumerate(rollouts):
         mine = list(examples[k * batch_size : (k + 1) * batch_size])
@@ -241,9 +205,8 @@ def policy_evaluation(
         m.policy,
         m.tokenizer,
         heldout,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+        Decoding.heldout(cfg),
         reward=eval_reward(cfg),
-        sampler=cfg.rollout.sampler,
         codec=m.codec,
         state=rewards.TrainerState(global_step=step, max_steps=cfg.run.steps),
     )

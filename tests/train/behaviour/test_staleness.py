@@ -423,7 +423,7 @@ def _naive_m2po_keep(log_r: list[float], tau: float) -> list[bool]:
 
 
 def test_m2po_masks_over_the_optimizer_steps_tokens_at_any_micro_batch(stale, quick):
-    from klpo.train.rollout.samplers import generate
+    from klpo.train.rollout.samplers import Decoding, generate
 
     model, m, ring, params = stale
     over = {
@@ -434,10 +434,8 @@ def test_m2po_masks_over_the_optimizer_steps_tokens_at_any_micro_batch(stale, qu
     prompts = ["12+7=", "3+4=", "5+5=", "9+1="]
     with ring.at(m.policy, 0):
         torch.manual_seed(1)
-        rollout = generate(
-            m.policy, m.tokenizer, prompts, [""] * 4, group_size=4, max_new_tokens=4,
-            temperature=TEMPERATURE, codec=m.codec,
-        )  # fmt: skip
+        decoding = Decoding(group_size=4, max_new_tokens=4, temperature=TEMPERATURE)
+        rollout = generate(m.policy, m.tokenizer, prompts, [""] * 4, decoding, codec=m.codec)
         behaviour = sampled_features(_config(model, **over), m, rollout, 0)
     rollout, _ = behaviour_pass(_config(model, **over), m, rollout, behaviour)
     reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
@@ -503,15 +501,14 @@ def trm_batch(stale):
 
 
 def _trm_batch(model, m, ring):
-    from klpo.train.rollout.samplers import generate
+    from klpo.train.rollout.samplers import Decoding, generate
 
     cfg = _config(model, **TRM_OVER)
     with ring.at(m.policy, 0):
         torch.manual_seed(1)
-        rollout = generate(
-            m.policy, m.tokenizer, ["12+7=", "3+4=", "5+5=", "9+1="], [""] * 4, group_size=4,
-            max_new_tokens=4, temperature=TEMPERATURE, codec=m.codec,
-        )  # fmt: skip
+        prompts = ["12+7=", "3+4=", "5+5=", "9+1="]
+        decoding = Decoding(group_size=4, max_new_tokens=4, temperature=TEMPERATURE)
+        rollout = generate(m.policy, m.tokenizer, prompts, [""] * 4, decoding, codec=m.codec)
         behaviour = sampled_features(cfg, m, rollout, 0)
     rollout, gap = behaviour_pass(cfg, m, rollout, behaviour)
     scored = score(cfg, m, rollout, resolve_rewards({"klpo_test_rewards:digits": 1.0}), 0.0)
@@ -890,8 +887,8 @@ def test_the_newest_worker_samples_with_the_newest_version_and_waits_for_the_old
 
     from klpo.train.models.backbone import shares_prompt
     from klpo.train.models.load import DTYPES
-    from klpo.train.rollout.engines import Sampling
-    from klpo.train.rollout.worker import AsyncSampler, _worker
+    from klpo.train.rollout.samplers import Decoding
+    from klpo.train.rollout.worker import AsyncSampler, WorkerSampling, worker_loop
 
     extra = {
         "rollout.staleness": 2, "rollout.asynchronous": "true", "rollout.async_weights": "newest",
@@ -923,10 +920,11 @@ def test_the_newest_worker_samples_with_the_newest_version_and_waits_for_the_old
         [weights(4), weights(5), weights(6), request(7)],
     ]
     inbox, outbox = _ScriptedInbox(phases), queue.Queue()
-    _worker(
-        copy.deepcopy(m.backbone), m.tokenizer, m.codec, Sampling.from_config(cfg),
-        shares_prompt(cfg), cfg.run.seed, "cpu", DTYPES[cfg.model.dtype], inbox, outbox, 2,
+    sampling = WorkerSampling(
+        copy.deepcopy(m.backbone), m.tokenizer, m.codec, Decoding.from_config(cfg),
+        shares_prompt(cfg), cfg.run.seed, "cpu", DTYPES[cfg.model.dtype],
     )  # fmt: skip
+    worker_loop(sampling, inbox, outbox, 2)
     assert inbox.waits == 5 and not inbox.phases  # (at the start; after 4, 5; at 6; after 6)
     sampler = AsyncSampler.__new__(AsyncSampler)  # the trainer's side of take()
     sampler.k, sampler.outbox, sampler.models, sampler.device = 2, outbox, m, torch.device("cpu")

@@ -11,6 +11,7 @@ import torch
 
 from klpo.train.data.task import ArithmeticTask, Example
 from klpo.train.evaluate import generate, heldout_accuracy
+from klpo.train.rollout.samplers import Decoding
 from klpo.train.tools.make_reference import ReferenceConfig, build_model, build_tokenizer
 
 
@@ -130,19 +131,40 @@ def test_accuracy_of_right_wrong_and_half_right_stubs(tokenizer):
     held = ArithmeticTask(max_operand=99, n_heldout=40, seed=1).heldout
     right = StubLM(tokenizer)
     assert (
-        heldout_accuracy(right, tokenizer, held, max_new_tokens=6, batch_size=16, sampler=HF) == 1.0
+        heldout_accuracy(
+            right,
+            tokenizer,
+            held,
+            Decoding(max_new_tokens=6, sampler=HF, greedy=True),
+            batch_size=16,
+        )
+        == 1.0
     )
     assert right.training  # restored after evaluation
     assert [c["batch"] for c in right.calls] == [16, 16, 8]
     assert right.calls[0]["do_sample"] is False
     wrong = StubLM(tokenizer, wrong=lambda p: True)
-    assert heldout_accuracy(wrong, tokenizer, held, max_new_tokens=6, sampler=HF) == 0.0
+    assert (
+        heldout_accuracy(
+            wrong, tokenizer, held, Decoding(max_new_tokens=6, sampler=HF, greedy=True)
+        )
+        == 0.0
+    )
     odd = {e.prompt for e in held[1::2]}
     half = StubLM(tokenizer, wrong=lambda p: p in odd)
-    assert heldout_accuracy(half, tokenizer, held, max_new_tokens=6, sampler=HF) == 0.5  # 20 of 40
+    assert (
+        heldout_accuracy(half, tokenizer, held, Decoding(max_new_tokens=6, sampler=HF, greedy=True))
+        == 0.5
+    )  # 20 of 40
     # A name or a function scores the same way.
     assert (
-        heldout_accuracy(half, tokenizer, held, max_new_tokens=6, reward="numeric", sampler=HF)
+        heldout_accuracy(
+            half,
+            tokenizer,
+            held,
+            Decoding(max_new_tokens=6, sampler=HF, greedy=True),
+            reward="numeric",
+        )
         == 0.5
     )
 
@@ -150,25 +172,22 @@ def test_accuracy_of_right_wrong_and_half_right_stubs(tokenizer):
 def test_generate_cuts_at_eos_and_truncates(tokenizer):
     examples = [Example("9+9=", "18"), Example("10+5=", "15")]
     prompts = [e.prompt for e in examples]
-    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=6, sampler=HF) == [
+    assert generate(
+        StubLM(tokenizer), tokenizer, prompts, Decoding(max_new_tokens=6, sampler=HF, greedy=True)
+    ) == [
         "18",
         "15",
     ]
     # Two new tokens leave no room for EOS: the truncated text is returned, and it is wrong.
-    assert generate(StubLM(tokenizer), tokenizer, prompts, max_new_tokens=1, sampler=HF) == [
+    assert generate(
+        StubLM(tokenizer), tokenizer, prompts, Decoding(max_new_tokens=1, sampler=HF, greedy=True)
+    ) == [
         "1",
         "1",
     ]
     stub = StubLM(tokenizer)
     generate(
-        stub,
-        tokenizer,
-        prompts,
-        max_new_tokens=3,
-        do_sample=True,
-        temperature=0.7,
-        top_p=0.9,
-        sampler=HF,
+        stub, tokenizer, prompts, Decoding(max_new_tokens=3, temperature=0.7, top_p=0.9, sampler=HF)
     )
     assert stub.calls[0] == {
         "batch": 2,
@@ -180,19 +199,18 @@ def test_generate_cuts_at_eos_and_truncates(tokenizer):
 
 
 def test_generate_errors(tokenizer):
-    with pytest.raises(ValueError, match="max_new_tokens and batch_size must be >= 1"):
-        generate(StubLM(tokenizer), tokenizer, ["1+1="], max_new_tokens=0)
+    with pytest.raises(ValueError, match="group_size and max_new_tokens must be >= 1, got 1 and 0"):
+        generate(StubLM(tokenizer), tokenizer, ["1+1="], Decoding(max_new_tokens=0, greedy=True))
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        generate(StubLM(tokenizer), tokenizer, ["1+1="], Decoding(max_new_tokens=2), batch_size=0)
     with pytest.raises(ValueError, match="temperature > 0"):
         generate(
-            StubLM(tokenizer),
-            tokenizer,
-            ["1+1="],
-            max_new_tokens=2,
-            do_sample=True,
-            temperature=0.0,
+            StubLM(tokenizer), tokenizer, ["1+1="], Decoding(max_new_tokens=2, temperature=0.0)
         )
+    with pytest.raises(ValueError, match=r"rollout\.sampler must be one of"):
+        Decoding(max_new_tokens=2, sampler="beam")
     with pytest.raises(ValueError, match="at least one example"):
-        heldout_accuracy(StubLM(tokenizer), tokenizer, [], max_new_tokens=2)
+        heldout_accuracy(StubLM(tokenizer), tokenizer, [], Decoding(max_new_tokens=2, greedy=True))
 
 
 def test_left_padding_changes_no_greedy_completion(tokenizer):
@@ -207,7 +225,9 @@ def test_left_padding_changes_no_greedy_completion(tokenizer):
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     prompts = ["1+2=", "45+67=", "8+90=", "12345+1="]
-    batched = generate(model, tokenizer, prompts, max_new_tokens=5)
-    alone = [generate(model, tokenizer, [p], max_new_tokens=5)[0] for p in prompts]
+    batched = generate(model, tokenizer, prompts, Decoding(max_new_tokens=5, greedy=True))
+    alone = [
+        generate(model, tokenizer, [p], Decoding(max_new_tokens=5, greedy=True))[0] for p in prompts
+    ]
     assert batched == alone
     assert len(set(batched)) > 1  # not a degenerate constant model

@@ -11,6 +11,7 @@ import json
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -102,12 +103,13 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[s
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def cache(tmp_path, monkeypatch) -> Iterator[Path]:
     """klpo's cache in a directory of this test's own, the in-process memo cleared."""
     root = tmp_path / "cache"
     monkeypatch.setenv("KLPO_CACHE", str(root))
-    monkeypatch.setattr(gguf, "_RESOLVED", {})
-    return root
+    gguf.forget_resolved()
+    yield root
+    gguf.forget_resolved()
 
 
 @pytest.fixture(scope="module")
@@ -122,19 +124,21 @@ def tiny_image(tiny_gguf, tmp_path_factory) -> gguf.GGUFImage:
     """The tiny file converted once for the module, in a cache of its own."""
     mp = pytest.MonkeyPatch()
     mp.setenv("KLPO_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.setattr(gguf, "_RESOLVED", {})
+    gguf.forget_resolved()
     try:
         yield gguf.resolve_gguf(tiny_gguf)
     finally:
         mp.undo()
+        gguf.forget_resolved()
 
 
 @pytest.fixture
-def tiny_cache(tiny_image, monkeypatch) -> Path:
+def tiny_cache(tiny_image, monkeypatch) -> Iterator[Path]:
     """The module's cache, where the tiny file's image already is, as a new process sees it."""
     monkeypatch.setenv("KLPO_CACHE", str(tiny_image.path.parents[1]))
-    monkeypatch.setattr(gguf, "_RESOLVED", {})
-    return tiny_image.path.parents[1]
+    gguf.forget_resolved()
+    yield tiny_image.path.parents[1]
+    gguf.forget_resolved()
 
 
 def _no_conversion(*_args):
@@ -215,21 +219,20 @@ def test_image_logits_equal_transformers_own_gguf_load(tiny_gguf, tiny_image):
 
 
 def test_second_resolve_reuses_the_image(tiny_gguf, tiny_image, tiny_cache, monkeypatch):
-    monkeypatch.setattr(gguf, "_convert", _no_conversion)
-    again = gguf.resolve_gguf(tiny_gguf)  # a new process: the digest is read from the cache
+    # a new process: the digest is read from the cache
+    again = gguf.resolve_gguf(tiny_gguf, convert=_no_conversion)
     assert (again.path, again.converted) == (tiny_image.path, False)
     with monkeypatch.context() as m:  # the in-process memo: not even the digest is looked up
         m.setattr(gguf, "file_sha256", _no_conversion)
-        assert gguf.resolve_gguf(tiny_gguf).path == tiny_image.path
-    monkeypatch.setattr(gguf, "_RESOLVED", {})
-    monkeypatch.setattr(gguf.hashlib, "sha256", _no_conversion)  # nor the file read again
-    assert gguf.resolve_gguf(tiny_gguf).path == tiny_image.path
-    monkeypatch.undo()
-    monkeypatch.setenv("KLPO_CACHE", str(tiny_cache))
-    monkeypatch.setattr(gguf, "_convert", _no_conversion)
+        assert gguf.resolve_gguf(tiny_gguf, convert=_no_conversion).path == tiny_image.path
+    gguf.forget_resolved()
+    with monkeypatch.context() as m:  # nor the file read again
+        m.setattr(gguf.hashlib, "sha256", _no_conversion)
+        assert gguf.resolve_gguf(tiny_gguf, convert=_no_conversion).path == tiny_image.path
     copy = tiny_gguf.parent / "renamed copy.gguf"
     shutil.copy(tiny_gguf, copy)
-    assert gguf.resolve_gguf(copy).path == tiny_image.path  # keyed by content, not by name
+    # keyed by content, not by name
+    assert gguf.resolve_gguf(copy, convert=_no_conversion).path == tiny_image.path
     copy.unlink()
 
 
@@ -237,17 +240,15 @@ def test_changed_file_gets_a_new_image(tiny_gguf, tiny_image, tiny_cache, tmp_pa
     path = tmp_path / "m.gguf"
     shutil.copy(tiny_gguf, path)
     made: list[Path] = []
-    real = gguf._convert
 
     def counting(source, final, header, sha):
         made.append(final)
-        real(source, final, header, sha)
+        gguf.convert_gguf(source, final, header, sha)
 
-    monkeypatch.setattr(gguf, "_convert", counting)
-    one = gguf.resolve_gguf(path)
+    one = gguf.resolve_gguf(path, convert=counting)
     assert one.path == tiny_image.path and not made  # the same content: the same image
     write_tiny_gguf(path, seed=2)  # same name, other content
-    two = gguf.resolve_gguf(path)
+    two = gguf.resolve_gguf(path, convert=counting)
     assert two.path != one.path and made == [two.path] and two.converted
     assert gguf.find_image(one.sha256) == one.path and gguf.find_image(two.sha256) == two.path
 
@@ -314,16 +315,16 @@ def test_interrupted_conversion_leaves_nothing_and_two_converters_make_one(
     # the next tries make it whole: two at once (threads, each with its own lock file handle),
     # one conversion, the other waits on the lock and finds the image
     made: list[Path] = []
-    real = gguf._convert
 
     def counting(*args):
         made.append(args[1])
-        real(*args)
+        gguf.convert_gguf(*args)
 
-    monkeypatch.setattr(gguf, "_convert", counting)
     images: list[gguf.GGUFImage] = []
     threads = [
-        threading.Thread(target=lambda: images.append(gguf.resolve_gguf(tiny_gguf)))
+        threading.Thread(
+            target=lambda: images.append(gguf.resolve_gguf(tiny_gguf, convert=counting))
+        )
         for _ in range(2)
     ]
     for t in threads:
@@ -339,7 +340,7 @@ def test_train_preflight_resolves_first_and_says_what_the_weights_are(
 ):
     from klpo.train.loop import check_run
 
-    monkeypatch.setattr(gguf, "_RESOLVED", {})
+    gguf.forget_resolved()
     monkeypatch.setenv("KLPO_CACHE", str(tiny_image.path.parents[1]))
     cfg = build_config(overrides=quick(tiny_gguf, tmp_path / "run"))
     lines: list[str] = []
@@ -391,9 +392,9 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
     parts.mkdir(exist_ok=True)
     (parts / "a").write_bytes(data[:1000])
     (parts / "b").write_bytes(data[1000:])
-    monkeypatch.setattr(real_models, "_part_path", lambda _module, rel: parts / rel)
     sha = gguf.file_sha256(tiny_gguf)
-    pinned = real_models.RealModel("tiny", (), (("m", "a"), ("m", "b")), "tiny.gguf", sha)
+    pieces = (("m", "a"), ("m", "b"))
+    pinned = real_models.RealModel("tiny", (), pieces, "tiny.gguf", sha, root=parts)
     monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
     lines: list[str] = []
     assert real_models.real_model_dir("tiny") is None
@@ -404,7 +405,7 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
     lines.clear()
     real_models.make(["tiny"], log=lines.append)
     assert lines == [f"tiny: ready ({cache / 'gguf' / sha})"]
-    wrong = real_models.RealModel("odd", (), pinned.parts, "odd.gguf", "0" * 64)
+    wrong = real_models.RealModel("odd", (), pieces, "odd.gguf", "0" * 64, root=parts)
     monkeypatch.setitem(real_models.REAL_MODELS, "odd", wrong)
     with pytest.raises(ValueError, match=rf"odd.gguf: sha256 {sha}, but odd's pinned one is 0+;"):
         real_models.make(["odd"], log=lines.append)
@@ -430,6 +431,6 @@ def test_unwritable_cache_says_where_and_what_to_set(tiny_gguf, tmp_path, monkey
     blocker = tmp_path / "a file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("KLPO_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(gguf, "_RESOLVED", {})
+    gguf.forget_resolved()
     with pytest.raises(gguf.GGUFError, match=r"cannot be written into klpo's cache .*KLPO_CACHE"):
         gguf.resolve_gguf(tiny_gguf)

@@ -13,7 +13,7 @@ from klpo.train.config import ConfigError, build_config
 from klpo.train.models.backbone import Backbone
 from klpo.train.models.build import build_models, unwrap
 from klpo.train.models.cache import cache_support, notice
-from klpo.train.rollout.samplers import generate, position_ids
+from klpo.train.rollout.samplers import Decoding, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step.kl_term import kl_term
@@ -108,8 +108,10 @@ def test_the_lean_sampler_hands_a_recurrent_model_to_generate(recurrent):
 
     ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"rollout\.sampler: generate"):
-        sample_lean(recurrent, ids, torch.ones_like(ids), group_size=2, max_new_tokens=3,
-                    eos_token_id=0, pad_token_id=0)  # fmt: skip
+        sample_lean(
+            recurrent, ids, torch.ones_like(ids), Decoding(group_size=2, max_new_tokens=3),
+            eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
 
     class Tok:  # what generate asks of a tokenizer
         padding_side = "left"
@@ -126,8 +128,8 @@ def test_the_lean_sampler_hands_a_recurrent_model_to_generate(recurrent):
             return [" ".join(map(str, torch.as_tensor(r).tolist())) for r in rows]
 
     torch.manual_seed(0)
-    r = generate(recurrent, Tok(), ["0", "1"], ["", ""], group_size=2, max_new_tokens=3,
-                 greedy=True)  # fmt: skip
+    decoding = Decoding(group_size=2, max_new_tokens=3, greedy=True)
+    r = generate(recurrent, Tok(), ["0", "1"], ["", ""], decoding)
     want = recurrent.generate(
         input_ids=ids.repeat_interleave(2, 0), do_sample=False, max_new_tokens=3,
         eos_token_id=0, pad_token_id=0,

@@ -15,9 +15,11 @@ from typer.testing import CliRunner
 from klpo.cli import app
 from klpo.train.data.task import Example
 from klpo.train.evaluate import heldout_accuracy
+from klpo.train.rollout.samplers import Decoding
 from klpo.train.tools import make_reference as reference
 from klpo.train.tools.make_reference import (
     ReferenceConfig,
+    Schedule,
     build_model,
     build_tokenizer,
     load_reference,
@@ -66,7 +68,7 @@ def test_sft_loss_is_the_answer_token_cross_entropy(tokenizer):
     torch.manual_seed(0)
     model = build_model(TINY, tokenizer).double()
     batch = [Example("1+2=", "3"), Example("12+34=", "46")]
-    inputs = reference._sft_batch(tokenizer, batch)
+    inputs = reference.sft_batch(tokenizer, batch)
     loss = model(**inputs).loss
     total, count = 0.0, 0
     for e in batch:
@@ -89,11 +91,13 @@ def test_supervised_finetune_lowers_the_loss(tokenizer):
     torch.manual_seed(0)
     model = build_model(TINY, tokenizer)
     train = TINY.task().train
-    losses = supervised_finetune(model, tokenizer, train, steps=30, batch_size=16, lr=1e-2, seed=0)
+    losses = supervised_finetune(
+        model, tokenizer, train, Schedule(steps=30, batch_size=16, lr=1e-2)
+    )
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     with pytest.raises(ValueError, match="at least one example"):
-        supervised_finetune(model, tokenizer, [], steps=1, batch_size=1, lr=1e-3)
+        supervised_finetune(model, tokenizer, [], Schedule(steps=1, batch_size=1, lr=1e-3))
 
 
 def test_make_reference_saves_reloads_and_reproduces(tmp_path, tokenizer):
@@ -117,7 +121,9 @@ def test_make_reference_saves_reloads_and_reproduces(tmp_path, tokenizer):
         "12+3=", add_special_tokens=False
     )
     held = TINY.task().heldout
-    acc = heldout_accuracy(model, tok, held, max_new_tokens=TINY.max_new_tokens())
+    acc = heldout_accuracy(
+        model, tok, held, Decoding(max_new_tokens=TINY.max_new_tokens(), greedy=True)
+    )
     assert acc == result.heldout_accuracy
     # Seeded: a second run is bit-identical; another seed is not.
     again = make_reference(tmp_path / "again", TINY)
@@ -137,7 +143,8 @@ def test_make_reference_stops_at_the_validation_accuracy(tmp_path, monkeypatch):
     scripted = iter([0.1, 0.2, 0.35, 0.9])
     seen = []
 
-    def fake_accuracy(model, tokenizer, examples, *, max_new_tokens):
+    def fake_accuracy(model, tokenizer, examples, decoding):
+        assert decoding == Decoding(max_new_tokens=config.max_new_tokens(), greedy=True)
         seen.append(len(examples))
         return next(scripted) if len(examples) == 7 else 0.25
 
@@ -145,9 +152,10 @@ def test_make_reference_stops_at_the_validation_accuracy(tmp_path, monkeypatch):
     sft_data = []
     real_sft = reference.supervised_finetune
 
-    def recording_sft(model, tokenizer, examples, **kwargs):
+    def recording_sft(model, tokenizer, examples, schedule, **kwargs):
+        assert schedule == config.schedule()
         sft_data.extend(examples)
-        return real_sft(model, tokenizer, examples, **kwargs)
+        return real_sft(model, tokenizer, examples, schedule, **kwargs)
 
     monkeypatch.setattr(reference, "supervised_finetune", recording_sft)
     config = dataclasses.replace(TINY, steps=50, n_val=7, stop_at_accuracy=0.3)
@@ -242,6 +250,9 @@ def test_shipped_reference():
     assert 0.2 <= meta["heldout_accuracy"] <= 0.6
     model, tok = load_reference()
     acc = heldout_accuracy(
-        model, tok, config.task().heldout, max_new_tokens=config.max_new_tokens()
+        model,
+        tok,
+        config.task().heldout,
+        Decoding(max_new_tokens=config.max_new_tokens(), greedy=True),
     )
     assert acc == meta["heldout_accuracy"]

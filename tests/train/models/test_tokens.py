@@ -29,7 +29,7 @@ from klpo.train.data.sources import Example, render_chat
 from klpo.train.models.load import load_causal_lm, load_tokenizer
 from klpo.train.models.tokens import Codec, StopSet, check_single_bos, run_codec, stop_set
 from klpo.train.rollout import engines
-from klpo.train.rollout.samplers import completion_mask, generate
+from klpo.train.rollout.samplers import Decoding, completion_mask, generate
 from klpo.train.runtime.metrics import read_metrics
 
 
@@ -295,16 +295,14 @@ def test_each_family_stops_at_its_end_of_turn(name, sampler, emitting):
     cfg = build_config(overrides=[f"model.policy={path}", "data.chat=true"])
     codec = run_codec(cfg, tok, str(path))
     (e,) = render_chat([Example("1+2=", "3")], tok, chat=True)
-    r = generate(model, tok, [e.prompt], ["3"], group_size=2, max_new_tokens=8, sampler=sampler,
-                 codec=codec)  # fmt: skip
+    r = generate(model, tok, [e.prompt], ["3"], Decoding(group_size=2, max_new_tokens=8, sampler=sampler), codec=codec)  # fmt: skip
     prompt = r.prompt_ids[0][r.prompt_mask[0]].tolist()
     assert prompt == hand_ids(e.prompt, f)
     assert r.completion_ids.tolist() == [[f.ids()[last]]] * 2
     assert r.mask.all() and not r.truncated.any() and r.completions == ["", ""]
     if last != f.eos:  # the tokenizer's EOS alone never ends these completions
         old = Codec(tok, StopSet((tok.eos_token_id,)), chat=True)
-        r = generate(model, tok, [e.prompt], ["3"], group_size=2, max_new_tokens=8,
-                     sampler=sampler, codec=old)  # fmt: skip
+        r = generate(model, tok, [e.prompt], ["3"], Decoding(group_size=2, max_new_tokens=8, sampler=sampler), codec=old)  # fmt: skip
         assert r.mask.sum(-1).tolist() == [8, 8] and r.truncated.all()
 
 
@@ -314,8 +312,7 @@ def test_a_stop_string_stops_both_samplers_at_the_same_token(sampler, emitting):
     model, tok = load_causal_lm(str(path)), load_tokenizer(str(path))
     cfg = build_config(overrides=[f"model.policy={path}", "rollout.stop=['xxx']"])
     codec = run_codec(cfg, tok, str(path))
-    r = generate(model, tok, ["1+2="], ["3"], group_size=2, max_new_tokens=8, sampler=sampler,
-                 codec=codec)  # fmt: skip
+    r = generate(model, tok, ["1+2="], ["3"], Decoding(group_size=2, max_new_tokens=8, sampler=sampler), codec=codec)  # fmt: skip
     # Both loops stop at the third x (generate by its StopStringCriteria, lean by Codec.stops_in).
     assert r.completion_ids.shape[1] == 3 and r.mask.all() and not r.truncated.any()
     assert r.completions == ["", ""]
@@ -458,8 +455,7 @@ def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, t
     tok = load_tokenizer(str(path))
     codec = run_codec(cfg, tok, str(path))
     (text,) = [e.prompt for e in render_chat([Example("1+2=", "3")], tok, chat=True)]
-    policy = generate(load_causal_lm(str(path)), tok, [text], ["3"], group_size=4,
-                      max_new_tokens=4, codec=codec)  # fmt: skip
+    policy = generate(load_causal_lm(str(path)), tok, [text], ["3"], Decoding(group_size=4, max_new_tokens=4), codec=codec)  # fmt: skip
     batch = sample_reference(cfg, Backbone(load_causal_lm(str(path))), codec, [text], ["3"], policy)
     r = batch.rollout
     assert r.prompt_ids[0][r.prompt_mask[0]].tolist() == hand_ids(text, f)

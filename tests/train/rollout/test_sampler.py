@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
-from klpo.train.rollout.samplers import draw, generate, nucleus_logits, preallocate, sample_lean
+from klpo.train.rollout.samplers import (
+    Decoding,
+    draw,
+    generate,
+    nucleus_logits,
+    preallocate,
+    sample_lean,
+)
 
 PROMPTS = ["12+7=", "3+45=", "99+99=", "1+2="]  # several token lengths: left padding is exercised
 
@@ -51,16 +58,15 @@ def test_nucleus_by_hand():
 
 def test_greedy_equals_generate(model_tok):
     model, tok = model_tok
-    lean = generate(model, tok, PROMPTS, [""] * 4, group_size=2, max_new_tokens=5, greedy=True)
+    lean = generate(
+        model, tok, PROMPTS, [""] * 4, Decoding(group_size=2, max_new_tokens=5, greedy=True)
+    )
     hf = generate(
         model,
         tok,
         PROMPTS,
         [""] * 4,
-        group_size=2,
-        max_new_tokens=5,
-        greedy=True,
-        sampler="generate",
+        Decoding(group_size=2, max_new_tokens=5, greedy=True, sampler="generate"),
     )
     assert torch.equal(lean.prompt_ids, hf.prompt_ids)
     assert torch.equal(lean.completion_ids, hf.completion_ids)
@@ -102,12 +108,9 @@ def test_samples_follow_the_exact_next_token_law(random_lm, temperature, top_p):
         model,
         enc["input_ids"],
         enc["attention_mask"],
-        group_size=n,
-        max_new_tokens=2,
+        Decoding(group_size=n, max_new_tokens=2, temperature=temperature, top_p=top_p),
         eos_token_id=-1,
         pad_token_id=0,
-        temperature=temperature,
-        top_p=top_p,
     )
     pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -142,7 +145,12 @@ def test_rows_stop_at_their_first_eos(random_lm):
     eos = [int(i) for i in probs.argsort(descending=True)[:4]]  # EOS is likely at once
     torch.manual_seed(0)
     toks = sample_lean(
-        model, ids, att, group_size=64, max_new_tokens=30, eos_token_id=eos, pad_token_id=0
+        model,
+        ids,
+        att,
+        Decoding(group_size=64, max_new_tokens=30),
+        eos_token_id=eos,
+        pad_token_id=0,
     )
     is_eos = torch.isin(toks, torch.tensor(eos))
     assert is_eos.any(-1).all()  # every row stopped ...

@@ -8,7 +8,7 @@ import torch
 from klpo import logprobs
 from klpo.train.models.backbone import Backbone, Critic
 from klpo.train.models.load import default_reference_path, load_causal_lm, load_tokenizer
-from klpo.train.rollout.samplers import completion_hidden, generate, shared_groups
+from klpo.train.rollout.samplers import Decoding, completion_hidden, generate, shared_groups
 
 PROMPTS = ["12+7=", "3+45=", "99+99=", "1+2="]  # different token lengths: left padding is exercised
 
@@ -19,7 +19,7 @@ def setup():
     torch.manual_seed(0)
     model = load_causal_lm(path).double()
     tok = load_tokenizer(path)
-    rollout = generate(model, tok, PROMPTS, ["0"] * 4, group_size=3, max_new_tokens=4)
+    rollout = generate(model, tok, PROMPTS, ["0"] * 4, Decoding(group_size=3, max_new_tokens=4))
     return model, rollout
 
 

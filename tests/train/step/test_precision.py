@@ -12,7 +12,7 @@ from klpo.train.config import build_config
 from klpo.train.data.load import load_examples
 from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import completion_hidden, generate
+from klpo.train.rollout.samplers import Decoding, completion_hidden, generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.step import microbatch
 from klpo.train.step.kl_term import kl_term
@@ -52,8 +52,7 @@ def rollout_of(m, cfg):
         m.tokenizer,
         [e.prompt for e in train[:4]],
         [e.answer for e in train[:4]],
-        group_size=4,
-        max_new_tokens=6,
+        Decoding(group_size=4, max_new_tokens=6),
     )
 
 

@@ -14,7 +14,7 @@ from klpo.train.config import build_config
 from klpo.train.data.load import load_examples
 from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import generate, position_ids
+from klpo.train.rollout.samplers import Decoding, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, read_metrics
 from klpo.train.step.kl_term import kl_term
@@ -58,10 +58,7 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     dist = Dist()
     m = build_models(cfg, dist, None)
     train, _ = load_examples(cfg)
-    rollout = generate(
-        m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]],
-        group_size=4, max_new_tokens=4,
-    )  # fmt: skip
+    rollout = generate(m.policy, m.tokenizer, [e.prompt for e in train[:4]], [e.answer for e in train[:4]], Decoding(group_size=4, max_new_tokens=4))  # fmt: skip
     fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})
     s = score(cfg, m, rollout, fns, 0.5)
     assert bool(s.old.filled.all())  # two epochs: the score's own pass gives log pi_old

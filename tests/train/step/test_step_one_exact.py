@@ -23,7 +23,7 @@ from klpo.train.config import build_config
 from klpo.train.models import build as build_mod
 from klpo.train.models.build import build_models
 from klpo.train.rewards.functions import resolve_rewards
-from klpo.train.rollout.samplers import generate
+from klpo.train.rollout.samplers import Decoding, generate
 from klpo.train.runtime.dist import Dist
 from klpo.train.step import update as update_mod
 from klpo.train.step.kl_term import kl_term
@@ -114,8 +114,7 @@ def step_one(cfg, m, prompts: list[str], *, max_new_tokens: int = 4) -> dict[str
         m.tokenizer,
         prompts,
         [""] * len(prompts),
-        group_size=cfg.rollout.group_size,
-        max_new_tokens=max_new_tokens,
+        Decoding(group_size=cfg.rollout.group_size, max_new_tokens=max_new_tokens),
         codec=m.codec,
     )
     reward_fns = resolve_rewards({"klpo_test_rewards:digits": 1.0})

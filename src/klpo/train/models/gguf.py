@@ -47,8 +47,10 @@ __all__ = [
     "GGUFHeader",
     "GGUFImage",
     "cache_root",
+    "convert_gguf",
     "file_sha256",
     "find_image",
+    "forget_resolved",
     "gguf_problem",
     "is_gguf_path",
     "read_header",
@@ -375,8 +377,18 @@ def _complete(path: Path) -> bool:
 _RESOLVED: dict[tuple[str, int, int, int], GGUFImage] = {}
 
 
+def forget_resolved() -> None:
+    """Forget the files :func:`resolve_gguf` resolved in this process: the next call looks each
+    up in the cache, as a new process does."""
+    _RESOLVED.clear()
+
+
 def resolve_gguf(
-    name: str | os.PathLike[str], *, key: str = "model", log: Callable[[str], None] | None = None
+    name: str | os.PathLike[str],
+    *,
+    key: str = "model",
+    log: Callable[[str], None] | None = None,
+    convert: Callable[[Path, Path, GGUFHeader, str], None] | None = None,
 ) -> GGUFImage:
     """The float32 model directory of the GGUF file ``name``: made once (dequantised by
     transformers, with the file's tokenizer, chat template and generation config), then read
@@ -386,6 +398,8 @@ def resolve_gguf(
         name: the ``.gguf`` file.
         key: the config key or option that names it, for messages.
         log: where to say that a conversion starts (it takes a minute or more on a 100M model).
+        convert: what makes the image, ``(source, final, header, sha256)`` (default
+            :func:`convert_gguf`); called only where the cache lacks it, under the file's lock.
 
     Raises:
         GGUFError: the file cannot be used (:func:`read_header`, :func:`check_architecture`), or
@@ -405,7 +419,7 @@ def resolve_gguf(
     converted = False
     if not _complete(final):
         try:
-            converted = _make_image(source, final, header, sha, key, log)
+            converted = _make_image(source, final, header, sha, key, log, convert or convert_gguf)
         except OSError as err:  # a cache that cannot be written, a full disk
             raise GGUFError(
                 f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
@@ -425,9 +439,17 @@ def resolve_gguf(
     return image
 
 
-def _make_image(source: Path, final: Path, header: GGUFHeader, sha: str, key: str, log) -> bool:
-    """Convert ``source`` into ``final`` under the lock, unless another process did meanwhile;
-    whether this call converted it."""
+def _make_image(
+    source: Path,
+    final: Path,
+    header: GGUFHeader,
+    sha: str,
+    key: str,
+    log: Callable[[str], None] | None,
+    convert: Callable[[Path, Path, GGUFHeader, str], None],
+) -> bool:
+    """Convert ``source`` into ``final`` by ``convert`` under the lock, unless another process
+    did meanwhile; whether this call converted it."""
     from filelock import FileLock
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -440,11 +462,11 @@ def _make_image(source: Path, final: Path, header: GGUFHeader, sha: str, key: st
                 f"{header.size / 1e6:.0f} MB) into a float32 model once; later runs "
                 f"read it from {final}"
             )
-        _convert(source, final, header, sha)
+        convert(source, final, header, sha)
     return True
 
 
-def _convert(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
+def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     """Dequantise ``source`` with transformers and save the float32 model, its tokenizer, chat
     template and generation config into ``final``, atomically."""
     import torch

@@ -41,16 +41,18 @@ from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import unshard_root
 from klpo.train.models.load import DTYPES, autocast
 from klpo.train.models.tokens import Codec, generation_config, stop_set
-from klpo.train.rollout.samplers import Rollout, generate
+from klpo.train.rollout.samplers import Decoding, Rollout, generate
 
 __all__ = [
     "ENGINES",
+    "Decoding",
     "EngineFactory",
     "EngineSpec",
     "HFEngine",
     "RolloutEngine",
     "Sampling",
     "VLLMEngine",
+    "VLLMOptions",
     "check_engine",
     "hf_engine",
     "make_engine",
@@ -77,30 +79,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling settings every engine follows (from ``rollout.*`` and ``data.*``)."""
-
-    group_size: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    max_prompt_tokens: int | None
-    sampler: str = "lean"  # hf: rollout.sampler, lean or generate (klpo.train.rollout.samplers)
-    synced: bool = False  # hf under FSDP: every rank steps generate until all are done
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, *, synced: bool = False) -> Sampling:
-        r = cfg.rollout
-        return cls(
-            r.group_size,
-            r.max_new_tokens,
-            r.temperature,
-            r.top_p,
-            cfg.data.max_prompt_tokens,
-            r.sampler,
-            synced,
-        )
+Sampling = Decoding
+"""The sampling settings every engine follows: :class:`klpo.train.rollout.samplers.Decoding`
+(this module's earlier name for it)."""
 
 
 class HFEngine:
@@ -117,7 +98,7 @@ class HFEngine:
         self,
         policy: Any,
         tokenizer: Any,
-        sampling: Sampling,
+        sampling: Decoding,
         *,
         backbone: torch.nn.Module | None = None,
         dtype: torch.dtype | None = None,
@@ -133,25 +114,13 @@ class HFEngine:
         """Nothing to do: this engine samples with the policy module itself."""
 
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
-        s = self.sampling
         self.policy.eval()
         if self.backbone is not None:
             unshard_root(self.backbone)
         try:
             with autocast(self.dtype, self.device):
                 return generate(
-                    self.policy,
-                    self.tokenizer,
-                    prompts,
-                    answers,
-                    group_size=s.group_size,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    max_prompt_tokens=s.max_prompt_tokens,
-                    sampler=s.sampler,
-                    synced=s.synced,
-                    codec=self.codec,
+                    self.policy, self.tokenizer, prompts, answers, self.sampling, codec=self.codec
                 )
         finally:
             self.policy.train()
@@ -198,6 +167,18 @@ def _vllm_runner(llm: Any) -> Any:
     return getattr(worker, "worker", worker).model_runner
 
 
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What the vLLM ``LLM`` is built with: its weights' ``dtype`` (``model.dtype``), its
+    generator's ``seed`` (``run.seed``), the share of the accelerator's ``memory`` it may take
+    (``rollout.vllm_memory``) and the longest sequence it holds, prompt and completion."""
+
+    dtype: str
+    seed: int
+    memory: float
+    max_model_len: int
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in this process, synced with the policy's weights before each step.
 
@@ -215,12 +196,9 @@ class VLLMEngine:
         self,
         model_path: str,
         tokenizer: Any,
-        sampling: Sampling,
+        sampling: Decoding,
+        options: VLLMOptions,
         *,
-        dtype: str,
-        seed: int,
-        memory: float,
-        max_model_len: int,
         codec: Codec | None = None,
     ) -> None:
         try:
@@ -240,11 +218,11 @@ class VLLMEngine:
         self.llm = vllm.LLM(
             model=model_path,
             tokenizer=model_path,
-            dtype=dtype,
-            seed=seed,
+            dtype=options.dtype,
+            seed=options.seed,
             enforce_eager=True,
-            gpu_memory_utilization=memory,
-            max_model_len=max_model_len,
+            gpu_memory_utilization=options.memory,
+            max_model_len=options.max_model_len,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
         )
@@ -264,15 +242,8 @@ class VLLMEngine:
     def sample(self, prompts: list[str], answers: list[str]) -> Rollout:
         s, codec = self.sampling, self.codec
         g = s.group_size
-        texts = [p for p in prompts for _ in range(g)]
-        enc = codec.encode(texts)
-        lengths = enc["attention_mask"].sum(-1)
-        if s.max_prompt_tokens is not None and bool((lengths > s.max_prompt_tokens).any()):
-            row = int((lengths > s.max_prompt_tokens).nonzero()[0])
-            raise ValueError(
-                f"prompt {row // g} is {int(lengths[row])} tokens long, more than "
-                f"data.max_prompt_tokens={s.max_prompt_tokens}: {prompts[row // g][:80]!r}"
-            )
+        enc = codec.encode([p for p in prompts for _ in range(g)])
+        s.check_prompts(enc["attention_mask"].sum(-1), prompts, g)
         inputs = []
         for i in range(len(prompts)):
             ids = enc["input_ids"][i * g][enc["attention_mask"][i * g].bool()].tolist()
@@ -303,25 +274,14 @@ class VLLMEngine:
                 )
         width = max(1, *(len(r) for r in ids_rows))
         pad = self.tokenizer.pad_token_id
-        completion_ids = torch.full((len(texts), width), pad, dtype=torch.long)
-        engine_logp = torch.zeros(len(texts), width, dtype=torch.float32)
+        completion_ids = torch.full((len(prompts) * g, width), pad, dtype=torch.long)
+        engine_logp = torch.zeros(len(prompts) * g, width, dtype=torch.float32)
         for b, (ids, lp) in enumerate(zip(ids_rows, logp_rows, strict=True)):
             completion_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             engine_logp[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
         # A row that stopped before `width` is padded with pad ids, which are not its tokens.
         done = codec.finish(completion_ids, torch.tensor([len(r) for r in ids_rows]))
-        return Rollout(
-            prompt_ids=enc["input_ids"],
-            prompt_mask=enc["attention_mask"].bool(),
-            completion_ids=done.ids,
-            mask=done.mask,
-            prompts=texts,
-            completions=done.texts,
-            answers=[a for a in answers for _ in range(g)],
-            group_size=g,
-            truncated=done.truncated,
-            engine_logp=torch.where(done.mask, engine_logp, 0.0),
-        )
+        return Rollout.from_encoded(enc, done, prompts, answers, g, engine_logp)
 
     def close(self) -> None:
         self.llm = None
@@ -337,7 +297,7 @@ def hf_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> RolloutE
     return HFEngine(
         m.policy,
         m.tokenizer,
-        Sampling.from_config(cfg, synced=synced),
+        Decoding.from_config(cfg, synced=synced),
         backbone=m.backbone,
         dtype=DTYPES[cfg.model.dtype],
         device=dist.device,
@@ -349,16 +309,13 @@ def vllm_engine(cfg: TrainConfig, m: Any, dist: Any, policy_path: str) -> Rollou
     """``rollout.engine: vllm``: a vLLM engine in this process (:class:`VLLMEngine`)."""
     positions = getattr(m.policy.config, "max_position_embeddings", None)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return VLLMEngine(
-        policy_path,
-        m.tokenizer,
-        Sampling.from_config(cfg),
+    options = VLLMOptions(
         dtype=cfg.model.dtype,
         seed=cfg.run.seed,
         memory=cfg.rollout.vllm_memory,
         max_model_len=min(longest, positions) if positions else longest,
-        codec=m.codec,
     )
+    return VLLMEngine(policy_path, m.tokenizer, Decoding.from_config(cfg), options, codec=m.codec)
 
 
 def check_engine(cfg: TrainConfig, world: int) -> None:

@@ -10,7 +10,7 @@ from the frozen reference and scores them once under pi_ref (sequence log-probs,
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from klpo import reduce
 from klpo.train.config import TrainConfig
 from klpo.train.models.backbone import ModelHead, shares_prompt, token_outputs
 from klpo.train.models.tokens import Codec
-from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
+from klpo.train.rollout.samplers import Decoding, Rollout, completion_hidden, generate
 
 
 @dataclass
@@ -60,19 +60,9 @@ def sample_reference(
     tokenized and cut at the stop set by the run's ``codec``, as the policy's are: both
     sequence distributions are over the same completions."""
     t0 = time.perf_counter()
-    r = generate(
-        reference.model,
-        codec.tokenizer,
-        prompts,
-        answers,
-        group_size=cfg.kl.ref_samples or cfg.rollout.group_size,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        sampler=cfg.rollout.sampler,
-        codec=codec,
-    )
+    decoding = Decoding.from_config(cfg)
+    decoding = replace(decoding, group_size=cfg.kl.ref_samples or decoding.group_size)
+    r = generate(reference.model, codec.tokenizer, prompts, answers, decoding, codec=codec)
     logp_ref = sequence_logp(
         reference,
         reference.head(),

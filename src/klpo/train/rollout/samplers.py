@@ -13,8 +13,9 @@ Shapes: B sequences (prompts × group size), P prompt columns, C completion colu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,7 +25,92 @@ from transformers.cache_utils import DynamicLayer
 from klpo.train.choices import SAMPLERS
 from klpo.train.models.cache import cache_support
 from klpo.train.models.load import cache_kwargs, output_cache
-from klpo.train.models.tokens import Codec
+from klpo.train.models.tokens import Codec, Finished
+
+if TYPE_CHECKING:
+    from klpo.train.config import TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decoding:
+    """How completions are sampled: the settings every sampler and engine follows.
+
+    Sampling is from softmax(logits / ``temperature``) restricted to the ``top_p`` nucleus
+    (Holtzman et al., 2020), ``top_k`` off; ``greedy`` takes the argmax instead (``temperature``
+    and ``top_p`` unused). A run's come from ``rollout.*`` and ``data.max_prompt_tokens``
+    (:meth:`from_config`); its held-out evaluation's are greedy, one completion a prompt
+    (:meth:`heldout`).
+
+    Example:
+        >>> d = Decoding(max_new_tokens=8, greedy=True)  # one greedy completion a prompt
+        >>> d.group_size, d.sampler, d.max_prompt_tokens
+        (1, 'lean', None)
+        >>> Decoding(max_new_tokens=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: group_size and max_new_tokens must be >= 1, got 1 and 0
+    """
+
+    group_size: int = 1  # completions per prompt (rows g*G .. g*G+G-1 share prompt g)
+    max_new_tokens: int  # the most tokens a completion holds, its stop included
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # the argmax at each position instead of a draw
+    max_prompt_tokens: int | None = None  # a longer prompt is refused (None: any length)
+    sampler: str = "lean"  # rollout.sampler: lean or generate (klpo.train.choices.SAMPLERS)
+    synced: bool = False  # every rank decodes until all are done (a sharded model's forward)
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(
+                f"rollout.sampler must be one of {tuple(SAMPLERS)}, got {self.sampler!r}"
+            )
+        if self.group_size < 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                "group_size and max_new_tokens must be >= 1, got "
+                f"{self.group_size} and {self.max_new_tokens}"
+            )
+        if not self.greedy and not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ValueError(
+                f"sampling needs temperature > 0 and top_p in (0, 1], got {self.temperature} "
+                f"and {self.top_p}"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, synced: bool = False) -> Decoding:
+        """A run's sampling: ``rollout.group_size``, ``max_new_tokens``, ``temperature``,
+        ``top_p``, ``sampler`` and ``data.max_prompt_tokens``; ``synced`` under FSDP."""
+        r = cfg.rollout
+        return cls(
+            group_size=r.group_size,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            sampler=r.sampler,
+            synced=synced,
+        )
+
+    @classmethod
+    def heldout(cls, cfg: TrainConfig) -> Decoding:
+        """A run's held-out evaluation: one greedy completion a prompt, of at most
+        ``rollout.max_new_tokens``, by ``rollout.sampler``."""
+        return cls(
+            max_new_tokens=cfg.rollout.max_new_tokens, greedy=True, sampler=cfg.rollout.sampler
+        )
+
+    def check_prompts(self, lengths: Tensor, prompts: Sequence[str], rows_per_prompt: int) -> None:
+        """Refuse a prompt longer than ``max_prompt_tokens``: ``lengths [R]`` the token counts of
+        the encoded rows, ``rows_per_prompt`` of them for each of ``prompts``."""
+        if self.max_prompt_tokens is None:
+            return
+        too_long = (lengths > self.max_prompt_tokens).nonzero().flatten().tolist()
+        if too_long:
+            i = too_long[0] // rows_per_prompt
+            raise ValueError(
+                f"prompt {i} is {int(lengths[too_long[0]])} tokens long, more than "
+                f"data.max_prompt_tokens={self.max_prompt_tokens}: {prompts[i][:80]!r}"
+            )
 
 
 @dataclass
@@ -51,6 +137,34 @@ class Rollout:
     # [B, C] the exact KL(pi_behav ‖ pi_old) at each position (0 where mask is False), from the
     # same behaviour pass; None without staleness
     behav_kl: Tensor | None = None
+
+    @classmethod
+    def from_encoded(
+        cls,
+        enc: dict[str, Tensor],
+        done: Finished,
+        prompts: Sequence[str],
+        answers: Sequence[str],
+        group_size: int,
+        engine_logp: Tensor | None = None,
+    ) -> Rollout:
+        """The rollout of ``group_size`` completions of each of ``prompts``: ``enc`` the encoded
+        prompt rows (``input_ids``, ``attention_mask`` ``[B, P]``, each prompt's repeated over its
+        group), ``done`` the completions cut at their stops
+        (:meth:`klpo.train.models.tokens.Codec.finish`), ``engine_logp [B, C]`` an engine's
+        log-probs of them (zeroed where ``done.mask`` is False)."""
+        return cls(
+            prompt_ids=enc["input_ids"],
+            prompt_mask=enc["attention_mask"].bool(),
+            completion_ids=done.ids,
+            mask=done.mask,
+            prompts=[p for p in prompts for _ in range(group_size)],
+            completions=done.texts,
+            answers=[a for a in answers for _ in range(group_size)],
+            group_size=group_size,
+            truncated=done.truncated,
+            engine_logp=None if engine_logp is None else torch.where(done.mask, engine_logp, 0.0),
+        )
 
     @property
     def sampler_logp(self) -> Tensor | None:
@@ -238,32 +352,28 @@ def sample_lean(
     model,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
+    decoding: Decoding,
     *,
-    group_size: int,
-    max_new_tokens: int,
     eos_token_id: int | list[int],
     pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    synced: bool = False,
     stops_in: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """``[N*G, C]`` completion tokens: ``group_size`` samples for each of ``N`` left-padded prompts.
+    """``[N*G, C]`` completion tokens: ``decoding.group_size`` samples for each of ``N``
+    left-padded prompts, of at most ``decoding.max_new_tokens``.
 
     A plain sampling loop over the model's forward with a key/value cache, in place of
     ``generate``'s general machinery (logits processors, stopping criteria, cache bookkeeping)
     whose per-token overhead dominates short completions of small models. Each prompt is run
     once, its cache repeated ``group_size`` times and given room for the completions
     (:func:`preallocate`); then each new token is drawn from softmax(logits / temperature)
-    restricted to the ``top_p`` nucleus (:func:`draw`; or the argmax if ``greedy``), with the
-    model's logits in float32. Rows stop at their first id of ``eos_token_id`` (the stop set's ids)
+    restricted to the ``top_p`` nucleus (:func:`draw`; or the argmax if ``decoding.greedy``),
+    with the model's logits in float32. Rows stop at their first id of ``eos_token_id`` (the stop set's ids)
     or where ``stops_in`` (``[R, t]`` tokens so far -> ``[R]`` bool, the rows that completed a stop
     string; :meth:`klpo.train.models.tokens.Codec.stops_in`) says so; later columns hold
     ``pad_token_id``, and the loop stops when every row has stopped. The distribution is the
     one ``generate`` samples with ``top_k`` off; the draws for a given seed are not the same.
-    With ``synced`` (a sharded model, whose forward is collective) the loop stops only when every
-    rank's rows have stopped.
+    With ``decoding.synced`` (a sharded model, whose forward is collective) the loop stops only
+    when every rank's rows have stopped.
     """
     support = cache_support(model)
     if not support.shared:
@@ -276,6 +386,7 @@ def sample_lean(
     ids = prompt_ids.to(device)
     att = prompt_mask.to(device).long()
     pos = position_ids(att)
+    group_size, max_new_tokens = decoding.group_size, decoding.max_new_tokens
     out = model(
         input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1
     )
@@ -290,13 +401,16 @@ def sample_lean(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
     for t in range(max_new_tokens):
-        token = logits.argmax(-1) if greedy else draw(nucleus_logits(logits / temperature, top_p))
+        if decoding.greedy:
+            token = logits.argmax(-1)
+        else:
+            token = draw(nucleus_logits(logits / decoding.temperature, decoding.top_p))
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         tokens.append(token)
         done = done | torch.isin(token, eos)
         if stops_in is not None:
             done = done | stops_in(torch.stack(tokens, dim=1))
-        if t == max_new_tokens - 1 or _all_ranks(bool(done.all()), synced, device):
+        if t == max_new_tokens - 1 or _all_ranks(bool(done.all()), decoding.synced, device):
             break
         att = torch.cat([att, torch.ones_like(att[:, :1])], dim=1)
         out = model(
@@ -329,82 +443,47 @@ def generate(
     tokenizer,
     prompts: list[str],
     answers: list[str],
+    decoding: Decoding,
     *,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    max_prompt_tokens: int | None = None,
-    sampler: str = "lean",
-    synced: bool = False,
     codec: Codec | None = None,
 ) -> Rollout:
-    """Sample ``group_size`` completions for each prompt: :func:`sample_lean` or ``model.generate``.
+    """Sample ``decoding.group_size`` completions for each prompt: :func:`sample_lean` or
+    ``model.generate`` (``decoding.sampler``).
 
     Sampling is from softmax(logits / temperature) restricted by ``top_p`` only: ``top_k`` is
     switched off (transformers' default of 50 would silently sample from a distribution other
     than the policy's, biasing every estimator), and no repetition penalty applies.
-    ``synced`` keeps every rank decoding until all are done (``generate``'s ``synced_gpus``): a
-    sharded model's forward is collective, so no rank may stop early.
+    ``decoding.synced`` keeps every rank decoding until all are done (``generate``'s
+    ``synced_gpus``): a sharded model's forward is collective, so no rank may stop early.
 
     ``codec`` (:class:`klpo.train.models.tokens.Codec`) tokenizes the prompts and cuts the
     completions at the stop set; the run's own says whether the prompts were rendered by a chat
     template. Default: plain prompts (the tokenizer's special tokens added once), stopped by the
     tokenizer's EOS and ``model``'s ``generation_config.eos_token_id``.
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"rollout.sampler must be one of {tuple(SAMPLERS)}, got {sampler!r}")
+    g = decoding.group_size
     codec = codec if codec is not None else Codec.plain(tokenizer, model)
-    if sampler == "lean" and not cache_support(model).shared:
-        sampler = "generate"  # its cache cannot be repeated for a group (the load said so)
-    texts = [p for p in prompts for _ in range(group_size)]
-    refs = [a for a in answers for _ in range(group_size)]
-    once = prompts if sampler == "lean" else texts  # lean: each prompt once, its cache repeated
-    enc = codec.encode(once)
-    if max_prompt_tokens is not None:
-        lengths = enc["attention_mask"].sum(-1)
-        too_long = (lengths > max_prompt_tokens).nonzero().flatten().tolist()
-        if too_long:
-            i = too_long[0] // (1 if sampler == "lean" else group_size)
-            raise ValueError(
-                f"prompt {i} is {int(lengths[too_long[0]])} tokens long, more than "
-                f"data.max_prompt_tokens={max_prompt_tokens}: {prompts[i][:80]!r}"
-            )
-    if sampler == "lean":
+    # lean: each prompt once, its cache repeated for the group (where the cache allows it; the
+    # load said so); generate: each prompt's row repeated
+    lean = decoding.sampler == "lean" and cache_support(model).shared
+    enc = codec.encode(prompts if lean else [p for p in prompts for _ in range(g)])
+    decoding.check_prompts(enc["attention_mask"].sum(-1), prompts, 1 if lean else g)
+    if lean:
         completion_ids = sample_lean(
             model,
             enc["input_ids"],
             enc["attention_mask"],
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
+            decoding,
             eos_token_id=list(codec.stop.ids),
             pad_token_id=tokenizer.pad_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            greedy=greedy,
-            synced=synced,
             stops_in=codec.stops_in if codec.stop.strings else None,
         )
-        enc = {k: v.repeat_interleave(group_size, dim=0) for k, v in enc.items()}
+        enc = {k: v.repeat_interleave(g, dim=0) for k, v in enc.items()}
     else:
-        completion_ids = _hf_generate(
-            model, codec, enc, max_new_tokens, temperature, top_p, greedy, synced
-        )
+        completion_ids = _hf_generate(model, codec, enc, decoding)
     if completion_ids.shape[1] == 0:
-        completion_ids = torch.full((len(texts), 1), tokenizer.pad_token_id)
-    done = codec.finish(completion_ids)
-    return Rollout(
-        prompt_ids=enc["input_ids"],
-        prompt_mask=enc["attention_mask"].bool(),
-        completion_ids=done.ids,
-        mask=done.mask,
-        prompts=texts,
-        completions=done.texts,
-        answers=refs,
-        group_size=group_size,
-        truncated=done.truncated,
-    )
+        completion_ids = torch.full((len(prompts) * g, 1), tokenizer.pad_token_id)
+    return Rollout.from_encoded(enc, codec.finish(completion_ids), prompts, answers, g)
 
 
 def shared_groups(rollout: Rollout) -> int:
@@ -447,18 +526,17 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
     return hidden[:, -(c + 1) : -1]  # columns P - 1 .. P + C - 2
 
 
-def _hf_generate(
-    model, codec: Codec, enc, max_new_tokens, temperature, top_p, greedy, synced=False
-) -> Tensor:
+def _hf_generate(model, codec: Codec, enc: dict[str, Tensor], decoding: Decoding) -> Tensor:
     """``[B, C]`` completion tokens from ``model.generate`` (top-k off, no repetition penalty),
     stopped by the codec's stop set (its strings as ``stop_strings``)."""
+    greedy = decoding.greedy
     tok = codec.tokenizer
     gen_cfg = GenerationConfig(
         do_sample=not greedy,
-        temperature=None if greedy else temperature,
-        top_p=None if greedy else top_p,
+        temperature=None if greedy else decoding.temperature,
+        top_p=None if greedy else decoding.top_p,
         top_k=None if greedy else 0,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=decoding.max_new_tokens,
         pad_token_id=tok.pad_token_id,
         eos_token_id=list(codec.stop.ids),
         bos_token_id=tok.bos_token_id,
@@ -470,6 +548,8 @@ def _hf_generate(
         attention_mask=enc["attention_mask"].to(device),
         generation_config=gen_cfg,
         **({"tokenizer": tok} if codec.stop.strings else {}),  # generate needs it for strings
-        **({"synced_gpus": True} if synced else {}),  # (only when asked: stub models lack it)
+        **(
+            {"synced_gpus": True} if decoding.synced else {}
+        ),  # (only when asked: stub models lack it)
     )
     return out[:, enc["input_ids"].shape[1] :].cpu()

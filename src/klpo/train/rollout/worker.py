@@ -43,6 +43,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,12 +55,18 @@ from klpo.train.data.sources import PromptStream
 from klpo.train.models.backbone import OWN_LOGITS
 from klpo.train.models.build import Models, unwrap
 from klpo.train.models.load import DTYPES, autocast
-from klpo.train.rollout.engines import Sampling
-from klpo.train.rollout.samplers import Rollout, completion_hidden, generate
+from klpo.train.rollout.samplers import Decoding, Rollout, completion_hidden, generate
 from klpo.train.rollout.versions import Behaviour, VersionRing
 from klpo.train.runtime.dist import Dist
 
-__all__ = ["AsyncSampler", "StaleBatch", "pick_version", "step_seed"]
+__all__ = [
+    "AsyncSampler",
+    "StaleBatch",
+    "WorkerSampling",
+    "pick_version",
+    "step_seed",
+    "worker_loop",
+]
 
 WAIT_S = 600.0
 """The longest wait for one batch from the worker before the trainer gives up."""
@@ -120,34 +127,65 @@ def _load(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
             p.copy_(tensors[n])
 
 
-def _worker(
-    backbone: torch.nn.Module,
-    tokenizer: Any,
-    codec: Any,
-    sampling: Sampling,
-    share_prompt: bool,
-    seed: int,
-    device: str,
-    dtype: torch.dtype,
-    inbox: Any,
-    outbox: Any,
-    staleness: int | None = None,
+@dataclass(frozen=True)
+class WorkerSampling:
+    """What the worker samples with: its copy of the policy's ``backbone`` (on ``device``, under
+    autocast to ``dtype`` as the hf engine samples), the run's ``tokenizer`` and ``codec``, its
+    ``decoding`` (:meth:`Decoding.from_config`), whether groups share their prompt's forward
+    (:func:`klpo.train.models.backbone.shares_prompt`) and the run's ``seed``."""
+
+    backbone: torch.nn.Module
+    tokenizer: Any
+    codec: Any
+    decoding: Decoding
+    share_prompt: bool
+    seed: int
+    device: str
+    dtype: torch.dtype
+
+    def sample(
+        self, step: int, rank: int, prompts: list, answers: list
+    ) -> tuple[int, Rollout, Tensor, Any]:
+        """Sample one rank's share of a step's request with the weights the worker holds: the
+        rank, the rollout, the completions' last hidden states and the head's weights."""
+        torch.manual_seed(step_seed(self.seed, step, rank))
+        backbone = self.backbone
+        with autocast(self.dtype, torch.device(self.device)):  # as the hf engine samples
+            rollout = generate(
+                backbone.model, self.tokenizer, prompts, answers, self.decoding, codec=self.codec
+            )
+        with torch.no_grad():
+            hidden = completion_hidden(backbone, rollout, share_prompt=self.share_prompt)
+            head = backbone.head()
+            weights = (
+                None
+                if not isinstance(head, Head)
+                else (
+                    head.weight.detach().cpu().clone(),
+                    None if head.bias is None else head.bias.detach().cpu().clone(),
+                )
+            )
+        return rank, rollout, hidden.detach().cpu(), weights
+
+
+def worker_loop(
+    sampling: WorkerSampling, inbox: Any, outbox: Any, staleness: int | None = None
 ) -> None:
     """The worker process: weights and requests from ``inbox``, batches to ``outbox``. With
     ``staleness`` None (``rollout.async_weights: fixed``) the messages are taken in order, each
     request sampled with the weights received last; with k, each request with the version of
     :func:`pick_version` among those received (every message already queued is read first).
     A request holds the shares of one or more ranks, ``(rank, prompts, answers)``; each is
-    sampled with its rank's seed and the batch holds them all, in order."""
+    sampled with its rank's seed (:meth:`WorkerSampling.sample`) and the batch holds them all,
+    in order."""
     torch.set_num_threads(1)
 
     def sample(step: int, version: int | None, parts: list) -> None:
-        common = (backbone, tokenizer, codec, sampling, share_prompt, seed, device, dtype, step)
-        batch = [_sample_part(*common, rank, prompts, answers) for rank, prompts, answers in parts]
+        batch = [sampling.sample(step, rank, prompts, answers) for rank, prompts, answers in parts]
         outbox.put(("batch", (step, version, batch)))
 
     try:
-        backbone = backbone.to(device)
+        backbone = sampling.backbone.to(sampling.device)
         backbone.eval()
         version = None
         if staleness is None:
@@ -200,44 +238,6 @@ def _worker(
         outbox.put(("error", traceback.format_exc()))
 
 
-def _sample_part(
-    backbone: torch.nn.Module,
-    tokenizer: Any,
-    codec: Any,
-    sampling: Sampling,
-    share_prompt: bool,
-    seed: int,
-    device: str,
-    dtype: torch.dtype,
-    step: int,
-    rank: int,
-    prompts: list,
-    answers: list,
-) -> tuple[int, Rollout, Tensor, Any]:
-    """Sample one rank's share of a step's request with the weights the worker holds: the
-    rank, the rollout, the completions' last hidden states and the head's weights."""
-    torch.manual_seed(step_seed(seed, step, rank))
-    s = sampling
-    with autocast(dtype, torch.device(device)):  # as the hf engine samples
-        rollout = generate(
-            backbone.model, tokenizer, prompts, answers, group_size=s.group_size,
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-            max_prompt_tokens=s.max_prompt_tokens, sampler=s.sampler, codec=codec,
-        )  # fmt: skip
-    with torch.no_grad():
-        hidden = completion_hidden(backbone, rollout, share_prompt=share_prompt)
-        head = backbone.head()
-        weights = (
-            None
-            if not isinstance(head, Head)
-            else (
-                head.weight.detach().cpu().clone(),
-                None if head.bias is None else head.bias.detach().cpu().clone(),
-            )
-        )
-    return rank, rollout, hidden.detach().cpu(), weights
-
-
 class AsyncSampler:
     """The trainer's side of the worker (see the module): start it, :meth:`take` each step's
     batch, :meth:`advance` after each step, :meth:`close` at the end. With
@@ -273,15 +273,16 @@ class AsyncSampler:
             ctx = torch.multiprocessing.get_context("spawn")
             self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
             worker_copy = copy.deepcopy(core).to("cpu")
-            self.process = ctx.Process(
-                target=_worker,
-                args=(
-                    worker_copy, m.tokenizer, m.codec, Sampling.from_config(cfg),
-                    shares_prompt(cfg), cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype],
-                    self.inbox, self.outbox, self.k if self.newest else None,
-                ),
-                daemon=True,
+            sampling = WorkerSampling(
+                worker_copy, m.tokenizer, m.codec, Decoding.from_config(cfg), shares_prompt(cfg),
+                cfg.run.seed, str(self.device), DTYPES[cfg.model.dtype],
             )  # fmt: skip
+            self.process = ctx.Process(
+                target=worker_loop,
+                args=(sampling, self.inbox, self.outbox, self.k if self.newest else None),
+                daemon=True,
+            )
+            del sampling
             self.process.start()
             del worker_copy
         if self.newest and step0 < cfg.run.steps:  # the newest kept, for the first requests

@@ -128,9 +128,8 @@ def save_checkpoint(
     try:
         # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
         with atomic_dir(final) as tmp:
-            _write_checkpoint(
-                tmp, step, policy, optimizers, critic, rng, state, reference, versions
-            )
+            _write_models(tmp, policy, critic, reference, versions)
+            _write_state(tmp, step, optimizers, rng, state)
     except (OSError, SafetensorError) as err:  # atomic_dir removed the partial files
         rng = rng or [rng_state()]
         meta = {"optimizers": [_flatten_optimizer(o, n)[1] for n, o in optimizers.items()]}
@@ -174,17 +173,14 @@ def prune_checkpoints(run_dir: str | Path, step: int, keep: int) -> list[Path]:
     return gone
 
 
-def _write_checkpoint(
+def _write_models(
     tmp: Path,
-    step: int,
     policy: Any,
-    optimizers: dict[str, torch.optim.Optimizer],
     critic: torch.nn.Module | None,
-    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
-    state: dict[str, Any] | None,
-    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
-    versions: dict[str, torch.Tensor] | None = None,
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None,
+    versions: dict[str, torch.Tensor] | None,
 ) -> None:
+    """The checkpoint's weights: the policy, the ring of versions, the critic, a moved reference."""
     policy.save_pretrained(tmp / "policy", safe_serialization=True)
     if versions is not None:
         save_file({k: v.contiguous() for k, v in versions.items()}, str(tmp / VERSIONS))
@@ -194,6 +190,16 @@ def _write_checkpoint(
         save_file(reference, str(tmp / REFERENCE))
     elif reference is not None:  # kl.reference_reset moved it: the run resumes with it
         save_model(reference, str(tmp / REFERENCE))
+
+
+def _write_state(
+    tmp: Path,
+    step: int,
+    optimizers: dict[str, torch.optim.Optimizer],
+    rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None,
+    state: dict[str, Any] | None,
+) -> None:
+    """The checkpoint's state: the optimizers, every rank's generators, ``state.json``."""
     optim_tensors, optim_structure = {}, {}
     for name, opt in optimizers.items():
         t, s = _flatten_optimizer(opt, name)

@@ -49,31 +49,7 @@ def estimators_page() -> str:
         "loss misses the future tokens' KL) is in the lab: `klpo lab report`.",
         "",
     ]
-    for on_policy in (True, False):
-        title = (
-            "on-policy (tokens sampled from pi_theta)"
-            if on_policy
-            else (
-                "off-policy (tokens sampled from pi_old, no correction beyond the estimator's own)"
-            )
-        )
-        lines += [
-            f"## {title}",
-            "",
-            "| estimator | value | estimates | unbiased | ≥ 0 | gradient in reward | "
-            "gradient in loss | gradient in reward+loss |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for name in kl.ESTIMATORS:
-            rows = [kl.explain(name, p, on_policy=on_policy) for p in kl.PLACEMENTS]
-            e = rows[0]
-            grads = [r.gradient + (" *" if r.mismatch else "") for r in rows]
-            equation = e.equation.replace("|", r"\|")  # a bare | would end the table cell
-            lines.append(
-                f"| `{name}` | {equation} | {e.estimates} | {'yes' if e.unbiased else 'no'} | "
-                f"{'yes' if e.nonnegative else 'no'} | " + " | ".join(grads) + " |"
-            )
-        lines.append("")
+    lines += _placement_table(on_policy=True) + _placement_table(on_policy=False)
 
     def rule(off_policy: str) -> str:  # the estimators with that off-policy rule
         return ", ".join(f"`{n}`" for n in kl.ESTIMATORS if kl.SPECS[n].off_policy == off_policy)
@@ -89,7 +65,48 @@ def estimators_page() -> str:
     ]
     for name, fn in fns.items():
         lines.append(f"- **`{name}`** (`klpo.kl.{fn.__name__}`): {_first_paragraph(fn)}")
+    lines += _ref_sampled_section()
     lines += [
+        "",
+        "## Tokens from a sampler k versions behind",
+        "",
+        "In asynchronous RL the weight pi_theta/pi_old is 1 at the first update and repairs nothing",
+        "of the sampler's lag; what each correction does then, exactly: `klpo explain --staleness K`",
+        "and docs/async.md.",
+    ]
+    return HEADER + "\n".join(lines) + "\n"
+
+
+def _placement_table(on_policy: bool) -> list[str]:
+    """The estimators page's table of every per-token estimator in every placement, with tokens
+    sampled from pi_theta (``on_policy``) or from pi_old."""
+    title = (
+        "on-policy (tokens sampled from pi_theta)"
+        if on_policy
+        else ("off-policy (tokens sampled from pi_old, no correction beyond the estimator's own)")
+    )
+    lines = [
+        f"## {title}",
+        "",
+        "| estimator | value | estimates | unbiased | ≥ 0 | gradient in reward | "
+        "gradient in loss | gradient in reward+loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in kl.ESTIMATORS:
+        rows = [kl.explain(name, p, on_policy=on_policy) for p in kl.PLACEMENTS]
+        e = rows[0]
+        grads = [r.gradient + (" *" if r.mismatch else "") for r in rows]
+        equation = e.equation.replace("|", r"\|")  # a bare | would end the table cell
+        lines.append(
+            f"| `{name}` | {equation} | {e.estimates} | {'yes' if e.unbiased else 'no'} | "
+            f"{'yes' if e.nonnegative else 'no'} | " + " | ".join(grads) + " |"
+        )
+    return [*lines, ""]
+
+
+def _ref_sampled_section() -> list[str]:
+    """The estimators page's section on the estimators that also sample the reference."""
+    lines = [
         "",
         "## Estimators that also sample the reference",
         "",
@@ -109,15 +126,7 @@ def estimators_page() -> str:
     lines.append("")
     for name in kl.REF_SAMPLED:
         lines.append(f"- **`{name}` in the reward**: {kl.refusal(name, 'reward')}")
-    lines += [
-        "",
-        "## Tokens from a sampler k versions behind",
-        "",
-        "In asynchronous RL the weight pi_theta/pi_old is 1 at the first update and repairs nothing",
-        "of the sampler's lag; what each correction does then, exactly: `klpo explain --staleness K`",
-        "and docs/async.md.",
-    ]
-    return HEADER + "\n".join(lines) + "\n"
+    return lines
 
 
 def metrics_page() -> str:

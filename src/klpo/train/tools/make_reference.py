@@ -16,31 +16,33 @@ float32 reduction orders and so the last bits of the weights.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import string
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from klpo._io import atomic_dir, write_text_atomic
 from klpo.train.data.task import ArithmeticTask, Example
 from klpo.train.evaluate import heldout_accuracy
 from klpo.train.models.load import default_reference_path
-from klpo.train.outdir import claim_dir, written_before
+from klpo.train.outdir import claim_dir
+from klpo.train.rollout.samplers import Decoding
+from klpo.train.tools.scaffold import fit, model_dir, write_meta
 
 __all__ = [
     "ReferenceConfig",
     "ReferenceResult",
+    "Schedule",
     "build_model",
     "build_tokenizer",
     "load_reference",
     "make_reference",
     "same_weights",
+    "sft_batch",
     "supervised_finetune",
 ]
 
@@ -135,6 +137,24 @@ class ReferenceConfig:
         """Enough new tokens for every answer of the task plus EOS."""
         return self.task().max_answer_chars() + 1
 
+    def schedule(self) -> Schedule:
+        """The supervised fine-tuning's steps, batches and optimizer settings."""
+        return Schedule(**{f.name: getattr(self, f.name) for f in fields(Schedule)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """How :func:`supervised_finetune` trains: at most ``steps`` AdamW steps of ``batch_size``
+    examples drawn by ``random.Random(seed)``, learning rate ``lr`` after ``warmup`` linear
+    warm-up steps, decoupled ``weight_decay``."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: int = 0
+    weight_decay: float = 0.0
+    seed: int = 0
+
 
 @dataclass
 class ReferenceResult:
@@ -209,7 +229,7 @@ def build_model(config: ReferenceConfig, tokenizer: Any) -> Any:
     return model
 
 
-def _sft_batch(tokenizer: Any, batch: Sequence[Example]) -> dict[str, Any]:
+def sft_batch(tokenizer: Any, batch: Sequence[Example]) -> dict[str, Any]:
     """Right-padded ``prompt + answer + EOS`` with labels only on ``answer + EOS``."""
     import torch
 
@@ -231,24 +251,20 @@ def supervised_finetune(
     model: Any,
     tokenizer: Any,
     examples: Sequence[Example],
+    schedule: Schedule,
     *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    warmup: int = 0,
-    weight_decay: float = 0.0,
-    seed: int = 0,
     on_step: Callable[[int, float], bool | None] | None = None,
 ) -> list[float]:
     r"""Train ``model`` in place on ``prompt → answer + EOS`` by teacher forcing.
 
     Loss: the mean token cross-entropy over the answer and EOS tokens of the batch,
     ``-(1/|A|) sum_{t in A} log pi_theta(y_t | y_<t)``; prompt and padding tokens get label -100
-    and contribute nothing. Sequences are right-padded (prompts start at position 0, as they do
-    after ``generate`` derives positions from a left-padded mask). AdamW (betas 0.9, 0.98) with
-    linear warm-up over ``warmup`` steps to ``lr``, then constant. Batches are drawn uniformly
-    with replacement by ``random.Random(seed)``. ``on_step(step, loss)`` is called after every
-    step; when it returns True, training stops there.
+    and contribute nothing (:func:`sft_batch`). Sequences are right-padded (prompts start at
+    position 0, as they do after ``generate`` derives positions from a left-padded mask). AdamW
+    (betas 0.9, 0.98) with linear warm-up over ``schedule.warmup`` steps to ``schedule.lr``,
+    then constant. Batches are drawn uniformly with replacement by
+    ``random.Random(schedule.seed)``. ``on_step(step, loss)`` is called after every step; when
+    it returns True, training stops there.
 
     Returns:
         The loss of every step taken.
@@ -257,27 +273,20 @@ def supervised_finetune(
 
     if not examples:
         raise ValueError("supervised_finetune needs at least one example")
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+    s = schedule
+    rng = random.Random(s.seed)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=s.weight_decay
     )
-    model.train()
-    losses = []
-    for step in range(steps):
-        batch = _sft_batch(
-            tokenizer, [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        )
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if on_step is not None and on_step(step, losses[-1]):
-            break
-    model.eval()
-    return losses
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / s.warmup) if s.warmup > 0 else 1.0
+    )
+
+    def loss_at(step: int) -> Any:
+        batch = [examples[rng.randrange(len(examples))] for _ in range(s.batch_size)]
+        return model(**sft_batch(tokenizer, batch)).loss
+
+    return fit(model, opt, s.steps, loss_at, on_step, sched)
 
 
 def make_reference(
@@ -315,7 +324,7 @@ def make_reference(
     task = config.task()
     train, heldout = task.splits()
     val, sft_data = train[: config.n_val], train[config.n_val :]
-    max_new_tokens = config.max_new_tokens()
+    greedy = Decoding(max_new_tokens=config.max_new_tokens(), greedy=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(config.seed)
     model = build_model(config, tokenizer)
@@ -324,28 +333,17 @@ def make_reference(
     def step_done(step: int, loss: float) -> bool:
         stop, acc = False, None
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            acc = heldout_accuracy(model, tokenizer, val, max_new_tokens=max_new_tokens)
+            acc = heldout_accuracy(model, tokenizer, val, greedy)
             val_accuracy.append(acc)
             stop = config.stop_at_accuracy is not None and acc >= config.stop_at_accuracy
         if on_step is not None:
             on_step(step, loss, acc)
         return stop
 
-    losses = supervised_finetune(
-        model,
-        tokenizer,
-        sft_data,
-        steps=config.steps,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        warmup=config.warmup,
-        weight_decay=config.weight_decay,
-        seed=config.seed,
-        on_step=step_done,
-    )
+    losses = supervised_finetune(model, tokenizer, sft_data, config.schedule(), on_step=step_done)
     model.to(getattr(torch, config.save_dtype))
     # Measure what is saved: the accuracy of the stored weights, computed in float32.
-    accuracy = heldout_accuracy(model.float(), tokenizer, heldout, max_new_tokens=max_new_tokens)
+    accuracy = heldout_accuracy(model.float(), tokenizer, heldout, greedy)
     model.to(getattr(torch, config.save_dtype))
     num_parameters = sum(p.numel() for p in model.parameters())
     seconds = time.perf_counter() - start
@@ -362,25 +360,11 @@ def make_reference(
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
     }
-    _save(out, model, tokenizer, meta)
+    with model_dir(out, model, tokenizer, "reference.json") as tmp:
+        write_meta(tmp, "reference.json", meta)
     return ReferenceResult(
         out, accuracy, val_accuracy[-1], len(losses), num_parameters, seconds, losses
     )
-
-
-def _save(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
-    """The model, its tokenizer and ``reference.json``, into ``out`` atomically, as package data
-    (readable whatever the umask)."""
-    # Replaces only what klpo wrote there: the user's other files stay (klpo.train.outdir).
-    with atomic_dir(out, replaces=written_before(out / "reference.json")) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        files = sorted([p.name for p in tmp.iterdir()] + ["reference.json"])
-        meta = {**meta, "files": files}
-        write_text_atomic(tmp / "reference.json", json.dumps(meta, indent=2) + "\n")
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
 
 
 def same_weights(path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]) -> bool:

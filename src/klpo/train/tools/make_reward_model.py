@@ -17,7 +17,6 @@ arXiv:2210.10760), for the over-optimisation task (``docs/overopt.md``).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -26,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from klpo._io import atomic_dir
 from klpo.train.config import ConfigError
 from klpo.train.data.task import ArithmeticTask
 from klpo.train.models.gguf import GGUFError
@@ -36,9 +34,10 @@ from klpo.train.models.load import (
     quiet_transformers,
     resolve_model_path,
 )
-from klpo.train.outdir import claim_dir, written_before
+from klpo.train.outdir import claim_dir
 from klpo.train.rewards.model import RewardModel
 from klpo.train.runtime.progress import Progress
+from klpo.train.tools.scaffold import fit, model_dir, write_meta
 
 __all__ = [
     "RewardModelConfig",
@@ -118,6 +117,21 @@ def units(config: RewardModelConfig) -> int:
     return config.steps + 2
 
 
+def _init_path(init: str) -> str:
+    """The directory of ``--init`` (a .gguf file: its float32 image in klpo's cache,
+    :mod:`klpo.train.models.gguf`), checked as ``klpo train`` checks ``model.policy`` (offline:
+    the cache only), with a tokenizer that loads."""
+    try:
+        path = resolve_model_path(init, key="--init")
+    except GGUFError as err:
+        raise ConfigError(f"--init: {err}") from None
+    problem = model_source_problem(path, "--init", tokenizer=True)
+    if problem:
+        raise ConfigError(problem.replace("model.policy=builtin", "--init builtin"))
+    load_tokenizer(path, "--init")  # a tokenizer that loads, or an error that says why
+    return path
+
+
 def make_reward_model(
     out_dir: str | os.PathLike[str],
     config: RewardModelConfig | None = None,
@@ -143,14 +157,7 @@ def make_reward_model(
     claim_dir(out, "make-reward-model", proceed=overwrite)
     quiet_transformers()
     t0 = time.perf_counter()
-    try:  # a .gguf file: its float32 image in klpo's cache (klpo.train.models.gguf)
-        init = resolve_model_path(config.init, key="--init")
-    except GGUFError as err:
-        raise ConfigError(f"--init: {err}") from None
-    problem = model_source_problem(init, "--init", tokenizer=True)
-    if problem:  # checked as klpo train checks model.policy (offline: the cache only)
-        raise ConfigError(problem.replace("model.policy=builtin", "--init builtin"))
-    load_tokenizer(init, "--init")  # a tokenizer that loads, or an error that says why
+    init = _init_path(config.init)
     tokenizer = AutoTokenizer.from_pretrained(init)
     rng = random.Random(config.seed)
     train, heldout = ArithmeticTask().splits()
@@ -162,9 +169,8 @@ def make_reward_model(
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    model.train()
-    bar.update(0, part="training")  # the model is loaded: the ETA counts from here
-    for step in range(config.steps):
+
+    def loss_at(step: int) -> Any:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(config.batch_size)]
         enc = tokenizer(
             _texts(tokenizer, batch, 1) + _texts(tokenizer, batch, 2),
@@ -174,16 +180,14 @@ def make_reward_model(
         )
         r = model(**enc).logits[:, 0]
         n = len(batch)
-        loss = -torch.nn.functional.logsigmoid(r[:n] - r[n:]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        bar.update(step + 1, info=f"loss {loss.item():.4f}", part="training")
-    model.eval()
-    # Built beside out, renamed into place when complete; replaces only what klpo wrote there.
-    with atomic_dir(out, replaces=written_before(out / "reward_model.json")) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        return -torch.nn.functional.logsigmoid(r[:n] - r[n:]).mean()
+
+    def step_done(step: int, loss: float) -> None:
+        bar.update(step + 1, info=f"loss {loss:.4f}", part="training")
+
+    bar.update(0, part="training")  # the model is loaded: the ETA counts from here
+    fit(model, opt, config.steps, loss_at, step_done)
+    with model_dir(out, model, tokenizer, "reward_model.json") as tmp:
         rm = RewardModel(tmp)
         bar.update(config.steps, part=f"measuring on its {len(pairs)} training pairs")
         acc_train = pairwise_accuracy(rm, pairs)
@@ -198,8 +202,6 @@ def make_reward_model(
             "heldout_pairs": len(eval_pairs),
             "seconds": round(seconds, 1),
             "torch": torch.__version__,
-            "files": sorted([p.name for p in tmp.iterdir()] + ["reward_model.json"]),
         }
-        (tmp / "reward_model.json").write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.chmod(0o755)
+        write_meta(tmp, "reward_model.json", meta)
     return RewardModelResult(out, acc_heldout, acc_train, seconds)

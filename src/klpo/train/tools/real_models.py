@@ -51,6 +51,8 @@ class RealModel:
             the file itself).
         file: the GGUF file's name.
         sha256: the whole file's sha256, pinned.
+        root: where the pieces lie: None for the installed packages (each piece's path in its
+            module's directory), or a directory that holds them by their paths.
     """
 
     name: str
@@ -58,6 +60,13 @@ class RealModel:
     parts: tuple[tuple[str, str], ...]
     file: str
     sha256: str
+    root: Path | None = None
+
+    def part_paths(self) -> list[Path]:
+        """The path of each piece of the GGUF file, in order."""
+        if self.root is not None:
+            return [self.root / rel for _module, rel in self.parts]
+        return [_package_path(module, rel) for module, rel in self.parts]
 
 
 _GEMMA_PARTS = tuple(
@@ -101,7 +110,7 @@ def _installed(pin: str) -> bool:
         return False
 
 
-def _part_path(module: str, rel: str) -> Path:
+def _package_path(module: str, rel: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the package {module} is not installed")
@@ -128,7 +137,7 @@ def gguf_file(model: RealModel) -> Path:
     """
     from klpo._io import write_atomic
 
-    paths = [_part_path(m, rel) for m, rel in model.parts]
+    paths = model.part_paths()
     if len(paths) == 1:
         path, sha = paths[0], _sha256(paths)
     else:
