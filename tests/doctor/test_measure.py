@@ -229,7 +229,7 @@ def test_cli_measurement_needs_all_three(prompts):
 @pytest.fixture(scope="module")
 def sampled(perturbed):
     """The perturbed pair with 4 prompts × 4 completions of up to 5 tokens (seed=0)."""
-    from klpo.train.rollout.samplers import generate
+    from klpo.train.rollout.samplers import Decoding, generate
 
     policy, ref, tok = load_causal_lm(perturbed), load_causal_lm(REF), load_tokenizer(perturbed)
     policy.requires_grad_(False)
@@ -237,7 +237,9 @@ def sampled(perturbed):
     texts = ["12+34=", "7+8=", "56+21=", "3+4="]
     codec = _prompt_codec(tok, policy, texts, "test")
     torch.manual_seed(0)
-    rollout = generate(policy, tok, texts, [""] * 4, group_size=4, max_new_tokens=5, codec=codec)
+    rollout = generate(
+        policy, tok, texts, [""] * 4, Decoding(group_size=4, max_new_tokens=5), codec=codec
+    )
     return policy, ref, rollout
 
 

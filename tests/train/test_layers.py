@@ -51,6 +51,7 @@ LAYERS = (
 """The rooms, lowest first (docs/architecture.md draws them)."""
 
 LIBRARY = (
+    "klpo._extras",  # which install brings which package: what a missing one's error names
     "klpo",  # the package: its names, the submodules imported on first use
     "klpo._threads",
     "klpo._names",

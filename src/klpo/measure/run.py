@@ -215,7 +215,7 @@ def _sample_and_sketch(
 ) -> tuple[Any, Tensor, dict[str, Tensor], dict[str, int]]:
     """Sample the completions, then sketch every objective's gradient group by group:
     ``(rollout, vectors [O, groups, D], per-token arrays in the rollout's row order, sizes)``."""
-    from klpo.train.rollout.samplers import generate
+    from klpo.train.rollout.samplers import Decoding, generate
     from klpo.train.runtime.progress import Progress
 
     samples, n_prompts = run.samples, run.n_prompts
@@ -230,8 +230,7 @@ def _sample_and_sketch(
             run.tok,
             run.rendered,
             [""] * n_prompts,
-            group_size=samples,
-            max_new_tokens=run.max_new_tokens,
+            Decoding(group_size=samples, max_new_tokens=run.max_new_tokens),
             codec=run.codec,
         )
         if int(rollout.mask.sum()) == 0:
