@@ -73,13 +73,15 @@ def _check_pair(logits: Tensor, logits_teacher: Tensor) -> None:
     )  # fmt: skip
 
 
-def _by_rows(fn: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
+def _by_rows(fn: Callable[..., Tensor], *inputs: Tensor, width: int | None = None) -> Tensor:
     """``fn`` over the rows of ``inputs`` (each ``[..., X]``), a chunk at a time, each chunk's
-    graph recomputed in the backward pass (activation checkpointing): ``[...]``."""
+    graph recomputed in the backward pass (activation checkpointing): ``[...]``. A chunk holds
+    ``ROW_ELEMENTS // width`` rows (``width``: the vocabulary a row's logits span; default the
+    first input's last dimension)."""
     lead = inputs[0].shape[:-1]
     flat = [x.reshape(-1, x.shape[-1]) for x in inputs]
     n = flat[0].shape[0]
-    rows = max(1, ROW_ELEMENTS // max(inputs[0].shape[-1], 1))
+    rows = max(1, ROW_ELEMENTS // max(width or inputs[0].shape[-1], 1))
     if n <= rows:
         return fn(*flat).reshape(lead)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in flat)
@@ -496,3 +498,38 @@ def from_hidden(
         hidden, weight, bias, hidden_teacher.detach(), weight_teacher.detach(),
         None if bias_teacher is None else bias_teacher.detach(), opts,
     )  # fmt: skip
+
+
+def by_chunks_of_logits(
+    fn: Callable[[Tensor, Tensor], Tensor],
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_teacher: Tensor,
+    weight_teacher: Tensor,
+    *,
+    bias: Tensor | None = None,
+    bias_teacher: Tensor | None = None,
+) -> Tensor:
+    """``fn(logits, logits_teacher)`` (a function of ``[n, V]`` logits, e.g. :func:`topk_forward_kl`
+    with the teacher's top-k) over ``[N, H]`` and ``[N, H_T]`` hidden states, a chunk of rows at a
+    time: each chunk's logits exist only inside it and are recomputed in the backward pass, so
+    no ``[N, V]`` tensor is held. Gradients reach ``hidden``, ``weight`` and ``bias``; the
+    teacher's are detached. Returns ``[N]``.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> h, w, ht, wt = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 4), (6, 4), (3, 5), (6, 5)))
+        >>> got = by_chunks_of_logits(forward_kl, h, w, ht, wt)
+        >>> torch.allclose(got, forward_kl(h @ w.T, ht @ wt.T), atol=1e-12)
+        True
+    """
+    ht, wt = hidden_teacher.detach(), weight_teacher.detach()
+    bt = None if bias_teacher is None else bias_teacher.detach()
+
+    def rows(h: Tensor, h_t: Tensor) -> Tensor:
+        z = h @ weight.T if bias is None else h @ weight.T + bias
+        zt = h_t @ wt.T if bt is None else h_t @ wt.T + bt
+        return fn(z, zt)
+
+    return _by_rows(rows, hidden, ht, width=weight.shape[0])

@@ -259,6 +259,16 @@ def check_same_tokenizer(policy_tok: Any, policy: str, other_tok: Any, other: st
         (t for t in set(a) | set(b) if a.get(t) != b.get(t)), key=lambda t: a.get(t, -1)
     )
     token = differ[0]
+    if role == "model":  # teacher.model
+        raise ConfigError(
+            f"teacher.model {other!r} has another tokenizer than model.policy {policy!r}: "
+            f"{len(a)} and {len(b)} tokens, and token {token!r} has id {a.get(token)} in the "
+            f"student's but {b.get(token)} in the teacher's ({len(differ)} tokens differ). The "
+            "teacher term compares the two models token id by token id, so the teacher must "
+            "share the student's tokenizer; distilling across tokenizers would need the two "
+            "vocabularies aligned (GOLD-style, TRL's GOLDTrainer), which klpo does not do. Give "
+            "a teacher of the student's family"
+        )
     raise ConfigError(
         f"model.{role} {other!r} has another tokenizer than model.policy {policy!r}: "
         f"{len(a)} and {len(b)} tokens, and token {token!r} has id {a.get(token)} in the policy's "
@@ -274,6 +284,8 @@ def model_keys(cfg: TrainConfig, policy: str, reference: str, critic: str | None
     keys["model.reference" if cfg.model.reference else "model.policy"] = reference
     if critic is not None:
         keys["model.critic" if cfg.model.critic else "model.reference"] = critic
+    if cfg.teacher is not None:
+        keys["teacher.model"] = resolve_model_path(cfg.teacher.model)
     return keys
 
 
@@ -317,7 +329,7 @@ def check_tokenizers_and_prompts(
     for key, name in model_keys(cfg, policy, reference, critic).items():
         if name != policy and model_source_problem(name, key, tokenizer=True) is None:
             other = load_tokenizer(name, key)
-            check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[1])
+            check_same_tokenizer(tokenizer, policy, other, name, key.split(".")[-1])
     codec = run_codec(cfg, tokenizer, policy)
     d = cfg.data
     try:
@@ -535,6 +547,8 @@ def resolve_gguf_sources(cfg: TrainConfig, log=print) -> None:
     keys = {"model.policy": cfg.model.policy, "model.reference": cfg.model.reference}
     if ALGORITHMS[cfg.algo.name].critic:
         keys["model.critic"] = cfg.model.critic
+    if cfg.teacher is not None:
+        keys["teacher.model"] = cfg.teacher.model
     for i, term in enumerate(cfg.rewards):
         if term.name == "model":
             keys[f"rewards[{i}].path"] = term.path
@@ -613,7 +627,22 @@ def check_models(cfg: TrainConfig) -> None:
     if ALGORITHMS[cfg.algo.name].critic:
         critic = mc.critic or ref
         configs["model.critic"] = (critic, _model_config("model.critic", critic))
+    if cfg.teacher is not None:
+        configs["teacher.model"] = (
+            cfg.teacher.model,
+            _model_config("teacher.model", cfg.teacher.model),
+        )
     (p_name, p_cfg), (r_name, r_cfg) = configs["model.policy"], configs["model.reference"]
+    if cfg.teacher is not None:
+        t_name, t_cfg = configs["teacher.model"]
+        t_vocab, p_vocab = getattr(t_cfg, "vocab_size", None), getattr(p_cfg, "vocab_size", None)
+        if t_vocab is not None and p_vocab is not None and t_vocab != p_vocab:
+            raise ConfigError(
+                f"teacher.model={t_name!r} has a vocabulary of {t_vocab} tokens but model.policy="
+                f"{p_name!r} has {p_vocab}: the teacher term compares the two token by token, so "
+                "the teacher must share the student's tokenizer (distilling across tokenizers "
+                "would need the vocabularies aligned, GOLD-style, which klpo does not do)"
+            )
     p_vocab, r_vocab = getattr(p_cfg, "vocab_size", None), getattr(r_cfg, "vocab_size", None)
     if p_vocab is not None and r_vocab is not None and p_vocab != r_vocab:
         raise ConfigError(

@@ -140,7 +140,9 @@ def step_one(cfg, m, prompts: list[str], *, max_new_tokens: int = 4) -> dict[str
     metrics = step_metrics(cfg, scored, tally, Dist())
     mask = scored.rollout.mask
     d = torch.where(mask, (scored.old.logp - scored.logp_ref).abs(), 0.0)
-    out = {k: v for k, v in metrics.items() if k.startswith(("kl/ref/", "kl/old/"))}
+    # a teacher equal to the policy is exact too
+    exact = ("kl/ref/", "kl/old/", "kl/teacher/", "loss/teacher")
+    out = {k: v for k, v in metrics.items() if k.startswith(exact)}
     out["max_abs_d"] = float(d.max())
     out["max_abs_ratio_minus_1"] = max(ratios)
     return out

@@ -8,7 +8,7 @@ a message that names the key, what was given and what is allowed::
 The resolved config is written beside every run's outputs (``config.yaml``).
 
 One module per section, each validating itself (:mod:`.model`, :mod:`.data` with the rewards,
-:mod:`.rollout`, :mod:`.algo`, :mod:`.kl`, :mod:`.run` with ``optim`` and ``dist``); the whole
+:mod:`.rollout`, :mod:`.algo`, :mod:`.kl`, :mod:`.teacher`, :mod:`.run` with ``optim`` and ``dist``); the whole
 :class:`TrainConfig` and the checks that span sections in :mod:`.train`; reading and writing in
 :mod:`.files`; what they share in :mod:`.common`. Nothing here imports torch.
 """
@@ -43,6 +43,7 @@ from klpo.train.config.kl import KLConfig, ReferenceReset
 from klpo.train.config.model import LoraConfig, ModelConfig
 from klpo.train.config.rollout import RolloutConfig
 from klpo.train.config.run import DistConfig, OptimConfig, RunConfig
+from klpo.train.config.teacher import TeacherConfig
 from klpo.train.config.train import TrainConfig
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "RunConfig",
     "Sampler",
     "Section",
+    "TeacherConfig",
     "Tracker",
     "TrainConfig",
     "apply_overrides",

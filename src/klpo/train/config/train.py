@@ -20,10 +20,12 @@ from klpo.train.config.kl import KLConfig
 from klpo.train.config.model import ModelConfig
 from klpo.train.config.rollout import RolloutConfig
 from klpo.train.config.run import DistConfig, OptimConfig, RunConfig
+from klpo.train.config.teacher import TeacherConfig
 
 
 class TrainConfig(Section):
-    """Everything `klpo train` needs. Sections: model, data, rewards, rollout, algo, kl, optim, run, dist."""
+    """Everything `klpo train` needs. Sections: model, data, rewards, rollout, algo, kl, teacher,
+    optim, run, dist."""
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -40,6 +42,12 @@ class TrainConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     kl: KLConfig = KLConfig()
+    teacher: TeacherConfig | None = Field(
+        None,
+        description="On-policy distillation: a teacher model and the divergence the policy "
+        "descends to it, beside (or instead of) the task reward (docs/distillation.md); null: "
+        "none.",
+    )
     optim: OptimConfig = OptimConfig()
     run: RunConfig = RunConfig()
     dist: DistConfig = DistConfig()
@@ -111,8 +119,16 @@ class TrainConfig(Section):
             )
         self._check_staleness()
         self._check_trm()
-        if not self.rewards:
-            raise ValueError("rewards must list at least one reward function")
+        if not self.rewards and self.teacher is None:
+            raise ValueError(
+                "rewards must list at least one reward function (or a teacher distils the "
+                "policy: the teacher section, docs/distillation.md)"
+            )
+        if self.teacher is not None and self.dist.strategy == "fsdp":
+            raise ValueError(
+                "a teacher with dist.strategy=fsdp is not supported yet (the teacher is not "
+                "sharded); use dist.strategy=ddp"
+            )
         if self.dist.strategy == "fsdp" and ALGORITHMS[self.algo.name].critic:
             free = ", ".join(n for n, spec in ALGORITHMS.items() if not spec.critic)
             raise ValueError(

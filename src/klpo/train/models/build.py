@@ -62,6 +62,7 @@ class Models:
     codec: Codec  # the tokenizer's rules: prompts to ids, the stop set (models.tokens)
     router_aux_coef: float = 0.0  # the policy's router load-balancing loss weight (MoE)
     notes: list[str] = field(default_factory=list)  # the load's notices, one line each
+    teacher: torch.nn.Module | None = None  # frozen Backbone of the teacher (teacher.model)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -158,6 +159,13 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
         if start is not None and (start / "critic.safetensors").is_file():
             ckpt_io.restore_critic(start, critic_core)
     critic: torch.nn.Module | None = critic_core
+    teacher = None
+    if cfg.teacher is not None:
+        teacher_path = resolve_model_path(cfg.teacher.model)
+        teacher_model = freeze(load_causal_lm(teacher_path, key="teacher.model").to(dist.device))
+        check_logits(cfg, teacher_model, "teacher.model", teacher_path)
+        teacher = Backbone(teacher_model, compute, logits_path=path)
+        loaded.append((teacher_model, "teacher.model", False))
     notes = _notes(cfg, loaded)  # before sharding: each probe is one process's own forward
     if dist.enabled and cfg.dist.strategy == "fsdp":
         backbone = fsdp.shard(backbone, dist)
@@ -168,4 +176,6 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
         backbone = DDP(backbone)
         critic = DDP(critic_core) if critic_core is not None else None
     codec = run_codec(cfg, tokenizer, policy_path)
-    return Models(tokenizer, policy, backbone, reference, critic, critic_core, codec, aux, notes)
+    return Models(
+        tokenizer, policy, backbone, reference, critic, critic_core, codec, aux, notes, teacher
+    )

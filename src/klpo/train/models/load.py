@@ -216,8 +216,21 @@ def default_reference_path() -> Path:
     return path
 
 
+def default_teacher_path() -> Path:
+    """Where the shipped teacher of the built-in task is: the shipped reference after
+    ``klpo train``'s defaults, exported (``assets/teacher/teacher.json`` says how to rebuild it)."""
+    path = Path(__file__).resolve().parents[2] / "assets" / "teacher"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the built-in teacher is missing from {path}; rebuild it with the two commands in "
+            "docs/distillation.md (klpo train on the defaults, then klpo export)"
+        )
+    return path
+
+
 def resolve_model_path(name: str, *, key: str = "model", log=None) -> str:
-    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model; a ``.gguf``
+    """A model directory or id; ``builtin`` is the shipped tiny arithmetic model and
+    ``builtin-teacher`` the same model after GRPO (on-policy distillation's teacher); a ``.gguf``
     file is its float32 image in klpo's cache, made on first use
     (:func:`klpo.train.models.gguf.resolve_gguf`; ``log`` hears that a conversion starts).
 
@@ -226,6 +239,8 @@ def resolve_model_path(name: str, *, key: str = "model", log=None) -> str:
     """
     if name == "builtin":
         return str(default_reference_path())
+    if name == "builtin-teacher":
+        return str(default_teacher_path())
     if gguf.is_gguf_path(name):
         return str(gguf.resolve_gguf(name, key=key, log=log).path)
     return name

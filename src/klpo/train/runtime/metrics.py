@@ -44,6 +44,14 @@ METRICS: dict[str, str] = {
     "kl/ref/k3": "k3 estimate of KL(pi_theta ‖ pi_ref) per token (unbiased, non-negative)",
     "kl/ref/exact": "the exact full-vocabulary KL(pi_theta ‖ pi_ref) per token, mean over tokens",
     "kl/ref/seq": "exact KL(pi_theta ‖ pi_ref) summed over a completion, mean over completions",
+    "kl/teacher/exact": "with a teacher: the exact full-vocabulary KL(pi_theta ‖ pi_T) per token at "
+    "the sampling parameters (reverse), mean over tokens; never mixed with kl/ref/*",
+    "kl/teacher/forward": "with a teacher: the exact KL(pi_T ‖ pi_theta) per token (forward), mean "
+    "over tokens (heads without a logit transform)",
+    "kl/teacher/<estimator>": "with a teacher and a sampled teacher.estimator: its estimate on the "
+    "student's sampled tokens, the teacher in the reference's place, mean over tokens",
+    "loss/teacher": "with teacher.placement loss: the beta-free teacher term of the loss (reduced "
+    "like the policy loss)",
     "kl/ref/ref_is": "ref_is, adaptive_mix: the ref_is estimate (completions of pi_ref) of "
     "KL(pi_theta ‖ pi_ref) per completion divided by the policy's mean completion length, at the "
     "sampling policy (first optimizer step)",

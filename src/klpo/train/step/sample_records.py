@@ -108,7 +108,7 @@ def eval_records(
     if k == 0:
         return []
     rollout = ev.first.select(list(range(k))).to(next(m.reference.parameters()).device)
-    logp_ref, _, old = reference_and_old(cfg, m, rollout, fill_old=True)
+    logp_ref, _, old, _ = reference_and_old(cfg, m, rollout, fill_old=True)
     kls = sequence_kls(cfg, old.logp, logp_ref, old.kl, rollout.mask)
     scores = ev.scores[:k]
     return _records(step, "eval", rollout, range(k), scores, {ev.reward: scores}, kls)

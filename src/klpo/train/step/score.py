@@ -27,6 +27,7 @@ from klpo.train.rollout.samplers import Rollout, completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.step.kl_term import needs_exact_kl
 from klpo.train.step.step_metrics import reward_metrics
+from klpo.train.step.teacher_term import teacher_penalty, teacher_scores
 from klpo.train.step.types import SamplingPass, Scored, update_gives_logp_old
 
 __all__ = ["reference_and_old", "reward_totals", "score", "values"]
@@ -42,17 +43,20 @@ def values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
 
 def reference_and_old(
     cfg: TrainConfig, m: Models, rollout: Rollout, *, fill_old: bool | None = None
-) -> tuple[Tensor, Tensor, SamplingPass]:
-    """(the reference's log-probs, its hidden states, pi_old's SamplingPass), with pi_old
-    filled here unless the update's forward fills it (``fill_old``: always, or never)."""
+) -> tuple[Tensor, Tensor, SamplingPass, Tensor | None]:
+    """(the reference's log-probs, its hidden states, pi_old's SamplingPass, the policy's hidden
+    states of that pass), with pi_old filled here unless the update's forward fills it
+    (``fill_old``: always, or never; then the last is None)."""
     tokens, temperature = rollout.completion_ids, cfg.rollout.temperature
     head_ref = m.reference.head()
     hidden_ref = completion_hidden(m.reference, rollout, share_prompt=shares_prompt(cfg))
     ref = token_outputs(hidden_ref, head_ref, tokens, temperature=temperature, with_entropy=False)
     old = SamplingPass.empty(ref.logp)
+    hidden = None
     if fill_old if fill_old is not None else not update_gives_logp_old(cfg):
+        hidden = completion_hidden(unwrap(m.backbone), rollout, share_prompt=shares_prompt(cfg))
         out = token_outputs(
-            completion_hidden(unwrap(m.backbone), rollout, share_prompt=shares_prompt(cfg)),
+            hidden,
             unwrap(m.backbone).head(),
             tokens,
             temperature=temperature,
@@ -60,7 +64,7 @@ def reference_and_old(
             head_ref=head_ref,
         )
         old.record(torch.arange(tokens.shape[0]), out)
-    return ref.logp, hidden_ref, old
+    return ref.logp, hidden_ref, old, hidden
 
 
 def _shaped_rewards(
@@ -90,7 +94,10 @@ def reward_totals(
     cfg: TrainConfig, reward_fns: list, batch: rewards.RewardBatch, device: torch.device
 ) -> tuple[Tensor, Tensor | None, dict[str, list[float | None]]]:
     """(the total reward of each sample ``[B]``, 0 where unscored; which samples some function
-    scored ``[B]`` bool, None when all; each function's values)."""
+    scored ``[B]`` bool, None when all; each function's values). With no reward function (a
+    teacher alone distils the policy) every total is 0 and counts as scored."""
+    if not reward_fns:
+        return torch.zeros(len(batch.completions), device=device), None, {}
     totals, per_fn = rewards.combined_rewards(reward_fns, batch)
     unscored = [i for i, t in enumerate(totals) if t is None]
     if unscored and ALGORITHMS[cfg.algo.name].critic:
@@ -138,18 +145,30 @@ def score(
     else:
         scores, scored, per_fn = totals
         scores, scored = scores.to(mask.device), None if scored is None else scored.to(mask.device)
-    logp_ref, hidden_ref, old = reference_and_old(cfg, m, rollout, fill_old=fill_old)
+    fill = fill_old if cfg.teacher is None else True  # the teacher reads pi_old's pass
+    logp_ref, hidden_ref, old, hidden = reference_and_old(cfg, m, rollout, fill_old=fill)
     token_rewards, kl_penalty = _shaped_rewards(cfg, scores, old, logp_ref, mask, beta)
+    ts, own_token = None, None
+    if cfg.teacher is not None:  # on-policy distillation: the teacher's scores (and penalty)
+        ts = teacher_scores(cfg, m, rollout, hidden, old.logp)
+        if cfg.teacher.placement == "reward":
+            penalty = teacher_penalty(cfg, ts, old.logp, mask)
+            if cfg.teacher.credit == "returns":
+                kl_penalty = kl_penalty + penalty
+            else:
+                own_token = penalty
     spec, g = ALGORITHMS[cfg.algo.name], rollout.group_size
     values_old = torch.where(mask, values(m.critic_core, rollout), 0.0) if spec.critic else None
     inputs = AdvantageInputs(
         scores, token_rewards, kl_penalty, mask, g, values_old, dist or Dist(), scored=scored
     )
     adv, returns = spec.advantages(cfg.algo, inputs)
+    if own_token is not None:  # discount 0: each token's own penalty, no returns
+        adv = adv + own_token
     metrics = reward_metrics(scores, per_fn, rollout, g, scored)
     if cfg.gold_reward:
         metrics.merge(gold_metrics(cfg.gold_reward, batch, scores, scored))
     return Scored(
         rollout, scores, old, logp_ref, hidden_ref, adv, returns, values_old, metrics,
-        per_reward=per_fn, scored=scored,
+        per_reward=per_fn, scored=scored, teacher=ts,
     )  # fmt: skip

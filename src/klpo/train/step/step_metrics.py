@@ -112,6 +112,10 @@ def _scored_and_updated(cfg: TrainConfig, s: Scored, upd: Tally, dist: Dist) -> 
     tally = Tally()
     tally.merge(s.metrics)
     tally.merge(sampling_metrics(cfg, s.old, s.logp_ref, s.rollout.mask))
+    if s.teacher is not None:  # kl/teacher/*: the teacher's distance at the sampling parameters
+        mask = s.rollout.mask
+        means = {k: float(reduce.masked_mean(v.double(), mask)) for k, v in s.teacher.means.items()}
+        tally.add_means(means, float(mask.sum()))
     tally.merge(upd)
     if s.rollout.engine_logp is None:
         return finish_metrics(tally, dist)

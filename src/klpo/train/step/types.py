@@ -15,6 +15,7 @@ entropy and KL from it, and nothing else writes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,6 +44,7 @@ def update_gives_logp_old(cfg: TrainConfig) -> bool:
         and cfg.algo.minibatches == 1
         and not kl.in_reward(cfg.kl.placement)
         and not POLICY_LOSSES[cfg.algo.policy_loss].batch_mask  # (its mask reads pi_old first)
+        and cfg.teacher is None  # (its metrics and reward read pi_old's pass before the update)
     )
 
 
@@ -94,6 +96,7 @@ class Scored:
     # first epoch, filled by the update (None: no such mask); the step logs it as
     # sampler/masked_frac
     keep: Tensor | None = None
+    teacher: Any = None  # TeacherScores (klpo.train.step.teacher_term) with a teacher, else None
 
 
 @dataclass

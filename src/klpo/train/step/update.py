@@ -47,6 +47,7 @@ from klpo.train.step import microbatch
 from klpo.train.step.fused import on_policy_weights, takes_fused_loss
 from klpo.train.step.kl_term import KLTerm, ref_term
 from klpo.train.step.score import values
+from klpo.train.step.teacher_term import teacher_loss
 from klpo.train.step.types import Optimizers, Scored
 
 __all__ = [
@@ -112,7 +113,9 @@ def update(
     """
     a = cfg.algo
     mask = s.rollout.mask
-    no_signal = a.skip_no_signal and not has_signal(s, dist)
+    # a teacher in the loss always pulls: its gradient is there whatever the rewards
+    teacher_pulls = cfg.teacher is not None and cfg.teacher.placement == "loss"
+    no_signal = a.skip_no_signal and not teacher_pulls and not has_signal(s, dist)
     kl_pulls: bool | None = None  # decided once pi_old's exact KL is known (the first forward)
     skip = False
     max_len = cfg.rollout.max_new_tokens
@@ -337,17 +340,29 @@ def micro_step(
 
     mb = MicroBatch(s, rows, r, red, None if keep is None else keep[rows.to(keep.device)])
     with _no_sync(m.backbone, sync):
-        out, fused = forward(cfg, m, mb, term, dist)
+        out, fused, hidden = forward(cfg, m, mb, term, dist)
         trm = trm_keep(cfg, mb)
         total, metrics = policy_loss(cfg, mb, out, term, trm=trm)
+        extra = []  # terms beside the policy loss, in the loss's units
         aux = router_aux(cfg, m, mb, n_global)
         if aux is not None:
             metrics["loss/router_aux"] = aux.item()
-            total = total + m.router_aux_coef * aux
+            extra.append(m.router_aux_coef * aux)
+        if cfg.teacher is not None and cfg.teacher.placement == "loss":
+            t = s.teacher
+            at = rows.to(t.logp.device)
+            loss_t = teacher_loss(
+                cfg, m, hidden, out.logp, t.hidden[at], t.logp[at], _kl_old(cfg, mb), mb.red,
+                r.completion_ids,
+            )  # fmt: skip
+            metrics["loss/teacher"] = loss_t.item()
+            extra.append(cfg.teacher.beta * loss_t)
+        for term_ in extra:
+            total = total + term_
         # DDP averages gradients over ranks; the normaliser is already global, so undo the mean
         # (on_policy_weights carries the factor already).
         if fused is not None:  # total's gradient; total itself is the value, for the logs
-            (fused if aux is None else fused + m.router_aux_coef * aux * dist.world).backward()
+            (fused + sum(x * dist.world for x in extra) if extra else fused).backward()
         else:
             (total * dist.world).backward()
     if m.critic is not None:
@@ -389,10 +404,11 @@ def forward(
     mb: MicroBatch,
     term: KLTerm,
     dist: Dist,
-) -> tuple[logprobs.FusedOutput, Tensor | None]:
-    """The policy's log-probs, entropy and exact KL on the micro-batch, and the loss whose
+) -> tuple[logprobs.FusedOutput, Tensor | None, Tensor]:
+    """The policy's log-probs, entropy and exact KL on the micro-batch, the loss whose
     gradient the pass took (:func:`klpo.logprobs.fused_loss`, where
-    ``algo.fused_loss`` allows it) or None (the per-token path: the caller's backward).
+    ``algo.fused_loss`` allows it) or None (the per-token path: the caller's backward), and the
+    policy's hidden states ``[b, C, H]`` (for a teacher term in the loss).
 
     ``term.loss_coef`` is the loss's coefficient on the per-token KL term ``term.estimator`` (0:
     none). The first forward of a row at the sampling parameters records it as pi_old.
@@ -430,7 +446,7 @@ def forward(
         )  # fmt: skip
     if recording:
         s.old.record(rows, out)
-    return out, fused
+    return out, fused, hidden
 
 
 def policy_loss(

@@ -251,8 +251,26 @@ def config_page() -> str:
             )
             lines.append(f"{field.description} Default: `{shown!r}`.")
             lines += _list_item_keys(section, field.annotation)
+            lines += _optional_section_keys(section, field.annotation)
         lines.append("")
     return HEADER + "\n".join(lines + output_dirs_lines())
+
+
+def _optional_section_keys(section: str, annotation: object) -> list[str]:
+    """An optional top-level section (``teacher``, absent by default): its keys, with their
+    defaults (a key without one is required once the section is given)."""
+    models = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    if not models:
+        return []
+    model = models[0]
+    lines = ["", _first_paragraph(model) or "", "", "| key | type | default | meaning |"]
+    lines.append("| --- | --- | --- | --- |")
+    for key, f in model.model_fields.items():
+        default = "required" if f.is_required() else f"`{f.default!r}`"
+        lines.append(
+            f"| `{section}.{key}` | {_type_name(f.annotation)} | {default} | {f.description or ''} |"
+        )
+    return lines
 
 
 def output_dirs_lines() -> list[str]:
