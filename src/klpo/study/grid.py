@@ -66,6 +66,7 @@ def study_grid(study: StudyConfig) -> list[Run]:
                         "kl.beta": beta,
                         "kl.controller": "fixed",
                         **{f"kl.{k}": v for k, v in choice.options.items()},
+                        **({"teacher": choice.teacher, "rewards": []} if choice.teacher else {}),
                         "run.seed": seed,
                     }
                     tag = choice.label.replace("+", "plus")

@@ -91,6 +91,13 @@ class Choice(BaseModel):
     variant: str = Field(
         "", description="A short name of the options, shown after the estimator in the label."
     )
+    teacher: dict[str, Any] | None = Field(
+        None,
+        description="On-policy distillation: this choice's teacher.* keys (model, estimator, "
+        "placement, credit, ...); the run then trains on the teacher term alone (no reward "
+        "functions: rewards: []), its held-out accuracy still scored by the task's reward. The "
+        "choice's own KL to the reference is estimator and placement, as for any choice.",
+    )
 
     @field_validator("estimator")
     @classmethod
@@ -112,6 +119,15 @@ class Choice(BaseModel):
 
     @property
     def label(self) -> str:
+        if self.teacher is not None:
+            t = self.teacher
+            name = f"teacher {t.get('estimator', 'full')}"
+            if t.get("placement") == "reward":
+                name += f" reward {t.get('credit', 'returns')}"
+            name = f"{name} ({self.variant})" if self.variant else name
+            return (
+                name if self.placement == "none" else f"{name}, {self.estimator} {self.placement}"
+            )
         if self.placement == "none":
             return f"no KL ({self.variant})" if self.variant else "no KL"
         name = f"{self.estimator} ({self.variant})" if self.variant else self.estimator

@@ -80,6 +80,10 @@ RESULT_FIELDS = [
     "grad_norm_peak",
     "grad_norm_outliers",
     "loss_outliers",
+    "kl_teacher_final",
+    "heldout_steps_to_target",
+    "cpu_s_to_target",
+    "cpu_s",
     "wall_s",
     "error",
 ]
@@ -184,8 +188,28 @@ def summarise_run(
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "length_final": _tail_mean(steps_rows, "completion/length"),
         **spike_summary(rows, steps),
+        **distillation_summary(steps_rows, evals, target_accuracy),
         "wall_s": round(wall_s, 1),
         "error": error,
+    }
+
+
+def distillation_summary(
+    steps_rows: list[dict[str, Any]], evals: list[tuple[int, float]], target: float
+) -> dict[str, float]:
+    """``kl_teacher_final``: the exact KL(pi_theta ‖ pi_T) per token over the last WINDOW steps
+    (NaN without a teacher); ``heldout_steps_to_target``: the first held-out evaluation's step
+    at which the accuracy reaches ``target`` (NaN if none did), and ``cpu_s_to_target`` the
+    trainer process's CPU seconds then; ``cpu_s``: its CPU seconds at its last step
+    (``time/cpu``; NaN in runs that predate it)."""
+    reached = next((step for step, acc in evals if step > 0 and acc >= target), math.nan)
+    cpu = {r["step"]: num(r["time/cpu"]) for r in steps_rows if "time/cpu" in r}
+    last = cpu[max(cpu)] if cpu else math.nan
+    return {
+        "kl_teacher_final": _tail_mean(steps_rows, "kl/teacher/exact"),
+        "heldout_steps_to_target": reached,
+        "cpu_s_to_target": round(cpu.get(reached, math.nan), 1),
+        "cpu_s": round(last, 1),
     }
 
 

@@ -231,6 +231,7 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
                     metrics["accuracy/heldout"] = acc
             run.dist.barrier()
         metrics["time/step"] = time.perf_counter() - t0
+        metrics["time/cpu"] = time.process_time()  # this process's CPU seconds so far
         metrics["tokens_per_s"] = tokens / metrics["time/step"]
         if run.writer is not None:
             run.writer.write(step, metrics)

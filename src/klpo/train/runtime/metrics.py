@@ -113,6 +113,8 @@ METRICS: dict[str, str] = {
     "time/ref_update": "ref_is, adaptive_mix: seconds spent on the forward and backward passes of "
     "the policy over the reference's completions (all optimizer steps; inside time/update)",
     "time/step": "wall seconds of the whole step",
+    "time/cpu": "CPU seconds the process has used since it started, its loading included (all "
+    "threads; what a busy machine's other processes do not add)",
     "engine/k1": "rollout.engine=vllm: k1 estimate of KL(pi_engine ‖ pi_old) per token, the mean "
     "of log pi_engine - log pi_old over the sampled tokens (the engine's log-probs against the "
     "trainer's at the same weights; docs/engines.md)",
