@@ -136,6 +136,12 @@ def test_verl_settings_the_mode_never_reads_are_named(tmp_path):
     assert {f.keys[0].rsplit(".", 1)[-1] for f in unread} == {"topk", "clip_ratio"}
 
 
+def test_verl_a_zero_coefficient_beside_the_task_cancels_the_term(tmp_path):
+    r = read(_verl(tmp_path, "distillation.distillation_loss.distillation_loss_coef=0"))
+    assert not r.teacher_terms
+    assert [f for f in r.findings if f.kind == "cancelled" and "multiplied by 0" in f.text]
+
+
 def test_verl_distillation_settings_without_enabled_do_nothing(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text(

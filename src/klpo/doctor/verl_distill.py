@@ -135,6 +135,16 @@ def read_distillation(r: Reading, s: Settings, agg: str) -> None:
             kind="refused",
         )
         return
+    if coef == 0:
+        r.warn(
+            "warning",
+            [f"{LOSS}.distillation_loss_coef"],
+            "distillation_loss_coef is 0 with use_task_rewards: the teacher is served and scores "
+            "every rollout, but the distillation term is multiplied by 0 (distillation_ppo_loss): "
+            "no distillation term",
+            kind="cancelled",
+        )
+        return
     option = f"distillation.enabled=true, loss_mode={mode}, use_policy_gradient={str(pg).lower()}"
     intended: dict[str, Any] = {}
     if mode in ESTIMATORS:
