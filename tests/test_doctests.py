@@ -34,6 +34,7 @@ MODULES = (
     "klpo.train.rollout.worker",
     "klpo.measure.render",
     "klpo.lab.stats",
+    "klpo.lab.teacher",
     "klpo.train.data.sources",
 )
 # Where every public function must carry an example.

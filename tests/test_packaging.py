@@ -234,8 +234,11 @@ def test_help_imports_nothing_an_extra_brings():
         FIXTURES / "trl_grpo.yaml",
         FIXTURES / "field" / "slime" / "run-qwen3-4B.sh",
         ROOT / "configs" / "grpo.yaml",
+        FIXTURES / "field" / "verl" / "run_qwen3_8b_megatron.sh",
+        FIXTURES / "field" / "trl" / "distillation.sh",
+        FIXTURES / "field" / "nemo_rl" / "distillation_math.yaml",
     ],
-    ids=["verl", "trl", "slime", "klpo"],
+    ids=["verl", "trl", "slime", "klpo", "verl-opd", "trl-distillation", "nemo-rl-distillation"],
 )
 def test_doctor_imports_nothing_an_extra_brings(config):
     """``klpo doctor FILE`` runs in the light install: it imports no torch, numpy, transformers

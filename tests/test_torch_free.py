@@ -30,6 +30,11 @@ TORCH_FREE = (
     "klpo.doctor.report",
     "klpo.doctor.advice",
     "klpo.doctor.frameworks",
+    "klpo.doctor.distill",
+    "klpo.doctor.verl_distill",
+    "klpo.doctor.nemo_rl_distill",
+    "klpo.doctor.trl_config",
+    "klpo.doctor.frameworks.trl_distill",
 )
 """Modules that must import without torch."""
 
@@ -113,6 +118,8 @@ def test_a_fresh_interpreter_loads_none_of_the_heavy_stack() -> None:
         "cfg = build_config(overrides=['kl.estimator=k3', 'kl.placement=loss'])\n"
         "from klpo.registry import SPECS, explanation\n"
         "assert explanation('k3', 'loss').gradient == 'grad KL(pi_ref ‖ pi_theta)'\n"
+        "from klpo.registry import teacher_positions\n"
+        "assert teacher_positions('k3')['near']['gradient'] == 'KL(pi_T ‖ pi_theta)'\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
     )
     out = subprocess.run(

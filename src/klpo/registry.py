@@ -12,7 +12,10 @@ Also here: the placements of a KL term (:data:`Placement`), the loss reductions'
 (:data:`MODES`; :mod:`klpo.reduce` computes them), the directions and gradients
 :func:`klpo.kl.explain` answers with, its answers as records (:class:`Explanation`), and those
 answers for the built-in rows as shipped (:func:`explanation`, from ``klpo/assets/explain.json``,
-which :mod:`klpo.explain` writes and a test regenerates unchanged).
+which :mod:`klpo.explain` writes and a test regenerates unchanged), and ``klpo explain
+--teacher``'s answers for the distillation terms (:func:`teacher_positions`,
+:func:`teacher_sequence`, from ``klpo/assets/explain_teacher.json``, written by ``python -m
+klpo.lab.teacher --write``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "REF_SAMPLED",
     "REF_THETA",
     "SPECS",
+    "TEACHER_TABLE",
     "THETA_REF",
     "Explanation",
     "Mode",
@@ -51,6 +55,9 @@ __all__ = [
     "in_reward",
     "refusal",
     "register",
+    "teacher_positions",
+    "teacher_sequence",
+    "teacher_table",
 ]
 
 THETA_REF = "KL(pi_theta ‖ pi_ref)"
@@ -491,3 +498,68 @@ def explanation(name: str, placement: str, *, on_policy: bool = True) -> Explana
     if (row["equation"], row["estimates"]) != (spec.equation, spec.target):
         return None
     return Explanation(**row)
+
+
+# --------------------------------------------------------------------------------------------
+# klpo explain --teacher's answers, as shipped.
+
+TEACHER_TABLE = "explain_teacher.json"
+"""The file under ``klpo/assets`` that holds ``klpo explain --teacher``'s answers: per position,
+each distillation term's value and the gradient it follows on two families of cases; over a
+sequence, each credit's gradient against the sequence KL's (written by ``python -m
+klpo.lab.teacher --write``; :mod:`klpo.lab.teacher` derives them)."""
+
+
+@functools.cache
+def teacher_table() -> dict[str, Any]:
+    """The shipped table of ``klpo explain --teacher`` (:data:`TEACHER_TABLE`), as JSON data:
+    ``{"about", "k", "vocab", "cases", "positions": [...], "sequences": [...]}``.
+
+    Example:
+        >>> t = teacher_table()
+        >>> t["k"], t["vocab"]  # the top-k forms are derived at k = 4 of a vocabulary of 16
+        (4, 16)
+    """
+    text = resources.files("klpo").joinpath("assets", TEACHER_TABLE).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def teacher_positions(key: str, placement: str = "loss") -> dict[str, dict[str, Any]]:
+    """A distillation term's per-position answers, by family of cases (``{"near": row,
+    "sharp": row}``), or ``{}`` where the table has no such term.
+
+    ``key`` is the form's name independent of the top-k size (``k1``, ``k3``, ``full``,
+    ``forward``, ``jsd``, ``topk_forward_clamp``, ``teacher_topk_renorm_mixed``, ...). A row
+    holds ``value`` (the divergence the expected value equals, or "none"), ``gradient`` (the
+    divergence whose gradient it follows: ``KL(pi_theta ‖ pi_T)``, ``KL(pi_T ‖ pi_theta)``,
+    "zero", "other", or a JSD's own), the mean cosines ``cos_reverse`` / ``cos_forward`` of its
+    expected gradient to each KL's, and ``clamp_binds`` (the share of positions where a clamp
+    zeroes the position's gradient).
+
+    Example:
+        >>> teacher_positions("k3")["near"]["gradient"]  # verl's k3 logs reverse, follows forward
+        'KL(pi_T ‖ pi_theta)'
+        >>> teacher_positions("k1", "reward")["near"]["gradient"]
+        'KL(pi_theta ‖ pi_T)'
+    """
+    rows = teacher_table()["positions"]
+    return {r["family"]: r for r in rows if r["key"] == key and r["placement"] == placement}
+
+
+def teacher_sequence(term: str, placement: str, credit: str = "") -> dict[str, Any] | None:
+    """A term's answer over whole sequences (``cos_sequence``, ``rel_error``, ``follows``: whether
+    its expected gradient is that of the sequence KL(pi_theta ‖ pi_T)), or None.
+
+    ``placement`` ``"reward"`` with ``credit`` ``"returns"`` (returns-to-go) or ``"token"``
+    (discount 0), ``"loss"``, or ``"reward+loss"``.
+
+    Example:
+        >>> teacher_sequence("k1", "reward", "token")["follows"]  # Tinker's discount 0
+        False
+        >>> teacher_sequence("k1", "reward", "returns")["follows"]
+        True
+    """
+    for r in teacher_table()["sequences"]:
+        if (r["term"], r["placement"], r["credit_key"]) == (term, placement, credit):
+            return r
+    return None

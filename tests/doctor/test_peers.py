@@ -264,7 +264,7 @@ def test_verl_remax_and_grpo_credit():
 
 
 @needs_trl
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("kind", tables.TRL_KINDS)
 def test_trl_table_is_the_installed_trls(kind):
     _same_table(tables.trl_table(kind))
 
@@ -316,6 +316,89 @@ def test_trl_accepts_every_example_and_refuses_typos(name, tmp_path):
     _trl_config(fields, tmp_path)  # TRL takes every field the doctor took
     with pytest.raises(TypeError, match="betta"):
         _trl_config({**fields, "betta": 0.04}, tmp_path)
+
+
+@needs_verl
+def test_verl_distillation_modes_and_refusals_are_verls_own():
+    """The modes the doctor reads are verl's registry; the combinations it calls refused raise in
+    verl's DistillationLossConfig; forward_kl_topk clamps at zero, the estimator modes are
+    kl_penalty's (verl/trainer/distillation/losses.py)."""
+    from verl.trainer.distillation import losses
+    from verl.workers.config import DistillationLossConfig
+
+    from klpo.doctor import verl_distill
+
+    assert set(losses.DISTILLATION_LOSS_REGISTRY) == set(verl_distill.MODES)
+    with pytest.raises(ValueError, match="k1"):
+        DistillationLossConfig(loss_mode="k1", use_policy_gradient=False)
+    with pytest.raises(ValueError, match="Unsupported loss mode"):
+        DistillationLossConfig(loss_mode="reverse_kl_topk")
+    DistillationLossConfig(loss_mode="k1", use_policy_gradient=True)  # the PG form starts
+    # the estimator modes are kl_penalty's names, read as klpo's estimators with the teacher in
+    # the reference's place (the ref-KL peer tests check kl_penalty against klpo per name)
+    assert all(
+        losses.get_distillation_loss_settings(m).use_estimator for m in verl_distill.ESTIMATORS
+    )
+    assert losses.get_distillation_loss_settings("forward_kl_topk").use_topk
+
+
+def _two_models(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Hidden states and heads of a student (H 8) and a teacher (H 5) over a vocabulary of 11."""
+    gen = torch.Generator().manual_seed(seed)
+    hs, ws = torch.randn(6, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    ht, wt = torch.randn(6, 5, generator=gen), torch.randn(11, 5, generator=gen)
+    return hs, ws, ht, wt
+
+
+def _klpo_divergence(direction: str, zs: torch.Tensor, zt: torch.Tensor, beta: float):
+    """klpo.teacher's divergence for a term's direction as the doctor reads it."""
+    from klpo import teacher
+
+    if direction == "reverse":
+        return teacher.reverse_kl(zs, zt)
+    if direction == "forward":
+        return teacher.forward_kl(zs, zt)
+    return teacher.jsd(zs, zt, beta)
+
+
+@needs_trl
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_trl_distillation_beta_is_the_divergence_the_doctor_reads(beta, tmp_path):
+    """TRL's own ChunkedDivergenceFunction (trl/kernels/chunked_divergence.py) computes, for each
+    beta, the divergence the doctor names for it (klpo.teacher's, on the same logits)."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    hs, ws, ht, wt = _two_models()
+    got, _ = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, beta, 1.0)
+    cfg = tmp_path / "distill.yaml"
+    cfg.write_text(f"teacher_model_name_or_path: T\nbeta: {beta}\n")
+    (term,) = read(cfg).teacher_terms
+    want = _klpo_divergence(term.direction, hs @ ws.T, ht @ wt.T, beta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@needs_trl
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_sdpo_alpha_is_the_direction_the_doctor_reads(alpha, tmp_path):
+    """SDPO's compute_divergence passes its arguments to F.kl_div, which computes KL(target ‖
+    input): alpha 1 is the reverse KL(pi_theta ‖ pi_T), as its docs say and the doctor reads (a
+    review of huggingface/trl#4935 claimed the two were swapped)."""
+    from trl.experimental.sdpo.loss_utils import compute_divergence
+
+    hs, ws, ht, wt = _two_models(1)
+    zs, zt = hs @ ws.T, ht @ wt.T
+    got = compute_divergence(torch.log_softmax(zs, -1), torch.log_softmax(zt, -1), alpha)
+    cfg = tmp_path / "sdpo.py"
+    cfg.write_text(
+        "from trl.experimental.sdpo import SDPOConfig\n"
+        f"a = SDPOConfig(output_dir='o', distillation_mode='full_logits', distillation_alpha={alpha})\n"
+    )
+    (term,) = read(cfg).teacher_terms
+    torch.testing.assert_close(
+        got, _klpo_divergence(term.direction, zs, zt, alpha), rtol=1e-5, atol=1e-6
+    )
+    if alpha == 1.0:  # and not the forward KL, which the review's reading would give
+        assert not torch.allclose(got, _klpo_divergence("forward", zs, zt, alpha), rtol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------

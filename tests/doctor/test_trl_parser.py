@@ -12,7 +12,7 @@ import pytest
 
 trl = pytest.importorskip("trl")
 
-from klpo.doctor import read  # noqa: E402
+from klpo.doctor import read, trl_config  # noqa: E402  (trl_config: the TRL readers' fields)
 from klpo.doctor.frameworks import trl as reader  # noqa: E402
 from klpo.doctor.reading import Settings  # noqa: E402
 
@@ -38,7 +38,7 @@ def test_the_reading_through_trl_equals_the_tables(monkeypatch):
         pytest.skip(f"the shipped table is TRL {reader.VERSION}'s")
     for name in ("trl_grpo.yaml", "trl_rloo.yaml", "examples/trl_drgrpo_paper_index.yaml"):
         through = read(FIX / name)
-        monkeypatch.setattr(reader, "installed_table", lambda kind: None)
+        monkeypatch.setattr(trl_config, "installed_table", lambda kind: None)
         tabled = read(FIX / name)
         monkeypatch.undo()
         assert "table" in tabled.defaults_from

@@ -1,14 +1,18 @@
 """klpo explain --teacher: the labels enumeration derives match the ones derived by hand
 (klpo.teacher's notes, DESIGN's table with the teacher in the reference's place), the clamps
-bind where a sharper student makes the truncated sum negative, and the command prints them."""
+bind where a sharper student makes the truncated sum negative, and the command prints them; the
+frameworks' renormalised top-k forms equal their hand sums and closed-form gradients, and the
+shipped table (read by the doctor without torch) is the enumeration's, regenerated unchanged."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from klpo.lab import teacher as opd
 
@@ -82,3 +86,81 @@ def test_klpo_explain_teacher_prints_the_tables_in_80_columns_and_json() -> None
         ).stdout
     )
     assert {"k", "positions", "sequences"} <= set(data) and len(data["sequences"]) == 5
+
+
+# --- the frameworks' renormalised top-k forms, by hand (V = 3, k = 2) ---------------------------
+
+Q3 = (0.5, 0.3, 0.2)  # the student
+P3 = (0.2, 0.5, 0.3)  # the teacher: its top-2 is {1, 2}, the student's {0, 1}
+
+
+def _kl_by_hand(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return sum(x * math.log(x / y) for x, y in zip(a, b, strict=True))
+
+
+def _logits(p: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(p, dtype=torch.float64).log()
+
+
+def test_nemo_rls_renormalised_topk_kl_equals_the_hand_sum() -> None:
+    # On the teacher's top-2 {1, 2}: p^K = (0.5, 0.3)/0.8, q^K = (0.3, 0.2)/0.5
+    p_k, q_k = (0.625, 0.375), (0.6, 0.4)
+    fwd, rev = _kl_by_hand(p_k, q_k), _kl_by_hand(q_k, p_k)  # 0.0013118, 0.0013068
+    z, zt = _logits(Q3), _logits(P3)
+    got = {k: float(opd.renormalised_topk_kl(z, zt, 2, k)) for k in ("forward", "reverse", "mixed")}
+    assert got["forward"] == pytest.approx(fwd, rel=1e-12)
+    assert got["reverse"] == pytest.approx(rev, rel=1e-12)
+    assert got["mixed"] == pytest.approx(0.5 * fwd + 0.5 * rev, rel=1e-12)
+    with pytest.raises(ValueError, match="kind"):
+        opd.renormalised_topk_kl(z, zt, 2, "jsd")
+
+
+def test_the_renormalised_forms_gradients_are_their_closed_forms() -> None:
+    """Renormalising over K is a softmax of the gathered logits, so d KL(p^K ‖ q^K) / d z_i is
+    q^K_i - p^K_i on K and 0 off it; d KL(q^K ‖ p^K) / d z_i = q^K_i (log q^K_i / p^K_i - KL)."""
+    gen = torch.Generator().manual_seed(3)
+    z, zt = (torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(2))
+    k = 3
+    ids = zt.topk(k).indices
+    q_k, p_k = torch.softmax(z[ids], -1), torch.softmax(zt[ids], -1)
+    for kind in ("forward", "reverse"):
+        theta = z.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(opd.renormalised_topk_kl(theta, zt, k, kind), theta)
+        want = torch.zeros(7, dtype=torch.float64)
+        if kind == "forward":
+            want[ids] = q_k - p_k
+        else:
+            log_ratio = (q_k / p_k).log()
+            want[ids] = q_k * (log_ratio - (q_k * log_ratio).sum())
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-14)
+
+
+def test_sdpos_student_topk_forms_equal_the_hand_sums() -> None:
+    # On the student's top-2 {0, 1}: q = (0.5, 0.3), p = (0.2, 0.5); tails 0.2 and 0.3
+    renorm = _kl_by_hand((0.625, 0.375), (0.2 / 0.7, 0.5 / 0.7))  # 0.2475907
+    tail = _kl_by_hand((0.5, 0.3, 0.2), (0.2, 0.5, 0.3))  # the 3 buckets: here the whole KL
+    z, zt = _logits(Q3), _logits(P3)
+    assert float(opd.student_topk_bucket_kl(z, zt, 2, tail=False)) == pytest.approx(renorm, 1e-12)
+    assert float(opd.student_topk_bucket_kl(z, zt, 2, tail=True)) == pytest.approx(tail, 1e-12)
+
+
+# --- the shipped table --------------------------------------------------------------------------
+
+
+def test_the_shipped_teacher_table_is_regenerated_unchanged() -> None:
+    from importlib import resources
+
+    from klpo import registry
+
+    shipped = resources.files("klpo").joinpath("assets", registry.TEACHER_TABLE).read_text("utf-8")
+    assert opd.table_text() == shipped, "run `python -m klpo.lab.teacher --write` and commit it"
+    # the torch-free reader answers from it as the enumeration does
+    rows = {
+        (r.key, r.placement, r.family): r for f in ("near", "sharp") for r in opd.position_rows(f)
+    }
+    for (key, placement, family), r in rows.items():
+        got = registry.teacher_positions(key, placement)[family]
+        assert (got["value"], got["gradient"]) == (r.value, r.gradient), key
+    seq = registry.teacher_sequence("k1", "reward", "token")
+    assert seq is not None and seq["follows"] is False
+    assert registry.teacher_positions("no-such-term") == {}

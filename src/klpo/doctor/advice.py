@@ -196,7 +196,12 @@ def build_intended(reading: Reading) -> None:
     why = list(reading.intended_why)
     loss_terms = [t for t in reading.terms if t.placement == "loss"]
     reward_terms = [t for t in reading.terms if t.placement == "reward"]
-    if not reading.terms:
+    if not reading.terms and reading.teacher_terms:
+        why.append(
+            "no KL to a reference: the distillation term holds the student near the teacher "
+            "(klpo's teacher section below); a reference KL beside it is klpo's kl section"
+        )
+    elif not reading.terms:
         why.append(
             "no KL term is in effect: nothing holds the policy near the reference; if that is "
             "meant, keep it; otherwise klpo's default is the exact KL in the loss "

@@ -1,4 +1,5 @@
-"""A Python training script's ``GRPOConfig(...)`` / ``RLOOConfig(...)`` call, read for the doctor.
+"""A Python training script's TRL config call (``GRPOConfig(...)``, ``RLOOConfig(...)``,
+``DistillationConfig(...)``, ``SDPOConfig(...)``), read for the doctor.
 
 The script is parsed with :mod:`ast`, never run. A keyword's value is read where it is a literal
 or arithmetic on names the module assigns literals to (``max_seq_length - max_prompt_length``);
@@ -15,7 +16,10 @@ from typing import Any
 
 from klpo.doctor.reading import DoctorError
 
-__all__ = ["config_call"]
+__all__ = ["CLASSES", "config_call"]
+
+CLASSES = ("GRPOConfig", "RLOOConfig", "DistillationConfig", "SDPOConfig")
+"""The TRL config classes whose call the doctor reads."""
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv}  # fmt: skip
@@ -66,11 +70,11 @@ def config_call(text: str, source: str) -> tuple[str, dict[str, Any], bool, int]
             name = (
                 f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
             )
-            if name in ("GRPOConfig", "RLOOConfig"):
+            if name in CLASSES:
                 found = (name, node)
     if found is None:
         raise DoctorError(
-            f"{source}: a Python script without a GRPOConfig(...) or RLOOConfig(...) call; the "
+            f"{source}: a Python script without a {'(...), '.join(CLASSES)}(...) call; the "
             "doctor reads TRL's (and Unsloth's) configs from that call"
         )
     cls, call = found

@@ -24,6 +24,7 @@ __all__ = [
     "DoctorError",
     "Finding",
     "Reading",
+    "TeacherTerm",
     "Term",
     "UnknownFramework",
     "duplicate_keys",
@@ -98,6 +99,65 @@ class Term:
 
 
 @dataclass(frozen=True)
+class TeacherTerm:
+    """One distillation term in effect: the student pi_theta pulled towards a teacher pi_T.
+
+    The student samples, the teacher scores its tokens (on-policy distillation); the term is a
+    divergence between the two next-token distributions, or a sampled-token estimate of one.
+    :mod:`klpo.doctor.report` adds what ``klpo explain --teacher`` derives for it
+    (:func:`klpo.registry.teacher_positions`, :func:`klpo.registry.teacher_sequence`).
+
+    Attributes:
+        option: the framework's settings that switch it on, as written there.
+        framework_name: the framework's name of the term (verl's ``forward_kl_topk``).
+        divergence: what its value is defined as, in words with both arguments written out
+            (``KL(pi_theta ‖ pi_T)`` is the reverse direction, ``KL(pi_T ‖ pi_theta)`` the
+            forward one).
+        direction: ``"reverse"``, ``"forward"``, ``"JSD(beta)"``, ``"mixed"`` or ``"none"``.
+        support: ``"sampled"`` (the sampled token only), ``"full"`` (the whole vocabulary) or
+            ``"top-k"`` (a top-k subset of it).
+        placement: ``"loss"`` (differentiated) or ``"reward"`` (its detached value in the
+            advantage, a policy-gradient signal).
+        beta: the term's coefficient; ``beta_option`` the setting that holds it.
+        credit: for the reward: ``"token"`` (each token credited only with its own value,
+            discount 0) or ``"returns"`` (returns-to-go); empty for the loss.
+        top_k: the k of a top-k support; ``topk_of``: whose top-k (``"teacher"``,
+            ``"student"``).
+        clamps: each clamp on the term, in words.
+        estimator: for a sampled term, the :data:`klpo.kl.ESTIMATORS` name with the same value
+            and gradient (the teacher in the reference's place), else None.
+        value_clamp, log_ratio_clamp: a sampled term's clamps as numbers, of its value and of
+            ``log pi_T - log pi_theta`` (for the regions where they zero the gradient).
+        table_key: the form's key in ``klpo explain --teacher``'s table, or None where it has
+            none.
+        teacher: the teacher model the config names, or a description (self-distillation).
+        logged_as: the metric the framework logs it under.
+        klpo: the ``teacher:`` keys of klpo's teacher mode that do the same, or ``{}`` where
+            klpo has no such estimator.
+    """
+
+    option: str
+    framework_name: str
+    divergence: str
+    direction: str
+    support: str
+    placement: str
+    beta: float
+    beta_option: str
+    credit: str = ""
+    top_k: int | None = None
+    topk_of: str = ""
+    clamps: tuple[str, ...] = ()
+    estimator: str | None = None
+    value_clamp: tuple[float, float] | None = None
+    log_ratio_clamp: tuple[float, float] | None = None
+    table_key: str | None = None
+    teacher: str = ""
+    logged_as: str = ""
+    klpo: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Finding:
     """Something the user should know. ``level``: ``"error"`` (a setting that cannot do what it
     says, or that the framework rejects), ``"warning"`` (ignored, doubled, silently rescaled or
@@ -134,6 +194,12 @@ class Reading:
         intended: the klpo config that does what the settings most likely meant, and ``why``.
         defaults_from: how the framework's keys and defaults were read (composed by Hydra from
             verl's files, TRL's dataclass through ``HfArgumentParser``, a table), or empty.
+        teacher_terms: the distillation terms in effect (:class:`TeacherTerm`).
+        teacher_section: the ``teacher:`` section of klpo's teacher mode that does the same
+            thing (as far as klpo can; ``teacher_differences`` says where not), and
+            ``teacher_intended`` the one the settings most likely meant, with
+            ``teacher_intended_why``. Neither is validated against klpo's train config, which
+            has no teacher section yet.
     """
 
     framework: str
@@ -154,6 +220,11 @@ class Reading:
     intended: dict[str, Any] = field(default_factory=dict)
     intended_why: list[str] = field(default_factory=list)
     defaults_from: str = ""  # how the framework's keys and defaults were read
+    teacher_terms: list[TeacherTerm] = field(default_factory=list)
+    teacher_section: dict[str, Any] = field(default_factory=dict)
+    teacher_differences: list[str] = field(default_factory=list)
+    teacher_intended: dict[str, Any] = field(default_factory=dict)
+    teacher_intended_why: list[str] = field(default_factory=list)
 
     @property
     def off_policy(self) -> bool:

@@ -6,6 +6,11 @@ shipped as a table, :func:`klpo.registry.explanation`, so that the doctor needs 
 the region in which the clamp zeroes the gradient is found the same way, by differentiating the
 framework's clamped term on a fine grid of log-ratios d = log pi_theta(y) - log pi_ref(y) and
 reporting where its gradient is exactly zero while the unclamped estimator's is not.
+
+A distillation term (:class:`~klpo.doctor.reading.TeacherTerm`) gets ``klpo explain
+--teacher``'s answers the same way, from its shipped table (:func:`klpo.registry.teacher_positions`,
+:func:`klpo.registry.teacher_sequence`): the divergence its value equals and the gradient it
+follows per position, where a clamp zeroes it, and whether it follows the sequence KL's gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import yaml
 
 from klpo import registry
 from klpo.doctor.advice import validate
-from klpo.doctor.reading import Reading, Term, version_matches
+from klpo.doctor.reading import Reading, TeacherTerm, Term, version_matches
 
 __all__ = ["clamp_regions", "diagnosis", "render"]
 
@@ -102,7 +107,7 @@ def clamp_regions(term: Term, span: float = 30.0, step: float = 1e-3) -> dict[st
     }
 
 
-def _interval_text(lo: float, hi: float, span: float) -> str:
+def _interval_text(lo: float, hi: float, span: float, other: str = "pi_ref") -> str:
     def ratio(x: float) -> str:
         r = math.exp(x)
         return f"{r:.3g}" if 1e-3 <= r <= 1e4 else f"e^{x:.3g}"
@@ -110,9 +115,9 @@ def _interval_text(lo: float, hi: float, span: float) -> str:
     if lo <= -span + 1e-9 and hi >= span - 1e-9:
         return "every d"
     if lo <= -span + 1e-9:
-        return f"d < {hi:.3g} (pi_theta/pi_ref < {ratio(hi)} on the token)"
+        return f"d < {hi:.3g} (pi_theta/{other} < {ratio(hi)} on the token)"
     if hi >= span - 1e-9:
-        return f"d > {lo:.3g} (pi_theta/pi_ref > {ratio(lo)})"
+        return f"d > {lo:.3g} (pi_theta/{other} > {ratio(lo)})"
     return f"{lo:.3g} < d < {hi:.3g}"
 
 
@@ -150,6 +155,105 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
     return rec
 
 
+_TEACHER_NOTE = (
+    "for klpo's teacher mode; not validated: klpo's train config has no teacher section yet"
+)
+
+
+def _to_teacher(text: str) -> str:
+    """klpo explain's words for the reference, with the teacher in its place."""
+    return text.replace("pi_ref", "pi_T")
+
+
+def _teacher_positions(t: TeacherTerm) -> tuple[dict[str, Any] | None, str]:
+    """The term's per-position answers by family of cases, and where they come from."""
+    placement = "reward" if t.placement == "reward" else "loss"
+    if t.table_key is not None:
+        rows = registry.teacher_positions(t.table_key, placement)
+        if rows:
+            keep = ("term", "value", "gradient", "cos_reverse", "cos_forward", "clamp_binds")
+            return (
+                {f: {k: r[k] for k in keep} for f, r in rows.items()},
+                f"klpo explain --teacher ({next(iter(rows.values()))['term']}, {placement})",
+            )
+    if t.estimator is not None and registry.explanation(t.estimator, placement) is not None:
+        e = registry.explanation(t.estimator, placement)
+        assert e is not None
+        grad = _to_teacher(e.gradient).removeprefix("grad ")
+        row = {
+            "term": t.estimator,
+            "value": _to_teacher(e.estimates) if e.unbiased else "none",
+            "gradient": grad if grad.startswith("KL(") else e.gradient.split(" (")[0],
+            "cos_reverse": None,
+            "cos_forward": None,
+            "clamp_binds": None,
+        }
+        return {"categoricals": row}, (
+            f"klpo explain -e {t.estimator} -p {placement}, the teacher in the reference's place"
+        )
+    return None, ""
+
+
+def _teacher_sequence(t: TeacherTerm) -> dict[str, Any] | None:
+    """Over whole sequences: the term's own row, or for any other per-position term the exact
+    per-position KL's (the most a per-position term can follow), marked ``"bound": True``."""
+    name = "full" if t.table_key == "full" else (t.estimator or "")
+    if t.placement == "reward":
+        own = registry.teacher_sequence(name, "reward", t.credit)
+    else:
+        own = registry.teacher_sequence(name, "loss")
+    if own is not None:
+        return {**own, "bound": False}
+    if t.placement == "reward" and t.credit == "returns":
+        return None  # returns-to-go of a term other than k1: not derived
+    best = registry.teacher_sequence("full", "loss")
+    return None if best is None else {**best, "bound": True}
+
+
+def _teacher_record(t: TeacherTerm) -> dict[str, Any]:
+    rec: dict[str, Any] = asdict(t)
+    rec["per_position"], rec["per_position_from"] = _teacher_positions(t)
+    rec["over_sequence"] = _teacher_sequence(t)
+    rec["clamp_regions"] = None
+    if t.estimator is not None and (t.value_clamp or t.log_ratio_clamp):
+        as_ref = Term(
+            option=t.option,
+            framework_name=t.framework_name,
+            estimator=t.estimator,
+            placement=t.placement,
+            beta=t.beta,
+            beta_option=t.beta_option,
+            reduction="",
+            value_clamp=t.value_clamp,
+            log_ratio_clamp=t.log_ratio_clamp,
+        )
+        rec["clamp_regions"] = clamp_regions(as_ref)
+    return rec
+
+
+def _distillation(reading: Reading) -> dict[str, Any] | None:
+    """The distillation terms with what klpo explain --teacher says of them, and klpo's teacher
+    sections. The sections are not validated: klpo's train config has no teacher section yet
+    (where it gets one, validate ``{**equivalent, "teacher": section}`` here)."""
+    if not reading.teacher_terms:
+        return None
+    return {
+        "terms": [_teacher_record(t) for t in reading.teacher_terms],
+        "section": {
+            "config": reading.teacher_section,
+            "differences": reading.teacher_differences,
+            "validated": False,
+            "note": _TEACHER_NOTE,
+        },
+        "intended": {
+            "config": reading.teacher_intended,
+            "why": reading.teacher_intended_why,
+            "validated": False,
+            "note": _TEACHER_NOTE,
+        },
+    }
+
+
 def diagnosis(reading: Reading) -> dict[str, Any]:
     """Everything the doctor says about ``reading``, as JSON-ready data."""
     findings = [asdict(f) for f in reading.findings]
@@ -178,6 +282,7 @@ def diagnosis(reading: Reading) -> dict[str, Any]:
         "off_policy": reading.off_policy,
         "asynchronous": reading.asynchronous,
         "terms": [_term_record(t, reading) for t in reading.terms],
+        "distillation": _distillation(reading),
         "group_scaling": reading.group_scaling,
         "findings": findings,
         "equivalent": {
@@ -273,6 +378,108 @@ def _render_term(i: int, t: dict[str, Any]) -> list[str]:
     return lines
 
 
+_SUPPORT = {
+    "sampled": "the sampled token only",
+    "full": "the whole vocabulary at every position",
+}
+_CREDIT = {
+    "token": "each token its own value, no return from later tokens (discount 0)",
+    "returns": "returns-to-go: each token its own value and those after it",
+}
+
+
+def _support_text(t: dict[str, Any]) -> str:
+    if t["support"] == "top-k":
+        return f"the {t['topk_of']}'s top-{t['top_k']} tokens at every position"
+    return _SUPPORT.get(t["support"], t["support"])
+
+
+def _cos(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _render_teacher_term(i: int, t: dict[str, Any]) -> list[str]:
+    """One distillation term: what it is, its support and credit, clamps, and what it follows."""
+    place = "loss" if t["placement"] == "loss" else "reward (detached, a policy-gradient signal)"
+    lines = [
+        f" {i}. {t['option']}  →  {t['framework_name']}: in the {place}, coefficient "
+        f"{t['beta']:g} ({t['beta_option']})",
+    ]
+    if t["teacher"]:
+        lines.append(f"    teacher:    {t['teacher']}")
+    lines.append(f"    divergence: {t['divergence']}")
+    lines.append(f"    support:    {_support_text(t)}")
+    if t["placement"] == "reward":
+        lines.append(f"    credit:     {_CREDIT.get(t['credit'], t['credit'])}")
+    if t["clamps"]:
+        lines.append(f"    clamps:     {'; '.join(t['clamps'])}")
+    c = t.get("clamp_regions")
+    if c is not None:
+        if t["placement"] == "loss" and c["zero_gradient"]:
+            where = " or ".join(
+                _interval_text(lo, hi, c["span"], "pi_T") for lo, hi in c["zero_gradient"]
+            )
+            lines.append(f"                the gradient is exactly zero where {where}")
+        elif t["placement"] == "reward" and c["binds"]:
+            where = " or ".join(_interval_text(lo, hi, c["span"], "pi_T") for lo, hi in c["binds"])
+            lines.append(f"                the per-token reward is capped where {where}")
+    pos = t["per_position"]
+    if pos is None:
+        lines.append("    follows:    not derived: klpo explain --teacher has no row for this form")
+    else:
+        at = ""
+        if t["support"] == "top-k":
+            table = registry.teacher_table()
+            at = f"; its top-k at k = {table['k']} of a vocabulary of {table['vocab']}"
+        lines.append(f"    per position ({t['per_position_from']}{at}):")
+        for family, row in pos.items():
+            extra = ""
+            if row["cos_reverse"] is not None:
+                extra = (
+                    f" (cosine to grad reverse {_cos(row['cos_reverse'])}, to grad forward "
+                    f"{_cos(row['cos_forward'])})"
+                )
+            if row.get("clamp_binds"):
+                extra += f"; a clamp zeroes it at {row['clamp_binds']:.0%} of positions"
+            lines.append(f"      {family}: value {row['value']}; gradient {row['gradient']}{extra}")
+    seq = t["over_sequence"]
+    if seq is not None:
+        head = (
+            "as every per-position term, at best the exact per-position KL's"
+            if seq["bound"]
+            else ("follows it" if seq["follows"] else "does not follow it")
+        )
+        lines.append(
+            f"    over the sequence: against grad KL(pi_theta ‖ pi_T) of whole completions, "
+            f"{head} (cosine {seq['cos_sequence']:.3f}, relative error {seq['rel_error']:.2f})"
+        )
+    return lines
+
+
+def _render_distillation(d: dict[str, Any]) -> list[str]:
+    lines = ["", "Distillation terms (the student pi_theta samples, the teacher pi_T scores):"]
+    for i, t in enumerate(d["terms"], 1):
+        lines += _render_teacher_term(i, t)
+    return lines
+
+
+def _render_sections(d: dict[str, Any]) -> list[str]:
+    sec, it = d["section"], d["intended"]
+    lines = ["", f"klpo teacher section that does the same thing ({sec['note']}):"]
+    if sec["config"]:
+        lines.append(_indent(_yaml({"teacher": sec["config"]})))
+    for x in sec["differences"]:
+        lines.append(f"  # differs: {x}")
+    lines += [
+        "",
+        "klpo teacher section these settings most likely meant (for klpo's teacher mode):",
+    ]
+    lines.append(_indent(_yaml({"teacher": it["config"]})))
+    for w in it["why"]:
+        lines.append(f"  # why: {w}")
+    return lines
+
+
 def render(diag: dict[str, Any]) -> str:
     """The diagnosis for people."""
     fw = diag["framework"]
@@ -308,6 +515,9 @@ def render(diag: dict[str, Any]) -> str:
         lines.append("KL terms in effect:")
     for i, t in enumerate(diag["terms"], 1):
         lines += _render_term(i, t)
+    distillation = diag.get("distillation")
+    if distillation:
+        lines += _render_distillation(distillation)
     if diag["group_scaling"]:
         lines += ["", "group normalisation of the reward-side KL:", f"  {diag['group_scaling']}"]
     if diag["findings"]:
@@ -335,6 +545,8 @@ def render(diag: dict[str, Any]) -> str:
         lines.append(f"  # why: {w}")
     if it["invalid"]:
         lines.append(f"  # klpo rejects it: {it['invalid']}")
+    if distillation:
+        lines += _render_sections(distillation)
     return "\n".join(lines)
 
 

@@ -31,11 +31,13 @@ from typing import Any
 
 __all__ = [
     "TABLES",
+    "TRL_KINDS",
     "Table",
     "known_versions",
     "load",
     "openrlhf_table",
     "pick",
+    "trl_class",
     "trl_table",
     "verl_table",
     "version_key",
@@ -195,13 +197,34 @@ def _fields(cls: type) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def trl_table(kind: str) -> dict[str, Any]:
-    """Every field of the installed TRL's ``GRPOConfig`` or ``RLOOConfig`` with its default,
-    and the ``ScriptArguments`` / ``ModelConfig`` fields a ``trl grpo --config`` file may hold."""
+TRL_KINDS = ("grpo", "rloo", "distillation", "sdpo")
+"""The TRL config classes with a table: ``GRPOConfig``, ``RLOOConfig``, ``DistillationConfig``
+(``trl distillation``), and the experimental ``SDPOConfig``."""
+
+
+def trl_class(kind: str) -> type:
+    """The installed TRL's config class of ``kind`` (:data:`TRL_KINDS`); imports TRL."""
     import trl
 
-    cls = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[kind]
+    if kind == "sdpo":
+        from trl.experimental.sdpo import SDPOConfig
+
+        return SDPOConfig
+    return {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig, "distillation": trl.DistillationConfig}[
+        kind
+    ]
+
+
+def trl_table(kind: str) -> dict[str, Any]:
+    """Every field of the installed TRL's config class of ``kind`` (:data:`TRL_KINDS`) with its
+    default, and the ``ScriptArguments`` / ``ModelConfig`` fields a ``trl grpo --config`` file
+    may hold."""
+    import trl
+
+    cls = trl_class(kind)
     cli = {**_fields(trl.ScriptArguments), **_fields(trl.ModelConfig)}
+    if kind == "distillation":  # trl/scripts/distillation.py parses DatasetMixtureConfig too
+        cli.update(_fields(trl.DatasetMixtureConfig))
     return {
         "framework": f"trl-{kind}",
         "version": trl.__version__,
@@ -549,6 +572,16 @@ SOURCE_TABLES: dict[str, tuple[str, str, list[tuple[str, list[str], str]]]] = {
         ],
     ),
 }
+SOURCE_TABLES["nemo-rl-distillation"] = (
+    "0.6.0+7ea279a",
+    "NVIDIA-NeMo/RL 7ea279a: the distillation algorithm's loss_fn and distillation sections "
+    "(nemo_rl/algorithms/loss/loss_functions.py: DistillationLossConfig, "
+    "nemo_rl/algorithms/distillation.py: DistillationConfig)",
+    [
+        ("loss_fn.", ["nemo_rl/algorithms/loss/loss_functions.py"], "DistillationLossConfig"),
+        ("distillation.", ["nemo_rl/algorithms/distillation.py"], "DistillationConfig"),
+    ],
+)
 _PRIME = "packages/prime-rl-configs/src/prime_rl/configs/"
 SOURCE_TABLES["prime-rl"] = (
     "0.8.0",
@@ -631,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "verl":
         written = [_write(verl_table())]
     elif args[0] == "trl":
-        written = [_write(trl_table("grpo")), _write(trl_table("rloo"))]
+        written = [_write(trl_table(kind)) for kind in TRL_KINDS]
     elif args[0] == "openrlhf" and len(args) == 3:
         written = [_write(openrlhf_table(args[1], args[2]))]
     elif args[0] in (*SOURCE_TABLES, *ARGPARSE_TABLES) and len(args) == 2:

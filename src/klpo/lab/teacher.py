@@ -19,13 +19,28 @@ KL(pi_theta ‖ pi_T) = E[sum_t d_t]. A detached per-token reward ``-d_t`` with 
 only with its own ``-d_t``, the Tinker cookbook's OPD advantage) follows ``E[sum_t grad KL_t]``
 only at the first position and misses how a token changes the teacher's view of the later ones,
 as does every per-position term in the loss.
+
+Beside klpo's own forms, the renormalised top-k KLs the frameworks compute are derived here
+too, defined in this module (they are no estimator of the library): NeMo-RL's ``distillation``
+loss (``loss_fn.kl_type`` forward, reverse or mixed over the teacher's top-k, both
+distributions renormalised there: ``nemo_rl/distributed/model_utils.py``, NVIDIA-NeMo/RL
+``7ea279a``) and TRL 1.16's SDPO ``topk_logits`` mode (the student's top-k, renormalised or with
+a tail bucket: ``trl/experimental/sdpo/loss_utils.py``).
+
+The answers are shipped as a table (``klpo/assets/explain_teacher.json``, written by ``python
+-m klpo.lab.teacher --write``; a test regenerates it unchanged), which ``klpo doctor`` reads
+without torch (:func:`klpo.registry.teacher_rows`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +57,11 @@ __all__ = [
     "Term",
     "cases",
     "position_rows",
+    "renormalised_topk_kl",
     "sequence_rows",
+    "student_topk_bucket_kl",
+    "table",
+    "table_text",
 ]
 
 REVERSE = "KL(pi_theta ‖ pi_T)"
@@ -59,8 +78,10 @@ class Term:
 
     ``value_grad(z, zt)`` returns the expected value and the expected gradient with respect to
     the student's logits ``z [V]`` (float64), the teacher's ``zt [V]`` held fixed; ``raw`` the
-    value before a clamp (None: no clamp)."""
+    value before a clamp (None: no clamp). ``key`` names the form independently of ``K`` (the
+    shipped table's key, which ``klpo doctor`` looks rows up by)."""
 
+    key: str
     name: str
     placement: str
     support: str  # "sampled" (the sampled token), "full" (the vocabulary), "top-k"
@@ -98,47 +119,148 @@ def _raw(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], f
     return lambda z, zt: float(fn(z[None], zt[None])[0])
 
 
+def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """KL(a ‖ b) over the last axis, ``0 log 0 = 0``."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
+
+
+def _renormalise(log_p: Tensor) -> Tensor:
+    return log_p - torch.logsumexp(log_p, -1, keepdim=True)
+
+
+def renormalised_topk_kl(logits: Tensor, logits_teacher: Tensor, k: int, kind: str) -> Tensor:
+    r"""NeMo-RL's ``distillation`` loss: a KL of both models renormalised over the teacher's top-k.
+
+    With ``K_T`` the teacher's ``k`` likeliest tokens, ``q^K = q_i / sum_{K_T} q`` and
+    ``p^K = p_i / sum_{K_T} p`` (NeMo-RL gathers both models' logits at ``K_T`` and takes
+    ``log_softmax`` over them, ``loss_fn.zero_outside_topk`` false):
+
+    - ``"forward"``: KL(p^K ‖ q^K); ``"reverse"``: KL(q^K ‖ p^K);
+    - ``"mixed"``: 0.5 KL(p^K ‖ q^K) + 0.5 KL(q^K ‖ p^K) (NeMo-RL's default ``kl_type`` at its
+      default ``mixed_kl_weight`` 0.5).
+
+    A true KL of the two conditionals on ``K_T``, which ignores where either model puts its mass
+    outside ``K_T``: the student's mass outside the teacher's top-k is never penalised.
+    Shapes: ``[..., V]`` logits in, ``[...]`` out. Gradient: autograd's, to the student's logits
+    (the teacher is detached).
+
+    Example:
+        >>> import torch
+        >>> z = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).log()   # student q
+        >>> zt = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64).log()  # teacher p
+        >>> # K_T = {1, 2}: p^K = (0.625, 0.375), q^K = (0.6, 0.4)
+        >>> round(float(renormalised_topk_kl(z, zt, 2, "forward")), 6)
+        0.001312
+    """
+    if kind not in ("forward", "reverse", "mixed"):
+        raise ValueError(f"kind must be 'forward', 'reverse' or 'mixed', got {kind!r}")
+    ids = logits_teacher.detach().topk(k, -1).indices
+    log_q = _renormalise(torch.log_softmax(logits, -1).gather(-1, ids))
+    log_p = _renormalise(torch.log_softmax(logits_teacher.detach(), -1).gather(-1, ids))
+    forward, reverse = _kl(log_p, log_q), _kl(log_q, log_p)
+    return {"forward": forward, "reverse": reverse, "mixed": 0.5 * forward + 0.5 * reverse}[kind]
+
+
+def student_topk_bucket_kl(logits: Tensor, logits_teacher: Tensor, k: int, *, tail: bool) -> Tensor:
+    r"""TRL 1.16 SDPO's ``topk_logits`` reverse KL on the student's top-k.
+
+    With ``K_theta`` the student's ``k`` likeliest tokens and both models' full-vocabulary
+    log-probs gathered there: ``tail=False`` renormalises both over ``K_theta`` and returns
+    KL(q^K ‖ p^K); ``tail=True`` appends one bucket with each model's mass outside ``K_theta``
+    (``distillation_add_tail``) and returns the KL of the ``k + 1`` buckets. SDPO's
+    ``distillation_alpha = 1`` (its default) is this reverse direction
+    (``trl/experimental/sdpo/loss_utils.py``: ``compute_topk_self_distillation_loss``).
+    Shapes: ``[..., V]`` in, ``[...]`` out; the teacher is detached.
+
+    Example:
+        >>> import torch
+        >>> z = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).log()   # student q
+        >>> zt = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64).log()  # teacher p
+        >>> # K_theta = {0, 1}: q^K = (0.625, 0.375), p^K = (2/7, 5/7)
+        >>> round(float(student_topk_bucket_kl(z, zt, 2, tail=False)), 6)
+        0.247591
+    """
+    ids = logits.detach().topk(k, -1).indices
+    log_q = torch.log_softmax(logits, -1).gather(-1, ids)
+    log_p = torch.log_softmax(logits_teacher.detach(), -1).gather(-1, ids)
+    if tail:
+        log_q, log_p = _with_tail(log_q), _with_tail(log_p)
+    else:
+        log_q, log_p = _renormalise(log_q), _renormalise(log_p)
+    return _kl(log_q, log_p)
+
+
+def _with_tail(log_p: Tensor) -> Tensor:
+    """``log_p`` (a top-k subset's log-probs) with one more entry, the log of the rest's mass."""
+    kept = torch.logsumexp(log_p, -1, keepdim=True).clamp(max=-1e-12)
+    return torch.cat([log_p, torch.log(-torch.expm1(kept))], -1)
+
+
 TERMS: tuple[Term, ...] = (
-    Term("k1", "reward", "sampled", _sampled("k1", "reward"), what="Tinker / Thinking Machines"),
-    Term("k1", "loss", "sampled", _sampled("k1", "loss")),
-    Term("k2", "loss", "sampled", _sampled("k2", "loss")),
-    Term("k3", "loss", "sampled", _sampled("k3", "loss"), what="verl's sampled reverse KL"),
-    Term("reverse (exact)", "loss", "full", _vocab(teacher.reverse_kl), what="TRL beta=1"),
-    Term("forward (exact)", "loss", "full", _vocab(teacher.forward_kl), what="TRL beta=0"),
     Term(
-        "jsd 0.5",
-        "loss",
-        "full",
-        _vocab(lambda z, zt: teacher.jsd(z, zt, 0.5)),
-        what="TRL beta=0.5",
-        own="JSD_0.5",
+        "k1", "k1", "reward", "sampled", _sampled("k1", "reward"),
+        what="Tinker / Thinking Machines",
     ),
-    Term(f"teacher top-{K} fwd", "loss", "top-k", _vocab(_topk_forward(False)), what="no clamp"),
+    Term("k1", "k1", "loss", "sampled", _sampled("k1", "loss")),
+    Term("k2", "k2", "loss", "sampled", _sampled("k2", "loss")),
+    Term("k3", "k3", "loss", "sampled", _sampled("k3", "loss"), what="verl's sampled reverse KL"),
     Term(
-        f"teacher top-{K} fwd, clamp",
-        "loss",
-        "top-k",
-        _vocab(_topk_forward(True)),
-        raw=_raw(_topk_forward(False)),
+        "full", "reverse (exact)", "loss", "full", _vocab(teacher.reverse_kl), what="TRL beta=1"
+    ),
+    Term(
+        "forward", "forward (exact)", "loss", "full", _vocab(teacher.forward_kl),
+        what="TRL beta=0",
+    ),
+    Term(
+        "jsd", "jsd 0.5", "loss", "full", _vocab(lambda z, zt: teacher.jsd(z, zt, 0.5)),
+        what="TRL beta=0.5", own="JSD_0.5",
+    ),
+    Term(
+        "topk_forward", f"teacher top-{K} fwd", "loss", "top-k", _vocab(_topk_forward(False)),
+        what="no clamp",
+    ),
+    Term(
+        "topk_forward_clamp", f"teacher top-{K} fwd, clamp", "loss", "top-k",
+        _vocab(_topk_forward(True)), raw=_raw(_topk_forward(False)),
         what="verl forward_kl_topk",
     ),
     Term(
-        f"top-{K} + tail",
-        "loss",
-        "top-k",
+        "topk_tail", f"top-{K} + tail", "loss", "top-k",
         _vocab(lambda z, zt: teacher.topk_tail_kl(z, *teacher.teacher_topk(zt, K))),
         what="verl#7855",
     ),
-    Term(f"student top-{K} rev", "loss", "top-k", _vocab(_student_topk(False))),
+    Term("student_topk", f"student top-{K} rev", "loss", "top-k", _vocab(_student_topk(False))),
     Term(
-        f"student top-{K} rev, clamp",
-        "loss",
-        "top-k",
-        _vocab(_student_topk(True)),
-        raw=_raw(_student_topk(False)),
-        what="verl PR #7806",
+        "student_topk_clamp", f"student top-{K} rev, clamp", "loss", "top-k",
+        _vocab(_student_topk(True)), raw=_raw(_student_topk(False)), what="verl PR #7806",
     ),
-)
+    Term(
+        "teacher_topk_renorm_forward", f"teacher top-{K} renorm fwd", "loss", "top-k",
+        _vocab(lambda z, zt: renormalised_topk_kl(z, zt, K, "forward")),
+        what="NeMo-RL kl_type=forward",
+    ),
+    Term(
+        "teacher_topk_renorm_reverse", f"teacher top-{K} renorm rev", "loss", "top-k",
+        _vocab(lambda z, zt: renormalised_topk_kl(z, zt, K, "reverse")),
+        what="NeMo-RL kl_type=reverse",
+    ),
+    Term(
+        "teacher_topk_renorm_mixed", f"teacher top-{K} renorm mix", "loss", "top-k",
+        _vocab(lambda z, zt: renormalised_topk_kl(z, zt, K, "mixed")),
+        what="NeMo-RL kl_type=mixed (0.5)",
+    ),
+    Term(
+        "student_topk_renorm", f"student top-{K} renorm rev", "loss", "top-k",
+        _vocab(lambda z, zt: student_topk_bucket_kl(z, zt, K, tail=False)),
+        what="TRL SDPO topk_logits",
+    ),
+    Term(
+        "student_topk_tail", f"student top-{K} + tail rev", "loss", "top-k",
+        _vocab(lambda z, zt: student_topk_bucket_kl(z, zt, K, tail=True)),
+        what="TRL SDPO topk_logits, add_tail",
+    ),
+)  # fmt: skip
 """Every term :func:`position_rows` derives, in the order ``klpo explain --teacher`` prints."""
 
 
@@ -172,6 +294,7 @@ def cases(
 class PositionRow:
     """One term on one family of cases (means over the cases; the worst case where said)."""
 
+    key: str  # the form, independent of K (Term.key)
     term: str
     placement: str
     support: str
@@ -224,6 +347,7 @@ def position_rows(family: str = "near", **case_args: object) -> list[PositionRow
             cos_f.append(cosine(grad, gf))
         rows.append(
             PositionRow(
+                key=term.key,
                 term=term.name,
                 placement=term.placement,
                 support=term.support,
@@ -270,7 +394,9 @@ class SequenceRow:
     """One term over whole sequences: its expected gradient against the sequence KL's."""
 
     term: str
-    credit: str  # how a token is credited
+    credit: str  # how a token is credited, in words
+    placement: str  # "reward" (a detached per-token reward) or "loss" (or both: "reward+loss")
+    credit_key: str  # "returns" (returns-to-go), "token" (discount 0) or "" (in the loss)
     cos_sequence: float  # mean cosine to grad KL(pi_theta ‖ pi_T) over the sequence
     rel_error: float  # worst ‖E[g] - grad KL‖ / ‖grad KL‖ over the models
     follows: bool  # equal to the sequence KL's gradient on every model (to 1e-9)
@@ -317,6 +443,14 @@ SEQUENCE_TERMS: tuple[tuple[str, str, str], ...] = (
 )
 """(estimator, credit, label) of :func:`sequence_rows`."""
 
+_SEQUENCE_KEYS = {
+    "returns": ("reward", "returns"),
+    "token": ("reward", "token"),
+    "loss": ("loss", ""),
+}
+"""credit of :data:`SEQUENCE_TERMS` -> (placement, credit key) in the rows; ``full`` with
+``returns`` is the exact KL in reward and loss (``reward+loss``)."""
+
 
 def sequence_rows(n: int = 4, vocab: int = 3, length: int = 3, seed: int = 7) -> list[SequenceRow]:
     """Each of :data:`SEQUENCE_TERMS` on ``n`` seeded tabular models (``vocab^length`` sequences)."""
@@ -331,7 +465,12 @@ def sequence_rows(n: int = 4, vocab: int = 3, length: int = 3, seed: int = 7) ->
                 got = got + _sequence_gradient(pair, name, "loss")
             cos.append(cosine(got, g_tr))
             err.append(float((got - g_tr).norm() / g_tr.norm()))
-        rows.append(SequenceRow(name, label, _mean(cos), max(err), max(err) <= TOL))
+        placement, credit_key = _SEQUENCE_KEYS[credit]
+        if name == "full" and credit == "returns":
+            placement = "reward+loss"
+        rows.append(
+            SequenceRow(name, label, placement, credit_key, _mean(cos), max(err), max(err) <= TOL)
+        )
     return rows
 
 
@@ -401,3 +540,69 @@ def to_json(families: tuple[str, ...] = ("near", "sharp")) -> dict[str, object]:
         "positions": [r.to_dict() for f in families for r in position_rows(f)],
         "sequences": [r.to_dict() for r in sequence_rows()],
     }
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped table (klpo doctor reads it without torch).
+
+
+def _stable(value: Any) -> Any:
+    """A row's value as the table holds it: floats to 6 decimals (NaN as null), so the text
+    does not move with the last bits of a platform's arithmetic."""
+    if isinstance(value, float):
+        return None if value != value else round(value, 6) + 0.0
+    return value
+
+
+def table(families: tuple[str, ...] = ("near", "sharp")) -> dict[str, Any]:
+    """Everything :func:`render` prints, as ``klpo/assets/explain_teacher.json`` holds it:
+    ``{"about", "k", "vocab", "cases", "positions": [PositionRow], "sequences": [SequenceRow]}``,
+    floats to 6 decimals."""
+    positions = [
+        {k: _stable(v) for k, v in r.to_dict().items()} for f in families for r in position_rows(f)
+    ]
+    sequences = [{k: _stable(v) for k, v in r.to_dict().items()} for r in sequence_rows()]
+    return {
+        "about": "klpo explain --teacher's answers, derived by exact enumeration "
+        "(klpo.lab.teacher); written by `python -m klpo.lab.teacher --write`, read without "
+        "torch by klpo.registry.teacher_rows",
+        "k": K,
+        "vocab": 16,
+        "cases": 24,
+        "positions": positions,
+        "sequences": sequences,
+    }
+
+
+def table_text() -> str:
+    """:func:`table` as the file's text (stable: sorted keys, one row a line)."""
+    t = table()
+
+    def rows(items: list[dict[str, Any]]) -> str:
+        return ",\n".join("    " + json.dumps(r, sort_keys=True, ensure_ascii=False) for r in items)
+
+    head = {k: t[k] for k in ("about", "k", "vocab", "cases")}
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    lines += ['  "positions": [', rows(t["positions"]), "  ],"]
+    lines += ['  "sequences": [', rows(t["sequences"]), "  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m klpo.lab.teacher --write [FILE]``: write the table (default: the package's
+    own ``klpo/assets/explain_teacher.json``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] != "--write" or len(args) > 2:
+        print(main.__doc__)
+        return 2
+    from klpo._io import write_text_atomic
+    from klpo.registry import TEACHER_TABLE
+
+    path = Path(args[1]) if len(args) == 2 else Path(__file__).parents[1] / "assets" / TEACHER_TABLE
+    write_text_atomic(path, table_text())
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -254,9 +254,22 @@ _row(
         Entry(r"(.*/)?trl/scripts/rloo\.py|trl\.scripts\.rloo"),
         Entry(r"trl", base=True, then="rloo"),
         Entry(r"trl", base=True, then="ppo|dpo|sft",
-              refuse="the doctor reads TRL's GRPO and RLOO configs only"),
+              refuse="the doctor reads TRL's GRPO, RLOO and distillation configs only"),
     ),
     duplicates="last",
+)  # fmt: skip
+_row(
+    "trl-distillation", "TRL DistillationConfig", ("1.16.0",), "mapping script python", _HF,
+    "trl_distill", reader="read_distillation_doc", detector="detect_distillation",
+    entries=(
+        Entry(r"(.*/)?(trl|examples)/scripts/distillation\.py|trl\.scripts\.distillation"),
+        Entry(r"trl", base=True, then="distillation"),
+    ),
+    duplicates="last",
+)  # fmt: skip
+_row(
+    "trl-sdpo", "TRL SDPOConfig (experimental)", ("1.16.0",), "mapping python", _HF,
+    "trl_distill", reader="read_sdpo_doc", detector="detect_sdpo", duplicates="last",
 )  # fmt: skip
 _row(
     "openrlhf", "OpenRLHF (train_ppo_ray)",

@@ -26,7 +26,9 @@ checked against the version's table (``klpo/assets/doctor/nemo-rl-<version>.json
 models by :mod:`klpo.doctor.tables`). Combinations NeMo-RL asserts against are named with the
 assertion's line: the reference's log-probs skipped with a non-zero coefficient
 (``ppo.py:1241-1242``, PPO's default skip; ``grpo.py:711-715``), a reward KL on the zero
-placeholder of ``force_on_policy_ratio`` (``grpo.py:2479-2485``).
+placeholder of ``force_on_policy_ratio`` (``grpo.py:2479-2485``). Its on-policy distillation
+(the ``distillation`` algorithm's configs, and GRPO's ``opd`` advantage with
+``on_policy_distillation``) is :mod:`klpo.doctor.nemo_rl_distill`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from klpo.doctor import tables
+from klpo.doctor import nemo_rl_distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.keys import check_keys, settle
 from klpo.doctor.reading import (
@@ -88,13 +90,15 @@ CARRIED = [
 
 
 OTHER_ALGORITHMS = ("distillation", "dpo", "sft", "rm", "on_policy_distillation")
+"""Sections of NeMo-RL's other algorithms; a distillation config (``distillation`` beside
+``teacher``) is read (:mod:`klpo.doctor.nemo_rl_distill`), the others refused by name."""
 
 
 def detect(doc: Any) -> tuple[int, str] | None:
     """NeMo-RL's evidence: a ``loss_fn`` section beside ``grpo``/``ppo``/``policy``, a master
     config's ``policy``, ``checkpointing`` and ``cluster`` sections, or a child config's
     ``defaults: PARENT.yaml`` (a file name, where Hydra's ``defaults`` is a list). NeMo-RL's
-    other algorithms (DPO, SFT, distillation) are refused by name."""
+    distillation configs are read; its other algorithms (DPO, SFT, RM) are refused by name."""
     data = doc.data or {}
     parent = data.get("defaults")
     child = isinstance(parent, str) and parent.endswith((".yaml", ".yml"))
@@ -107,6 +111,10 @@ def detect(doc: Any) -> tuple[int, str] | None:
         "loss_fn" in data and set(data) & {"grpo", "policy", "ppo"}
     )
     if master and not set(data) & {"grpo", "ppo"}:
+        if "distillation" in data and "teacher" in data:
+            return 3, "NeMo-RL's distillation master config (distillation, teacher, loss_fn)" + (
+                f", through its parent {parent}" if child else ""
+            )
         other = [k for k in OTHER_ALGORITHMS if k in data]
         if other:
             raise DoctorError(
@@ -176,15 +184,21 @@ ADVANTAGES: dict[str, tuple[str | None, bool, str]] = {
     ),
     "gae": ("ppo", True, "per token into the reward, then GAE (advantage_estimator.py:386-394)"),
     "raw_reward": (None, False, ""),
+    "opd": (None, False, ""),  # the teacher gap per token (klpo.doctor.nemo_rl_distill)
 }
 
 
 def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
-    """Read a NeMo-RL GRPO/PPO config (its ``defaults:`` chain already merged)."""
+    """Read a NeMo-RL GRPO/PPO config, or a distillation config (its ``defaults:`` chain
+    already merged)."""
     from klpo.doctor.frameworks import ROWS
 
     weighted = version is None or not version.startswith(RELEASE) or "+" in version
     shown = VERSION if weighted else RELEASE
+    if "distillation" in data and "teacher" in data and not {"grpo", "ppo"} & set(data):
+        return nemo_rl_distill.read_distillation(
+            data, source, version, VERSION, ROWS["nemo-rl"].policy
+        )
     r = Reading(framework="nemo-rl", defaults_version=shown, version=version, source=source)
     if version is not None and not version.startswith(("0.6", "0.5", "0.4")):
         r.warn(
@@ -240,6 +254,7 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     else:
         _loss_term(r, kind, coef, weighted, approx, token)
     _structure(r, s, sec, adv, n)
+    nemo_rl_distill.read_opd(r, s, sec, adv)
     _equivalent(r, s, adv, n, steps, token, epochs, sec)
     settle(r, s.read)
     r.findings[:0] = s.findings

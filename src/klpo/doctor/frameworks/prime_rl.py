@@ -17,6 +17,15 @@ Keys: prime-rl's pydantic configs refuse a key they do not have (strict); the fi
 checked against the version's table (every variant of a union: any loss type's keys). GRPO's
 advantage is the reward minus its group's mean (``orchestrator/algo/grpo.py:29-30``): at the
 default ``group_size`` of 1 every advantage is zero.
+
+On-policy distillation (``configs/algorithm.py``: ``OPDAlgoConfig``, ``OPSDAlgoConfig``; the loss
+``src/prime_rl/trainer/rl/loss.py:199-241``, ``ref_kl_loss_fn``): ``orchestrator.algo.type`` opd
+(a frozen teacher served at ``orchestrator.algo.teacher``) or opsd (the live policy itself,
+scoring each sample with a demonstration prepended), also per train source
+(``[[orchestrator.train.source]]``'s ``algo``). Each sampled token's loss is
+-sg(log pi_T − log pi_theta) · pi_theta/pi_inference (tokens whose probability fell more than 0.2
+below the sampler's dropped) + 1e-3 · (log pi_theta − log pi_inference)²: the sampled-token reverse
+KL as a per-token reward, no scalar advantage, no returns; ``trainer.loss`` does not touch it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 
 from klpo.doctor import tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.distill import build_sections, per_token_credit, sampled
 from klpo.doctor.keys import check_keys
 from klpo.doctor.reading import Reading, Settings, flatten
 
@@ -117,13 +127,17 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
             + "; set orchestrator.group_size above 1 (e.g. 8)",
             kind="zero-advantage",
         )  # fmt: skip
+    distilled, teacher_model = _distillation(r, s, data)
     r.warn(
         "note",
         ["trainer.loss"],
-        "no reference model: prime-rl's RL loss has no KL to a reference; nothing holds the "
-        "policy near its start",
-    )
-    if loss in ("default", "ipo") and tau > 0:
+        "no reference model: prime-rl's RL loss has no KL to a reference"
+        + ("; the distillation term holds the student near its teacher" if distilled
+           else "; nothing holds the policy near its start"),
+    )  # fmt: skip
+    if distilled and algo_type in ("opd", "opsd"):
+        pass  # the ref_kl loss component is fixed: trainer.loss does not touch it
+    elif loss in ("default", "ipo") and tau > 0:
         r.warn(
             "note",
             ["trainer.loss.kl_tau"],
@@ -140,13 +154,6 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
             f"asynchronous: rollouts up to {stale} policy versions old are trained on; the "
             "importance ratio is to the sampler's log-probs",
         )
-    if algo_type in ("opd", "opsd"):
-        r.warn(
-            "note",
-            ["orchestrator.algo.type"],
-            f"{algo_type}: a teacher's log-probs enter the advantage as sg(log pi_teacher − "
-            "log pi_theta); distillation, not a KL penalty klpo reads",
-        )
     algo = {"name": "grpo", "epochs": 1, "minibatches": 1, "loss_reduction": "token-mean"}
     r.equivalent_differences.append(
         "the DPPO mask and the sampler-KL term have no klpo keys; klpo's PPO clip and no KL shown"
@@ -157,7 +164,65 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     if bs:
         rollout["prompts_per_step"] = max(1, bs // g)
     build_equivalent(r, algo, rollout, {}, carried, s)
+    build_sections(r, teacher_model, {"credit": "returns"})
     build_intended(r)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
+
+
+def _distillation(r: Reading, s: Settings, data: dict[str, Any]) -> tuple[bool, str | None]:
+    """The opd / opsd algorithm (top level or a train source's): its teacher term; returns
+    whether there is one, and the teacher model for klpo's section (empty for opsd)."""
+    types = [s.str("orchestrator.algo.type") or "grpo"]
+    sources = ((data.get("orchestrator") or {}).get("train") or {}).get("source") or []
+    if isinstance(sources, list):
+        types += [
+            str((src.get("algo") or {}).get("type"))
+            for src in sources
+            if isinstance(src, dict) and isinstance(src.get("algo"), dict)
+        ]
+    kinds = [t for t in types if t in ("opd", "opsd")]
+    if not kinds:
+        return False, None
+    kind = kinds[0]
+    if kind == "opd":
+        top = s.str("orchestrator.algo.type") == "opd"
+        teacher = (
+            s.str("orchestrator.algo.teacher.name")
+            if top
+            else next(
+                str(((src.get("algo") or {}).get("teacher") or {}).get("name", ""))
+                for src in sources
+                if isinstance(src, dict) and (src.get("algo") or {}).get("type") == "opd"
+            )
+        ) or ""
+    else:
+        teacher = "the live policy itself, scoring each sample with a demonstration prepended"
+    t = sampled(
+        f"orchestrator.algo.type={kind}" if types[0] == kind else f"a train source's algo {kind}",
+        f"{kind} (ref_kl loss)", "k1", "reward", 1.0, "the ref_kl loss component",
+        credit="token", teacher=teacher, logged_as="ref_kl",
+    )  # fmt: skip
+    r.teacher_terms.append(t)
+    per_token_credit(
+        r, t, ["orchestrator.algo.type"],
+        "src/prime_rl/trainer/rl/loss.py: ref_kl_loss_fn, -sg(log pi_T - log pi_theta) · ratio",
+    )  # fmt: skip
+    if len(set(types)) > 1:
+        r.warn(
+            "note",
+            ["orchestrator.algo.type"],
+            f"algorithms per train source ({', '.join(dict.fromkeys(types))}): one batch mixes "
+            "the rl and ref_kl loss components, each normalised by its own token count",
+        )
+    if kind == "opsd":
+        r.teacher_differences.append(
+            "opsd's teacher is the live policy conditioned on a demonstration; klpo's teacher "
+            "mode takes a separate, fixed teacher model"
+        )
+    r.teacher_intended_why.append(
+        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
+        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
+    )
+    return True, teacher if kind == "opd" else None

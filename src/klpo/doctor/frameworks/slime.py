@@ -15,13 +15,22 @@ ratio exp(lp − lp_old) under ``--use-unbiased-kl``), ``slime/backends/megatron
 (the KL loss added as ``kl_loss_coef × sum_of_sample_mean(kl)``, :1116-1131; the reward-side KL
 with ``--kl-coef`` used by ppo and reinforce_plus_plus(_baseline) but dropped by
 ``get_grpo_returns`` for grpo, gspo and cispo, :743-800).
+
+On-policy distillation (``--use-opd``, ``arguments.py:1117-1160``, checked at :1785-1815):
+``apply_opd_kl_to_advantages`` (``loss.py:663-701``) subtracts ``--opd-kl-coef`` ×
+(log pi_theta − log pi_T) of each sampled token from the estimator's advantage, after it and
+before ``--normalize-advantages`` (:810-816); the student's log-probs are the training engine's
+(the rollout engine's with ``--use-rollout-logprobs``); the teacher's come from an SGLang server
+(``--opd-type sglang``, ``slime/rollout/on_policy_distillation.py``, whose reward function returns
+0 for every sample) or a Megatron checkpoint (``--opd-type megatron``, ``--opd-teacher-load``).
+The OPD guide stated the direction the other way round until PR #2254 (2026-08-12).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from klpo.doctor import tables
+from klpo.doctor import distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.keys import unknown_key_text
 from klpo.doctor.launch import framework_command, script_notes
@@ -54,8 +63,15 @@ DEFAULTS: dict[str, Any] = {
     "rollout-top-p": None,
     "entropy-coef": 0.0,
     "normalize-advantages": False,
+    "use-opd": False,
+    "opd-type": None,
+    "opd-kl-coef": 1.0,
+    "opd-teacher-load": None,
+    "rm-url": None,
+    "custom-rm-path": None,
+    "use-rollout-logprobs": False,
 }
-SWITCHES = {"use-kl-loss", "use-unbiased-kl", "normalize-advantages"}
+SWITCHES = {"use-kl-loss", "use-unbiased-kl", "normalize-advantages", "use-opd"}
 ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
 ADVANTAGES = {
     "grpo": "grpo",
@@ -141,6 +157,7 @@ def read(doc: Any, version: str | None = None) -> Reading:
         _no_loss_term(r, s, use_loss, unbiased)
         _reward_term(r, kind, adv, reward_coef)
     _reference_and_staleness(r, s, steps)
+    _opd(r, s)
     _equivalent(r, s, adv, steps, n)
     r.findings[:0] = s.findings
     r.settings = s.read
@@ -329,3 +346,84 @@ def _equivalent(r: Reading, s: Settings, adv: str, steps: int, n: int) -> None:
     carried, _missing = carry(s, CARRIED)
     build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
     build_intended(r)
+
+
+def _opd(r: Reading, s: Settings) -> None:
+    """``--use-opd``: the sampled-token reverse KL to the teacher, in each token's advantage."""
+    if not s.bool("use-opd"):
+        given = [k for k in ("opd-type", "opd-kl-coef", "opd-teacher-load") if s.given(k)]
+        if given:
+            r.warn(
+                "error" if "opd-teacher-load" in given else "warning",
+                [f"--{k}" for k in given],
+                f"--{given[0]} without --use-opd: "
+                + (
+                    "slime refuses --opd-teacher-load without --use-opd (arguments.py:1813-1815) "
+                    "and does not start"
+                    if "opd-teacher-load" in given
+                    else "no teacher is queried and no distillation term is applied"
+                ),
+                kind="refused" if "opd-teacher-load" in given else "unread-key",
+            )
+        return
+    kind = s.str("opd-type")
+    coef = s.float("opd-kl-coef")
+    coef = 1.0 if coef is None else coef
+    keys = ["--use-opd", "--opd-type"]
+    if kind not in ("sglang", "megatron"):
+        r.warn(
+            "error",
+            keys,
+            f"--use-opd with --opd-type {kind}: slime asks for sglang or megatron "
+            "(arguments.py:1787-1788) and does not start",
+            kind="refused",
+        )
+        return
+    load = s.str("opd-teacher-load")
+    if (kind == "megatron") != (load is not None):
+        r.warn(
+            "error",
+            ["--opd-type", "--opd-teacher-load"],
+            "--opd-type megatron needs --opd-teacher-load; sglang must not have it "
+            "(arguments.py:1790-1812): slime does not start",
+            kind="refused",
+        )
+    teacher = load or (f"the SGLang server at {s.str('rm-url')}" if s.str("rm-url") else "")
+    t = distill.sampled(
+        f"--use-opd --opd-type {kind}", "OPD (apply_opd_kl_to_advantages)", "k1", "reward",
+        coef, "--opd-kl-coef", credit="token", teacher=teacher, logged_as="opd_reverse_kl",
+    )  # fmt: skip
+    r.teacher_terms.append(t)
+    distill.per_token_credit(
+        r, t, keys, "slime/backends/megatron_utils/loss.py: apply_opd_kl_to_advantages, "
+        "advantage - opd_kl_coef · (log pi_theta - log pi_T)"
+    )  # fmt: skip
+    r.warn(
+        "note",
+        keys,
+        "slime's OPD guide stated this KL the other way round, D_KL(P_teacher ‖ P_student), "
+        "until PR #2254 (THUDM/slime#2254, 2026-08-12); the code computes log pi_theta - log "
+        "pi_T of the student's sampled token, the reverse KL(pi_theta ‖ pi_T)'s sampled estimate, "
+        "as the guide now says",
+    )
+    if s.str("custom-rm-path") == "slime.rollout.on_policy_distillation.reward_func":
+        r.warn(
+            "note",
+            ["--custom-rm-path"],
+            "slime's OPD reward function returns 0 for every sample "
+            "(slime/rollout/on_policy_distillation.py: post_process_rewards): the estimator's "
+            "own advantage is 0 and the teacher gap is the whole signal (pure distillation)",
+        )
+    if s.bool("normalize-advantages"):
+        r.warn(
+            "warning",
+            ["--normalize-advantages", "--opd-kl-coef"],
+            "--normalize-advantages whitens the advantages after the OPD term is added "
+            "(loss.py:810-830): the teacher gap is divided by the batch's standard deviation of "
+            "all advantages, so --opd-kl-coef's scale changes from batch to batch",
+        )
+    r.teacher_intended_why.append(
+        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
+        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
+    )
+    distill.build_sections(r, teacher, {"credit": "returns"})

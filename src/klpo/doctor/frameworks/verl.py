@@ -11,7 +11,8 @@ gradient, the k3 clamps; ``agg_loss``; the advantage estimators), ``verl/trainer
 (``apply_kl_penalty``) and ``verl/workers/utils/losses.py`` (``ppo_loss``: the KL loss, with no
 importance weight); the peer tests run those functions. ``algorithm.rollout_correction`` (its
 importance weights and rejection against the rollout engine's log-probs) is
-:mod:`klpo.doctor.verl_rollout_corr`'s. A ``klpo:NAME`` estimator is
+:mod:`klpo.doctor.verl_rollout_corr`'s; ``distillation.*`` (on-policy distillation from a
+teacher) :mod:`klpo.doctor.verl_distill`'s. A ``klpo:NAME`` estimator is
 :mod:`klpo.integrations.verl`'s. docs/frameworks.md has the table of names.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from klpo import registry
-from klpo.doctor import tables, verl_hydra, verl_rollout_corr
+from klpo.doctor import tables, verl_distill, verl_hydra, verl_rollout_corr
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import (
@@ -197,7 +198,8 @@ def _check_keys(
         if key.startswith("~"):
             continue
         if key.startswith("+") and not _known(bare, table.defaults):
-            added.append(bare)
+            if not bare.startswith("distillation.teacher_models."):  # a named teacher: read
+                added.append(bare)
             out[bare] = value
             continue
         if bare in ("defaults", "hydra") or bare.startswith(("hydra.", "defaults.")):
@@ -276,6 +278,7 @@ def read_settings(
         credit = ADVANTAGES.get(adv, (None, "summed over the completion"))[1]
         r.terms.append(_term(s, "reward", credit, adv, ctrl))
     _findings(r, s, adv, agg, loss_mode, norm_std, epochs, minibatches)
+    verl_distill.read_distillation(r, s, agg)
     corr = verl_rollout_corr.read_correction(r, s, script)
     _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches, corr)
     r.findings[:0] = s.findings
