@@ -366,7 +366,7 @@ def test_prime_rl_opd_and_opsd(name, teacher):
 # --- the report and --json ----------------------------------------------------------------------
 
 
-def test_the_json_carries_the_terms_what_they_follow_and_the_unvalidated_section():
+def test_the_json_carries_the_terms_what_they_follow_and_the_validated_sections():
     d = diagnose(FIELD / "verl" / "run_qwen3_8b_megatron.sh")
     dist = d["distillation"]
     (t,) = dist["terms"]
@@ -374,7 +374,9 @@ def test_the_json_carries_the_terms_what_they_follow_and_the_unvalidated_section
     assert set(t["per_position"]) == {"near", "sharp"}
     assert t["per_position"]["near"]["gradient"] == "other"
     assert t["over_sequence"]["bound"] is True  # a per-position term: at best the exact KL's
-    assert dist["section"]["validated"] is False and "teacher mode" in dist["section"]["note"]
+    assert (
+        dist["section"]["invalid"] is None and dist["intended"]["invalid"] is None
+    )  # klpo takes both
     assert dist["section"]["config"]["estimator"] == "topk_forward"
     assert d["equivalent"]["invalid"] is None  # the validated klpo config holds no teacher key
     assert "teacher" not in d["equivalent"]["config"]
@@ -391,10 +393,7 @@ def test_the_command_prints_the_terms_and_the_section(tmp_path):
     assert (
         "Distillation terms" in text and f"divergence: {REVERSE}, exact over the vocabulary" in text
     )
-    assert (
-        "klpo teacher section that does the same thing (for klpo's teacher mode; not validated"
-        in text
-    )
+    assert "klpo teacher section that does the same thing (klpo train's teacher mode):" in text
     assert "    estimator: full" in text
     data = json.loads(
         subprocess.run(

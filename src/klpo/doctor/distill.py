@@ -19,8 +19,8 @@ What each follows is not typed here: :mod:`klpo.doctor.report` reads it from ``k
 findings for the traps (each read in a framework's source or thread, named where used), and the
 ``teacher:`` section of klpo's teacher mode that does the same thing, or that the settings most
 likely meant. The section follows the config shape of klpo's teacher mode (estimator, placement,
-credit, beta, jsd_beta, top_k, clamp_zero, log_prob_floor) and is not validated against klpo's
-train config, which has no teacher section yet.
+credit, beta, jsd_beta, top_k, clamp_zero, log_prob_floor); the report validates it with klpo's
+train config.
 """
 
 from __future__ import annotations

@@ -198,8 +198,8 @@ class Reading:
         teacher_section: the ``teacher:`` section of klpo's teacher mode that does the same
             thing (as far as klpo can; ``teacher_differences`` says where not), and
             ``teacher_intended`` the one the settings most likely meant, with
-            ``teacher_intended_why``. Neither is validated against klpo's train config, which
-            has no teacher section yet.
+            ``teacher_intended_why``. The report validates each beside the equivalent klpo
+            config (:mod:`klpo.doctor.report`).
     """
 
     framework: str

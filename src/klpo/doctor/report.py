@@ -155,11 +155,6 @@ def _term_record(term: Term, reading: Reading) -> dict[str, Any]:
     return rec
 
 
-_TEACHER_NOTE = (
-    "for klpo's teacher mode; not validated: klpo's train config has no teacher section yet"
-)
-
-
 def _to_teacher(text: str) -> str:
     """klpo explain's words for the reference, with the teacher in its place."""
     return text.replace("pi_ref", "pi_T")
@@ -231,10 +226,17 @@ def _teacher_record(t: TeacherTerm) -> dict[str, Any]:
     return rec
 
 
+def _teacher_check(base: dict[str, Any] | None, section: dict[str, Any] | None) -> str | None:
+    """klpo's objection to a teacher section beside the equivalent klpo config (distillation
+    alone: no reward functions), or None if ``klpo train`` would take it."""
+    if not section:
+        return None
+    return validate({**(base or {}), "teacher": section, "rewards": []})
+
+
 def _distillation(reading: Reading) -> dict[str, Any] | None:
     """The distillation terms with what klpo explain --teacher says of them, and klpo's teacher
-    sections. The sections are not validated: klpo's train config has no teacher section yet
-    (where it gets one, validate ``{**equivalent, "teacher": section}`` here)."""
+    sections, each validated by klpo's train config beside the equivalent config."""
     if not reading.teacher_terms:
         return None
     return {
@@ -242,14 +244,12 @@ def _distillation(reading: Reading) -> dict[str, Any] | None:
         "section": {
             "config": reading.teacher_section,
             "differences": reading.teacher_differences,
-            "validated": False,
-            "note": _TEACHER_NOTE,
+            "invalid": _teacher_check(reading.equivalent, reading.teacher_section),
         },
         "intended": {
             "config": reading.teacher_intended,
             "why": reading.teacher_intended_why,
-            "validated": False,
-            "note": _TEACHER_NOTE,
+            "invalid": _teacher_check(reading.intended, reading.teacher_intended),
         },
     }
 
@@ -465,18 +465,19 @@ def _render_distillation(d: dict[str, Any]) -> list[str]:
 
 def _render_sections(d: dict[str, Any]) -> list[str]:
     sec, it = d["section"], d["intended"]
-    lines = ["", f"klpo teacher section that does the same thing ({sec['note']}):"]
+    lines = ["", "klpo teacher section that does the same thing (klpo train's teacher mode):"]
     if sec["config"]:
         lines.append(_indent(_yaml({"teacher": sec["config"]})))
     for x in sec["differences"]:
         lines.append(f"  # differs: {x}")
-    lines += [
-        "",
-        "klpo teacher section these settings most likely meant (for klpo's teacher mode):",
-    ]
+    if sec["invalid"]:
+        lines.append(f"  # klpo rejects it: {sec['invalid']}")
+    lines += ["", "klpo teacher section these settings most likely meant:"]
     lines.append(_indent(_yaml({"teacher": it["config"]})))
     for w in it["why"]:
         lines.append(f"  # why: {w}")
+    if it["invalid"]:
+        lines.append(f"  # klpo rejects it: {it['invalid']}")
     return lines
 
 
