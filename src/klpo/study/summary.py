@@ -140,21 +140,8 @@ def summarise_run(
         status = "crashed"
     elif not all(map(math.isfinite, kl_exact)) or not math.isfinite(acc_final):
         status = "diverged"
-    elif acc_final < acc_start - (
-        limit := collapse_threshold(acc_start, acc_final, eval_size, collapse_drop)
-    ):
-        status = "collapsed"
-        error = error or (
-            f"held-out accuracy fell from {acc_start:.3f} to {acc_final:.3f}, more than "
-            f"{limit:.3f} ("
-            + (
-                f"the larger of collapse_drop {collapse_drop:g} and {COLLAPSE_Z:g} standard "
-                f"errors on {eval_size} problems"
-                if eval_size
-                else f"collapse_drop {collapse_drop:g}"
-            )
-            + ")"
-        )
+    elif fell := _collapse(acc_start, acc_final, eval_size, collapse_drop):
+        status, error = "collapsed", error or fell
     else:
         status = "ok"
     reached = steps_to_reach(steps_rows, target_metric, target_accuracy)
@@ -187,6 +174,26 @@ def summarise_run(
         "wall_s": round(wall_s, 1),
         "error": error,
     }
+
+
+def _collapse(
+    acc_start: float, acc_final: float, eval_size: int | None, collapse_drop: float
+) -> str:
+    """Why a run collapsed, its error cell: held-out accuracy fell from ``acc_start`` to
+    ``acc_final`` by more than :func:`collapse_threshold`; "" when it did not."""
+    limit = collapse_threshold(acc_start, acc_final, eval_size, collapse_drop)
+    if not acc_final < acc_start - limit:
+        return ""
+    why = (
+        f"the larger of collapse_drop {collapse_drop:g} and {COLLAPSE_Z:g} standard errors on "
+        f"{eval_size} problems"
+        if eval_size
+        else f"collapse_drop {collapse_drop:g}"
+    )
+    return (
+        f"held-out accuracy fell from {acc_start:.3f} to {acc_final:.3f}, more than "
+        f"{limit:.3f} ({why})"
+    )
 
 
 OUTLIER_MADS = 5.0
