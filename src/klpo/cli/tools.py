@@ -56,16 +56,18 @@ def docs(
 # What the two model-making commands share.
 
 
-def _given(**options: Any) -> dict[str, Any]:
-    """The options given on the command line: those not None."""
-    return {k: v for k, v in options.items() if v is not None}
+def _given(options: dict[str, Any], config: Any) -> dict[str, Any]:
+    """The command's ``options`` (its parameters by name) that set a field of the tool's
+    ``config``: each option named after a field, where it was given (not None)."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {k: v for k, v in options.items() if k in fields and v is not None}
 
 
-def _tool_config(default: Any, given: dict[str, Any]) -> Any:
-    """The tool's config: ``default`` with each option ``given`` in its place, or exit 2 with
-    the config's own error."""
+def _tool_config(config: type, given: dict[str, Any]) -> Any:
+    """The tool's ``config``: its defaults with each option ``given`` in its place, or exit 2
+    with the config's own error."""
     try:
-        return dataclasses.replace(default, **given)
+        return dataclasses.replace(config(), **given)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
 
@@ -87,72 +89,52 @@ def _writing(command: str, out: str, units: int, *refused: type[Exception]) -> I
 
 
 # --------------------------------------------------------------------------------------------
-# klpo make-reference: the tiny reference model of the built-in task. Its options, one
-# constant each: the command below reads as its parameters.
-
-_REFERENCE_OUT = typer.Argument(
-    "runs/reference",
-    metavar="OUT",
-    help="Directory to write the model, tokenizer and reference.json into.",
-)
-_REFERENCE_OVERWRITE = typer.Option(
-    False,
-    "--overwrite",
-    help="Replace the reference model an earlier run wrote to OUT (its files; others stay).",
-)
-_SFT_STEPS = typer.Option(None, metavar="N", help="The most SFT steps.")
-_SFT_SEED = typer.Option(None, metavar="N", help="Seed of initialisation and data order.")
-_ARCH = typer.Option(None, metavar="ARCH", help="llama or qwen2.")
-_HIDDEN_SIZE = typer.Option(None, metavar="N", help="Model width.")
-_NUM_LAYERS = typer.Option(None, metavar="N", help="Number of transformer blocks.")
-_INTERMEDIATE_SIZE = typer.Option(None, metavar="N", help="MLP width.")
-_SFT_BATCH_SIZE = typer.Option(None, metavar="N", help="Problems per SFT step.")
-_SFT_LR = typer.Option(None, metavar="LR", help="Peak SFT learning rate.")
-_STOP_AT_ACCURACY = typer.Option(
-    None,
-    metavar="ACC",
-    help="Stop SFT once the validation accuracy reaches this (0 = never stop early).",
-)
-_SAVE_DTYPE = typer.Option(None, metavar="DTYPE", help="float32, bfloat16 or float16.")
+# klpo make-reference: the tiny reference model of the built-in task.
 
 
 def make_reference_cmd(
-    out: str = _REFERENCE_OUT,
-    overwrite: bool = _REFERENCE_OVERWRITE,
-    steps: int | None = _SFT_STEPS,
-    seed: int | None = _SFT_SEED,
-    arch: str | None = _ARCH,
-    hidden_size: int | None = _HIDDEN_SIZE,
-    num_layers: int | None = _NUM_LAYERS,
-    intermediate_size: int | None = _INTERMEDIATE_SIZE,
-    batch_size: int | None = _SFT_BATCH_SIZE,
-    lr: float | None = _SFT_LR,
-    stop_at_accuracy: float | None = _STOP_AT_ACCURACY,
-    save_dtype: str | None = _SAVE_DTYPE,
+    out: str = typer.Argument(
+        "runs/reference",
+        metavar="OUT",
+        help="Directory to write the model, tokenizer and reference.json into.",
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace the reference model an earlier run wrote to OUT (its files; others stay).",
+    ),
+    steps: int | None = typer.Option(None, metavar="N", help="The most SFT steps."),
+    seed: int | None = typer.Option(
+        None, metavar="N", help="Seed of initialisation and data order."
+    ),
+    arch: str | None = typer.Option(None, metavar="ARCH", help="llama or qwen2."),
+    hidden_size: int | None = typer.Option(None, metavar="N", help="Model width."),
+    num_layers: int | None = typer.Option(None, metavar="N", help="Number of transformer blocks."),
+    intermediate_size: int | None = typer.Option(None, metavar="N", help="MLP width."),
+    batch_size: int | None = typer.Option(None, metavar="N", help="Problems per SFT step."),
+    lr: float | None = typer.Option(None, metavar="LR", help="Peak SFT learning rate."),
+    stop_at_accuracy: float | None = typer.Option(
+        None,
+        metavar="ACC",
+        help="Stop SFT once the validation accuracy reaches this (0 = never stop early).",
+    ),
+    save_dtype: str | None = typer.Option(
+        None, metavar="DTYPE", help="float32, bfloat16 or float16."
+    ),
 ) -> None:
     """Train the tiny reference model of the built-in arithmetic task by seeded SFT and save it.
 
     With no options it reproduces the reference shipped in the package (and says whether the
     weights are bit-identical to it).
     """
+    options = dict(locals())  # the parameters, before anything else is named here
     needs("train", "klpo make-reference")
     from klpo.train.tools import make_reference as reference
 
-    given = _given(
-        steps=steps,
-        seed=seed,
-        arch=arch,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        intermediate_size=intermediate_size,
-        batch_size=batch_size,
-        lr=lr,
-        stop_at_accuracy=stop_at_accuracy,
-        save_dtype=save_dtype,
-    )
+    given = _given(options, reference.ReferenceConfig)
     if given.get("stop_at_accuracy") == 0:
         given["stop_at_accuracy"] = None
-    config = _tool_config(reference.ReferenceConfig(), given)
+    config = _tool_config(reference.ReferenceConfig, given)
     val = ["not yet measured"]
 
     def on_step(step: int, loss: float, val_accuracy: float | None) -> None:
@@ -198,53 +180,40 @@ def _print_reference(result, config, *, defaults: bool) -> None:
 # --------------------------------------------------------------------------------------------
 # klpo make-reward-model: a small learned proxy reward for the built-in task.
 
-_REWARD_MODEL_OUT = typer.Argument(
-    ..., metavar="OUT", help="Directory to write the reward model into."
-)
-_REWARD_MODEL_OVERWRITE = typer.Option(
-    False,
-    "--overwrite",
-    help="Replace the reward model an earlier run wrote to OUT (its files; others stay).",
-)
-_INIT = typer.Option(
-    None,
-    metavar="DIR",
-    help="Causal-LM directory to start from (default: builtin, the shipped reference).",
-)
-_N_PAIRS = typer.Option(None, metavar="N", help="Labelled (right, wrong) pairs to train on.")
-_MAX_OFFSET = typer.Option(None, metavar="N", help="Wrong answers: right one ± up to this.")
-_RM_STEPS = typer.Option(None, metavar="N", help="Training steps.")
-_RM_LR = typer.Option(None, metavar="LR", help="AdamW learning rate.")
-_RM_SEED = typer.Option(None, metavar="N", help="Seed of the pairs, batches and head.")
-_N_EVAL = typer.Option(None, metavar="N", help="Held-out pairs the result is measured on.")
-
 
 def make_reward_model_cmd(
-    out: str = _REWARD_MODEL_OUT,
-    overwrite: bool = _REWARD_MODEL_OVERWRITE,
-    init: str | None = _INIT,
-    n_pairs: int | None = _N_PAIRS,
-    max_offset: int | None = _MAX_OFFSET,
-    steps: int | None = _RM_STEPS,
-    lr: float | None = _RM_LR,
-    seed: int | None = _RM_SEED,
-    n_eval: int | None = _N_EVAL,
+    out: str = typer.Argument(..., metavar="OUT", help="Directory to write the reward model into."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace the reward model an earlier run wrote to OUT (its files; others stay).",
+    ),
+    init: str | None = typer.Option(
+        None,
+        metavar="DIR",
+        help="Causal-LM directory to start from (default: builtin, the shipped reference).",
+    ),
+    n_pairs: int | None = typer.Option(
+        None, metavar="N", help="Labelled (right, wrong) pairs to train on."
+    ),
+    max_offset: int | None = typer.Option(
+        None, metavar="N", help="Wrong answers: right one ± up to this."
+    ),
+    steps: int | None = typer.Option(None, metavar="N", help="Training steps."),
+    lr: float | None = typer.Option(None, metavar="LR", help="AdamW learning rate."),
+    seed: int | None = typer.Option(None, metavar="N", help="Seed of the pairs, batches and head."),
+    n_eval: int | None = typer.Option(
+        None, metavar="N", help="Held-out pairs the result is measured on."
+    ),
 ) -> None:
     """Train a small reward model (a sequence classifier) on the built-in task from a limited
     labelled sample, a proxy reward for `rewards: [{name: model, path: OUT}]`."""
+    options = dict(locals())  # the parameters, before anything else is named here
     needs("train", "klpo make-reward-model")
     from klpo.train.tools import make_reward_model as reward_model
 
-    given = _given(
-        init=init,
-        n_pairs=n_pairs,
-        max_offset=max_offset,
-        steps=steps,
-        lr=lr,
-        seed=seed,
-        n_eval=n_eval,
-    )
-    config = _tool_config(reward_model.RewardModelConfig(), given)
+    config_type = reward_model.RewardModelConfig
+    config = _tool_config(config_type, _given(options, config_type))
     # FileNotFoundError: --init names no model directory (the error says which).
     with _writing("make-reward-model", out, reward_model.units(config), FileNotFoundError) as bar:
         result = reward_model.make_reward_model(out, config, overwrite=overwrite, progress=bar)
