@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
     from klpo.train.step.types import SamplingPass
-    from klpo.train.step.update import micro_step, update
+    from klpo.train.step.update import MicroBatch, micro_step, update
 
     if args.workload in bench.REAL:
         s = bench.with_built_model(s, Path(tmp))
@@ -173,10 +173,8 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         micro_step(
             cfg,
             m,
-            fresh(),
-            rows,
+            MicroBatch.of(cfg, fresh(), rows, n_tokens),
             kl_term(cfg, beta=s.beta, beta_old=1.0),
-            n_tokens,
             Dist(),
             sync=True,
             tally=Tally(),

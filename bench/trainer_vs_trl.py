@@ -647,7 +647,7 @@ def loss_worker(s: Settings, out_path: str) -> None:
     from klpo.train.runtime.metrics import Tally
     from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
-    from klpo.train.step.update import micro_step
+    from klpo.train.step.update import MicroBatch, micro_step
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, klpo_overrides(s, tmp))
@@ -683,10 +683,8 @@ def loss_worker(s: Settings, out_path: str) -> None:
         metrics = micro_step(
             cfg,
             m,
-            scored,
-            rows,
+            MicroBatch.of(cfg, scored, rows, n_tokens),
             kl_term(cfg, beta=s.beta, beta_old=1.0),
-            n_tokens,
             dist,
             sync=True,
             tally=Tally(),

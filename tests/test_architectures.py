@@ -649,7 +649,7 @@ def one_step_column(b: Built) -> Outcome:
     from klpo.train.runtime.metrics import Tally
     from klpo.train.step.kl_term import kl_term
     from klpo.train.step.score import score
-    from klpo.train.step.update import micro_step
+    from klpo.train.step.update import MicroBatch, micro_step
 
     if (nan := _own_nan(b)) is not None:
         return nan
@@ -669,10 +669,8 @@ def one_step_column(b: Built) -> Outcome:
     micro_step(
         cfg,
         m,
-        s,
-        torch.arange(4),
+        MicroBatch.of(cfg, s, torch.arange(4), n),
         kl_term(cfg, beta=beta, beta_old=1.0),
-        n,
         Dist(),
         sync=True,
         tally=Tally(),

@@ -108,7 +108,7 @@ def test_compare_prints_its_lines_through_the_current_stderr(tmp_path, monkeypat
     shown = io.StringIO()
     real = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
     monkeypatch.setattr("sys.stderr", FileProxy(Console(file=shown, width=200), real))
-    from klpo.cli import compare
+    from klpo.cli.compare import compare
 
     compare(
         study_file=None, quick=True, task="builtin", out=tmp_path / "s", workers=None, steps=None,

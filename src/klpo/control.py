@@ -64,6 +64,12 @@ class KLController:
         """Update ``value`` from the last batch's statistics; returns the new value."""
         raise NotImplementedError
 
+    def _last_kl(self, kl: float | None) -> float:
+        """The last KL, which this controller's update needs (a finite number)."""
+        if kl is None:
+            raise ValueError(f"the {self.name} KL controller needs update(kl=...), the last KL")
+        return _finite("kl", kl)
+
     def state_dict(self) -> dict[str, Any]:
         """``{"name": ..., "value": ...}``: what changes during training."""
         return {"name": self.name, "value": self.value}
@@ -131,9 +137,7 @@ class AdaptiveKL(KLController):
     def update(
         self, *, kl: float | None = None, n_steps: int = 1, reward_std: float | None = None
     ) -> float:
-        if kl is None:
-            raise ValueError("the adaptive KL controller needs update(kl=...), the last KL")
-        kl_ = _finite("kl", kl)
+        kl_ = self._last_kl(kl)
         steps = _finite("n_steps", n_steps)
         if steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
@@ -183,9 +187,7 @@ class PPOAdaptiveKL(KLController):
     def update(
         self, *, kl: float | None = None, n_steps: int = 1, reward_std: float | None = None
     ) -> float:
-        if kl is None:
-            raise ValueError("the ppo-adaptive KL controller needs update(kl=...), the last KL")
-        kl_ = _finite("kl", kl)
+        kl_ = self._last_kl(kl)
         if kl_ < self.target / self.tolerance:
             self.value /= self.factor
         elif kl_ > self.target * self.tolerance:

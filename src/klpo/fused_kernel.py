@@ -129,6 +129,7 @@ class HeadTiles:
         plan: gemm.Plan,
     ) -> None:
         lin = aff.lin
+        self.given = hidden  # [N, H] as given, for the bf16 weight-gradient GEMM
         self.hidden = hidden.to(cd)  # [N, H], unscaled, for the weight gradient
         self.hidden_t = self.hidden if lin == 1.0 else self.hidden * lin  # [N, H] = lin h
         self.weight = weight  # [V, H], chunks converted on use
@@ -326,9 +327,7 @@ def _backward_logp(
     log_z: Tensor,
     alpha: Tensor,
     delta: Tensor | None,
-    grad_h: Tensor | None,
-    grad_w: Tensor | None,
-    grad_b: Tensor | None,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     ctx,
 ) -> None:
     """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
@@ -337,9 +336,11 @@ def _backward_logp(
     W[y]`` (one row scaling at the end) and ``grad_weight = pi.T @ (alpha * hidden) + the targets'
     rows delta * hidden`` (``alpha * hidden`` formed once), so a tile is one GEMM, one ``exp`` and
     two GEMMs: no pass to scale it or to add at the targets. A soft-capped head multiplies each
-    tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grad_h`` (float32
-    ``[N, H]``, zeros), ``grad_w`` and ``grad_b`` in place.
+    tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grads = (grad_h,
+    grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]``, zeros; None: not needed); ``ctx``
+    gives the chunk sizes.
     """
+    grad_h, grad_w, grad_b = grads
     cd, plan = pol.cd, pol.plan
     token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
     n, hs = pol.hidden.shape
@@ -482,7 +483,6 @@ class _Fused(torch.autograd.Function):
         if not (need_h or need_w or need_b):
             return none
         cd, aff = ctx.cd, ctx.aff
-        token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
         alpha, beta, gamma, delta = coefficients(
             grad_logp, grad_entropy, grad_kl, ent, kl, aff.coef, cd
         )
@@ -503,14 +503,12 @@ class _Fused(torch.autograd.Function):
         grad_h = torch.zeros(hidden.shape, dtype=cd, device=device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
-        bf16_w = need_w and plan.bf16_grad_weight and hidden.shape[0] <= token_chunk
-        if beta is None and gamma is None and not bf16_w:
-            _backward_logp(pol, tokens, log_z, alpha[0], delta, grad_h, grad_w, grad_b, ctx)
+        grads = (grad_h, grad_w, grad_b)
+        if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
+            _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx)
         else:
-            _backward_tiles(
-                pol, ref, hidden, tokens, (log_z, log_z_ref), (alpha, beta, gamma, delta),
-                (grad_h, grad_w, grad_b), bf16_w, token_chunk, vocab_chunk,
-            )  # fmt: skip
+            coefs = (alpha, beta, gamma, delta)
+            _backward_tiles(pol, ref, tokens, (log_z, log_z_ref), coefs, grads, ctx)
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
@@ -519,30 +517,37 @@ class _Fused(torch.autograd.Function):
         )
 
 
+def _bf16_grad_weight(pol: HeadTiles, need_w: bool, token_chunk: int) -> bool:
+    """Whether the weight gradient's GEMM takes the tiles in bf16 (the plan says so and the
+    tokens are one chunk): only :func:`_backward_tiles` does that."""
+    return need_w and pol.plan.bf16_grad_weight and pol.hidden.shape[0] <= token_chunk
+
+
 def _backward_tiles(
     pol: HeadTiles,
     ref: HeadTiles | None,
-    hidden: Tensor,
     tokens: Tensor,
     log_zs: tuple[Tensor, Tensor | None],
     coefs: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None],
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
-    bf16_w: bool,
-    token_chunk: int,
-    vocab_chunk: int,
+    ctx,
 ) -> None:
     """The backward pass of any combination of the three outputs (module notes): each tile
     recomputed as ``log pi`` (and ``log pi_ref`` for the KL's gradient), turned into ``G / T`` in
     place (:func:`klpo._logits.grad_tile`; ``delta`` added at the targets), and multiplied into
     the gradients. ``coefs`` are :func:`klpo._logits.coefficients`' as row vectors (``delta``
-    with the targets' ``dx/dz``); ``hidden`` is the input as given (the bf16 weight-gradient GEMM
-    reads it); fills ``grads = (grad_hidden, grad_weight, grad_bias)`` (None: not needed) in
-    place, ``grad_hidden`` from zeros."""
+    with the targets' ``dx/dz``); the bf16 weight-gradient GEMM (:func:`_bf16_grad_weight`)
+    reads the hidden states as given (``pol.given``); fills ``grads = (grad_hidden,
+    grad_weight, grad_bias)`` (None: not needed) in place, ``grad_hidden`` from zeros; ``ctx``
+    gives the chunk sizes."""
     log_z, log_z_ref = log_zs
     alpha, beta, gamma, delta = coefs
     grad_h, grad_w, grad_b = grads
     need_h, need_w, need_b = (g is not None for g in grads)
+    token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
+    bf16_w = _bf16_grad_weight(pol, need_w, token_chunk)
     cd, plan = pol.cd, pol.plan
+    hidden = pol.given
     n, vocab = hidden.shape[0], pol.weight.shape[0]
     device = hidden.device
     one_token_chunk = n <= token_chunk

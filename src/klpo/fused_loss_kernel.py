@@ -116,18 +116,19 @@ def _chunk_values(
     t: slice,
     offsets: tuple[Tensor, Tensor, Tensor | None],
     outs: tuple[Tensor, Tensor | None, Tensor | None],
-    keep_x: bool,
     want_slope: bool,
 ) -> tuple:
     """One token chunk's values, written into ``outs = (logp, entropy, kl)`` at ``t``, and the
     tiles its gradient is formed from: ``(x, e, s, log s, d, log s_ref, slope)`` with ``x`` the
-    ``[V, k]`` tile less ``m[t]`` (None without ``keep_x``), ``e = exp(x)``, ``s = sum_v e``,
-    ``d = x - x_ref`` (None without a reference) and ``slope`` a capped head's ``dx/dz`` (None
-    unless ``want_slope``). ``offsets = (x_y, m, m_ref)``: the targets' logits and the two
+    ``[V, k]`` tile less ``m[t]`` (None without an entropy or a reference: only they need it),
+    ``e = exp(x)``, ``s = sum_v e``, ``d = x - x_ref`` (None without a reference) and ``slope``
+    a capped head's ``dx/dz`` (None unless ``want_slope``). ``offsets = (x_y, m, m_ref)``: the targets' logits and the two
     references, ``m`` raised in place where a sum overflows (:func:`_shifted_tile`)."""
     w, w_ref = ws
     x_y, m, m_ref = offsets
     logp, ent, kl = outs
+    # The tile x itself is needed for the entropy, the KL and the gradient of either.
+    keep_x = ent is not None or ref is not None
     x, e, s, slope = _shifted_tile(pol, w, t, m, keep_x, want_slope)  # [V, k], x - m[t]
     log_s = torch.log(s)
     logp[t] = (x_y[t] - m[t]) - log_s
@@ -299,12 +300,10 @@ class _FusedLoss(torch.autograd.Function):
         grad_h = torch.zeros(n, hs, dtype=cd, device=device) if need_h else None
         grad_w = None  # [V, H], the first chunk's product, then accumulated into
         grad_b = torch.zeros(vocab, dtype=cd, device=device) if need_b else None
-        # The tile x itself is needed for the entropy, the KL and the gradient of either.
-        keep_x = with_entropy or ref is not None
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
             tiles = _chunk_values(
-                pol, ref, (w, w_ref), t, (x_y, m, m_ref), (logp, ent, kl), keep_x, need_any
+                pol, ref, (w, w_ref), t, (x_y, m, m_ref), (logp, ent, kl), need_any
             )
             if not need_any:
                 del tiles

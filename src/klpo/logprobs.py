@@ -142,12 +142,12 @@ class _FromLogits(torch.autograd.Function):
         logits: Tensor,
         tokens: Tensor | None,
         logits_ref: Tensor | None,
-        aff: Affine,
-        aff_ref: Affine,
-        with_entropy: bool,
-        rows: int,
+        opts: tuple[Affine, Affine, bool, int],
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``opts = (aff, aff_ref, with_entropy, rows)``: the two logit transforms, whether to
+        compute the entropy, and rows per chunk."""
         ctx.set_materialize_grads(False)
+        aff, aff_ref, with_entropy, rows = opts
         n = logits.shape[0]
         cd = compute_dtype(logits, logits_ref)
         log_z = torch.empty(n, dtype=cd, device=logits.device)
@@ -213,7 +213,7 @@ class _FromLogits(torch.autograd.Function):
         if not ctx.needs_input_grad[0] or (
             grad_logp is None and grad_entropy is None and grad_kl is None
         ):
-            return (None,) * 7
+            return (None,) * 4
         cd, aff, aff_ref, rows = ctx.cd, ctx.aff, ctx.aff_ref, ctx.rows
         alpha, beta, gamma, delta = coefficients(
             grad_logp, grad_entropy, grad_kl, ent, kl, aff.coef, cd
@@ -224,10 +224,10 @@ class _FromLogits(torch.autograd.Function):
         for r0 in range(0, n, rows):
             r = slice(r0, min(r0 + rows, n))
             log_pi, slope = _log_pi_rows(logits[r], log_z[r], cd, aff)
+            log_pi_ref = None
+            if gamma is not None:
+                log_pi_ref = transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
             if r0 // rows in ctx.masked:
-                log_pi_ref = None
-                if gamma is not None:
-                    log_pi_ref = transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
                 g = _masked_grad(
                     log_pi,
                     log_pi_ref,
@@ -236,24 +236,18 @@ class _FromLogits(torch.autograd.Function):
                     None if gamma is None else gamma[r],
                     None if gamma is None else kl[r],
                 )
-                if delta is not None:
-                    g.scatter_add_(1, tokens[r, None], delta[r, None])
-                grad[r] = g if slope is None else g.mul_(slope)
-                continue
-            log_pi_ref = None
-            if gamma is not None:
-                log_pi_ref = transformed(logits_ref[r], cd, aff_ref).sub_(log_z_ref[r, None])
-            g = grad_tile(
-                log_pi,
-                log_pi_ref,
-                alpha[r, None],
-                None if beta is None else beta[r, None],
-                None if gamma is None else gamma[r, None],
-            )
+            else:
+                g = grad_tile(
+                    log_pi,
+                    log_pi_ref,
+                    alpha[r, None],
+                    None if beta is None else beta[r, None],
+                    None if gamma is None else gamma[r, None],
+                )
             if delta is not None:
                 g.scatter_add_(1, tokens[r, None], delta[r, None])
             grad[r] = g if slope is None else g.mul_(slope)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None
 
 
 def _log_pi_rows(
@@ -337,10 +331,12 @@ def _from_logits(
     logits_ref: Tensor | None,
     temperature: float,
     with_entropy: bool,
-    transform: LogitTransform | None = None,
-    transform_ref: LogitTransform | None = None,
+    transforms: tuple[LogitTransform | None, LogitTransform | None] = (None, None),
     row_chunk: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The three values the public functions of this section return a part of; ``transforms``
+    are ``logits``' and ``logits_ref``'s (None: none)."""
+    transform, transform_ref = transforms
     check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V] with V ≥ 1, got shape {tuple(logits.shape)}")
@@ -360,7 +356,7 @@ def _from_logits(
         logits_ref = logits_ref.detach().reshape(-1, vocab)
     rows = _rows_per_chunk(row_chunk, vocab)
     outs = _FromLogits.apply(
-        logits.reshape(-1, vocab), tokens, logits_ref, aff, aff_ref, with_entropy, rows
+        logits.reshape(-1, vocab), tokens, logits_ref, (aff, aff_ref, with_entropy, rows)
     )
     return tuple(None if o is None else o.view(lead) for o in outs)  # type: ignore[return-value]
 
@@ -395,7 +391,7 @@ def token_logprobs(
     Returns:
         ``[...]`` float32 (float64 for float64 logits).
     """
-    return _from_logits(logits, tokens, None, temperature, False, transform, row_chunk=row_chunk)[0]
+    return _from_logits(logits, tokens, None, temperature, False, (transform, None), row_chunk)[0]
 
 
 def entropy(
@@ -421,7 +417,7 @@ def entropy(
     Returns:
         ``[...]`` float32 (float64 for float64 logits).
     """
-    return _from_logits(logits, None, None, temperature, True, transform, row_chunk=row_chunk)[1]
+    return _from_logits(logits, None, None, temperature, True, (transform, None), row_chunk)[1]
 
 
 def exact_kl(
@@ -463,7 +459,7 @@ def exact_kl(
     """
     check_float("logits_ref", logits_ref)
     return _from_logits(
-        logits, None, logits_ref, temperature, False, transform, transform_ref, row_chunk
+        logits, None, logits_ref, temperature, False, (transform, transform_ref), row_chunk
     )[2]
 
 
@@ -502,7 +498,8 @@ def from_logits(
     """
     if logits_ref is not None:
         check_float("logits_ref", logits_ref)
+    transforms = (transform, transform_ref)
     logp, ent, kl = _from_logits(
-        logits, tokens, logits_ref, temperature, with_entropy, transform, transform_ref, row_chunk
+        logits, tokens, logits_ref, temperature, with_entropy, transforms, row_chunk
     )
     return FusedOutput(logp, ent, kl)

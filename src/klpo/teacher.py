@@ -357,9 +357,9 @@ class _FromHidden(torch.autograd.Function):
         value = torch.empty(n, dtype=dtype)
         saved = torch.empty(n, 3, dtype=dtype)  # L, L_T, and the JSD's KL(q ‖ m) (else 0)
         for s in range(0, n, rows):
-            x, xt = _tiles(
-                hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature
-            )
+            sl = slice(s, s + rows)
+            x = _tile(hidden, weight, bias, sl, dtype, temperature)
+            xt = _tile(hidden_t, weight_t, bias_t, sl, dtype, temperature)
             big_l, big_lt = _normalisers(x, xt, group)
             log_q, log_p = x - big_l[:, None], xt - big_lt[:, None]
             q, p = log_q.exp(), log_p.exp()
@@ -392,9 +392,8 @@ class _FromHidden(torch.autograd.Function):
         up = grad_value.to(dtype)
         for s in range(0, hidden.shape[0], rows):
             sl = slice(s, s + rows)
-            x, xt = _tiles(
-                hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature
-            )
+            x = _tile(hidden, weight, bias, sl, dtype, temperature)
+            xt = _tile(hidden_t, weight_t, bias_t, sl, dtype, temperature)
             log_q, log_p = x - saved[sl, :1], xt - saved[sl, 1:2]
             q = log_q.exp()
             if kind == "forward":  # d KL(p ‖ q) / dx = q - p
@@ -415,17 +414,10 @@ class _FromHidden(torch.autograd.Function):
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), grad_b, None, None, None, None
 
 
-def _tiles(hidden, weight, bias, hidden_t, weight_t, bias_t, s, rows, dtype, temperature):
-    """The chunk's scaled logits tiles of both models, ``[rows, V_r]`` each."""
-    x = slice_logits(
-        hidden[s : s + rows].to(dtype), weight.to(dtype),
-        None if bias is None else bias.to(dtype), temperature,
-    )  # fmt: skip
-    xt = slice_logits(
-        hidden_t[s : s + rows].to(dtype), weight_t.to(dtype),
-        None if bias_t is None else bias_t.to(dtype), temperature,
-    )  # fmt: skip
-    return x, xt
+def _tile(hidden, weight, bias, rows: slice, dtype, temperature) -> Tensor:
+    """One model's scaled logits of the chunk's ``rows``: ``[rows, V_r]``."""
+    b = None if bias is None else bias.to(dtype)
+    return slice_logits(hidden[rows].to(dtype), weight.to(dtype), b, temperature)
 
 
 def _normalisers(x: Tensor, xt: Tensor, group) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ from klpo.study.spec import (
     load_study,
     quick_chat_overopt_study,
 )
-from klpo.study.summary import summarise_run
+from klpo.study.summary import Criteria, summarise_run
 from klpo.train.config import apply_overrides, build_config
 from klpo.train.rewards.gold import eval_reward
 
@@ -125,8 +125,8 @@ def test_the_report_shows_both_frontiers_by_hand(tmp_path):
         for seed in (0, 1):
             run = _fake_run(tmp_path, choice, beta, seed, curve)
             results.append(
-                summarise_run(run, tmp_path / "runs" / run.name, returncode=0, wall_s=1.0,
-                              steps=12, collapse_drop=1.0, eval_size=20)
+                summarise_run(run, tmp_path / "runs" / run.name, Criteria(12, 1.0, eval_size=20),
+                              returncode=0, wall_s=1.0)
             )  # fmt: skip
     assert results[0]["gold_final"] == pytest.approx(0.1)
     assert results[0]["kl_seq_final"] == pytest.approx(12.0)

@@ -17,7 +17,7 @@ import yaml
 from klpo.study.grid import Run, study_grid
 from klpo.study.report import write_results
 from klpo.study.spec import Choice, StudyConfig, load_study, quick_study
-from klpo.study.summary import summarise_cells, summarise_run
+from klpo.study.summary import Criteria, summarise_cells, summarise_run
 from klpo.train.config import ConfigError, apply_overrides, build_config
 
 HERE = Path(__file__).resolve().parent
@@ -119,9 +119,7 @@ def test_summarise_run_by_hand(tmp_path):
             row["accuracy/heldout"] = {10: 0.6, 20: 0.5}[s]
         rows.append(row)
     _write_metrics(tmp_path / "r", rows)
-    row = summarise_run(
-        _run(), tmp_path / "r", returncode=0, wall_s=12.34, steps=20, collapse_drop=0.1
-    )
+    row = summarise_run(_run(), tmp_path / "r", Criteria(20, 0.1), returncode=0, wall_s=12.34)
     assert row["status"] == "ok" and row["steps_done"] == 20
     assert (row["acc_start"], row["acc_final"], row["acc_best"]) == (0.3, 0.5, 0.6)
     # Final = mean of the last 10 steps' KL: (0.11 + ... + 0.20) / 10 = 0.155; the peak
@@ -158,26 +156,14 @@ def test_summarise_run_noise_convergence_and_reference_time(tmp_path):
     _write_metrics(tmp_path / "r", rows)
     run = _run(estimator="ref_is", choice="ref_is loss")
     row = summarise_run(
-        run,
-        tmp_path / "r",
-        returncode=0,
-        wall_s=1,
-        steps=20,
-        collapse_drop=0.1,
-        target_accuracy=0.4,
+        run, tmp_path / "r", Criteria(20, 0.1, target_accuracy=0.4), returncode=0, wall_s=1
     )
     assert row["kl_noise_var"] == pytest.approx(0.02**2 * 20 / 19)
     assert row["kl_est_var"] == pytest.approx(0.02**2 * 20 / 19)
     assert row["kl_k1_noise_var"] == pytest.approx(0.01**2 * 20 / 19)
     assert row["steps_to_target"] == 15 and row["ref_time_s"] == pytest.approx(15.0)
     never = summarise_run(
-        run,
-        tmp_path / "r",
-        returncode=0,
-        wall_s=1,
-        steps=20,
-        collapse_drop=0.1,
-        target_accuracy=0.9,
+        run, tmp_path / "r", Criteria(20, 0.1, target_accuracy=0.9), returncode=0, wall_s=1
     )
     assert math.isnan(never["steps_to_target"])
     cells = summarise_cells([row, never])
@@ -198,7 +184,7 @@ def test_summarise_run_statuses(tmp_path):
     def status(metrics, returncode=0, steps=5):
         _write_metrics(tmp_path / "r", metrics)
         return summarise_run(
-            _run(), tmp_path / "r", returncode=returncode, wall_s=1, steps=steps, collapse_drop=0.1
+            _run(), tmp_path / "r", Criteria(steps, 0.1), returncode=returncode, wall_s=1
         )["status"]
 
     assert status(rows(5, 0.45)) == "ok"  # 0.05 below the start: within collapse_drop
@@ -208,9 +194,7 @@ def test_summarise_run_statuses(tmp_path):
     assert status(rows(5, 0.5, kl_last="nan")) == "diverged"  # written as the string "nan"
     assert status(rows(5, 0.5), returncode=1) == "crashed"
     assert (
-        summarise_run(
-            _run(), tmp_path / "none", returncode=1, wall_s=1, steps=5, collapse_drop=0.1
-        )["status"]
+        summarise_run(_run(), tmp_path / "none", Criteria(5, 0.1), returncode=1, wall_s=1)["status"]
         == "crashed"
     )
 
@@ -229,8 +213,8 @@ def test_collapsed_needs_a_drop_beyond_the_noise_of_the_evaluation(tmp_path):
     _write_metrics(tmp_path / "r", metrics)
 
     def row(n):
-        return summarise_run(_run(), tmp_path / "r", returncode=0, wall_s=1, steps=5,
-                             collapse_drop=0.1, eval_size=n)  # fmt: skip
+        return summarise_run(_run(), tmp_path / "r", Criteria(5, 0.1, eval_size=n), returncode=0,
+                             wall_s=1)  # fmt: skip
 
     assert row(40)["status"] == "ok" and row(40)["error"] == ""  # a 12-step smoke run's noise
     collapsed = row(500)

@@ -9,7 +9,7 @@ from klpo.study.frontier import ChoiceFrontier, Curve, best_within, frontier_tab
 from klpo.study.grid import Run
 from klpo.study.report import write_results
 from klpo.study.spec import StudyConfig
-from klpo.study.summary import summarise_cells, summarise_run
+from klpo.study.summary import Criteria, summarise_cells, summarise_run
 
 NAN = math.nan
 
@@ -102,8 +102,8 @@ def test_write_results_has_the_frontier_and_its_plots(tmp_path):
         )  # fmt: skip
         results.append(
             summarise_run(
-                run, run_dir, returncode=0, wall_s=1.0, steps=20, collapse_drop=0.1,
-                target_accuracy=0.3, target_metric="reward/gold",
+                run, run_dir, Criteria(20, 0.1, target_accuracy=0.3, target_metric="reward/gold"),
+                returncode=0, wall_s=1.0,
             )
         )  # fmt: skip
     cells = summarise_cells(results)

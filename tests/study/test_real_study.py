@@ -16,7 +16,7 @@ from klpo.study.grid import Run, study_grid
 from klpo.study.report import write_results
 from klpo.study.runner import run_study
 from klpo.study.spec import StudyConfig, load_study, quick_real_study, real_study
-from klpo.study.summary import mcnemar_exact, paired_change, summarise_run
+from klpo.study.summary import Criteria, mcnemar_exact, paired_change, summarise_run
 from klpo.train.config import ConfigError, apply_overrides, build_config
 from klpo.train.evaluate import wilson_interval
 
@@ -111,8 +111,8 @@ def test_the_report_counts_problems_by_hand(tmp_path):
     for name, end, kl in spec_runs:
         run = _fake_run(tmp_path, name, start, end, kl)
         results.append(
-            summarise_run(run, tmp_path / "runs" / name, returncode=0, wall_s=1.0, steps=2,
-                          collapse_drop=0.0, eval_size=5)
+            summarise_run(run, tmp_path / "runs" / name, Criteria(2, 0.0, eval_size=5),
+                          returncode=0, wall_s=1.0)
         )  # fmt: skip
     assert results[2]["length_final"] == pytest.approx(5.5)
     write_results(results, tmp_path, study)

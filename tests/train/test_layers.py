@@ -84,6 +84,21 @@ LIBRARY = (
 """The library's modules, lowest first: each imports only modules before it (docs/architecture.md,
 "The library's order")."""
 
+CLI = (
+    "klpo.cli.common",  # what the commands share: help's notation, console, errors as exit codes
+    "klpo.cli.explain",
+    "klpo.cli.lab",
+    "klpo.cli.train",
+    "klpo.cli.tools",  # export, docs, make-reference, make-reward-model
+    "klpo.cli.compare",
+    "klpo.cli.doctor",
+    "klpo.cli",  # the app, built from the modules above; the console scripts' entry points
+    "klpo.cli.__main__",
+)
+"""The command line's modules, lowest first: a command group's module imports only
+``klpo.cli.common`` of its room, and the package builds the app from the groups
+(docs/architecture.md, "The command line's order")."""
+
 
 def _module_name(path: Path, src: Path = SRC) -> str:
     parts = path.relative_to(src).with_suffix("").parts
@@ -144,6 +159,7 @@ def test_every_module_of_the_package_is_read():
         "klpo.lab.exact",
         "klpo.doctor.frameworks.verl",
         "klpo.cli",
+        "klpo.cli.doctor",
     ):
         assert m in mods
     assert {"klpo.train.loop", "klpo.study.runner", "klpo.integrations.trl"} <= mods
@@ -177,6 +193,25 @@ def test_the_library_imports_in_its_order():
         if LAYERS[layer(t)] == "klpo" and LIBRARY.index(t) >= LIBRARY.index(m)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_command_line_imports_in_its_order():
+    graph = _package_graph()
+    room = sorted(m for m in graph if LAYERS[layer(m)] == "klpo.cli")
+    assert room == sorted(CLI), (
+        f"modules of klpo.cli not in CLI (tests/train/test_layers.py) and docs/architecture.md: "
+        f"{sorted(set(room) - set(CLI))}; named there but gone: {sorted(set(CLI) - set(room))}"
+    )
+    wrong = [
+        f"{m} imports {t}, which CLI places above it"
+        for m in room
+        for t in sorted(graph[m])
+        if LAYERS[layer(t)] == "klpo.cli" and CLI.index(t) >= CLI.index(m)
+    ]
+    assert not wrong, "\n".join(wrong)
+    # The command groups stand beside each other: none imports another.
+    groups = set(CLI[1:-2])
+    assert not [(m, t) for m in groups for t in graph[m] if t in groups]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -219,6 +254,7 @@ def test_no_import_circles_anywhere_in_the_package():
         ("klpo.study.runner", "klpo.study"),
         ("klpo.doctor.frameworks.verl", "klpo.doctor"),
         ("klpo.cli", "klpo.cli"),
+        ("klpo.cli.compare", "klpo.cli"),
     ],
 )
 def test_rooms_by_longest_prefix(module, room):

@@ -28,7 +28,7 @@ from klpo.train.step.kl_term import kl_term, needs_exact_kl
 from klpo.train.step.score import score
 from klpo.train.step.step_metrics import step_metrics
 from klpo.train.step.types import Optimizers, SamplingPass, update_gives_logp_old
-from klpo.train.step.update import micro_step, update
+from klpo.train.step.update import MicroBatch, micro_step, update
 
 
 @pytest.fixture
@@ -117,7 +117,13 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, scored_roll
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
     micro_step(
-        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+        cfg,
+        m,
+        MicroBatch.of(cfg, s, rows, n),
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        dist,
+        sync=True,
+        tally=Tally(),
     )
     assert s.old.filled.all()
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
@@ -524,7 +530,11 @@ def test_the_on_policy_fused_loss_gives_the_per_token_gradient(
         tally, metrics = Tally(), []
         term = kl_term(cfg, beta=beta, beta_old=1.0)
         for rows in micro:
-            metrics.append(micro_step(cfg, m, sc, rows, term, n, dist, sync=True, tally=tally))
+            metrics.append(
+                micro_step(
+                    cfg, m, MicroBatch.of(cfg, sc, rows, n), term, dist, sync=True, tally=tally
+                )
+            )
         grads = {k: p.grad.clone() for k, p in m.policy.named_parameters() if p.grad is not None}
         return grads, metrics, tally.result(lambda t: t), sc.old
 
@@ -574,10 +584,8 @@ def test_small_vocabularies_keep_the_per_token_path(
         micro_step(
             cfg,
             m,
-            sc,
-            rows,
+            MicroBatch.of(cfg, sc, rows, n),
             kl_term(cfg, beta=0.5, beta_old=1.0),
-            n,
             Dist(),
             sync=True,
             tally=Tally(),

@@ -191,7 +191,7 @@ def group_vectors(
     coef, values = coefficients(
         arrays["logp"], arrays["logp_ref"], arrays["exact"], arrays["exact_rev"], mask
     )
-    vectors = _sent_down(h, seen, window, coef, basis, subset, sketch, len(rows))
+    vectors = _sent_down(h, seen, window, coef, basis, subset, sketch)
     arrays = {k: v.detach() for k, v in arrays.items()}
     return vectors, {**arrays, **{f"value:{k}": v for k, v in values.items()}}, sizes
 
@@ -301,13 +301,13 @@ def _sent_down(
     basis: list[Tensor],
     subset: Subset,
     sketch: Sketch,
-    n_rows: int,
 ) -> Tensor:
     """Each objective's gradient at the hidden states sent down to the measured layers by one
-    backward pass, sketched: ``[O, R, D]``."""
+    backward pass, sketched: ``[O, R, D]`` for the window's ``R`` rows."""
     # Only the tokens whose measured layers' outputs reach the completions' hidden states are
     # sketched (for the last layer's MLP, the completion positions): found by one backward pass
     # of a random direction, whose zeros are the graph's structural zeros; padding is left out.
+    n_rows = w.ids.shape[0]
     ys = [seen[i][1] for i in range(len(subset.modules))]
     probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(0), dtype=h.dtype)
     reach = torch.autograd.grad(h, ys, grad_outputs=probe, retain_graph=True)

@@ -39,7 +39,7 @@ from klpo._io import write_text_atomic
 from klpo.study.grid import Run, study_grid
 from klpo.study.report import refresh_sections, write_results
 from klpo.study.spec import StudyConfig
-from klpo.study.summary import RESULT_FIELDS, num, summarise_run
+from klpo.study.summary import RESULT_FIELDS, Criteria, num, summarise_run
 from klpo.train.config import ConfigError, build_config, dump_config, flat
 from klpo.train.outdir import LOCK_FILE, DirBusy, DirLock, claim_dir, fresh_name
 from klpo.train.runtime.checkpoint import latest_checkpoint
@@ -296,18 +296,15 @@ def _execute(
     if returncode != 0:
         lines = log_path.read_text().strip().splitlines()
         error = (lines[-1] if lines else f"exit code {returncode}")[:300]
-    row = summarise_run(
-        run,
-        run_dir,
-        returncode=returncode,
-        wall_s=wall,
+    metric, target = study.convergence_target()
+    criteria = Criteria(
         steps=study.steps,
         collapse_drop=study.collapse_drop,
         eval_size=study.eval_size,
-        error=error,
-        target_accuracy=study.convergence_target()[1],
-        target_metric=study.convergence_target()[0],
+        target_accuracy=target,
+        target_metric=metric,
     )
+    row = summarise_run(run, run_dir, criteria, returncode=returncode, wall_s=wall, error=error)
     if returncode in INTERRUPTED_CODES or (returncode != 0 and signals.signum is not None):
         row["status"] = "interrupted"  # not a result: a re-run continues it
     write_text_atomic(done_marker, yaml.safe_dump(row, sort_keys=False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "RESULT_FIELDS",
     "SPIKE_COLUMNS",
     "WINDOW",
+    "Criteria",
     "collapse_threshold",
     "gold_summary",
     "heldout_scores",
@@ -108,28 +110,45 @@ def _tail_mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(tail) / len(tail)
 
 
+@dataclass(frozen=True)
+class Criteria:
+    """What a study judges each of its runs by (:func:`summarise_run`): the steps a finished
+    run has done, the collapse rule, and the convergence target.
+
+    Args:
+        steps: the study's steps per run (a run that did fewer crashed).
+        collapse_drop: the least fall of held-out accuracy that is a collapse
+            (:func:`collapse_threshold`).
+        eval_size: the held-out problems, whose standard error can widen the collapse rule.
+        target_accuracy: the threshold of ``target_metric``'s running mean ("steps to target").
+        target_metric: ``accuracy/train``, or ``reward/gold`` on the over-optimisation task.
+    """
+
+    steps: int
+    collapse_drop: float
+    eval_size: int | None = None
+    target_accuracy: float = 0.4
+    target_metric: str = "accuracy/train"
+
+
 def summarise_run(
     run: Run,
     run_dir: Path,
+    criteria: Criteria,
     *,
     returncode: int,
     wall_s: float,
-    steps: int,
-    collapse_drop: float,
     error: str = "",
-    target_accuracy: float = 0.4,
-    target_metric: str = "accuracy/train",
-    eval_size: int | None = None,
 ) -> dict[str, Any]:
     """One ``results.csv`` row from a finished (or failed) run's ``metrics.jsonl``.
 
     ``steps_to_target`` is the first step at which the WINDOW-step running mean of
-    ``target_metric`` (``accuracy/train``, or ``reward/gold`` on the over-optimisation task)
-    reaches ``target_accuracy`` (NaN if never); the ``kl_budget_*`` columns judge the run's exact
-    KL against ``run.kl_target`` (:func:`kl_budget_summary`). A finished run is ``collapsed``
-    when its held-out accuracy fell below its start by more than :func:`collapse_threshold`
-    (``collapse_drop``, and two standard errors on ``eval_size`` problems); its error cell
-    says by how much."""
+    ``criteria.target_metric`` reaches ``criteria.target_accuracy`` (NaN if never); the
+    ``kl_budget_*`` columns judge the run's exact KL against ``run.kl_target``
+    (:func:`kl_budget_summary`). A finished run is ``collapsed`` when its held-out accuracy fell
+    below its start by more than :func:`collapse_threshold` (``criteria.collapse_drop``, and two
+    standard errors on ``criteria.eval_size`` problems); its error cell says by how much."""
+    steps = criteria.steps
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "kl/ref/exact" in r]
@@ -144,24 +163,11 @@ def summarise_run(
         status = "crashed"
     elif not all(map(math.isfinite, kl_exact)) or not math.isfinite(acc_final):
         status = "diverged"
-    elif acc_final < acc_start - (
-        limit := collapse_threshold(acc_start, acc_final, eval_size, collapse_drop)
-    ):
-        status = "collapsed"
-        error = error or (
-            f"held-out accuracy fell from {acc_start:.3f} to {acc_final:.3f}, more than "
-            f"{limit:.3f} ("
-            + (
-                f"the larger of collapse_drop {collapse_drop:g} and {COLLAPSE_Z:g} standard "
-                f"errors on {eval_size} problems"
-                if eval_size
-                else f"collapse_drop {collapse_drop:g}"
-            )
-            + ")"
-        )
+    elif fell := _collapse(acc_start, acc_final, criteria.eval_size, criteria.collapse_drop):
+        status, error = "collapsed", error or fell
     else:
         status = "ok"
-    reached = steps_to_reach(steps_rows, target_metric, target_accuracy)
+    reached = steps_to_reach(steps_rows, criteria.target_metric, criteria.target_accuracy)
     ref_time = math.fsum(
         num(r.get("time/ref_sample", 0.0)) + num(r.get("time/ref_update", 0.0)) for r in steps_rows
     )
@@ -188,7 +194,7 @@ def summarise_run(
         "entropy_final": _tail_mean(steps_rows, "entropy"),
         "length_final": _tail_mean(steps_rows, "completion/length"),
         **spike_summary(rows, steps),
-        **distillation_summary(steps_rows, evals, target_accuracy),
+        **distillation_summary(steps_rows, evals, criteria.target_accuracy),
         "wall_s": round(wall_s, 1),
         "error": error,
     }
@@ -211,6 +217,26 @@ def distillation_summary(
         "cpu_s_to_target": round(cpu.get(reached, math.nan), 1),
         "cpu_s": round(last, 1),
     }
+
+
+def _collapse(
+    acc_start: float, acc_final: float, eval_size: int | None, collapse_drop: float
+) -> str:
+    """Why a run collapsed, its error cell: held-out accuracy fell from ``acc_start`` to
+    ``acc_final`` by more than :func:`collapse_threshold`; "" when it did not."""
+    limit = collapse_threshold(acc_start, acc_final, eval_size, collapse_drop)
+    if not acc_final < acc_start - limit:
+        return ""
+    why = (
+        f"the larger of collapse_drop {collapse_drop:g} and {COLLAPSE_Z:g} standard errors on "
+        f"{eval_size} problems"
+        if eval_size
+        else f"collapse_drop {collapse_drop:g}"
+    )
+    return (
+        f"held-out accuracy fell from {acc_start:.3f} to {acc_final:.3f}, more than "
+        f"{limit:.3f} ({why})"
+    )
 
 
 OUTLIER_MADS = 5.0

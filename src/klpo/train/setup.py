@@ -197,9 +197,9 @@ def setup(
         if dist.is_main and len(ranks) > 1:
             log(f"rollout worker: one for ranks {ranks[0]}-{ranks[-1]} of the node, started by "
                 f"rank {ranks[0]} (rollout.async_workers=node)")  # fmt: skip
-    run.sampling = sampling(
-        cfg, dist, m, run.stream, run.engine, reward_fns, ring=run.versions, worker=run.sampler
-    )
+    # The worker holds the ring (run.versions) itself.
+    stale = run.sampler if run.sampler is not None else run.versions
+    run.sampling = sampling(cfg, dist, m, run.stream, run.engine, reward_fns, stale)
     return run
 
 
@@ -254,12 +254,16 @@ def save(run: TrainRun, step: int) -> None:
     ring = run.versions
     versions = ring.state_dict(policy=run.models.policy) if ring is not None else None
     if run.dist.is_main:
+        weights = ckpt_io.Weights(
+            policy,
+            critic=run.models.critic_core,
+            reference=_moved_reference(run),
+            versions=versions,
+        )
         ckpt_io.save_checkpoint(
             run.dir,
             step,
-            policy=policy,
-            critic=run.models.critic_core,
-            reference=_moved_reference(run),
+            weights,
             optimizers=_saved_optimizers(run),
             rng=rngs,
             state={
@@ -272,7 +276,6 @@ def save(run: TrainRun, step: int) -> None:
                 **({"mix_window": c.window.state_dict()} if c.window is not None else {}),
             },
             keep=run.cfg.run.save_total_limit,
-            versions=versions,
         )
     run.dist.barrier()
 

@@ -273,7 +273,7 @@ def two_checkpoints(tiny_model, tmp_path):
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     opt.step()
     for step in (1, 2):
-        ck.save_checkpoint(tmp_path, step, policy=model, optimizers={"policy": opt})
+        ck.save_checkpoint(tmp_path, step, ck.Weights(model), optimizers={"policy": opt})
     return tmp_path
 
 
@@ -362,7 +362,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(two_checkpoints, monkeypatc
     policy = AutoModelForCausalLM.from_pretrained(step2 / "policy")
     opt = torch.optim.AdamW(policy.parameters())
     with pytest.raises(ck.CheckpointError, match="the previous checkpoint step_000002 is intact"):
-        ck.save_checkpoint(two_checkpoints, 3, policy=policy, optimizers={"policy": opt})
+        ck.save_checkpoint(two_checkpoints, 3, ck.Weights(policy), optimizers={"policy": opt})
     root = two_checkpoints / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
 

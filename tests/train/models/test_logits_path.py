@@ -18,7 +18,7 @@ from klpo.train.rollout.samplers import completion_hidden, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step.kl_term import kl_term
-from klpo.train.step.update import micro_step
+from klpo.train.step.update import MicroBatch, micro_step
 
 
 class TemperedConfig(LlamaConfig):
@@ -94,7 +94,13 @@ def _one_step(scored_rollout, cfg, seed: int = 0):
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
     micro_step(
-        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+        cfg,
+        m,
+        MicroBatch.of(cfg, s, rows, n),
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        dist,
+        sync=True,
+        tally=Tally(),
     )
     grads = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
     return m, rollout, s, grads

@@ -17,7 +17,7 @@ from klpo.train.rollout.samplers import Decoding, generate, position_ids
 from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally
 from klpo.train.step.kl_term import kl_term
-from klpo.train.step.update import micro_step
+from klpo.train.step.update import MicroBatch, micro_step
 
 SIZES = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -168,7 +168,13 @@ def _step(scored_rollout, cfg):
     n = reduce.normaliser(r.mask, "token-mean")
     rows = torch.arange(len(r.prompts))
     metrics = micro_step(
-        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, Dist(), sync=True, tally=Tally()
+        cfg,
+        m,
+        MicroBatch.of(cfg, s, rows, n),
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        Dist(),
+        sync=True,
+        tally=Tally(),
     )
     return m, r, metrics, {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 

@@ -24,6 +24,7 @@ from klpo.study.spec import (
     quick_study,
 )
 from klpo.study.summary import (
+    Criteria,
     gold_summary,
     kl_budget_summary,
     steps_to_reach,
@@ -300,8 +301,8 @@ def test_steps_to_gold_target_by_hand(tmp_path):
     )  # fmt: skip
     key, value = StudyConfig(task="overopt", target_gold=0.3).convergence_target()
     row = summarise_run(
-        run, run_dir, returncode=0, wall_s=1.0, steps=20, collapse_drop=0.1,
-        target_accuracy=value, target_metric=key,
+        run, run_dir, Criteria(20, 0.1, target_accuracy=value, target_metric=key),
+        returncode=0, wall_s=1.0,
     )  # fmt: skip
     assert row["steps_to_target"] == 15
     assert (row["kl_budget_frac"], row["kl_budget_held"], row["kl_budget_ratio"]) == (1, 1, 1)

@@ -129,7 +129,7 @@ def test_make_reward_model_cli_errors(tmp_path):
 def test_make_reward_model_reports_its_progress(tmp_path):
     """Each training step with its loss, then each of the two measurements as it starts, as
     plain lines with an ETA (a long command that says nothing looks hung)."""
-    from klpo.train.runtime.progress import Progress
+    from klpo.train.runtime.progress import PlainLines, Progress
     from klpo.train.tools.make_reward_model import (
         RewardModelConfig,
         make_reward_model,
@@ -138,7 +138,8 @@ def test_make_reward_model_reports_its_progress(tmp_path):
 
     config = RewardModelConfig(n_pairs=8, batch_size=4, steps=3, n_eval=4)
     lines: list[str] = []
-    bar = Progress("make-reward-model", units(config), terminal=False, log=lines.append, lines=100)
+    how = PlainLines(log=lines.append, lines=100)
+    bar = Progress("make-reward-model", units(config), terminal=False, plain=how)
     make_reward_model(tmp_path / "rm", config, progress=bar)
     shown = [line.split("  ")[:2] for line in lines]
     assert shown == [

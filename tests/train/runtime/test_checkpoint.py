@@ -37,7 +37,7 @@ def test_save_and_restore_everything(tmp_path):
     opt = trained(model)
     torch.manual_seed(123)
     path = ck.save_checkpoint(
-        tmp_path, 7, policy=model, optimizers={"policy": opt}, state={"data": {"epoch": 1}}
+        tmp_path, 7, ck.Weights(model), optimizers={"policy": opt}, state={"data": {"epoch": 1}}
     )
     expected_draw = torch.rand(3)
     assert path.name == "step_000007"
@@ -66,7 +66,7 @@ def test_atomic_and_keeps_the_last_two(tmp_path):
     model = tiny_model()
     opt = trained(model)
     for step in (1, 2, 3):
-        ck.save_checkpoint(tmp_path, step, policy=model, optimizers={"policy": opt})
+        ck.save_checkpoint(tmp_path, step, ck.Weights(model), optimizers={"policy": opt})
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert names == ["step_000002", "step_000003"]
     # A save killed midway leaves a temporary directory, never a half checkpoint or pointer.
@@ -85,7 +85,7 @@ def test_a_save_that_fails_midway_changes_nothing(tmp_path, monkeypatch):
     and no temporary directory is left behind (klpo._io.atomic_dir)."""
     model = tiny_model()
     opt = trained(model)
-    ck.save_checkpoint(tmp_path, 1, policy=model, optimizers={"policy": opt})
+    ck.save_checkpoint(tmp_path, 1, ck.Weights(model), optimizers={"policy": opt})
     before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     real = ck.save_file
 
@@ -97,7 +97,7 @@ def test_a_save_that_fails_midway_changes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck, "save_file", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        ck.save_checkpoint(tmp_path, 2, policy=model, optimizers={"policy": opt})
+        ck.save_checkpoint(tmp_path, 2, ck.Weights(model), optimizers={"policy": opt})
     after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
@@ -105,7 +105,7 @@ def test_a_save_that_fails_midway_changes_nothing(tmp_path, monkeypatch):
 
 
 def test_rng_of_another_world_size_is_refused(tmp_path):
-    path = ck.save_checkpoint(tmp_path, 1, policy=tiny_model(), optimizers={})
+    path = ck.save_checkpoint(tmp_path, 1, ck.Weights(tiny_model()), optimizers={})
     with pytest.raises(ValueError, match="same number of processes"):
         ck.restore_rng(path, ck.load_state(path), rank=1)
 

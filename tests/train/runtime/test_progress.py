@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from klpo.train.runtime.progress import Progress, fmt_duration, progress, train_info
+from klpo.train.runtime.progress import PlainLines, Progress, fmt_duration, progress, train_info
 
 
 class Clock:
@@ -19,10 +19,13 @@ class Clock:
         return self.t
 
 
-def plain(total: int, **kw) -> tuple[Progress, list[str], Clock]:
+def plain(
+    total: int, lines_per_work: int = 20, heartbeat_s: float = 30.0, **kw
+) -> tuple[Progress, list[str], Clock]:
     lines: list[str] = []
     clock = Clock()
-    bar = Progress("work", total, terminal=False, log=lines.append, clock=clock, **kw)
+    how = PlainLines(lines.append, lines_per_work, heartbeat_s, clock)
+    bar = Progress("work", total, terminal=False, plain=how, **kw)
     return bar, lines, clock
 
 
@@ -36,7 +39,7 @@ def test_durations(seconds, text):
 
 
 def test_the_eta_is_the_mean_time_per_unit_times_the_units_left():
-    bar, lines, clock = plain(10, lines=1)
+    bar, lines, clock = plain(10, lines_per_work=1)
     clock.t += 8.0
     bar.update(4)  # 4 units in 8 s: 2 s a unit, 6 left
     assert bar.eta() == pytest.approx(12.0)
@@ -48,7 +51,7 @@ def test_the_eta_is_the_mean_time_per_unit_times_the_units_left():
 
 
 def test_weighted_units_give_the_eta_and_percentage_of_the_cost():
-    bar, _, clock = plain(4, weights=[1.0, 1.0, 6.0, 2.0], lines=1)
+    bar, _, clock = plain(4, lines_per_work=1, weights=[1.0, 1.0, 6.0, 2.0])
     clock.t += 4.0
     bar.update(2)  # cost 2 of 10 in 4 s: 2 s per unit of cost, 8 left
     assert bar.eta() == pytest.approx(16.0) and bar.fraction() == pytest.approx(0.2)
@@ -83,7 +86,7 @@ def test_a_resumed_count_times_only_the_units_done_here():
 
 
 def test_plain_lines_at_marks_parts_heartbeats_and_the_end():
-    bar, lines, clock = plain(100, lines=4, heartbeat_s=30.0)
+    bar, lines, clock = plain(100, lines_per_work=4, heartbeat_s=30.0)
     for done in range(1, 101):
         clock.t += 0.1
         part = "first" if done <= 10 else "second"

@@ -19,7 +19,7 @@ from klpo.train.runtime.dist import Dist
 from klpo.train.runtime.metrics import Tally, read_metrics
 from klpo.train.step.kl_term import kl_term
 from klpo.train.step.score import score
-from klpo.train.step.update import micro_step
+from klpo.train.step.update import MicroBatch, micro_step
 
 
 @pytest.mark.parametrize(
@@ -70,7 +70,13 @@ def test_the_update_is_the_library_loss(tiny_model, quick, tmp_path, policy_loss
     n = reduce.normaliser(rollout.mask, "token-mean")
     m.policy.zero_grad()
     micro_step(
-        cfg, m, s, rows, kl_term(cfg, beta=0.5, beta_old=1.0), n, dist, sync=True, tally=Tally()
+        cfg,
+        m,
+        MicroBatch.of(cfg, s, rows, n),
+        kl_term(cfg, beta=0.5, beta_old=1.0),
+        dist,
+        sync=True,
+        tally=Tally(),
     )
     got = {k: p.grad.clone() for k, p in m.policy.named_parameters()}
 

@@ -23,6 +23,7 @@ import errno
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,36 +90,47 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> No
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), *n[2:]))
 
 
+@dataclass(frozen=True)
+class Weights:
+    """The weights a checkpoint holds, each in its own file (the module's layout).
+
+    Args:
+        policy: a transformers model (``save_pretrained``).
+        critic: PPO's critic module, or None.
+        reference: the reference model when it moves during training (kl.reference_reset),
+            saved as ``reference.safetensors``; with LoRA the base weights by name
+            (:func:`klpo.train.models.lora.base_weights`); None when it is frozen.
+        versions: the ring of policy versions (``rollout.staleness``), saved as
+            ``versions.safetensors``, or None.
+    """
+
+    policy: Any
+    critic: torch.nn.Module | None = None
+    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None
+    versions: dict[str, torch.Tensor] | None = None
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
+    weights: Weights,
     *,
-    policy: Any,
     optimizers: dict[str, torch.optim.Optimizer],
-    critic: torch.nn.Module | None = None,
-    reference: torch.nn.Module | dict[str, torch.Tensor] | None = None,
     rng: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = None,
     state: dict[str, Any] | None = None,
     keep: int | None = 2,
-    versions: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and point ``latest`` at it.
 
     Args:
         run_dir: the run directory.
         step: the last completed step.
-        policy: a transformers model (``save_pretrained``).
+        weights: the policy's and the other models' (:class:`Weights`).
         optimizers: name → optimizer; every state tensor goes to ``optim.safetensors``.
-        critic: PPO's critic module, or None.
-        reference: the reference model when it moves during training (kl.reference_reset),
-            saved as ``reference.safetensors``; with LoRA the base weights by name
-            (:func:`klpo.train.models.lora.base_weights`); None when it is frozen.
         rng: every rank's :func:`rng_state`, in rank order (default: this process's).
         state: JSON-serialisable extras (data position, controller state, ...).
         keep: how many checkpoints to keep (``run.save_total_limit``; None: all): after the new
             one is in place, :func:`prune_checkpoints`.
-        versions: the ring of policy versions (``rollout.staleness``), saved as
-            ``versions.safetensors``, or None.
 
     Returns:
         the checkpoint's directory.
@@ -128,13 +140,14 @@ def save_checkpoint(
     try:
         # built in root/.tmp-step_<step>-<pid>, fsynced, renamed into place (klpo._io.atomic_dir)
         with atomic_dir(final) as tmp:
-            _write_models(tmp, policy, critic, reference, versions)
+            _write_models(tmp, weights)
             _write_state(tmp, step, optimizers, rng, state)
     except (OSError, SafetensorError) as err:  # atomic_dir removed the partial files
         rng = rng or [rng_state()]
         meta = {"optimizers": [_flatten_optimizer(o, n)[1] for n, o in optimizers.items()]}
         meta |= {"rng": [plain for _, plain in rng], **(state or {})}  # state.json, roughly
-        needed = _nbytes([policy, critic, reference, versions, rng, *optimizers.values()])
+        w = weights
+        needed = _nbytes([w.policy, w.critic, w.reference, w.versions, rng, *optimizers.values()])
         needed += len(json.dumps(meta))
         raise CheckpointError(_save_failure(run_dir, step, err, needed)) from None
     write_text_atomic(root / LATEST, final.name + "\n")
@@ -173,23 +186,17 @@ def prune_checkpoints(run_dir: str | Path, step: int, keep: int) -> list[Path]:
     return gone
 
 
-def _write_models(
-    tmp: Path,
-    policy: Any,
-    critic: torch.nn.Module | None,
-    reference: torch.nn.Module | dict[str, torch.Tensor] | None,
-    versions: dict[str, torch.Tensor] | None,
-) -> None:
+def _write_models(tmp: Path, w: Weights) -> None:
     """The checkpoint's weights: the policy, the ring of versions, the critic, a moved reference."""
-    policy.save_pretrained(tmp / "policy", safe_serialization=True)
-    if versions is not None:
-        save_file({k: v.contiguous() for k, v in versions.items()}, str(tmp / VERSIONS))
-    if critic is not None:
-        save_model(critic, str(tmp / "critic.safetensors"))
-    if isinstance(reference, dict):  # LoRA's merged base (kl.reference_reset)
-        save_file(reference, str(tmp / REFERENCE))
-    elif reference is not None:  # kl.reference_reset moved it: the run resumes with it
-        save_model(reference, str(tmp / REFERENCE))
+    w.policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if w.versions is not None:
+        save_file({k: v.contiguous() for k, v in w.versions.items()}, str(tmp / VERSIONS))
+    if w.critic is not None:
+        save_model(w.critic, str(tmp / "critic.safetensors"))
+    if isinstance(w.reference, dict):  # LoRA's merged base (kl.reference_reset)
+        save_file(w.reference, str(tmp / REFERENCE))
+    elif w.reference is not None:  # kl.reference_reset moved it: the run resumes with it
+        save_model(w.reference, str(tmp / REFERENCE))
 
 
 def _write_state(

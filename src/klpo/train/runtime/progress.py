@@ -23,9 +23,10 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Progress", "ProgressFn", "fmt_duration", "progress", "train_info"]
+__all__ = ["PlainLines", "Progress", "ProgressFn", "fmt_duration", "progress", "train_info"]
 
 
 def fmt_duration(seconds: float) -> str:
@@ -40,6 +41,24 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
+@dataclass(frozen=True)
+class PlainLines:
+    """The plain lines of a :class:`Progress` that is no rich bar: where they go, how often,
+    and the clock that times them and their ETA.
+
+    Args:
+        log: where plain lines go (default: ``print`` to stderr).
+        lines: plain lines at every ``1/lines`` of the cost (besides parts, heartbeats, the end).
+        heartbeat_s: the longest time between two plain lines while updates arrive.
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    log: Callable[[str], Any] | None = None
+    lines: int = 20
+    heartbeat_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
+
+
 class Progress:
     """``total`` units of work called ``label``, shown while :meth:`update` reports them.
 
@@ -50,12 +69,9 @@ class Progress:
             only the units done from here.
         show: False gives a progress that shows nothing.
         terminal: a rich bar (True) or plain lines (False); default: whether stderr is a terminal.
-        log: where plain lines go (default: ``print`` to stderr).
-        lines: plain lines at every ``1/lines`` of the cost (besides parts, heartbeats, the end).
-        heartbeat_s: the longest time between two plain lines while updates arrive.
+        plain: the plain lines: where they go, how often, their clock (:class:`PlainLines`).
         weights: the relative cost of each unit (``total`` of them); the percentage and the ETA
             are of the cost. Default: equal.
-        clock: seconds, monotonic (tests pass a fake one).
     """
 
     def __init__(
@@ -66,12 +82,10 @@ class Progress:
         done: int = 0,
         show: bool = True,
         terminal: bool | None = None,
-        log: Callable[[str], Any] | None = None,
-        lines: int = 20,
-        heartbeat_s: float = 30.0,
+        plain: PlainLines = PlainLines(),
         weights: Sequence[float] | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        log, lines, heartbeat_s, clock = plain.log, plain.lines, plain.heartbeat_s, plain.clock
         self.total = max(1, total)
         self.label, self.done, self.show = label, min(max(0, done), self.total), show
         if weights is not None and len(weights) != total:
@@ -238,7 +252,7 @@ def progress(
     """Progress of a run of ``steps`` steps from ``step0`` when ``show`` (the main rank, with
     ``run.progress``): a :class:`Progress` labelled ``step`` whose info is :func:`train_info`;
     a step with a held-out evaluation also prints its accuracy on a line of its own."""
-    bar = Progress("step", steps, done=step0, show=show, terminal=terminal, log=log)
+    bar = Progress("step", steps, done=step0, show=show, terminal=terminal, plain=PlainLines(log))
 
     def report(step: int | None, metrics: dict[str, float] | None) -> None:
         if step is None:

@@ -149,14 +149,14 @@ def sampling(
     stream: PromptStream,
     engine: RolloutEngine,
     reward_fns: list,
-    ring: VersionRing | None = None,
-    worker: AsyncSampler | None = None,
+    stale: VersionRing | AsyncSampler | None = None,
 ) -> Sampling:
-    """The run's way of sampling: :class:`Worker` where there is a rollout worker, else
-    :class:`StaleRing` where there is a ring of versions, else :class:`Plain`."""
+    """The run's way of sampling, by what samples behind the policy (``stale``): the rollout
+    worker (:class:`Worker`, with the worker's ring), a ring of versions (:class:`StaleRing`),
+    or nothing (:class:`Plain`)."""
     parts = (cfg, dist, models, stream, engine, reward_fns)
-    if worker is not None:
-        return Worker(*parts, ring=ring, worker=worker)
-    if ring is not None:
-        return StaleRing(*parts, ring=ring)
+    if isinstance(stale, AsyncSampler):
+        return Worker(*parts, ring=stale.ring, worker=stale)
+    if stale is not None:
+        return StaleRing(*parts, ring=stale)
     return Plain(*parts)

@@ -71,14 +71,35 @@ Reduce = Callable[[Tensor], Tensor]
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows ``rows`` of the scored rollout ``s``: their rollout ``r`` and ``red``, the reduction
-    of a per-token loss with the minibatch's global normaliser."""
+    """Rows ``rows`` of the scored rollout ``s``: their rollout ``r``, the minibatch's global
+    normaliser ``n_global`` and ``red``, the reduction of a per-token loss with it
+    (:meth:`of` builds one)."""
 
     s: Scored
     rows: Tensor
     r: Rollout
     red: Reduce
+    n_global: Tensor
     keep: Tensor | None = None  # [b, C] a batch-level policy-loss mask (M2PO), rows' share
+
+    @classmethod
+    def of(
+        cls, cfg: TrainConfig, s: Scored, rows: Tensor, n_global: Tensor, keep: Tensor | None = None
+    ) -> MicroBatch:
+        """Rows ``rows`` of ``s`` in an optimizer step whose normaliser is ``n_global``
+        (``algo.loss_reduction``'s, over the minibatch and all ranks) and whose batch-level
+        policy-loss mask is ``keep`` (``[B, C]``, M2PO's; None: none)."""
+        r = s.rollout.select(rows)
+        mask = r.mask
+        max_len = cfg.rollout.max_new_tokens
+
+        def red(x: Tensor) -> Tensor:
+            return reduce.reduce(
+                x, mask, cfg.algo.loss_reduction, normaliser=n_global, max_len=max_len
+            )
+
+        mine = None if keep is None else keep[rows.to(keep.device)]
+        return cls(s, rows, r, red, n_global, mine)
 
     @property
     def adv(self) -> Tensor:
@@ -149,10 +170,8 @@ def update(
                 mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
             )
             for i, rows in enumerate(micro):
-                part = micro_step(
-                    cfg, m, s, rows, term, n_global, dist, sync=i == len(micro) - 1, tally=tally,
-                    keep=keep,
-                )  # fmt: skip
+                piece = MicroBatch.of(cfg, s, rows, n_global, keep)
+                part = micro_step(cfg, m, piece, term, dist, sync=i == len(micro) - 1, tally=tally)
                 for k, v in part.items():
                     step_losses[k] = step_losses.get(k, 0.0) + v
             # This rank holds 1/world of the optimizer step: the ranks' shares sum to its loss.
@@ -311,40 +330,31 @@ def _no_sync(module: torch.nn.Module | None, sync: bool):
 def micro_step(
     cfg: TrainConfig,
     m: Models,
-    s: Scored,
-    rows: Tensor,
+    mb: MicroBatch,
     term: KLTerm,
-    n_global: Tensor,
     dist: Dist,
     *,
     sync: bool,
     tally: Tally,
-    keep: Tensor | None = None,
 ) -> dict[str, float]:
     """Forward and backward of one micro-batch (gradients accumulate); returns its losses.
 
-    Its losses are its share of the optimizer step's (``n_global`` is the step's normaliser);
-    its token metrics go into ``tally``. Rows of ``s.old`` not yet filled are filled from this
-    forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the optimizer step's last
-    micro-batch, whose backward DDP reduces over ranks. ``term``: the step's KL term with its
-    coefficients. ``keep``: ``[B, C]`` a batch-level policy-loss mask (M2PO), or None. With
-    ``algo.trm_delta`` the policy loss drops the rows :func:`trm_keep` masks; the shares go to
-    ``trm/masked_frac`` (tokens) and ``trm/seq_masked_frac`` (completions with a token).
+    Its losses are its share of the optimizer step's (``mb.n_global`` is the step's
+    normaliser); its token metrics go into ``tally``. Rows of ``mb.s.old`` not yet filled are
+    filled from this forward (:class:`~klpo.train.step.types.SamplingPass`). ``sync``: the
+    optimizer step's last micro-batch, whose backward DDP reduces over ranks. ``term``: the
+    step's KL term with its coefficients. ``mb.keep``: a batch-level policy-loss mask (M2PO), or
+    None. With ``algo.trm_delta`` the policy loss drops the rows :func:`trm_keep` masks; the
+    shares go to ``trm/masked_frac`` (tokens) and ``trm/seq_masked_frac`` (completions with a
+    token).
     """
-    r = s.rollout.select(rows)
-    mask = r.mask
-    max_len = cfg.rollout.max_new_tokens
-
-    def red(x: Tensor) -> Tensor:
-        return reduce.reduce(x, mask, cfg.algo.loss_reduction, normaliser=n_global, max_len=max_len)
-
-    mb = MicroBatch(s, rows, r, red, None if keep is None else keep[rows.to(keep.device)])
+    s, rows, mask = mb.s, mb.rows, mb.r.mask
     with _no_sync(m.backbone, sync):
         out, fused, hidden = forward(cfg, m, mb, term, dist)
         trm = trm_keep(cfg, mb)
         total, metrics = policy_loss(cfg, mb, out, term, trm=trm)
         extra = []  # terms beside the policy loss, in the loss's units
-        aux = router_aux(cfg, m, mb, n_global)
+        aux = router_aux(cfg, m, mb)
         if aux is not None:
             metrics["loss/router_aux"] = aux.item()
             extra.append(m.router_aux_coef * aux)
@@ -353,7 +363,7 @@ def micro_step(
             at = rows.to(t.logp.device)
             loss_t = teacher_loss(
                 cfg, m, hidden, out.logp, t.hidden[at], t.logp[at], _kl_old(cfg, mb), mb.red,
-                r.completion_ids,
+                mb.r.completion_ids,
             )  # fmt: skip
             metrics["loss/teacher"] = loss_t.item()
             extra.append(cfg.teacher.beta * loss_t)
@@ -381,7 +391,7 @@ def micro_step(
     return metrics
 
 
-def router_aux(cfg: TrainConfig, m: Models, mb: MicroBatch, n_global: Tensor) -> Tensor | None:
+def router_aux(cfg: TrainConfig, m: Models, mb: MicroBatch) -> Tensor | None:
     """The micro-batch's share of the optimizer step's router load-balancing loss, or None.
 
     A mixture-of-experts policy with ``algo.router_aux_loss_coef`` > 0 computes the loss in its
@@ -395,7 +405,7 @@ def router_aux(cfg: TrainConfig, m: Models, mb: MicroBatch, n_global: Tensor) ->
     if aux is None:
         return None
     mode, max_len = cfg.algo.loss_reduction, cfg.rollout.max_new_tokens
-    return aux * (reduce.normaliser(mb.r.mask, mode, max_len=max_len) / n_global)
+    return aux * (reduce.normaliser(mb.r.mask, mode, max_len=max_len) / mb.n_global)
 
 
 def forward(
