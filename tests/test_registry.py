@@ -12,7 +12,7 @@ from klpo import explain, kl, registry
 
 def test_the_shipped_table_is_regenerated_unchanged() -> None:
     shipped = resources.files("klpo").joinpath("assets", registry.EXPLAIN_TABLE).read_text("utf-8")
-    assert explain.table_text() == shipped, "run `python -m klpo.explain` and commit the table"
+    assert explain.table_text() == shipped, "run `python -m klpo.lab.tables` and commit the table"
 
 
 @pytest.mark.parametrize("on_policy", [True, False])

@@ -4,7 +4,7 @@ Nothing here is typed in: each answer comes from evaluating the estimator itself
 every outcome of a few seeded random categoricals and comparing the exact expected value and
 gradient with those of KL(pi_theta ‖ pi_ref) and KL(pi_ref ‖ pi_theta) (:func:`explain`). The
 answers for the built-in rows are shipped as a table (``klpo/assets/explain.json``) so that
-readers without torch (``klpo doctor``) have them: ``python -m klpo.explain`` writes it, and a
+readers without torch (``klpo doctor``) have them: ``python -m klpo.lab.tables`` writes it, and a
 test regenerates it unchanged (:func:`klpo.registry.explanation` reads it).
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +21,6 @@ from torch import Tensor
 from klpo.estimators import estimate, k1
 from klpo.registry import (
     ESTIMATORS,
-    EXPLAIN_TABLE,
     GRAD_OTHER,
     GRAD_REF_THETA,
     GRAD_THETA_REF,
@@ -319,7 +316,7 @@ def table() -> dict[str, Any]:
     rows += [explain(name, "loss").to_dict() for name in REF_SAMPLED]
     return {
         "about": "klpo explain's answers for the built-in KL estimators, derived by exact "
-        "enumeration (klpo.explain); written by `python -m klpo.explain`, read without torch "
+        "enumeration (klpo.explain); written by `python -m klpo.lab.tables`, read without torch "
         "by klpo.registry.explanation",
         "explanations": rows,
     }
@@ -332,18 +329,3 @@ def table_text() -> str:
         "    " + json.dumps(r, sort_keys=True, ensure_ascii=False) for r in t["explanations"]
     )
     return f'{{\n  "about": {json.dumps(t["about"])},\n  "explanations": [\n{rows}\n  ]\n}}\n'
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m klpo.explain [FILE]``: write the table (default: the package's own)."""
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) if args else Path(__file__).parent / "assets" / EXPLAIN_TABLE
-    from klpo._io import write_text_atomic
-
-    write_text_atomic(path, table_text())
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,10 +12,10 @@ Also here: the placements of a KL term (:data:`Placement`), the loss reductions'
 (:data:`MODES`; :mod:`klpo.reduce` computes them), the directions and gradients
 :func:`klpo.kl.explain` answers with, its answers as records (:class:`Explanation`), and those
 answers for the built-in rows as shipped (:func:`explanation`, from ``klpo/assets/explain.json``,
-which :mod:`klpo.explain` writes and a test regenerates unchanged), and ``klpo explain
+which ``python -m klpo.lab.tables`` writes and a test regenerates unchanged), and ``klpo explain
 --teacher``'s answers for the distillation terms (:func:`teacher_positions`,
 :func:`teacher_sequence`, from ``klpo/assets/explain_teacher.json``, written by ``python -m
-klpo.lab.teacher --write``).
+klpo.lab.tables``).
 """
 
 from __future__ import annotations
@@ -469,7 +469,7 @@ class Explanation:
 
 EXPLAIN_TABLE = "explain.json"
 """The file under ``klpo/assets`` that holds :func:`klpo.kl.explain`'s answers for every built-in
-estimator and placement, on- and off-policy (written by ``python -m klpo.explain``)."""
+estimator and placement, on- and off-policy (written by ``python -m klpo.lab.tables``)."""
 
 
 @functools.cache
@@ -507,7 +507,7 @@ TEACHER_TABLE = "explain_teacher.json"
 """The file under ``klpo/assets`` that holds ``klpo explain --teacher``'s answers: per position,
 each distillation term's value and the gradient it follows on two families of cases; over a
 sequence, each credit's gradient against the sequence KL's (written by ``python -m
-klpo.lab.teacher --write``; :mod:`klpo.lab.teacher` derives them)."""
+klpo.lab.tables``; :mod:`klpo.lab.teacher` derives them)."""
 
 
 @functools.cache

@@ -153,7 +153,7 @@ def test_the_shipped_teacher_table_is_regenerated_unchanged() -> None:
     from klpo import registry
 
     shipped = resources.files("klpo").joinpath("assets", registry.TEACHER_TABLE).read_text("utf-8")
-    assert opd.table_text() == shipped, "run `python -m klpo.lab.teacher --write` and commit it"
+    assert opd.table_text() == shipped, "run `python -m klpo.lab.tables` and commit it"
     # the torch-free reader answers from it as the enumeration does
     rows = {
         (r.key, r.placement, r.family): r for f in ("near", "sharp") for r in opd.position_rows(f)

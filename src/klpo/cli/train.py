@@ -55,10 +55,11 @@ def train(
         "the run would start.",
     ),
 ) -> None:
-    """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job).
+    """Train a policy with GRPO, PPO, RLOO or REINFORCE++ (the project's main job), or distil
+    a teacher into it on-policy (the teacher section; docs/distillation.md).
 
-    The config has the sections model, data, rewards, gold_reward, rollout, algo, kl, optim,
-    run and dist: every key, its default and meaning is in docs/config.md, and --print-config
+    The config has the sections model, data, rewards, gold_reward, rollout, algo, kl, teacher,
+    optim, run and dist: every key, its default and meaning is in docs/config.md, and --print-config
     shows them all as this run would use them. A run writes into run.out_dir (default
     runs/train; a new run never reuses a directory that holds another run: give each its own
     with --set run.out_dir=DIR, as `make run` does, or continue one with --resume).

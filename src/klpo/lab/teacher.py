@@ -28,7 +28,7 @@ distributions renormalised there: ``nemo_rl/distributed/model_utils.py``, NVIDIA
 a tail bucket: ``trl/experimental/sdpo/loss_utils.py``).
 
 The answers are shipped as a table (``klpo/assets/explain_teacher.json``, written by ``python
--m klpo.lab.teacher --write``; a test regenerates it unchanged), which ``klpo doctor`` reads
+-m klpo.lab.tables``; a test regenerates it unchanged), which ``klpo doctor`` reads
 without torch (:func:`klpo.registry.teacher_rows`).
 """
 
@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -564,7 +562,7 @@ def table(families: tuple[str, ...] = ("near", "sharp")) -> dict[str, Any]:
     sequences = [{k: _stable(v) for k, v in r.to_dict().items()} for r in sequence_rows()]
     return {
         "about": "klpo explain --teacher's answers, derived by exact enumeration "
-        "(klpo.lab.teacher); written by `python -m klpo.lab.teacher --write`, read without "
+        "(klpo.lab.teacher); written by `python -m klpo.lab.tables`, read without "
         "torch by klpo.registry.teacher_rows",
         "k": K,
         "vocab": 16,
@@ -586,23 +584,3 @@ def table_text() -> str:
     lines += ['  "positions": [', rows(t["positions"]), "  ],"]
     lines += ['  "sequences": [', rows(t["sequences"]), "  ]", "}"]
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m klpo.lab.teacher --write [FILE]``: write the table (default: the package's
-    own ``klpo/assets/explain_teacher.json``)."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] != "--write" or len(args) > 2:
-        print(main.__doc__)
-        return 2
-    from klpo._io import write_text_atomic
-    from klpo.registry import TEACHER_TABLE
-
-    path = Path(args[1]) if len(args) == 2 else Path(__file__).parents[1] / "assets" / TEACHER_TABLE
-    write_text_atomic(path, table_text())
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

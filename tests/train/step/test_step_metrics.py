@@ -211,6 +211,8 @@ COVERAGE = [
     {"kl.estimator": "adaptive_mix"},  # ref_is's metrics too
     # rollout/staleness, sampler/* (masked_frac: both masks), m2po/*, trm/*
     {"rollout.staleness": 1, "algo.policy_loss": "m2po", "algo.trm_delta": 0.05},
+    # kl/teacher/*, loss/teacher: a teacher (the tiny model itself) in the loss
+    {"teacher": "{model: TINY, estimator: k3, placement: loss}"},
 ]
 
 
@@ -233,6 +235,7 @@ def test_every_documented_metric_is_emitted_and_none_undocumented(
     monkeypatch.setitem(engines.ENGINES, "vllm", fake.spec(0.1))
     emitted: set[str] = set()
     for i, extra in enumerate(COVERAGE):
+        extra = {k: str(v).replace("TINY", str(tiny_model)) for k, v in extra.items()}
         over = {**extra, "run.steps": 1, "run.eval_every": 1}
         loop.train(build_config(overrides=quick(tiny_model, tmp_path / str(i), **over)), log=print)
         for row in read_metrics(tmp_path / str(i) / "metrics.jsonl"):
