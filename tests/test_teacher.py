@@ -142,6 +142,27 @@ def test_the_tail_bucket_makes_a_kl_below_the_forward_kl_and_exact_at_k_v_minus_
         assert torch.allclose(teacher.topk_tail_kl(z, logp, ids), full, rtol=0, atol=1e-10)
 
 
+def test_the_tail_bucket_stays_finite_for_a_student_sharper_than_float32() -> None:
+    # The student puts 1 - 6e-9 on the teacher's top token: in float32 its top-k mass rounds to
+    # 1, where log(1 - Q) was -inf and the gradient NaN (every top-k-tail run of the distillation
+    # study diverged so). The oracle: the two-bucket KL and its gradient in float64.
+    zt = torch.log(torch.tensor([[0.7, 0.1, 0.1, 0.1]]))
+    logp, ids = teacher.teacher_topk(zt, 1)
+    z = torch.tensor([[20.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    got = teacher.topk_tail_kl(z, logp, ids)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+
+    z64 = z.detach().double().requires_grad_(True)
+    q = torch.softmax(z64, -1)
+    p_top = logp.double().exp()[0, 0]
+    q_tail = q[0, 1:].sum()  # 1 - Q summed outside the top k, not 1 - Q
+    want = p_top * (p_top.log() - q[0, 0].log()) + (1 - p_top) * ((1 - p_top).log() - q_tail.log())
+    (want_grad,) = torch.autograd.grad(want, z64)
+    assert torch.isfinite(got).all() and torch.isfinite(grad).all()
+    assert math.isclose(float(got), float(want), rel_tol=1e-5)  # 5.56 nats, float32's rounding
+    assert torch.allclose(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_student_topk_is_the_reverse_kl_at_k_v_and_truncated_below() -> None:
     z, zt = _pair(5)
     assert torch.allclose(teacher.student_topk_kl(z, zt, 7), exact_kl(z, zt), atol=1e-12)

@@ -288,12 +288,19 @@ def topk_tail_kl(
     _topk_inputs(logits, teacher_topk_logp, teacher_topk_ids)
 
     def rows(z: Tensor, lp: Tensor, ids: Tensor) -> Tensor:
-        log_q = _log_softmax(z, temperature).gather(-1, ids.long())
+        log_all = _log_softmax(z, temperature)
+        log_q = log_all.gather(-1, ids.long())
         lp = lp.detach().to(log_q.dtype)
         head = (lp.exp() * (lp - log_q)).sum(-1)
-        # log(1 - P) and log(1 - Q) from the log-masses, accurate when the tail is tiny
+        if ids.shape[-1] == z.shape[-1]:  # the top k is the whole vocabulary: no tail
+            return _nonneg(head)
+        # The teacher's tail from its top-k log-masses (all it sends): log(1 - P). The student's
+        # from its own logits outside the top k, log(1 - Q) = logsumexp_{v not in K} log q_v:
+        # finite however sharp the student (1 - Q rounds to 0 in float32 once Q > 1 - 6e-8,
+        # where log1p(-Q) is -inf and its gradient NaN).
         log_p_tail = torch.log1p(-torch.logsumexp(lp, -1).exp().clamp(max=1.0))
-        log_q_tail = torch.log1p(-torch.logsumexp(log_q, -1).exp().clamp(max=1.0))
+        outside = log_all.scatter(-1, ids.long(), float("-inf"))
+        log_q_tail = torch.logsumexp(outside, -1)
         p_tail = log_p_tail.exp()
         tail = torch.where(p_tail > 0, p_tail * (log_p_tail - log_q_tail), 0.0)
         return _nonneg(head + tail)
