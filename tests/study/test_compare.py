@@ -316,3 +316,23 @@ def test_the_time_left_counts_whole_runs_start_up_included():
     assert runs_left_s([30.0, 50.0], 5, 2) == 120.0
     assert runs_left_s([], 5, 2) is None and runs_left_s([30.0], 0, 2) is None
     assert runs_left_s([float("nan"), 10.0], 1, 1) == 10.0  # an untimed row is skipped
+
+
+def test_distillation_columns_by_hand() -> None:
+    from klpo.study.summary import distillation_summary
+
+    # 12 steps with a teacher: the KL falls 1.2, 1.1, ..., 0.1; the last 10 steps' mean is
+    # (1.0 + 0.1) / 2 = 0.55. CPU seconds 10 per step. Held-out: 0.3 at 0 (ignored: step 0),
+    # 0.6 at 4, 0.71 at 8, 0.65 at 12: the target 0.7 is first reached at step 8, at 80 CPU s.
+    rows = [
+        {"step": s, "kl/teacher/exact": round(1.3 - 0.1 * s, 10), "time/cpu": 10.0 * s}
+        for s in range(1, 13)
+    ]
+    evals = [(0, 0.9), (4, 0.6), (8, 0.71), (12, 0.65)]
+    got = distillation_summary(rows, evals, 0.7)
+    assert got["kl_teacher_final"] == pytest.approx(0.55)
+    assert got["heldout_steps_to_target"] == 8 and got["cpu_s_to_target"] == 80.0
+    assert got["cpu_s"] == 120.0
+    # without a teacher, never reaching the target, and runs that predate time/cpu: NaN
+    plain = distillation_summary([{"step": 1}], [(0, 0.1), (1, 0.2)], 0.7)
+    assert all(math.isnan(v) for v in plain.values()), plain
