@@ -459,4 +459,7 @@ def write_run_report(run: TrainRun) -> Path | None:
     if run.writer is None:
         return None
     cfg = run.cfg
-    return write_report(run.dir, estimator=cfg.kl.estimator, title=f"klpo train: {cfg.algo.name}")
+    return write_report(
+        run.dir, estimator=cfg.kl.estimator, title=f"klpo train: {cfg.algo.name}",
+        heldout_n=len(run.heldout) or None,
+    )  # fmt: skip

@@ -77,6 +77,23 @@ def test_the_wait_before_the_first_update_is_not_in_the_rate():
     assert bar.line().endswith("1 min 10 s elapsed, ETA 1 min 29 s")
 
 
+def test_the_eta_follows_the_present_rate_on_a_machine_whose_load_changes():
+    """1 s a unit for 40 units, then 4 s a unit (the machine got busy): the ETA is at the last
+    window's rate (60 s here: the latest update at least 60 s ago), not the mean since the start."""
+    bar, _, clock = plain(100)
+    bar.update(1)
+    for done in range(2, 42):
+        clock.t += 1.0
+        bar.update(done)
+    for done in range(42, 62):
+        clock.t += 4.0
+        bar.update(done)
+    # now t = 220 (120 s since the first update): the window starts at the update of t = 160,
+    # done 46; 15 units in 60 s, 4 s each; 39 left. The mean since the start: 2 s a unit.
+    assert bar.eta() == pytest.approx(39 * 4.0)
+    assert bar.line().endswith("ETA 2 min 36 s")
+
+
 def test_a_resumed_count_times_only_the_units_done_here():
     bar, _, clock = plain(100, done=90)
     assert bar.eta() == math.inf and "ETA ?" in bar.line()

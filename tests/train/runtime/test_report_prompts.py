@@ -57,3 +57,14 @@ def test_smollm2_rows_show_each_question_not_the_system_prompt(smollm2_dir):
     convo = Example("", "9", messages=(("user", "2+2?"), ("assistant", "4"), ("user", "4+5?")))
     (rendered,) = render_chat([convo], tok, chat=True, system_prompt="Answer with a number.")
     assert user_messages([rendered]) == {rendered.prompt: "4+5?"}
+
+
+def test_the_answer_column_is_left_out_where_no_record_has_one():
+    # data whose answers are in another column (a `solution` read by the reward functions)
+    rows = [{**record("2+2="), "answer": None}, {**record("3+3=", "6"), "answer": None}]
+    table = samples_table(rows)
+    assert table.splitlines()[0] == "| prompt | completion | reward |"
+    assert table.splitlines()[2] == "| 2+2= | 42 | 1 |"
+    # one record with an answer keeps the column for all
+    head = samples_table([rows[0], record("5+5=")]).splitlines()[0]
+    assert head == "| prompt | completion | answer | reward |"

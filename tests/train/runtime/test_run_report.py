@@ -22,7 +22,7 @@ from klpo.train.runtime.plots import (
     smoothing_window,
     styles,
 )
-from klpo.train.runtime.report import plot_content, write_report
+from klpo.train.runtime.report import heldout_counts, plot_content, write_plots, write_report
 
 
 def test_running_mean_against_a_convolution():
@@ -208,3 +208,56 @@ def test_one_evaluation_is_one_row_of_the_report(tmp_path):
     rows = [{"step": 0, "accuracy/heldout": 0.3}, {"step": 1, "reward/mean": 0.1}]
     lines = heldout_section(RunReport(tmp_path, rows, "k3", [], []))
     assert [x for x in lines if x.startswith("| at step")] == ["| at step 0 | 0.300 |"]
+
+
+def _wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval by its closed form (Wilson 1927), the oracle."""
+    centre = (k + z * z / 2) / (n + z * z)
+    half = z / (n + z * z) * math.sqrt(k * (n - k) / n + z * z / 4)
+    return centre - half, centre + half
+
+
+def test_held_out_lines_carry_their_count_and_interval(tmp_path):
+    # accuracies 0.25 at step 0 ... 0.65 at step 40: counts of 20 problems (5/20 ... 13/20)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_of(40)))
+    report = write_report(tmp_path, estimator="k1", heldout_n=20).read_text()
+    lo, hi = _wilson(13, 20)
+    assert (
+        f"| at step 40 (latest) | 0.650 (13/20 right; 95% interval {lo:.3f}-{hi:.3f}) |" in report
+    )
+    lo, hi = _wilson(5, 20)
+    assert f"| at step 0 | 0.250 (5/20 right; 95% interval {lo:.3f}-{hi:.3f}) |" in report
+    assert "| change | +0.400 |" in report
+    # a graded accuracy (not a count of 20) stays bare; no n: bare
+    assert heldout_counts(0.333, 20) is None and heldout_counts(0.65, None) is None
+    assert heldout_counts(0.65, 20) == (13, 20)
+
+
+def test_the_held_out_plot_draws_each_evaluations_interval(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    bars = []
+    real = matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "errorbar",
+        lambda ax, *a, **k: bars.append((a, k)) or real(ax, *a, **k),
+    )
+    write_plots(tmp_path, rows_of(40), "k1", heldout_n=20)
+    (xs, ys), kw = bars[0]
+    assert list(ys) == pytest.approx([0.25, 0.35, 0.45, 0.55, 0.65])
+    assert list(xs) == [0, 10, 20, 30, 40] and len(bars) == 1
+    lo, hi = _wilson(9, 20)  # step 20: 0.45, 9 of 20
+    assert kw["yerr"][0][2] == pytest.approx(0.45 - lo) and kw["yerr"][1][2] == pytest.approx(
+        hi - 0.45
+    )
+    assert kw["label"] == "95% Wilson interval (20 problems)"
+
+
+def test_the_note_names_reward_png_only_where_it_is_drawn():
+    # a constant 0/1 reward: reward.png has nothing to draw, so the note cannot point at it
+    rows = [{"step": s, "reward/mean": 0.0, "accuracy/train": 0.0} for s in range(1, 31)]
+    content, notes = plot_content(rows, "k1")
+    assert content["reward.png"] == []
+    said = [n for n in notes if n.startswith("The train accuracy")]
+    assert said == ["The train accuracy equals the mean reward at every step (a 0/1 reward)."]

@@ -10,15 +10,20 @@ file, CI, a job scheduler, a study's ``log.txt``) it writes plain lines::
 
 at a rate that suits a log: at the first update (the work has started), when a new part of the
 work starts, at every ``1/lines`` of the work, at the end, and at least every ``heartbeat_s``
-seconds while work goes on. The ETA is the time per unit of cost so far (in this process, from
-the first update on: the loading before it is not work the units do, and a command whose first
-unit comes after a long load says ``update(0)`` when the work starts) times the cost left, where
-each unit costs the same unless ``weights`` says otherwise (the lab's experiments differ a
-hundredfold per unit).
+seconds while work goes on. The ETA is the time per unit of cost over a moving window (the
+last :data:`ETA_WINDOW_S` seconds or the last :data:`ETA_WINDOW_SHARE` of the time since the first
+update, whichever is longer; in this process, from the first update on: the loading before it is
+not work the units do, and a command whose first unit comes after a long load says ``update(0)``
+when the work starts) times the cost left, where each unit costs the same unless ``weights``
+says otherwise (the lab's experiments differ a hundredfold per unit). On a machine whose load
+changes, the window follows the present rate: a mean since the start would keep promising the
+quiet hour's speed while a busy one is three times slower (rich's bar does the same over its
+own 30 s).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import time
@@ -26,7 +31,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PlainLines", "Progress", "ProgressFn", "fmt_duration", "progress", "train_info"]
+ETA_WINDOW_S = 60.0
+ETA_WINDOW_SHARE = 0.25
+"""The ETA's window: its rate is over the last max(ETA_WINDOW_S, ETA_WINDOW_SHARE x the time since
+the first update) seconds of updates."""
+
+__all__ = [
+    "ETA_WINDOW_S",
+    "ETA_WINDOW_SHARE",
+    "PlainLines",
+    "Progress",
+    "ProgressFn",
+    "fmt_duration",
+    "progress",
+    "train_info",
+]
 
 
 def fmt_duration(seconds: float) -> str:
@@ -96,6 +115,7 @@ class Progress:
         self.start, self.start_done = clock(), self.done
         self.part, self.info = "", ""
         self._first: tuple[float, int] | None = None  # (time, units done) at the first update
+        self._seen: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         self._last_line, self._mark = self.start, self._next_mark()
         self._log = log or _stderr_print
         self._bar = self._task = None
@@ -139,12 +159,20 @@ class Progress:
         return self._cost[self.done] / self._cost[-1] if self._cost[-1] > 0 else 1.0
 
     def eta(self) -> float:
-        """Seconds left at the time per unit of cost since the first update (since the start
-        while only the first has come; inf before any unit is done)."""
+        """Seconds left at the time per unit of cost over the window (module docstring) since
+        the first update; since the start while only the first has come; inf before any unit is
+        done."""
         left = self._cost[-1] - self._cost[self.done]
         if self._first is not None and self.done > self._first[1]:
-            t1, done1 = self._first
-            return (self.clock() - t1) / (self._cost[self.done] - self._cost[done1]) * left
+            now, cost = self.clock(), self._cost[self.done]
+            horizon = max(ETA_WINDOW_S, ETA_WINDOW_SHARE * (now - self._first[0]))
+            t1, c1 = self._first[0], self._cost[self._first[1]]
+            for t, c in self._seen:  # the latest update at least a window ago, if any is
+                if t > now - horizon:
+                    break
+                if c < cost:
+                    t1, c1 = t, c
+            return (now - t1) / (cost - c1) * left
         done = self._cost[self.done] - self._cost[self.start_done]
         return self.elapsed / done * left if done > 0 else math.inf
 
@@ -174,6 +202,7 @@ class Progress:
         first = self._first is None  # shown at once: the work has started
         if first:
             self._first = (self.clock(), self.done)
+        self._seen.append((self.clock(), self._cost[self.done]))
         self.part = self.part if part is None else part
         self.info = self.info if info is None else info
         if self._bar is not None:

@@ -28,6 +28,7 @@ __all__ = [
     "PLOTS",
     "SECTIONS",
     "RunReport",
+    "heldout_counts",
     "plot_content",
     "save_figure",
     "write_plots",
@@ -97,9 +98,10 @@ def plot_content(rows: Rows, estimator: str) -> tuple[dict[str, list[Series]], l
             if not xs:
                 continue
             if key == "accuracy/train" and _same((xs, ys), _series(rows, "reward/mean")):
+                drawn_reward = any(s[0] == "reward/mean" for s in content.get("reward.png", []))
                 notes.append(
-                    "The train accuracy equals the mean reward at every step (a 0/1 reward): "
-                    "`reward.png` shows it."
+                    "The train accuracy equals the mean reward at every step (a 0/1 reward)"
+                    + (": `reward.png` shows it." if drawn_reward else ".")
                 )
                 continue
             value = constant_value(ys)
@@ -118,9 +120,21 @@ def _constant_note(key: str, legend: str, value: float, xs: list[int]) -> str:
     return f"`{key}` ({legend}) was {value:.4g} {where} (no plot)."
 
 
-def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], list[str]]:
+def heldout_counts(acc: float, n: int | None) -> tuple[int, int] | None:
+    """``(right, n)`` where the held-out accuracy ``acc`` is a count of ``n`` 0/1-scored
+    problems (``acc * n`` a whole number); None otherwise (no ``n``, a graded reward)."""
+    if not n:
+        return None
+    k = round(acc * n)
+    return (k, n) if abs(k / n - acc) < 1e-9 else None
+
+
+def write_plots(
+    run_dir: Path, rows: Rows, estimator: str, heldout_n: int | None = None
+) -> tuple[list[str], list[str]]:
     """Draw :data:`PLOTS` into ``run_dir`` (removing one left with nothing to draw); returns the
-    names written and the notes of :func:`plot_content`."""
+    names written and the notes of :func:`plot_content`. With ``heldout_n`` (the held-out
+    problems) the held-out accuracy is drawn with its 95% Wilson interval at each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,6 +150,8 @@ def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], l
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for key, legend, xs, ys in series:  # the exact KL over the estimates it is judged by
             plot_series(ax, xs, ys, legend, zorder=4.0 if key == "kl/ref/exact" else 2.0)
+            if key == "accuracy/heldout":
+                _interval_bars(ax, xs, ys, heldout_n)
         limits = robust_limits([ys for *_, ys in series]) if name == "kl.png" else None
         if limits is not None:
             ax.set_ylim(*limits)
@@ -156,6 +172,23 @@ def write_plots(run_dir: Path, rows: Rows, estimator: str) -> tuple[list[str], l
     return written, notes
 
 
+def _interval_bars(ax: Any, xs: list[int], ys: list[float], n: int | None) -> None:
+    """The 95% Wilson interval of each held-out accuracy that is a count of ``n`` problems."""
+    from klpo.train.evaluate import wilson_interval
+
+    pts = [(x, y, heldout_counts(y, n)) for x, y in zip(xs, ys, strict=True)]
+    pts = [(x, y, wilson_interval(*c)) for x, y, c in pts if c is not None]
+    if not pts:
+        return
+    ax.errorbar(
+        [x for x, _, _ in pts],
+        [y for _, y, _ in pts],
+        yerr=[[y - lo for _, y, (lo, _) in pts], [hi - y for _, y, (_, hi) in pts]],
+        fmt="none", ecolor="0.35", elinewidth=1.0, capsize=3, zorder=3.0,
+        label=f"95% Wilson interval ({n} problems)",
+    )  # fmt: skip
+
+
 @dataclass
 class RunReport:
     """What the sections of ``report.md`` read: the run's directory and metrics rows, its
@@ -166,26 +199,32 @@ class RunReport:
     estimator: str
     plots: list[str]
     notes: list[str]
+    heldout_n: int | None = None
 
 
 def heldout_section(r: RunReport) -> list[str]:
     steps, accs = _series(r.rows, "accuracy/heldout")
     if not steps:
         return []
+
+    def cell(acc: float) -> str:
+        counts = heldout_counts(acc, r.heldout_n)
+        if counts is None:
+            return f"{acc:.3f}"
+        from klpo.train.evaluate import wilson_interval
+
+        lo, hi = wilson_interval(*counts)
+        return f"{acc:.3f} ({counts[0]}/{counts[1]} right; 95% interval {lo:.3f}-{hi:.3f})"
+
     first, latest, best = accs[0], accs[-1], max(accs)
+    head = ["| held-out accuracy (greedy) | value |", "| --- | --- |"]
     if len(steps) == 1:  # one evaluation: one row, not the same step twice
-        return [
-            "| held-out accuracy (greedy) | value |",
-            "| --- | --- |",
-            f"| at step {steps[0]} | {first:.3f} |",
-            "",
-        ]
+        return [*head, f"| at step {steps[0]} | {cell(first)} |", ""]
     return [
-        "| held-out accuracy (greedy) | value |",
-        "| --- | --- |",
-        f"| at step {steps[0]} | {first:.3f} |",
-        f"| at step {steps[-1]} (latest) | {latest:.3f} |",
-        f"| best | {best:.3f} |",
+        *head,
+        f"| at step {steps[0]} | {cell(first)} |",
+        f"| at step {steps[-1]} (latest) | {cell(latest)} |",
+        f"| best | {cell(best)} |",
         f"| change | {latest - first:+.3f} |",
         "",
     ]
@@ -245,11 +284,18 @@ SECTIONS: list[Callable[[RunReport], list[str]]] = [
 """The sections of ``report.md``, in order; a new section is one more function here."""
 
 
-def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo train") -> Path:
-    """Plot the run's metrics so far and write ``report.md``; returns the report's path."""
+def write_report(
+    run_dir: str | Path,
+    *,
+    estimator: str,
+    title: str = "klpo train",
+    heldout_n: int | None = None,
+) -> Path:
+    """Plot the run's metrics so far and write ``report.md``; returns the report's path.
+    ``heldout_n``: the held-out problems, for the counts and intervals of a 0/1 accuracy."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
-    plots, notes = write_plots(run_dir, rows, estimator)
+    plots, notes = write_plots(run_dir, rows, estimator, heldout_n)
     steps = [r["step"] for r in rows if r.get("step", 0) > 0]
     upto = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps yet"
     if steps and steps[0] > 1:  # (a resume after metrics.jsonl was lost: the rest is gone)
@@ -261,7 +307,7 @@ def write_report(run_dir: str | Path, *, estimator: str, title: str = "klpo trai
         "`metrics.jsonl`.",
         "",
     ]
-    report = RunReport(run_dir, rows, estimator, plots, notes)
+    report = RunReport(run_dir, rows, estimator, plots, notes, heldout_n)
     for section in SECTIONS:
         lines += section(report)
     path = run_dir / "report.md"

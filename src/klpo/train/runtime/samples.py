@@ -136,20 +136,24 @@ def _number(v: Any) -> str:
 
 def samples_table(records: list[dict[str, Any]]) -> str:
     """The records as a Markdown table: prompt, completion, answer, rewards, sequence KL. The
-    prompt column shows a chat prompt's last user message (``user``), else the prompt's text."""
+    prompt column shows a chat prompt's last user message (``user``), else the prompt's text;
+    the answer column is left out where no record has one (data without ``data.answer_field``,
+    whose reward functions read other columns)."""
     if not records:
         return ""
     names = list(dict.fromkeys(k for r in records for k in r.get("rewards", {})))
     kls = list(dict.fromkeys(k for r in records for k in r.get("kl", {})))
     chat = any("user" in r for r in records)
+    answers = any(r.get("answer") not in (None, "") for r in records)
     prompt = "prompt (last user message)" if chat else "prompt"
-    head = [prompt, "completion", "answer", "reward", *names, *(f"KL {k}" for k in kls)]
+    head = [prompt, "completion", *(["answer"] if answers else []), "reward", *names]
+    head += [f"KL {k}" for k in kls]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in records:
         cells = [
             _cell(r.get("user", r.get("prompt")), 80),
             _cell(r.get("completion")),
-            _cell(r.get("answer"), 40),
+            *([_cell(r.get("answer"), 40)] if answers else []),
             _number(r.get("reward")),
             *(_number(r.get("rewards", {}).get(n)) for n in names),
             *(_number(r.get("kl", {}).get(k)) for k in kls),
