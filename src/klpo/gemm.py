@@ -172,9 +172,9 @@ def cache_path() -> Path:
     return Path(root) / "klpo" / "gemm_plan.json"
 
 
-def cpu_fingerprint() -> str:
-    """The CPU model and the vector-instruction flags that decide GEMM speed, ``"model [flags]"``
-    (part of :func:`machine_key`)."""
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its instruction-set flags (``/proc/cpuinfo``; the platform's
+    processor name and no flags where there is none)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -187,6 +187,29 @@ def cpu_fingerprint() -> str:
                     break
     except OSError:
         pass
+    return model, flags
+
+
+BF16_UNITS = ("avx512_bf16", "amx_bf16")
+"""The x86 flags of a CPU that multiplies bf16 natively; without one oneDNN emulates bf16 matmuls
+through float32 conversions, several times slower than float32's."""
+
+
+def cpu_has_bf16_units() -> bool | None:
+    """Whether the CPU multiplies bf16 natively (:data:`BF16_UNITS`); None where its flags
+    cannot be read (not Linux, or not x86: an ARM CPU's bf16 is another flag, ``bf16``)."""
+    _, flags = cpu_model_and_flags()
+    if not flags:
+        return None
+    if "bf16" in flags:  # aarch64's BF16 extension
+        return True
+    return any(f in flags for f in BF16_UNITS) if "avx2" in flags or "sse2" in flags else None
+
+
+def cpu_fingerprint() -> str:
+    """The CPU model and the vector-instruction flags that decide GEMM speed, ``"model [flags]"``
+    (part of :func:`machine_key`)."""
+    model, flags = cpu_model_and_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx_vnni")
     return model + " [" + " ".join(f for f in wanted if f in flags) + "]"
 

@@ -68,3 +68,22 @@ def test_klpo_train_check_says_the_defaults_a_real_model_gets(arch_model, tmp_pa
     text = out.stdout + out.stderr
     assert "note: optim.lr 1e-05 for a real model" in text, text
     assert "optimizer: AdamW, lr 1e-05" in text
+
+
+def test_bf16_on_a_cpu_without_bf16_units_is_said_with_its_cost(monkeypatch) -> None:
+    from klpo import gemm
+    from klpo.train.preflight import bf16_warning
+
+    avx2 = ("AMD EPYC 7B13", {"sse2", "avx2", "fma"})
+    monkeypatch.setattr(gemm, "cpu_model_and_flags", lambda: avx2)
+    bf16 = build_config(overrides=["model.dtype=bfloat16"])
+    line = bf16_warning(bf16, cuda=False)
+    assert line is not None and "AMD EPYC 7B13: no avx512_bf16 or amx_bf16" in line
+    assert "4.5-8.8x slower" in line and "set model.dtype=float32" in line
+    assert bf16_warning(build_config(), cuda=False) is None  # float32
+    assert bf16_warning(bf16, cuda=True) is None  # a GPU
+    units = ("Intel Xeon Sapphire Rapids", {"sse2", "avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    monkeypatch.setattr(gemm, "cpu_model_and_flags", lambda: units)
+    assert bf16_warning(bf16, cuda=False) is None
+    monkeypatch.setattr(gemm, "cpu_model_and_flags", lambda: ("unknown", set()))
+    assert bf16_warning(bf16, cuda=False) is None  # flags unreadable: nothing claimed
