@@ -151,3 +151,27 @@ def test_the_floor_decides_when_the_policy_counts_as_at_the_reference(tiny_model
     assert [r["step/skipped"] for r in rows] == [1.0, 1.0, 1.0, 1.0]
     start, final = load_file(tiny_model / "model.safetensors"), _final_policy(tmp_path / "high")
     assert all(torch.equal(final[k], start[k]) for k in start)  # nothing moved
+
+
+def test_a_step_to_be_skipped_runs_no_pass_it_can_save(tiny_model, quick, tmp_path, monkeypatch):
+    # No KL in the loss, or pi_old's exact KL already scored (several optimizer steps a batch
+    # need pi_old before the update): the skip is decided before any pass, and none runs. One
+    # optimizer step with the KL in the loss: its forward is what computes pi_old's KL, so it runs.
+    from klpo.train.step import update
+
+    calls: list[int] = []
+    real = update.micro_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(update, "micro_step", counted)
+    rows = _run(tiny_model, quick, tmp_path / "none", **{"kl.placement": "none"})
+    assert [r["step/skipped"] for r in rows] == [1.0] * 4 and calls == []
+    assert all("grad_norm" not in r for r in rows)  # no pass, no gradient to measure
+    many = {"algo.epochs": 2, "algo.minibatches": 2}
+    rows = _run(tiny_model, quick, tmp_path / "scored", **many)
+    assert [r["step/skipped"] for r in rows] == [1.0] * 4 and calls == []
+    rows = _run(tiny_model, quick, tmp_path / "one", **{"algo.micro_batch": 100})
+    assert [r["step/skipped"] for r in rows] == [1.0] * 4 and len(calls) == 4

@@ -90,10 +90,13 @@ METRICS: dict[str, str] = {
     "beta_old": "kl-penalty: PPO's penalty coefficient beta_old used this step (its adaptive rule "
     "then moves it by the step's kl/old/k3)",
     "grad_norm": "global gradient norm of the policy before clipping, mean over optimizer steps "
-    "(on a skipped step, the norm of the gradient that was not applied)",
+    "(on a skipped step that ran its passes, the norm of the gradient that was not applied; "
+    "absent where the skip was decided before them)",
     "step/skipped": "1 when the step's optimizer steps were skipped because its batch had no "
     "advantage signal (algo.skip_no_signal: every advantage exactly 0) and its KL term nothing "
-    "to pull back (none in the loss, or the policy at the reference: algo.skip_kl_floor), else 0",
+    "to pull back (none in the loss, or the policy at the reference: algo.skip_kl_floor), else 0; "
+    "where that is known before the update (no KL in the loss, or pi_old's KL already scored) "
+    "none of its passes runs and the step logs no loss or gradient metrics",
     "rollout/dynamic_rounds": "rollout.dynamic_sampling: sampling rounds this step, each of "
     "rollout.prompts_per_step prompts (1: none extra)",
     "rollout/groups_kept": "rollout.dynamic_sampling: groups with unequal rewards the step "

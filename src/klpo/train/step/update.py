@@ -138,6 +138,17 @@ def update(
     teacher_pulls = cfg.teacher is not None and cfg.teacher.placement == "loss"
     no_signal = a.skip_no_signal and not teacher_pulls and not has_signal(s, dist)
     kl_pulls: bool | None = None  # decided once pi_old's exact KL is known (the first forward)
+    if no_signal and (not _kl_in_loss(term) or bool(s.old.filled.all())):
+        # Decidable before any pass: no KL term in the loss to pull, or pi_old's exact KL
+        # already scored. A step that will be skipped runs none of its forward and backward
+        # passes (it logs step/skipped alone).
+        kl_pulls = kl_pulls_back(s, term, dist, a.skip_kl_floor)
+        if not kl_pulls:
+            for _ in range(a.epochs):  # the row orders drawn all the same: later steps' draws
+                shuffle_rows(cfg, s.rollout, gen)  # do not depend on where the skip was decided
+            tally = Tally()
+            tally.add("step/skipped", 1.0, 1.0)
+            return tally
     skip = False
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
@@ -280,13 +291,18 @@ def kl_pulls_back(s: Scored, term: KLTerm, dist: Dist, floor: float) -> bool:
     are exactly 0, and a step on them would be AdamW scaling rounding up to the learning rate;
     off it, the KL term's pull is the regulariser itself, which a KL in the reward exerts on
     every step through the advantages (:func:`has_signal`)."""
-    in_loss = term.loss_coef > 0 or (term.ref is not None and term.ref_coef > 0)
-    if not in_loss:
+    if not _kl_in_loss(term):
         return False
     valid = s.rollout.mask & s.old.filled[:, None]
     total = torch.stack([s.old.kl[valid].double().sum(), valid.sum().double()])
     kl_sum, n = dist.all_sum(total).tolist()
     return n > 0 and kl_sum / n > floor
+
+
+def _kl_in_loss(term: KLTerm) -> bool:
+    """Whether the step's KL term has a gradient in the loss (on the policy's completions or
+    the reference's)."""
+    return term.loss_coef > 0 or (term.ref is not None and term.ref_coef > 0)
 
 
 def _optimizer_step(m: Models, opt: Optimizers, clip: float, tally: Tally, *, skip: bool) -> None:
