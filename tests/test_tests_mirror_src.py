@@ -1,7 +1,8 @@
 """The tests mirror the modules: every module of ``src/klpo`` has a test file named after it
-(``test_<module>.py`` anywhere under ``tests/``, without the module's leading underscore; a
-package's ``__init__.py`` is named after the package), or a line of :data:`COVERED_BY` saying which test covers it instead, or holds no code
-(a docstring, ``from __future__``, ``__all__``).
+(``test_<module>.py``, without the module's leading underscore; a package's ``__init__.py`` is
+named after the package) in the module's folder under ``tests/`` or a folder above it; or a line
+of :data:`COVERED_BY` says which test covers it instead; or it holds no code (a docstring,
+``from __future__``, ``__all__``).
 
 The reasons are kept honest both ways: a reason must name a test file that exists, and a module
 that gains its own test file or goes away must leave the table.
@@ -40,6 +41,8 @@ COVERED_BY: dict[str, str] = {
     "klpo/trust_region.py": "tests/test_offpolicy.py: the effective sample size and the "
     "trust-region metrics, pooled over shares",
     # The command line.
+    "klpo/cli/compare.py": "tests/study/test_compare.py: klpo compare's runs, report and lines; "
+    "tests/test_cli.py",
     "klpo/cli/__main__.py": "tests/test_cli.py: `python -m klpo.cli explain` as a process",
     "klpo/cli/common.py": "tests/test_packaging.py: a command without its install says which to "
     "install, in one line",
@@ -72,12 +75,18 @@ COVERED_BY: dict[str, str] = {
     "klpo/doctor/frameworks/slime.py": "tests/doctor/test_evidence.py: slime's launch scripts",
     "klpo/doctor/frameworks/trl_distill.py": "tests/doctor/test_distillation.py: TRL's "
     "distillation configs",
+    "klpo/doctor/frameworks/trl.py": "tests/doctor/test_readers.py: TRL's GRPOConfig and "
+    "RLOOConfig files; tests/doctor/test_trl_parser.py against the installed TRL",
+    "klpo/doctor/frameworks/verl.py": "tests/doctor/test_readers.py: verl's YAML and launch "
+    "scripts; tests/doctor/test_verl_hydra.py",
     "klpo/doctor/keys.py": "tests/doctor/test_rules.py: unknown keys under each key policy",
     "klpo/doctor/launch.py": "tests/doctor/test_launchers.py: entry points of launch scripts",
     "klpo/doctor/nemo_rl_distill.py": "tests/doctor/test_distillation.py: NeMo-RL's distillation",
     "klpo/doctor/pyscript.py": "tests/doctor/test_field.py: TRL config calls in Python scripts "
     "(the Unsloth notebooks)",
     "klpo/doctor/reading.py": "tests/doctor/test_rules.py: settings, findings, refusals",
+    "klpo/doctor/tables.py": "tests/doctor/test_tables_source.py: the shipped tables against "
+    "the frameworks' source",
     "klpo/doctor/trl_config.py": "tests/doctor/test_trl_parser.py: TRL's config classes against "
     "the installed TRL",
     "klpo/doctor/verl_distill.py": "tests/doctor/test_distillation.py: verl's distillation",
@@ -86,13 +95,15 @@ COVERED_BY: dict[str, str] = {
     "its docstring lists every module",
     "klpo/lab/claims.py": "tests/lab/test_report.py: the verdicts follow the numbers",
     "klpo/lab/experiments.py": "tests/lab/test_report.py: the quick suite end to end",
-    "klpo/lab/files.py": "tests/lab/test_report.py: results.json written atomically and read back",
+    "klpo/lab/plots.py": "tests/lab/test_report.py: the report's PNG figures written",
     "klpo/lab/sections.py": "tests/lab/test_report.py: report.md's content",
     "klpo/lab/stats.py": "tests/lab/test_montecarlo.py: ValueStats, RunningStats and cosine "
     "against numpy",
     "klpo/lab/summaries.py": "tests/lab/test_lab_cli.py: the JSON records of klpo lab",
     "klpo/lab/training.py": "tests/lab/test_training_claim.py: the training claim judged",
     # The measurement (klpo doctor --model).
+    "klpo/measure/__init__.py": "tests/doctor/test_measure.py: the measurement's names in use",
+    "klpo/measure/errors.py": "tests/doctor/test_measure.py: the refusals (MeasureError)",
     "klpo/measure/intervals.py": "tests/doctor/test_measure.py: jackknife intervals, the verdict",
     "klpo/measure/memory.py": "tests/doctor/test_measure.py: the memory estimate",
     "klpo/measure/models.py": "tests/doctor/test_measure.py: the pair loaded, tokenizers compared",
@@ -103,6 +114,8 @@ COVERED_BY: dict[str, str] = {
     "klpo/measure/sketch.py": "tests/doctor/test_measure.py: sketched gradients against exact ones",
     # The studies.
     "klpo/study/grid.py": "tests/study/test_compare.py: the grid of a study",
+    "klpo/study/report.py": "tests/study/test_compare.py: results.csv, plots and report.md of a "
+    "study",
     "klpo/study/runner.py": "tests/study/test_compare.py: a study run as klpo train processes",
     "klpo/study/spec.py": "tests/study/test_real_study.py: presets and study files loaded",
     "klpo/study/summary.py": "tests/study/test_verdicts.py: results.csv rows from metrics",
@@ -114,6 +127,7 @@ COVERED_BY: dict[str, str] = {
     "klpo/train/config/algo.py": "tests/train/config/test_config.py: algo.* validated",
     "klpo/train/config/common.py": "tests/train/config/test_config.py: table-checked choices, "
     "errors naming the key",
+    "klpo/train/config/data.py": "tests/train/config/test_config.py: data.* and rewards validated",
     "klpo/train/config/files.py": "tests/train/config/test_config.py: YAML and --set into a "
     "TrainConfig, written back",
     "klpo/train/config/model.py": "tests/train/config/test_config.py: model.* validated",
@@ -121,6 +135,8 @@ COVERED_BY: dict[str, str] = {
     "klpo/train/config/run.py": "tests/train/config/test_config.py: optim.*, run.*, dist.* "
     "validated",
     "klpo/train/config/train.py": "tests/train/config/test_config.py: the checks across sections",
+    "klpo/train/config_files.py": "tests/train/config/test_config_files.py: files merged in "
+    "order, each key's source",
     "klpo/train/data/load.py": "tests/train/data/test_chat_task.py: the examples of data.source",
     "klpo/train/data/markers.py": "tests/train/data/test_chat_markers.py: rendered chat refused",
     "klpo/train/data/sources.py": "tests/train/data/test_data_formats.py: JSONL and datasets",
@@ -153,11 +169,14 @@ COVERED_BY: dict[str, str] = {
     "give the same metrics",
     "klpo/train/runtime/metrics.py": "tests/train/step/test_step_metrics.py: every metric "
     "documented and emitted, Tally's invariance",
+    "klpo/train/runtime/plots.py": "tests/train/runtime/test_run_report.py: smoothed curves, "
+    "nothing drawn for a constant",
+    "klpo/train/runtime/report.py": "tests/train/runtime/test_run_report.py: a run's report.md "
+    "and plots",
     "klpo/train/runtime/samples.py": "tests/train/runtime/test_report_prompts.py: samples.jsonl",
     "klpo/train/runtime/stop.py": "tests/train/runtime/test_stop_command.py: stopping on a signal",
     "klpo/train/runtime/trackers.py": "tests/train/runtime/test_run_outputs.py: the trackers",
     "klpo/train/setup.py": "tests/train/runtime/test_run_outputs.py: setup, save and restore",
-    "klpo/train/spellings.py": "tests/train/config/test_config.py: 'did you mean' in key errors",
     "klpo/train/step/after_step.py": "tests/train/step/test_kl_options.py: the controllers after "
     "each step",
     "klpo/train/step/dynamic.py": "tests/train/step/test_dynamic_sampling.py: dynamic sampling",
@@ -192,10 +211,20 @@ def _modules(src: Path) -> dict[str, Path]:
 
 
 def _test_name(rel: str) -> str:
-    """The test file a module is mirrored by: ``test_<stem>.py`` (``_io.py``: ``test_io.py``), a
-    package's by its folder."""
+    """The name of the test file a module is mirrored by: ``test_<stem>.py`` (``_io.py``:
+    ``test_io.py``), a package's by its folder."""
     path = Path(rel)
     return f"test_{(path.parent.name if path.name == '__init__.py' else path.stem).strip('_')}.py"
+
+
+def _mirrored(rel: str, tests: Path) -> bool:
+    """A test file of the module's name in the module's folder under ``tests/`` or one above it:
+    ``klpo/train/config/files.py`` by ``tests/train/config/test_files.py``, ``tests/train/`` or
+    ``tests/``, never by ``tests/lab/test_files.py`` (which mirrors ``klpo/lab/files.py``); a
+    package's ``__init__.py`` by ``test_<package>.py`` in the package's folder or above it."""
+    folder = Path(rel).parent.relative_to("klpo").parts
+    name = _test_name(rel)
+    return any((tests.joinpath(*folder[:i]) / name).is_file() for i in range(len(folder) + 1))
 
 
 def _holds_no_code(path: Path) -> bool:
@@ -221,14 +250,13 @@ def _holds_no_code(path: Path) -> bool:
 def unmirrored(src: Path, tests: Path, covered: dict[str, str]) -> dict[str, list[str]]:
     """What breaks the mirror: modules with no test file and no reason, reasons naming no
     existing test file, reasons for modules that are gone or have their own test file now."""
-    names = {p.name for p in tests.rglob("test_*.py")}
     modules = _modules(src)
     root = tests.parent
     return {
         "no test file and no reason": [
             rel
             for rel, path in modules.items()
-            if _test_name(rel) not in names and rel not in covered and not _holds_no_code(path)
+            if not _mirrored(rel, tests) and rel not in covered and not _holds_no_code(path)
         ],
         "reason names no test file that exists": [
             rel
@@ -238,7 +266,7 @@ def unmirrored(src: Path, tests: Path, covered: dict[str, str]) -> dict[str, lis
         ],
         "reason for a module that is gone": sorted(set(covered) - set(modules)),
         "reason for a module with its own test file": [
-            rel for rel in covered if rel in modules and _test_name(rel) in names
+            rel for rel in covered if rel in modules and _mirrored(rel, tests)
         ],
     }
 
@@ -261,6 +289,11 @@ def test_the_check_sees_each_way_the_mirror_breaks(tmp_path):
     (tests / "test_tested.py").write_text("")
     (tests / "rooms" / "test_rooms.py").write_text("")
     (tests / "test_other.py").write_text("")
+    # A test of the same name in another folder mirrors that folder's module, not this one.
+    (src / "klpo" / "cli").mkdir()
+    (src / "klpo" / "cli" / "lab.py").write_text("X = 1\n")
+    (tests / "lab").mkdir()
+    (tests / "lab" / "test_lab.py").write_text("")
     covered = {
         "klpo/reasoned.py": "tests/test_other.py: covers it",
         "klpo/badly.py": "tests/test_missing.py: gone",
@@ -268,7 +301,8 @@ def test_the_check_sees_each_way_the_mirror_breaks(tmp_path):
         "klpo/gone.py": "tests/test_other.py: was here",
     }
     assert unmirrored(src, tests, covered) == {
-        "no test file and no reason": ["klpo/bare.py"],
+        # rooms/__init__.py is mirrored by tests/rooms/test_rooms.py, klpo/__init__.py holds no code
+        "no test file and no reason": ["klpo/bare.py", "klpo/cli/lab.py"],
         "reason names no test file that exists": ["klpo/badly.py"],
         "reason for a module that is gone": ["klpo/gone.py"],
         "reason for a module with its own test file": ["klpo/tested.py"],
