@@ -28,7 +28,6 @@ COVERED_BY: dict[str, str] = {
     "on the first call; its doctests in tests/test_doctests.py",
     "klpo/_logits.py": "tests/test_logprobs.py: the logit transforms and the kernels' shared "
     "arithmetic against the naive forms",
-    "klpo/_names.py": "tests/test_doctests.py: LiveNames' examples (a live view of a registry)",
     "klpo/estimators.py": "tests/test_kl.py: every estimator against its closed form and "
     "enumeration (through klpo.kl, its face)",
     "klpo/explain.py": "tests/test_registry.py: klpo explain's answers regenerated unchanged",
