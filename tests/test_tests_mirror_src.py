@@ -104,7 +104,6 @@ COVERED_BY: dict[str, str] = {
     "klpo/measure/__init__.py": "tests/doctor/test_measure.py: the measurement's names in use",
     "klpo/measure/errors.py": "tests/doctor/test_measure.py: the refusals (MeasureError)",
     "klpo/measure/intervals.py": "tests/doctor/test_measure.py: jackknife intervals, the verdict",
-    "klpo/measure/memory.py": "tests/doctor/test_measure.py: the memory estimate",
     "klpo/measure/models.py": "tests/doctor/test_measure.py: the pair loaded, tokenizers compared",
     "klpo/measure/objectives.py": "tests/doctor/test_measure.py: per-token terms, objectives",
     "klpo/measure/prompts.py": "tests/doctor/test_measure.py: --data read and rendered",
