@@ -44,6 +44,7 @@ def _scratch_section(r: dict) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_lab_experiment_joins_the_report(tmp_path, monkeypatch):
     """The recipe: the experiment's function, its name in PARTS, its call in _run_experiments,
     its section in render's list. The quick suite then runs it (timed and reported like the
