@@ -31,6 +31,11 @@ variation, and the shares of tokens a clip or mask drops.
 
 None of these involves pi_ref: the KL to the reference is a separate term with its own off-policy
 weight (:func:`klpo.losses.kl_loss`, and ``klpo explain --staleness`` for what each weight does).
+
+**Experimental** (docs/architecture.md, "Experimental parts"): these losses' API and their
+settings (``algo.policy_loss`` dppo-tv, dppo-kl, dppo-tv-k2, m2po; ``algo.trm_delta``) may
+change; each is tested for exactness against an oracle, none is measured on real models at
+scale.
 """
 
 from __future__ import annotations

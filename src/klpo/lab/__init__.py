@@ -17,6 +17,9 @@ or the CLI. Modules:
 - :mod:`klpo.lab.markdown`       number and table formatting for report.md
 - :mod:`klpo.lab.files`          plain JSON data, atomic writes
 - :mod:`klpo.lab.plots`          the PNG figures (matplotlib, imported on first use)
+- :mod:`klpo.lab.teacher`        ``klpo explain --teacher``: which divergence each distillation term follows
+- :mod:`klpo.lab.tables`         the shipped answer tables, written by ``python -m klpo.lab.tables``
+- :mod:`klpo.lab.training`       the training claim, judged on a ``klpo compare`` study's results.csv
 
 Every estimator of :data:`klpo.kl.ESTIMATORS` comes from :func:`klpo.kl.estimate`; ``ref_is`` and
 ``adaptive_mix`` need samples of the reference and live here.

@@ -16,6 +16,7 @@ and a ``ref:`` section exists (``areal/trainer/rl_trainer.py:205``), and without
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from klpo.doctor import tables
@@ -94,16 +95,56 @@ def read(doc: Any, version: str | None = None) -> Reading:
 
 
 def read_settings(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
-    """Read an AReaL PPO/GRPO experiment config."""
-    from klpo.doctor.frameworks import ROWS
-
+    """Read an AReaL PPO/GRPO experiment config: its keys checked against GRPOConfig's table
+    (:func:`_given`), the algorithm it builds (:func:`_algorithm`), its KL penalty
+    (:func:`_kl_term`) and klpo's config that does the same (:func:`_equivalent`)."""
     r = Reading(framework="areal", defaults_version=VERSION, version=version, source=source)
     table = tables.load("areal", VERSION).defaults
     r.defaults_from = (
         f"the doctor's table of AReaL {VERSION}'s GRPOConfig dataclasses (klpo/assets/doctor)"
     )
     data = interpolate(data)
-    flat = flatten(data)
+    s = Settings(_given(r, flatten(data), table), {**DEFAULTS, **table}, source)
+    coef = s.float("actor.kl_ctl") or 0.0
+    kind = check_known(
+        s.str("actor.kl_estimator") or "", ("k1", "k2", "k3"), "actor.kl_estimator", source
+    )
+    n = s.int("gconfig.n_samples") or 1
+    mb = s.int("actor.ppo_n_minibatches") or 1
+    stale = s.int("rollout.max_head_offpolicyness") or 0
+    decoupled, recompute = s.bool("actor.use_decoupled_loss"), s.bool("actor.recompute_logprob")
+    critic = isinstance(data.get("critic"), dict)
+    algo_name = _algorithm(r, s, data, critic, n)
+    r.algorithm, r.group_size, r.updates_per_batch = algo_name, n, mb
+    r.asynchronous = stale > 0
+    _unread(r, s, data)
+    penalty = _Penalty(coef, kind, stale, decoupled, recompute, critic)
+    _kl_term(r, penalty, has_ref=isinstance(data.get("ref"), dict))
+    _equivalent(r, s, data, algo_name, n, mb, critic)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
+
+
+@dataclass(frozen=True)
+class _Penalty:
+    """AReaL's KL penalty as the config sets it: ``actor.kl_ctl`` (coef), ``actor.kl_estimator``
+    (kind), ``rollout.max_head_offpolicyness`` (stale), ``actor.use_decoupled_loss``,
+    ``actor.recompute_logprob``, and whether a critic is trained."""
+
+    coef: float
+    kind: str
+    stale: int
+    decoupled: bool
+    recompute: bool
+    critic: bool
+
+
+def _given(r: Reading, flat: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``flat`` under GRPOConfig's sections, checked against ``table`` by the row's
+    key policy; a warning names the top-level sections GRPOConfig does not have."""
+    from klpo.doctor.frameworks import ROWS
+
     sections = {k.split(".")[0] for k in table}
     own = {k: v for k, v in flat.items() if k.split(".")[0] not in sections}
     given = check_keys(r, {k: v for k, v in flat.items() if k not in own}, table, "AReaL",
@@ -119,56 +160,57 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
             "the doctor does not read",
             kind="unknown-key",
         )
-    s = Settings(given, {**DEFAULTS, **table}, source)
-    coef = s.float("actor.kl_ctl") or 0.0
-    kind = check_known(
-        s.str("actor.kl_estimator") or "", ("k1", "k2", "k3"), "actor.kl_estimator", source
-    )
-    n = s.int("gconfig.n_samples") or 1
-    mb = s.int("actor.ppo_n_minibatches") or 1
-    stale = s.int("rollout.max_head_offpolicyness") or 0
-    decoupled, recompute = s.bool("actor.use_decoupled_loss"), s.bool("actor.recompute_logprob")
-    critic = isinstance(data.get("critic"), dict)
-    algo_name = _algorithm(r, s, data, critic, n)
-    r.algorithm, r.group_size, r.updates_per_batch = algo_name, n, mb
-    r.asynchronous = stale > 0
-    has_ref = isinstance(data.get("ref"), dict)
-    _unread(r, s, data)
-    if coef > 0 and not has_ref:
+    return given
+
+
+def _kl_term(r: Reading, p: _Penalty, has_ref: bool) -> None:
+    """The KL penalty ``actor.kl_ctl`` adds to the reward, as a term of ``r``: an error without
+    a ``ref:`` section (the penalty is then no KL), a warning where it is taken at the behaviour
+    policy's log-probs, a note when it is off."""
+    if p.coef > 0 and not has_ref:
         r.warn(
             "error",
             ["actor.kl_ctl", "ref"],
-            f"kl_ctl {coef:g} without a ref: section: no reference is loaded and ref_logp is "
+            f"kl_ctl {p.coef:g} without a ref: section: no reference is loaded and ref_logp is "
             "zeros (actor.py), so the 'KL' penalty is kl_ctl · k(log pi_behaviour, 0), a "
             "function of the sampled token's log-prob, not a KL; add a ref: section (or set "
             "kl_ctl: 0)",
         )
-    elif coef > 0:
-        behaviour = decoupled or not recompute
+    elif p.coef > 0:
         r.terms.append(
             Term(
-                option=f"kl_ctl={coef:g}, kl_estimator={kind}",
-                framework_name=kind,
-                estimator=kind,
+                option=f"kl_ctl={p.coef:g}, kl_estimator={p.kind}",
+                framework_name=p.kind,
+                estimator=p.kind,
                 placement="reward",
-                beta=coef,
+                beta=p.coef,
                 beta_option="actor.kl_ctl",
                 reduction="per token into the reward, then GAE"
-                + (" with the critic's values" if critic else " over zero values (returns-to-go)"),
+                + (
+                    " with the critic's values" if p.critic else " over zero values (returns-to-go)"
+                ),
                 logged_as="kl_rewards",
             )
         )
-        if behaviour:
+        if p.decoupled or not p.recompute:
             r.warn(
                 "warning",
                 ["actor.kl_ctl", "actor.use_decoupled_loss"],
                 "the KL penalty is computed at the behaviour policy's log-probs (the inference "
                 "engine's, up to "
-                f"{stale} version(s) old), not the current policy's: a penalty on the stale "
-                "policy" + ("" if decoupled else " (recompute_logprob=false)"),
+                f"{p.stale} version(s) old), not the current policy's: a penalty on the stale "
+                "policy" + ("" if p.decoupled else " (recompute_logprob=false)"),
             )
     else:
         r.warn("note", ["actor.kl_ctl"], "kl_ctl is 0: no reference model, no KL term")
+
+
+def _equivalent(
+    r: Reading, s: Settings, data: dict[str, Any], algo_name: str, n: int, mb: int, critic: bool
+) -> None:
+    """klpo's config that does what the AReaL config does: the algorithm with its minibatches,
+    the group's std where a norm has ``std_level: group``, GAE's settings where a critic is
+    trained, and the carried settings."""
     algo: dict[str, Any] = {"name": algo_name, "epochs": 1, "minibatches": mb,
                             "loss_reduction": "token-mean"}  # fmt: skip
     if algo_name == "grpo":  # divided by the group's std only where a norm says std_level group
@@ -181,9 +223,6 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
     group = algo_name in ("grpo", "rloo")
     build_equivalent(r, algo, {"group_size": max(n, 2) if group else n}, {}, carried, s)
     build_intended(r)
-    r.findings[:0] = s.findings
-    r.settings = s.read
-    return r
 
 
 def _algorithm(r: Reading, s: Settings, data: dict[str, Any], critic: bool, n: int) -> str:

@@ -13,6 +13,7 @@ from pydantic import (
 from klpo.registry import MODES
 from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, Algorithm, PolicyLoss
 from klpo.train.config.common import (
+    EXPERIMENTAL,
     Section,
     one_of,
     table_row,
@@ -106,7 +107,9 @@ class AlgoConfig(Section):
         "log pi_behav)² over the optimizer step until the rest's mean is below m2po_threshold "
         "(m2po; Zheng, Zhao & Chen 2025; pi_behav the stale sampler's or the engine's, else "
         "pi_old). Trust Region Masking's sequence mask (trm_delta) applies on top of any of "
-        "them. klpo.offpolicy; docs/async.md.",
+        "them. klpo.offpolicy; docs/async.md. The off-policy losses (dppo-tv, dppo-kl, dppo-tv-k2, "
+        "m2po) are experimental: they may change; tested for exactness, not yet measured on "
+        'real models at scale (docs/architecture.md, "Experimental parts").',
     )
     gspo_clip_low: float = Field(
         3e-4, ge=0, lt=1, description="gspo: sequence-ratio clip below, 1 - gspo_clip_low."
@@ -118,16 +121,18 @@ class AlgoConfig(Section):
         0.2,
         ge=0,
         description="dppo-*: the divergence threshold for tokens with A <= 0 (binary TV |p - "
-        "p_old| or binary KL; verl's clip_ratio_low under dppo_tv/dppo_kl).",
+        "p_old| or binary KL; verl's clip_ratio_low under dppo_tv/dppo_kl)." + EXPERIMENTAL,
     )
     dppo_delta_high: float = Field(
-        0.2, ge=0, description="dppo-*: the divergence threshold for tokens with A > 0."
+        0.2,
+        ge=0,
+        description="dppo-*: the divergence threshold for tokens with A > 0." + EXPERIMENTAL,
     )
     sampler_k2_coef: float = Field(
         1e-3,
         ge=0,
         description="dppo-tv-k2: the coefficient of (log pi_theta - log pi_anchor)² per token "
-        "(prime-rl's kl_tau, default 1e-3; the anchor: dppo_anchor).",
+        "(prime-rl's kl_tau, default 1e-3; the anchor: dppo_anchor)." + EXPERIMENTAL,
     )
     dppo_anchor: Literal["old", "sampler"] | None = Field(
         None,
@@ -137,13 +142,13 @@ class AlgoConfig(Section):
         "stale sampler's or the engine's log-probs; prime-rl, which has no pi_old), whose ratio "
         "pi_theta/pi_behav is then the importance weight itself (no TIS weight on top). Where no "
         "behaviour policy is apart from pi_old the two are the same. null: sampler for "
-        "dppo-tv-k2, old for dppo-tv and dppo-kl.",
+        "dppo-tv-k2, old for dppo-tv and dppo-kl." + EXPERIMENTAL,
     )
     m2po_threshold: float = Field(
         0.04,
         gt=0,
         description="m2po: tau_M2, the mean (log pi_old - log pi_behav)² the kept tokens of an "
-        "optimizer step stay below (the paper's 0.04).",
+        "optimizer step stay below (the paper's 0.04)." + EXPERIMENTAL,
     )
     trm_delta: float | None = Field(
         None,
@@ -155,7 +160,8 @@ class AlgoConfig(Section):
         "masks apply). It needs a behaviour policy: rollout.staleness > 0 (the stale "
         "sampler's log-probs) or rollout.engine=vllm (the engine's). Only the policy loss is "
         "masked (its TIS weight included), not the KL term or the entropy bonus, and the "
-        "masked tokens still count in the loss's normaliser. Metrics trm/*; docs/async.md.",
+        "masked tokens still count in the loss's normaliser. Metrics trm/*; docs/async.md."
+        + EXPERIMENTAL,
     )
     trm_statistic: Literal["k1", "k3", "exact"] = Field(
         "k3",
@@ -163,13 +169,13 @@ class AlgoConfig(Section):
         "k1, -log rho (its absolute value under the max), or k3, rho - 1 - log rho (>= 0), "
         "both estimates of KL(pi_behav ‖ pi_old) at the token; or exact, that KL summed over "
         "the vocabulary at the position (the behaviour pass's, rollout.staleness > 0 only: an "
-        "engine reports no logits).",
+        "engine reports no logits)." + EXPERIMENTAL,
     )
     trm_aggregate: Literal["max", "mean"] = Field(
         "max",
         description="trm_delta: the completion's statistic, the largest token divergence "
         "(the paper's D_tok,max) or their mean over its tokens (verl's seq_mean_k1/k3; for k1 "
-        "the absolute value of the mean).",
+        "the absolute value of the mean)." + EXPERIMENTAL,
     )
     penalty_beta: float = Field(1.0, ge=0, description="kl-penalty: initial beta_old.")
     penalty_target: float | None = Field(

@@ -28,6 +28,13 @@ Engine = Literal[tuple(ENGINES)]  # type: ignore[valid-type]
 Sampler = Literal[tuple(SAMPLERS)]  # type: ignore[valid-type]
 """The names of :data:`klpo.train.choices.SAMPLERS`, as the config's type."""
 
+EXPERIMENTAL = (
+    " Experimental: may change; tested for exactness, not yet measured on real models at scale "
+    '(docs/architecture.md, "Experimental parts").'
+)
+"""The sentence that ends the description of an experimental key (the stale ring, the
+asynchronous worker, the off-policy losses): what experimental means."""
+
 
 def table_row(table: Mapping[str, object]) -> WrapValidator:
     """A key whose ``Literal`` type is ``table``'s names, checked against the table as it is

@@ -13,6 +13,7 @@ from pydantic import (
 from klpo import control, registry
 from klpo.registry import Placement
 from klpo.train.config.common import (
+    EXPERIMENTAL,
     Section,
     one_of,
 )
@@ -87,13 +88,14 @@ class KLConfig(Section):
         "sg(pi_theta/pi_behav) (k3_is takes pi_behav as its logp_old), which keeps its on-policy "
         "expected gradient per token; 'is-cap': the weight capped at kl.behaviour_cap "
         "(OpenRLHF's); 'none': the trainer's pi_old as without staleness (weight 1 at the first "
-        "update: biased by the lag). `klpo explain --staleness K` gives each one's exact bias.",
+        "update: biased by the lag). `klpo explain --staleness K` gives each one's exact bias."
+        + EXPERIMENTAL,
     )
     behaviour_cap: float = Field(
         10.0,
         gt=0,
         description="kl.behaviour_correction=is-cap: the cap C of the weight min(pi_theta / "
-        "pi_behav, C) (OpenRLHF's 10).",
+        "pi_behav, C) (OpenRLHF's 10)." + EXPERIMENTAL,
     )
     reference_reset: ReferenceReset | None = Field(
         None,

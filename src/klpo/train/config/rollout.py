@@ -12,6 +12,7 @@ from pydantic import (
 
 from klpo.train.choices import ENGINES, SAMPLERS
 from klpo.train.config.common import (
+    EXPERIMENTAL,
     Engine,
     Sampler,
     Section,
@@ -82,7 +83,8 @@ class RolloutConfig(Section):
         "then weight the policy loss (rollout.tis_cap) and the KL term "
         "(kl.behaviour_correction); metrics rollout/staleness and sampler/* (docs/async.md). "
         "With rollout.engine=vllm the engine is loaded with the sampling version each step "
-        "and its log-probs weight the policy loss, the trainer's own at that version the KL.",
+        "and its log-probs weight the policy loss, the trainer's own at that version the KL."
+        + EXPERIMENTAL,
     )
     asynchronous: bool = Field(
         False,
@@ -92,7 +94,7 @@ class RolloutConfig(Section):
         "steps; the same versions (each batch k behind after the first k steps; with "
         "rollout.async_weights=newest the newest pushed, 0 to k behind), each step "
         "seeded by (run.seed, step, rank); under torchrun one worker per rank, sampling that "
-        "rank's share of the prompts (docs/async.md).",
+        "rank's share of the prompts (docs/async.md)." + EXPERIMENTAL,
     )
     async_weights: Literal["fixed", "newest"] = Field(
         "fixed",
@@ -102,7 +104,7 @@ class RolloutConfig(Section):
         "the newest version the trainer has pushed when the worker starts the step, never older "
         "than t - 1 - k (it waits for that one), so the lag is between 0 and k and depends on "
         "the timing of the two processes: such a run is not reproducible bit for bit; "
-        "rollout/staleness logs each batch's lag (docs/async.md).",
+        "rollout/staleness logs each batch's lag (docs/async.md)." + EXPERIMENTAL,
     )
     async_workers: Literal["rank", "node"] = Field(
         "rank",
@@ -111,7 +113,7 @@ class RolloutConfig(Section):
         "the node's first rank, sampling every share of the node's ranks (each with its rank's "
         "seed, so the batches are those of a worker per rank, bit for bit) and scattering them "
         "(one copy of the sampler's weights a node; with async_weights=newest the node's ranks "
-        "sample each step with one version) (docs/async.md).",
+        "sample each step with one version) (docs/async.md)." + EXPERIMENTAL,
     )
     vllm_memory: float = Field(
         0.3,

@@ -19,6 +19,10 @@ recomputation at the current weights; the update reads pi_behav in the policy lo
 weight (``rollout.tis_cap``), in the KL term (``kl.behaviour_correction``,
 :func:`klpo.losses.kl_loss`) and in Trust Region Masking's statistic (``algo.trm_delta``; the
 exact KL with ``algo.trm_statistic=exact``).
+
+**Experimental** (docs/architecture.md, "Experimental parts"): the stale ring
+(``rollout.staleness``) and its settings may change; it is tested for exactness (the versions,
+the behaviour pass, a resumed run) but not measured on real models at scale.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ waits for that one) nor from the step's future: the lag is between 0 and k and d
 timing (a worker that keeps up samples each step as soon as it is requested, k behind; one that
 falls behind catches up with fresher weights), so such a run is not reproducible bit for bit.
 
+**Experimental** (docs/architecture.md, "Experimental parts"): the asynchronous worker
+(``rollout.asynchronous``, ``async_weights``, ``async_workers``) and its settings may change; it
+is tested for exactness (its batches are the deterministic mode's, bit for bit) but not measured
+on real models at scale.
+
 The worker returns the rollout with its version and the last hidden states of the completions at
 that version (and its head's weights); the trainer forms the behaviour log-probs and the exact
 KL(pi_behav ‖ pi_old) from them (:func:`klpo.train.rollout.versions.behaviour_pass`) and refuses a

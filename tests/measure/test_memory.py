@@ -1,0 +1,49 @@
+"""klpo.measure.memory: the weights' bytes from safetensors headers, and the peak estimate by
+hand arithmetic on a small made-up config."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+
+from klpo.measure.memory import memory_estimate, weights_bytes
+from klpo.measure.objectives import objective_names
+
+
+def test_weights_bytes_counts_float32_bytes_of_every_shard(tmp_path):
+    # 3·4 + 5 = 17 elements in one shard (bfloat16 on disk), 2·2·2 = 8 in another: 25 · 4 bytes.
+    save_file(
+        {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)},
+        tmp_path / "1.safetensors",
+    )
+    save_file({"c": torch.zeros(2, 2, 2)}, tmp_path / "2.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    assert weights_bytes(str(tmp_path)) == 25 * 4
+    assert weights_bytes(str(tmp_path / "config.json")) is None  # not a directory
+    (tmp_path / "empty").mkdir()
+    assert weights_bytes(str(tmp_path / "empty")) is None
+
+
+def test_the_estimate_by_hand():
+    config = SimpleNamespace(
+        hidden_size=8, vocab_size=10, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    subset = SimpleNamespace(modules=[SimpleNamespace(in_features=8, out_features=8)])
+    got = memory_estimate(
+        config, weights=100, rows=2, group_rows=2, prompt_tokens=3, new_tokens=2, subset=subset,
+        depth=1, dim=3, groups=1,
+    )  # fmt: skip
+    n = len(objective_names())
+    # seq = 3 + 2 = 5; head_dim = 8 / 2 = 4; intermediate = 4 · 8 = 32.
+    # sampling: K/V cache 4 · 2 rows · 5 · 2 layers · 2 (K, V) · 1 head · 4 = 640, and the
+    # prompt's logits 2 · 4 · 2 · 3 · 10 = 480.
+    assert got["sampling"] == 640 + 480
+    # pass: logits 8 · 8 · 2 · 2 · 10 = 2560; graph 4 · 2 · 5 · 1 · (12 · 8 + 4 · 32) = 8960;
+    # the measured layer's input and output 4 · 2 · 5 · (8 + 8) = 640.
+    assert got["pass"] == 2560 + 8960 + 640
+    # store: 8 bytes · n objectives · dim 3 · (1 group + 2 rows).
+    assert got["store"] == 8 * n * 3 * 3
+    assert got["total"] == 100 + max(1120, 12160) + 72 * n
