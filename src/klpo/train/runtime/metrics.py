@@ -333,3 +333,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval for a binomial proportion (Wilson 1927; Brown, Cai and
+    DasGupta 2001, eq. 4), 95% by default: with ``p = k / n``,
+
+        centre = (p + z²/2n) / (1 + z²/n),  half-width = z sqrt(p(1-p)/n + z²/4n²) / (1 + z²/n).
+
+    Unlike the Wald interval ``p ± z sqrt(p(1-p)/n)`` it stays inside [0, 1] and does not
+    collapse to a point at k = 0 or k = n, which matters for held-out accuracies of 0-20% on a
+    few hundred problems.
+
+    >>> lo, hi = wilson_interval(30, 200)
+    >>> round(lo, 4), round(hi, 4)
+    (0.1071, 0.2061)
+
+    Raises:
+        ValueError: ``n < 1`` or ``successes`` outside ``[0, n]``.
+    """
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p = successes / n
+    z2 = z * z
+    denom = 1 + z2 / n
+    centre = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    # At k = 0 (k = n) the lower (upper) end is 0 (1) exactly; the formula rounds near it.
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return lo, hi

@@ -174,7 +174,7 @@ def write_plots(
 
 def _interval_bars(ax: Any, xs: list[int], ys: list[float], n: int | None) -> None:
     """The 95% Wilson interval of each held-out accuracy that is a count of ``n`` problems."""
-    from klpo.train.evaluate import wilson_interval
+    from klpo.train.runtime.metrics import wilson_interval
 
     pts = [(x, y, heldout_counts(y, n)) for x, y in zip(xs, ys, strict=True)]
     pts = [(x, y, wilson_interval(*c)) for x, y, c in pts if c is not None]
@@ -211,7 +211,7 @@ def heldout_section(r: RunReport) -> list[str]:
         counts = heldout_counts(acc, r.heldout_n)
         if counts is None:
             return f"{acc:.3f}"
-        from klpo.train.evaluate import wilson_interval
+        from klpo.train.runtime.metrics import wilson_interval
 
         lo, hi = wilson_interval(*counts)
         return f"{acc:.3f} ({counts[0]}/{counts[1]} right; 95% interval {lo:.3f}-{hi:.3f})"
