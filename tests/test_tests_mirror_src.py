@@ -161,8 +161,6 @@ COVERED_BY: dict[str, str] = {
     "klpo/train/rollout/samplers.py": "tests/train/rollout/test_sampler.py: sampling and layout",
     "klpo/train/rollout/versions.py": "tests/train/behaviour/test_staleness.py: the ring and the "
     "behaviour pass",
-    "klpo/train/rollout/worker.py": "tests/train/behaviour/test_staleness.py: the asynchronous "
-    "worker's batches against the deterministic mode's",
     "klpo/train/runtime/dist.py": "tests/train/step/test_step_metrics.py: one and two processes "
     "give the same metrics",
     "klpo/train/runtime/metrics.py": "tests/train/step/test_step_metrics.py: every metric "

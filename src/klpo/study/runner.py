@@ -44,6 +44,7 @@ from klpo.train.config import ConfigError, build_config, dump_config, flat
 from klpo.train.outdir import LOCK_FILE, DirBusy, DirLock, claim_dir, fresh_name
 from klpo.train.runtime.checkpoint import latest_checkpoint
 from klpo.train.runtime.progress import Progress, fmt_duration
+from klpo.train.runtime.stop import PARENT_ENV
 
 __all__ = [
     "POLL_S",
@@ -276,6 +277,7 @@ def _execute(
         "MKL_NUM_THREADS": "1",
         "OMP_WAIT_POLICY": "PASSIVE",
         "TOKENIZERS_PARALLELISM": "false",
+        PARENT_ENV: str(os.getpid()),  # a trainer stops when the study is gone (kill -9)
     }
     t0 = time.perf_counter()
     with log_path.open("a" if resume else "w") as log:

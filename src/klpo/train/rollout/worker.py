@@ -43,11 +43,12 @@ batch more than k versions old or from a version newer than the weights that sta
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
 import queue
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,24 @@ class WorkerSampling:
         return rank, rollout, hidden.detach().cpu(), weights
 
 
+def next_message(
+    inbox: Any, parent_alive: Callable[[], bool] | None = None, poll_s: float = 1.0
+) -> tuple[str, Any]:
+    """The next ``(kind, payload)`` from ``inbox``, waiting for it; ``("stop", None)`` once the
+    process that started this one is gone (a trainer or a torchrun rank killed with ``kill -9``
+    sends no stop: the worker would wait on its inbox forever, holding a copy of the policy).
+    ``parent_alive`` defaults to the multiprocessing parent's liveness."""
+    if parent_alive is None:
+        parent = mp.parent_process()
+        parent_alive = parent.is_alive if parent is not None else (lambda: True)
+    while True:
+        try:
+            return inbox.get(timeout=poll_s)
+        except queue.Empty:
+            if not parent_alive():
+                return ("stop", None)
+
+
 def worker_loop(
     sampling: WorkerSampling, inbox: Any, outbox: Any, staleness: int | None = None
 ) -> None:
@@ -195,7 +214,7 @@ def worker_loop(
         version = None
         if staleness is None:
             while True:
-                kind, payload = inbox.get()
+                kind, payload = next_message(inbox)
                 if kind == "stop":
                     break
                 if kind == "weights":
@@ -230,7 +249,7 @@ def worker_loop(
                 have = [*held, *([] if version is None else [version])]
                 choice = pick_version(have, step, staleness, oldest)
             if choice is None:  # nothing to do yet: wait for the next message
-                stop = read(*inbox.get())
+                stop = read(*next_message(inbox))
                 continue
             pending.popleft()
             if choice != version:

@@ -9,11 +9,40 @@ resume from.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
+
+PARENT_ENV = "KLPO_PARENT_PID"
+"""Set by ``klpo compare`` for the trainers it starts (each in its own process group, so a
+``kill -9`` of the study reaches none of them): its pid, which each watches."""
+
+
+def watch_parent(
+    pid: int,
+    *,
+    interval_s: float = 1.0,
+    getppid: Callable[[], int] = os.getppid,
+    kill: Callable[[int, int], None] = os.kill,
+) -> threading.Thread:
+    """A daemon thread that sends this process SIGTERM once its parent ``pid`` is gone (the
+    process is re-parented: ``getppid()`` is no longer ``pid``), so a trainer whose study was
+    killed outright stops after its step with a checkpoint instead of training on for nobody."""
+
+    def watch() -> None:
+        while getppid() == pid:
+            time.sleep(interval_s)
+        sys.stderr.write(f"the parent process {pid} is gone: stopping this run\n")
+        sys.stderr.flush()
+        kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="klpo-watch-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 class Interrupted(RuntimeError):
@@ -73,6 +102,9 @@ class StopOnSignal:
                 if signal.getsignal(sig) is signal.SIG_IGN:
                     continue  # ignored on purpose (nohup, a background job): leave it so
                 self._previous[sig] = signal.signal(sig, self._handle)
+            parent = os.environ.get(PARENT_ENV, "")
+            if parent.isdigit():  # started by klpo compare: stop when it is gone
+                watch_parent(int(parent))
         return self
 
     def __exit__(self, *exc: object) -> None:
