@@ -43,7 +43,9 @@ def _byte_symbols() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, *, arch: str = "llama", seed: int = 0, name: str = "tiny"
+) -> dict[str, np.ndarray]:
     """A 2-layer Llama (hidden 32) with a byte-level BPE tokenizer, ChatML specials and a chat
     template, its matrices in Q8_0 blocks, as llama.cpp lays a Llama out; returns the float
     weights it was quantised from, by GGUF name."""
@@ -51,7 +53,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[s
     tokens = [*_byte_symbols(), "Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab, hidden, ffn, layers, heads, kv = len(tokens), 32, 64, 2, 4, 2
     w = gguf_pkg.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
+    w.add_name(name)
     w.add_context_length(64)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -251,6 +253,47 @@ def test_changed_file_gets_a_new_image(tiny_gguf, tiny_image, tiny_cache, tmp_pa
     two = gguf.resolve_gguf(path, convert=counting)
     assert two.path != one.path and made == [two.path] and two.converted
     assert gguf.find_image(one.sha256) == one.path and gguf.find_image(two.sha256) == two.path
+
+
+def test_a_wrong_remembered_digest_never_hands_over_another_files_image(
+    tiny_gguf, tiny_image, cache, tmp_path
+):
+    """A remembered digest (the memo kept by path, size and mtime) that names another file's
+    image trained that file's model while the run's first line named this one. The image's own
+    record (architecture, name, size, tensors, digest) is compared with the file's header: the
+    file is read again, and an image that still disagrees is refused."""
+    import hashlib
+
+    images = cache / "gguf"
+    images.mkdir(parents=True)
+    shutil.copytree(tiny_image.path, images / tiny_image.sha256)
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, seed=3, name="other")
+    true_sha = gguf.file_sha256(other)
+    memo = images / "digests" / (hashlib.sha1(str(other.resolve()).encode()).hexdigest() + ".json")
+    saved = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**saved, "sha256": tiny_image.sha256}))  # the wrong digest
+    assert gguf.file_sha256(other) == tiny_image.sha256  # the memo is believed...
+    made: list[Path] = []
+    lines: list[str] = []
+
+    def counting(source, final, header, sha):
+        made.append(final)
+        gguf.convert_gguf(source, final, header, sha)
+
+    image = gguf.resolve_gguf(other, convert=counting, log=lines.append)
+    assert image.path == images / true_sha != tiny_image.path  # ...but not handed over
+    assert made == [images / true_sha] and any("remembered digest" in x for x in lines), lines
+    assert gguf.file_sha256(other) == true_sha  # remembered anew
+    # an image directory that holds another file's image is refused, naming it and the fix
+    gguf.forget_resolved()
+    shutil.rmtree(images / true_sha)
+    shutil.copytree(tiny_image.path, images / true_sha)
+    with pytest.raises(gguf.GGUFError) as err:
+        gguf.resolve_gguf(other, convert=_no_conversion)
+    msg = str(err.value)
+    assert f"delete {images / true_sha}" in msg and "name 'tiny', not 'other'" in msg, msg
+    assert gguf.find_image(true_sha) is None  # `make real-models` does not take it either
 
 
 def test_not_a_gguf_file(tmp_path, cache):

@@ -16,7 +16,9 @@ The cache:
 - one directory per file content, ``<root>/gguf/<sha256 of the file>/`` (a copy or a rename of the
   file finds the same image; a changed file gets a new one), with ``klpo-gguf.json`` saying what it
   was made from; the digest of a file is remembered by its path, size and modification time, so a
-  second resolve reads no more than the header;
+  second resolve reads no more than the header; the image's record is compared with the file's
+  header before it is used (:func:`image_mismatch`): a wrong remembered digest is read again, an
+  image of another file refused;
 - written atomically (built in a temporary directory and renamed, :func:`klpo._io.atomic_dir`) under
   a lock, so a second process converting the same file waits and then reuses the first's image,
   and a conversion that is interrupted leaves nothing behind;
@@ -52,6 +54,7 @@ __all__ = [
     "find_image",
     "forget_resolved",
     "gguf_problem",
+    "image_mismatch",
     "is_gguf_path",
     "read_header",
     "resolve_gguf",
@@ -299,16 +302,17 @@ def _stat_key(path: Path) -> tuple[str, int, int, int]:
     return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
+def file_sha256(path: str | os.PathLike[str], *, remembered: bool = True) -> str:
     """The sha256 of the file at ``path`` (hex). Read once: the digest is kept in the cache by
     the file's resolved path, size, modification time and inode, so a second call does not read
-    the file again while none of those change."""
+    the file again while none of those change (``remembered=False``: read it anyway, and
+    remember the digest anew)."""
     path = Path(path).expanduser()
     key = _stat_key(path)
     memo = _images() / "digests" / (hashlib.sha1(key[0].encode()).hexdigest() + ".json")
-    with contextlib.suppress(OSError, ValueError, KeyError):
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = json.loads(memo.read_text(encoding="utf-8"))
-        if saved["stat"] == list(key[1:]):
+        if remembered and saved["stat"] == list(key[1:]):
             return str(saved["sha256"])
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -363,9 +367,43 @@ class GGUFImage:
 
 
 def find_image(sha256: str) -> Path | None:
-    """The complete image of the file whose content digest is ``sha256``, or None."""
+    """The complete image of the file whose content digest is ``sha256``, or None (also where
+    the image's own record names another digest: a renamed or damaged directory)."""
     path = _images() / sha256
-    return path if _complete(path) else None
+    if not _complete(path):
+        return None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads((path / IMAGE_FILE).read_text(encoding="utf-8")).get("sha256") != sha256:
+            return None
+    return path
+
+
+def image_mismatch(path: Path, header: GGUFHeader, sha256: str) -> str | None:
+    """What the complete image at ``path`` says it was made from (its ``klpo-gguf.json``), where
+    that is not the file asked for (its header's architecture and name, its content digest);
+    None where they agree or there is no complete image.
+
+    A wrong digest (a damaged memo, a renamed image directory) would otherwise hand one model's
+    weights to a run whose first line names another."""
+    if not _complete(path):
+        return None
+    try:
+        record = json.loads((path / IMAGE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"its {IMAGE_FILE} cannot be read ({err})"
+    if not isinstance(record, dict):
+        return f"its {IMAGE_FILE} is not a record"
+    asked = {
+        "sha256": sha256,
+        "architecture": header.architecture,
+        "name": header.name,
+        "size": header.size,
+        "tensors": header.tensors,
+    }
+    odd = [k for k, v in asked.items() if k in record and record[k] != v]
+    if not odd:
+        return None
+    return "; ".join(f"{k} {record[k]!r}, not {asked[k]!r}" for k in odd)
 
 
 def _complete(path: Path) -> bool:
@@ -416,6 +454,24 @@ def resolve_gguf(
     check_architecture(source, header)
     sha = file_sha256(source)
     final = _images() / sha
+    odd = image_mismatch(final, header, sha)
+    if odd is not None:  # the remembered digest may be wrong: read the file itself
+        fresh = file_sha256(source, remembered=False)
+        if fresh != sha:
+            if log is not None:
+                log(
+                    f"{key}: the cache's remembered digest of {source.name} was wrong (it named "
+                    f"the image of another file); read the file again: sha256 {fresh[:12]}…"
+                )
+            sha, final = fresh, _images() / fresh
+            odd = image_mismatch(final, header, sha)
+    if odd is not None:
+        raise GGUFError(
+            f"{source} ({header.architecture} {header.name!r}): klpo's cached image {final} was "
+            f"made from another file ({odd}, by its {IMAGE_FILE}), so a run would train other "
+            f"weights than the file's. The cache is damaged: delete {final} and run again (the "
+            "file is converted anew)"
+        )
     converted = False
     if not _complete(final):
         try:
@@ -511,6 +567,8 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
                     "sha256": sha,
                     "architecture": header.architecture,
                     "name": header.name,
+                    "size": header.size,
+                    "tensors": header.tensors,
                     "quantization": header.quantization,
                     "dtype": "float32",
                     "transformers": transformers.__version__,
