@@ -45,7 +45,15 @@ class DoctorError(ValueError):
 
 class UnknownFramework(DoctorError):
     """A file that is no config of any framework the doctor reads: the message says what it
-    looked like, and that no framework's reading was applied to it."""
+    looked like, and that no framework's reading was applied to it.
+
+    ``what``: that description alone (``a YAML/JSON mapping with the top-level keys name, on,
+    jobs``), for the one-line note ``klpo doctor --skip-non-configs`` gives instead of an error.
+    """
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 FINDING_KINDS: dict[str, str] = {
@@ -549,20 +557,45 @@ def duplicate_keys(text: str, is_json: bool = False) -> list[tuple[str, int, int
     return out
 
 
+class _KeysAsWritten(yaml.SafeLoader):
+    """PyYAML's safe loader, but a mapping key that YAML 1.1 would read as another type is the
+    text written: a GitHub workflow's ``on:`` is the key ``"on"``, not ``True`` (``yes``, ``no``,
+    ``off``, ``1``, ``~`` likewise). Every key of a config is then a string, as the readers
+    assume; values are read as PyYAML reads them."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            node.value = [
+                (
+                    yaml.ScalarNode("tag:yaml.org,2002:str", k.value, k.start_mark, k.end_mark)
+                    if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:str"
+                    else k,
+                    v,
+                )
+                for k, v in node.value
+            ]
+        return super().construct_mapping(node, deep)
+
+
 def load_mapping(path: Path) -> dict[str, Any]:
-    """A YAML or JSON file holding one mapping, or a DoctorError that says what is wrong."""
+    """A YAML or JSON file holding one mapping (its keys strings, as written:
+    :class:`_KeysAsWritten`), or a DoctorError that says what is wrong (an
+    :class:`UnknownFramework` for a file that holds a list or a scalar: data, not settings)."""
     text = read_text(path)
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, _KeysAsWritten)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise DoctorError(f"{path}: not valid {kind}: {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise DoctorError(
+        what = f"a {'JSON' if path.suffix == '.json' else 'YAML'} {type(data).__name__}"
+        raise UnknownFramework(
             f"{path}: the file holds a {type(data).__name__}, not a mapping of settings; "
-            "give a YAML/JSON mapping (verl, TRL, klpo) or a command line (OpenRLHF, verl overrides)"
+            "give a YAML/JSON mapping (verl, TRL, klpo) or a command line (OpenRLHF, verl "
+            "overrides)",
+            what=f"{what}, not a mapping of settings",
         )
     return data
 
