@@ -55,6 +55,39 @@ def test_bad_input_exits_2_with_one_message(tmp_path):
     assert "unknown framework 'deepspeed'" in result.output
 
 
+def test_a_fifo_is_refused_not_waited_on_and_a_symlink_loop_is_named(tmp_path):
+    """A FIFO made the doctor wait forever for a writer; a symlink loop was "does not exist"."""
+    import os
+    import threading
+
+    fifo = tmp_path / "run_grpo.sh"
+    os.mkfifo(fifo)
+    results = []
+    t = threading.Thread(
+        target=lambda: results.append(runner.invoke(app, ["doctor", str(fifo)])), daemon=True
+    )
+    t.start()
+    t.join(timeout=30)
+    if t.is_alive():  # the old behaviour: blocked in open(); release it before failing
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(timeout=30)
+        raise AssertionError("klpo doctor waited on a FIFO")
+    [result] = results
+    assert result.exit_code == 2, result.output
+    assert f"{fifo}: a FIFO (named pipe): reading it would wait for a writer" in result.output
+    loop_a, loop_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    result = runner.invoke(app, ["doctor", str(loop_a)])
+    assert result.exit_code == 2
+    assert f"{loop_a}: a symlink loop" in result.output and "does not exist" not in result.output
+    broken = tmp_path / "c.yaml"
+    broken.symlink_to(tmp_path / "gone.yaml")
+    result = runner.invoke(app, ["doctor", str(broken)])
+    assert result.exit_code == 2 and "a broken symlink (to " in result.output, result.output
+
+
 def test_the_library_never_imports_the_doctor():
     import subprocess
     import sys

@@ -11,8 +11,11 @@ their name says). :mod:`klpo.doctor.report` adds what :func:`klpo.kl.explain` de
 from __future__ import annotations
 
 import difflib
+import errno
 import json
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -453,8 +456,49 @@ def known_key(key: str, table: dict[str, Any]) -> bool:
     return any(k.startswith(key + ".") for k in table)
 
 
+# What a path that is not a regular file is, by its mode (a FIFO or a character device would
+# block the read until another process writes: the doctor must never wait on one).
+_NOT_FILES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe): reading it would wait for a writer"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def check_config_file(path: Path) -> None:
+    """A DoctorError unless ``path`` is a regular file (after its symlinks): it names a path that
+    does not exist, a broken symlink, a symlink loop, and a directory, FIFO, socket or device
+    (whose read would block or fail), each with the fix."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise DoctorError(
+                f"{path}: a symlink loop (its links lead back to themselves, so no file is at the "
+                "end); point the link at the config file"
+            ) from None
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            if path.is_symlink():
+                raise DoctorError(
+                    f"{path}: a broken symlink (to {os.readlink(path)!r}, which does not exist); "
+                    "point it at the config file"
+                ) from None
+            raise DoctorError(f"config file {str(path)!r} does not exist") from None
+        raise DoctorError(f"{path}: cannot be read ({err.strerror})") from None
+    for test, what in _NOT_FILES:
+        if test(mode):
+            raise DoctorError(
+                f"{path}: {what}, not a config file; give the YAML/JSON config or the launch "
+                "script (a regular file)"
+            )
+
+
 def read_text(path: Path) -> str:
-    """A config file's text, or a DoctorError naming the file and what is wrong with it."""
+    """A config file's text, or a DoctorError naming the file and what is wrong with it
+    (:func:`check_config_file` first: a FIFO is refused, never waited on)."""
+    check_config_file(path)
     try:
         data = path.read_bytes()
     except IsADirectoryError:
