@@ -378,6 +378,101 @@ def test_interrupted_conversion_leaves_nothing_and_two_converters_make_one(
     assert images[0].path == images[1].path and sorted(i.converted for i in images) == [False, True]
 
 
+_KILLED = """
+import sys, time
+from pathlib import Path
+from klpo._io import atomic_dir
+from klpo.train.models import gguf
+
+def slow(source, final, header, sha):
+    with atomic_dir(final) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"\\0" * 100_000)
+        print("writing", flush=True)
+        time.sleep(120)
+
+gguf.resolve_gguf(sys.argv[1], convert=slow)
+"""
+
+
+def test_a_conversion_killed_outright_leaves_a_temporary_the_next_one_removes(
+    tiny_gguf, cache, monkeypatch
+):
+    """``kill -9`` runs no ``finally``: the partial image stayed in the cache for good. The next
+    conversion (of any file) removes the temporaries of processes that no longer run, and every
+    temporary of its own file (it holds that file's lock); another live process's stays."""
+    import os
+    import signal
+    import subprocess
+
+    env = {
+        **os.environ,
+        "KLPO_CACHE": str(cache),
+        "PYTHONPATH": str(Path(gguf.__file__).parents[3]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(tiny_gguf)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    images = cache / "gguf"
+    sha = gguf.file_sha256(tiny_gguf)
+    [left] = [p for p in images.iterdir() if p.name.startswith(".tmp-")]
+    assert left.name == f".tmp-{sha}-{proc.pid}" and (left / "model.safetensors").is_file()
+    # another file's temporaries: one of a process gone (stale), one of a live process (kept)
+    gone = images / f".tmp-{'b' * 64}-{proc.pid}"
+    live = images / f".old-{'c' * 64}-{os.getppid()}"
+    for d in (gone, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    lines: list[str] = []
+    image = gguf.resolve_gguf(tiny_gguf, log=lines.append)
+    assert image.converted and gguf.find_image(sha) == image.path
+    assert not left.exists() and not gone.exists() and live.exists()
+    said = [x for x in lines if "removed what killed conversions left" in x]
+    assert len(said) == 1 and left.name in said[0] and gone.name in said[0], lines
+
+
+def test_a_full_disk_during_conversion_is_one_message_and_leaves_nothing(
+    tiny_gguf, cache, monkeypatch
+):
+    """A full disk while the image's safetensors are written: an OSError (ENOSPC), or
+    safetensors' own error carrying it in its text, is the message every klpo command gives
+    for a full disk, with the room the image takes; nothing is left in the cache."""
+    import errno
+    import os
+
+    import transformers.modeling_utils as modeling
+    from safetensors import SafetensorError
+
+    errors = (
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+        SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        ),
+    )
+    for error in errors:
+
+        def full(*_args, error=error, **_kwargs):
+            raise error
+
+        monkeypatch.setattr(modeling, "safe_save_file", full)
+        gguf.forget_resolved()
+        with pytest.raises(gguf.GGUFError) as err:
+            gguf.resolve_gguf(tiny_gguf)
+        msg = str(err.value)
+        assert msg.startswith(
+            f"dequantising {tiny_gguf.name} could not write into {cache / 'gguf'}: No space left "
+            "on device ("
+        ), msg
+        assert "free there" in msg and "nothing half-written is left" in msg, msg
+        assert "the float32 image takes about" in msg and "KLPO_CACHE" in msg, msg
+        assert "\n" not in msg
+        left = [p.name for p in (cache / "gguf").iterdir() if p.name.startswith((".tmp", ".old"))]
+        assert left == [] and gguf.find_image(gguf.file_sha256(tiny_gguf)) is None
+
+
 def test_train_preflight_resolves_first_and_says_what_the_weights_are(
     tiny_gguf, tiny_image, tmp_path, quick, monkeypatch
 ):

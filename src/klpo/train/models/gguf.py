@@ -21,7 +21,10 @@ The cache:
   image of another file refused;
 - written atomically (built in a temporary directory and renamed, :func:`klpo._io.atomic_dir`) under
   a lock, so a second process converting the same file waits and then reuses the first's image,
-  and a conversion that is interrupted leaves nothing behind;
+  and a conversion that is interrupted leaves nothing behind; one killed outright (``kill -9``)
+  leaves its temporary directory, which the next conversion removes (:func:`_sweep_stale`);
+- a full disk is one message (the file, the space free, the room the image takes), like every
+  klpo command's, not a traceback;
 - the quantisation marker transformers leaves on the model (its ``quantization_config``) is dropped,
   so ``save_pretrained``, LoRA merging and ``klpo export`` treat the image as the plain model it is.
 
@@ -476,12 +479,13 @@ def resolve_gguf(
     if not _complete(final):
         try:
             converted = _make_image(source, final, header, sha, key, log, convert or convert_gguf)
-        except OSError as err:  # a cache that cannot be written, a full disk
-            raise GGUFError(
-                f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
-                f"({type(err).__name__}: {err}); free some space there, or set KLPO_CACHE to a "
-                "writable directory"
-            ) from None
+        except GGUFError:
+            raise
+        except Exception as err:  # a cache that cannot be written, a full disk
+            problem = _write_error(source, final, header, err)
+            if problem is None:
+                raise
+            raise problem from None
     image = GGUFImage(
         source=source,
         path=final,
@@ -493,6 +497,66 @@ def resolve_gguf(
     )
     _RESOLVED[stat] = image
     return image
+
+
+def _write_error(source: Path, final: Path, header: GGUFHeader, err: Exception) -> GGUFError | None:
+    """The :class:`GGUFError` for a conversion that could not write its image: a full disk
+    (an OSError's errno, or safetensors' own error, which carries it in its text) in the words of
+    every klpo command's full-disk message, with the room the image takes; any other OSError as
+    a cache that cannot be written; None for anything else (raised unchanged)."""
+    from klpo.train.runtime.checkpoint import disk_full, format_size, full_disk_message
+
+    if disk_full(err):
+        need = format_size(_image_bytes(header))
+        return GGUFError(
+            full_disk_message(f"dequantising {source.name}", final.parent, err)
+            + f" (the float32 image takes about {need}; or set KLPO_CACHE to a directory on a "
+            "disk with room)"
+        )
+    if isinstance(err, OSError):
+        return GGUFError(
+            f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
+            f"({type(err).__name__}: {err}); free some space there, or set KLPO_CACHE to a "
+            "writable directory"
+        )
+    return None
+
+
+def _image_bytes(header: GGUFHeader) -> float:
+    """About what the float32 image of a quantised file takes on disk: 4.3 times the file
+    (measured: SmolLM2's 126 MB file, 540 MB; Gemma 3's 253 MB, 1.1 GB)."""
+    return 4.3 * header.size if header.quantization else 1.0 * header.size
+
+
+def _sweep_stale(images: Path, sha: str) -> list[str]:
+    """Remove the temporary directories of conversions killed before they finished (``kill -9``
+    leaves ``.tmp-<sha256>-<pid>``, hundreds of MB, that no ``finally`` removed); the names
+    removed. Called under ``sha``'s lock, where every temporary of ``sha`` is stale; another
+    file's is stale when the process its name ends with no longer runs."""
+    import shutil
+
+    gone: list[str] = []
+    for entry in images.glob(".*-*-*"):  # atomic_dir's .tmp-<name>-<pid> and .old-<name>-<pid>
+        name, _, pid = entry.name.rpartition("-")
+        if not name.startswith((".tmp-", ".old-")) or not entry.is_dir() or not pid.isdigit():
+            continue
+        if name[5:] != sha and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            gone.append(entry.name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _make_image(
@@ -512,6 +576,9 @@ def _make_image(
     with FileLock(str(final) + ".lock"):
         if _complete(final):  # another process made it while this one waited
             return False
+        gone = _sweep_stale(final.parent, final.name)
+        if gone and log is not None:
+            log(f"{key}: removed what killed conversions left in {final.parent}: {', '.join(gone)}")
         if log is not None:
             log(
                 f"{key}: dequantising {source.name} ({header.quantization or 'floats'}, "
