@@ -59,6 +59,41 @@ def export_run(
     claim_dir(out, "export")
     cfg = load_config(saved)
     base = resolve_model_path(cfg.model.policy)
+    try:
+        model, policy_dir = _read_policy(run_dir, ckpt, cfg, base, merge)
+    except Exception:
+        if not (ckpt / "policy").is_dir():  # pruned while it was read: said as that
+            raise OSError(_vanished(run_dir, ckpt)) from None
+        raise
+    if merge and not is_adapter_dir(policy_dir) and log is not None:
+        log(
+            f"note: --merge did nothing: {run_dir} trained all the weights (no LoRA adapters), "
+            "so its policy is written as it is"
+        )
+    tokenizer = load_tokenizer(base)
+    try:
+        with atomic_dir(out) as tmp:  # built beside out and renamed: never half a model
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    except (OSError, SafetensorError) as err:
+        why = "No space left on device" if ckpt_io.disk_full(err) else str(err).splitlines()[0]
+        raise OSError(
+            f"could not write the model to {out}: {why}; nothing was left there"
+        ) from None
+    return out
+
+
+def _vanished(run_dir: Path, ckpt: Path) -> str:
+    return (
+        f"the checkpoint {ckpt.name} of {run_dir} vanished while export read it: the run is "
+        "still training and deleted it after a newer save (run.save_total_limit); run the "
+        "export again (it takes the newest checkpoint), or export a run that has finished"
+    )
+
+
+def _read_policy(run_dir: Path, ckpt: Path, cfg, base: str, merge: bool):
+    """``(the policy of checkpoint ckpt as a model, its policy directory)``; ``merge`` folds
+    LoRA adapters into the weights."""
     policy_dir = ckpt / "policy"
     if is_adapter_dir(policy_dir):
         from peft import PeftModel
@@ -80,19 +115,4 @@ def export_run(
         fsdp.load_unsharded(model, policy_dir)
     else:
         model = load_causal_lm(str(policy_dir))
-    if merge and not is_adapter_dir(policy_dir) and log is not None:
-        log(
-            f"note: --merge did nothing: {run_dir} trained all the weights (no LoRA adapters), "
-            "so its policy is written as it is"
-        )
-    tokenizer = load_tokenizer(base)
-    try:
-        with atomic_dir(out) as tmp:  # built beside out and renamed: never half a model
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-    except (OSError, SafetensorError) as err:
-        why = "No space left on device" if ckpt_io.disk_full(err) else str(err).splitlines()[0]
-        raise OSError(
-            f"could not write the model to {out}: {why}; nothing was left there"
-        ) from None
-    return out
+    return model, policy_dir
