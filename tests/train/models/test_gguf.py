@@ -551,6 +551,50 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
     assert real_models.main(["nosuch"]) == 2
 
 
+def test_real_models_interrupted_is_one_line_and_leaves_nothing(
+    tiny_gguf, cache, monkeypatch, capsys
+):
+    """Ctrl-C while `make real-models` converts: one line and exit 130, not a traceback; no
+    image, no temporary directory, no half-concatenated file in the cache."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from klpo.train.tools import real_models
+
+    data = tiny_gguf.read_bytes()
+    parts = tiny_gguf.parent / "halves"
+    parts.mkdir(exist_ok=True)
+    (parts / "a").write_bytes(data[:1000])
+    (parts / "b").write_bytes(data[1000:])
+    sha = gguf.file_sha256(tiny_gguf)
+    pinned = real_models.RealModel("tiny", (), (("m", "a"), ("m", "b")), "tiny.gguf", sha, parts)
+    monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
+
+    def ctrl_c(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", ctrl_c)
+    assert real_models.main(["tiny"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: nothing half-written is left") and err.count("\n") == 1
+    assert "run `make real-models` again" in err
+    assert real_models.real_model_dir("tiny") is None
+    left = [p.name for p in cache.rglob("*") if p.name.startswith((".tmp", ".old", ".tiny"))]
+    assert left == [], left
+
+
+def test_conversion_draws_no_progress_bar_into_a_log(tiny_gguf, cache, capfd):
+    """Into a piped log (stderr not a terminal) transformers' bars were redrawn line after line
+    (the GGUF loader's tensors, the shards written); none now, and the bars are as they were."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    bar, on = gguf_utils.tqdm, logging.is_progress_bar_enabled()
+    gguf.resolve_gguf(tiny_gguf)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "%|" not in err, err
+    assert gguf_utils.tqdm is bar and logging.is_progress_bar_enabled() == on
+
+
 def test_real_models_pins_match_the_packages_files():
     """The pins are the sha256 of the files the packages ship (the Gemma package's own
     EXPECTED_SHA256 where it is installed)."""

@@ -591,7 +591,13 @@ def _make_image(
 
 def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     """Dequantise ``source`` with transformers and save the float32 model, its tokenizer, chat
-    template and generation config into ``final``, atomically."""
+    template and generation config into ``final``, atomically; transformers' progress bars only
+    where stderr is a terminal."""
+    with _bars_on_a_terminal_only():
+        _convert(source, final, header, sha)
+
+
+def _convert(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -599,7 +605,7 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
 
     from klpo._io import atomic_dir, write_text_atomic
 
-    logging.set_verbosity_error()  # no advisory warnings; the conversion's progress bar stays
+    logging.set_verbosity_error()  # no advisory warnings
     where, file = str(source.resolve().parent), source.resolve().name
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=file)
@@ -644,6 +650,32 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
             )
             + "\n",
         )
+
+
+@contextlib.contextmanager
+def _bars_on_a_terminal_only():
+    """transformers' progress bars (its own, and the GGUF loader's plain ``tqdm`` over the
+    tensors) only where stderr is a terminal: into a piped log each redraw is another line, some
+    fifty for one conversion. The bars come back as they were afterwards."""
+    import sys
+
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    was_on, bar = logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = lambda *args, **kwargs: bar(*args, **{**kwargs, "disable": True})
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def _dequantize_kwargs(file: str) -> dict:

@@ -194,7 +194,9 @@ def make(keys: list[str] | None = None, log=print) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m klpo.train.tools.real_models [KEY ...]`` (keys of :data:`REAL_MODELS`);
-    ``--gguf KEY`` prints the path of that model's checked GGUF file (a ``model.policy``)."""
+    ``--gguf KEY`` prints the path of that model's checked GGUF file (a ``model.policy``).
+    Exit 0 done, 1 an error (one line), 2 an unknown key, 130 interrupted (Ctrl-C: one line;
+    the conversion and the concatenation write atomically, so nothing half-written is left)."""
     keys = list(sys.argv[1:] if argv is None else argv)
     if keys[:1] == ["--gguf"]:
         if len(keys) != 2 or keys[1] not in REAL_MODELS:
@@ -215,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     except (gguf.GGUFError, ValueError, FileNotFoundError, subprocess.CalledProcessError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # every write is atomic (klpo._io): nothing half-written is left
+        print(
+            f"interrupted: nothing half-written is left in klpo's cache {gguf.cache_root()} (a "
+            "model is converted whole or not at all); run `make real-models` again to finish",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 
