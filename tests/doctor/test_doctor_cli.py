@@ -88,6 +88,38 @@ def test_a_fifo_is_refused_not_waited_on_and_a_symlink_loop_is_named(tmp_path):
     assert result.exit_code == 2 and "a broken symlink (to " in result.output, result.output
 
 
+FUNCTION_SCRIPT = """#!/bin/bash
+train() {
+  python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo \\
+    actor_rollout_ref.model.path=$1 \\
+    actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=$2
+}
+train /models/qwen 0.05
+"""
+
+
+def test_a_positional_parameter_is_named_as_one_and_given_with_var(tmp_path):
+    """A shell function's ``$2`` was read as a Hydra interpolation (Hydra's advice), and
+    ``--var 2=...`` was refused as not a NAME."""
+    script = tmp_path / "run_grpo.sh"
+    script.write_text(FUNCTION_SCRIPT)
+    result = runner.invoke(app, ["doctor", str(script)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "interpolation" not in out and "--cfg job --resolve" not in out, out
+    assert (
+        "actor_rollout_ref.actor.kl_loss_coef = '${2}' depends on $2 (a positional parameter: "
+        "argument 2 of the script, or of the shell function the command sits in)"
+    ) in out
+    assert "--var 2=VALUE for $2" in out
+    given = runner.invoke(app, ["doctor", str(script), "--var", "1=/m", "--var", "2=0.05"])
+    assert given.exit_code == 0, given.output
+    assert "klpo `low_var_kl` in the loss, beta 0.05" in given.output
+    assert "positional parameter" not in given.output
+    refused = runner.invoke(app, ["doctor", str(script), "--var", "0=x"])
+    assert refused.exit_code == 2 and "--var 1=/models/x for $1" in refused.output
+
+
 def test_the_library_never_imports_the_doctor():
     import subprocess
     import sys

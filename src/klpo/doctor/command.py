@@ -15,15 +15,18 @@ __all__ = ["run"]
 
 
 def _variables(pairs: list[str]) -> dict[str, str]:
-    """``--var NAME=VALUE`` options as a mapping."""
+    """``--var NAME=VALUE`` options as a mapping; NAME is a shell variable's name, or a number
+    for a positional parameter (``--var 1=/models/x`` for ``$1``)."""
     out: dict[str, str] = {}
     for pair in pairs:
         name, eq, value = pair.partition("=")
-        if not eq or not name.strip().isidentifier():
+        name = name.strip()
+        if not eq or not (name.isidentifier() or (name.isdigit() and name != "0")):
             raise DoctorError(
-                f"--var {pair!r}: write it as NAME=VALUE, e.g. --var MODEL_PATH=/models/x"
+                f"--var {pair!r}: write it as NAME=VALUE, e.g. --var MODEL_PATH=/models/x, or "
+                "N=VALUE for a positional parameter, e.g. --var 1=/models/x for $1"
             )
-        out[name.strip()] = value
+        out[name] = value
     return out
 
 

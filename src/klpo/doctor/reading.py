@@ -308,7 +308,11 @@ class Settings:
                         (self.label(key),),
                         f"{self.label(key)} = {self.values[key]!r} depends on {unread}, which "
                         "the script does not define: the doctor cannot read it and took the "
-                        f"default {value!r}; give its value with --var NAME=VALUE",
+                        f"default {value!r}; give its value with --var NAME=VALUE"
+                        + "".join(
+                            f" (--var {n}=VALUE for ${n})"
+                            for n in re.findall(r"\$\{([0-9]+)\}", str(self.values[key]))[:1]
+                        ),
                     )
                 )
         else:
@@ -360,13 +364,25 @@ class Settings:
 
 
 def _unresolved_text(value: Any) -> str | None:
-    """The shell names a value from a script still depends on (``${HOME}``, ``$(date)``)."""
+    """The shell names a value from a script still depends on (``${HOME}``, ``$(date)``, a
+    positional parameter ``${1}``, said as one: :func:`shell_name`)."""
     if not isinstance(value, str):
         return None
-    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|(\$\([^)]*\))", value)
+    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|(\$\([^)]*\))", value)
     if not names:
         return None
-    return ", ".join(f"${a}" if a else b for a, b in names)
+    return ", ".join(shell_name(a) if a else b for a, b in names)
+
+
+def shell_name(name: str) -> str:
+    """``$NAME``, or for a digit ``$1 (a positional parameter: an argument of the script, or of
+    the shell function the command sits in)``, which ``--var 1=VALUE`` gives."""
+    if name.isdigit():
+        return (
+            f"${name} (a positional parameter: argument {name} of the script, or of the shell "
+            "function the command sits in)"
+        )
+    return f"${name}"
 
 
 def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | None:
