@@ -27,7 +27,7 @@ from klpo._io import atomic_dir
 from klpo.train.config import ConfigError, load_config
 from klpo.train.models import fsdp
 from klpo.train.models.load import load_causal_lm, load_tokenizer, resolve_model_path
-from klpo.train.models.lora import is_adapter_dir, load_base_weights
+from klpo.train.models.lora import is_adapter_dir, load_adapters, load_base_weights
 from klpo.train.outdir import claim_dir
 from klpo.train.runtime import checkpoint as ckpt_io
 
@@ -96,9 +96,7 @@ def _read_policy(run_dir: Path, ckpt: Path, cfg, base: str, merge: bool):
     LoRA adapters into the weights."""
     policy_dir = ckpt / "policy"
     if is_adapter_dir(policy_dir):
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_causal_lm(base), str(policy_dir))
+        model = load_adapters(load_causal_lm(base), policy_dir, trainable=False)
         if (ckpt / ckpt_io.REFERENCE).is_file():  # kl.reference_reset: the merged base
             merges = ckpt_io.load_state(ckpt).get("reference_updates", 0)
             if merges and not merge:
