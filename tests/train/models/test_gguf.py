@@ -536,7 +536,12 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
     monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
     lines: list[str] = []
     assert real_models.real_model_dir("tiny") is None
+    # a concatenation killed outright (kill -9) left write_atomic's temporary: removed
+    killed = cache / "real-models" / ".tiny.gguf.x1y2z3.tmp"
+    killed.parent.mkdir(parents=True)
+    killed.write_bytes(data[:500])
     made = real_models.make(["tiny"], log=lines.append)
+    assert not killed.exists()
     assert made["tiny"] == real_models.real_model_dir("tiny") == cache / "gguf" / sha
     assert (cache / "real-models" / "tiny.gguf").read_bytes() == data
     assert any("dequantising" in line for line in lines)

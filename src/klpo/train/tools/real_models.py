@@ -141,6 +141,8 @@ def gguf_file(model: RealModel) -> Path:
     if len(paths) == 1:
         path, sha = paths[0], _sha256(paths)
     else:
+        from filelock import FileLock
+
         path = gguf.cache_root() / "real-models" / model.file
         if path.is_file() and gguf.file_sha256(path) == model.sha256:
             return path
@@ -151,8 +153,16 @@ def gguf_file(model: RealModel) -> Path:
             if found[0] != model.sha256:  # leaves the destination untouched
                 raise ValueError(found[0])
 
-        with contextlib.suppress(ValueError):  # raised by concatenate: said below
-            write_atomic(path, concatenate)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):  # a second `make real-models` waits here
+            # what a concatenation killed outright left (write_atomic's temporary, hundreds of
+            # MB that no clean-up removed): stale, since this process holds the file's lock
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
+            if path.is_file() and gguf.file_sha256(path) == model.sha256:
+                return path  # made by the process this one waited for
+            with contextlib.suppress(ValueError):  # raised by concatenate: said below
+                write_atomic(path, concatenate)
         sha = found[0]
     if sha != model.sha256:
         raise ValueError(
