@@ -81,6 +81,13 @@ def from_archive(text: str, out: Path, models: dict[str, str]) -> str:
 def export(out: Path, dest: Path) -> int:
     """Write the archive of the study in ``out`` into ``dest`` (replacing its runs); returns
     the number of finished runs kept."""
+    if not (out / "runs").is_dir():
+        what = "no such directory" if not out.exists() else "it holds no runs/ directory"
+        raise ArchiveError(
+            f"{out}: {what}, so it is not a study directory; give the --out of a klpo compare run"
+        )
+    if dest.exists() and not dest.is_dir():
+        raise ArchiveError(f"{dest} is a file; give a directory for the archive")
     models = _models()
     dest.mkdir(parents=True, exist_ok=True)
     for name in STUDY_FILES:
@@ -255,15 +262,14 @@ def main() -> int:
     r.add_argument("src", type=Path)
     r.add_argument("out", type=Path)
     a = p.parse_args()
-    if a.cmd == "export":
-        print(f"{export(a.out, a.dest)} finished runs archived in {a.dest}")
-        return 0
     try:
-        n = restore(a.src, a.out)
+        if a.cmd == "export":
+            print(f"{export(a.out, a.dest)} finished runs archived in {a.dest}")
+        else:
+            print(f"{restore(a.src, a.out)} runs restored into {a.out}")
     except ArchiveError as err:
-        print(f"archive.py restore: {err}", file=sys.stderr)
+        print(f"archive.py {a.cmd}: {err}", file=sys.stderr)
         return 2
-    print(f"{n} runs restored into {a.out}")
     return 0
 
 

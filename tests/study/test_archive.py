@@ -146,6 +146,19 @@ def test_restore_bad_inputs_are_one_line_errors_with_exit_2_and_nothing_written(
     assert not (tmp_path / "o4").exists()
 
 
+def test_export_bad_inputs_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    arc = _archive()
+    monkeypatch.setattr(arc, "_models", lambda: {})
+    (tmp_path / "empty").mkdir()
+    for out, says in ((tmp_path / "nowhere", "no such directory"),
+                      (tmp_path / "empty", "it holds no runs/ directory")):  # fmt: skip
+        monkeypatch.setattr("sys.argv", ["archive.py", "export", str(out), str(tmp_path / "a")])
+        assert arc.main() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"archive.py export: {out}: {says}") and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists()
+
+
 def test_restore_interrupted_leaves_no_half_written_study(tmp_path, monkeypatch):
     arc, dest = _exported(tmp_path, monkeypatch)
     import klpo._io
