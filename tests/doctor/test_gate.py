@@ -116,3 +116,78 @@ def test_pre_commit_hook_runs_the_doctor_on_launch_scripts():
     assert "klpo-doctor" in (ROOT / "pyproject.toml").read_text()
     assert hook["language"] == "python" and hook.get("pass_filenames", True)
     assert "--fail-on" in hook["entry"]
+
+
+WORKFLOW = """name: tests
+on:
+  push:
+    branches: [main]
+jobs:
+  test:
+    runs-on: ubuntu-latest
+    steps:
+      - run: pytest
+"""
+
+
+@pytest.fixture
+def unrelated(tmp_path):
+    """Files a repository commits that the hook's old pattern caught: a GitHub workflow (YAML
+    reads its `on:` as the key True), a data JSON (a list), a download script."""
+    wf = tmp_path / ".github" / "workflows" / "run-tests.yml"
+    wf.parent.mkdir(parents=True)
+    wf.write_text(WORKFLOW)
+    data = tmp_path / "train_data.json"
+    data.write_text('[{"prompt": "2 + 2 =", "answer": "4"}]\n')
+    script = tmp_path / "run_download.sh"
+    script.write_text("#!/bin/bash\nset -e\nwget https://example.com/d.tar.gz\ntar xf d.tar.gz\n")
+    return [wf, data, script]
+
+
+def test_pre_commit_pattern_leaves_workflows_and_data_files_out(unrelated):
+    """pre-commit selects a file when `files` searches it and `exclude` does not (re.search)."""
+    import re
+
+    [hook] = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+
+    def selected(path: str) -> bool:
+        return bool(re.search(hook["files"], path)) and not re.search(hook["exclude"], path)
+
+    assert not selected(".github/workflows/run-tests.yml")
+    assert not selected("train_data.json") and not selected("data/run_results.json")
+    for path in ("run_grpo.sh", "examples/grpo_trainer/run_qwen2-7b.sh", "configs/train.yaml",
+                 "launch_rloo.json", "recipes/train-config.yml"):  # fmt: skip
+        assert selected(path), path
+
+
+def test_hook_notes_a_file_that_is_no_training_config_and_passes(unrelated):
+    """The hook's entry on each unrelated file: one note, exit 0; a file named by hand without
+    --skip-non-configs is still an error (2), never a traceback."""
+    [hook] = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    args = hook["entry"].split()[1:]
+    for path in unrelated:
+        result = runner.invoke(app, ["doctor", *args, str(path)])
+        assert result.exit_code == 0, (path, result.output, result.exception)
+        assert f"{path}: not a training config: nothing to check (" in result.stderr, path
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        plain = runner.invoke(app, ["doctor", str(path)])
+        assert plain.exit_code == 2 and "Traceback" not in plain.output, plain.output
+        assert isinstance(plain.exception, SystemExit), plain.exception
+    # with a real config beside them: the config is reported, its status is the hook's
+    code, result = _code(*args, *map(str, unrelated), CLEAN)
+    assert code == 0 and result.stdout.count("klpo doctor: ") == 1
+    code, _ = _code(*args, str(unrelated[0]), WARNING, "--fail-on", "warning")
+    assert code == 1
+
+
+def test_a_yaml_key_read_as_a_boolean_is_its_written_text(unrelated):
+    """YAML 1.1 reads `on:` as True; the doctor's keys are the text written."""
+    from klpo.doctor.reading import load_mapping
+
+    assert list(load_mapping(unrelated[0])) == ["name", "on", "jobs"]
+    for framework in ("verl", "trl-grpo", "klpo"):  # read as a framework's file: no traceback
+        result = runner.invoke(app, ["doctor", "--framework", framework, str(unrelated[0])])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            framework,
+            result.exception,
+        )

@@ -4,6 +4,7 @@ and the report's gradient facts from the shipped table, not derived at each call
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -100,3 +101,30 @@ def test_klpo_doctor_on_a_config_loads_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:] + out.stderr[-500:]
+
+
+def test_klpos_own_config_is_read_as_this_klpo_and_said_compactly() -> None:
+    """klpo's own config printed 139 lines (both configs written out key by key, klpo's
+    defaults included) and "version not named: assumed" (klpo is the version that runs)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from klpo import __version__
+    from klpo.cli import app
+
+    root = Path(__file__).resolve().parents[2]
+    result = CliRunner().invoke(app, ["doctor", str(root / "configs/grpo.yaml")])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "version not named" not in out and "assumed" not in out
+    assert f"framework: klpo; read by this klpo ({__version__}), its own defaults" in out
+    assert "klpo config that does the same thing: the file itself (klpo train -c " in out
+    assert "most likely meant: the same\n" in out and "--format json)" in out
+    assert len(out.splitlines()) <= 20, out
+    # a change it would make is said by its key alone; the JSON keeps the configs whole
+    k3 = CliRunner().invoke(app, ["doctor", str(root / "configs/grpo-k3-loss.yaml")]).output
+    assert "the file with these changes:\n  kl.estimator: 'k3' -> 'k3+'\n" in k3, k3
+    full = CliRunner().invoke(app, ["doctor", str(root / "configs/grpo.yaml"), "--json"])
+    record = json.loads(full.output)
+    assert record["equivalent"]["config"]["kl"]["estimator"] == "full"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,12 +63,120 @@ def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(
         assert (back / "runs/a" / name).read_text() == want, name
     assert arc.restore(dest, back) == 0  # a run already there is left as it is
     monkeypatch.setattr(arc, "_models", lambda: {})
-    try:
+    with pytest.raises(arc.ArchiveError, match=r"'smollm2': run `make real-models` first"):
         arc.restore(dest, tmp_path / "third")
-    except SystemExit as e:
-        assert "run `make real-models` first" in str(e) and "'smollm2'" in str(e)
-    else:
-        raise AssertionError("a model not converted here must be named")
+    assert not (tmp_path / "third").exists()  # nothing half-written
+
+
+def _exported(tmp_path, monkeypatch, study: str = "task: chat-arith\nmodel: smollm2\n"):
+    arc = _archive()
+    model = str(tmp_path / "cache" / "SmolLM2")
+    monkeypatch.setattr(arc, "_models", lambda: {"smollm2": model})
+    out, dest = tmp_path / "study", tmp_path / "archive"
+    _study(out, model)
+    (out / "study.yaml").write_text(study)
+    arc.export(out, dest)
+    return arc, dest
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_restore_refuses_another_studys_directory_and_leaves_it_as_it_was(tmp_path, monkeypatch):
+    """The data loss: restoring into a directory holding another study replaced its
+    ``study.yaml`` and ``train-config.yaml`` and exited 0."""
+    arc, dest = _exported(tmp_path, monkeypatch)
+    other = tmp_path / "other"
+    (other / "runs" / "x").mkdir(parents=True)
+    (other / "runs" / "x" / "result.yaml").write_text("name: x\nstatus: ok\n")
+    (other / "study.yaml").write_text("task: chat-arith\nmodel: gemma3\n")
+    (other / "train-config.yaml").write_text("model:\n  policy: gemma\n")
+    before = _tree(other)
+    with pytest.raises(arc.ArchiveError) as err:
+        arc.restore(dest, other)
+    msg = str(err.value)
+    assert str(other) in msg and "the study chat-arith on gemma3" in msg, msg
+    assert "new or empty directory" in msg and "model: 'gemma3' -> 'smollm2'" in msg, msg
+    assert _tree(other) == before
+    # a directory with files but no study is refused too; the same study gets its runs added
+    stray = tmp_path / "notes"
+    stray.mkdir()
+    (stray / "todo.txt").write_text("x")
+    with pytest.raises(arc.ArchiveError, match="holds no study"):
+        arc.restore(dest, stray)
+    same = tmp_path / "same"
+    assert arc.restore(dest, same) == 1
+    (same / "runs" / "a" / "result.yaml").unlink()
+    assert arc.restore(dest, same) == 1  # the same study: the unfinished run is restored again
+
+
+def test_restore_bad_inputs_are_one_line_errors_with_exit_2_and_nothing_written(
+    tmp_path, monkeypatch, capsys
+):
+    arc, dest = _exported(tmp_path, monkeypatch)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = {
+        "missing": (tmp_path / "nowhere", tmp_path / "o1", "no such archive"),
+        "no runs": (tmp_path / "cache", tmp_path / "o2", "holds no runs/ directory"),
+        "out is a file": (dest, a_file, "is a file; give a new or empty directory"),
+    }
+    (tmp_path / "cache").mkdir()
+    for what, (src, out, says) in cases.items():
+        monkeypatch.setattr("sys.argv", ["archive.py", "restore", str(src), str(out)])
+        assert arc.main() == 2, what
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (what, err)
+        assert (str(src) in err) or (str(out) in err), (what, err)
+        assert out == a_file or not out.exists(), what
+    # a truncated .gz and a stray file in runs/: named, and nothing of the study written
+    gz = dest / "runs" / "a" / "samples.jsonl.gz"
+    whole = gz.read_bytes()
+    gz.write_bytes(whole[: len(whole) // 2])
+    monkeypatch.setattr("sys.argv", ["archive.py", "restore", str(dest), str(tmp_path / "o3")])
+    assert arc.main() == 2
+    err = capsys.readouterr().err
+    assert str(gz) in err and "truncated" in err and "export the archive again" in err, err
+    assert not (tmp_path / "o3").exists()
+    gz.write_bytes(whole)
+    (dest / "runs" / "README").write_text("x")
+    with pytest.raises(arc.ArchiveError, match=r"runs/README is a stray file .* remove it"):
+        arc.restore(dest, tmp_path / "o4")
+    assert not (tmp_path / "o4").exists()
+
+
+def test_export_bad_inputs_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    arc = _archive()
+    monkeypatch.setattr(arc, "_models", lambda: {})
+    (tmp_path / "empty").mkdir()
+    for out, says in ((tmp_path / "nowhere", "no such directory"),
+                      (tmp_path / "empty", "it holds no runs/ directory")):  # fmt: skip
+        monkeypatch.setattr("sys.argv", ["archive.py", "export", str(out), str(tmp_path / "a")])
+        assert arc.main() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"archive.py export: {out}: {says}") and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists()
+
+
+def test_restore_interrupted_leaves_no_half_written_study(tmp_path, monkeypatch):
+    arc, dest = _exported(tmp_path, monkeypatch)
+    import klpo._io
+
+    real = klpo._io.write_atomic
+    calls = []
+
+    def dies(path, data):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(klpo._io, "write_atomic", dies)
+    with pytest.raises(KeyboardInterrupt):
+        arc.restore(dest, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 
 
 def test_an_archive_under_docs_is_committed_not_ignored_by_git():

@@ -12,6 +12,13 @@ def digits(prompts: list[str], completions: list[str], answers: list[str]) -> li
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
+def overflowing_reward(
+    prompts: list[str], completions: list[str], answers: list[str]
+) -> list[float]:
+    """Finite in Python's float64, inf in float32 at every odd sample: 1e300, -1e300, ..."""
+    return [(-1.0) ** (i // 2) * 1e300 if i % 2 else 0.5 for i in range(len(completions))]
+
+
 def slow_digits(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
     """``digits``, slowly: gives a test time to kill the run in the middle of a step."""
     time.sleep(0.3)

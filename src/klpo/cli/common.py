@@ -95,26 +95,16 @@ def exits(code: int, *errors: type[BaseException]) -> Iterator[None]:
 @contextlib.contextmanager
 def full_disk_said(command: str, out: str | Path) -> Iterator[None]:
     """A full disk while ``command`` writes into ``out`` becomes one message (the file, the free
-    space, what is left, how to go on) and exit 1, not a traceback."""
-    from klpo.train.runtime.checkpoint import disk_full, format_size
+    space, what is left, how to go on) and exit 1, not a traceback: an OSError whose errno says
+    so, or safetensors' own error, which carries the OS error only in its text
+    (:func:`klpo.train.runtime.checkpoint.disk_full`)."""
+    from klpo.train.runtime.checkpoint import disk_full, full_disk_message
 
     try:
         yield
-    except OSError as err:
-        if not disk_full(err):
+    except Exception as err:
+        # klpo's own errors (ValueError: ConfigError, GGUFError) say a full disk themselves
+        if isinstance(err, ValueError) or not disk_full(err):
             raise
-        import shutil
-
-        probe = Path(out)
-        while not probe.is_dir() and probe.parent != probe:
-            probe = probe.parent
-        free = format_size(shutil.disk_usage(probe).free)
-        name = f" {err.filename}" if getattr(err, "filename", None) else ""
-        typer.echo(
-            f"error: {command} could not write{name} into {out}: No space left on device "
-            f"({free} free there). klpo writes each file whole or not at all (and a model "
-            "directory whole), so every file there is its old or its new self and nothing "
-            "half-written is left; free space and run the command again",
-            err=True,
-        )
+        typer.echo(f"error: {full_disk_message(command, out, err)}", err=True)
         raise typer.Exit(1) from None

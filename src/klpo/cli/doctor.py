@@ -85,6 +85,13 @@ _VARIABLES = typer.Option(
     metavar="NAME=VALUE",
     help="NAME=VALUE for a variable a launch script uses but does not define (repeatable).",
 )
+_SKIP_NON_CONFIGS = typer.Option(
+    False,
+    "--skip-non-configs",
+    help="A file that is no training config of any framework (a CI workflow, a data file, an "
+    "unrelated script) gets a note and counts as clean, not an error (exit 2): the pre-commit "
+    "hook's setting.",
+)
 
 
 def doctor(
@@ -105,6 +112,7 @@ def doctor(
     max_new_tokens: int = _MAX_NEW_TOKENS,
     seed: int = _SEED,
     variables: list[str] | None = _VARIABLES,
+    skip_non_configs: bool = _SKIP_NON_CONFIGS,
 ) -> None:
     """Say which KL a training config logs and which gradient it follows, and the klpo config for it."""
     if model is not None:
@@ -130,6 +138,7 @@ def doctor(
         variables=variables,
         fail_on=fail_on,
         fmt=fmt,
+        skip_non_configs=skip_non_configs,
     )
     if code:
         raise typer.Exit(code)

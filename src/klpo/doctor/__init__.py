@@ -80,7 +80,8 @@ def _detect_script(doc: Document) -> str:
         f"{doc.source}: not a config of any framework this doctor reads: {doc.describe()}, "
         f"and no training command the doctor knows ({entries}, behind a launcher) nor any "
         f"framework's flags in its commands; if it is one, name it with --framework "
-        f"({', '.join(frameworks.names())})"
+        f"({', '.join(frameworks.names())})",
+        what=doc.describe(),
     )
 
 
@@ -100,7 +101,8 @@ def _detect_settings(doc: Document) -> str:
             f"{doc.source}: not a config of any framework this doctor reads: {doc.describe()}; "
             "no framework's sections or keys were recognised, and the doctor does not read it "
             f"as any of them; if it is one, name it with --framework "
-            f"({', '.join(frameworks.names())})"
+            f"({', '.join(frameworks.names())})",
+            what=doc.describe(),
         )
     found.sort(key=lambda x: -x[0])
     best = [f for f in found if f[0] == found[0][0]]

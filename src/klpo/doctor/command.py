@@ -8,22 +8,25 @@ from pathlib import Path
 import typer
 
 from klpo.doctor import diagnose
-from klpo.doctor.reading import DoctorError
+from klpo.doctor.reading import DoctorError, UnknownFramework
 from klpo.doctor.report import render
 
 __all__ = ["run"]
 
 
 def _variables(pairs: list[str]) -> dict[str, str]:
-    """``--var NAME=VALUE`` options as a mapping."""
+    """``--var NAME=VALUE`` options as a mapping; NAME is a shell variable's name, or a number
+    for a positional parameter (``--var 1=/models/x`` for ``$1``)."""
     out: dict[str, str] = {}
     for pair in pairs:
         name, eq, value = pair.partition("=")
-        if not eq or not name.strip().isidentifier():
+        name = name.strip()
+        if not eq or not (name.isidentifier() or (name.isdigit() and name != "0")):
             raise DoctorError(
-                f"--var {pair!r}: write it as NAME=VALUE, e.g. --var MODEL_PATH=/models/x"
+                f"--var {pair!r}: write it as NAME=VALUE, e.g. --var MODEL_PATH=/models/x, or "
+                "N=VALUE for a positional parameter, e.g. --var 1=/models/x for $1"
             )
-        out[name.strip()] = value
+        out[name] = value
     return out
 
 
@@ -46,9 +49,16 @@ def run(
     variables: list[str] | None = None,
     fail_on: str = "error",
     fmt: str | None = None,
+    skip_non_configs: bool = False,
 ) -> int:
     """Print the diagnosis of each config; the exit status is :mod:`klpo.doctor.gate`'s (0 clean,
     1 a finding at or above ``fail_on``, 2 a file that could not be read).
+
+    ``skip_non_configs`` (the pre-commit hook's setting): a file that is no training config of
+    any framework (:class:`~klpo.doctor.reading.UnknownFramework`: a CI workflow, a data file, an
+    unrelated script) gets one line on stderr, ``FILE: not a training config: nothing to check``,
+    and counts as clean; without it, such a file is an error (exit 2), since a file named on the
+    command line was meant to be read.
 
     With ``--model`` the reading of the config is printed (and flushed) first, then the
     measurement, which loads two models and takes a while; ``chat`` None follows a klpo config's
@@ -73,8 +83,10 @@ def run(
     for one in configs:
         diag, text = _one(
             one, framework, version, model, reference, data, layer, sketch, chat, prompts,
-            samples, max_new_tokens, seed, variables, fmt,
+            samples, max_new_tokens, seed, variables, fmt, skip_non_configs,
         )  # fmt: skip
+        if diag is None and text is None:  # not a training config, skipped (said on stderr)
+            continue
         if diag is None:
             errors.append((one, text))
             continue
@@ -111,8 +123,10 @@ def _one(
     seed,
     variables,
     fmt,
-) -> tuple[dict | None, str]:
-    """One config: (its diagnosis, its text), or (None, the message, already on stderr)."""  # fmt: skip
+    skip_non_configs=False,
+) -> tuple[dict | None, str | None]:
+    """One config: (its diagnosis, its text), or (None, the message, already on stderr), or
+    (None, None) for a file skipped as no training config (its note on stderr)."""  # fmt: skip
     given = [
         name for name, v in (("--model", model), ("--reference", reference), ("--data", data)) if v
     ]
@@ -147,6 +161,12 @@ def _one(
                 seed=seed,
                 highlight=terms,
             )
+    except UnknownFramework as err:
+        if not skip_non_configs or framework is not None:
+            typer.echo(f"error: {err}", err=True)
+            return None, str(err)
+        typer.echo(f"{config}: not a training config: nothing to check ({err.what})", err=True)
+        return None, None
     except (DoctorError, ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         return None, str(err)

@@ -7,7 +7,9 @@ Exit status (documented in docs/frameworks.md, "The doctor in CI"):
 - ``1``: some file has a finding at or above ``--fail-on`` (``error`` by default; ``warning``
   counts warnings and errors);
 - ``2``: some file could not be read (missing, not a config, refused by name): its message on
-  stderr, the other files still reported.
+  stderr, the other files still reported. Under ``--skip-non-configs`` (the pre-commit hook's
+  setting) a file that is no training config of any framework is not counted here: it gets the
+  note "not a training config: nothing to check" and counts as clean.
 
 Formats: ``text`` (for people), ``json`` (the diagnosis; a list of them for several files),
 ``sarif`` (SARIF 2.1.0, one run, a result per finding, for code-scanning uploads) and ``github``

@@ -11,8 +11,11 @@ their name says). :mod:`klpo.doctor.report` adds what :func:`klpo.kl.explain` de
 from __future__ import annotations
 
 import difflib
+import errno
 import json
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,15 @@ class DoctorError(ValueError):
 
 class UnknownFramework(DoctorError):
     """A file that is no config of any framework the doctor reads: the message says what it
-    looked like, and that no framework's reading was applied to it."""
+    looked like, and that no framework's reading was applied to it.
+
+    ``what``: that description alone (``a YAML/JSON mapping with the top-level keys name, on,
+    jobs``), for the one-line note ``klpo doctor --skip-non-configs`` gives instead of an error.
+    """
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 FINDING_KINDS: dict[str, str] = {
@@ -297,7 +308,11 @@ class Settings:
                         (self.label(key),),
                         f"{self.label(key)} = {self.values[key]!r} depends on {unread}, which "
                         "the script does not define: the doctor cannot read it and took the "
-                        f"default {value!r}; give its value with --var NAME=VALUE",
+                        f"default {value!r}; give its value with --var NAME=VALUE"
+                        + "".join(
+                            f" (--var {n}=VALUE for ${n})"
+                            for n in re.findall(r"\$\{([0-9]+)\}", str(self.values[key]))[:1]
+                        ),
                     )
                 )
         else:
@@ -349,13 +364,25 @@ class Settings:
 
 
 def _unresolved_text(value: Any) -> str | None:
-    """The shell names a value from a script still depends on (``${HOME}``, ``$(date)``)."""
+    """The shell names a value from a script still depends on (``${HOME}``, ``$(date)``, a
+    positional parameter ``${1}``, said as one: :func:`shell_name`)."""
     if not isinstance(value, str):
         return None
-    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|(\$\([^)]*\))", value)
+    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*|[0-9]+)\}|(\$\([^)]*\))", value)
     if not names:
         return None
-    return ", ".join(f"${a}" if a else b for a, b in names)
+    return ", ".join(shell_name(a) if a else b for a, b in names)
+
+
+def shell_name(name: str) -> str:
+    """``$NAME``, or for a digit ``$1 (a positional parameter: an argument of the script, or of
+    the shell function the command sits in)``, which ``--var 1=VALUE`` gives."""
+    if name.isdigit():
+        return (
+            f"${name} (a positional parameter: argument {name} of the script, or of the shell "
+            "function the command sits in)"
+        )
+    return f"${name}"
 
 
 def nearest(key: str, known: list[str] | set[str] | dict[str, Any]) -> str | None:
@@ -445,8 +472,49 @@ def known_key(key: str, table: dict[str, Any]) -> bool:
     return any(k.startswith(key + ".") for k in table)
 
 
+# What a path that is not a regular file is, by its mode (a FIFO or a character device would
+# block the read until another process writes: the doctor must never wait on one).
+_NOT_FILES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe): reading it would wait for a writer"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def check_config_file(path: Path) -> None:
+    """A DoctorError unless ``path`` is a regular file (after its symlinks): it names a path that
+    does not exist, a broken symlink, a symlink loop, and a directory, FIFO, socket or device
+    (whose read would block or fail), each with the fix."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise DoctorError(
+                f"{path}: a symlink loop (its links lead back to themselves, so no file is at the "
+                "end); point the link at the config file"
+            ) from None
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            if path.is_symlink():
+                raise DoctorError(
+                    f"{path}: a broken symlink (to {os.readlink(path)!r}, which does not exist); "
+                    "point it at the config file"
+                ) from None
+            raise DoctorError(f"config file {str(path)!r} does not exist") from None
+        raise DoctorError(f"{path}: cannot be read ({err.strerror})") from None
+    for test, what in _NOT_FILES:
+        if test(mode):
+            raise DoctorError(
+                f"{path}: {what}, not a config file; give the YAML/JSON config or the launch "
+                "script (a regular file)"
+            )
+
+
 def read_text(path: Path) -> str:
-    """A config file's text, or a DoctorError naming the file and what is wrong with it."""
+    """A config file's text, or a DoctorError naming the file and what is wrong with it
+    (:func:`check_config_file` first: a FIFO is refused, never waited on)."""
+    check_config_file(path)
     try:
         data = path.read_bytes()
     except IsADirectoryError:
@@ -549,20 +617,45 @@ def duplicate_keys(text: str, is_json: bool = False) -> list[tuple[str, int, int
     return out
 
 
+class _KeysAsWritten(yaml.SafeLoader):
+    """PyYAML's safe loader, but a mapping key that YAML 1.1 would read as another type is the
+    text written: a GitHub workflow's ``on:`` is the key ``"on"``, not ``True`` (``yes``, ``no``,
+    ``off``, ``1``, ``~`` likewise). Every key of a config is then a string, as the readers
+    assume; values are read as PyYAML reads them."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            node.value = [
+                (
+                    yaml.ScalarNode("tag:yaml.org,2002:str", k.value, k.start_mark, k.end_mark)
+                    if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:str"
+                    else k,
+                    v,
+                )
+                for k, v in node.value
+            ]
+        return super().construct_mapping(node, deep)
+
+
 def load_mapping(path: Path) -> dict[str, Any]:
-    """A YAML or JSON file holding one mapping, or a DoctorError that says what is wrong."""
+    """A YAML or JSON file holding one mapping (its keys strings, as written:
+    :class:`_KeysAsWritten`), or a DoctorError that says what is wrong (an
+    :class:`UnknownFramework` for a file that holds a list or a scalar: data, not settings)."""
     text = read_text(path)
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, _KeysAsWritten)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise DoctorError(f"{path}: not valid {kind}: {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise DoctorError(
+        what = f"a {'JSON' if path.suffix == '.json' else 'YAML'} {type(data).__name__}"
+        raise UnknownFramework(
             f"{path}: the file holds a {type(data).__name__}, not a mapping of settings; "
-            "give a YAML/JSON mapping (verl, TRL, klpo) or a command line (OpenRLHF, verl overrides)"
+            "give a YAML/JSON mapping (verl, TRL, klpo) or a command line (OpenRLHF, verl "
+            "overrides)",
+            what=f"{what}, not a mapping of settings",
         )
     return data
 

@@ -486,15 +486,21 @@ def render(diag: dict[str, Any]) -> str:
     fw = diag["framework"]
     lines = [f"klpo doctor: {diag['source']}"]
     named = diag["version"]
-    lines.append(
-        f"framework: {fw}; defaults and semantics of "
-        f"{fw.split('-')[0] if fw.startswith('trl-') else fw} {diag['defaults_version']}"
-        + (
-            f" (you named {named})"
-            if named
-            else " (version not named: assumed; --framework-version names yours)"
+    if fw == "klpo":  # klpo's own config: the klpo that runs is the version, nothing assumed
+        lines.append(
+            f"framework: klpo; read by this klpo ({diag['defaults_version']}), its own defaults"
+            + (f" (you named {named})" if named else "")
         )
-    )
+    else:
+        lines.append(
+            f"framework: {fw}; defaults and semantics of "
+            f"{fw.split('-')[0] if fw.startswith('trl-') else fw} {diag['defaults_version']}"
+            + (
+                f" (you named {named})"
+                if named
+                else " (version not named: assumed; --framework-version names yours)"
+            )
+        )
     if diag.get("defaults_from"):
         lines.append(f"settings and defaults: {diag['defaults_from']}")
     ups = diag["updates_per_batch"]
@@ -526,6 +532,11 @@ def render(diag: dict[str, Any]) -> str:
         for f in diag["findings"]:
             lines.append(f"  [{f['level']}] {f['text']}  ({', '.join(f['keys'])})")
     eq, it = diag["equivalent"], diag["intended"]
+    if fw == "klpo":
+        lines += _render_own_configs(diag)
+        if distillation:
+            lines += _render_sections(distillation)
+        return "\n".join(lines)
     lines += [
         "",
         "klpo config that does the same thing (klpo train -c FILE):",
@@ -549,6 +560,53 @@ def render(diag: dict[str, Any]) -> str:
     if distillation:
         lines += _render_sections(distillation)
     return "\n".join(lines)
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{dotted key: value}``."""
+    if not isinstance(config, dict):
+        return {prefix.rstrip("."): config}
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _render_own_configs(diag: dict[str, Any]) -> list[str]:
+    """The two klpo configs of a klpo config, compactly: the one that does the same thing is
+    the file itself (its every key written out would repeat klpo's defaults, some hundred
+    lines), and the one it most likely meant is said by the keys it changes. The full configs
+    stay in ``--format json``."""
+    eq, it = diag["equivalent"], diag["intended"]
+    lines = [
+        "",
+        f"klpo config that does the same thing: the file itself (klpo train -c {_file(diag)})",
+    ]
+    for d in eq["differences"]:
+        lines.append(f"  # differs: {d}")
+    if eq["invalid"]:
+        lines.append(f"  # klpo rejects it: {eq['invalid']}")
+    same, meant = _flat(eq["config"] or {}), _flat(it["config"] or {})
+    changes = [
+        f"  {k}: {same.get(k)!r} -> {v!r}" if k in same else f"  {k}: {v!r} (added)"
+        for k, v in meant.items()
+        if k not in same or same[k] != v
+    ]
+    lines.append(
+        "klpo config that does what these settings most likely meant: "
+        + ("the file with these changes:" if changes else "the same")
+    )
+    lines += changes
+    for w in it["why"]:
+        lines.append(f"  # why: {w}")
+    if it["invalid"]:
+        lines.append(f"  # klpo rejects it: {it['invalid']}")
+    lines.append("(the configs written out key by key, klpo's defaults included: --format json)")
+    return lines
+
+
+def _file(diag: dict[str, Any]) -> str:
+    return str(diag["source"]).split(" (", 1)[0]
 
 
 def _indent(text: str) -> str:

@@ -474,7 +474,8 @@ def preflight(
     log(f"run directory: {cfg.run.out_dir}")
     for line in config_lines(cfg):  # what it trains and how (klpo.train.models.describe)
         log(line)
-    for line in [*real_notes, *plan.notes]:
+    few = few_prompts_note(cfg, train_set)
+    for line in [*real_notes, *plan.notes, *([few] if few else [])]:
         log(f"note: {line}")
     bf16 = bf16_warning(cfg)
     for line in [*config_warnings(cfg, dist.world), *schedule_warnings, *([bf16] if bf16 else [])]:
@@ -482,6 +483,27 @@ def preflight(
     for line in codec.describe(train_set[0].prompt if train_set else None):
         log(line)
     return plan, (train_set, heldout)
+
+
+def few_prompts_note(cfg: TrainConfig, train_set: list[Example]) -> str | None:
+    """The start line's note where the training set holds fewer distinct prompts than one step
+    samples (``rollout.prompts_per_step``), or one prompt at all: every step then trains copies
+    of the same prompts (the stream cycles over the data, :class:`PromptStream`), which a
+    one-row file gives without a word otherwise. None where the data has enough."""
+    distinct = len({e.prompt for e in train_set})
+    p, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    if not train_set or (distinct >= p and distinct > 1):
+        return None
+    shown = train_set[0].prompt.strip().replace("\n", " ")
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    what = f"one distinct prompt ({shown!r})" if distinct == 1 else f"{distinct} distinct prompts"
+    rows = f"{len(train_set)} row" + ("s" if len(train_set) != 1 else "")
+    return (
+        f"the training data holds {what} in {rows}, and each step samples "
+        f"rollout.prompts_per_step={p} prompts ({g} completions each): every step trains copies "
+        f"of {'it' if distinct == 1 else 'them'}. If that is not meant, give more rows "
+        "(data.path) or fewer rollout.prompts_per_step"
+    )
 
 
 def check_eval_cache(path: str | None) -> None:

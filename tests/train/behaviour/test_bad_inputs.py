@@ -114,3 +114,59 @@ def test_explain_staleness_refuses_a_sampler_too_far_behind_for_float64() -> Non
 
     with pytest.raises(ValueError, match=r"ask for K <= 100 at this step"):
         staleness_rows(100_000, estimators=["k3"], step=0.2)
+
+
+def test_a_reward_beyond_float32_is_refused_naming_the_function_and_the_overflow(
+    tiny_model, quick, tmp_path
+) -> None:
+    """1e300 is finite in Python and inf in the trainer's float32 tensors: it was refused as
+    "rewards must be finite; non-finite at indices [1, 3]", naming neither the function nor why."""
+    from klpo.train import loop
+    from klpo.train.rewards.functions import RewardError
+
+    over = quick(tiny_model, tmp_path / "run",
+                 rewards="[{name: 'klpo_test_rewards:overflowing_reward'}]")  # fmt: skip
+    with pytest.raises(RewardError) as err:
+        loop.train(build_config(overrides=over), log=lambda _m: None)
+    msg = str(err.value)
+    assert "reward function 'klpo_test_rewards:overflowing_reward' returned values" in msg, msg
+    assert "overflow float32 (|x| > 3.4e38" in msg and "at samples [1, 3" in msg, msg
+    assert "1e+300, -1e+300" in msg and "smaller scale" in msg, msg
+
+
+def test_a_weighted_sum_beyond_float32_names_the_weights() -> None:
+    """Each value fits float32, the weighted sum does not: said of the sum, with its terms."""
+    from klpo.train.rewards.functions import RewardError, WeightedReward, combined_rewards, score
+
+    def big(prompts, completions, answers):
+        return [3e38, 1.0]
+
+    assert score(big, "big", ["p", "q"], ["a", "b"], ["", ""]) == [3e38, 1.0]  # 3e38 < 3.4e38
+    with pytest.raises(RewardError, match=r"weighted sum .* at samples \[0\] .*'big' × 2"):
+        combined_rewards([WeightedReward("big", big, 2.0)], ["p", "q"], ["a", "b"], ["", ""])
+    assert combined_rewards([WeightedReward("big", big, 1.0)], ["p", "q"], ["a", "b"], ["", ""])
+
+
+def test_a_one_row_dataset_is_noted_at_the_start(tiny_model, quick, tmp_path) -> None:
+    """One row (or fewer distinct prompts than a step samples) trains copies of the same
+    prompt every step; the start lines now say so, and a data set with enough says nothing."""
+    import json
+
+    from klpo.train.preflight import preflight
+    from klpo.train.runtime.dist import Dist
+
+    def start_lines(rows: list[str], name: str) -> list[str]:
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"prompt": p, "answer": "4"}) + "\n" for p in rows))
+        over = quick(tiny_model, tmp_path / name, **{"data.source": "jsonl", "data.path": data})
+        lines: list[str] = []
+        preflight(build_config(overrides=over), Dist(), resume=False, log=lines.append)
+        return [x for x in lines if "every step trains copies" in x]
+
+    [note] = start_lines(["2 + 2 ="], "one")
+    assert note.startswith("note: the training data holds one distinct prompt ('2 + 2 =') in 1 row")
+    assert "rollout.prompts_per_step=4 prompts (4 completions each)" in note
+    assert "give more rows (data.path) or fewer rollout.prompts_per_step" in note
+    [note] = start_lines(["1 + 1 =", "1 + 2 =", "1 + 1 ="], "two")
+    assert "holds 2 distinct prompts in 3 rows" in note and "copies of them" in note
+    assert start_lines([f"{i} + 1 =" for i in range(4)], "enough") == []

@@ -954,6 +954,33 @@ def test_export_out_that_cannot_be_a_new_model_directory(tiny_model, quick, tmp_
     assert snapshot(tmp_path) == written
 
 
+def test_export_of_a_live_run_whose_checkpoint_is_pruned_under_it(
+    tiny_model, quick, tmp_path, monkeypatch
+):
+    """A live run deletes its older checkpoints after each save (run.save_total_limit); one
+    deleted while export reads it gave transformers' message about a Hub repo id."""
+    from klpo.train.tools import export as export_tool
+
+    run = tmp_path / "run"
+    train(build_config(overrides=quick(tiny_model, run, **{"run.steps": 1})))
+    real = export_tool.load_causal_lm
+
+    def pruned_first(name, *args, **kwargs):  # the trainer's prune lands just before the read
+        shutil.rmtree(run / "checkpoints" / "step_000001")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(export_tool, "load_causal_lm", pruned_first)
+    model = tmp_path / "model"
+    text = clean_error(
+        cli("export", str(run), "--out", str(model)),
+        1,
+        f"the checkpoint step_000001 of {run} vanished while export read it",
+        "(run.save_total_limit); run the export again",
+        "or export a run that has finished",
+    )
+    assert "repo" not in text.lower() and not model.exists(), text
+
+
 # ---------------------------------------------------------------------------------------------
 # A full disk at a later save and on --resume (the first save: above), and a real one.
 

@@ -695,3 +695,28 @@ def test_a_full_disk_under_docs_lab_report_and_make_reward_model_is_one_message(
     assert {k: v for k, v in after.items() if k in before} == before
     leftovers = [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".old-"))]
     assert not leftovers and not any(k.endswith(".tmp") for k in after), (leftovers, after)
+
+
+def test_a_full_disk_in_safetensors_own_error_is_one_message(tmp_path, monkeypatch):
+    """safetensors' writer reports a full disk as its own SafetensorError (not an OSError), the
+    errno only in its text: ``klpo make-reward-model`` says it as every full disk is said."""
+    import transformers.modeling_utils as modeling
+    from safetensors import SafetensorError
+
+    def full(*_args, **_kwargs):
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        )
+
+    monkeypatch.setattr(modeling, "safe_save_file", full)
+    rm = tmp_path / "rm"
+    result = cli("make-reward-model", str(rm), "--n-pairs", "8", "--steps", "1", "--n-eval", "4")
+    clean_error(
+        result,
+        1,
+        "error: klpo make-reward-model could not write",
+        f"into {rm}: No space left on device",
+        "nothing half-written is left; free space and run the command again",
+    )
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".old-"))]

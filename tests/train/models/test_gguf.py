@@ -43,7 +43,9 @@ def _byte_symbols() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, *, arch: str = "llama", seed: int = 0, name: str = "tiny"
+) -> dict[str, np.ndarray]:
     """A 2-layer Llama (hidden 32) with a byte-level BPE tokenizer, ChatML specials and a chat
     template, its matrices in Q8_0 blocks, as llama.cpp lays a Llama out; returns the float
     weights it was quantised from, by GGUF name."""
@@ -51,7 +53,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[s
     tokens = [*_byte_symbols(), "Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab, hidden, ffn, layers, heads, kv = len(tokens), 32, 64, 2, 4, 2
     w = gguf_pkg.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
+    w.add_name(name)
     w.add_context_length(64)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -253,6 +255,47 @@ def test_changed_file_gets_a_new_image(tiny_gguf, tiny_image, tiny_cache, tmp_pa
     assert gguf.find_image(one.sha256) == one.path and gguf.find_image(two.sha256) == two.path
 
 
+def test_a_wrong_remembered_digest_never_hands_over_another_files_image(
+    tiny_gguf, tiny_image, cache, tmp_path
+):
+    """A remembered digest (the memo kept by path, size and mtime) that names another file's
+    image trained that file's model while the run's first line named this one. The image's own
+    record (architecture, name, size, tensors, digest) is compared with the file's header: the
+    file is read again, and an image that still disagrees is refused."""
+    import hashlib
+
+    images = cache / "gguf"
+    images.mkdir(parents=True)
+    shutil.copytree(tiny_image.path, images / tiny_image.sha256)
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, seed=3, name="other")
+    true_sha = gguf.file_sha256(other)
+    memo = images / "digests" / (hashlib.sha1(str(other.resolve()).encode()).hexdigest() + ".json")
+    saved = json.loads(memo.read_text())
+    memo.write_text(json.dumps({**saved, "sha256": tiny_image.sha256}))  # the wrong digest
+    assert gguf.file_sha256(other) == tiny_image.sha256  # the memo is believed...
+    made: list[Path] = []
+    lines: list[str] = []
+
+    def counting(source, final, header, sha):
+        made.append(final)
+        gguf.convert_gguf(source, final, header, sha)
+
+    image = gguf.resolve_gguf(other, convert=counting, log=lines.append)
+    assert image.path == images / true_sha != tiny_image.path  # ...but not handed over
+    assert made == [images / true_sha] and any("remembered digest" in x for x in lines), lines
+    assert gguf.file_sha256(other) == true_sha  # remembered anew
+    # an image directory that holds another file's image is refused, naming it and the fix
+    gguf.forget_resolved()
+    shutil.rmtree(images / true_sha)
+    shutil.copytree(tiny_image.path, images / true_sha)
+    with pytest.raises(gguf.GGUFError) as err:
+        gguf.resolve_gguf(other, convert=_no_conversion)
+    msg = str(err.value)
+    assert f"delete {images / true_sha}" in msg and "name 'tiny', not 'other'" in msg, msg
+    assert gguf.find_image(true_sha) is None  # `make real-models` does not take it either
+
+
 def test_not_a_gguf_file(tmp_path, cache):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
@@ -335,6 +378,101 @@ def test_interrupted_conversion_leaves_nothing_and_two_converters_make_one(
     assert images[0].path == images[1].path and sorted(i.converted for i in images) == [False, True]
 
 
+_KILLED = """
+import sys, time
+from pathlib import Path
+from klpo._io import atomic_dir
+from klpo.train.models import gguf
+
+def slow(source, final, header, sha):
+    with atomic_dir(final) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"\\0" * 100_000)
+        print("writing", flush=True)
+        time.sleep(120)
+
+gguf.resolve_gguf(sys.argv[1], convert=slow)
+"""
+
+
+def test_a_conversion_killed_outright_leaves_a_temporary_the_next_one_removes(
+    tiny_gguf, cache, monkeypatch
+):
+    """``kill -9`` runs no ``finally``: the partial image stayed in the cache for good. The next
+    conversion (of any file) removes the temporaries of processes that no longer run, and every
+    temporary of its own file (it holds that file's lock); another live process's stays."""
+    import os
+    import signal
+    import subprocess
+
+    env = {
+        **os.environ,
+        "KLPO_CACHE": str(cache),
+        "PYTHONPATH": str(Path(gguf.__file__).parents[3]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(tiny_gguf)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    images = cache / "gguf"
+    sha = gguf.file_sha256(tiny_gguf)
+    [left] = [p for p in images.iterdir() if p.name.startswith(".tmp-")]
+    assert left.name == f".tmp-{sha}-{proc.pid}" and (left / "model.safetensors").is_file()
+    # another file's temporaries: one of a process gone (stale), one of a live process (kept)
+    gone = images / f".tmp-{'b' * 64}-{proc.pid}"
+    live = images / f".old-{'c' * 64}-{os.getppid()}"
+    for d in (gone, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    lines: list[str] = []
+    image = gguf.resolve_gguf(tiny_gguf, log=lines.append)
+    assert image.converted and gguf.find_image(sha) == image.path
+    assert not left.exists() and not gone.exists() and live.exists()
+    said = [x for x in lines if "removed what killed conversions left" in x]
+    assert len(said) == 1 and left.name in said[0] and gone.name in said[0], lines
+
+
+def test_a_full_disk_during_conversion_is_one_message_and_leaves_nothing(
+    tiny_gguf, cache, monkeypatch
+):
+    """A full disk while the image's safetensors are written: an OSError (ENOSPC), or
+    safetensors' own error carrying it in its text, is the message every klpo command gives
+    for a full disk, with the room the image takes; nothing is left in the cache."""
+    import errno
+    import os
+
+    import transformers.modeling_utils as modeling
+    from safetensors import SafetensorError
+
+    errors = (
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+        SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        ),
+    )
+    for error in errors:
+
+        def full(*_args, error=error, **_kwargs):
+            raise error
+
+        monkeypatch.setattr(modeling, "safe_save_file", full)
+        gguf.forget_resolved()
+        with pytest.raises(gguf.GGUFError) as err:
+            gguf.resolve_gguf(tiny_gguf)
+        msg = str(err.value)
+        assert msg.startswith(
+            f"dequantising {tiny_gguf.name} could not write into {cache / 'gguf'}: No space left "
+            "on device ("
+        ), msg
+        assert "free there" in msg and "nothing half-written is left" in msg, msg
+        assert "the float32 image takes about" in msg and "KLPO_CACHE" in msg, msg
+        assert "\n" not in msg
+        left = [p.name for p in (cache / "gguf").iterdir() if p.name.startswith((".tmp", ".old"))]
+        assert left == [] and gguf.find_image(gguf.file_sha256(tiny_gguf)) is None
+
+
 def test_train_preflight_resolves_first_and_says_what_the_weights_are(
     tiny_gguf, tiny_image, tmp_path, quick, monkeypatch
 ):
@@ -398,7 +536,12 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
     monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
     lines: list[str] = []
     assert real_models.real_model_dir("tiny") is None
+    # a concatenation killed outright (kill -9) left write_atomic's temporary: removed
+    killed = cache / "real-models" / ".tiny.gguf.x1y2z3.tmp"
+    killed.parent.mkdir(parents=True)
+    killed.write_bytes(data[:500])
     made = real_models.make(["tiny"], log=lines.append)
+    assert not killed.exists()
     assert made["tiny"] == real_models.real_model_dir("tiny") == cache / "gguf" / sha
     assert (cache / "real-models" / "tiny.gguf").read_bytes() == data
     assert any("dequantising" in line for line in lines)
@@ -411,6 +554,50 @@ def test_real_models_target_concatenates_checks_and_converts_once(tiny_gguf, cac
         real_models.make(["odd"], log=lines.append)
     assert not (cache / "real-models" / "odd.gguf").exists()
     assert real_models.main(["nosuch"]) == 2
+
+
+def test_real_models_interrupted_is_one_line_and_leaves_nothing(
+    tiny_gguf, cache, monkeypatch, capsys
+):
+    """Ctrl-C while `make real-models` converts: one line and exit 130, not a traceback; no
+    image, no temporary directory, no half-concatenated file in the cache."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from klpo.train.tools import real_models
+
+    data = tiny_gguf.read_bytes()
+    parts = tiny_gguf.parent / "halves"
+    parts.mkdir(exist_ok=True)
+    (parts / "a").write_bytes(data[:1000])
+    (parts / "b").write_bytes(data[1000:])
+    sha = gguf.file_sha256(tiny_gguf)
+    pinned = real_models.RealModel("tiny", (), (("m", "a"), ("m", "b")), "tiny.gguf", sha, parts)
+    monkeypatch.setitem(real_models.REAL_MODELS, "tiny", pinned)
+
+    def ctrl_c(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", ctrl_c)
+    assert real_models.main(["tiny"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: nothing half-written is left") and err.count("\n") == 1
+    assert "run `make real-models` again" in err
+    assert real_models.real_model_dir("tiny") is None
+    left = [p.name for p in cache.rglob("*") if p.name.startswith((".tmp", ".old", ".tiny"))]
+    assert left == [], left
+
+
+def test_conversion_draws_no_progress_bar_into_a_log(tiny_gguf, cache, capfd):
+    """Into a piped log (stderr not a terminal) transformers' bars were redrawn line after line
+    (the GGUF loader's tensors, the shards written); none now, and the bars are as they were."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    bar, on = gguf_utils.tqdm, logging.is_progress_bar_enabled()
+    gguf.resolve_gguf(tiny_gguf)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "%|" not in err, err
+    assert gguf_utils.tqdm is bar and logging.is_progress_bar_enabled() == on
 
 
 def test_real_models_pins_match_the_packages_files():

@@ -151,6 +151,25 @@ def test_lora_checkpoints_hold_adapters_resume_exactly_and_export(tiny_model, qu
     assert again.exit_code == 2 and "already holds a model; choose another --out" in again.output
 
 
+def test_export_of_a_lora_run_prints_no_deprecation(tiny_model, quick, tmp_path):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps the base:
+    export printed transformers' FutureWarning. Silenced there, that warning only."""
+    import warnings
+
+    run = tmp_path / "run"
+    extra = {"model.lora": "{r: 4}", "run.steps": 1, "run.eval_every": 0, "run.save_every": 1}
+    loop.train(build_config(overrides=quick(tiny_model, run, **extra)), log=lambda *_: None)
+    for i, merge in enumerate((["--merge"], [])):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = CliRunner().invoke(
+                app, ["export", str(run), "--out", str(tmp_path / f"m{i}"), *merge]
+            )
+        assert result.exit_code == 0, result.output
+        future = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+        assert future == [], future
+
+
 def test_export_of_a_full_fine_tune_is_its_checkpoint(tiny_model, quick, tmp_path):
     run = tmp_path / "run"
     extra = {"run.steps": 1, "run.eval_every": 0}

@@ -16,10 +16,15 @@ The cache:
 - one directory per file content, ``<root>/gguf/<sha256 of the file>/`` (a copy or a rename of the
   file finds the same image; a changed file gets a new one), with ``klpo-gguf.json`` saying what it
   was made from; the digest of a file is remembered by its path, size and modification time, so a
-  second resolve reads no more than the header;
+  second resolve reads no more than the header; the image's record is compared with the file's
+  header before it is used (:func:`image_mismatch`): a wrong remembered digest is read again, an
+  image of another file refused;
 - written atomically (built in a temporary directory and renamed, :func:`klpo._io.atomic_dir`) under
   a lock, so a second process converting the same file waits and then reuses the first's image,
-  and a conversion that is interrupted leaves nothing behind;
+  and a conversion that is interrupted leaves nothing behind; one killed outright (``kill -9``)
+  leaves its temporary directory, which the next conversion removes (:func:`_sweep_stale`);
+- a full disk is one message (the file, the space free, the room the image takes), like every
+  klpo command's, not a traceback;
 - the quantisation marker transformers leaves on the model (its ``quantization_config``) is dropped,
   so ``save_pretrained``, LoRA merging and ``klpo export`` treat the image as the plain model it is.
 
@@ -52,6 +57,7 @@ __all__ = [
     "find_image",
     "forget_resolved",
     "gguf_problem",
+    "image_mismatch",
     "is_gguf_path",
     "read_header",
     "resolve_gguf",
@@ -299,16 +305,17 @@ def _stat_key(path: Path) -> tuple[str, int, int, int]:
     return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
+def file_sha256(path: str | os.PathLike[str], *, remembered: bool = True) -> str:
     """The sha256 of the file at ``path`` (hex). Read once: the digest is kept in the cache by
     the file's resolved path, size, modification time and inode, so a second call does not read
-    the file again while none of those change."""
+    the file again while none of those change (``remembered=False``: read it anyway, and
+    remember the digest anew)."""
     path = Path(path).expanduser()
     key = _stat_key(path)
     memo = _images() / "digests" / (hashlib.sha1(key[0].encode()).hexdigest() + ".json")
-    with contextlib.suppress(OSError, ValueError, KeyError):
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = json.loads(memo.read_text(encoding="utf-8"))
-        if saved["stat"] == list(key[1:]):
+        if remembered and saved["stat"] == list(key[1:]):
             return str(saved["sha256"])
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -363,9 +370,43 @@ class GGUFImage:
 
 
 def find_image(sha256: str) -> Path | None:
-    """The complete image of the file whose content digest is ``sha256``, or None."""
+    """The complete image of the file whose content digest is ``sha256``, or None (also where
+    the image's own record names another digest: a renamed or damaged directory)."""
     path = _images() / sha256
-    return path if _complete(path) else None
+    if not _complete(path):
+        return None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads((path / IMAGE_FILE).read_text(encoding="utf-8")).get("sha256") != sha256:
+            return None
+    return path
+
+
+def image_mismatch(path: Path, header: GGUFHeader, sha256: str) -> str | None:
+    """What the complete image at ``path`` says it was made from (its ``klpo-gguf.json``), where
+    that is not the file asked for (its header's architecture and name, its content digest);
+    None where they agree or there is no complete image.
+
+    A wrong digest (a damaged memo, a renamed image directory) would otherwise hand one model's
+    weights to a run whose first line names another."""
+    if not _complete(path):
+        return None
+    try:
+        record = json.loads((path / IMAGE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"its {IMAGE_FILE} cannot be read ({err})"
+    if not isinstance(record, dict):
+        return f"its {IMAGE_FILE} is not a record"
+    asked = {
+        "sha256": sha256,
+        "architecture": header.architecture,
+        "name": header.name,
+        "size": header.size,
+        "tensors": header.tensors,
+    }
+    odd = [k for k, v in asked.items() if k in record and record[k] != v]
+    if not odd:
+        return None
+    return "; ".join(f"{k} {record[k]!r}, not {asked[k]!r}" for k in odd)
 
 
 def _complete(path: Path) -> bool:
@@ -416,16 +457,35 @@ def resolve_gguf(
     check_architecture(source, header)
     sha = file_sha256(source)
     final = _images() / sha
+    odd = image_mismatch(final, header, sha)
+    if odd is not None:  # the remembered digest may be wrong: read the file itself
+        fresh = file_sha256(source, remembered=False)
+        if fresh != sha:
+            if log is not None:
+                log(
+                    f"{key}: the cache's remembered digest of {source.name} was wrong (it named "
+                    f"the image of another file); read the file again: sha256 {fresh[:12]}…"
+                )
+            sha, final = fresh, _images() / fresh
+            odd = image_mismatch(final, header, sha)
+    if odd is not None:
+        raise GGUFError(
+            f"{source} ({header.architecture} {header.name!r}): klpo's cached image {final} was "
+            f"made from another file ({odd}, by its {IMAGE_FILE}), so a run would train other "
+            f"weights than the file's. The cache is damaged: delete {final} and run again (the "
+            "file is converted anew)"
+        )
     converted = False
     if not _complete(final):
         try:
             converted = _make_image(source, final, header, sha, key, log, convert or convert_gguf)
-        except OSError as err:  # a cache that cannot be written, a full disk
-            raise GGUFError(
-                f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
-                f"({type(err).__name__}: {err}); free some space there, or set KLPO_CACHE to a "
-                "writable directory"
-            ) from None
+        except GGUFError:
+            raise
+        except Exception as err:  # a cache that cannot be written, a full disk
+            problem = _write_error(source, final, header, err)
+            if problem is None:
+                raise
+            raise problem from None
     image = GGUFImage(
         source=source,
         path=final,
@@ -437,6 +497,66 @@ def resolve_gguf(
     )
     _RESOLVED[stat] = image
     return image
+
+
+def _write_error(source: Path, final: Path, header: GGUFHeader, err: Exception) -> GGUFError | None:
+    """The :class:`GGUFError` for a conversion that could not write its image: a full disk
+    (an OSError's errno, or safetensors' own error, which carries it in its text) in the words of
+    every klpo command's full-disk message, with the room the image takes; any other OSError as
+    a cache that cannot be written; None for anything else (raised unchanged)."""
+    from klpo.train.runtime.checkpoint import disk_full, format_size, full_disk_message
+
+    if disk_full(err):
+        need = format_size(_image_bytes(header))
+        return GGUFError(
+            full_disk_message(f"dequantising {source.name}", final.parent, err)
+            + f" (the float32 image takes about {need}; or set KLPO_CACHE to a directory on a "
+            "disk with room)"
+        )
+    if isinstance(err, OSError):
+        return GGUFError(
+            f"{source}: its float32 image cannot be written into klpo's cache {final.parent} "
+            f"({type(err).__name__}: {err}); free some space there, or set KLPO_CACHE to a "
+            "writable directory"
+        )
+    return None
+
+
+def _image_bytes(header: GGUFHeader) -> float:
+    """About what the float32 image of a quantised file takes on disk: 4.3 times the file
+    (measured: SmolLM2's 126 MB file, 540 MB; Gemma 3's 253 MB, 1.1 GB)."""
+    return 4.3 * header.size if header.quantization else 1.0 * header.size
+
+
+def _sweep_stale(images: Path, sha: str) -> list[str]:
+    """Remove the temporary directories of conversions killed before they finished (``kill -9``
+    leaves ``.tmp-<sha256>-<pid>``, hundreds of MB, that no ``finally`` removed); the names
+    removed. Called under ``sha``'s lock, where every temporary of ``sha`` is stale; another
+    file's is stale when the process its name ends with no longer runs."""
+    import shutil
+
+    gone: list[str] = []
+    for entry in images.glob(".*-*-*"):  # atomic_dir's .tmp-<name>-<pid> and .old-<name>-<pid>
+        name, _, pid = entry.name.rpartition("-")
+        if not name.startswith((".tmp-", ".old-")) or not entry.is_dir() or not pid.isdigit():
+            continue
+        if name[5:] != sha and (int(pid) == os.getpid() or _alive(int(pid))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            gone.append(entry.name)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _make_image(
@@ -456,6 +576,9 @@ def _make_image(
     with FileLock(str(final) + ".lock"):
         if _complete(final):  # another process made it while this one waited
             return False
+        gone = _sweep_stale(final.parent, final.name)
+        if gone and log is not None:
+            log(f"{key}: removed what killed conversions left in {final.parent}: {', '.join(gone)}")
         if log is not None:
             log(
                 f"{key}: dequantising {source.name} ({header.quantization or 'floats'}, "
@@ -468,7 +591,13 @@ def _make_image(
 
 def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     """Dequantise ``source`` with transformers and save the float32 model, its tokenizer, chat
-    template and generation config into ``final``, atomically."""
+    template and generation config into ``final``, atomically; transformers' progress bars only
+    where stderr is a terminal."""
+    with _bars_on_a_terminal_only():
+        _convert(source, final, header, sha)
+
+
+def _convert(source: Path, final: Path, header: GGUFHeader, sha: str) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -476,7 +605,7 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
 
     from klpo._io import atomic_dir, write_text_atomic
 
-    logging.set_verbosity_error()  # no advisory warnings; the conversion's progress bar stays
+    logging.set_verbosity_error()  # no advisory warnings
     where, file = str(source.resolve().parent), source.resolve().name
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=file)
@@ -511,6 +640,8 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
                     "sha256": sha,
                     "architecture": header.architecture,
                     "name": header.name,
+                    "size": header.size,
+                    "tensors": header.tensors,
                     "quantization": header.quantization,
                     "dtype": "float32",
                     "transformers": transformers.__version__,
@@ -519,6 +650,32 @@ def convert_gguf(source: Path, final: Path, header: GGUFHeader, sha: str) -> Non
             )
             + "\n",
         )
+
+
+@contextlib.contextmanager
+def _bars_on_a_terminal_only():
+    """transformers' progress bars (its own, and the GGUF loader's plain ``tqdm`` over the
+    tensors) only where stderr is a terminal: into a piped log each redraw is another line, some
+    fifty for one conversion. The bars come back as they were afterwards."""
+    import sys
+
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    was_on, bar = logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = lambda *args, **kwargs: bar(*args, **{**kwargs, "disable": True})
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def _dequantize_kwargs(file: str) -> dict:

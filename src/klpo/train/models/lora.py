@@ -62,13 +62,21 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_mo
         ) from None
 
 
-def load_adapters(model: nn.Module, adapter_dir: str | Path):
-    """``model`` with the trainable adapters saved in ``adapter_dir`` (a checkpoint's policy/)."""
+# What peft's PeftModel.__init__ triggers in transformers 5: it reads the deprecated
+# `model.is_gradient_checkpointing` (transformers' FutureWarning names the new spelling,
+# `is_activation_checkpointing`); peft's call, so klpo can only silence this one warning there.
+_PEFT_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
+
+
+def load_adapters(model: nn.Module, adapter_dir: str | Path, *, trainable: bool = True):
+    """``model`` with the adapters saved in ``adapter_dir`` (a checkpoint's policy/): trainable
+    (a resumed run), or not (``klpo export``). transformers' FutureWarning on peft's read of
+    ``is_gradient_checkpointing`` is silenced, that warning only."""
     from peft import PeftModel
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+        warnings.filterwarnings("ignore", message=_PEFT_DEPRECATION, category=FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
 
 
 def is_adapter_dir(path: str | Path) -> bool:

@@ -553,8 +553,8 @@ def score(
 
     Raises:
         RewardError: ``fn`` raised, returned a non-sequence or the wrong number of values, a value
-            that is neither a real number nor None, or NaN/±inf; the message names ``name`` and
-            the index.
+            that is neither a real number nor None, NaN/±inf, or values beyond float32's range
+            (|x| > 3.4e38: inf in the trainer); the message names ``name`` and the index.
         ValueError: the inputs differ in length.
     """
     batch = (
@@ -583,7 +583,29 @@ def score(
             f"reward function {name!r} returned {len(values)} values for {n} completions; it "
             f"must return exactly one float (or None) per completion"
         )
-    return [_checked(name, v, i, batch.completions[i]) for i, v in enumerate(values)]
+    checked = [_checked(name, v, i, batch.completions[i]) for i, v in enumerate(values)]
+    _refuse_overflow(f"reward function {name!r} returned", checked)
+    return checked
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: rewards become float32 tensors in the trainer (the advantages,
+the loss), where a larger value is inf."""
+
+
+def _refuse_overflow(what: str, values: Sequence[float | None], why: str = "") -> None:
+    """A :class:`RewardError` where some of ``values`` overflow float32 (|x| > 3.4e38): finite
+    in Python's float64, they are inf once the trainer makes them a float32 tensor, and the
+    advantages then refuse them as non-finite with no word of which function or why."""
+    big = [i for i, x in enumerate(values) if x is not None and abs(x) > FLOAT32_MAX]
+    if not big:
+        return
+    shown = ", ".join(f"{values[i]:.3g}" for i in big[:4]) + (", …" if len(big) > 4 else "")
+    raise RewardError(
+        f"{what} values that overflow float32 (|x| > 3.4e38, the dtype rewards are trained in) "
+        f"at samples {big[:8]}{' …' if len(big) > 8 else ''} ({shown}){why}: they would be inf. "
+        "Return rewards on a smaller scale (e.g. divide by a constant, or clip)"
+    )
 
 
 def _as_list(name: str, values: object, n: int) -> list[object]:
@@ -754,4 +776,6 @@ def combined_rewards(
             t if v is None else (0.0 if t is None else t) + r.weight * v
             for t, v in zip(total, values, strict=True)
         ]
+    weights = ", ".join(f"{r.name!r} × {r.weight:g}" for r in rewards)
+    _refuse_overflow("the weighted sum of rewards has", total, f" (the sum of {weights})")
     return total, per

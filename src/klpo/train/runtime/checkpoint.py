@@ -234,6 +234,29 @@ def disk_full(err: BaseException) -> bool:
     return f"(os error {errno.ENOSPC})" in str(err) or "No space left on device" in str(err)
 
 
+def full_disk_message(doing: str, out: str | Path, err: BaseException) -> str:
+    """The one message for a full disk met while ``doing`` (``klpo make-reward-model``) writes
+    into ``out``: the file, the space free there, that nothing half-written is left (every klpo
+    write is atomic, :mod:`klpo._io`), and how to go on. The CLI's ``full_disk_said`` and the
+    GGUF cache say it alike."""
+    import shutil
+
+    probe = Path(out)
+    while not probe.is_dir() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        free = f"{format_size(shutil.disk_usage(probe).free)} free there"
+    except OSError:
+        free = "its free space unknown"
+    name = f" {err.filename}" if getattr(err, "filename", None) else ""
+    return (
+        f"{doing} could not write{name} into {out}: No space left on device ({free}). klpo "
+        "writes each file whole or not at all (and a model directory whole), so every file "
+        "there is its old or its new self and nothing half-written is left; free space and run "
+        "the command again"
+    )
+
+
 def _nbytes(parts: list[Any]) -> int:
     """Bytes of the tensors a checkpoint writes of ``parts``: modules (their state), staged
     shards (their files), optimizers (their state tensors), dicts and lists of tensors."""

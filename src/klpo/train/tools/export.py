@@ -27,7 +27,7 @@ from klpo._io import atomic_dir
 from klpo.train.config import ConfigError, load_config
 from klpo.train.models import fsdp
 from klpo.train.models.load import load_causal_lm, load_tokenizer, resolve_model_path
-from klpo.train.models.lora import is_adapter_dir, load_base_weights
+from klpo.train.models.lora import is_adapter_dir, load_adapters, load_base_weights
 from klpo.train.outdir import claim_dir
 from klpo.train.runtime import checkpoint as ckpt_io
 
@@ -59,27 +59,12 @@ def export_run(
     claim_dir(out, "export")
     cfg = load_config(saved)
     base = resolve_model_path(cfg.model.policy)
-    policy_dir = ckpt / "policy"
-    if is_adapter_dir(policy_dir):
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_causal_lm(base), str(policy_dir))
-        if (ckpt / ckpt_io.REFERENCE).is_file():  # kl.reference_reset: the merged base
-            merges = ckpt_io.load_state(ckpt).get("reference_updates", 0)
-            if merges and not merge:
-                raise ConfigError(
-                    f"{run_dir}: kl.reference_reset merged the adapters into the base weights "
-                    f"{merges} time(s), so the latest adapters sit on a base that differs from "
-                    f"model.policy ({cfg.model.policy}); export with --merge"
-                )
-            load_base_weights(model, ckpt_io.reference_tensors(ckpt), str(ckpt / ckpt_io.REFERENCE))
-        if merge:
-            model = model.merge_and_unload()
-    elif fsdp.is_sharded_checkpoint(ckpt):
-        model = load_causal_lm(base)
-        fsdp.load_unsharded(model, policy_dir)
-    else:
-        model = load_causal_lm(str(policy_dir))
+    try:
+        model, policy_dir = _read_policy(run_dir, ckpt, cfg, base, merge)
+    except Exception:
+        if not (ckpt / "policy").is_dir():  # pruned while it was read: said as that
+            raise OSError(_vanished(run_dir, ckpt)) from None
+        raise
     if merge and not is_adapter_dir(policy_dir) and log is not None:
         log(
             f"note: --merge did nothing: {run_dir} trained all the weights (no LoRA adapters), "
@@ -96,3 +81,36 @@ def export_run(
             f"could not write the model to {out}: {why}; nothing was left there"
         ) from None
     return out
+
+
+def _vanished(run_dir: Path, ckpt: Path) -> str:
+    return (
+        f"the checkpoint {ckpt.name} of {run_dir} vanished while export read it: the run is "
+        "still training and deleted it after a newer save (run.save_total_limit); run the "
+        "export again (it takes the newest checkpoint), or export a run that has finished"
+    )
+
+
+def _read_policy(run_dir: Path, ckpt: Path, cfg, base: str, merge: bool):
+    """``(the policy of checkpoint ckpt as a model, its policy directory)``; ``merge`` folds
+    LoRA adapters into the weights."""
+    policy_dir = ckpt / "policy"
+    if is_adapter_dir(policy_dir):
+        model = load_adapters(load_causal_lm(base), policy_dir, trainable=False)
+        if (ckpt / ckpt_io.REFERENCE).is_file():  # kl.reference_reset: the merged base
+            merges = ckpt_io.load_state(ckpt).get("reference_updates", 0)
+            if merges and not merge:
+                raise ConfigError(
+                    f"{run_dir}: kl.reference_reset merged the adapters into the base weights "
+                    f"{merges} time(s), so the latest adapters sit on a base that differs from "
+                    f"model.policy ({cfg.model.policy}); export with --merge"
+                )
+            load_base_weights(model, ckpt_io.reference_tensors(ckpt), str(ckpt / ckpt_io.REFERENCE))
+        if merge:
+            model = model.merge_and_unload()
+    elif fsdp.is_sharded_checkpoint(ckpt):
+        model = load_causal_lm(base)
+        fsdp.load_unsharded(model, policy_dir)
+    else:
+        model = load_causal_lm(str(policy_dir))
+    return model, policy_dir

@@ -141,6 +141,8 @@ def gguf_file(model: RealModel) -> Path:
     if len(paths) == 1:
         path, sha = paths[0], _sha256(paths)
     else:
+        from filelock import FileLock
+
         path = gguf.cache_root() / "real-models" / model.file
         if path.is_file() and gguf.file_sha256(path) == model.sha256:
             return path
@@ -151,8 +153,16 @@ def gguf_file(model: RealModel) -> Path:
             if found[0] != model.sha256:  # leaves the destination untouched
                 raise ValueError(found[0])
 
-        with contextlib.suppress(ValueError):  # raised by concatenate: said below
-            write_atomic(path, concatenate)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):  # a second `make real-models` waits here
+            # what a concatenation killed outright left (write_atomic's temporary, hundreds of
+            # MB that no clean-up removed): stale, since this process holds the file's lock
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
+            if path.is_file() and gguf.file_sha256(path) == model.sha256:
+                return path  # made by the process this one waited for
+            with contextlib.suppress(ValueError):  # raised by concatenate: said below
+                write_atomic(path, concatenate)
         sha = found[0]
     if sha != model.sha256:
         raise ValueError(
@@ -194,7 +204,9 @@ def make(keys: list[str] | None = None, log=print) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m klpo.train.tools.real_models [KEY ...]`` (keys of :data:`REAL_MODELS`);
-    ``--gguf KEY`` prints the path of that model's checked GGUF file (a ``model.policy``)."""
+    ``--gguf KEY`` prints the path of that model's checked GGUF file (a ``model.policy``).
+    Exit 0 done, 1 an error (one line), 2 an unknown key, 130 interrupted (Ctrl-C: one line;
+    the conversion and the concatenation write atomically, so nothing half-written is left)."""
     keys = list(sys.argv[1:] if argv is None else argv)
     if keys[:1] == ["--gguf"]:
         if len(keys) != 2 or keys[1] not in REAL_MODELS:
@@ -215,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     except (gguf.GGUFError, ValueError, FileNotFoundError, subprocess.CalledProcessError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # every write is atomic (klpo._io): nothing half-written is left
+        print(
+            f"interrupted: nothing half-written is left in klpo's cache {gguf.cache_root()} (a "
+            "model is converted whole or not at all); run `make real-models` again to finish",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 
