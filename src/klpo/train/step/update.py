@@ -134,21 +134,13 @@ def update(
     """
     a = cfg.algo
     mask = s.rollout.mask
-    # a teacher in the loss always pulls: its gradient is there whatever the rewards
-    teacher_pulls = cfg.teacher is not None and cfg.teacher.placement == "loss"
-    no_signal = a.skip_no_signal and not teacher_pulls and not has_signal(s, dist)
-    kl_pulls: bool | None = None  # decided once pi_old's exact KL is known (the first forward)
-    if no_signal and (not _kl_in_loss(term) or bool(s.old.filled.all())):
-        # Decidable before any pass: no KL term in the loss to pull, or pi_old's exact KL
-        # already scored. A step that will be skipped runs none of its forward and backward
-        # passes (it logs step/skipped alone).
-        kl_pulls = kl_pulls_back(s, term, dist, a.skip_kl_floor)
-        if not kl_pulls:
-            for _ in range(a.epochs):  # the row orders drawn all the same: later steps' draws
-                shuffle_rows(cfg, s.rollout, gen)  # do not depend on where the skip was decided
-            tally = Tally()
-            tally.add("step/skipped", 1.0, 1.0)
-            return tally
+    no_signal, kl_pulls = _signal(cfg, s, term, dist)
+    if no_signal and kl_pulls is False:  # skipped, decided before any pass: none runs
+        for _ in range(a.epochs):  # the row orders drawn all the same: later steps' draws
+            shuffle_rows(cfg, s.rollout, gen)  # do not depend on where the skip was decided
+        tally = Tally()
+        tally.add("step/skipped", 1.0, 1.0)
+        return tally
     skip = False
     max_len = cfg.rollout.max_new_tokens
     clip = cfg.optim.grad_clip or math.inf
@@ -265,6 +257,19 @@ def trm_keep(cfg: TrainConfig, mb: MicroBatch) -> Tensor | None:
         statistic="k3" if exact else a.trm_statistic, aggregate=a.trm_aggregate,
         token_kl=mb.r.behav_kl.to(logp_old.device) if exact else None,
     )  # fmt: skip
+
+
+def _signal(cfg: TrainConfig, s: Scored, term: KLTerm, dist: Dist) -> tuple[bool, bool | None]:
+    """``(no_signal, kl_pulls)``: whether ``algo.skip_no_signal`` finds no advantage signal (a
+    teacher in the loss always pulls: its gradient is there whatever the rewards), and, where it
+    can be told before any pass (no KL term in the loss, or pi_old's exact KL already scored),
+    whether the KL term pulls back (:func:`kl_pulls_back`); None where the first forward must
+    compute pi_old's KL first. Collectives: every rank calls it."""
+    teacher_pulls = cfg.teacher is not None and cfg.teacher.placement == "loss"
+    no_signal = cfg.algo.skip_no_signal and not teacher_pulls and not has_signal(s, dist)
+    if no_signal and (not _kl_in_loss(term) or bool(s.old.filled.all())):
+        return True, kl_pulls_back(s, term, dist, cfg.algo.skip_kl_floor)
+    return no_signal, None
 
 
 def has_signal(s: Scored, dist: Dist) -> bool:
