@@ -47,7 +47,7 @@ class AlgoConfig(Section):
         "off",
         description="Run the trainer's forwards over packed rows: each completion's sequence "
         "(prompt and completion, no padding) laid end to end with others in packs as wide as "
-        "the longest, position ids restarting at each sequence (klpo.train.models.packing; "
+        "a padded row, position ids restarting at each sequence (klpo.train.models.packing; "
         "verl's use_remove_padding, OpenRLHF's packing_samples). Scoring plans the packs once "
         "and every pass (the reference, pi_old, the update, the critic, a teacher) computes "
         "each sequence at the same place, so step 1 stays exact; each prompt is computed once "

@@ -513,12 +513,16 @@ def shared_groups(rollout: Rollout) -> int:
 def pack_rows(rollout: Rollout, packed: bool = True) -> Rollout:
     """The rollout with its rows' packed layout planned (``packed``; else as it is): each row's
     real tokens, prompt and completion, to a pack and an offset by first-fit decreasing
-    (:func:`klpo.train.models.packing.plan`, packs as wide as the longest sequence). Every
-    forward over the rollout or a selection of its rows then runs packed, each sequence at the
-    same place (:func:`completion_hidden`)."""
+    (:func:`klpo.train.models.packing.plan`), in packs as wide as the padded rows (P + C
+    columns): no pack is wider than a padded row, and there are at most as many packs as rows.
+    Every forward over the rollout or a selection of its rows then runs packed, each sequence at
+    the same place (:func:`completion_hidden`)."""
     if not packed:
         return rollout
-    return dataclasses.replace(rollout, packs=packing.plan(rollout.attention_mask.sum(-1).cpu()))
+    lengths = rollout.attention_mask.sum(-1).cpu()
+    return dataclasses.replace(
+        rollout, packs=packing.plan(lengths, width=rollout.input_ids.shape[1])
+    )
 
 
 def packed_columns(run: Callable[..., Tensor], rollout: Rollout, device: torch.device) -> Tensor:
