@@ -90,10 +90,13 @@ def _rows(rng: random.Random, b: int, t: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _naive(ids, real, slots):
-    """Packs and index by loops: row b's k-th real token to (its pack's rank, offset + k)."""
+    """Packs and index by loops: row b's k-th real token to (its pack's rank, offset + k); the
+    filler is the first real token (row-major)."""
     used = sorted({int(p) for p in slots.pack})
     width = slots.width
-    packed_ids = [[0] * width for _ in used]
+    filler = next((int(ids[b, t]) for b in range(ids.shape[0]) for t in range(ids.shape[1])
+                   if real[b, t]), 0)  # fmt: skip
+    packed_ids = [[filler] * width for _ in used]
     pos = [[0] * width for _ in used]
     index = [[-1] * ids.shape[1] for _ in range(ids.shape[0])]
     for b in range(ids.shape[0]):
@@ -173,18 +176,19 @@ def test_pack_refuses_what_does_not_match_its_slots():
 C_LEN = (6, 1, 2, 4)  # the four rows' completion lengths, after prompts of 3 tokens
 
 
-def _rollout(b: Built, rows: list[int] | None = None):
+def _rollout(b: Built, rows: list[int] | None = None, extra: int = 0):
     """Four rows of the probe ids: prompts of 3 tokens, completions of 6, 1, 2 and 4 tokens
     right-padded to 6 (sequences of 9, 4, 5, 7: packs of the padded width 9 hold 9 | 7 | 5 + 4,
-    the last exactly full), groups of two; ``rows``: these rows in another order (a yardstick).
+    the last exactly full), groups of two; ``rows``: these rows in another order, ``extra``:
+    more padding columns (the yardstick's layout).
     The prompts are not left-padded here: in float64, transformers' eager attention (Gemma 2's)
     turns a left-pad row, masked whole, into NaN that reaches the real tokens through its values
     (0 x NaN); left padding is tested on the architectures that run sdpa, below."""
     from klpo.train.rollout.samplers import Rollout
 
     src = torch.cat([b.ids, b.ids.flip(-1)])  # [4, 10]
-    comp = torch.zeros(4, 6, dtype=torch.long)
-    cm = torch.zeros(4, 6, dtype=torch.bool)
+    comp = torch.zeros(4, 6 + extra, dtype=torch.long)
+    cm = torch.zeros(4, 6 + extra, dtype=torch.bool)
     for i, c in enumerate(C_LEN):
         comp[i, :c], cm[i, :c] = src[i, 3 : 3 + c], True
     rows = list(range(4)) if rows is None else rows
@@ -196,11 +200,12 @@ def _rollout(b: Built, rows: list[int] | None = None):
     )  # fmt: skip
 
 
-def _step(b: Built, packed: bool, rows: list[int] | None = None, beta: float = 0.5):
+def _step(b: Built, packed: bool, yardstick: bool = False, beta: float = 0.5):
     """The trainer's score and one micro-step of GRPO with the exact KL in the loss and an
     entropy bonus (pi_old filled by the update's forward), padded (every row whole) or packed,
-    on :func:`_rollout`: (pi_old's log-probs, entropy and exact KL and pi_ref's log-probs, in
-    the rows' original order, the micro-step's losses, every parameter's gradient)."""
+    on :func:`_rollout` (``yardstick``: padded, its rows reversed and two more padding
+    columns): (pi_old's log-probs, entropy and exact KL and pi_ref's log-probs at the real
+    tokens, in the rows' original order, the micro-step's losses, every parameter's gradient)."""
     from klpo import reduce
     from klpo.train.config import build_config
     from klpo.train.models.backbone import Backbone
@@ -220,7 +225,8 @@ def _step(b: Built, packed: bool, rows: list[int] | None = None, beta: float = 0
     ])  # fmt: skip
     m = Models(None, b.model, Backbone(b.model, logits_path=path),
                Backbone(b.reference, logits_path=path), None, None, codec=None)  # fmt: skip
-    r = _rollout(b, rows)
+    rows = [3, 2, 1, 0] if yardstick else [0, 1, 2, 3]
+    r = _rollout(b, rows, extra=2 if yardstick else 0)
     reward = WeightedReward("row", lambda p, c, a: [float(x) for x in c])
     s = score(cfg, m, r, [reward], beta)
     assert (s.rollout.packs is not None) == packed
@@ -232,20 +238,27 @@ def _step(b: Built, packed: bool, rows: list[int] | None = None, beta: float = 0
                         tally=Tally())  # fmt: skip
     grads = {k: p.grad.clone() for k, p in b.model.named_parameters() if p.grad is not None}
     b.model.zero_grad()
-    back = torch.argsort(torch.tensor(rows or list(range(4))))
+    back = torch.argsort(torch.tensor(rows))
     outs = {"logp": s.old.logp, "entropy": s.old.entropy, "kl": s.old.kl, "logp_ref": s.logp_ref}
     mask = r.mask[back]
     return {k: v[back][mask].double() for k, v in outs.items()}, losses, grads
 
 
 # Packed against padded, the largest gap allowed, relative to the values' scale (tens of nats
-# here) and to the largest gradient: float64 models to 1e-12; the architectures that build only
-# in float32 (the mixture-of-experts ones here) to 2e-5, above the 3.4e-8 measured. Where an
-# architecture runs a norm in float32 whatever its dtype (Gemma's, Cohere's), the gradient of its
-# weight is a float32 sum over the tokens, whose order the layout sets: there the padded step is
-# its own yardstick, the same rows in reverse order, and packing is held to 10x its gap
-# (measured: the reversed padded step's and the packed step's gaps are both 1e-11 to 1e-9).
-TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+# here) and to the largest gradient, as the sweep holds its columns (tests/test_architectures.py,
+# _close): float64 models to 1e-12, and float32 ones (the architectures that build only in
+# float32, mixture-of-experts ones mostly) to 1e-4. A float64 model that runs some part in
+# float32 whatever its dtype (Gemma's and Cohere's norms, GPT-Neo's attention) rounds float64
+# differences of summation order, which any change of layout brings, to float32's: where the
+# padded step itself moves by more than 1e-12 on the same rows reversed with two more padding
+# columns (its yardstick), the model is held to float32's 2e-6 instead, as the sweep does.
+# Measured on the whole mapping (196 architectures: 115 pass, 64 refused, 17 do not build):
+# pi_old, pi_ref and the losses equal bit for bit in 69 of the 80 float64 models, within 9.8e-13
+# in the others (partial rotary embeddings); gradients up to 1.5e-7 of the largest in the 15
+# with float32 parts (Gemma's final norm, its yardstick of the same order); the 35 float32
+# models within 1.2e-5 (Qwen2-MoE).
+TOL = {torch.float64: 1e-12, torch.float32: 1e-4}
+FLOAT32_PARTS = 2e-6
 
 
 def _gaps(a, b) -> dict[str, float]:
@@ -273,13 +286,17 @@ def packing_column(b: Built) -> Outcome:
         return Outcome("fail", f"gradients reach {len(packed[2])} tensors packed, "
                                f"{len(padded[2])} padded")  # fmt: skip
     gaps = _gaps(padded, packed)
-    if not all(v <= TOL[b.dtype] for v in gaps.values()):
-        yardstick = _gaps(padded, _step(b, False, rows=[3, 2, 1, 0]))
-        for k, v in gaps.items():
-            tol = TOL[b.dtype] if not k.startswith("grad") else max(TOL[b.dtype], 10 * yardstick[k])
-            if not v <= tol:
-                return Outcome("fail", f"packed {k} off by {v:.3g} (allowed {tol:.3g})")
-    return Outcome("pass", f"{str(b.dtype)[6:]}, largest gap {max(gaps.values()):.2g}")
+    tol, parts = TOL[b.dtype], ""
+    if b.dtype == torch.float64 and max(gaps.values()) > tol:
+        yardstick = _gaps(padded, _step(b, False, yardstick=True))
+        if max(yardstick.values()) > tol:  # it rounds in float32 somewhere
+            tol, parts = FLOAT32_PARTS, " (float32 parts)"
+    for k, v in gaps.items():
+        if not v <= tol:
+            return Outcome("fail", f"packed {k} off by {v:.3g} (allowed {tol:.3g})")
+    values = max(v for k, v in gaps.items() if not k.startswith("grad"))
+    return Outcome("pass", f"{str(b.dtype)[6:]}{parts}: values {values:.2g}, "
+                           f"gradients {max(gaps.values()):.2g}")  # fmt: skip
 
 
 def _run(model_type: str) -> Outcome:
@@ -434,7 +451,7 @@ def test_a_state_space_model_is_refused_by_the_probe():
     if isinstance(b, Outcome):
         pytest.skip(b.detail)
     reason = packing_refusal(b.model)
-    assert reason is not None and "other log-probs than each alone" in reason
+    assert reason is not None and "carries one packed sequence into the next" in reason
 
 
 def test_a_model_that_ignores_position_ids_is_refused_at_load(tiny_model, monkeypatch):

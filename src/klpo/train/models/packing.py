@@ -6,17 +6,21 @@ packs of W columns (``[R, W]``), each sequence's position ids restarting at 0, s
 that reads packed position ids (transformers' masking utilities: with ``attention_mask=None`` and
 no cache, a position id that does not follow its left neighbour by one starts a new sequence, and
 the mask is block-diagonal causal) computes each sequence alone, as in its padded row. This is
-what verl's ``use_remove_padding``, OpenRLHF's ``packing_samples`` and prime-rl do; an offset of
-one between the tokens and their outputs misaligns every log-prob (prime-rl/prime-rl#606, where
-it looked like a KL blow-up), so :func:`unpack` maps outputs back by the same index that
-:func:`pack` wrote the tokens with.
+what verl's ``use_remove_padding``, OpenRLHF's ``packing_samples`` and prime-rl do. Packing is
+where log-probs slip off their tokens: prime-rl's packed batches of k samples carried L - k
+log-prob columns where its trainer computed L - 1 (PrimeIntellect-ai/prime-rl#605, #606). Here
+:func:`unpack` reads the outputs back by the very index :func:`pack` wrote the tokens with, and
+the tests compare every per-token value with the padded forward's.
 
 A plan (:class:`Slots`) gives each sequence a pack and an offset there, chosen once for a batch
 by first-fit decreasing (:func:`plan`). A subset of the batch (a micro-batch) keeps the plan's
 offsets (:meth:`Slots.select`): each sequence sits at the same column of a pack of the same
 width in every pass that computes it, whatever else shares its pack, so two passes over one
 sequence (scoring and the update) run the same arithmetic on it. Columns that no sequence of the
-subset fills are filler: token 0, position id 0 (each a sequence of one, attending to itself).
+subset fills are filler: the batch's first real token, at position id 0 (each a sequence of
+one, attending to itself). Not a padding id: a pad token's embedding may be zero, and a filler
+column that stays exactly zero through the layers gives NaN gradients where a norm takes the
+square root of its mean square (Gemma 3n's magnitude: 0 x inf), even though no loss reads it.
 
 Shapes: B rows, T padded columns, R packs, W columns per pack, N real tokens in all.
 """
@@ -113,7 +117,7 @@ class Packed:
     """Rows packed for a forward pass.
 
     Attributes:
-        input_ids: ``[R, W]`` the sequences' tokens end to end, filler 0 elsewhere.
+        input_ids: ``[R, W]`` the sequences' tokens end to end, the filler token elsewhere.
         position_ids: ``[R, W]`` each token's position in its own sequence (0, 1, ...), 0 at
             filler.
         real: ``[R, W]`` bool, True at a sequence's token (False at filler).
@@ -127,13 +131,14 @@ class Packed:
     index: Tensor
 
 
-def pack(ids: Tensor, real: Tensor, slots: Slots) -> Packed:
+def pack(ids: Tensor, real: Tensor, slots: Slots, *, filler: int | None = None) -> Packed:
     """The rows ``ids [B, T]`` packed by ``slots`` (of these B rows, :meth:`Slots.select` for a
     subset of a planned batch): row b's real tokens (``real [B, T]`` True, in column order,
     ``slots.lengths[b]`` of them) go to pack ``slots.pack[b]`` from column ``slots.offset[b]``,
     position ids 0, 1, ... . The packs the rows use are renumbered 0 .. R-1 in the plan's order;
-    the columns no row fills are filler. Position ids restart at each sequence, so a left-padded
-    row gets the positions ``cumsum(mask) - 1`` that the padded forward gives its real tokens.
+    the columns no row fills hold ``filler`` (default: the first real token of ``ids``, see
+    the module) at position 0. Position ids restart at each sequence, so a left-padded row gets
+    the positions ``cumsum(mask) - 1`` that the padded forward gives its real tokens.
 
     Example:
         >>> ids = torch.tensor([[0, 5, 6, 7], [0, 0, 8, 9]])
@@ -141,9 +146,9 @@ def pack(ids: Tensor, real: Tensor, slots: Slots) -> Packed:
         >>> p = pack(ids, real, plan(real.sum(-1), width=5))  # one pack: 3 + 2 tokens
         >>> p.input_ids.tolist(), p.position_ids.tolist(), p.index.tolist()
         ([[5, 6, 7, 8, 9]], [[0, 1, 2, 0, 1]], [[-1, 0, 1, 2], [-1, -1, 3, 4]])
-        >>> p = pack(ids, real, plan(real.sum(-1)))  # width 3 (the longest): two packs
+        >>> p = pack(ids, real, plan(real.sum(-1)))  # width 3 (the longest): two packs, filler 5
         >>> p.input_ids.tolist(), p.position_ids.tolist(), p.index.tolist()
-        ([[5, 6, 7], [8, 9, 0]], [[0, 1, 2], [0, 1, 0]], [[-1, 0, 1, 2], [-1, -1, 3, 4]])
+        ([[5, 6, 7], [8, 9, 5]], [[0, 1, 2], [0, 1, 0]], [[-1, 0, 1, 2], [-1, -1, 3, 4]])
     """
     if ids.shape != real.shape or ids.dim() != 2:
         raise ValueError(f"ids and real must both be [B, T], got {tuple(ids.shape)} and "
@@ -164,7 +169,9 @@ def pack(ids: Tensor, real: Tensor, slots: Slots) -> Packed:
     at = index[real]
     if at.unique().numel() != at.numel():
         raise ValueError("two sequences of the slots overlap in a pack")
-    input_ids = torch.zeros(n_packs * width, dtype=ids.dtype, device=device)
+    if filler is None:
+        filler = int(ids[real][0]) if bool(real.any()) else 0
+    input_ids = torch.full((n_packs * width,), filler, dtype=ids.dtype, device=device)
     position_ids = torch.zeros(n_packs * width, dtype=torch.long, device=device)
     is_real = torch.zeros(n_packs * width, dtype=torch.bool, device=device)
     input_ids[at] = ids[real]
@@ -194,62 +201,71 @@ def unpack(values: Tensor, index: Tensor) -> Tensor:
     return taken.masked_fill(pad, 0)
 
 
-PROBE_LENGTHS = (3, 2)
-"""The load-time probe's sequences (:func:`packing_refusal`), packed into one row with a
-column of filler after them."""
-
-
 def packing_refusal(model: Any) -> str | None:
     """Why ``model`` (a causal LM, or a peft wrapper of one) cannot run packed rows, or None.
 
-    A probe at load (``algo.packing: on``): two sequences of :data:`PROBE_LENGTHS` tokens (the
-    lowest ids that are no special token) packed into one row, run as the trainer runs packs
-    (no attention mask, position ids restarting, no cache), against each sequence run alone;
-    the log-probs at every position must agree to the parameters' rounding (``1e-4`` relative
-    in float32 and wider, ``2e-2`` in 16-bit). A model that masks by column rather than by
-    position id lets the second sequence attend to the first; a recurrent or state-space layer
-    carries its state across; an attention implementation without packed support ignores the
-    restarts: all give other log-probs here. A forward that fails on packed input is a refusal
-    too. No gradient; eval mode for the probe, the model's training flags restored.
+    A probe at load (``algo.packing: on``), run as the trainer runs packs (no attention mask,
+    position ids restarting, no cache): two packed rows ``[A S .]`` and ``[B S .]`` (sequences
+    of 3, 3 and 2 tokens, the lowest ids that are no special token, and a column of filler),
+    and each sequence alone. Two checks of the log-probs at every position:
+
+    * ``S`` must not depend on what precedes it: its log-probs in the two rows are computed on
+      the same shapes at the same columns, and the other sequence reaches them only through
+      exact zeros (masked attention weights) where the model keeps sequences apart, so they
+      must agree to a few units of rounding (8 eps of the parameters' dtype, times the largest
+      log-prob). A recurrent, state-space or convolution layer, or a mask by column, carries
+      ``A`` or ``B`` into ``S``, and so does an attention mask built by column rather than from
+      the position ids: a leak that a small random model may make as small as 1e-2 nats
+      (Lara-mini's convolution, beside log-probs of 160), which a looser bound would miss;
+    * every sequence must get the log-probs it gets alone, to the rounding of another layout
+      (``1e-4`` relative in float32 and wider, ``2e-2`` in 16-bit): position ids the model
+      ignores would leave the two rows alike and wrong.
+
+    A forward that fails on packed input is a refusal too. No gradient; eval mode for the
+    probe, the model's training flags restored.
     """
     from klpo import heads
     from klpo.train.models.cache import _probe_ids
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     param = next(model.parameters())
-    n = sum(PROBE_LENGTHS)
-    ids = _probe_ids(inner, param.device, n)[0]
-    seqs = list(ids.split(list(PROBE_LENGTHS)))
-    real = torch.ones(len(seqs), max(PROBE_LENGTHS), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        real[i, len(s) :] = False
-    padded = torch.zeros(real.shape, dtype=torch.long, device=param.device)
-    padded[real] = ids
-    packed = pack(padded, real.to(param.device), plan(real.sum(-1), width=n + 1))
+    device = param.device
+    a, b, tail = _probe_ids(inner, device, 8)[0].split([3, 3, 2])
+    ids = torch.stack([torch.cat([a, tail, a[:1]]), torch.cat([b, tail, a[:1]])])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]] * 2, device=device)
     kwargs = {"use_cache": False} if heads.accepts_keyword(model, "use_cache") else {}
     try:
         with torch.no_grad(), heads.evaluating(model):
-            got = model(
-                input_ids=packed.input_ids, attention_mask=None,
-                position_ids=packed.position_ids, **kwargs,
+            packed = model(
+                input_ids=ids, attention_mask=None, position_ids=positions, **kwargs
             ).logits  # fmt: skip
-            alone = [model(input_ids=s[None], **kwargs).logits[0] for s in seqs]
+            alone = [model(input_ids=x[None], **kwargs).logits[0] for x in (a, b, tail)]
     except Exception as err:  # the model's own code: any error means it cannot pack
         text = " ".join(str(err).split())[:120]
         return f"its forward over packed rows fails ({type(err).__name__}: {text})"
-    got = unpack(got, packed.index)[real.to(param.device)]
-    want = torch.cat(alone)
-    got, want = (torch.log_softmax(x.double(), -1) for x in (got, want))
-    finite = torch.isfinite(want)  # a masked vocabulary entry is -inf in both
-    if not bool((torch.isfinite(got) == finite).all()):
+    got = torch.log_softmax(packed.double(), -1)
+    want = [torch.log_softmax(x.double(), -1) for x in alone]
+    pairs = [(got[0, :3], want[0]), (got[1, :3], want[1]), (got[0, 3:5], want[2]),
+             (got[1, 3:5], want[2]), (got[0, 3:5], got[1, 3:5])]  # fmt: skip
+    finite = [torch.isfinite(y) for _, y in pairs]  # a masked vocabulary entry is -inf in both
+    if not all(
+        bool((torch.isfinite(x) == f).all()) for (x, _), f in zip(pairs, finite, strict=True)
+    ):
         return "its forward over packed rows gives non-finite log-probs where alone it does not"
-    gap = float((got - want)[finite].abs().max())
-    tol = (2e-2 if param.element_size() < 4 else 1e-4) * max(1.0, float(want[finite].abs().max()))
-    if not gap <= tol:
+    gaps = [float((x - y)[f].abs().max()) for (x, y), f in zip(pairs, finite, strict=True)]
+    scale = max(1.0, max(float(y[f].abs().max()) for (_, y), f in zip(pairs, finite, strict=True)))
+    if not gaps[4] <= 8 * torch.finfo(param.dtype).eps * scale:
         return (
-            f"two sequences packed in one row get other log-probs than each alone (off by "
-            f"{gap:.3g}): its forward does not keep packed sequences apart by their position "
-            "ids (recurrent or state-space layers, an attention implementation without packed "
-            "support, a mask by column)"
+            f"a packed sequence's log-probs change with the sequence before it in its row (by "
+            f"{gaps[4]:.3g}): its forward carries one packed sequence into the next (recurrent, "
+            "state-space or convolution layers, or an attention mask that does not follow the "
+            "position ids)"
+        )
+    rel = 2e-2 if param.element_size() < 4 else 1e-4
+    if not max(gaps[:4]) <= rel * scale:
+        return (
+            f"packed sequences get other log-probs than each alone (off by {max(gaps[:4]):.3g}): "
+            "its forward does not read packed position ids (an attention implementation without "
+            "packed support, positions counted by column)"
         )
     return None
