@@ -237,3 +237,15 @@ def test_step_one_is_exact_packed_in_every_combination_on_the_tiny_model(tiny_mo
         seen += 1
     assert seen == 32
     assert shared and max(shared) >= 2  # the packed path ran, sequences sharing a pack
+
+
+@pytest.mark.slow
+def test_step_one_is_exact_packed_on_smollm2(smollm2_dir):
+    # algo.packing on the real model: the shipped LoRA config (bf16, checkpointing) and a full
+    # fine-tune in float32 with the fused loss. (Not with algo.micro_batch=3: the padded path
+    # is not exact there either in bf16 with LoRA, d = 1.1e-5 and kl/ref/k1 = 1.9e-6 while
+    # kl/ref/exact is 0: the features agree, the sampled tokens' log-probs of 3 rows do not.)
+    combos = sorted([REAL_COMBOS[0], REAL_COMBOS[3]], key=build_switches)
+    extra = ("data.chat=true", "algo.packing=on")
+    for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3, extra=extra):
+        assert_exact({**combo, "packing": "on"}, got)
