@@ -200,12 +200,13 @@ def _rollout(b: Built, rows: list[int] | None = None, extra: int = 0):
     )  # fmt: skip
 
 
-def _step(b: Built, packed: bool, yardstick: bool = False, beta: float = 0.5):
+def _step(b: Built, packed: bool, yardstick: bool = False, beta: float = 0.5, aux: float = 0.0):
     """The trainer's score and one micro-step of GRPO with the exact KL in the loss and an
     entropy bonus (pi_old filled by the update's forward), padded (every row whole) or packed,
     on :func:`_rollout` (``yardstick``: padded, its rows reversed and two more padding
     columns): (pi_old's log-probs, entropy and exact KL and pi_ref's log-probs at the real
-    tokens, in the rows' original order, the micro-step's losses, every parameter's gradient)."""
+    tokens, in the rows' original order, the micro-step's losses, every parameter's gradient).
+    ``aux``: a mixture-of-experts policy's router load-balancing loss coefficient."""
     from klpo import reduce
     from klpo.train.config import build_config
     from klpo.train.models.backbone import Backbone
@@ -221,10 +222,11 @@ def _step(b: Built, packed: bool, yardstick: bool = False, beta: float = 0.5):
     cfg = build_config(overrides=[
         f"model.logits_path={path}", f"kl.beta={beta}", "rollout.group_size=2",
         "rollout.max_new_tokens=6", "rollout.share_prompt=false", "algo.entropy_coef=0.01",
-        f"algo.packing={'on' if packed else 'off'}",
+        f"algo.packing={'on' if packed else 'off'}", f"algo.router_aux_loss_coef={aux}",
     ])  # fmt: skip
-    m = Models(None, b.model, Backbone(b.model, logits_path=path),
-               Backbone(b.reference, logits_path=path), None, None, codec=None)  # fmt: skip
+    m = Models(None, b.model, Backbone(b.model, logits_path=path, router_aux=aux > 0),
+               Backbone(b.reference, logits_path=path), None, None, codec=None,
+               router_aux_coef=aux)  # fmt: skip
     rows = [3, 2, 1, 0] if yardstick else [0, 1, 2, 3]
     r = _rollout(b, rows, extra=2 if yardstick else 0)
     reward = WeightedReward("row", lambda p, c, a: [float(x) for x in c])
@@ -415,6 +417,16 @@ def test_the_same_sequence_gets_the_same_log_probs_in_any_batch(model_type):
         for k, x in got.items():
             gap = float((x - want[k]).abs().max())
             assert gap <= 1e-12 * max(1.0, float(want[k].abs().max())), (key, k, gap)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_the_router_loss_packed_equals_padded(model_type):
+    # The load-balancing loss pools the router logits of the real tokens: the packs' filler is
+    # left out as the padded rows' padding is (float32 models; measured equal bit for bit).
+    b = built(model_type)
+    (_, padded, _), (_, packed, _) = _step(b, False, aux=0.01), _step(b, True, aux=0.01)
+    assert padded["loss/router_aux"] > 0
+    assert abs(packed["loss/router_aux"] - padded["loss/router_aux"]) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------

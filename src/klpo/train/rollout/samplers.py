@@ -5,7 +5,9 @@ column and the completions start together. A completion is valid up to and inclu
 stop (an EOS, any end-of-turn id of the model's generation config, or ``rollout.stop``;
 :mod:`klpo.train.models.tokens`); everything after it is padding (``mask`` False). Position ids are recomputed from the
 attention mask (``cumsum - 1``) for every forward pass, as ``generate`` does, so the log-probs of
-the update are those of the sampling distribution.
+the update are those of the sampling distribution. With ``algo.packing: on`` the forwards
+after sampling run the rows packed instead (:func:`pack_rows`, :func:`packed_columns`;
+:mod:`klpo.train.models.packing`), each sequence's positions the same.
 
 Shapes: B sequences (prompts × group size), P prompt columns, C completion columns, H hidden size.
 """
