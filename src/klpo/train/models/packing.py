@@ -52,13 +52,9 @@ class Slots:
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.pack.device)
         return Slots(self.pack[idx], self.offset[idx], self.lengths[idx], self.width)
 
-    def to(self, device: torch.device | str) -> Slots:
-        return Slots(
-            self.pack.to(device), self.offset.to(device), self.lengths.to(device), self.width
-        )
-
     @property
     def n_packs(self) -> int:
+        """The plan's packs: its largest pack number + 1 (of a selection, the plan's)."""
         return int(self.pack.max()) + 1 if len(self.pack) else 0
 
     def order(self, packs: Tensor | None = None) -> Tensor:
