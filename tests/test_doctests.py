@@ -31,6 +31,7 @@ MODULES = (
     "klpo.train.data.chat_task",
     "klpo.train.rollout.versions",
     "klpo.train.rollout.samplers",
+    "klpo.train.models.packing",
     "klpo.train.rollout.worker",
     "klpo.measure.render",
     "klpo.lab.stats",

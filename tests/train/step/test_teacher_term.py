@@ -13,7 +13,14 @@ from klpo.train.config import ConfigError, build_config
 from klpo.train.models.build import build_models
 from klpo.train.runtime.dist import Dist
 
-from .test_step_one_exact import TINY_PROMPTS, assert_exact, config, loaded_once, step_one
+from .test_step_one_exact import (
+    PACKED_PROMPTS,
+    TINY_PROMPTS,
+    assert_exact,
+    config,
+    loaded_once,
+    step_one,
+)
 
 TEACHER_TERMS = [
     {"estimator": "k1", "placement": "reward", "credit": "returns"},
@@ -35,24 +42,29 @@ def _teacher(model: str, term: dict) -> str:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "lora"),
-    [("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)],
-)
+    ("dtype", "lora", "packing"),
+    [("float32", False, False), ("bfloat16", False, False), ("float32", True, False),
+     ("bfloat16", True, False), ("float32", False, True), ("bfloat16", True, True)],
+)  # fmt: skip
 def test_a_teacher_equal_to_the_student_is_exactly_zero_at_step_one(
-    tiny_model, dtype, lora
+    tiny_model, dtype, lora, packing
 ) -> None:
+    # packed (algo.packing): the teacher's pass keeps the packs scoring planned, and the
+    # update's micro-batches of 4 of 6 rows cut through one
+    prompts = PACKED_PROMPTS if packing else TINY_PROMPTS
+    packed = ("algo.packing=on", "algo.micro_batch=4") if packing else ()
     cache: dict = {}
     with loaded_once(cache):
         m = None
         for term in TEACHER_TERMS:
-            cfg = config(str(tiny_model), len(TINY_PROMPTS), dtype=dtype, lora=lora,
-                         extra=(_teacher(str(tiny_model), term),))  # fmt: skip
+            cfg = config(str(tiny_model), len(prompts), dtype=dtype, lora=lora,
+                         extra=(_teacher(str(tiny_model), term), *packed))  # fmt: skip
             m = m or build_models(cfg, Dist(), None)
-            got = step_one(cfg, m, TINY_PROMPTS)
+            got = step_one(cfg, m, prompts)
             assert "kl/teacher/exact" in got, term
             if term.get("placement", "loss") == "loss":
                 assert "loss/teacher" in got, term
-            assert_exact({"dtype": dtype, "lora": lora, **term}, got)
+            assert_exact({"dtype": dtype, "lora": lora, "packing": packing, **term}, got)
 
 
 def test_a_teacher_of_another_tokenizer_is_refused(tiny_model, tmp_path, quick) -> None:

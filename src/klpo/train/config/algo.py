@@ -44,6 +44,19 @@ class AlgoConfig(Section):
         "(docs/performance.md); on: wherever it applies; off: never (the "
         "per-token path). The same gradients and metrics either way.",
     )
+    packing: Literal["off", "on"] = Field(
+        "off",
+        description="Run the trainer's forwards over packed rows: each completion's sequence "
+        "(prompt and completion, no padding) laid end to end with others in packs as wide as "
+        "a padded row, position ids restarting at each sequence (klpo.train.models.packing; "
+        "verl's use_remove_padding, OpenRLHF's packing_samples). Scoring plans the packs once "
+        "and every pass (the reference, pi_old, the update, the critic, a teacher) computes "
+        "each sequence at the same place, so step 1 stays exact; each prompt is computed once "
+        "per completion (rollout.share_prompt does not apply). The per-token values equal the "
+        "padded forward's (tested in float64 on every architecture of the tiny-model sweep). "
+        "A model that cannot run packed rows is refused at load. off by default: its speed "
+        "has not been measured yet (docs/performance.md).",
+    )
     skip_no_signal: bool = Field(
         True,
         description="Skip the optimizer steps of a step whose batch has no advantage signal "
@@ -187,7 +200,7 @@ class AlgoConfig(Section):
     def _known_reduction(cls, v: str) -> str:
         return one_of("reduction", v, MODES)
 
-    @field_validator("fused_loss", mode="before")
+    @field_validator("fused_loss", "packing", mode="before")
     @classmethod
     def _switch_words(cls, v: object) -> object:
         """YAML reads an unquoted ``on`` / ``off`` as true / false: take them as the words."""

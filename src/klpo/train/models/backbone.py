@@ -183,6 +183,11 @@ class Backbone(nn.Module):
     the factor ``group``. A model whose cache cannot be repeated that way (recurrent state,
     :func:`klpo.train.models.cache.cache_support`) runs every row whole.
 
+    With ``packed``, the rows are packs of sequences laid end to end
+    (:mod:`klpo.train.models.packing`): ``attention_mask`` is then the packs' real tokens (for
+    the router's loss alone), the model gets none and masks by the position ids, which restart
+    at each sequence (``algo.packing``).
+
     ``compute_dtype`` bfloat16 runs the forward under :func:`autocast` (mixed precision). Under
     FSDP this module is the root of the sharding, so its own parameter group holds the
     embeddings, the final norm and the head (:mod:`klpo.train.models.fsdp`). With
@@ -215,9 +220,23 @@ class Backbone(nn.Module):
         prefix: int = 0,
         group: int = 1,
         keep: int = 0,
+        packed: bool = False,
     ) -> Tensor:
         with autocast(self.compute_dtype, input_ids.device):
+            if packed:
+                return self._packed(input_ids, attention_mask, position_ids)
             return self._features(input_ids, attention_mask, position_ids, prefix, group, keep)
+
+    def _packed(self, input_ids: Tensor, real: Tensor, position_ids: Tensor) -> Tensor:
+        """The features of packed rows (:mod:`klpo.train.models.packing`): no attention mask,
+        so the model builds its block-diagonal causal mask from the position ids, which restart
+        at each sequence; ``real`` (the sequences' tokens, not filler) is read by the router's
+        load-balancing loss alone."""
+        module = self.model if self.own_logits else transformer(self.model)
+        kwargs = dict(input_ids=input_ids, attention_mask=None, position_ids=position_ids)
+        out, features = self._run(module, dict(kwargs, use_cache=False), 0)
+        self._keep_aux([(out, real)])
+        return features
 
     def _features(
         self,
@@ -329,6 +348,9 @@ class Critic(nn.Module):
         *,
         prefix: int = 0,
         group: int = 1,
+        packed: bool = False,
     ) -> Tensor:
-        h = self.backbone(input_ids, attention_mask, position_ids, prefix=prefix, group=group)
+        h = self.backbone(
+            input_ids, attention_mask, position_ids, prefix=prefix, group=group, packed=packed
+        )
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()

@@ -17,7 +17,10 @@ Each model is checked as it loads, before anything trains:
   output head is not checked;
 * the key/value-cache paths (:mod:`klpo.train.models.cache`): a model whose cache holds recurrent
   state runs without a shared prompt and samples with ``generate``, with a one-line notice;
-* a mixture-of-experts policy's router load-balancing loss (:func:`router_aux_coef`).
+* a mixture-of-experts policy's router load-balancing loss (:func:`router_aux_coef`);
+* with ``algo.packing: on``, every model that runs packed rows: two sequences packed in one row
+  against each alone (:func:`klpo.train.models.packing.packing_refusal`); a model that mixes
+  them is refused with its architecture and ``algo.packing: off`` (:func:`check_packing`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from klpo import heads
 from klpo.kl import REF_SAMPLED
 from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config import ConfigError, TrainConfig
-from klpo.train.models import fsdp
+from klpo.train.models import fsdp, packing
 from klpo.train.models.backbone import Backbone, Critic
 from klpo.train.models.cache import notice
 from klpo.train.models.load import (
@@ -48,7 +51,7 @@ from klpo.train.models.tokens import Codec, run_codec
 from klpo.train.runtime import checkpoint as ckpt_io
 from klpo.train.runtime.dist import Dist
 
-__all__ = ["Models", "build_models", "check_logits", "router_aux_coef", "unwrap"]
+__all__ = ["Models", "build_models", "check_logits", "check_packing", "router_aux_coef", "unwrap"]
 
 
 @dataclass
@@ -98,6 +101,22 @@ def check_logits(cfg: TrainConfig, model: Any, key: str, path: str) -> None:
         raise ConfigError(f"{key} {path!r}: {err}") from None
 
 
+def check_packing(cfg: TrainConfig, model: Any, key: str, path: str) -> None:
+    """The load-time probe of a model that will run packed rows (``algo.packing: on``): a
+    ConfigError naming the model, its architecture, why and ``algo.packing: off`` where it
+    cannot (:func:`klpo.train.models.packing.packing_refusal`)."""
+    if cfg.algo.packing != "on":
+        return
+    reason = packing.packing_refusal(model)
+    if reason is not None:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        kind = getattr(inner.config, "model_type", "?")
+        raise ConfigError(
+            f"{key} {path!r} ({type(inner).__name__}, model type {kind}) cannot run packed "
+            f"rows: {reason}; set algo.packing: off"
+        )
+
+
 def router_aux_coef(cfg: TrainConfig, policy: Any) -> float:
     """The weight of the policy's router load-balancing loss (``algo.router_aux_loss_coef``;
     null: the model's own, where its config turns on ``output_router_logits``)."""
@@ -136,6 +155,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
         enable_checkpointing(policy)
     policy.to(dist.device).train()
     check_logits(cfg, policy, "model.policy", cfg.model.policy)
+    check_packing(cfg, policy, "model.policy", cfg.model.policy)
     aux = router_aux_coef(cfg, policy)
     backbone: torch.nn.Module = Backbone(policy, compute, logits_path=path, router_aux=aux > 0)
     reference: torch.nn.Module
@@ -147,6 +167,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
     else:
         ref_model = freeze(load_causal_lm(ref_path, key="model.reference").to(dist.device))
         check_logits(cfg, ref_model, "model.reference", ref_path)
+        check_packing(cfg, ref_model, "model.reference", ref_path)
         reference = Backbone(ref_model, compute, logits_path=path)
         loaded.append((ref_model, "model.reference", lean and cfg.kl.estimator in REF_SAMPLED))
     critic_core = None
@@ -156,6 +177,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
             dist.device
         )
         loaded.append((critic_core.backbone.model, "model.critic", False))
+        check_packing(cfg, critic_core.backbone.model, "model.critic", critic_path)
         if start is not None and (start / "critic.safetensors").is_file():
             ckpt_io.restore_critic(start, critic_core)
     critic: torch.nn.Module | None = critic_core
@@ -164,6 +186,7 @@ def build_models(cfg: TrainConfig, dist: Dist, start: Path | None) -> Models:
         teacher_path = resolve_model_path(cfg.teacher.model)
         teacher_model = freeze(load_causal_lm(teacher_path, key="teacher.model").to(dist.device))
         check_logits(cfg, teacher_model, "teacher.model", teacher_path)
+        check_packing(cfg, teacher_model, "teacher.model", teacher_path)
         teacher = Backbone(teacher_model, compute, logits_path=path)
         loaded.append((teacher_model, "teacher.model", False))
     notes = _notes(cfg, loaded)  # before sharding: each probe is one process's own forward

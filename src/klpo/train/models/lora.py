@@ -114,13 +114,15 @@ class AdapterFreeReference(nn.Module):
         prefix: int = 0,
         group: int = 1,
         keep: int = 0,
+        packed: bool = False,
     ) -> Tensor:
         peft_model = self.backbone.model
         # Dropout on the adapters' input is bypassed with them; the base layers have none.
         with torch.no_grad(), peft_model.disable_adapter():
             return self.backbone(
-                input_ids, attention_mask, position_ids, prefix=prefix, group=group, keep=keep
-            )
+                input_ids, attention_mask, position_ids, prefix=prefix, group=group, keep=keep,
+                packed=packed,
+            )  # fmt: skip
 
     def head(self) -> ModelHead:
         return self.backbone.head()

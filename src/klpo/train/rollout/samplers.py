@@ -5,7 +5,9 @@ column and the completions start together. A completion is valid up to and inclu
 stop (an EOS, any end-of-turn id of the model's generation config, or ``rollout.stop``;
 :mod:`klpo.train.models.tokens`); everything after it is padding (``mask`` False). Position ids are recomputed from the
 attention mask (``cumsum - 1``) for every forward pass, as ``generate`` does, so the log-probs of
-the update are those of the sampling distribution.
+the update are those of the sampling distribution. With ``algo.packing: on`` the forwards
+after sampling run the rows packed instead (:func:`pack_rows`, :func:`packed_columns`;
+:mod:`klpo.train.models.packing`), each sequence's positions the same.
 
 Shapes: B sequences (prompts × group size), P prompt columns, C completion columns, H hidden size.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +26,10 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from klpo.train.choices import SAMPLERS
+from klpo.train.models import packing
 from klpo.train.models.cache import cache_support
 from klpo.train.models.load import cache_kwargs, output_cache
+from klpo.train.models.packing import Slots
 from klpo.train.models.tokens import Codec, Finished
 
 if TYPE_CHECKING:
@@ -137,6 +142,9 @@ class Rollout:
     # [B, C] the exact KL(pi_behav ‖ pi_old) at each position (0 where mask is False), from the
     # same behaviour pass; None without staleness
     behav_kl: Tensor | None = None
+    # where each row's sequence goes in packed rows (algo.packing: on; pack_rows), kept by
+    # select so that a micro-batch's rows sit where scoring's did; None: padded rows
+    packs: Slots | None = None
 
     @classmethod
     def from_encoded(
@@ -255,6 +263,7 @@ class Rollout:
             behav_logp=None if self.behav_logp is None else self.behav_logp[idx],
             behav_version=self.behav_version,
             behav_kl=None if self.behav_kl is None else self.behav_kl[idx],
+            packs=None if self.packs is None else self.packs.select(idx),
         )
 
 
@@ -503,6 +512,35 @@ def shared_groups(rollout: Rollout) -> int:
     return g if bool(same) else 1
 
 
+def pack_rows(rollout: Rollout, packed: bool = True) -> Rollout:
+    """The rollout with its rows' packed layout planned (``packed``; else as it is): each row's
+    real tokens, prompt and completion, to a pack and an offset by first-fit decreasing
+    (:func:`klpo.train.models.packing.plan`), in packs as wide as the padded rows (P + C
+    columns): no pack is wider than a padded row, and there are at most as many packs as rows.
+    Every forward over the rollout or a selection of its rows then runs packed, each sequence at
+    the same place (:func:`completion_hidden`)."""
+    if not packed:
+        return rollout
+    lengths = rollout.attention_mask.sum(-1).cpu()
+    return dataclasses.replace(
+        rollout, packs=packing.plan(lengths, width=rollout.input_ids.shape[1])
+    )
+
+
+def packed_columns(run: Callable[..., Tensor], rollout: Rollout, device: torch.device) -> Tensor:
+    """``[B, C, ...]`` the outputs of ``run`` at the columns that predict each completion token,
+    over the rollout's rows packed by ``rollout.packs``: ``run(input_ids, real, position_ids)
+    -> [R, W, ...]`` on the packs (:func:`klpo.train.models.packing.pack`), read back at the
+    padded columns P - 1 .. P + C - 2 (:func:`~klpo.train.models.packing.unpack`), 0 where
+    such a column is padding (after a completion's stop, where ``mask`` is False)."""
+    packed = packing.pack(
+        rollout.input_ids.to(device), rollout.attention_mask.to(device), rollout.packs
+    )
+    out = run(packed.input_ids, packed.real.long(), packed.position_ids)
+    p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    return packing.unpack(out, packed.index[:, p - 1 : p - 1 + c])
+
+
 def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) -> Tensor:
     """``[B, C, H]`` last hidden states at the positions that predict each completion token
     (``[B, C, V]`` the model's logits, for a Backbone of ``model.logits_path: model``).
@@ -511,9 +549,13 @@ def completion_hidden(backbone, rollout: Rollout, *, share_prompt: bool = True) 
     (see :class:`klpo.train.models.backbone.Backbone`); the state at column P - 1 + t predicts token t.
     It is asked for the last C + 1 columns only (``keep``). With ``share_prompt`` and whole groups
     (:func:`shared_groups`), each prompt is computed once per group (``Backbone``'s
-    ``prefix``/``group``), with the same values and gradients.
+    ``prefix``/``group``), with the same values and gradients. A rollout with a packed layout
+    (``rollout.packs``, :func:`pack_rows`) runs packed instead (:func:`packed_columns`), each
+    sequence whole: the same values in exact arithmetic, 0 at the padded columns.
     """
     device = next(backbone.parameters()).device
+    if rollout.packs is not None:
+        return packed_columns(partial(backbone, packed=True), rollout, device)
     ids = rollout.input_ids.to(device)
     att = rollout.attention_mask.to(device).long()  # 0/1, as every model reads a mask
     group = shared_groups(rollout) if share_prompt else 1

@@ -41,7 +41,7 @@ from klpo.logprobs import ROW_ELEMENTS
 from klpo.train.config import TrainConfig
 from klpo.train.models.backbone import ModelHead, OwnLogits, shares_prompt, token_outputs
 from klpo.train.models.build import Models, unwrap
-from klpo.train.rollout.samplers import Rollout, completion_hidden
+from klpo.train.rollout.samplers import Rollout, completion_hidden, pack_rows
 
 __all__ = [
     "Behaviour",
@@ -232,6 +232,7 @@ class Behaviour:
 @torch.no_grad()
 def _features(cfg: TrainConfig, m: Models, rollout: Rollout) -> tuple[Tensor, object]:
     core = unwrap(m.backbone)
+    rollout = pack_rows(rollout, cfg.algo.packing == "on")  # as scoring will lay it out
     hidden = completion_hidden(core, rollout, share_prompt=shares_prompt(cfg))
     head = core.head()
     if isinstance(head, Head):

@@ -10,6 +10,8 @@ unless the update fills them (:mod:`klpo.train.step.types`), the KL in the rewar
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -23,7 +25,13 @@ from klpo.train.models.build import Models, unwrap
 from klpo.train.rewards import functions as rewards
 from klpo.train.rewards.gold import gold_metrics
 from klpo.train.rollout.reward_batch import reward_batch
-from klpo.train.rollout.samplers import Rollout, completion_hidden, position_ids
+from klpo.train.rollout.samplers import (
+    Rollout,
+    completion_hidden,
+    pack_rows,
+    packed_columns,
+    position_ids,
+)
 from klpo.train.runtime.dist import Dist
 from klpo.train.step.kl_term import needs_exact_kl
 from klpo.train.step.step_metrics import reward_metrics
@@ -34,7 +42,11 @@ __all__ = ["reference_and_old", "reward_totals", "score", "values"]
 
 
 def values(critic: torch.nn.Module, rollout: Rollout) -> Tensor:
-    """``[B, C]`` V(s_t): the critic at the column that predicts completion token t."""
+    """``[B, C]`` V(s_t): the critic at the column that predicts completion token t (over packed
+    rows where the rollout has a packed layout, :func:`packed_columns`)."""
+    if rollout.packs is not None:
+        device = next(critic.parameters()).device
+        return packed_columns(partial(critic, packed=True), rollout, device)
     att = rollout.attention_mask
     p, c = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
     v = critic(rollout.input_ids, att, position_ids(att))
@@ -138,6 +150,9 @@ def score(
     says (None, the trainer's rule; :func:`reference_and_old`)."""
     # The sampler returns the rollout on the CPU; from here on it lives with the models.
     rollout = rollout.to(next(m.reference.parameters()).device)
+    # algo.packing: on plans the packed layout once, here; every later pass over these rows
+    # (the update's micro-batches included) computes each sequence where this one does
+    rollout = pack_rows(rollout, cfg.algo.packing == "on")
     mask = rollout.mask
     batch = reward_batch(rollout, examples, state)
     if totals is None:

@@ -333,7 +333,13 @@ def shuffle_rows(cfg: TrainConfig, rollout: Rollout, gen: torch.Generator) -> Te
     With ``rollout.share_prompt`` the minibatches (and micro-batches of a multiple of the group
     size) hold whole groups in order, so each prompt is computed once per group in the update's
     forward pass too (:func:`klpo.train.rollout.samplers.shared_groups`).
+
+    With a packed layout (``algo.packing: on``, ``rollout.packs``) whole packs are shuffled,
+    each pack's rows in their order there, so that a micro-batch of consecutive rows fills few
+    packs (its rows keep their places in them, :mod:`klpo.train.models.packing`).
     """
+    if rollout.packs is not None:
+        return rollout.packs.order(torch.randperm(rollout.packs.n_packs, generator=gen))
     g = rollout.group_size
     b = rollout.mask.shape[0]
     if not cfg.rollout.share_prompt or g <= 1 or b % g:
