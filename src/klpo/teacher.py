@@ -412,8 +412,8 @@ class _FromHidden(torch.autograd.Function):
                 g = (1 - beta) * q * (log_q - log_m - saved[sl, 2:3])
             g = g * (up[sl, None] / temperature)
             h = hidden[sl].to(dtype)
-            grad_h[sl] = g @ w
-            grad_w += g.T @ h
+            torch.mm(g, w, out=grad_h[sl])
+            grad_w.addmm_(g.T, h)  # in place: no [V, H] temporary a chunk
             if grad_b is not None:
                 grad_b += g.sum(0)
         grad_h = all_reduce(grad_h, torch_dist.ReduceOp.SUM, group)
