@@ -96,6 +96,16 @@ def config_warnings(cfg: TrainConfig, world: int = 1) -> list[str]:
             f"algo.micro_batch={a.micro_batch} is more than a minibatch ({size} sequences); "
             "each minibatch is one micro-batch"
         )
+    g = r.group_size
+    shared = r.share_prompt and not cfg.model.gradient_checkpointing and a.packing == "off"
+    if shared and g > 1 and a.micro_batch % g:
+        acts = max(g, a.micro_batch - a.micro_batch % g)
+        out.append(
+            f"algo.micro_batch={a.micro_batch} acts as {acts}: with rollout.share_prompt a "
+            f"micro-batch holds whole groups of rollout.group_size={g} (each prompt computed "
+            "once, as the scoring passes compute it, so that step 1 stays exact); set "
+            "rollout.share_prompt=false for smaller passes"
+        )
     if not ALGORITHMS[a.name].critic:
         critic_only = [
             key

@@ -132,8 +132,9 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model):
         (16, 50, 0, 35, 1, 1),  # a row wider than the budget still goes, alone
         (2, 10, 0, 1000, 1, 2),  # never more than the minibatch
         (16, 10, 0, 95, 4, 8),  # 9 rows, rounded down to two whole groups of 4
-        (16, 10, 0, 35, 4, 3),  # fewer rows than a group: kept as they are
-        (16, 10, 5, 95, 4, 5),  # micro_batch is taken as given
+        (16, 10, 0, 35, 4, 4),  # fewer rows than a group: one whole group (never cut)
+        (16, 10, 5, 95, 4, 4),  # micro_batch in whole groups too (the step stays exact)
+        (16, 10, 5, 95, 1, 5),  # nothing shared: micro_batch as given
     ],
 )
 def test_rows_per_micro_batch(n, width, micro, tokens, group, want):
@@ -150,8 +151,10 @@ def test_token_budget_micro_batches_give_the_whole_batch_gradient(tiny_model):
     hook = m_t.backbone.register_forward_hook(lambda *_: calls.append(1))
     split = one_update(cfg_t, m_t, r)
     hook.remove()
-    # 16 rows in micro-batches of 3 (on-policy, scoring takes no pass of the policy's own)
-    assert len(calls) == 6
+    # 16 rows in micro-batches of one group of 4: the budget's 3 rows are less than a group,
+    # and a group that shares its prompt is never cut (on-policy, scoring takes no pass of the
+    # policy's own)
+    assert len(calls) == 4
     for k in whole:
         torch.testing.assert_close(split[k], whole[k], rtol=1e-5, atol=1e-6, msg=k)
 

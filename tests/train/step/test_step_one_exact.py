@@ -249,3 +249,39 @@ def test_step_one_is_exact_packed_on_smollm2(smollm2_dir):
     extra = ("data.chat=true", "algo.packing=on")
     for combo, got in sweep(str(smollm2_dir), REAL_PROMPTS, combos, max_new_tokens=3, extra=extra):
         assert_exact({**combo, "packing": "on"}, got)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("algo.micro_batch=3",), ("algo.micro_batch=2",), ("algo.minibatches=3",),
+     ("algo.micro_batch_tokens=30",)],
+)  # fmt: skip
+def test_step_one_is_exact_when_the_update_cuts_the_batch_across_groups(tiny_model, extra):
+    # A shared prompt is computed once per group by the scoring passes; an update micro-batch
+    # (or minibatch) that cut a group computed its rows whole and rounded otherwise: KL 1.5e-8
+    # per token and ratio - 1 of 4.8e-7 at step 1. The update's passes now hold whole groups.
+    prompts = ["12+7=", "3+4=", "5+5=", "9+1="]
+    combos = [
+        dict(dtype="float32", checkpointing=False, share_prompt=True, fused=False, lora=False,
+             placement="loss", group_size=4),
+        dict(dtype="bfloat16", checkpointing=False, share_prompt=True, fused=True, lora=True,
+             placement="reward", group_size=4),
+    ]  # fmt: skip
+    for combo, got in sweep(str(tiny_model), prompts, combos, extra=extra):
+        assert_exact({**combo, "extra": extra}, got)
+
+
+def test_a_micro_batch_that_would_cut_a_group_is_said_and_rounded():
+    from klpo.train.preflight import config_warnings
+    from klpo.train.step.microbatch import minibatches, rows_per_micro_batch
+
+    cfg = build_config(overrides=["rollout.group_size=4", "algo.micro_batch=6"])
+    assert any("algo.micro_batch=6 acts as 4" in w for w in config_warnings(cfg))
+    assert not any("acts as" in w for w in config_warnings(build_config(
+        overrides=["rollout.group_size=4", "algo.micro_batch=6", "rollout.share_prompt=false"]
+    )))  # fmt: skip
+    assert rows_per_micro_batch(16, 10, 6, 0, group=4) == 4
+    assert rows_per_micro_batch(16, 10, 2, 0, group=4) == 4  # one group: never cut
+    assert rows_per_micro_batch(16, 10, 0, 85, group=4) == 8  # 8 rows of the budget
+    assert rows_per_micro_batch(16, 10, 6, 0) == 6  # nothing shared: as asked
+    assert [len(m) for m in minibatches(torch.arange(16), 3, group=4)] == [8, 8]  # torch.chunk

@@ -27,14 +27,20 @@ class AlgoConfig(Section):
     epochs: int = Field(1, gt=0, description="Passes over each batch of rollouts (PPO epochs).")
     minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch.")
     micro_batch: int = Field(
-        0, ge=0, description="Sequences per forward/backward (0: the whole minibatch)."
+        0,
+        ge=0,
+        description="Sequences per forward/backward (0: the whole minibatch). With "
+        "rollout.share_prompt, in whole groups of rollout.group_size (at least one): the scoring "
+        "passes compute each group's prompt once, and a pass that cut a group would round "
+        "otherwise, so step 1 would not be exact.",
     )
     micro_batch_tokens: int = Field(
         0,
         ge=0,
         description="Token budget of one forward/backward: a micro-batch holds at most this many "
         "(padded) tokens, prompt and completion, so long completions mean fewer sequences per "
-        "pass (0: off). Combined with micro_batch, the smaller wins.",
+        "pass (0: off). Combined with micro_batch, the smaller wins; with rollout.share_prompt, "
+        "whole groups (at least one).",
     )
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto",

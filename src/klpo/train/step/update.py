@@ -150,9 +150,11 @@ def update(
     s.keep = mask.clone() if batch_mask or a.trm_delta is not None else None
     tally = Tally()
     ref_seconds, ref_logged = 0.0, False
+    # Whole groups per pass where the passes share each group's prompt (as scoring did).
+    shared = s.rollout.group_size if shares_prompt(cfg) and s.rollout.packs is None else 1
     for epoch in range(a.epochs):
         order = shuffle_rows(cfg, s.rollout, gen)
-        for mb in order.chunk(a.minibatches):
+        for mb in microbatch.minibatches(order, a.minibatches, shared):
             # One normaliser for the whole minibatch, over its micro-batches and all ranks.
             n_global = dist.all_sum(reduce.normaliser(mask[mb], a.loss_reduction, max_len=max_len))
             opt.policy.zero_grad(set_to_none=True)
@@ -169,9 +171,7 @@ def update(
                     tally.add_means(part, 1.0)
                     ref_logged = True
             width = s.rollout.prompt_ids.shape[1] + s.rollout.completion_ids.shape[1]
-            micro = microbatch.split(
-                mb, width, a.micro_batch, a.micro_batch_tokens, s.rollout.group_size
-            )
+            micro = microbatch.split(mb, width, a.micro_batch, a.micro_batch_tokens, shared)
             for i, rows in enumerate(micro):
                 piece = MicroBatch.of(cfg, s, rows, n_global, keep)
                 part = micro_step(cfg, m, piece, term, dist, sync=i == len(micro) - 1, tally=tally)
