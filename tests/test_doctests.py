@@ -33,6 +33,7 @@ MODULES = (
     "klpo.train.rollout.samplers",
     "klpo.train.rollout.worker",
     "klpo.measure.render",
+    "klpo.measure.probe",
     "klpo.lab.stats",
     "klpo.lab.teacher",
     "klpo.train.data.sources",

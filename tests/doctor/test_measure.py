@@ -644,7 +644,7 @@ def test_real_model_memory_estimate_is_an_upper_bound(smollm2_dir, tmp_path):
     memory is the measurement's alone): the printed estimate is at least the measured peak. It
     was 1.1 GB under before the weights were paged in (transformers maps float32 safetensors and
     reads them lazily, so the resident memory after the load held almost none of them), and
-    0.07 GB under with the parts maximised instead of summed."""
+    0.08 GB under with the parts maximised instead of summed."""
     import subprocess
     import sys
 

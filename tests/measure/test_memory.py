@@ -70,3 +70,19 @@ def test_page_in_makes_the_mapped_weights_resident(tmp_path):
     page_in(model)
     after = resident_bytes()
     assert after - before > 0.5 * size, (before, after, size)
+
+
+def test_the_peak_is_this_programs_own(tmp_path):
+    """A child started by ``subprocess`` (vfork and exec) inherits its parent's ``ru_maxrss``;
+    peak_rss reads the program's own high-water mark, which does not."""
+    import subprocess
+    import sys
+
+    held = bytearray(b"\1") * (768 * 2**20)  # the parent holds 768 MB, every page written
+    code = (
+        "import resource; from klpo.measure.memory import peak_rss; "
+        "print(peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    own, inherited = map(int, out.stdout.split())
+    assert len(held) and inherited >= 768 * 2**20 > own  # (ru_maxrss: the parent's memory)

@@ -182,8 +182,9 @@ def read_thresholds(pairs: list[str]) -> dict[str, float]:
     :data:`KINDS` (every check of that kind), VALUE a number >= 0. A check's own entry wins over
     its kind's.
 
-    >>> read_thresholds(["invariance=1e-4", "packing=0"])["packing"], read_thresholds([])["order"]
-    (0.0, 1e-05)
+    >>> t = read_thresholds(["invariance=1e-3", "packing=0"])
+    >>> t["packing"], t["order"], t["ratio"], read_thresholds([])["order"]
+    (0.0, 0.001, 0.0, 0.0001)
     """
     given: dict[str, float] = {}
     for pair in pairs:
