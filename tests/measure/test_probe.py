@@ -237,3 +237,15 @@ def test_builtin_prompts_follow_the_chat_template():
     res = P.probe(REF, prompts=2, samples=1, max_new_tokens=4)
     assert res["passed"] and res["sequences"] == 2
     assert _row(res, "whole_rows")["note"] == "one completion a prompt"
+
+
+@pytest.mark.parametrize("key", ["smollm2_dir", "gemma3_dir"])
+def test_real_models_pass_and_are_exact_at_step0(key, request):
+    """SmolLM2-135M-Instruct (chat template) and Gemma 3 270M (sliding-window layers, no
+    template): klpo's path is exact at step 0, and every layout within float32's rounding
+    (docs/probe.md has the full tables; 2 prompts × 2 completions of 4 tokens here)."""
+    path = str(request.getfixturevalue(key))
+    res = P.probe(path, prompts=2, samples=2, max_new_tokens=4)
+    assert res["passed"], P.render_probe(res)
+    assert _row(res, "ratio")["value"] == 0.0 and _row(res, "kl_self")["value"] == 0.0
+    assert max(_row(res, n)["value"] for n in P.INVARIANCES) < 1e-4
