@@ -249,3 +249,25 @@ def test_real_models_pass_and_are_exact_at_step0(key, request):
     assert res["passed"], P.render_probe(res)
     assert _row(res, "ratio")["value"] == 0.0 and _row(res, "kl_self")["value"] == 0.0
     assert max(_row(res, n)["value"] for n in P.INVARIANCES) < 1e-4
+
+
+def test_the_help_states_the_default_thresholds():
+    """The command's help cannot import the table (it imports no torch): it is checked here."""
+    out = " ".join(runner.invoke(app, ["probe", "--help"]).output.split())
+    stated = ", ".join(f"{k}={v:g}" for k, v in P.KINDS.items())
+    assert f"({stated} by default, float32)" in out, out
+
+
+def test_a_nan_fails_its_row_and_json_stays_json(monkeypatch, prompts):
+    def nan_packed(backbone, rollout):  # a path whose log-probs overflow to NaN
+        return torch.full(rollout.mask.shape, float("nan"))
+
+    monkeypatch.setitem(P.INVARIANCES, "packing", nan_packed)
+    base = ["probe", REF, "--data", prompts, "--prompts", "3", "--max-new-tokens", "6"]
+    result = runner.invoke(app, [*base, "--json"])
+    assert result.exit_code == 1
+    row = next(r for r in json.loads(result.stdout)["rows"] if r["check"] == "packing")
+    assert row["status"] == "FAIL" and row["value"] is None and "not finite" in row["note"]
+    assert row["where"] == {"row": 0, "position": 0, **row["where"]}  # the first token
+    text = runner.invoke(app, base).output
+    assert "not finite" in text

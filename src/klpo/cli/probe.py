@@ -52,8 +52,8 @@ _THRESHOLD = typer.Option(
     None,
     "--threshold",
     metavar="NAME=VALUE",
-    help="A check's threshold, or a kind's (identity=0, invariance=1e-5, reference=0, "
-    "engine=1e-3 by default, float32); repeatable.",
+    help="A check's threshold, or a kind's (identity=0, invariance=0.0001, reference=0, "
+    "engine=0.001 by default, float32); repeatable.",
 )
 _AS_JSON = typer.Option(False, "--json", help="Print JSON for machines.")
 

@@ -355,13 +355,15 @@ INVARIANCES: dict[str, Callable[[Any, Any], Tensor]] = {
 def _worst(
     values: Tensor, mask: Tensor, rollout: Any, tok: Any
 ) -> tuple[float, dict[str, Any] | None]:
-    """The largest of ``values [B, C]`` over the completion tokens and where it is."""
+    """The largest of ``values [B, C]`` over the completion tokens and where it is (``inf`` at
+    the first token whose value is not finite: a NaN or an infinite log-prob)."""
     v = torch.where(mask, values.double(), -math.inf)
-    flat = int(v.argmax())
+    bad = mask & ~torch.isfinite(values)
+    flat = int(bad.flatten().nonzero()[0]) if bool(bad.any()) else int(v.argmax())
     row, pos = divmod(flat, v.shape[1])
-    top = float(v[row, pos])
+    top = math.inf if bool(bad.any()) else float(v[row, pos])
     if not top > 0:  # every token agrees (or none is compared): no place to name
-        return max(top, 0.0), None
+        return 0.0, None
     token = int(rollout.completion_ids[row, pos])
     text = tok.decode([token]) if tok is not None else str(token)
     return top, {"row": row, "position": pos, "token": token, "text": text}
@@ -395,7 +397,10 @@ def _row(
         return out
     value, where = _worst(values, rollout.mask, rollout, tok)
     out["value"], out["where"] = value, where
-    if not judged:
+    if math.isinf(value):  # (JSON has no infinity: the value is null, the note says why)
+        out["value"], out["status"] = None, "FAIL"
+        out["note"] = "not finite: a log-prob or KL is NaN or infinite on this path"
+    elif not judged:
         out["status"] = "info"
     else:
         out["status"] = "pass" if value <= thresholds[name] else "FAIL"
@@ -582,7 +587,7 @@ def _float64_recheck(
     """Each failed invariance row computed again with the policy in float64 (and put back in
     float32, exactly: every float32 is a float64): its note says whether the two paths agree
     there (float32 rounding) or not (they compute different things)."""
-    failed = [r for r in failed if r["check"] in INVARIANCES]
+    failed = [r for r in failed if r["check"] in INVARIANCES and r["value"] is not None]
     if not failed:
         return
     policy.double()
@@ -591,7 +596,7 @@ def _float64_recheck(
         for r in failed:
             d = _diff(INVARIANCES[r["check"]](backbone, rollout), base)
             gap = float(torch.where(rollout.mask, d, 0.0).max())
-            r["float64"] = gap
+            r["float64"] = gap if math.isfinite(gap) else None  # (JSON has no NaN)
             if gap <= EXACT_FLOAT64:
                 r["note"] = (
                     f"float32 rounding: the paths agree in float64 (max |Δ| {gap:.1e}); raise "
@@ -700,6 +705,12 @@ def _number(x: float | None) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
 
+def _cell(row: dict[str, Any]) -> str:
+    if row["status"] == "FAIL" and row["value"] is None:
+        return "not finite"
+    return _number(row["value"])
+
+
 def render_probe(result: dict[str, Any]) -> str:
     """The probe as a table: a row per check, its largest difference, the threshold, where the
     largest happens (row, position, token) and pass / FAIL / info / skip, then what each
@@ -715,7 +726,7 @@ def render_probe(result: dict[str, Any]) -> str:
         w = r["where"]
         where = f"row {w['row']}, position {w['position']}, token {w['text']!r}" if w else ""
         lines.append(
-            f"  {r['title']:<54}{r['quantity']:<18}{_number(r['value']):>10}"
+            f"  {r['title']:<54}{r['quantity']:<18}{_cell(r):>10}"
             f"{_number(r['threshold']):>11}  {r['status']:<6}  {where or r['note']}"
         )
     notes = [r for r in result["rows"] if r["status"] in ("FAIL", "info") and r["note"]]
