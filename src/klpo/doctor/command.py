@@ -181,7 +181,7 @@ def _measure_defaults(
 ) -> int:
     """``klpo doctor --model M --reference R --data F`` without a config: the measurement, with
     klpo's own default term (``kl.estimator``, ``kl.placement`` of ``klpo train``) marked; exit 0,
-    or 2 on bad input."""  # fmt: skip
+    or 2 on bad input."""
     from klpo.train.config.kl import KLConfig
 
     default = KLConfig()
