@@ -34,6 +34,7 @@ MODULES = (
     "klpo.train.models.packing",
     "klpo.train.rollout.worker",
     "klpo.measure.render",
+    "klpo.measure.probe",
     "klpo.lab.stats",
     "klpo.lab.teacher",
     "klpo.train.data.sources",

@@ -46,6 +46,7 @@ COVERED_BY: dict[str, str] = {
     "klpo/cli/common.py": "tests/test_packaging.py: a command without its install says which to "
     "install, in one line",
     "klpo/cli/doctor.py": "tests/doctor/test_doctor_cli.py: klpo doctor's options and exit codes",
+    "klpo/cli/probe.py": "tests/measure/test_probe.py: klpo probe's table, --json and exit codes",
     "klpo/cli/explain.py": "tests/test_cli.py: klpo explain's tables and --json",
     "klpo/cli/lab.py": "tests/lab/test_lab_cli.py: klpo lab gaussian, categorical, sequence",
     "klpo/cli/tools.py": "tests/train/models/test_reference.py: klpo make-reference; "

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import save_file
 
-from klpo.measure.memory import memory_estimate, weights_bytes
+from klpo.measure.memory import OVERHEAD, memory_estimate, page_in, weights_bytes
 from klpo.measure.objectives import objective_names
 
 
@@ -46,4 +46,43 @@ def test_the_estimate_by_hand():
     assert got["pass"] == 2560 + 8960 + 640
     # store: 8 bytes · n objectives · dim 3 · (1 group + 2 rows).
     assert got["store"] == 8 * n * 3 * 3
-    assert got["total"] == 100 + max(1120, 12160) + 72 * n
+    # total: the weights, every part summed (the allocator keeps what sampling freed), and the
+    # fixed rest.
+    assert got["total"] == 100 + 1120 + 12160 + 72 * n + OVERHEAD
+
+
+def test_page_in_makes_the_mapped_weights_resident(tmp_path):
+    """A float32 model loaded from safetensors is mapped, not read: its weights count in the
+    resident memory only once read, which page_in does (the memory estimate adds to it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from klpo.measure.memory import resident_bytes
+    from klpo.train.models.load import load_causal_lm
+
+    cfg = LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path))
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # 4 · ~5.3M bytes
+    before = resident_bytes()
+    page_in(model)
+    after = resident_bytes()
+    assert after - before > 0.5 * size, (before, after, size)
+
+
+def test_the_peak_is_this_programs_own(tmp_path):
+    """A child started by ``subprocess`` (vfork and exec) inherits its parent's ``ru_maxrss``;
+    peak_rss reads the program's own high-water mark, which does not."""
+    import subprocess
+    import sys
+
+    held = bytearray(b"\1") * (768 * 2**20)  # the parent holds 768 MB, every page written
+    code = (
+        "import resource; from klpo.measure.memory import peak_rss; "
+        "print(peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    own, inherited = map(int, out.stdout.split())
+    assert len(held) and inherited >= 768 * 2**20 > own  # (ru_maxrss: the parent's memory)

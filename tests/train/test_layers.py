@@ -92,6 +92,7 @@ CLI = (
     "klpo.cli.tools",  # export, docs, make-reference, make-reward-model
     "klpo.cli.compare",
     "klpo.cli.doctor",
+    "klpo.cli.probe",
     "klpo.cli",  # the app, built from the modules above; the console scripts' entry points
     "klpo.cli.__main__",
 )

@@ -8,6 +8,7 @@
   ``klpo make-reward-model``
 - :mod:`klpo.cli.compare`  ``klpo compare``
 - :mod:`klpo.cli.doctor`   ``klpo doctor`` (and the ``klpo-doctor`` script)
+- :mod:`klpo.cli.probe`    ``klpo probe``
 - :mod:`klpo.cli.lab`      ``klpo lab gaussian|categorical|sequence|report``
 
 This module builds :data:`app` from them, in the order ``klpo --help`` lists the commands, and
@@ -25,7 +26,7 @@ import sys
 
 import typer
 
-from klpo.cli import compare, doctor, explain, lab, tools, train
+from klpo.cli import compare, doctor, explain, lab, probe, tools, train
 from klpo.cli.common import Command
 
 app = typer.Typer(
@@ -68,6 +69,7 @@ app.command("make-reference", cls=Command)(tools.make_reference_cmd)
 app.command("make-reward-model", cls=Command)(tools.make_reward_model_cmd)
 app.command()(compare.compare)
 app.command(cls=Command)(doctor.doctor)
+app.command(cls=Command)(probe.probe)
 
 
 def main(args: list[str] | None = None, prog_name: str | None = None) -> None:

@@ -15,11 +15,12 @@ from klpo.doctor.frameworks import ROWS as _ROWS
 
 # The doctor's options, one constant each: the command below reads as its parameters.
 _CONFIG = typer.Argument(
-    ...,
+    None,
     metavar="CONFIG...",
     help="A training config or launch script of "
     + ", ".join(r.title for r in _ROWS.values())
-    + " (several: one report each).",
+    + " (several: one report each). Optional with --model: klpo's default estimator and "
+    "placement are then marked.",
 )
 _FRAMEWORK = typer.Option(
     None,
@@ -67,7 +68,8 @@ _SKETCH = typer.Option(
     None,
     "--sketch",
     metavar="K",
-    help="Sketch each weight's gradient to K×K numbers (default 32; 0: exact).",
+    help="Sketch each weight matrix's gradient to K numbers, in blocks of 8×8 (K rounded down "
+    "to a multiple of 64, at least 64; default 4096: 64 blocks; 0: exact).",
 )
 _CHAT = typer.Option(
     None,
@@ -95,7 +97,7 @@ _SKIP_NON_CONFIGS = typer.Option(
 
 
 def doctor(
-    config: list[str] = _CONFIG,
+    config: list[str] | None = _CONFIG,
     framework: str | None = _FRAMEWORK,
     framework_version: str | None = _FRAMEWORK_VERSION,
     as_json: bool = _AS_JSON,
@@ -121,7 +123,7 @@ def doctor(
     from klpo.doctor.command import run
 
     code = run(
-        config,
+        config or [],
         framework=framework,
         version=framework_version,
         as_json=as_json,

@@ -68,6 +68,13 @@ def run(
 
     configs = [config] if isinstance(config, str) else list(config)
     fmt = fmt or ("json" if as_json else "text")
+    if not configs and model is None:
+        typer.echo(
+            "error: give a CONFIG to read, or --model, --reference and --data to measure klpo's "
+            "default KL term on your models",
+            err=True,
+        )
+        return 2
     if fail_on not in gate.FAIL_ON or fmt not in gate.FORMATS:
         typer.echo(
             f"error: --fail-on takes {'|'.join(gate.FAIL_ON)}, --format {'|'.join(gate.FORMATS)}",
@@ -77,6 +84,11 @@ def run(
     if len(configs) > 1 and (model or reference or data):
         typer.echo("error: --model measures one config; give one CONFIG with it", err=True)
         return 2
+    if not configs:  # --model without a config: klpo's default term, marked
+        return _measure_defaults(
+            model, reference, data, layer, sketch, chat, prompts, samples, max_new_tokens, seed,
+            fmt,
+        )  # fmt: skip
     diags: list[dict] = []
     errors: list[tuple[str, str]] = []
     texts: list[str] = []
@@ -182,6 +194,47 @@ def _one(
         text = render_measurement(diag["measurement"])
         return diag, text if fmt == "text" else render(diag) + "\n\n" + text
     return diag, render(diag)
+
+
+def _measure_defaults(
+    model, reference, data, layer, sketch, chat, prompts, samples, max_new_tokens, seed, fmt
+) -> int:
+    """``klpo doctor --model M --reference R --data F`` without a config: the measurement, with
+    klpo's own default term (``kl.estimator``, ``kl.placement`` of ``klpo train``) marked; exit 0,
+    or 2 on bad input."""
+    from klpo.train.config.kl import KLConfig
+
+    default = KLConfig()
+    term = (default.estimator, default.placement)
+    given = [n for n, v in (("--model", model), ("--reference", reference), ("--data", data)) if v]
+    try:
+        if len(given) != 3:
+            missing = sorted({"--model", "--reference", "--data"} - set(given))
+            raise DoctorError(
+                f"the measurement needs --model, --reference and --data together; missing: "
+                f"{', '.join(missing)}"
+            )
+        from klpo.measure import SKETCH, measure, render_measurement
+
+        m = measure(
+            model, reference, data, layer=layer, sketch=SKETCH if sketch is None else sketch,
+            chat=bool(chat), prompts=prompts, samples=samples, max_new_tokens=max_new_tokens,
+            seed=seed, highlight=[term],
+        )  # fmt: skip
+    except (DoctorError, ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        return 2
+    if fmt == "json":
+        from klpo.doctor import gate
+
+        record = {"config": None, "default_term": list(term), "measurement": m}
+        sys.stdout.write(gate.dumps(record) + "\n")
+    else:
+        typer.echo(
+            f"no config given: klpo's default KL term (kl.estimator={term[0]}, "
+            f"kl.placement={term[1]}) is marked *\n\n" + render_measurement(m)
+        )
+    return 0
 
 
 def _chat(config: str, diag: dict, chat: bool | None) -> tuple[bool, str | None]:

@@ -55,3 +55,18 @@ def _load_pair(model: str, reference: str, free: int | None) -> tuple[Any, Any, 
         m.eval()
         m.requires_grad_(False)
     return policy, ref, tok
+
+
+def same_weights(a: Any, b: Any) -> bool:
+    """Whether two loaded models hold the same weights: the same parameter and buffer names,
+    shapes, dtypes and values, element for element (``torch.equal``; a tied head counts once).
+    Read once, before any measurement: a pair that is one model has every KL exactly 0."""
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return False
+    return all(
+        sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k])
+        for k in sa
+    )

@@ -9,10 +9,10 @@ from klpo.measure.objectives import TARGETS
 
 
 def _num(x: float | None, digits: int = 3) -> str:
-    if x is None:
+    """A number to ``digits`` significant digits; ``—`` for none and for a ratio that is not a
+    number (0/0, x/0: a relative column where the exact KL is 0)."""
+    if x is None or (isinstance(x, float) and (math.isinf(x) or math.isnan(x))):
         return "—"
-    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
-        return str(x)
     return f"{x:.{digits}g}"
 
 
@@ -60,9 +60,52 @@ def heavy_tail_notes(rows: list[dict[str, Any]], values: dict[str, Any]) -> list
     return ([""] if out else []) + out
 
 
+def _above(row: dict[str, Any], target: str) -> str:
+    """``†`` after a cosine estimate above 1 (:func:`above_one_notes` says why)."""
+    cos = row["targets"][target]["cos"]
+    return "†" if cos is not None and cos > 1 else ""
+
+
+def above_one_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """A line naming the cosine estimates above 1 (marked ``†`` in the table), and why they can
+    be: the cosine is of the *expected* gradients, each norm corrected for the sampling noise
+    by a U-statistic (:func:`klpo.measure.intervals.interval_stats`) and the gradients sketched,
+    so the estimate is a ratio of estimates, not the cosine of two fixed vectors; where an
+    expected gradient is small or the groups are few (3 groups of the shipped pair put k1 in the
+    loss at 1.7) it lands above 1. The interval is what to read.
+
+    >>> row = {"estimator": "k2", "placement": "loss", "targets": {TARGETS[0]: {"cos": 1.02}}}
+    >>> above_one_notes([row])[1][:44]
+    '  † cosine estimates above 1 (k2 loss θ‖ref '
+    """
+    over = [
+        f"{r['estimator']} {r['placement']} {_SHORT[t]} {s['cos']:+.3f}"
+        for r in rows
+        for t, s in r["targets"].items()
+        if s.get("cos") is not None and s["cos"] > 1
+    ]
+    if not over:
+        return []
+    return [
+        "",
+        f"  † cosine estimates above 1 ({'; '.join(over[:4])}{'; ...' if len(over) > 4 else ''}): "
+        "each is an estimate of the cosine of the expected gradients, each norm corrected for the "
+        "sampling noise (U-statistics) from sketched gradients; a corrected norm can come out "
+        "below the inner product's estimate, most where an expected gradient is small or the "
+        "groups are few, and the ratio then exceeds 1, which a cosine of two fixed vectors never "
+        "does; read its interval, and more --samples bring it under 1",
+    ]
+
+
 def render_measurement(m: dict[str, Any]) -> str:
     """The measurement for people: two value tables and one gradient table with intervals."""
     e = m["exact"]
+    if m.get("identical"):
+        return (
+            "--model and --reference hold the same weights: KL(pi_theta ‖ pi_ref) is exactly 0 "
+            "at every position, and so is every estimator's value and gradient; nothing to "
+            "measure (klpo probe checks that your training path computes it as 0)"
+        )
     lines = [
         f"measured on your models: {m['sequences']} completions, {m['tokens']} tokens "
         f"(--seed={m['seed']}{', chat template' if m.get('chat') else ''})",
@@ -91,6 +134,17 @@ def render_measurement(m: dict[str, Any]) -> str:
                 _num(v["max"]),
             )
             lines.append(f"  {name:<13}" + "".join(f"{c:>10}" for c in cells))
+    undefined = [
+        f"{name} per {level}"
+        for level in ("token", "sequence")
+        for name, s in m["values"].items()
+        if not math.isfinite(s[level]["relative_sd"])
+    ]
+    if undefined:
+        lines.append(
+            f"  sd/KL — ({', '.join(undefined[:4])}{', ...' if len(undefined) > 4 else ''}): "
+            "the exact KL is 0 there, so no ratio to it is defined"
+        )
     g = m["gradients"]
     hl = {tuple(h) for h in m.get("highlight", [])}
     sketched = f"sketched to {g['dim']:,}" if g["sketch"] else "exact"
@@ -107,7 +161,7 @@ def render_measurement(m: dict[str, Any]) -> str:
     for r in g["rows"]:
         mark = "*" if (r["estimator"], r["placement"].replace("-to-go", "")) in hl else " "
         cells = "".join(
-            f"{_pm(r['targets'][t]['cos'], r['targets'][t]['half_width']['cos']):>13}"
+            f"{_pm(r['targets'][t]['cos'], r['targets'][t]['half_width']['cos']) + _above(r, t):>13}"
             for t in TARGETS
         )
         c = r["claim"]
@@ -127,6 +181,7 @@ def render_measurement(m: dict[str, Any]) -> str:
             tail = f"  {c['gradient']:<19}{proj:>13}  {word}"
         lines.append(f" {mark}{r['estimator']:<13}{r['placement']:<13}{cells}{tail}")
     lines += heavy_tail_notes(g["rows"], m["values"])
+    lines += above_one_notes(g["rows"])
     lines += [
         "",
         "  cosines are of the expected gradients, corrected for the noise in each norm "

@@ -10,8 +10,16 @@ from torch import Tensor
 
 from klpo.measure.errors import MeasureError
 from klpo.measure.intervals import gradient_rows
-from klpo.measure.memory import _gb, available_bytes, memory_estimate, resident_bytes
-from klpo.measure.models import _load_pair
+from klpo.measure.memory import (
+    OVERHEAD,
+    _gb,
+    available_bytes,
+    memory_estimate,
+    page_in,
+    peak_rss,
+    resident_bytes,
+)
+from klpo.measure.models import _load_pair, same_weights
 from klpo.measure.objectives import ESTIMATORS, _value_stats, objective_names
 from klpo.measure.prompts import _prompt_codec, read_prompts, render_prompts
 from klpo.measure.sketch import (
@@ -59,24 +67,25 @@ def measure(
         MeasureError: bad options, unloadable models, different vocabularies, or a memory
             estimate beyond the memory available (with the options that lower it).
     """
-    import resource
-
     _check_options(prompts, samples, max_new_tokens, sketch)
     texts = read_prompts(data, prompts)
     if not chat:  # a conversation needs --chat: said before any model loads
         render_prompts(None, texts, chat=False)
     free = available_bytes()
     policy, ref, tok = _load_pair(model, reference, free)
+    if same_weights(policy, ref):  # every KL, value and gradient is exactly 0: said, not measured
+        return _identical(model, reference, data, seed, chat)
     rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)
     codec = _prompt_codec(tok, policy, rendered, data, chat=chat)
     subset = choose_subset(policy, layer)
     sk = Sketch(subset.modules, sketch, seed)
     run = _Run(policy, ref, tok, rendered, codec, subset, sk, samples, max_new_tokens)
+    page_in(policy, ref)  # (before the estimate reads the process's resident memory)
     est = _memory_plan(run, free, sketch, chat, say)
     rollout, vectors, cat, sizes = _sample_and_sketch(run, seed, show_progress)
     mask = rollout.mask
     values = {n: cat[f"value:{n}"] for n in ESTIMATORS}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     return {
         "model": model,
         "reference": reference,
@@ -106,6 +115,25 @@ def measure(
             },
         },
         "highlight": [list(h) for h in (highlight or [])],
+    }
+
+
+def _identical(model: str, reference: str, data: str, seed: int, chat: bool) -> dict[str, Any]:
+    """The result for a pair with the same weights (:func:`~klpo.measure.models.same_weights`):
+    pi_theta = pi_ref at every prefix, so every exact KL is 0, every estimator's value is 0 at
+    every token (log pi_theta(y) = log pi_ref(y)) and every gradient is 0: nothing to measure."""
+    return {
+        "model": model,
+        "reference": reference,
+        "data": data,
+        "seed": seed,
+        "chat": chat,
+        "identical": True,
+        "exact": {
+            "token_mean_kl_theta_ref": 0.0,
+            "token_mean_kl_ref_theta": 0.0,
+            "sequence_mean_kl_theta_ref": 0.0,
+        },
     }
 
 
@@ -191,15 +219,16 @@ def _memory_plan(run: _Run, free: int | None, sketch: int, chat: bool, say: Any)
         f"{run.max_new_tokens} tokens" + (", chat template" if chat else "")
     )
     resident = resident_bytes()
-    more = max(est["sampling"], est["pass"]) + est["store"]
+    more = est["total"] - est["weights"]  # the parts summed, and OVERHEAD (memory_estimate)
     if resident is not None:
         est["resident"], est["peak"] = resident, resident + more
     avail = f"; {_gb(free)} available" if free is not None else ""
     now = f"{_gb(resident)} now, with both models loaded" if resident else "the process"
     say(
         f"memory: about {_gb(est.get('peak', est['total']))} at the peak: {now} (weights "
-        f"{_gb(est['weights'])}), then sampling +{_gb(est['sampling'])} or one group "
-        f"+{_gb(est['pass'])}, and gradients +{_gb(est['store'])}{avail}"
+        f"{_gb(est['weights'])}), then sampling +{_gb(est['sampling'])}, one group "
+        f"+{_gb(est['pass'])}, gradients +{_gb(est['store'])} and the rest "
+        f"+{_gb(OVERHEAD)} (an upper bound: the allocator keeps what sampling frees){avail}"
     )
     if free is not None and more > free:
         raise MeasureError(
