@@ -37,14 +37,6 @@ HEADS = {"gemma3": (262_144, 640, 640), "qwen": (151_936, 896, 1536), "tiny": (4
 DIVERGENCES = {"reverse": 1.0, "forward": 0.0, "jsd": 0.5}
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _inputs(n: int, v: int, h: int, ht: int):
     import torch
 
@@ -115,6 +107,8 @@ def _call(method: str, divergence: str, hidden, weight, hidden_t, weight_t, toke
 def child(request: dict) -> dict:
     """One method's peak RSS above its inputs, in this process."""
     import torch
+
+    from logprobs import _rss_kib  # a sibling script (the child runs as one: bench/ on the path)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     args = _inputs(*request["shape"])

@@ -23,16 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logprobs import _rss_kib, machine
 
 
 def _rank(rank: int, world: int, method: str, shape: tuple[int, int, int], port: int, out) -> None:
@@ -107,21 +101,6 @@ def run(method: str, world: int, shape: tuple[int, int, int], port: int) -> tupl
     return max(peak for _, peak, _ in got) / 1024, got[0][2]
 
 
-def cpu() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = next(
-            line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line
-        )
-        have = set(next(line for line in text.splitlines() if line.startswith("flags")).split())
-        flags = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in have)
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{model} ({flags or 'no AVX2'})"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
@@ -131,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=29517)
     a = ap.parse_args(argv)
     shape = (a.tokens, a.vocab, a.hidden)
-    print(f"CPU: {cpu()}; N = {a.tokens} tokens, V = {a.vocab:,}, H = {a.hidden}, float32")
+    print(machine())
+    print(f"N = {a.tokens} tokens, V = {a.vocab:,}, H = {a.hidden}, float32")
     print("| ranks | gathered MiB/rank | klpo MiB/rank | klpo / gathered | sum KL rel. diff |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for i, world in enumerate(a.world):
