@@ -33,6 +33,7 @@ placeholder of ``force_on_policy_ratio`` (``grpo.py:2479-2485``). Its on-policy 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +256,7 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
         _loss_term(r, kind, coef, weighted, approx, token)
     _structure(r, s, sec, adv, n)
     nemo_rl_distill.read_opd(r, s, sec, adv)
-    _equivalent(r, s, adv, n, steps, token, epochs, sec)
+    _equivalent(r, s, _Run(sec, adv, n, epochs, steps), token)
     settle(r, s.read)
     r.findings[:0] = s.findings
     r.settings = s.read
@@ -421,14 +422,27 @@ def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool,
         )
 
 
-def _equivalent(
-    r: Reading, s: Settings, adv: str, n: int, steps: int, token: bool, epochs: int, sec: str
-) -> None:
+@dataclass(frozen=True)
+class _Run:
+    """The run's shape for the equivalent configs: the algorithm's section (``grpo``, ``ppo``),
+    the advantage estimator, the group size, and the updates per batch (epochs × steps)."""
+
+    sec: str
+    adv: str
+    n: int
+    epochs: int
+    steps: int
+
+
+def _equivalent(r: Reading, s: Settings, run: _Run, token: bool) -> None:
+    """The klpo configs: the same thing, and what was most likely meant; ``token``: the loss is
+    reduced per token (else per sequence)."""
+    sec, adv, n = run.sec, run.adv, run.n
     name = ADVANTAGES.get(adv, (None, False, ""))[0]
     algo: dict[str, Any] = {
         "name": name or "grpo",
-        "epochs": epochs,
-        "minibatches": steps,
+        "epochs": run.epochs,
+        "minibatches": run.steps,
         "loss_reduction": "token-mean" if token else "seq-mean-token-mean",
     }
     if name is None:

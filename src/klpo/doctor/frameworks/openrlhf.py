@@ -21,6 +21,7 @@ group's std whatever ``no_std_norm`` says, which only turns off the batch whiten
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from klpo.doctor import tables
@@ -345,7 +346,7 @@ def _terms(r: Reading, s: Settings, table: tables.Table) -> None:
             + (f"; {', '.join(L(k) for k in ignored)} ignored" if ignored else ""),
         )
     _run_findings(r, s, coef, use_loss, unbiased, adv, no_std)
-    _equivalent(r, s, adv, no_std, epochs, steps, n, target, horizon, coef)
+    _equivalent(r, s, _Run(adv, no_std, n, epochs, steps), target, horizon, coef)
 
 
 def _term_findings(
@@ -441,23 +442,34 @@ def _run_findings(
         )
 
 
+@dataclass(frozen=True)
+class _Run:
+    """The run's shape for the equivalent configs: the advantage estimator, whether its std
+    normalisation is off, the group size, and the updates per batch (epochs × steps)."""
+
+    adv: str
+    no_std: bool
+    n: int
+    epochs: int
+    steps: int
+
+
 def _equivalent(
     r: Reading,
     s: Settings,
-    adv: str,
-    no_std: bool,
-    epochs: int,
-    steps: int,
-    n: int,
+    run: _Run,
     target: float | None,
     horizon: float | None,
     coef: float,
 ) -> None:
+    """The klpo configs: the same thing, and what was most likely meant; ``target`` and
+    ``horizon`` the adaptive controller's, where ``coef`` is above 0."""
+    adv, no_std, n = run.adv, run.no_std, run.n
     algo_name, _ = ADVANTAGES[adv]
     algo: dict[str, Any] = {
         "name": algo_name or "reinforce++",
-        "epochs": epochs,
-        "minibatches": steps,
+        "epochs": run.epochs,
+        "minibatches": run.steps,
         "loss_reduction": "token-mean",
     }
     if algo_name == "grpo":

@@ -19,6 +19,7 @@ teacher) :mod:`klpo.doctor.verl_distill`'s. A ``klpo:NAME`` estimator is
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -277,10 +278,11 @@ def read_settings(
     if use_reward:
         credit = ADVANTAGES.get(adv, (None, "summed over the completion"))[1]
         r.terms.append(_term(s, "reward", credit, adv, ctrl))
-    _findings(r, s, adv, agg, loss_mode, norm_std, epochs, minibatches)
+    run = _Run(adv, agg, n, norm_std, epochs, minibatches, loss_mode)
+    _findings(r, s, run)
     verl_distill.read_distillation(r, s, agg)
     corr = verl_rollout_corr.read_correction(r, s, script)
-    _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches, corr)
+    _equivalent(r, s, run, corr)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
@@ -493,17 +495,25 @@ def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | Non
     )
 
 
-def _findings(
-    r: Reading,
-    s: Settings,
-    adv: str,
-    agg: str,
-    loss_mode: str | None,
-    norm_std: bool,
-    epochs: int,
-    minibatches: int,
-) -> None:
+@dataclass(frozen=True)
+class _Run:
+    """The run's shape as :func:`read_verl` reads it, shared by the findings and the equivalent
+    configs: the advantage estimator, ``loss_agg_mode``, the group size, GRPO's std
+    normalisation, the updates per batch (epochs × mini-batches) and the policy loss."""
+
+    adv: str
+    agg: str
+    n: int
+    norm_std: bool
+    epochs: int
+    minibatches: int
+    loss_mode: str | None
+
+
+def _findings(r: Reading, s: Settings, run: _Run) -> None:
     """Ignored, doubled, rejected, rescaled and off-policy settings."""
+    adv, agg, norm_std, loss_mode = run.adv, run.agg, run.norm_std, run.loss_mode
+    epochs, minibatches = run.epochs, run.minibatches
     use_loss = any(t.placement == "loss" for t in r.terms)
     use_reward = any(t.placement == "reward" for t in r.terms)
     for t in r.terms:
@@ -669,24 +679,15 @@ def _group_scaling(adv: str, norm_std: bool, beta: float) -> str:
     )
 
 
-def _equivalent(
-    r: Reading,
-    s: Settings,
-    adv: str,
-    agg: str,
-    n: int,
-    norm_std: bool,
-    epochs: int,
-    minibatches: int,
-    corr: verl_rollout_corr.Correction,
-) -> None:
+def _equivalent(r: Reading, s: Settings, run: _Run, corr: verl_rollout_corr.Correction) -> None:
     """The klpo configs: the same thing, and what was most likely meant; ``corr`` holds
     algorithm.rollout_correction's keys (rollout.tis_cap, algo.trm_*)."""
+    adv, agg, n, norm_std = run.adv, run.agg, run.n, run.norm_std
     algo_name, _ = ADVANTAGES.get(adv, (None, ""))
     algo: dict[str, Any] = {
         "name": algo_name or "grpo",
-        "epochs": epochs,
-        "minibatches": minibatches,
+        "epochs": run.epochs,
+        "minibatches": run.minibatches,
         "loss_reduction": REDUCTIONS[agg] or "token-mean",
     }
     if algo_name == "grpo":
