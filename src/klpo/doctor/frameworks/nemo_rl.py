@@ -33,12 +33,11 @@ placeholder of ``force_on_policy_ratio`` (``grpo.py:2479-2485``). Its on-policy 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from klpo.doctor import nemo_rl_distill, tables
-from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.keys import check_keys, settle
 from klpo.doctor.reading import (
     DoctorError,
@@ -256,7 +255,7 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
         _loss_term(r, kind, coef, weighted, approx, token)
     _structure(r, s, sec, adv, n)
     nemo_rl_distill.read_opd(r, s, sec, adv)
-    _equivalent(r, s, _Run(sec, adv, n, epochs, steps), token)
+    _equivalent(r, s, RunShape(adv, n, epochs, steps), sec, token)
     settle(r, s.read)
     r.findings[:0] = s.findings
     r.settings = s.read
@@ -422,27 +421,15 @@ def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool,
         )
 
 
-@dataclass(frozen=True)
-class _Run:
-    """The run's shape for the equivalent configs: the algorithm's section (``grpo``, ``ppo``),
-    the advantage estimator, the group size, and the updates per batch (epochs × steps)."""
-
-    sec: str
-    adv: str
-    n: int
-    epochs: int
-    steps: int
-
-
-def _equivalent(r: Reading, s: Settings, run: _Run, token: bool) -> None:
-    """The klpo configs: the same thing, and what was most likely meant; ``token``: the loss is
-    reduced per token (else per sequence)."""
-    sec, adv, n = run.sec, run.adv, run.n
+def _equivalent(r: Reading, s: Settings, run: RunShape, sec: str, token: bool) -> None:
+    """The klpo configs: the same thing, and what was most likely meant; ``sec`` the algorithm's
+    section (``grpo``, ``ppo``); ``token``: the loss is reduced per token (else per sequence)."""
+    adv, n = run.adv, run.n
     name = ADVANTAGES.get(adv, (None, False, ""))[0]
     algo: dict[str, Any] = {
         "name": name or "grpo",
         "epochs": run.epochs,
-        "minibatches": run.steps,
+        "minibatches": run.minibatches,
         "loss_reduction": "token-mean" if token else "seq-mean-token-mean",
     }
     if name is None:

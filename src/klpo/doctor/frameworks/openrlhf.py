@@ -21,11 +21,10 @@ group's std whatever ``no_std_norm`` says, which only turns off the batch whiten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from klpo.doctor import tables
-from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, nearest, scalar
 from klpo.doctor.shell import Script
@@ -346,7 +345,7 @@ def _terms(r: Reading, s: Settings, table: tables.Table) -> None:
             + (f"; {', '.join(L(k) for k in ignored)} ignored" if ignored else ""),
         )
     _run_findings(r, s, coef, use_loss, unbiased, adv, no_std)
-    _equivalent(r, s, _Run(adv, no_std, n, epochs, steps), target, horizon, coef)
+    _equivalent(r, s, RunShape(adv, n, epochs, steps), no_std, target, horizon, coef)
 
 
 def _term_findings(
@@ -442,34 +441,23 @@ def _run_findings(
         )
 
 
-@dataclass(frozen=True)
-class _Run:
-    """The run's shape for the equivalent configs: the advantage estimator, whether its std
-    normalisation is off, the group size, and the updates per batch (epochs × steps)."""
-
-    adv: str
-    no_std: bool
-    n: int
-    epochs: int
-    steps: int
-
-
 def _equivalent(
     r: Reading,
     s: Settings,
-    run: _Run,
+    run: RunShape,
+    no_std: bool,
     target: float | None,
     horizon: float | None,
     coef: float,
 ) -> None:
     """The klpo configs: the same thing, and what was most likely meant; ``target`` and
     ``horizon`` the adaptive controller's, where ``coef`` is above 0."""
-    adv, no_std, n = run.adv, run.no_std, run.n
+    adv, n = run.adv, run.n
     algo_name, _ = ADVANTAGES[adv]
     algo: dict[str, Any] = {
         "name": algo_name or "reinforce++",
         "epochs": run.epochs,
-        "minibatches": run.steps,
+        "minibatches": run.minibatches,
         "loss_reduction": "token-mean",
     }
     if algo_name == "grpo":
