@@ -78,9 +78,10 @@ def from_archive(text: str, out: Path, models: dict[str, str]) -> str:
     return text
 
 
-def export(out: Path, dest: Path) -> int:
+def export(out: Path, dest: Path, models: dict[str, str] | None = None) -> int:
     """Write the archive of the study in ``out`` into ``dest`` (replacing its runs); returns
-    the number of finished runs kept."""
+    the number of finished runs kept. ``models``: ``{key: directory}`` of the real models whose
+    paths become ``{MODEL:key}`` (default: those converted on this machine)."""
     if not (out / "runs").is_dir():
         what = "no such directory" if not out.exists() else "it holds no runs/ directory"
         raise ArchiveError(
@@ -88,7 +89,7 @@ def export(out: Path, dest: Path) -> int:
         )
     if dest.exists() and not dest.is_dir():
         raise ArchiveError(f"{dest} is a file; give a directory for the archive")
-    models = _models()
+    models = _models() if models is None else models
     dest.mkdir(parents=True, exist_ok=True)
     for name in STUDY_FILES:
         if (out / name).is_file():
@@ -216,9 +217,11 @@ def _check_out(out: Path, study: dict[str, str]) -> bool:
     return True
 
 
-def restore(src: Path, out: Path) -> int:
+def restore(src: Path, out: Path, models: dict[str, str] | None = None) -> int:
     """Write the archive ``src`` back as a study directory ``out`` (new, empty, or one holding
-    the same study, whose runs it adds to); returns the number of runs restored.
+    the same study, whose runs it adds to); returns the number of runs restored. ``models``:
+    ``{key: directory}`` that each ``{MODEL:key}`` becomes (default: the real models converted
+    on this machine; a key it lacks is an error naming ``make real-models``).
 
     Every input is read and checked first (:class:`ArchiveError` naming the value and the fix:
     no archive, no ``runs/``, a stray file, a truncated ``.gz``, ``out`` a file or another study's
@@ -227,7 +230,7 @@ def restore(src: Path, out: Path) -> int:
     """
     from klpo._io import atomic_dir, write_text_atomic
 
-    models = _models()
+    models = _models() if models is None else models
     study, runs = _read_archive(src, out, models)
     same = _check_out(out, study)
 

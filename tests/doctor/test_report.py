@@ -4,16 +4,20 @@ and the report's gradient facts from the shipped table, not derived at each call
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from klpo.doctor import report
+from klpo.doctor import diagnose, report
 from klpo.doctor.reading import Term
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _torch_term(base: str, d: torch.Tensor, term: Term) -> torch.Tensor:
@@ -44,8 +48,19 @@ def _oracle(term: Term, span: float = 30.0, step: float = 1e-3) -> dict:
     (plain_grad,) = torch.autograd.grad(plain_value.sum(), d2)
     binds = ((value.detach() != plain_value.detach()) | (grad != plain_grad)).tolist()
     zero = ((grad == 0) & (plain_grad != 0)).tolist()
-    return {"binds": [list(r) for r in report._runs(binds, grid)],
-            "zero_gradient": [list(r) for r in report._runs(zero, grid)]}  # fmt: skip
+    return {"binds": _intervals(binds, grid), "zero_gradient": _intervals(zero, grid)}
+
+
+def _intervals(flags: list[bool], grid: list[float]) -> list[list[float]]:
+    """``[lo, hi]`` of each run of True in ``flags``, by ``itertools.groupby`` (not the report's
+    own loop, so the oracle shares none of its code)."""
+    out, i = [], 0
+    for holds, run in itertools.groupby(flags):
+        n = len(list(run))
+        if holds:
+            out.append([grid[i], grid[i + n - 1]])
+        i += n
+    return out
 
 
 TERMS = [
@@ -78,12 +93,21 @@ def test_the_reports_gradient_facts_come_from_the_shipped_table(monkeypatch) -> 
         raise AssertionError("derived at the call: the shipped table was not read")
 
     monkeypatch.setattr("klpo.kl.explain", no_derivation)
-    rec = report._explain("k3", "loss", True)
-    assert rec["gradient"] == registry.GRAD_REF_THETA
-    new = replace(registry.SPECS["k2"], equation="d²/2, registered again")
-    monkeypatch.setitem(registry.SPECS, "k2", new)  # not the table's row: derived (torch)
+    (term,) = diagnose(FIXTURES / "trl_grpo_kl.json")["terms"]  # TRL's beta: k3 in the loss
+    assert (term["estimator"], term["placement"]) == ("k3", "loss")
+    assert term["on_policy"]["gradient"] == registry.GRAD_REF_THETA
+    off = registry.explanation("k3", "loss", on_policy=False)  # num_iterations 2, not weighted
+    assert off is not None and term["off_policy"] == off.to_dict()
     monkeypatch.undo()
-    assert report._explain("k2", "loss", False) is not None
+    new = replace(registry.SPECS["k3"], equation="e^-d - 1 + d, registered again")
+    monkeypatch.setitem(registry.SPECS, "k3", new)  # not the table's row: derived (torch)
+    from klpo import kl
+
+    derived = []
+    real = kl.explain
+    monkeypatch.setattr(kl, "explain", lambda *a, **k: derived.append(a) or real(*a, **k))
+    (term,) = diagnose(FIXTURES / "trl_grpo_kl.json")["terms"]
+    assert derived and term["on_policy"]["gradient"] == registry.GRAD_REF_THETA
 
 
 def test_klpo_doctor_on_a_config_loads_no_torch() -> None:

@@ -34,15 +34,13 @@ def _study(out: Path, model: str) -> None:
     (out / "kl.png").write_bytes(b"png")
 
 
-def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(
-    tmp_path, monkeypatch
-):
+def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(tmp_path):
     arc = _archive()
     model = str(tmp_path / "cache" / "SmolLM2")
-    monkeypatch.setattr(arc, "_models", lambda: {"smollm2": model})
+    models = {"smollm2": model}
     out, dest, back = tmp_path / "study", tmp_path / "archive", tmp_path / "elsewhere" / "study"
     _study(out, model)
-    assert arc.export(out, dest) == 1  # b was interrupted: not kept
+    assert arc.export(out, dest, models) == 1  # b was interrupted: not kept
     kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert kept == [
         "kl.png",
@@ -57,36 +55,35 @@ def test_export_keeps_finished_runs_without_paths_and_restore_gives_them_back(
     for p in dest.rglob("*.yaml"):
         assert str(tmp_path) not in p.read_text()
     assert "{MODEL:smollm2}" in (dest / "runs/a/config.yaml").read_text()
-    assert arc.restore(dest, back) == 1
+    assert arc.restore(dest, back, models) == 1
     for name in ("config.yaml", "result.yaml", "metrics.jsonl", "samples.jsonl"):
         want = (out / "runs/a" / name).read_text().replace(str(out), str(back))
         assert (back / "runs/a" / name).read_text() == want, name
-    assert arc.restore(dest, back) == 0  # a run already there is left as it is
-    monkeypatch.setattr(arc, "_models", lambda: {})
+    assert arc.restore(dest, back, models) == 0  # a run already there is left as it is
     with pytest.raises(arc.ArchiveError, match=r"'smollm2': run `make real-models` first"):
-        arc.restore(dest, tmp_path / "third")
+        arc.restore(dest, tmp_path / "third", {})
     assert not (tmp_path / "third").exists()  # nothing half-written
 
 
-def _exported(tmp_path, monkeypatch, study: str = "task: chat-arith\nmodel: smollm2\n"):
+def _exported(tmp_path, study: str = "task: chat-arith\nmodel: smollm2\n"):
+    """The archive module, an exported study and the ``{key: directory}`` of its model."""
     arc = _archive()
-    model = str(tmp_path / "cache" / "SmolLM2")
-    monkeypatch.setattr(arc, "_models", lambda: {"smollm2": model})
+    models = {"smollm2": str(tmp_path / "cache" / "SmolLM2")}
     out, dest = tmp_path / "study", tmp_path / "archive"
-    _study(out, model)
+    _study(out, models["smollm2"])
     (out / "study.yaml").write_text(study)
-    arc.export(out, dest)
-    return arc, dest
+    arc.export(out, dest, models)
+    return arc, dest, models
 
 
 def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
-def test_restore_refuses_another_studys_directory_and_leaves_it_as_it_was(tmp_path, monkeypatch):
+def test_restore_refuses_another_studys_directory_and_leaves_it_as_it_was(tmp_path):
     """The data loss: restoring into a directory holding another study replaced its
     ``study.yaml`` and ``train-config.yaml`` and exited 0."""
-    arc, dest = _exported(tmp_path, monkeypatch)
+    arc, dest, models = _exported(tmp_path)
     other = tmp_path / "other"
     (other / "runs" / "x").mkdir(parents=True)
     (other / "runs" / "x" / "result.yaml").write_text("name: x\nstatus: ok\n")
@@ -94,7 +91,7 @@ def test_restore_refuses_another_studys_directory_and_leaves_it_as_it_was(tmp_pa
     (other / "train-config.yaml").write_text("model:\n  policy: gemma\n")
     before = _tree(other)
     with pytest.raises(arc.ArchiveError) as err:
-        arc.restore(dest, other)
+        arc.restore(dest, other, models)
     msg = str(err.value)
     assert str(other) in msg and "the study chat-arith on gemma3" in msg, msg
     assert "new or empty directory" in msg and "model: 'gemma3' -> 'smollm2'" in msg, msg
@@ -104,17 +101,20 @@ def test_restore_refuses_another_studys_directory_and_leaves_it_as_it_was(tmp_pa
     stray.mkdir()
     (stray / "todo.txt").write_text("x")
     with pytest.raises(arc.ArchiveError, match="holds no study"):
-        arc.restore(dest, stray)
+        arc.restore(dest, stray, models)
     same = tmp_path / "same"
-    assert arc.restore(dest, same) == 1
+    assert arc.restore(dest, same, models) == 1
     (same / "runs" / "a" / "result.yaml").unlink()
-    assert arc.restore(dest, same) == 1  # the same study: the unfinished run is restored again
+    assert (
+        arc.restore(dest, same, models) == 1
+    )  # the same study: the unfinished run is restored again
 
 
 def test_restore_bad_inputs_are_one_line_errors_with_exit_2_and_nothing_written(
     tmp_path, monkeypatch, capsys
 ):
-    arc, dest = _exported(tmp_path, monkeypatch)
+    arc, dest, models = _exported(tmp_path)
+    monkeypatch.setattr(arc, "_models", lambda: models)  # main() reads this machine's models
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = {
@@ -142,13 +142,12 @@ def test_restore_bad_inputs_are_one_line_errors_with_exit_2_and_nothing_written(
     gz.write_bytes(whole)
     (dest / "runs" / "README").write_text("x")
     with pytest.raises(arc.ArchiveError, match=r"runs/README is a stray file .* remove it"):
-        arc.restore(dest, tmp_path / "o4")
+        arc.restore(dest, tmp_path / "o4", models)
     assert not (tmp_path / "o4").exists()
 
 
 def test_export_bad_inputs_are_one_line_errors(tmp_path, monkeypatch, capsys):
     arc = _archive()
-    monkeypatch.setattr(arc, "_models", lambda: {})
     (tmp_path / "empty").mkdir()
     for out, says in ((tmp_path / "nowhere", "no such directory"),
                       (tmp_path / "empty", "it holds no runs/ directory")):  # fmt: skip
@@ -160,7 +159,7 @@ def test_export_bad_inputs_are_one_line_errors(tmp_path, monkeypatch, capsys):
 
 
 def test_restore_interrupted_leaves_no_half_written_study(tmp_path, monkeypatch):
-    arc, dest = _exported(tmp_path, monkeypatch)
+    arc, dest, models = _exported(tmp_path)
     import klpo._io
 
     real = klpo._io.write_atomic
@@ -174,7 +173,7 @@ def test_restore_interrupted_leaves_no_half_written_study(tmp_path, monkeypatch)
 
     monkeypatch.setattr(klpo._io, "write_atomic", dies)
     with pytest.raises(KeyboardInterrupt):
-        arc.restore(dest, tmp_path / "new")
+        arc.restore(dest, tmp_path / "new", models)
     assert not (tmp_path / "new").exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 

@@ -467,6 +467,9 @@ def test_preflight_fails_before_any_model_loads_or_file_is_written(
     cfg = build_config(overrides=quick(tiny_model, out, **{"model.reference": str(other)}))
     with pytest.raises(ConfigError, match=r"model.reference=.*vocabulary of \d+ tokens but "):
         loop.train(cfg, log=print)
+    cfg = build_config(overrides=quick(tiny_model, out, **{"teacher.model": str(other)}))
+    with pytest.raises(ConfigError, match=r"teacher.model=.*the teacher must share the student's"):
+        loop.train(cfg, log=print)
     n = conf["max_position_embeddings"]
     cfg = build_config(overrides=quick(tiny_model, out, **{"rollout.max_new_tokens": n}))
     with pytest.raises(ConfigError, match=rf"rollout.max_new_tokens={n} leaves no room"):

@@ -11,12 +11,14 @@ group normalisation (klpo's GRPO adds the penalty's returns-to-go to the advanta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from klpo import registry
 from klpo.doctor.reading import Reading, Settings, Term
 
 __all__ = [
+    "RunShape",
     "build_equivalent",
     "build_intended",
     "carry",
@@ -24,6 +26,18 @@ __all__ = [
     "klpo_keys",
     "validate",
 ]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """A framework's run as a reader's findings and equivalent configs need it: its advantage
+    estimator (the framework's name), the group size ``n``, and the optimiser steps per batch of
+    rollouts, ``epochs`` × ``minibatches``."""
+
+    adv: str
+    n: int
+    epochs: int
+    minibatches: int
 
 
 def intended_in_loss(estimator: str) -> str:

@@ -481,6 +481,14 @@ def _render_sections(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_config(title: str, block: dict[str, Any], notes: list[str]) -> list[str]:
+    """A klpo config under its title, then ``notes`` and klpo's refusal of it as comments."""
+    lines = ["", title, _indent(_yaml(block["config"])), *notes]
+    if block["invalid"]:
+        lines.append(f"  # klpo rejects it: {block['invalid']}")
+    return lines
+
+
 def render(diag: dict[str, Any]) -> str:
     """The diagnosis for people."""
     fw = diag["framework"]
@@ -537,26 +545,14 @@ def render(diag: dict[str, Any]) -> str:
         if distillation:
             lines += _render_sections(distillation)
         return "\n".join(lines)
-    lines += [
-        "",
-        "klpo config that does the same thing (klpo train -c FILE):",
-        _indent(_yaml(eq["config"])),
-    ]
-    for d in eq["differences"]:
-        lines.append(f"  # differs: {d}")
+    notes = [f"  # differs: {d}" for d in eq["differences"]]
     if eq["unmapped"]:
-        lines.append(f"  # not carried (klpo has no key for them): {', '.join(eq['unmapped'])}")
-    if eq["invalid"]:
-        lines.append(f"  # klpo rejects it: {eq['invalid']}")
-    lines += [
-        "",
-        "klpo config that does what these settings most likely meant:",
-        _indent(_yaml(it["config"])),
-    ]
-    for w in it["why"]:
-        lines.append(f"  # why: {w}")
-    if it["invalid"]:
-        lines.append(f"  # klpo rejects it: {it['invalid']}")
+        notes.append(f"  # not carried (klpo has no key for them): {', '.join(eq['unmapped'])}")
+    lines += _render_config("klpo config that does the same thing (klpo train -c FILE):", eq, notes)
+    notes = [f"  # why: {w}" for w in it["why"]]
+    lines += _render_config(
+        "klpo config that does what these settings most likely meant:", it, notes
+    )
     if distillation:
         lines += _render_sections(distillation)
     return "\n".join(lines)

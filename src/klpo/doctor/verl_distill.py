@@ -25,6 +25,7 @@ Read from verl 0.9.1 (the installed wheel; the same at ``verl-project/verl`` ``1
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from klpo import registry
@@ -84,28 +85,86 @@ def _sampled_clamps(
     return tuple(texts), value, ratio
 
 
+@dataclass(frozen=True)
+class _Loss:
+    """The ``distillation.distillation_loss.*`` settings one reading needs, read once."""
+
+    mode: str
+    pg: bool
+    task: bool
+    coef: float
+    coef_key: str
+    cap: float | None
+    floor: float | None
+    topk: int | None
+    teacher: str
+
+    @classmethod
+    def read(cls, s: Settings) -> _Loss:
+        """The settings, read in the order the report lists them; without
+        ``use_task_rewards`` the coefficient is 1."""
+        mode = s.str(f"{LOSS}.loss_mode") or ""
+        pg = s.bool(f"{LOSS}.use_policy_gradient")
+        task = s.bool(f"{LOSS}.use_task_rewards")
+        coef = (s.float(f"{LOSS}.distillation_loss_coef") or 0.0) if task else 1.0
+        coef_key = f"{LOSS}.distillation_loss_coef" if task else f"{LOSS}.use_task_rewards=false: 1"
+        cap, floor = s.float(f"{LOSS}.loss_max_clamp"), s.float(f"{LOSS}.log_prob_min_clamp")
+        topk = s.int(f"{LOSS}.topk")
+        return cls(mode, pg, task, coef, coef_key, cap, floor, topk, _teacher(s))
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys every finding on the mode names."""
+        return [f"{LOSS}.loss_mode", f"{LOSS}.use_policy_gradient"]
+
+    @property
+    def option(self) -> str:
+        """The term's option, as the report shows it."""
+        pg = str(self.pg).lower()
+        return f"distillation.enabled=true, loss_mode={self.mode}, use_policy_gradient={pg}"
+
+
 def read_distillation(r: Reading, s: Settings, agg: str) -> None:
     """Add the distillation term of a verl config with ``distillation.enabled`` to ``r``: its
-    :class:`~klpo.doctor.reading.TeacherTerm`, the findings for its traps, klpo's sections."""
+    :class:`~klpo.doctor.reading.TeacherTerm`, the findings for its traps, klpo's sections.
+
+    In the order verl meets them: the settings given without ``enabled``, the modes it refuses
+    when the config is built, the term, what it follows, the settings the mode never reads."""
     if not s.bool("distillation.enabled"):
-        given = [k for k in s.values if k.lstrip("+").startswith("distillation.")]
-        if given and any(s.differs(k) for k in given if k.lstrip("+") in s.defaults):
-            r.warn(
-                "warning",
-                ["distillation.enabled"],
-                "distillation.* settings are given but distillation.enabled is false (verl's "
-                "default): no teacher is loaded and they do nothing",
-            )
+        _disabled(r, s)
         return
-    mode = s.str(f"{LOSS}.loss_mode") or ""
-    pg = s.bool(f"{LOSS}.use_policy_gradient")
-    task = s.bool(f"{LOSS}.use_task_rewards")
-    coef = (s.float(f"{LOSS}.distillation_loss_coef") or 0.0) if task else 1.0
-    coef_key = f"{LOSS}.distillation_loss_coef" if task else f"{LOSS}.use_task_rewards=false: 1"
-    cap, floor = s.float(f"{LOSS}.loss_max_clamp"), s.float(f"{LOSS}.log_prob_min_clamp")
-    topk = s.int(f"{LOSS}.topk")
-    teacher = _teacher(s)
-    keys = [f"{LOSS}.loss_mode", f"{LOSS}.use_policy_gradient"]
+    c = _Loss.read(s)
+    if _refused(r, c):
+        return
+    t = _sampled_term(c) if c.mode in ESTIMATORS else _topk_term(c)
+    r.teacher_terms.append(t)
+    intended = _intended(r, t, c)
+    _ignored(r, s, c)
+    _differences(r, c)
+    distill.build_sections(r, c.teacher.split(",")[0].strip(), intended)
+    if agg not in ("token-mean",) and t.placement == "loss":
+        r.teacher_differences.append(
+            f"verl aggregates the term with loss_agg_mode={agg}; klpo's teacher term follows "
+            "algo.loss_reduction"
+        )
+
+
+def _disabled(r: Reading, s: Settings) -> None:
+    """``distillation.*`` settings given while ``distillation.enabled`` is false do nothing."""
+    given = [k for k in s.values if k.lstrip("+").startswith("distillation.")]
+    if given and any(s.differs(k) for k in given if k.lstrip("+") in s.defaults):
+        r.warn(
+            "warning",
+            ["distillation.enabled"],
+            "distillation.* settings are given but distillation.enabled is false (verl's "
+            "default): no teacher is loaded and they do nothing",
+        )
+
+
+def _refused(r: Reading, c: _Loss) -> bool:
+    """Whether verl refuses the mode when the config is built (an unknown mode, k1 in the loss)
+    or the coefficient cancels the term; the finding says which."""
+    mode = c.mode
     if mode not in MODES:
         reverse_topk = "topk" in mode and ("rev" in mode or "student" in mode)
         r.warn(
@@ -122,11 +181,11 @@ def read_distillation(r: Reading, s: Settings, agg: str) -> None:
             ),
             kind="refused",
         )
-        return
-    if mode in ESTIMATORS and ESTIMATORS[mode] == "k1" and not pg:
+        return True
+    if mode in ESTIMATORS and ESTIMATORS[mode] == "k1" and not c.pg:
         r.warn(
             "error",
-            keys,
+            c.keys,
             f"loss_mode={mode} with use_policy_gradient=false: verl refuses it "
             "(DistillationLossConfig.__post_init__: the gradient of k1 in the loss does not "
             "depend on the teacher; it is zero in expectation, klpo explain --teacher: k1, loss) "
@@ -134,8 +193,8 @@ def read_distillation(r: Reading, s: Settings, agg: str) -> None:
             "k3 / forward_kl_topk",
             kind="refused",
         )
-        return
-    if coef == 0:
+        return True
+    if c.coef == 0:
         r.warn(
             "warning",
             [f"{LOSS}.distillation_loss_coef"],
@@ -144,65 +203,71 @@ def read_distillation(r: Reading, s: Settings, agg: str) -> None:
             "no distillation term",
             kind="cancelled",
         )
-        return
-    option = f"distillation.enabled=true, loss_mode={mode}, use_policy_gradient={str(pg).lower()}"
+        return True
+    return False
+
+
+def _sampled_term(c: _Loss) -> TeacherTerm:
+    """An estimator mode's term: kl_penalty's value of the sampled token, clamped."""
+    est = ESTIMATORS[c.mode]
+    texts, value, ratio = _sampled_clamps(est, c.cap)
+    return distill.sampled(
+        c.option,
+        c.mode,
+        est,
+        "reward" if c.pg else "loss",
+        c.coef,
+        c.coef_key,
+        credit="token" if c.pg else "",
+        clamps=texts,
+        value_clamp=value,
+        log_ratio_clamp=ratio,
+        teacher=c.teacher,
+        logged_as="distillation/loss",
+    )
+
+
+def _intended(r: Reading, t: TeacherTerm, c: _Loss) -> dict[str, Any]:
+    """The findings on what the term follows, and klpo's intended teacher section's changes."""
     intended: dict[str, Any] = {}
-    if mode in ESTIMATORS:
-        est = ESTIMATORS[mode]
-        texts, value, ratio = _sampled_clamps(est, cap)
-        t = distill.sampled(
-            option,
-            mode,
-            est,
-            "reward" if pg else "loss",
-            coef,
-            coef_key,
-            credit="token" if pg else "",
-            clamps=texts,
-            value_clamp=value,
-            log_ratio_clamp=ratio,
-            teacher=teacher,
-            logged_as="distillation/loss",
-        )
-    else:
-        t = _topk_term(option, pg, coef, coef_key, topk, cap, floor, teacher)
-    r.teacher_terms.append(t)
-    if pg:
+    if c.pg:
         distill.per_token_credit(
-            r, t, keys, f"{WHERE}: advantages=-distillation_losses.detach(), vanilla PPO loss"
+            r, t, c.keys, f"{WHERE}: advantages=-distillation_losses.detach(), vanilla PPO loss"
         )
         intended["credit"] = "returns"
         r.teacher_intended_why.append(
             "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
             "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
         )
-    if mode == "forward_kl_topk":
-        if not pg:
-            distill.topk_clamp_zero(r, t, keys, f"{WHERE} (compute_forward_kl_topk)")
+    if c.mode == "forward_kl_topk":
+        if not c.pg:
+            distill.topk_clamp_zero(r, t, c.keys, f"{WHERE} (compute_forward_kl_topk)")
         else:
             r.warn(
                 "note",
-                keys,
+                c.keys,
                 "forward_kl_topk with use_policy_gradient: the top-k sum is detached into each "
                 "token's advantage, so only the sampled token's log-probability is trained; verl "
                 "says so itself when the config is built (DistillationLossConfig.__post_init__)",
             )
-        intended.update(
-            {"estimator": "topk_tail", "clamp_zero": None, "log_prob_floor": None} if not pg else {}
-        )
-        if not pg:
+        if not c.pg:
+            intended.update({"estimator": "topk_tail", "clamp_zero": None, "log_prob_floor": None})
             r.teacher_intended_why.append(
                 "estimator: topk_tail, the K+1-bucket KL (verl#7855): a forward KL of the "
                 "teacher's top-k and one tail bucket, never negative, so no clamp is needed"
             )
-    elif not pg:
-        _mismatch(r, t, keys, intended)
-    _ignored(r, s, mode, pg, task)
-    if cap is not None:
+    elif not c.pg:
+        _mismatch(r, t, c.keys, intended)
+    return intended
+
+
+def _differences(r: Reading, c: _Loss) -> None:
+    """Where verl's term differs from klpo's teacher mode: the clamp, the task, the teachers."""
+    if c.cap is not None:
         r.teacher_differences.append(
-            f"loss_max_clamp={cap:g}: klpo's teacher mode has no clamp of the per-token value"
+            f"loss_max_clamp={c.cap:g}: klpo's teacher mode has no clamp of the per-token value"
         )
-    if not task:
+    if not c.task:
         r.warn(
             "note",
             [f"{LOSS}.use_task_rewards"],
@@ -210,29 +275,16 @@ def read_distillation(r: Reading, s: Settings, agg: str) -> None:
             "distillation alone; algorithm.adv_estimator, the group size and the reward "
             "function do not enter the loss",
         )
-    if "," in teacher:
+    if "," in c.teacher:
         r.teacher_differences.append(
-            f"several teachers, routed by distillation.teacher_key ({teacher}); klpo's teacher "
+            f"several teachers, routed by distillation.teacher_key ({c.teacher}); klpo's teacher "
             "mode takes one: the first is shown"
         )
-    distill.build_sections(r, teacher.split(",")[0].strip(), intended)
-    if agg not in ("token-mean",) and t.placement == "loss":
-        r.teacher_differences.append(
-            f"verl aggregates the term with loss_agg_mode={agg}; klpo's teacher term follows "
-            "algo.loss_reduction"
-        )
 
 
-def _topk_term(
-    option: str,
-    pg: bool,
-    coef: float,
-    coef_key: str,
-    topk: int | None,
-    cap: float | None,
-    floor: float | None,
-    teacher: str,
-) -> TeacherTerm:
+def _topk_term(c: _Loss) -> TeacherTerm:
+    """``forward_kl_topk``'s term: the teacher's top-k forward sum, clamped at zero."""
+    floor, cap, pg, topk = c.floor, c.cap, c.pg, c.topk
     clamps = ["clamp_min(0.0) of each position's sum, always (compute_forward_kl_topk)"]
     if floor is not None:
         clamps.append(
@@ -246,13 +298,13 @@ def _topk_term(
         klpo = {
             "estimator": "topk_forward",
             "placement": "loss",
-            "beta": coef,
+            "beta": c.coef,
             "top_k": topk,
             "clamp_zero": True,
             "log_prob_floor": floor,
         }
     return TeacherTerm(
-        option=option,
+        option=c.option,
         framework_name="forward_kl_topk",
         divergence="sum over the teacher's top-k of p (log p - log q): the forward "
         "KL(pi_T ‖ pi_theta) truncated to the teacher's top-k, no KL (the masses are "
@@ -260,14 +312,14 @@ def _topk_term(
         direction="forward (truncated)",
         support="top-k",
         placement="reward" if pg else "loss",
-        beta=coef,
-        beta_option=coef_key,
+        beta=c.coef,
+        beta_option=c.coef_key,
         credit="token" if pg else "",
         top_k=topk,
         topk_of="teacher",
         clamps=tuple(clamps),
         table_key=None if pg else "topk_forward_clamp",
-        teacher=teacher,
+        teacher=c.teacher,
         logged_as="distillation/loss",
         klpo=klpo,
     )
@@ -302,8 +354,9 @@ def _mismatch(r: Reading, t: TeacherTerm, keys: list[str], intended: dict[str, A
     )
 
 
-def _ignored(r: Reading, s: Settings, mode: str, pg: bool, task: bool) -> None:
+def _ignored(r: Reading, s: Settings, c: _Loss) -> None:
     """Settings the chosen mode never reads, where the file sets them."""
+    mode, pg, task = c.mode, c.pg, c.task
     unread: list[tuple[str, str]] = []
     if mode != "forward_kl_topk":
         unread += [

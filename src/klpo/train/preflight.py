@@ -673,6 +673,24 @@ def _model_config(key: str, name: str):
         ) from None
 
 
+# The models that must share the policy's vocabulary, checked in this order: (key, what
+# compares them with the policy, the fix).
+_SAME_VOCABULARY = (
+    (
+        "teacher.model",
+        "the teacher term",
+        "the teacher must share the student's tokenizer (distilling across tokenizers would need "
+        "the vocabularies aligned, GOLD-style, which klpo does not do)",
+    ),
+    (
+        "model.reference",
+        "the KL",
+        "the reference must share the policy's tokenizer (leave model.reference unset to use the "
+        "policy's starting point)",
+    ),
+)
+
+
 def check_models(cfg: TrainConfig) -> None:
     """The models against each other and the config, from their config files alone: the policy
     and the reference share a vocabulary (the KL compares them token by token), and a
@@ -689,25 +707,18 @@ def check_models(cfg: TrainConfig) -> None:
             cfg.teacher.model,
             _model_config("teacher.model", cfg.teacher.model),
         )
-    (p_name, p_cfg), (r_name, r_cfg) = configs["model.policy"], configs["model.reference"]
-    if cfg.teacher is not None:
-        t_name, t_cfg = configs["teacher.model"]
-        t_vocab, p_vocab = getattr(t_cfg, "vocab_size", None), getattr(p_cfg, "vocab_size", None)
-        if t_vocab is not None and p_vocab is not None and t_vocab != p_vocab:
+    p_name, p_cfg = configs["model.policy"]
+    p_vocab = getattr(p_cfg, "vocab_size", None)
+    for key, what, fix in _SAME_VOCABULARY:
+        if key not in configs:
+            continue
+        name, other = configs[key]
+        vocab = getattr(other, "vocab_size", None)
+        if vocab is not None and p_vocab is not None and vocab != p_vocab:
             raise ConfigError(
-                f"teacher.model={t_name!r} has a vocabulary of {t_vocab} tokens but model.policy="
-                f"{p_name!r} has {p_vocab}: the teacher term compares the two token by token, so "
-                "the teacher must share the student's tokenizer (distilling across tokenizers "
-                "would need the vocabularies aligned, GOLD-style, which klpo does not do)"
+                f"{key}={name!r} has a vocabulary of {vocab} tokens but model.policy={p_name!r} "
+                f"has {p_vocab}: {what} compares the two token by token, so {fix}"
             )
-    p_vocab, r_vocab = getattr(p_cfg, "vocab_size", None), getattr(r_cfg, "vocab_size", None)
-    if p_vocab is not None and r_vocab is not None and p_vocab != r_vocab:
-        raise ConfigError(
-            f"model.reference={r_name!r} has a vocabulary of {r_vocab} tokens but model.policy="
-            f"{p_name!r} has {p_vocab}: the KL compares the two token by token, so the "
-            "reference must share the policy's tokenizer (leave model.reference unset to use "
-            "the policy's starting point)"
-        )
     new = cfg.rollout.max_new_tokens
     for key, (name, c) in configs.items():
         positions = getattr(c, "max_position_embeddings", None)

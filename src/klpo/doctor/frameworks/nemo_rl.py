@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from klpo.doctor import nemo_rl_distill, tables
-from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.keys import check_keys, settle
 from klpo.doctor.reading import (
     DoctorError,
@@ -255,7 +255,7 @@ def read_settings(data: dict[str, Any], source: str, version: str | None = None)
         _loss_term(r, kind, coef, weighted, approx, token)
     _structure(r, s, sec, adv, n)
     nemo_rl_distill.read_opd(r, s, sec, adv)
-    _equivalent(r, s, adv, n, steps, token, epochs, sec)
+    _equivalent(r, s, RunShape(adv, n, epochs, steps), sec, token)
     settle(r, s.read)
     r.findings[:0] = s.findings
     r.settings = s.read
@@ -421,14 +421,15 @@ def _loss_term(r: Reading, kind: str, coef: float, weighted: bool, approx: bool,
         )
 
 
-def _equivalent(
-    r: Reading, s: Settings, adv: str, n: int, steps: int, token: bool, epochs: int, sec: str
-) -> None:
+def _equivalent(r: Reading, s: Settings, run: RunShape, sec: str, token: bool) -> None:
+    """The klpo configs: the same thing, and what was most likely meant; ``sec`` the algorithm's
+    section (``grpo``, ``ppo``); ``token``: the loss is reduced per token (else per sequence)."""
+    adv, n = run.adv, run.n
     name = ADVANTAGES.get(adv, (None, False, ""))[0]
     algo: dict[str, Any] = {
         "name": name or "grpo",
-        "epochs": epochs,
-        "minibatches": steps,
+        "epochs": run.epochs,
+        "minibatches": run.minibatches,
         "loss_reduction": "token-mean" if token else "seq-mean-token-mean",
     }
     if name is None:

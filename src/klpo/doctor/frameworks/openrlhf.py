@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from klpo.doctor import tables
-from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import DoctorError, Reading, Settings, Term, check_known, nearest, scalar
 from klpo.doctor.shell import Script
@@ -345,7 +345,7 @@ def _terms(r: Reading, s: Settings, table: tables.Table) -> None:
             + (f"; {', '.join(L(k) for k in ignored)} ignored" if ignored else ""),
         )
     _run_findings(r, s, coef, use_loss, unbiased, adv, no_std)
-    _equivalent(r, s, adv, no_std, epochs, steps, n, target, horizon, coef)
+    _equivalent(r, s, RunShape(adv, n, epochs, steps), no_std, target, horizon, coef)
 
 
 def _term_findings(
@@ -444,20 +444,20 @@ def _run_findings(
 def _equivalent(
     r: Reading,
     s: Settings,
-    adv: str,
+    run: RunShape,
     no_std: bool,
-    epochs: int,
-    steps: int,
-    n: int,
     target: float | None,
     horizon: float | None,
     coef: float,
 ) -> None:
+    """The klpo configs: the same thing, and what was most likely meant; ``target`` and
+    ``horizon`` the adaptive controller's, where ``coef`` is above 0."""
+    adv, n = run.adv, run.n
     algo_name, _ = ADVANTAGES[adv]
     algo: dict[str, Any] = {
         "name": algo_name or "reinforce++",
-        "epochs": epochs,
-        "minibatches": steps,
+        "epochs": run.epochs,
+        "minibatches": run.minibatches,
         "loss_reduction": "token-mean",
     }
     if algo_name == "grpo":

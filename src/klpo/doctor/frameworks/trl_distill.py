@@ -16,11 +16,12 @@ are read as :mod:`klpo.doctor.trl_config` reads every TRL config.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from klpo.doctor import distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, TeacherTerm, check_known
+from klpo.doctor.reading import DoctorError, Reading, Settings, TeacherTerm, check_known
 from klpo.doctor.trl_config import (
     CARRIED,
     CLASSES,
@@ -58,7 +59,6 @@ def read_distillation(
     temp = s.float("temperature") or 1.0
     teacher = s.str("teacher_model_name_or_path") or ""
     r.algorithm, r.group_size, r.updates_per_batch = "on-policy distillation", 1, 1
-    option = f"beta={beta:g}"
     if not 0.0 <= beta <= 1.0:
         r.warn(
             "error",
@@ -68,40 +68,7 @@ def read_distillation(
             kind="refused",
         )
     else:
-        direction = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
-        name = {"forward": "forward KL (beta 0)", "reverse": "reverse KL (beta 1)"}.get(
-            direction, f"generalised JSD (beta {beta:g})"
-        )
-        clamps = () if temp == 1.0 else (f"both distributions at temperature {temp:g}",)
-        t = distill.exact(
-            option,
-            f"DistillationTrainer: {name}",
-            direction,
-            1.0,
-            "the loss itself",
-            jsd_beta=beta if direction == "jsd" else None,
-            clamps=clamps,
-            teacher=teacher,
-            logged_as="loss",
-        )
-        r.teacher_terms.append(t)
-        r.warn(
-            "note",
-            ["beta", "teacher_model_name_or_path"],
-            f"{t.framework_name}: exact at every completion position, from both models' hidden "
-            "states through their heads in tiles (trl/kernels/chunked_divergence.py: neither "
-            "model's [N, V] logits are formed); one vocabulary for both: TRL refuses a teacher "
-            f"whose vocab_size differs ({DISTILL_TRAINER}), so a teacher with another tokenizer "
-            "needs GOLD; unlike GRPO's, this beta picks the divergence, it is no coefficient",
-        )
-        if temp != 1.0:
-            r.warn(
-                "note",
-                ["temperature"],
-                f"temperature {temp:g} samples the completions and scales both models' logits "
-                "in the divergence: the student is pulled towards the teacher's distribution at "
-                f"temperature {temp:g}, not at 1",
-            )
+        _divergence(r, beta, temp, teacher)
     if not teacher:
         r.warn(
             "error" if script else "note",
@@ -121,6 +88,54 @@ def read_distillation(
             "needs the exact KL in reward and loss"
         )
     distill.build_sections(r, teacher, intended)
+    _distillation_equivalent(r, s)
+    r.findings[:0] = s.findings
+    r.settings = s.read
+    return r
+
+
+def _divergence(r: Reading, beta: float, temp: float, teacher: str) -> None:
+    """Add the term a valid ``beta`` picks (0 forward KL, 1 reverse, between them the JSD) and
+    the notes on how TRL computes it."""
+    direction = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    name = {"forward": "forward KL (beta 0)", "reverse": "reverse KL (beta 1)"}.get(
+        direction, f"generalised JSD (beta {beta:g})"
+    )
+    clamps = () if temp == 1.0 else (f"both distributions at temperature {temp:g}",)
+    t = distill.exact(
+        f"beta={beta:g}",
+        f"DistillationTrainer: {name}",
+        direction,
+        1.0,
+        "the loss itself",
+        jsd_beta=beta if direction == "jsd" else None,
+        clamps=clamps,
+        teacher=teacher,
+        logged_as="loss",
+    )
+    r.teacher_terms.append(t)
+    r.warn(
+        "note",
+        ["beta", "teacher_model_name_or_path"],
+        f"{t.framework_name}: exact at every completion position, from both models' hidden "
+        "states through their heads in tiles (trl/kernels/chunked_divergence.py: neither "
+        "model's [N, V] logits are formed); one vocabulary for both: TRL refuses a teacher "
+        f"whose vocab_size differs ({DISTILL_TRAINER}), so a teacher with another tokenizer "
+        "needs GOLD; unlike GRPO's, this beta picks the divergence, it is no coefficient",
+    )
+    if temp != 1.0:
+        r.warn(
+            "note",
+            ["temperature"],
+            f"temperature {temp:g} samples the completions and scales both models' logits "
+            "in the divergence: the student is pulled towards the teacher's distribution at "
+            f"temperature {temp:g}, not at 1",
+        )
+
+
+def _distillation_equivalent(r: Reading, s: Settings) -> None:
+    """klpo's nearest run: grpo with one update per batch, the batch of prompts TRL trains on,
+    the carried settings."""
     per_device = s.int("per_device_train_batch_size") or 1
     accum = s.int("gradient_accumulation_steps") or 1
     algo = {"name": "grpo", "epochs": 1, "minibatches": 1, "loss_reduction": "token-mean"}
@@ -136,101 +151,80 @@ def read_distillation(
         r.equivalent_differences.append(f"no klpo key (any more) for: {', '.join(missing)}")
     build_equivalent(r, algo, rollout, {}, carried, s)
     build_intended(r)
-    r.findings[:0] = s.findings
-    r.settings = s.read
-    return r
 
 
 SDPO_MODES = ("sampled_token", "full_logits", "topk_logits")
+
+# teacher_model_kind -> which weights of the student teach it
+_SDPO_TEACHERS = {
+    "ema": "an exponential moving average of it",
+    "live": "its current weights",
+    "base": "its initial weights",
+}
+
+
+@dataclass(frozen=True)
+class _Sdpo:
+    """An ``SDPOConfig``'s self-distillation settings, read once (with SDPOConfig's defaults)."""
+
+    mode: str
+    alpha: float
+    weight: float
+    topk: int | None
+    tail: bool
+    kind: str
+    server: bool
+
+    @classmethod
+    def read(cls, s: Settings, source: str) -> _Sdpo:
+        """The settings; an unknown ``distillation_mode`` is refused, naming the modes."""
+        mode = check_known(
+            s.str("distillation_mode") or "", SDPO_MODES, "distillation_mode", source
+        )
+        alpha = s.float("distillation_alpha")
+        weight = s.float("distillation_weight")
+        topk, tail = s.int("distillation_topk"), s.bool("distillation_add_tail")
+        return cls(
+            mode=mode,
+            alpha=1.0 if alpha is None else alpha,
+            weight=1.0 if weight is None else weight,
+            topk=topk,
+            tail=tail,
+            kind=s.str("teacher_model_kind") or "ema",
+            server=s.bool("use_teacher_server"),
+        )
+
+    @property
+    def option(self) -> str:
+        """The term's option, as the report shows it."""
+        return f"distillation_mode={self.mode}, distillation_alpha={self.alpha:g}"
+
+    @property
+    def teacher(self) -> str:
+        """The teacher, in words: the student itself, reprompted."""
+        weights = _SDPO_TEACHERS.get(self.kind, self.kind)
+        return (
+            f"the student itself (teacher_model_kind={self.kind}: {weights}), reprompted with a "
+            "successful rollout or feedback"
+        )
 
 
 def read_sdpo(data: dict[str, Any], source: str, version: str | None = None) -> Reading:
     """Read an ``SDPOConfig``'s fields (TRL's experimental self-distillation policy optimisation:
     the teacher is the student itself, reprompted with a successful rollout or feedback)."""
     r, s = setup("sdpo", data, source, version)
-    mode = check_known(s.str("distillation_mode") or "", SDPO_MODES, "distillation_mode", source)
-    alpha = s.float("distillation_alpha")
-    alpha = 1.0 if alpha is None else alpha
-    weight = s.float("distillation_weight")
-    weight = 1.0 if weight is None else weight
-    topk, tail = s.int("distillation_topk"), s.bool("distillation_add_tail")
-    kind = s.str("teacher_model_kind") or "ema"
-    server = s.bool("use_teacher_server")
+    c = _Sdpo.read(s, source)
     g = s.int("num_generations") or 1
     iters, reuse, assumption = updates(s)
     r.algorithm, r.group_size = "sdpo (grpo with self-distillation)", g
     common(r, s, iters, reuse, assumption)
-    teacher = (
-        f"the student itself (teacher_model_kind={kind}: "
-        + {
-            "ema": "an exponential moving average of it",
-            "live": "its current weights",
-            "base": "its initial weights",
-        }.get(kind, kind)
-        + "), reprompted with a successful rollout or feedback"
-    )
-    option = f"distillation_mode={mode}, distillation_alpha={alpha:g}"
-    keys = ["distillation_mode", "distillation_alpha"]
-    t = None
-    if weight == 0:
+    t = _sdpo_term(r, c)
+    if 0 < c.weight < 1:
         r.warn(
             "note",
             ["distillation_weight"],
-            "distillation_weight = 0: the loss is GRPO's policy loss alone; no teacher term",
-        )
-    elif mode == "sampled_token":
-        if alpha != 1.0:
-            r.warn(
-                "error",
-                keys,
-                f"distillation_mode=sampled_token with distillation_alpha={alpha:g}: TRL refuses "
-                "it (SDPOConfig.__post_init__: the sampled-token loss is the reverse KL only) and "
-                "does not start",
-                kind="refused",
-            )
-        else:
-            t = distill.sampled(
-                option, "SDPO sampled_token", "k1", "reward", weight, "distillation_weight",
-                credit="token", teacher=teacher, logged_as="self_distillation/loss",
-            )  # fmt: skip
-            distill.per_token_credit(
-                r, t, keys, f"{SDPO_LOSS}: sg(log pi_theta - log pi_T) · log pi_theta per token"
-            )
-    elif mode == "topk_logits" and server:
-        r.warn(
-            "note",
-            ["use_teacher_server", "distillation_mode"],
-            "use_teacher_server with topk_logits: the server returns the teacher's own top-k, so "
-            "the support is the teacher's, not the student's; the doctor has no row for that "
-            "form (sdpo_trainer.py: _compute_server_distillation_loss)",
-        )
-    else:
-        t = _sdpo_vocab_term(option, mode, alpha, weight, topk, tail, teacher)
-        if mode == "topk_logits" and alpha == 1.0 and not tail:
-            distill.support_bias(
-                r, t, keys, f"{SDPO_LOSS}: compute_topk_self_distillation_loss",
-                "distillation_add_tail=true keeps one bucket for the rest of the vocabulary",
-            )  # fmt: skip
-    if t is not None:
-        r.teacher_terms.append(t)
-        if mode != "sampled_token":
-            r.warn(
-                "note",
-                keys,
-                f"distillation_alpha={alpha:g}: {SDPO_LOSS}'s compute_divergence calls "
-                "F.kl_div(input, target), which is KL(target ‖ input): alpha 0 passes (student, "
-                "teacher), the forward KL(pi_T ‖ pi_theta); alpha 1 passes (teacher, student), "
-                "the reverse KL(pi_theta ‖ pi_T), as SDPOConfig's help says. A review of the PR "
-                "that added it (huggingface/trl#4935) read F.kl_div's arguments the other way "
-                "and called the two swapped; the code was right. The doctor reads the direction "
-                "from the call, not the name",
-            )
-    if 0 < weight < 1:
-        r.warn(
-            "note",
-            ["distillation_weight"],
-            f"distillation_weight = {weight:g}: the loss is {1 - weight:g} × GRPO's policy loss + "
-            f"{weight:g} × the self-distillation term",
+            f"distillation_weight = {c.weight:g}: the loss is {1 - c.weight:g} × GRPO's policy "
+            f"loss + {c.weight:g} × the self-distillation term",
         )
     intended: dict[str, Any] = {}
     if t is not None and t.placement == "reward":
@@ -257,34 +251,96 @@ def read_sdpo(data: dict[str, Any], source: str, version: str | None = None) -> 
     return r
 
 
-def _sdpo_vocab_term(
-    option: str, mode: str, alpha: float, weight: float, topk: int | None, tail: bool, teacher: str
-) -> Any:
-    if mode == "full_logits":
+def _sdpo_term(r: Reading, c: _Sdpo) -> TeacherTerm | None:
+    """Add the self-distillation term ``c`` picks, with its findings (a zero weight, the refused
+    sampled-token JSD, the server's top-k, the support bias, the direction); None where there is
+    none."""
+    keys = ["distillation_mode", "distillation_alpha"]
+    t = None
+    if c.weight == 0:
+        r.warn(
+            "note",
+            ["distillation_weight"],
+            "distillation_weight = 0: the loss is GRPO's policy loss alone; no teacher term",
+        )
+    elif c.mode == "sampled_token":
+        if c.alpha != 1.0:
+            r.warn(
+                "error",
+                keys,
+                f"distillation_mode=sampled_token with distillation_alpha={c.alpha:g}: TRL "
+                "refuses it (SDPOConfig.__post_init__: the sampled-token loss is the reverse KL "
+                "only) and does not start",
+                kind="refused",
+            )
+        else:
+            t = distill.sampled(
+                c.option, "SDPO sampled_token", "k1", "reward", c.weight, "distillation_weight",
+                credit="token", teacher=c.teacher, logged_as="self_distillation/loss",
+            )  # fmt: skip
+            distill.per_token_credit(
+                r, t, keys, f"{SDPO_LOSS}: sg(log pi_theta - log pi_T) · log pi_theta per token"
+            )
+    elif c.mode == "topk_logits" and c.server:
+        r.warn(
+            "note",
+            ["use_teacher_server", "distillation_mode"],
+            "use_teacher_server with topk_logits: the server returns the teacher's own top-k, so "
+            "the support is the teacher's, not the student's; the doctor has no row for that "
+            "form (sdpo_trainer.py: _compute_server_distillation_loss)",
+        )
+    else:
+        t = _sdpo_vocab_term(c)
+        if c.mode == "topk_logits" and c.alpha == 1.0 and not c.tail:
+            distill.support_bias(
+                r, t, keys, f"{SDPO_LOSS}: compute_topk_self_distillation_loss",
+                "distillation_add_tail=true keeps one bucket for the rest of the vocabulary",
+            )  # fmt: skip
+    if t is not None:
+        r.teacher_terms.append(t)
+        if c.mode != "sampled_token":
+            r.warn(
+                "note",
+                keys,
+                f"distillation_alpha={c.alpha:g}: {SDPO_LOSS}'s compute_divergence calls "
+                "F.kl_div(input, target), which is KL(target ‖ input): alpha 0 passes (student, "
+                "teacher), the forward KL(pi_T ‖ pi_theta); alpha 1 passes (teacher, student), "
+                "the reverse KL(pi_theta ‖ pi_T), as SDPOConfig's help says. A review of the PR "
+                "that added it (huggingface/trl#4935) read F.kl_div's arguments the other way "
+                "and called the two swapped; the code was right. The doctor reads the direction "
+                "from the call, not the name",
+            )
+    return t
+
+
+def _sdpo_vocab_term(c: _Sdpo) -> TeacherTerm:
+    """full_logits' exact divergence, or topk_logits' on the student's top-k."""
+    alpha, topk, tail = c.alpha, c.topk, c.tail
+    if c.mode == "full_logits":
         direction = "forward" if alpha == 0 else "reverse" if alpha == 1 else "jsd"
         return distill.exact(
-            option, f"SDPO full_logits (alpha {alpha:g})", direction, weight,
+            c.option, f"SDPO full_logits (alpha {alpha:g})", direction, c.weight,
             "distillation_weight", jsd_beta=alpha if direction == "jsd" else None,
-            teacher=teacher, logged_as="self_distillation/loss",
+            teacher=c.teacher, logged_as="self_distillation/loss",
         )  # fmt: skip
     key = None
     if alpha == 1.0:
         key = "student_topk_tail" if tail else "student_topk_renorm"
     how = "with one tail bucket for the rest" if tail else "renormalised there"
     return TeacherTerm(
-        option=option + f", distillation_topk={topk}, distillation_add_tail={str(tail).lower()}",
+        option=c.option + f", distillation_topk={topk}, distillation_add_tail={str(tail).lower()}",
         framework_name=f"SDPO topk_logits (alpha {alpha:g})",
         divergence=f"the divergence at alpha {alpha:g} (1: reverse KL(pi_theta ‖ pi_T)) of both "
         f"models on the student's top-{topk}, {how}",
         direction="reverse" if alpha == 1 else "forward" if alpha == 0 else f"JSD({alpha:g})",
         support="top-k",
         placement="loss",
-        beta=weight,
+        beta=c.weight,
         beta_option="distillation_weight",
         top_k=topk,
         topk_of="student",
         table_key=key,
-        teacher=teacher,
+        teacher=c.teacher,
         logged_as="self_distillation/loss",
     )
 

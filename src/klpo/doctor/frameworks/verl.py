@@ -24,7 +24,7 @@ from typing import Any
 
 from klpo import registry
 from klpo.doctor import tables, verl_distill, verl_hydra, verl_rollout_corr
-from klpo.doctor.advice import build_equivalent, build_intended, carry
+from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.launch import script_notes
 from klpo.doctor.reading import (
     DoctorError,
@@ -46,15 +46,10 @@ __all__ = ["ESTIMATOR_NAMES", "VERSION", "detect", "overrides", "read", "read_se
 VERSION = "0.9.1"
 ACTOR = "actor_rollout_ref.actor"
 
-# verl's estimator names -> klpo's (None: klpo has none / verl raises).
+# verl's estimator names -> klpo's (None: klpo has none / verl raises): kl_penalty's plain
+# names (its distillation modes' too, one table), their straight-through "+" forms, and full.
 ESTIMATOR_NAMES: dict[str, str | None] = {
-    "kl": "k1",
-    "k1": "k1",
-    "abs": "abs",
-    "mse": "k2",
-    "k2": "k2",
-    "low_var_kl": "low_var_kl",
-    "k3": "low_var_kl",
+    **verl_distill.ESTIMATORS,
     "kl+": "k1+",
     "k1+": "k1+",
     "abs+": "abs+",
@@ -277,10 +272,11 @@ def read_settings(
     if use_reward:
         credit = ADVANTAGES.get(adv, (None, "summed over the completion"))[1]
         r.terms.append(_term(s, "reward", credit, adv, ctrl))
-    _findings(r, s, adv, agg, loss_mode, norm_std, epochs, minibatches)
+    run = RunShape(adv, n, epochs, minibatches)
+    _findings(r, s, run, agg, loss_mode, norm_std)
     verl_distill.read_distillation(r, s, agg)
     corr = verl_rollout_corr.read_correction(r, s, script)
-    _equivalent(r, s, adv, agg, n, norm_std, epochs, minibatches, corr)
+    _equivalent(r, s, run, agg, norm_std, corr)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
@@ -494,16 +490,10 @@ def _term(s: Settings, placement: str, reduction: str, adv: str, ctrl: str | Non
 
 
 def _findings(
-    r: Reading,
-    s: Settings,
-    adv: str,
-    agg: str,
-    loss_mode: str | None,
-    norm_std: bool,
-    epochs: int,
-    minibatches: int,
+    r: Reading, s: Settings, run: RunShape, agg: str, loss_mode: str | None, norm_std: bool
 ) -> None:
     """Ignored, doubled, rejected, rescaled and off-policy settings."""
+    adv, epochs, minibatches = run.adv, run.epochs, run.minibatches
     use_loss = any(t.placement == "loss" for t in r.terms)
     use_reward = any(t.placement == "reward" for t in r.terms)
     for t in r.terms:
@@ -672,21 +662,19 @@ def _group_scaling(adv: str, norm_std: bool, beta: float) -> str:
 def _equivalent(
     r: Reading,
     s: Settings,
-    adv: str,
+    run: RunShape,
     agg: str,
-    n: int,
     norm_std: bool,
-    epochs: int,
-    minibatches: int,
     corr: verl_rollout_corr.Correction,
 ) -> None:
     """The klpo configs: the same thing, and what was most likely meant; ``corr`` holds
     algorithm.rollout_correction's keys (rollout.tis_cap, algo.trm_*)."""
+    adv, n = run.adv, run.n
     algo_name, _ = ADVANTAGES.get(adv, (None, ""))
     algo: dict[str, Any] = {
         "name": algo_name or "grpo",
-        "epochs": epochs,
-        "minibatches": minibatches,
+        "epochs": run.epochs,
+        "minibatches": run.minibatches,
         "loss_reduction": REDUCTIONS[agg] or "token-mean",
     }
     if algo_name == "grpo":
