@@ -120,23 +120,17 @@ def doctor(
     if model is not None:
         needs("train", "klpo doctor --model")
         free_cores()
-    from klpo.doctor.command import run
+    from klpo.doctor.command import Measurement, run
 
+    measurement = Measurement(
+        model, reference, data, layer, sketch, chat, prompts, samples, max_new_tokens, seed
+    )
     code = run(
         config or [],
         framework=framework,
         version=framework_version,
         as_json=as_json,
-        model=model,
-        reference=reference,
-        data=data,
-        layer=layer,
-        sketch=sketch,
-        chat=chat,
-        prompts=prompts,
-        samples=samples,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
+        measurement=measurement,
         variables=variables,
         fail_on=fail_on,
         fmt=fmt,

@@ -449,6 +449,65 @@ def _load(path: str, adapter: str | None, key: str) -> Any:
     return model
 
 
+@dataclass
+class _Sampled:
+    """What the probe samples with and on: the policy (``model`` with its ``adapter``), its
+    tokenizer and prompt codec, the rendered prompts (chat or not), the decoding and seed, and
+    the rollout."""
+
+    model: str
+    adapter: str | None
+    policy: Any
+    tok: Any
+    codec: Any
+    rendered: list[str]
+    chat: bool
+    decoding: Any
+    seed: int
+    rollout: Any = None
+
+
+def _sample(
+    model: str,
+    adapter: str | None,
+    data: str | None,
+    chat: bool | None,
+    prompts: int,
+    decoding: Any,
+    seed: int,
+) -> _Sampled:
+    """The policy and its prompts loaded, ready to sample with ``decoding`` from ``seed``."""
+    from klpo.train.models.load import load_tokenizer
+
+    texts = read_prompts(data, prompts) if data is not None else None
+    if texts is not None and not chat:
+        render_prompts(None, texts, chat=False)  # a conversation needs --chat: said first
+    policy = _load(model, adapter, "--model")
+    try:
+        tok = load_tokenizer(model, "--model")
+    except (FileNotFoundError, OSError, ValueError) as err:
+        raise MeasureError(str(err)) from None
+    if texts is None:
+        texts, builtin_chat = _builtin_prompts(tok, prompts)
+        chat = builtin_chat if chat is None else chat
+    rendered = render_prompts(tok, texts, chat=bool(chat))
+    codec = _prompt_codec(tok, policy, rendered, data or "built-in prompts", chat=bool(chat))
+    return _Sampled(model, adapter, policy.eval(), tok, codec, rendered, bool(chat), decoding, seed)
+
+
+def _generate(s: _Sampled) -> Any:
+    """The rollout of ``s``'s policy on its prompts (a MeasureError if it holds no tokens)."""
+    from klpo.train.rollout.samplers import generate
+
+    torch.manual_seed(s.seed)
+    rollout = generate(
+        s.policy, s.tok, s.rendered, [""] * len(s.rendered), s.decoding, codec=s.codec
+    )
+    if int(rollout.mask.sum()) == 0:
+        raise MeasureError("the sampled completions hold no tokens; raise --max-new-tokens")
+    return rollout
+
+
 def probe(
     model: str,
     *,
@@ -478,8 +537,7 @@ def probe(
         MeasureError: a bad option or an unloadable model (the message names it).
     """
     from klpo.train.models.backbone import Backbone
-    from klpo.train.models.load import load_tokenizer
-    from klpo.train.rollout.samplers import Decoding, generate
+    from klpo.train.rollout.samplers import Decoding
 
     start = time.perf_counter()
     limits = thresholds if thresholds is not None else read_thresholds([])
@@ -490,35 +548,14 @@ def probe(
     ):
         if value < least:
             raise MeasureError(f"{flag} must be at least {least}, got {value}")
-    texts = read_prompts(data, prompts) if data is not None else None
-    if texts is not None and not chat:
-        render_prompts(None, texts, chat=False)  # a conversation needs --chat: said first
-    policy = _load(model, adapter, "--model")
-    try:
-        tok = load_tokenizer(model, "--model")
-    except (FileNotFoundError, OSError, ValueError) as err:
-        raise MeasureError(str(err)) from None
-    if texts is None:
-        texts, builtin_chat = _builtin_prompts(tok, prompts)
-        chat = builtin_chat if chat is None else chat
-    rendered = render_prompts(tok, texts, chat=bool(chat))
-    codec = _prompt_codec(tok, policy, rendered, data or "built-in prompts", chat=bool(chat))
+    decoding = Decoding(group_size=samples, max_new_tokens=max_new_tokens)
+    s = _sample(model, adapter, data, chat, prompts, decoding, seed)
     say(
-        f"probing {model}: {len(rendered)} prompts × {samples} completions of up to "
-        f"{max_new_tokens} tokens" + (", chat template" if chat else "")
+        f"probing {model}: {len(s.rendered)} prompts × {samples} completions of up to "
+        f"{max_new_tokens} tokens" + (", chat template" if s.chat else "")
     )
-    policy.eval()
-    torch.manual_seed(seed)
-    rollout = generate(
-        policy,
-        tok,
-        rendered,
-        [""] * len(rendered),
-        Decoding(group_size=samples, max_new_tokens=max_new_tokens),
-        codec=codec,
-    )
-    if int(rollout.mask.sum()) == 0:
-        raise MeasureError("the sampled completions hold no tokens; raise --max-new-tokens")
+    rollout = s.rollout = _generate(s)
+    chat, policy, tok = s.chat, s.policy, s.tok
     backbone = Backbone(policy)
     rows = _identity_rows(backbone, policy, model, adapter, rollout, tok, limits)
     base = _trainer_logp(backbone, rollout)
@@ -528,12 +565,8 @@ def probe(
             continue
         rows.append(_row(name, limits, _diff(path(backbone, rollout), base), rollout, tok))
     _float64_recheck(backbone, policy, rollout, [r for r in rows if r["status"] == "FAIL"])
-    rows += _reference_rows(backbone, policy, model, reference, adapter, rollout, tok, limits)
-    rows.append(
-        _engine_row(
-            model, adapter, tok, codec, rendered, samples, max_new_tokens, seed, backbone, limits
-        )
-    )
+    rows += _reference_rows(backbone, s, reference, limits)
+    rows.append(_engine_row(s, backbone, limits))
     return {
         "model": model,
         "reference": reference,
@@ -609,19 +642,14 @@ def _float64_recheck(
 
 
 def _reference_rows(
-    backbone: Any,
-    policy: Any,
-    model: str,
-    reference: str | None,
-    adapter: str | None,
-    rollout: Any,
-    tok: Any,
-    limits: dict[str, float],
+    backbone: Any, s: _Sampled, reference: str | None, limits: dict[str, float]
 ) -> list[dict[str, Any]]:
     """KL to ``--reference`` (judged only where its weights are the policy's) and adapters off
     against the base model loaded alone."""
     from klpo.train.models.backbone import Backbone
     from klpo.train.models.lora import AdapterFreeReference
+
+    policy, model, adapter, rollout, tok = s.policy, s.model, s.adapter, s.rollout, s.tok
 
     out = []
     if reference is None:
@@ -656,43 +684,31 @@ def _reference_rows(
     return out
 
 
-def _engine_row(
-    model: str,
-    adapter: str | None,
-    tok: Any,
-    codec: Any,
-    rendered: list[str],
-    samples: int,
-    max_new_tokens: int,
-    seed: int,
-    backbone: Any,
-    limits: dict[str, float],
-) -> dict[str, Any]:
+def _engine_row(s: _Sampled, backbone: Any, limits: dict[str, float]) -> dict[str, Any]:
     """vLLM's log-probs of its own samples (:class:`klpo.train.rollout.engines.VLLMEngine`,
     float32) against the trainer's on them; skipped where vLLM is not importable."""
     if importlib.util.find_spec("vllm") is None:
         return _row("engine", limits, None, None, None, note="vLLM is not installed here")
-    if adapter is not None:
+    if s.adapter is not None:
         return _row(
             "engine", limits, None, None, None, note="with --adapter (vLLM loads the base model)"
         )
     from klpo.train.models.load import resolve_model_path
     from klpo.train.rollout.engines import VLLMEngine, VLLMOptions
-    from klpo.train.rollout.samplers import Decoding
 
     engine = VLLMEngine(
-        resolve_model_path(model, key="--model"),
-        tok,
-        Decoding(group_size=samples, max_new_tokens=max_new_tokens),
-        VLLMOptions(dtype="float32", seed=seed, memory=0.3, max_model_len=4096),
-        codec=codec,
+        resolve_model_path(s.model, key="--model"),
+        s.tok,
+        s.decoding,
+        VLLMOptions(dtype="float32", seed=s.seed, memory=0.3, max_model_len=4096),
+        codec=s.codec,
     )
     try:
-        rollout = engine.sample(rendered, [""] * len(rendered))
+        rollout = engine.sample(s.rendered, [""] * len(s.rendered))
     finally:
         engine.close()
     mine = _trainer_logp(backbone, rollout)
-    return _row("engine", limits, _diff(rollout.engine_logp, mine), rollout, tok)
+    return _row("engine", limits, _diff(rollout.engine_logp, mine), rollout, s.tok)
 
 
 # ---------------------------------------------------------------------------------------------

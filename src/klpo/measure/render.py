@@ -97,6 +97,47 @@ def above_one_notes(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _gradient_lines(m: dict[str, Any]) -> list[str]:
+    """The gradient table: each estimator and placement's cosines to the targets, with the
+    projection on the gradient ``klpo explain`` names and its verdict."""
+    g = m["gradients"]
+    hl = {tuple(h) for h in m.get("highlight", [])}
+    sketched = f"sketched to {g['dim']:,}" if g["sketch"] else "exact"
+    lines = [
+        "",
+        f"gradient cosines on {g['subset']} ({g['parameters']:,} parameters, {sketched}), "
+        f"estimate ± 95% half-width over {m['groups']} groups of completions; proj: the "
+        "projection on the gradient explain names (exact 1, or 0 for zero);"
+        " * = your config's terms:",
+        f"  {'estimator':<13}{'placement':<13}"
+        + "".join(f"{_SHORT[t]:>13}" for t in TARGETS)
+        + f"  {'explain says':<19}{'proj':>13}  verdict",
+    ]
+    for r in g["rows"]:
+        mark = "*" if (r["estimator"], r["placement"].replace("-to-go", "")) in hl else " "
+        cells = "".join(
+            f"{_pm(r['targets'][t]['cos'], r['targets'][t]['half_width']['cos']) + _above(r, t):>13}"
+            for t in TARGETS
+        )
+        c = r["claim"]
+        if c is None:
+            tail = f"  {'other (biased)':<19}{'':>13}  —"
+        else:
+            s = r["targets"][c["target"]]
+            proj = _pm(s["beta"], s["half_width"]["beta"])
+            if c["status"] == "inconsistent":
+                word = f"INCONSISTENT: the interval excludes {c['projection']:g}"
+            elif c["status"] == "consistent":
+                word = "consistent" + (
+                    f" (~{c['decide_at']:,} completions to decide)" if c["decide_at"] else ""
+                )
+            else:
+                word = "undefined (a zero target)"
+            tail = f"  {c['gradient']:<19}{proj:>13}  {word}"
+        lines.append(f" {mark}{r['estimator']:<13}{r['placement']:<13}{cells}{tail}")
+    return lines
+
+
 def render_measurement(m: dict[str, Any]) -> str:
     """The measurement for people: two value tables and one gradient table with intervals."""
     e = m["exact"]
@@ -146,40 +187,7 @@ def render_measurement(m: dict[str, Any]) -> str:
             "the exact KL is 0 there, so no ratio to it is defined"
         )
     g = m["gradients"]
-    hl = {tuple(h) for h in m.get("highlight", [])}
-    sketched = f"sketched to {g['dim']:,}" if g["sketch"] else "exact"
-    lines += [
-        "",
-        f"gradient cosines on {g['subset']} ({g['parameters']:,} parameters, {sketched}), "
-        f"estimate ± 95% half-width over {m['groups']} groups of completions; proj: the "
-        "projection on the gradient explain names (exact 1, or 0 for zero);"
-        " * = your config's terms:",
-        f"  {'estimator':<13}{'placement':<13}"
-        + "".join(f"{_SHORT[t]:>13}" for t in TARGETS)
-        + f"  {'explain says':<19}{'proj':>13}  verdict",
-    ]
-    for r in g["rows"]:
-        mark = "*" if (r["estimator"], r["placement"].replace("-to-go", "")) in hl else " "
-        cells = "".join(
-            f"{_pm(r['targets'][t]['cos'], r['targets'][t]['half_width']['cos']) + _above(r, t):>13}"
-            for t in TARGETS
-        )
-        c = r["claim"]
-        if c is None:
-            tail = f"  {'other (biased)':<19}{'':>13}  —"
-        else:
-            s = r["targets"][c["target"]]
-            proj = _pm(s["beta"], s["half_width"]["beta"])
-            if c["status"] == "inconsistent":
-                word = f"INCONSISTENT: the interval excludes {c['projection']:g}"
-            elif c["status"] == "consistent":
-                word = "consistent" + (
-                    f" (~{c['decide_at']:,} completions to decide)" if c["decide_at"] else ""
-                )
-            else:
-                word = "undefined (a zero target)"
-            tail = f"  {c['gradient']:<19}{proj:>13}  {word}"
-        lines.append(f" {mark}{r['estimator']:<13}{r['placement']:<13}{cells}{tail}")
+    lines += _gradient_lines(m)
     lines += heavy_tail_notes(g["rows"], m["values"])
     lines += above_one_notes(g["rows"])
     lines += [
