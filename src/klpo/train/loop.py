@@ -236,7 +236,8 @@ def run_steps(run: TrainRun, stopper: StopOnSignal | None = None) -> None:
         if run.writer is not None:
             run.writer.write(step, metrics)
         run.progress(step, metrics)
-        if last and "accuracy/heldout" in metrics:  # the run's "after", beside step 0's "before"
+        if last and "accuracy/heldout" in metrics and not getattr(run.progress, "shows", False):
+            # the run's "after", beside step 0's "before" (the progress says it where shown)
             run.log(f"held-out accuracy at step {step}: {run.last_evaluation}")
         _check_finite(run, step, metrics)
         stop = run.dist.any(stopper is not None and stopper.requested) and not last

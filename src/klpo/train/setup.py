@@ -189,8 +189,9 @@ def setup(
     if run.step0 == 0 and heldout and cfg.run.eval_every and evaluates(run):
         _evaluate_start(run)
     run.progress = progress(
-        cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log
-    )
+        cfg.run.steps, run.step0, show=cfg.run.progress and dist.is_main, log=log,
+        evaluation=lambda: run.last_evaluation,
+    )  # fmt: skip
     if cfg.rollout.asynchronous:  # last: teardown stops it (a failed setup has none to stop)
         run.sampler = AsyncSampler(cfg, m, run.versions, run.stream, run.step0, dist)
         ranks = run.sampler.ranks

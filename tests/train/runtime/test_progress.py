@@ -155,6 +155,20 @@ def test_training_lines_carry_the_gold_reward_on_the_overoptimisation_task():
     assert "gold 0.375" in lines[0] and "ETA" in lines[0]
 
 
+def test_every_held_out_line_of_a_run_has_its_count_and_interval_once(tiny_model, quick, tmp_path):
+    """A run with progress shown: each evaluation's line says k/n right and its 95% interval,
+    and the last step's is said once (before, the progress printed it bare and the loop again)."""
+    from klpo.train.config import build_config
+    from klpo.train.loop import train
+
+    said: list[str] = []
+    over = {"run.steps": 2, "run.eval_every": 1, "run.progress": True}
+    train(build_config(overrides=quick(tiny_model, tmp_path / "run", **over)), log=said.append)
+    for step in (0, 1, 2):
+        lines = [x for x in said if x.startswith(f"held-out accuracy at step {step}: ")]
+        assert len(lines) == 1 and "/8 right; 95% interval " in lines[0], said
+
+
 def test_a_mid_run_evaluation_prints_above_the_terminal_bar(capsys):
     report = progress(3, 0, show=True, terminal=True)
     report(1, {"reward/mean": 0.5, "kl/ref/exact": 0.001})

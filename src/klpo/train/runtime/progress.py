@@ -276,11 +276,18 @@ def train_info(metrics: dict[str, float]) -> str:
 
 
 def progress(
-    steps: int, step0: int, *, show: bool, log=print, terminal: bool | None = None
+    steps: int,
+    step0: int,
+    *,
+    show: bool,
+    log=print,
+    terminal: bool | None = None,
+    evaluation: Callable[[], str] | None = None,
 ) -> ProgressFn:
     """Progress of a run of ``steps`` steps from ``step0`` when ``show`` (the main rank, with
     ``run.progress``): a :class:`Progress` labelled ``step`` whose info is :func:`train_info`;
-    a step with a held-out evaluation also prints its accuracy on a line of its own."""
+    a step with a held-out evaluation also prints its accuracy on a line of its own, as
+    ``evaluation()`` says it (its count and interval) where given, else the bare number."""
     bar = Progress("step", steps, done=step0, show=show, terminal=terminal, plain=PlainLines(log))
 
     def report(step: int | None, metrics: dict[str, float] | None) -> None:
@@ -289,6 +296,9 @@ def progress(
             return
         bar.update(step, info=train_info(metrics or {}))
         if metrics and "accuracy/heldout" in metrics:
-            bar.note(f"held-out accuracy at step {step}: {metrics['accuracy/heldout']:.3f}")
+            said = evaluation() if evaluation is not None else ""
+            said = said or f"{metrics['accuracy/heldout']:.3f}"
+            bar.note(f"held-out accuracy at step {step}: {said}")
 
+    report.shows = show  # type: ignore[attr-defined]
     return report
