@@ -266,6 +266,12 @@ def topk_forward_kl(
     return _by_rows(rows, logits, teacher_topk_logp, teacher_topk_ids)
 
 
+SHARP = 1e-4
+""":func:`topk_tail_kl` takes the student's tail mass from its logits outside the top k where
+its top-k mass is within this of 1 (there ``log1p(-Q)`` loses float32's precision), else as
+``log1p(-Q)``, the teacher's form."""
+
+
 def topk_tail_kl(
     logits: Tensor, teacher_topk_logp: Tensor, teacher_topk_ids: Tensor, *, temperature: float = 1.0
 ) -> Tensor:
@@ -295,12 +301,17 @@ def topk_tail_kl(
         if ids.shape[-1] == z.shape[-1]:  # the top k is the whole vocabulary: no tail
             return _nonneg(head)
         # The teacher's tail from its top-k log-masses (all it sends): log(1 - P). The student's
-        # from its own logits outside the top k, log(1 - Q) = logsumexp_{v not in K} log q_v:
-        # finite however sharp the student (1 - Q rounds to 0 in float32 once Q > 1 - 6e-8,
-        # where log1p(-Q) is -inf and its gradient NaN).
+        # the same way, so that a student equal to the teacher gives exactly 0; but where its
+        # top-k mass is within SHARP of 1, from its own logits outside the top k, log(1 - Q) =
+        # logsumexp_{v not in K} log q_v: 1 - Q rounds to 0 in float32 once Q > 1 - 6e-8, where
+        # log1p(-Q) is -inf and its gradient NaN. (The unused branch is fed a safe value, so
+        # no NaN flows back through torch.where.)
         log_p_tail = torch.log1p(-torch.logsumexp(lp, -1).exp().clamp(max=1.0))
-        outside = log_all.scatter(-1, ids.long(), float("-inf"))
-        log_q_tail = torch.logsumexp(outside, -1)
+        log_mass = torch.logsumexp(log_q, -1)
+        sharp = log_mass > math.log1p(-SHARP)
+        by_mass = torch.log1p(-torch.where(sharp, -1.0, log_mass).exp())
+        by_rest = torch.logsumexp(log_all.scatter(-1, ids.long(), float("-inf")), -1)
+        log_q_tail = torch.where(sharp, by_rest, by_mass)
         p_tail = log_p_tail.exp()
         tail = torch.where(p_tail > 0, p_tail * (log_p_tail - log_q_tail), 0.0)
         return _nonneg(head + tail)

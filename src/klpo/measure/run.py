@@ -73,10 +73,10 @@ def measure(
         render_prompts(None, texts, chat=False)
     free = available_bytes()
     policy, ref, tok = _load_pair(model, reference, free)
+    rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)
+    codec = _prompt_codec(tok, policy, rendered, data, chat=chat)  # (bad prompts refused first)
     if same_weights(policy, ref):  # every KL, value and gradient is exactly 0: said, not measured
         return _identical(model, reference, data, seed, chat)
-    rendered = render_prompts(tok, texts, chat=chat, system_prompt=system_prompt)
-    codec = _prompt_codec(tok, policy, rendered, data, chat=chat)
     subset = choose_subset(policy, layer)
     sk = Sketch(subset.modules, sketch, seed)
     run = _Run(policy, ref, tok, rendered, codec, subset, sk, samples, max_new_tokens)

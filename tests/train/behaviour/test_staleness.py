@@ -863,7 +863,7 @@ class _ScriptedInbox:
             raise queue.Empty
         return self.queued.popleft()
 
-    def get(self):
+    def get(self, timeout=None):  # (the worker polls with a timeout to watch its parent)
         if not self.queued:
             if not self.phases:
                 return ("stop", None)
