@@ -125,9 +125,9 @@ def config_warnings(cfg: TrainConfig, world: int = 1) -> list[str]:
 
 def bf16_warning(cfg: TrainConfig, *, cuda: bool | None = None) -> str | None:
     """A line when ``model.dtype: bfloat16`` trains on a CPU without bf16 units: there every
-    autocast matmul is emulated, and the shipped LoRA config measured float32 steps 4.5-8.8x faster
-    (docs/real-models.md, "Precision"). None on a GPU, with bf16 units, or where the CPU's flags
-    cannot be read."""
+    autocast matmul is emulated: a SmolLM2-135M LoRA step took 9x as long as in float32 (28x with
+    gradient checkpointing; docs/real-models.md, "Precision"). None on a GPU, with bf16 units, or
+    where the CPU's flags cannot be read."""
     import torch
 
     from klpo.gemm import cpu_has_bf16_units, cpu_model_and_flags
@@ -141,9 +141,9 @@ def bf16_warning(cfg: TrainConfig, *, cuda: bool | None = None) -> str | None:
     model, _ = cpu_model_and_flags()
     return (
         f"model.dtype=bfloat16 on a CPU without bf16 units ({model}: no avx512_bf16 or "
-        "amx_bf16): its matmuls are emulated, and a SmolLM2-135M LoRA step measured 4.5-8.8x "
-        "slower than in float32 (docs/real-models.md); set model.dtype=float32 unless the memory "
-        "matters more"
+        "amx_bf16): its matmuls are emulated, and a SmolLM2-135M LoRA step took 9x as long as in "
+        "float32 (28x with gradient checkpointing; docs/real-models.md); set model.dtype=float32 "
+        "unless the memory matters more"
     )
 
 
