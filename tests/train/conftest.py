@@ -94,6 +94,30 @@ def quick_overrides(model: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def moved_copy(path: Path, out: Path, scale: float = 0.05) -> Path:
+    """A copy of the model directory ``path`` at ``out`` with seeded noise (``scale`` standard
+    deviations) on every weight: a reference the policy is off from its first step, or a pair
+    whose weights differ."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    moved = {
+        k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()
+    }
+    save_file(moved, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture
+def moved():
+    """:func:`moved_copy`, as a fixture."""
+    return moved_copy
+
+
 @pytest.fixture
 def quick():
     """:func:`quick_overrides`, as a fixture (test modules cannot import conftest)."""

@@ -87,11 +87,7 @@ def measure(
     values = {n: cat[f"value:{n}"] for n in ESTIMATORS}
     peak = peak_rss()
     return {
-        "model": model,
-        "reference": reference,
-        "data": data,
-        "seed": seed,
-        "chat": chat,
+        **_about(model, reference, data, seed, chat),
         "sequences": int(mask.shape[0]),
         "groups": samples,
         "tokens": int(mask.sum()),
@@ -118,16 +114,17 @@ def measure(
     }
 
 
+def _about(model: str, reference: str, data: str, seed: int, chat: bool) -> dict[str, Any]:
+    """What a measurement is of: its models, data, seed and whether the prompts are chat."""
+    return {"model": model, "reference": reference, "data": data, "seed": seed, "chat": chat}
+
+
 def _identical(model: str, reference: str, data: str, seed: int, chat: bool) -> dict[str, Any]:
     """The result for a pair with the same weights (:func:`~klpo.measure.models.same_weights`):
     pi_theta = pi_ref at every prefix, so every exact KL is 0, every estimator's value is 0 at
     every token (log pi_theta(y) = log pi_ref(y)) and every gradient is 0: nothing to measure."""
     return {
-        "model": model,
-        "reference": reference,
-        "data": data,
-        "seed": seed,
-        "chat": chat,
+        **_about(model, reference, data, seed, chat),
         "identical": True,
         "exact": {
             "token_mean_kl_theta_ref": 0.0,

@@ -443,7 +443,7 @@ def test_the_vllm_engine_follows_the_same_rule(emitting, quick, tmp_path, monkey
     assert torch.equal(r.engine_logp, torch.where(r.mask, -0.5, 0.0))
 
 
-def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, tmp_path):
+def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, moved, tmp_path):
     import klpo.measure as M
     from klpo.measure import MeasureError
     from klpo.train.models.backbone import Backbone
@@ -463,26 +463,9 @@ def test_the_reference_samples_and_the_doctor_follow_the_rule(emitting, quick, t
     # The doctor's prompts are plain: the tokenizer's BOS once; completions stop at <|eot_id|>.
     data = tmp_path / "prompts.txt"
     data.write_text("1+2=\n3+4=\n")
-    ref = _moved_copy(path, tmp_path / "reference")  # (the same weights: nothing to measure)
+    ref = moved(path, tmp_path / "reference", 0.01)  # (the same weights: nothing to measure)
     out = M.measure(str(path), str(ref), str(data), prompts=2, samples=3, max_new_tokens=6)
     assert out["sequences"] == 6 and out["tokens"] == 6
     data.write_text("1+2=\n<|begin_of_text|>3+4=\n")
     with pytest.raises(MeasureError, match=r"prompt 2: .*'<\|begin_of_text\|>' \(id 0\) twice"):
         M.measure(str(path), str(path), str(data), prompts=2, samples=3, max_new_tokens=6)
-
-
-def _moved_copy(path, out):
-    """A copy of the model at ``path`` with seeded noise on every weight."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(path, out)
-    weights = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    moved = {
-        k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()
-    }
-    save_file(moved, out / "model.safetensors", metadata={"format": "pt"})
-    return out

@@ -96,32 +96,15 @@ def test_skipped_steps_advance_the_schedule_and_resume_exactly(tiny_model, quick
     assert rows(read_metrics(part / "metrics.jsonl")) == rows(whole)
 
 
-def _moved_reference(tiny_model, out):
-    """A copy of the tiny model with seeded noise on every weight: a reference the policy is
-    off from its first step."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    shutil.copytree(tiny_model, out)
-    weights = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    moved = {
-        k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()
-    }
-    save_file(moved, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.mark.parametrize("estimator", ["full", "k3"])
 def test_a_kl_in_the_loss_still_pulls_a_policy_off_the_reference(
-    tiny_model, quick, tmp_path, estimator
+    tiny_model, quick, moved, tmp_path, estimator
 ):
     # Every reward 0, so no advantage signal; the reference is elsewhere, so the KL term in the
     # loss has a real gradient. Oracle: the same run with the skip turned off, step for step and
     # weight for weight; and, for `full`, KL(pi_theta ‖ pi_ref) falls, as the regulariser's pull
     # must make it (k3's gradient is that of KL(pi_ref ‖ pi_theta), which this KL need not follow).
-    ref = _moved_reference(tiny_model, tmp_path / "ref")
+    ref = moved(tiny_model, tmp_path / "ref")
     extra = {"model.reference": str(ref), "kl.estimator": estimator}
     on = _run(tiny_model, quick, tmp_path / "on", **extra)
     off = _run(tiny_model, quick, tmp_path / "off", **extra, **{"algo.skip_no_signal": "false"})
@@ -140,10 +123,12 @@ def test_a_kl_in_the_loss_still_pulls_a_policy_off_the_reference(
     assert all(torch.equal(_final_policy(tmp_path / "none")[k], start[k]) for k in start)
 
 
-def test_the_floor_decides_when_the_policy_counts_as_at_the_reference(tiny_model, quick, tmp_path):
+def test_the_floor_decides_when_the_policy_counts_as_at_the_reference(
+    tiny_model, quick, moved, tmp_path
+):
     # A floor above the step's exact KL: the policy counts as at the reference, the steps are
     # skipped as with no KL at all.
-    ref = _moved_reference(tiny_model, tmp_path / "ref")
+    ref = moved(tiny_model, tmp_path / "ref")
     rows = _run(
         tiny_model, quick, tmp_path / "high",
         **{"model.reference": str(ref), "algo.skip_kl_floor": 1e6},
