@@ -63,7 +63,8 @@ def test_pairs_within_each_archive_and_pool_them(tmp_path: Path) -> None:
     _archive(tmp_path, "one", {("full loss", 0.1): [0.5, 0.6, 0.7], ("no KL", 0.0): [0.4, 0.4]})
     _archive(tmp_path, "two", {("full loss", 0.1): [0.3], ("no KL", 0.0): [0.1]})
     xs, ys = seed_values(_claim(archives=["one", "two"]), tmp_path)
-    # seed 2 of "one" has no no-KL run: dropped; "two"'s seed 0 is another run, kept
+    # archive "one"'s third run (seed=2) has no no-KL partner: dropped; archive "two"'s run with
+    # seed=0 is another run, kept
     assert (xs, ys) == ([0.5, 0.6, 0.3], [0.4, 0.4, 0.1])
     welch = seed_values(_claim(archives=["one", "two"], paired=False), tmp_path)
     assert welch == ([0.5, 0.6, 0.7, 0.3], [0.4, 0.4, 0.1])
@@ -102,7 +103,7 @@ def test_heldout_at_a_step_from_the_archived_metrics(tmp_path: Path) -> None:
 
 def test_offset_against_the_baseline_at_the_same_d(tmp_path: Path) -> None:
     # no KL: gold 0.1 at KL 0.25 (d 0.5) and 0.3 at KL 1 (d 1), 3 seeds x 2 steps each;
-    # full loss: after step 1, seed 0 at d 0.5 with gold 0.15 (offset +0.05), seed 1 at d 1
+    # full loss: after step 1, the run with seed=0 at d 0.5 with gold 0.15 (offset +0.05), seed=1 at d 1
     # with gold 0.2 (offset -0.1); its step 1 (gold 0.9) is before after_step and not counted
     def metrics(choice, seed, v):
         if choice == "no KL":
