@@ -264,3 +264,20 @@ def test_non_numbers_are_refused_and_numeric_scalars_accepted():
 def test_mismatched_inputs():
     with pytest.raises(ValueError, match="one entry per sample, got 2, 3 and 3"):
         rewards.score(rewards.exact_match, "exact_match", ["a", "b"], COMPLETIONS, ANSWERS)
+
+
+def test_held_out_accuracy_without_a_trained_reward_is_the_tasks_own():
+    """A distillation run trains on no reward (``rewards: []``); its held-out accuracy is scored
+    by the task's own reward, as the task's other runs are (``numeric`` on the chat task, whose
+    answers a chat completion writes inside a sentence; ``exact_match`` read them as all wrong)."""
+    from klpo.train.config import build_config
+    from klpo.train.rewards.gold import eval_reward
+
+    chat = build_config(overrides=["data.source=builtin-chat-arith"])
+    assert [t.name for t in chat.rewards] == ["numeric"] and eval_reward(chat) == "numeric"
+    distil = ["rewards=[]", "teacher={model: builtin-teacher}"]
+    alone = build_config(overrides=["data.source=builtin-chat-arith", *distil])
+    assert alone.rewards == [] and eval_reward(alone) == "numeric"
+    assert eval_reward(build_config(overrides=distil)) == "exact_match"
+    given = build_config(overrides=["data.source=builtin-chat-arith", "rewards=[{name: format}]"])
+    assert eval_reward(given) == "format"

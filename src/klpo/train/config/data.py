@@ -31,6 +31,11 @@ token of the tokenizer stops at that token only (:func:`klpo.train.models.tokens
 
 DataSource = Literal["builtin", "builtin-overopt", "builtin-chat-arith", "jsonl", "datasets"]
 
+SOURCE_REWARDS = {"builtin": "exact_match", "builtin-chat-arith": "numeric"}
+"""The reward a built-in task is scored by: a run on it trains on this reward unless ``rewards``
+says otherwise, and its held-out accuracy is this reward's wherever no reward is trained on
+(on-policy distillation, ``rewards: []``). The over-optimisation task's is its gold reward."""
+
 
 class DataConfig(Section):
     source: DataSource = Field(

@@ -15,7 +15,7 @@ from klpo.train.config.algo import AlgoConfig
 from klpo.train.config.common import (
     Section,
 )
-from klpo.train.config.data import PLAIN_CHAT_STOP, DataConfig, RewardTerm
+from klpo.train.config.data import PLAIN_CHAT_STOP, SOURCE_REWARDS, DataConfig, RewardTerm
 from klpo.train.config.kl import KLConfig
 from klpo.train.config.model import ModelConfig
 from klpo.train.config.rollout import RolloutConfig
@@ -65,7 +65,7 @@ class TrainConfig(Section):
         source = d.get("source") if isinstance(d, dict) else getattr(d, "source", None)
         if source == "builtin-chat-arith":
             data = dict(data)
-            data.setdefault("rewards", [{"name": "numeric"}])
+            data.setdefault("rewards", [{"name": SOURCE_REWARDS[source]}])
             if isinstance(d, dict) and "chat" not in d:
                 data["data"] = {**d, "chat": True}
             rollout = data.get("rollout")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from klpo.train.config.data import SOURCE_REWARDS
 from klpo.train.rewards import functions as rewards_mod
 from klpo.train.runtime.metrics import Tally
 
@@ -37,7 +38,10 @@ def gold_metrics(
 
 def eval_reward(cfg: Any) -> str:
     """The reward that held-out accuracy is scored with: the gold reward if there is one, else
-    the first reward that is not a reward model, else ``exact_match``."""
+    the first reward that is not a reward model, else the built-in task's own reward (a
+    distillation run on the chat task, ``rewards: []``, is scored by ``numeric`` as the task's
+    other runs are), else ``exact_match``."""
     if cfg.gold_reward:
         return cfg.gold_reward
-    return next((t.name for t in cfg.rewards if t.name != "model"), "exact_match")
+    trained = next((t.name for t in cfg.rewards if t.name != "model"), None)
+    return trained or SOURCE_REWARDS.get(cfg.data.source, "exact_match")
