@@ -85,9 +85,25 @@ Measures, the same definition for both:
   (``/proc/stat`` less this process tree's own); above 5% of the run's cores × wall time the
   table is flagged as untrustworthy.
 
+Packed rows (``--packing``): two more klpo sides run interleaved with the others, run after
+run (:data:`KLPO_SIDES`): ``algo.packing=on``, and padded rows with ``rollout.share_prompt=false``
+(packing computes each sequence's prompt with it, so this side tells packing's effect from that
+of not sharing the prompt). A second table gives, the same definitions for every side: the
+median step time and its min–max over runs; tokens/s as above (completion tokens, the stop
+included, from the completions the side itself sampled at temperature 1: their min / median /
+max length is in the table); the token positions a forward over the step's batch computes in the
+side's layout and their pad share, read from the batch as the trainer laid it out (its
+``pack_rows``, which ``score`` calls once a step, is wrapped to record each step's lengths and
+packs: :func:`record_layouts`, :func:`layout_slots`); peak RSS; packed over each other side. Then
+the share of the pad tokens of padded rows that packing removed, and a step-1 check: each klpo
+side drew the same tokens as ``klpo`` (a digest of them) and logged the same metrics from them
+(to a relative 1e-4, float32 rounding on a 30-layer model).
+
 Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
 
     PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--workload a|b|c|all]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py --workload d --packing \
+        --steps 10 --runs 3
 
 where ``PEERS_VENV`` is a side environment with ``torch==2.13.0`` and ``trl==1.16.0`` installed.
 
