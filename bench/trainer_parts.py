@@ -14,7 +14,12 @@ again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-p
 ``--workload c`` its 104M one with a real vocabulary (151,936 entries), ``--workload d`` and
 ``e`` the real models (SmolLM2-135M-Instruct with its chat prompts, Gemma 3 270M; ``make
 real-models``); ``--vocab N`` gives (b) or (c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
-``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
+``--only TEXT`` times only the parts whose name holds TEXT; ``--packing`` adds scoring and
+the micro-step with packed rows (``algo.packing=on``; the batch scored packed once, so its
+micro-step keeps that layout) and with padded rows each computing its prompt
+(``rollout.share_prompt=false``), on the same batch, and prints the batch's token positions and
+pad share in each layout and the reference's packed log-probs against the padded ones (the
+models are built with packing off, so the load-time probe is not run); ``--set`` adds klpo overrides
 (``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
 the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
 ``--warmups`` (2), the parts interleaved within each round, milliseconds of wall time, or with
@@ -29,6 +34,8 @@ processes do not change; each call is then also logged on stderr as it ends)::
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false nice -n 19 python bench/trainer_parts.py \
         --workload c --threads 1 --cpu-time --warmups 1 --reps 2 --only micro_step \
         --set kl.estimator=full    # the forward-pass gradient on vs off, on a busy machine
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
+        --workload d --packing --only klpo --reps 5    # packed rows against padded ones
 """
 
 from __future__ import annotations
