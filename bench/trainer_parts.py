@@ -14,7 +14,12 @@ again with the per-token path). ``--workload b`` builds that benchmark's 23.5M-p
 ``--workload c`` its 104M one with a real vocabulary (151,936 entries), ``--workload d`` and
 ``e`` the real models (SmolLM2-135M-Instruct with its chat prompts, Gemma 3 270M; ``make
 real-models``); ``--vocab N`` gives (b) or (c)'s body a vocabulary of N entries instead (where the forward-pass gradient starts to pay);
-``--only TEXT`` times only the parts whose name holds TEXT; ``--set`` adds klpo overrides
+``--only TEXT`` times only the parts whose name holds TEXT; ``--packing`` adds scoring and
+the micro-step with packed rows (``algo.packing=on``; the batch scored packed once, so its
+micro-step keeps that layout) and with padded rows each computing its prompt
+(``rollout.share_prompt=false``), on the same batch, and prints the batch's token positions and
+pad share in each layout and the reference's packed log-probs against the padded ones (the
+models are built with packing off, so the load-time probe is not run); ``--set`` adds klpo overrides
 (``kl.estimator=full``: the default exact KL in the loss, where the update's on-policy pass takes
 the forward-pass gradient; the benchmarks' ``k3`` cannot). Median of ``--reps`` rounds (20) after
 ``--warmups`` (2), the parts interleaved within each round, milliseconds of wall time, or with
@@ -29,6 +34,8 @@ processes do not change; each call is then also logged on stderr as it ends)::
     PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false nice -n 19 python bench/trainer_parts.py \
         --workload c --threads 1 --cpu-time --warmups 1 --reps 2 --only micro_step \
         --set kl.estimator=full    # the forward-pass gradient on vs off, on a busy machine
+    PYTHONPATH=$PWD/src TOKENIZERS_PARALLELISM=false python bench/trainer_parts.py \
+        --workload d --packing --only klpo --reps 5    # packed rows against padded ones
 """
 
 from __future__ import annotations
@@ -62,6 +69,12 @@ def main() -> None:
     )
     parser.add_argument("--new-tokens", type=int, help="max new tokens (the workload's)")
     parser.add_argument("--warmups", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="also score and micro_step with packed rows (algo.packing=on) and with padded rows "
+        "each computing its prompt (rollout.share_prompt=false), on the same batch",
+    )
     parser.add_argument(
         "--cpu-time",
         action="store_true",
@@ -180,15 +193,46 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
             tally=Tally(),
         )
 
-    def with_mode(fn, mode: str):  # the same part with algo.fused_loss set to ``mode``
+    def with_cfg(fn, key: str, value):  # the same part with cfg's ``section.field`` = value
+        section, name = key.split(".")
+        part = getattr(cfg, section)
+
         def run():
-            before, cfg.algo.fused_loss = cfg.algo.fused_loss, mode
+            before = getattr(part, name)
+            setattr(part, name, value)
             try:
                 fn()
             finally:
-                cfg.algo.fused_loss = before
+                setattr(part, name, before)
 
         return run
+
+    def with_mode(fn, mode: str):  # the same part with algo.fused_loss set to ``mode``
+        return with_cfg(fn, "algo.fused_loss", mode)
+
+    # --packing: the batch scored once with packed rows, so that its micro-steps run packed
+    # (the layout is planned by scoring and kept by every later pass)
+    scored_packed = None
+    if args.packing:
+        cfg.algo.packing = "on"
+        try:
+            scored_packed = score(cfg, m, ro, reward_fns, s.beta)
+        finally:
+            cfg.algo.packing = "off"
+
+    def klpo_micro_step_packed():
+        model.zero_grad(set_to_none=True)
+        sc = copy.copy(scored_packed)
+        sc.old = SamplingPass.empty(scored_packed.logp_ref)
+        micro_step(
+            cfg,
+            m,
+            MicroBatch.of(cfg, sc, rows, n_tokens),
+            kl_term(cfg, beta=s.beta, beta_old=1.0),
+            Dist(),
+            sync=True,
+            tally=Tally(),
+        )
 
     def klpo_update():
         update(cfg, m, fresh(), opt, kl_term(cfg, beta=s.beta, beta_old=1.0), Dist(), gen)
@@ -204,6 +248,19 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
         "klpo: update": klpo_update,
         "klpo: update, per-token path": with_mode(klpo_update, "off"),
     }
+    if args.packing:
+        cases.update(
+            {
+                "klpo: score, packed": with_cfg(klpo_score, "algo.packing", "on"),
+                "klpo: score, prompt per row": with_cfg(klpo_score, "rollout.share_prompt", False),
+                "klpo: micro_step, packed": with_cfg(
+                    with_mode(klpo_micro_step_packed, "on"), "algo.packing", "on"
+                ),
+                "klpo: micro_step, prompt per row": with_cfg(
+                    with_mode(klpo_micro_step, "on"), "rollout.share_prompt", False
+                ),
+            }
+        )
     cases = {k: fn for k, fn in cases.items() if args.only in k}
     print(f"vocabulary {weight.shape[0]}, {sum(p.numel() for p in model.parameters())} parameters")
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -220,6 +277,10 @@ def run(args: argparse.Namespace, s: bench.Settings, tmp: str) -> None:
     print(bench.cpu_info())
     print(f"{'CPU' if args.cpu_time else 'wall'} milliseconds, {args.reps} timed rounds")
     print(parts_table(ms))
+    if scored_packed is not None:
+        print(packing_lines(bench.layout_record(scored_packed.rollout)))
+        gap = (scored_packed.logp_ref - scored.logp_ref).abs().masked_fill(~ro.mask, 0).max()
+        print(f"the reference's log-probs, packed against padded: largest difference {gap:.1e}")
 
 
 def parts_table(ms: dict[str, list[float]]) -> str:
@@ -232,6 +293,10 @@ def parts_table(ms: dict[str, list[float]]) -> str:
         "klpo: micro_step, per-token path": "floor: policy",
         "klpo: update": "floor: policy",
         "klpo: update, per-token path": "floor: policy",
+        "klpo: score, packed": "floor: reference",
+        "klpo: score, prompt per row": "floor: reference",
+        "klpo: micro_step, packed": "floor: policy",
+        "klpo: micro_step, prompt per row": "floor: policy",
     }
     rows = ["| part | ms, median (min–max) | / floor part |", "| --- | ---: | ---: |"]
     for k, v in ms.items():
@@ -249,7 +314,39 @@ def parts_table(ms: dict[str, list[float]]) -> str:
     if "klpo: micro_step" in med and "klpo: micro_step, per-token path" in med:
         on, off = med["klpo: micro_step"], med["klpo: micro_step, per-token path"]
         out += f"\nforward-pass gradient: micro-step {on:.1f} ms on, {off:.1f} off: {on / off:.2f}x"
+    for part in ("score", "micro_step"):
+        packed, padded = f"klpo: {part}, packed", f"klpo: {part}"
+        per_row = f"klpo: {part}, prompt per row"
+        if packed in med and padded in med:
+            out += (
+                f"\npacked rows: {part} {med[packed]:.1f} ms packed, {med[padded]:.1f} padded "
+                f"(prompt shared): {med[packed] / med[padded]:.2f}x"
+            )
+            if per_row in med:
+                out += f"; prompt per row {med[per_row]:.1f}: {med[packed] / med[per_row]:.2f}x"
     return out
+
+
+def packing_lines(rec: dict) -> str:
+    """The batch's token positions a forward computes in each layout and their pad share
+    (:func:`trainer_vs_trl.layout_slots`), and its completion lengths."""
+    slots = bench.layout_slots(rec)
+    names = {
+        "shared": "padded, prompt shared",
+        "rows": "padded, prompt per row",
+        "packed": f"packed ({rec['packs']} packs of {rec['width']})",
+    }
+    parts = [
+        f"{names[k]} {slots[k][0]} ({1 - slots[k][1] / slots[k][0]:.1%} pad)"
+        for k in names
+        if k in slots
+    ]
+    pads = bench.pad_summary([rec], "packed")
+    return (
+        f"the batch's completion lengths {bench.lengths_text(rec['completion_len'])}; token "
+        f"positions a forward computes: {', '.join(parts)}; packing removes "
+        f"{pads['pad_removed']:.1%} of the pad tokens of padded rows with each row's prompt"
+    )
 
 
 if __name__ == "__main__":

@@ -85,9 +85,25 @@ Measures, the same definition for both:
   (``/proc/stat`` less this process tree's own); above 5% of the run's cores × wall time the
   table is flagged as untrustworthy.
 
+Packed rows (``--packing``): two more klpo sides run interleaved with the others, run after
+run (:data:`KLPO_SIDES`): ``algo.packing=on``, and padded rows with ``rollout.share_prompt=false``
+(packing computes each sequence's prompt with it, so this side tells packing's effect from that
+of not sharing the prompt). A second table gives, the same definitions for every side: the
+median step time and its min–max over runs; tokens/s as above (completion tokens, the stop
+included, from the completions the side itself sampled at temperature 1: their min / median /
+max length is in the table); the token positions a forward over the step's batch computes in the
+side's layout and their pad share, read from the batch as the trainer laid it out (its
+``pack_rows``, which ``score`` calls once a step, is wrapped to record each step's lengths and
+packs: :func:`record_layouts`, :func:`layout_slots`); peak RSS; packed over each other side. Then
+the share of the pad tokens of padded rows that packing removed, and a step-1 check: each klpo
+side drew the same tokens as ``klpo`` (a digest of them) and logged the same metrics from them
+(to a relative 1e-4, float32 rounding on a 30-layer model).
+
 Run it on a quiet machine (it uses both cores), with the peers' environment for TRL::
 
     PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py [--workload a|b|c|all]
+    PYTHONPATH=$PWD/src PEERS_VENV/bin/python bench/trainer_vs_trl.py --workload d --packing \
+        --steps 10 --runs 3
 
 where ``PEERS_VENV`` is a side environment with ``torch==2.13.0`` and ``trl==1.16.0`` installed.
 
@@ -127,6 +143,27 @@ SHAPES = {  # (prompts_per_step, group_size, max_new_tokens) of the workloads af
     "d": (2, 4, 48),
     "e": (2, 4, 32),
 }
+
+
+@dataclass(frozen=True)
+class KlpoSide:
+    """One klpo side of the table: the job with ``overrides``, its forwards laid out as
+    ``layout`` says (a key of :func:`layout_slots`)."""
+
+    overrides: tuple[str, ...]
+    layout: str
+
+
+KLPO_SIDES = {
+    "klpo": KlpoSide((), "shared"),
+    "klpo packed": KlpoSide(("algo.packing=on",), "packed"),
+    "klpo padded, prompt per row": KlpoSide(("rollout.share_prompt=false",), "rows"),
+}
+"""klpo's sides: ``klpo``, the trainer as configured by default (padded rows, each group's prompt
+computed once: ``rollout.share_prompt``); with ``--packing`` also packed rows
+(``algo.packing=on``, which computes each sequence's prompt with it) and padded rows with each
+row's prompt computed (``rollout.share_prompt=false``), so that the table tells packing's effect
+from that of not sharing the prompt."""
 
 
 @dataclass(frozen=True)
@@ -368,6 +405,116 @@ def summarize(step_s: list[float], tokens: list[float], rewards: list[float]) ->
     }
 
 
+def layout_record(rollout) -> dict:
+    """One step's batch as scoring laid it out (a :class:`klpo.train.rollout.samplers.Rollout`
+    after ``pack_rows``): each row's real prompt and completion tokens, the padded prompt and
+    completion columns P and C, the group size G, the packs R and their width W where packed
+    (else None), and a digest of the sampled completion tokens (to tell two runs drew the same)."""
+    import hashlib
+
+    ids = rollout.completion_ids.masked_fill(~rollout.mask.bool(), -1)
+    packs = rollout.packs
+    return {
+        "group": rollout.group_size,
+        "prompt_len": rollout.prompt_mask.sum(-1).tolist(),
+        "completion_len": rollout.mask.sum(-1).tolist(),
+        "prompt_cols": rollout.prompt_ids.shape[1],
+        "completion_cols": rollout.completion_ids.shape[1],
+        "packs": None if packs is None else packs.n_packs,
+        "width": None if packs is None else packs.width,
+        "tokens_sha1": hashlib.sha1(json.dumps(ids.tolist()).encode()).hexdigest(),
+    }
+
+
+def layout_slots(rec: dict) -> dict[str, tuple[int, int]]:
+    """(token positions computed, real tokens among them) of one forward over the batch of
+    :func:`layout_record` ``rec``, by layout; B rows in groups of G, prompt lengths p_b,
+    completion lengths c_b (the stop included), P and C padded columns:
+
+    - ``rows`` (padded, each row's prompt computed): B (P + C) positions, sum_b (p_b + c_b) real;
+    - ``shared`` (padded, each group's prompt once, ``rollout.share_prompt``, the default):
+      (B / G) P + B C positions, sum over groups of p_g + sum_b c_b real;
+    - ``packed`` (``algo.packing: on``; only where ``rec`` was packed): R W positions, the packs
+      times their width, sum_b (p_b + c_b) real (the rest is filler).
+
+    Each of the step's forwards over the batch (the reference's, the update's, which gives
+    pi_old here) computes these positions in its body; the head runs at the completion columns
+    alone in every layout. The pad share of a layout is ``1 - real / positions``.
+
+    Example:
+        >>> rec = {"group": 2, "prompt_len": [3, 3, 1, 1], "completion_len": [2, 4, 1, 4],
+        ...        "prompt_cols": 3, "completion_cols": 4, "packs": 3, "width": 7}
+        >>> layout_slots(rec)  # rows 4 × 7 = 28; shared 2 × 3 + 4 × 4 = 22; packed 3 × 7 = 21
+        {'rows': (28, 19), 'shared': (22, 15), 'packed': (21, 19)}
+    """
+    g, p, c = rec["group"], rec["prompt_len"], rec["completion_len"]
+    b = len(p)
+    if b % g:
+        raise ValueError(f"{b} rows are not whole groups of {g}")
+    real = sum(p) + sum(c)
+    out = {
+        "rows": (b * (rec["prompt_cols"] + rec["completion_cols"]), real),
+        "shared": (b // g * rec["prompt_cols"] + b * rec["completion_cols"], sum(p[::g]) + sum(c)),
+    }
+    if rec.get("packs") is not None:
+        out["packed"] = (rec["packs"] * rec["width"], real)
+    return out
+
+
+def pad_summary(records: list[dict], layout: str) -> dict[str, float]:
+    """Over steps' :func:`layout_record` s, ``layout`` 's positions a step, its pad share
+    ``1 - sum real / sum positions``, and, where packed, the share of the pad tokens of padded
+    rows (each row's prompt computed) that packing removed: ``1 - sum (R W - real) /
+    sum (B (P + C) - real)``.
+
+    Example:
+        >>> rec = {"group": 2, "prompt_len": [3, 3, 1, 1], "completion_len": [2, 4, 1, 4],
+        ...        "prompt_cols": 3, "completion_cols": 4, "packs": 3, "width": 7}
+        >>> got = pad_summary([rec, rec], "packed")  # filler 21 - 19 = 2 of 28 - 19 = 9 pads
+        >>> got["positions"], round(got["pad_share"], 4), round(got["pad_removed"], 4)
+        (21.0, 0.0952, 0.7778)
+    """
+    slots = [layout_slots(r) for r in records]
+    pos = sum(s[layout][0] for s in slots)
+    real = sum(s[layout][1] for s in slots)
+    out = {"positions": pos / len(records), "pad_share": 1 - real / pos}
+    if layout == "packed":
+        pads = sum(s["rows"][0] - s["rows"][1] for s in slots)
+        out["pad_removed"] = 1 - (pos - real) / pads if pads else float("nan")
+    return out
+
+
+def lengths_text(lengths: list[int]) -> str:
+    """``min / median / max`` of completion lengths (the median of an even count may be x.5)."""
+    if not lengths:
+        return "n/a"
+    return f"{min(lengths)} / {statistics.median(lengths):g} / {max(lengths)}"
+
+
+def first_step_difference(a: dict, b: dict) -> tuple[float, str]:
+    """The largest relative difference ``|x - y| / max(|x|, |y|)`` (0 where both are 0) between
+    two runs' step-1 metrics over the keys both logged, times and throughput left out, and its
+    key.
+
+    Example:
+        >>> first_step_difference({"loss/total": 2.0, "kl/ref/k3": 0.0, "time/step": 3.0},
+        ...                       {"loss/total": 2.5, "kl/ref/k3": 0.0, "time/step": 1.0})
+        (0.2, 'loss/total')
+    """
+    worst, key = 0.0, ""
+    for k in sorted(set(a) & set(b)):
+        x, y = a[k], b[k]
+        if k.startswith("time/") or k in ("tokens_per_s", "step") or isinstance(x, bool):
+            continue
+        if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+            continue
+        scale = max(abs(x), abs(y))
+        d = abs(x - y) / scale if scale else 0.0
+        if d > worst or not key:
+            worst, key = d, k
+    return worst, key
+
+
 # ---------------------------------------------------------------------------------------------
 # Running a worker, and how busy the rest of the machine was meanwhile.
 
@@ -454,20 +601,47 @@ def _env(threads: int) -> dict[str, str]:
     }
 
 
+def record_layouts(path: str) -> None:
+    """``klpo`` (its command line, ``sys.argv[1:]``) in this process, each step's batch layout
+    appended to ``path`` as a JSON line (:func:`layout_record`): the trainer's ``pack_rows``,
+    which ``score`` calls once a step to plan the layout every pass over the batch then keeps,
+    wrapped to record what it returns. Nothing the trainer computes changes; the record costs
+    reading B lengths and a digest of the completion tokens, the same on every side."""
+    import klpo.train.step.score as score_module
+
+    plan = score_module.pack_rows
+
+    def recorded(rollout, packed: bool = True):
+        out = plan(rollout, packed)
+        with open(path, "a") as f:
+            f.write(json.dumps(layout_record(out)) + "\n")
+        return out
+
+    score_module.pack_rows = recorded
+    sys.argv = ["klpo", *sys.argv[1:]]
+    runpy.run_module("klpo", run_name="__main__", alter_sys=True)
+
+
 def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
-    """``python -m klpo train`` in a subprocess; its ``metrics.jsonl``, summarised."""
+    """``klpo train`` in a subprocess (through :func:`record_layouts`); its ``metrics.jsonl``,
+    summarised, its step-1 metrics (``first_step``) and each step's layout (``layouts``)."""
     from klpo.train.runtime.metrics import read_metrics
 
     out = work / "klpo"
+    work.mkdir(parents=True, exist_ok=True)
+    layouts = work / "layouts.jsonl"
+    layouts.unlink(missing_ok=True)
+    record = f"import trainer_vs_trl; trainer_vs_trl.record_layouts({str(layouts)!r})"
     cmd = [
         KLPO_PYTHON[0],
-        "-m",
-        "klpo",
+        "-c",
+        record,
         "train",
         *[arg for o in [*klpo_overrides(s, str(out)), *extra] for arg in ("--set", o)],
     ]
     run = run_worker(cmd, s.threads, "klpo train")
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "time/step" in r]
+    recs = [json.loads(line) for line in layouts.read_text().splitlines()]
     n = s.completions_per_step
     result = summarize(
         [r["time/step"] for r in rows],
@@ -477,7 +651,14 @@ def run_klpo(s: Settings, work: Path, extra: list[str] = ()) -> dict:
     split = {
         k: statistics.median(r[f"time/{k}"] for r in rows) for k in ("generate", "score", "update")
     }
-    return {**result, **run, "split": split}
+    return {
+        **result,
+        **run,
+        "split": split,
+        "first_step": rows[0],
+        "first_step_sha1": recs[0]["tokens_sha1"],
+        "layouts": recs,
+    }
 
 
 def trl_worker(s: Settings, out_path: str) -> None:
@@ -518,6 +699,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
     data = Dataset.from_dict({"prompt": trl_prompts(s), "answer": [a for _, a in order]})
     rewards: list[float] = []
     tokens: list[int] = []
+    lengths: list[int] = []  # each completion's tokens
     gen_score: list[float] = []
     generate_s: list[float] = []
 
@@ -528,6 +710,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
         scores = task_reward(list(prompts), texts, list(answer))
         rewards.append(math.fsum(scores) / len(scores))
         tokens.append(sum(len(ids) for ids in completion_ids))  # up to and including EOS
+        lengths.extend(len(ids) for ids in completion_ids)
         return scores
 
     class Timed(trl.GRPOTrainer):
@@ -579,6 +762,7 @@ def trl_job(s: Settings, config: dict | None = None, peft_config=None) -> dict:
         "version": trl.__version__,
         "step_s": step_s,
         "tokens": tokens,
+        "lengths": lengths,
         "rewards": rewards,
         "generate_s": generate_s,
         "gen_score_s": gen_score,
@@ -613,6 +797,7 @@ def run_trl(s: Settings, work: Path) -> dict:
         **run,
         "split": split,
         "version": raw["version"],
+        "lengths": raw["lengths"],
         "init_peak_rss_mib": raw.get("init_peak_rss_mib"),
         "between_steps_s": statistics.median(raw["between_steps_s"] or [0.0]),
     }
@@ -930,6 +1115,8 @@ def combine(runs: list[dict]) -> dict:
         "others_cpu_s": sum(r["others_cpu_s"] or 0.0 for r in runs),
         "process_s": sum(r["process_s"] for r in runs),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+        # every run's steps' layouts (klpo) and completion lengths (TRL), where recorded
+        **{k: [x for r in runs for x in r[k]] for k in ("layouts", "lengths") if k in runs[0]},
     }
 
 
@@ -971,9 +1158,83 @@ def runs_table(klpo: dict, trl: dict | None, floor: dict | None) -> str:
     return "\n".join(rows)
 
 
+def completion_lengths(side: dict) -> list[int]:
+    """Each sampled completion's tokens (the stop included) over a side's runs and steps."""
+    if "layouts" in side:
+        return [c for rec in side["layouts"] for c in rec["completion_len"]]
+    return side.get("lengths", [])
+
+
+def packing_table(sides: dict[str, dict], trl: dict | None) -> str:
+    """klpo's sides (:data:`KLPO_SIDES`, combined runs) and TRL: step time, tokens/s, the
+    completion lengths drawn, the token positions a forward over the step's batch computes and
+    their pad share (:func:`pad_summary`), peak RSS; then packed over each other side."""
+    head = (
+        "| side | runs × steps | median step s (min–max) | completion tokens/s (min–max) "
+        "| completion length min / median / max | positions a forward / step | pad share "
+        "| peak RSS MiB |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    rows = [head]
+    named = dict(sides)
+    if trl:
+        named[f"TRL {trl['version']}"] = trl
+    for name, r in named.items():
+        if name in KLPO_SIDES:
+            pads = pad_summary(r["layouts"], KLPO_SIDES[name].layout)
+            positions, share = f"{pads['positions']:.0f}", f"{pads['pad_share']:.1%}"
+        else:
+            positions, share = "n/a (padded rows)", "n/a"
+        rows.append(
+            f"| {name} | {r['runs']} × {r['steps']} | {r['median_step_s']:.3f} "
+            f"({r['step_min']:.3f}–{r['step_max']:.3f}) | {r['tokens_per_s']:.0f} "
+            f"({r['tps_min']:.0f}–{r['tps_max']:.0f}) | {lengths_text(completion_lengths(r))} | "
+            f"{positions} | {share} | {r['peak_rss_mib']:.0f} |"
+        )
+    packed = sides.get("klpo packed")
+    if packed:
+        for name, r in named.items():
+            if name == "klpo packed":
+                continue
+            rows.append(
+                f"| packed / {name} | | {packed['median_step_s'] / r['median_step_s']:.2f} | "
+                f"**{packed['tokens_per_s'] / r['tokens_per_s']:.2f}** | | | | "
+                f"{packed['peak_rss_mib'] / r['peak_rss_mib']:.2f} |"
+            )
+    return "\n".join(rows)
+
+
+def packing_notes(sides: dict[str, dict]) -> list[str]:
+    """The lines under :func:`packing_table`: the pad tokens packing removed, and whether each
+    klpo side drew the same tokens at step 1 of run 1 as ``klpo`` and computed the same
+    metrics from them (to float32 rounding: relative 1e-4)."""
+    lines = []
+    if "klpo packed" in sides:
+        pads = pad_summary(sides["klpo packed"]["layouts"], "packed")
+        lines.append(
+            f"Packing removed {pads['pad_removed']:.1%} of the pad tokens that the same batches "
+            "take in padded rows with each row's prompt (packed filler R W - real over "
+            "B (P + C) - real, summed over the packed side's steps and runs)."
+        )
+    base = sides.get("klpo")
+    for name, r in sides.items():
+        if name == "klpo" or base is None:
+            continue
+        same = r["first_step_sha1"] == base["first_step_sha1"]
+        rel, key = first_step_difference(r["first_step"], base["first_step"])
+        verdict = "the same to float32 rounding" if rel <= 1e-4 else "NOT the same"
+        lines.append(
+            f"Step 1 of run 1, {name} against klpo: "
+            + ("the same sampled tokens" if same else "DIFFERENT sampled tokens")
+            + f"; metrics {verdict} (largest relative difference {rel:.1e}, {key})."
+        )
+    return lines
+
+
 def _log(what: str, result: dict) -> None:
     """Each run's summary as it ends (stderr), so that a long benchmark's runs are kept."""
-    print(f"{what}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    short = {k: v for k, v in result.items() if k not in ("layouts", "lengths", "first_step")}
+    print(f"{what}: {json.dumps(short)}", file=sys.stderr, flush=True)
 
 
 def parse_workloads(text: str) -> tuple[str, ...]:
@@ -1035,6 +1296,13 @@ def main() -> None:
         help="comma-separated: floor, loss (the floor's or the fixed-batch check's process, e.g. "
         "for a run that measures only the trainers' peak memory at a larger batch)",
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="two more klpo sides, interleaved with the others: packed rows (algo.packing=on) and "
+        "padded rows with each row's prompt computed (rollout.share_prompt=false); a second "
+        "table with their step times, tokens/s, completion lengths and pad shares",
+    )
     parser.add_argument("--klpo-set", action="append", default=[], help="extra klpo --set")
     parser.add_argument(
         "--klpo-python",
@@ -1084,13 +1352,18 @@ def main() -> None:
             s = Settings(**{**s.__dict__, "steps": args.steps or (30 if w == "a" else 4)})
             if w != "a":
                 s = with_built_model(s, work)
-            klpo_runs, trl_runs = [], []
+            names = [n for n in KLPO_SIDES if args.packing or n == "klpo"]
+            side_runs: dict[str, list[dict]] = {n: [] for n in names}
+            trl_runs = []
             for i in range(args.runs):
                 (work / f"{w}-{i}").mkdir(parents=True, exist_ok=True)
-            for i in range(args.runs):  # A B A B A B
-                print(f"[{w}] run {i + 1}/{args.runs}: klpo ...", file=sys.stderr, flush=True)
-                klpo_runs.append(run_klpo(s, work / f"{w}-{i}", args.klpo_set))
-                _log(f"[{w}] klpo run {i + 1}", klpo_runs[-1])
+            for i in range(args.runs):  # A B A B A B (A B C D ... with --packing)
+                for j, n in enumerate(names):
+                    print(f"[{w}] run {i + 1}/{args.runs}: {n} ...", file=sys.stderr, flush=True)
+                    side_dir = work / f"{w}-{i}" / (f"side-{j}" if j else "")
+                    extra = [*KLPO_SIDES[n].overrides, *args.klpo_set]
+                    side_runs[n].append(run_klpo(s, side_dir, extra))
+                    _log(f"[{w}] {n} run {i + 1}", side_runs[n][-1])
                 if has_trl:
                     print(f"[{w}] run {i + 1}/{args.runs}: TRL ...", file=sys.stderr, flush=True)
                     t = run_trl(s, work / f"{w}-{i}")
@@ -1104,15 +1377,26 @@ def main() -> None:
             if floor:
                 _log(f"[{w}] floor", floor)
             loss = run_loss_check(s, work / f"{w}-0") if trl_runs and "loss" not in skip else None
-            klpo = combine(klpo_runs)
+            sides = {n: combine(r) for n, r in side_runs.items()}
+            klpo = sides["klpo"]
             trl = combine(trl_runs) if trl_runs else None
             print(
                 f"## Workload ({w}): {s.prompts_per_step} prompts × {s.group_size} completions, "
                 f"up to {s.max_new_tokens} new tokens, {s.threads} torch threads per trainer\n"
             )
             print(runs_table(klpo, trl, floor))
-            others = klpo["others_cpu_s"] + (trl["others_cpu_s"] if trl else 0.0)
-            busy = klpo["process_s"] + (trl["process_s"] if trl else 0.0)
+            if args.packing:
+                print(
+                    "\nPacked rows against padded ones (completion tokens/s as above; a forward's "
+                    "positions: the token positions each forward over the step's batch computes, "
+                    "mean over steps; pad share: those not a real token):\n"
+                )
+                print(packing_table(sides, trl))
+                print("\n" + "\n".join(packing_notes(sides)))
+            others = sum(r["others_cpu_s"] for r in sides.values()) + (
+                trl["others_cpu_s"] if trl else 0.0
+            )
+            busy = sum(r["process_s"] for r in sides.values()) + (trl["process_s"] if trl else 0.0)
             quiet = others <= 0.05 * busy * s.threads
             print(
                 f"\nOther processes used {others:.1f} CPU-s over {busy:.0f} s of runs"

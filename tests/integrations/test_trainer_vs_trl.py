@@ -388,3 +388,143 @@ def test_real_prompts_are_the_ids_trl_gives(bench, real, w, tmp_path, request):
         assert got[0][0] == tok.bos_token_id and got[0][1] != tok.bos_token_id
     assert got == want and len(got) == 2
     assert answers == [a for _, a in bench.prompt_order(s)]
+
+
+def _rollout(group: int = 2):
+    """4 rows in groups of 2: prompts of 3 and 1 real tokens (left-padded to 3), completions of
+    2, 4, 1 and 4 tokens (right-padded to 4)."""
+    import torch
+
+    from klpo.train.rollout.samplers import Rollout
+
+    prompt_mask = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1]]).bool()
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    return Rollout(
+        prompt_ids=torch.arange(12).view(4, 3) * prompt_mask + 1,
+        prompt_mask=prompt_mask,
+        completion_ids=torch.arange(16).view(4, 4) + 20,
+        mask=mask,
+        prompts=["a", "a", "b", "b"],
+        completions=[""] * 4,
+        answers=[""] * 4,
+        group_size=group,
+    )
+
+
+def test_layouts_count_what_the_forwards_compute(bench):
+    """The positions of each layout against the tensors the forwards are given: the padded rows'
+    input_ids, the packs that :func:`packing.pack` builds from the trainer's own plan, and by
+    hand the shared prompt's (one prompt row a group, every completion row)."""
+    import dataclasses
+
+    from klpo.train.models import packing
+    from klpo.train.rollout.samplers import pack_rows
+
+    ro = pack_rows(_rollout(), True)
+    rec = bench.layout_record(ro)
+    assert rec["prompt_len"] == [3, 3, 1, 1] and rec["completion_len"] == [2, 4, 1, 4]
+    assert (rec["prompt_cols"], rec["completion_cols"], rec["group"]) == (3, 4, 2)
+    got = bench.layout_slots(rec)
+    packed = packing.pack(ro.input_ids, ro.attention_mask, ro.packs)
+    assert got["packed"] == (packed.input_ids.numel(), int(packed.real.sum()))  # (21, 19)
+    assert got["rows"] == (ro.input_ids.numel(), int(ro.attention_mask.sum()))  # (28, 19)
+    # shared: prompt rows 0 and 2, 3 columns each, then 4 completion rows of 4 columns: 6 + 16;
+    # real: 3 + 1 prompt tokens and 2 + 4 + 1 + 4 completion tokens
+    assert got["shared"] == (22, 15)
+    # padded rows: pads 28 - 19 = 9; packed filler 21 - 19 = 2: 7 of 9 removed
+    pads = bench.pad_summary([rec, rec], "packed")
+    assert pads["pad_removed"] == pytest.approx(7 / 9) and pads["positions"] == 21
+    assert bench.pad_summary([rec], "shared")["pad_share"] == pytest.approx(1 - 15 / 22)
+    assert "pad_removed" not in bench.pad_summary([rec], "rows")
+    assert "packed" not in bench.layout_slots(bench.layout_record(_rollout()))  # not packed
+    # the digest reads the sampled tokens, not the padding after them
+    after_stop = ro.completion_ids.clone()
+    after_stop[0, 3] = 99  # row 0 stops after 2 tokens
+    inside = ro.completion_ids.clone()
+    inside[0, 1] = 99
+    digest = [
+        bench.layout_record(dataclasses.replace(ro, completion_ids=ids))["tokens_sha1"]
+        for ids in (after_stop, inside)
+    ]
+    assert digest[0] == rec["tokens_sha1"] != digest[1]
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        bench.layout_slots({**rec, "group": 3})
+
+
+def test_bench_docstring_examples(bench):
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    names = ("layout_slots", "pad_summary", "first_step_difference")
+    for name in names:
+        for test in doctest.DocTestFinder().find(getattr(bench, name), name, globs=vars(bench)):
+            runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0 and result.attempted >= 6
+
+
+def test_packing_table_and_notes_by_hand(bench):
+    """Packed 1.0 s and 300 tokens/s against padded 2.0 s / 200 and TRL 4.0 s / 100: step
+    ratios 0.50 and 0.25, tokens/s 1.50 and 3.00; the pad shares from the layouts; the step-1
+    check tells the same tokens and metrics from different ones."""
+    rec = {"group": 2, "prompt_len": [3, 3, 1, 1], "completion_len": [2, 4, 1, 4],
+           "prompt_cols": 3, "completion_cols": 4, "packs": 3, "width": 7}  # fmt: skip
+    padded = {k: v for k, v in rec.items() if k not in ("packs", "width")}
+
+    def side(step, tps, layout, first, sha="x"):
+        r = {**_run(step, tps, 0.0, 0.0), "layouts": [layout], "first_step": first}
+        return {**bench.combine([r]), "first_step_sha1": sha}
+
+    first = {"loss/total": 1.0, "kl/ref/k3": 0.0, "time/step": 1.0}
+    sides = {
+        "klpo": side(2.0, 200, padded, first),
+        "klpo packed": side(1.0, 300, rec, {**first, "loss/total": 1.00000001}),
+        "klpo padded, prompt per row": side(2.5, 150, padded, {**first, "loss/total": 1.1}, "y"),
+    }
+    trl = {**bench.combine([{**_run(4.0, 100, 0.0, 0.0), "lengths": [4, 1, 7]}])}
+    trl["version"] = "1.16.0"
+    table = bench.packing_table(sides, trl)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()}
+    assert "| 1 / 3 / 4 | 22 | 31.8% |" in rows["klpo"]  # 1 - 15 / 22
+    assert "| 21 | 9.5% |" in rows["klpo packed"]  # 1 - 19 / 21
+    assert "| 28 | 32.1% |" in rows["klpo padded, prompt per row"]  # 1 - 19 / 28
+    assert "| 1 / 4 / 7 | n/a (padded rows) | n/a |" in rows["TRL 1.16.0"]
+    assert "| 0.50 | **1.50** |" in rows["packed / klpo"]
+    assert "| 0.40 | **2.00** |" in rows["packed / klpo padded, prompt per row"]
+    assert "| 0.25 | **3.00** |" in rows["packed / TRL 1.16.0"]
+    assert len({len(line.split("|")) for line in table.splitlines()}) == 1
+    notes = bench.packing_notes(sides)
+    assert notes[0].startswith("Packing removed 77.8% of the pad tokens")  # 7 of 9
+    assert "klpo packed against klpo: the same sampled tokens; metrics the same" in notes[1]
+    assert "(largest relative difference 1.0e-08, loss/total)" in notes[1]
+    assert "DIFFERENT sampled tokens; metrics NOT the same" in notes[2]
+    assert bench.lengths_text([]) == "n/a" and bench.lengths_text([3, 1, 2, 8]) == "1 / 2.5 / 8"
+
+
+def test_trainer_parts_packing_lines_by_hand(bench):
+    """``--packing``: packed over padded for score and micro-step, and the batch's layouts."""
+    path = list(sys.path)
+    try:
+        parts = _load("trainer_parts")
+    finally:
+        sys.modules.pop("trainer_parts", None)
+        sys.path[:] = path
+    ms = {
+        "klpo: score": [10.0],
+        "klpo: score, packed": [8.0],
+        "klpo: score, prompt per row": [16.0],
+        "klpo: micro_step": [30.0],
+        "klpo: micro_step, packed": [33.0],
+    }
+    table = parts.parts_table(ms)
+    assert (
+        "score 8.0 ms packed, 10.0 padded (prompt shared): 0.80x; prompt per row 16.0: 0.50x"
+        in (table)
+    )
+    assert "micro_step 33.0 ms packed, 30.0 padded (prompt shared): 1.10x\n" in table + "\n"
+    rec = {"group": 2, "prompt_len": [3, 3, 1, 1], "completion_len": [2, 4, 1, 4],
+           "prompt_cols": 3, "completion_cols": 4, "packs": 3, "width": 7}  # fmt: skip
+    line = parts.packing_lines(rec)
+    assert "completion lengths 1 / 3 / 4" in line
+    assert "padded, prompt shared 22 (31.8% pad), padded, prompt per row 28 (32.1% pad)" in line
+    assert "packed (3 packs of 7) 21 (9.5% pad); packing removes 77.8%" in line
