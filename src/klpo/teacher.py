@@ -410,9 +410,9 @@ class _FromHidden(torch.autograd.Function):
         need_b = need_b and bias is not None
         dtype = saved.dtype
         w = weight.to(dtype)
-        # A frozen head (a LoRA student's) gets no gradient: its GEMM is skipped. The hidden
-        # states' gradient is formed whenever either needs it (one rank's part of it is the
-        # vocabulary-parallel sum's, so every rank forms it alike).
+        # Only what needs a gradient gets one: a frozen head's (a LoRA student's) GEMM is
+        # skipped. Every rank of a vocabulary-parallel group asks alike, so the hidden states'
+        # all-reduce pairs up.
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros_like(w) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
