@@ -253,3 +253,157 @@ def test_from_hidden_refuses_what_it_cannot_score() -> None:
         teacher.from_hidden(h, w, h, w, divergence="jsd", beta=1.0),
         teacher.from_hidden(h, w, h, w, divergence="reverse"),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# from_hidden_loss: the weighted sum with its gradient taken in the forward pass.
+
+
+def _naive_divergence(z: torch.Tensor, zt: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
+    """The textbook divergence from full ``[N, V]`` logits (temperature applied), float64."""
+    log_q, log_p = torch.log_softmax(z, -1), torch.log_softmax(zt, -1)
+    q, p = log_q.exp(), log_p.exp()
+    if kind == "reverse":
+        return (q * (log_q - log_p)).sum(-1)
+    if kind == "forward":
+        return (p * (log_p - log_q)).sum(-1)
+    log_m = torch.log((1 - beta) * q + beta * p)
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def _loss_inputs(seed: int = 12) -> dict[str, torch.Tensor]:
+    """N = 9 positions (a row_chunk of 4 leaves a tile of 1), V = 7, H = 4 against H_T = 6, and
+    weights with zeros and a negative one."""
+    g = torch.Generator().manual_seed(seed)
+    x = {
+        k: torch.randn(s, generator=g, dtype=F64)
+        for k, s in (("h", (9, 4)), ("w", (7, 4)), ("b", (7,)), ("ht", (9, 6)), ("wt", (7, 6)),
+                     ("bt", (7,)))
+    }  # fmt: skip
+    x["c"] = torch.tensor([0.5, 0.0, 1.5, 0.25, 0.0, -0.75, 2.0, 1.0, 0.125], dtype=F64)
+    return x
+
+
+DIVERGENCE_CASES = [("reverse", 0.5), ("forward", 0.5), ("jsd", 0.3)]
+
+
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCE_CASES)
+def test_from_hidden_loss_is_the_naive_weighted_sum_values_and_gradients(divergence, beta) -> None:
+    x, t = _loss_inputs(), 0.7
+    leaves = [x[k].clone().requires_grad_(True) for k in ("h", "w", "b")]
+    z = (leaves[0] @ leaves[1].T + leaves[2]) / t
+    want = _naive_divergence(z, (x["ht"] @ x["wt"].T + x["bt"]) / t, divergence, beta)
+    (x["c"] * want).sum().backward()
+    mine = [x[k].clone().requires_grad_(True) for k in ("h", "w", "b")]
+    out = teacher.from_hidden_loss(
+        mine[0], mine[1], x["ht"], x["wt"], x["c"], divergence=divergence, beta=beta,
+        bias=mine[2], bias_teacher=x["bt"], temperature=t, row_chunk=4,
+    )  # fmt: skip
+    out.loss.backward()
+    assert not out.value.requires_grad and out.loss.dtype == F64
+    assert torch.allclose(out.value, want.detach(), rtol=0, atol=1e-12)
+    assert torch.allclose(out.loss, (x["c"] * want).sum().detach(), rtol=0, atol=1e-12)
+    for name, a, b in zip(("hidden", "weight", "bias"), mine, leaves, strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-12), name
+    # a position weighted 0 contributes nothing: its hidden state's gradient is exactly 0
+    assert torch.equal(mine[0].grad[[1, 4]], torch.zeros(2, 4, dtype=F64))
+
+
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCE_CASES)
+def test_from_hidden_loss_equals_from_hiddens_weighted_sum(divergence, beta) -> None:
+    x = _loss_inputs(13)
+    kw = {"divergence": divergence, "beta": beta, "bias_teacher": x["bt"], "temperature": 1.3}
+    lazy = [x[k].clone().requires_grad_(True) for k in ("h", "w", "b")]
+    value = teacher.from_hidden(lazy[0], lazy[1], x["ht"], x["wt"], bias=lazy[2], **kw)
+    (x["c"] * value).sum().backward()
+    eager = [x[k].clone().requires_grad_(True) for k in ("h", "w", "b")]
+    out = teacher.from_hidden_loss(
+        eager[0], eager[1], x["ht"], x["wt"], x["c"], bias=eager[2], row_chunk=2, **kw
+    )
+    (3.0 * out.loss).backward()  # the backward pass scales by the upstream gradient
+    assert torch.allclose(out.value, value.detach(), rtol=0, atol=1e-12)
+    for a, b in zip(eager, lazy, strict=True):
+        assert torch.allclose(a.grad, 3.0 * b.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCE_CASES)
+def test_a_frozen_head_gets_no_gradient_and_no_gemm(divergence, beta, monkeypatch) -> None:
+    """A LoRA student's head (``requires_grad`` false): the hidden states' gradient as with a
+    trainable head, the head's never formed. GEMMs counted: from_hidden_loss spends 2 logit
+    tiles + 1 gradient a tile (3 tiles of 4, 4, 1 rows), from_hidden's backward no addmm_."""
+    x = _loss_inputs(14)
+    h_free, w_free = x["h"].clone().requires_grad_(True), x["w"].clone().requires_grad_(True)
+    free = teacher.from_hidden_loss(
+        h_free, w_free, x["ht"], x["wt"], x["c"], divergence=divergence, beta=beta, row_chunk=4
+    )
+    free.loss.backward()
+    calls = {"mm": 0, "addmm_": 0}
+    mm, addmm_ = torch.mm, torch.Tensor.addmm_
+
+    def count_mm(*a, **k):
+        calls["mm"] += 1
+        return mm(*a, **k)
+
+    def count_addmm_(self, *a, **k):
+        calls["addmm_"] += 1
+        return addmm_(self, *a, **k)
+
+    monkeypatch.setattr(torch, "mm", count_mm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", count_addmm_)
+    h = x["h"].clone().requires_grad_(True)
+    out = teacher.from_hidden_loss(
+        h, x["w"], x["ht"], x["wt"], x["c"], divergence=divergence, beta=beta, row_chunk=4
+    )
+    assert calls == {"mm": 3 * 3, "addmm_": 0}
+    assert out.loss.grad_fn.saved_tensors[1:] == (None, None)  # no head or bias gradient held
+    out.loss.backward()
+    assert torch.allclose(h.grad, h_free.grad, rtol=0, atol=1e-12)
+    h2 = x["h"].clone().requires_grad_(True)
+    value = teacher.from_hidden(h2, x["w"], x["ht"], x["wt"], divergence=divergence, beta=beta)
+    (x["c"] * value).sum().backward()
+    assert calls["addmm_"] == 0 and x["w"].grad is None
+    assert torch.allclose(h2.grad, h_free.grad, rtol=0, atol=1e-12)
+
+
+def test_from_hidden_loss_without_gradients_and_at_the_teacher() -> None:
+    x = _loss_inputs(15)
+    with torch.no_grad():
+        out = teacher.from_hidden_loss(x["h"], x["w"], x["ht"], x["wt"], x["c"], divergence="jsd")
+    assert out.loss.grad_fn is None and not out.loss.requires_grad
+    assert torch.allclose(out.value, teacher.from_hidden(x["h"], x["w"], x["ht"], x["wt"],
+                          divergence="jsd"), rtol=0, atol=1e-12)  # fmt: skip
+    # a student equal to its teacher (float32, the trainer's first step): KL and its gradient
+    # exactly 0, in both directions
+    h, w = x["h"].float().requires_grad_(True), x["w"].float().requires_grad_(True)
+    for divergence in ("reverse", "forward"):
+        got = teacher.from_hidden_loss(
+            h, w, h.detach(), w.detach(), torch.ones(9), divergence=divergence, temperature=0.7
+        )
+        got.loss.backward()
+        assert float(got.loss) == 0.0 and torch.equal(got.value, torch.zeros(9))
+        assert not h.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize(("divergence", "beta"), DIVERGENCE_CASES)
+def test_from_hidden_loss_gradcheck_in_float64(divergence, beta) -> None:
+    x = _loss_inputs(16)
+
+    def loss(h, w, b):
+        return teacher.from_hidden_loss(
+            h, w, x["ht"], x["wt"], x["c"], divergence=divergence, beta=beta, bias=b,
+            temperature=0.9, row_chunk=5,
+        ).loss  # fmt: skip
+
+    torch.autograd.gradcheck(loss, tuple(x[k].clone().requires_grad_(True) for k in "hwb"))
+
+
+def test_from_hidden_loss_refuses_bad_weights() -> None:
+    x = _loss_inputs()
+    with pytest.raises(ValueError, match=r"weights has shape \(8,\) but hidden has 9 positions"):
+        teacher.from_hidden_loss(x["h"], x["w"], x["ht"], x["wt"], x["c"][:8])
+    with pytest.raises(TypeError, match="weights"):
+        teacher.from_hidden_loss(x["h"], x["w"], x["ht"], x["wt"], torch.ones(9, dtype=torch.long))
+    with pytest.raises(ValueError, match="row_chunk must be a positive int"):
+        teacher.from_hidden_loss(x["h"], x["w"], x["ht"], x["wt"], x["c"], row_chunk=0)
+    with pytest.raises(ValueError, match="from_hidden_loss: hidden_teacher"):
+        teacher.from_hidden_loss(x["h"], x["w"], x["ht"], x["w"], x["c"])

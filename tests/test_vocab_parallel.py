@@ -116,7 +116,7 @@ def test_one_process_is_the_single_device_computation_and_bad_shapes_are_named()
 
 
 def _rank_teacher(rank: int, world: int, port: int, out: str) -> None:
-    from klpo.teacher import from_hidden
+    from klpo.teacher import from_hidden, from_hidden_loss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -134,6 +134,16 @@ def _rank_teacher(rank: int, world: int, port: int, out: str) -> None:
         )  # fmt: skip
         (x["up"][0] * got).sum().backward()
         result[divergence] = (got.detach(), h.grad, w.grad)
+    for divergence in ("reverse", "forward", "jsd"):  # the loss form, the gradient eager
+        h = x["hidden"].clone().requires_grad_(True)
+        w = x["weight"][rows].clone().requires_grad_(True)
+        b = x["bias"][rows].clone().requires_grad_(True)
+        got = from_hidden_loss(
+            h, w, x["hidden_ref"], x["weight_ref"][rows], x["up"][0], divergence=divergence,
+            beta=0.4, bias=b, temperature=T, row_chunk=4,
+        )  # fmt: skip
+        got.loss.backward()
+        result[f"loss {divergence}"] = (got.value, h.grad, w.grad, b.grad, got.loss.detach())
     torch.save(result, Path(out) / f"teacher{rank}.pt")
     dist.destroy_process_group()
 
@@ -158,3 +168,32 @@ def test_a_teachers_divergence_over_a_sharded_head_is_the_single_devices(tmp_pat
             assert torch.allclose(value, want.detach(), rtol=0, atol=1e-12), divergence
             assert torch.allclose(g_h, h.grad, rtol=0, atol=1e-12), divergence
             assert torch.allclose(g_w, w.grad[rows], rtol=0, atol=1e-12), divergence
+
+
+def test_the_loss_form_over_a_sharded_head_is_the_single_devices(tmp_path) -> None:
+    """from_hidden_loss over 2 gloo processes: its collectives all inside a tile, one pass."""
+    from klpo import teacher
+
+    world = 2
+    mp.spawn(_rank_teacher, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    x = _inputs()
+    zt = x["hidden_ref"] @ x["weight_ref"].T
+    for divergence, fn in (
+        ("reverse", lambda z: teacher.reverse_kl(z, zt, temperature=T)),
+        ("forward", lambda z: teacher.forward_kl(z, zt, temperature=T)),
+        ("jsd", lambda z: teacher.jsd(z, zt, 0.4, temperature=T)),
+    ):
+        h, w, b = (x[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias"))
+        want = fn(h @ w.T + b)
+        loss = (x["up"][0] * want).sum()
+        loss.backward()
+        for rank in range(world):
+            value, g_h, g_w, g_b, got = torch.load(tmp_path / f"teacher{rank}.pt")[
+                f"loss {divergence}"
+            ]
+            rows = slice(rank * (V // world), (rank + 1) * (V // world))
+            assert torch.allclose(value, want.detach(), rtol=0, atol=1e-12), divergence
+            assert torch.allclose(got, loss.detach(), rtol=0, atol=1e-12), divergence
+            assert torch.allclose(g_h, h.grad, rtol=0, atol=1e-12), divergence
+            assert torch.allclose(g_w, w.grad[rows], rtol=0, atol=1e-12), divergence
+            assert torch.allclose(g_b, b.grad[rows], rtol=0, atol=1e-12), divergence

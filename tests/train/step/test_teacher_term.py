@@ -8,10 +8,14 @@ import json
 import shutil
 
 import pytest
+import torch
 
+from klpo import reduce, teacher
+from klpo.heads import Head
 from klpo.train.config import ConfigError, build_config
 from klpo.train.models.build import build_models
 from klpo.train.runtime.dist import Dist
+from klpo.train.step.teacher_term import teacher_loss
 
 from .test_step_one_exact import (
     PACKED_PROMPTS,
@@ -65,6 +69,93 @@ def test_a_teacher_equal_to_the_student_is_exactly_zero_at_step_one(
             if term.get("placement", "loss") == "loss":
                 assert "loss/teacher" in got, term
             assert_exact({"dtype": dtype, "lora": lora, "packing": packing, **term}, got)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lora"), [("float32", False), ("bfloat16", False), ("float32", True)]
+)
+def test_the_forward_pass_gradient_of_a_teacher_equal_to_the_student_is_exactly_zero(
+    tiny_model, dtype, lora
+) -> None:
+    """algo.fused_loss=on: the exact teacher terms through klpo.teacher.from_hidden_loss."""
+    cache: dict = {}
+    with loaded_once(cache):
+        m = None
+        for term in (
+            {"estimator": "full"},
+            {"estimator": "forward"},
+            {"estimator": "jsd", "jsd_beta": 0.3},
+        ):
+            cfg = config(str(tiny_model), len(TINY_PROMPTS), dtype=dtype, lora=lora, fused=True,
+                         extra=(_teacher(str(tiny_model), term),))  # fmt: skip
+            m = m or build_models(cfg, Dist(), None)
+            got = step_one(cfg, m, TINY_PROMPTS)
+            assert "loss/teacher" in got, term
+            assert_exact({"dtype": dtype, "lora": lora, "fused": True, **term}, got)
+
+
+class _WithHead:
+    """A stand-in model: what :func:`teacher_loss` reads of one, its ``head()``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._head = Head(weight, bias, None)
+
+    def head(self) -> Head:
+        return self._head
+
+
+@pytest.mark.parametrize("estimator", ["full", "forward", "jsd"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_teacher_losss_forward_pass_gradient_is_the_per_token_paths(
+    estimator, frozen, monkeypatch
+) -> None:
+    """algo.fused_loss on against off: the same value and gradients (float64, 1e-12) for a
+    teacher unlike the student, masked tokens and a sequence-mean reduction; on calls
+    klpo.teacher.from_hidden_loss, off never; a frozen head (LoRA) gets no gradient."""
+    g = torch.Generator().manual_seed(5)
+    f = torch.float64
+    b, c, v, h, ht = 3, 4, 11, 5, 7
+    hidden, hidden_t = (
+        torch.randn(b, c, h, generator=g, dtype=f),
+        torch.randn(b, c, ht, generator=g, dtype=f),
+    )
+    weight, bias = torch.randn(v, h, generator=g, dtype=f), torch.randn(v, generator=g, dtype=f)
+    teacher_m = _WithHead(torch.randn(v, ht, generator=g, dtype=f), None)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    tokens = torch.zeros(b, c, dtype=torch.long)
+    cfg = build_config(overrides=[
+        "rollout.temperature=0.8", "algo.loss_reduction=seq-mean-token-mean",
+        _teacher("builtin-teacher", {"estimator": estimator, "jsd_beta": 0.3}),
+    ])  # fmt: skip
+
+    def red(x: torch.Tensor) -> torch.Tensor:
+        return reduce.reduce(x, mask, "seq-mean-token-mean", normaliser=2.0)
+
+    calls = []
+    eager = teacher.from_hidden_loss
+    monkeypatch.setattr(
+        teacher, "from_hidden_loss", lambda *a, **k: calls.append(1) or eager(*a, **k)
+    )
+    out = {}
+    for mode in ("on", "off"):
+        cfg.algo.fused_loss = mode
+        x = hidden.clone().requires_grad_(True)
+        w, bb = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
+        m = type("Models", (), {"backbone": _WithHead(w, bb), "teacher": teacher_m})()
+        loss = teacher_loss(cfg, m, x, None, hidden_t, None, {}, red, tokens)
+        (2.5 * loss).backward()
+        out[mode] = (loss.detach(), x.grad, w.grad, bb.grad)
+    assert len(calls) == 1
+    assert torch.allclose(out["on"][0], out["off"][0], rtol=0, atol=1e-12)
+    assert float(out["on"][0]) > 0
+    for name, a, b_ in zip(
+        ("hidden", "weight", "bias"), out["on"][1:], out["off"][1:], strict=True
+    ):
+        if frozen and name != "hidden":
+            assert a is None and b_ is None, name
+        else:
+            assert torch.allclose(a, b_, rtol=0, atol=1e-12), name
+    assert not out["on"][1][~mask].any()  # masked tokens: no gradient
 
 
 def test_a_teacher_of_another_tokenizer_is_refused(tiny_model, tmp_path, quick) -> None:

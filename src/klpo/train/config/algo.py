@@ -46,7 +46,9 @@ class AlgoConfig(Section):
         "auto",
         description="Take the update's gradient in the forward pass (klpo.logprobs.fused_loss) "
         "where the loss's weights on each token are known before it: on-policy, with the exact "
-        "KL or none in the loss, no engine weights. auto: from a vocabulary of 32768 entries "
+        "KL or none in the loss, no engine weights; and a teacher's exact divergence in the "
+        "loss (teacher.estimator full, forward or jsd over plain heads: "
+        "klpo.teacher.from_hidden_loss). auto: from a vocabulary of 32768 entries "
         "(docs/performance.md); on: wherever it applies; off: never (the "
         "per-token path). The same gradients and metrics either way.",
     )

@@ -5,7 +5,10 @@ weights on each token's log-prob, entropy and exact KL are known before the forw
 (:func:`on_policy_weights`), so :func:`klpo.logprobs.fused_loss` can take the gradient there
 instead of :func:`klpo.logprobs.fused` keeping what the backward needs: the same gradients and
 metrics. ``algo.fused_loss`` chooses it (:func:`takes_fused_loss`): ``auto`` from
-:data:`FUSED_LOSS_MIN_VOCAB` vocabulary entries; ``on`` wherever it applies; ``off`` never.
+:data:`FUSED_LOSS_MIN_VOCAB` vocabulary entries; ``on`` wherever it applies; ``off`` never. A
+teacher's divergence in the loss (``teacher.placement: loss``, the exact forms) is weighted by
+the reduction alone (:func:`reduction_weights`), so the same switch takes its gradient in the
+forward pass too (:func:`klpo.teacher.from_hidden_loss`, :mod:`klpo.train.step.teacher_term`).
 
 The head alone gains from it where the head is large: at V = 32000 (H = 896) fused_loss took
 0.27 s against fused's 0.36 for log-probs and 0.22 against 0.30-0.32 for the exact KL
@@ -29,7 +32,7 @@ from klpo.train.algorithms import POLICY_LOSSES
 from klpo.train.config import TrainConfig
 from klpo.train.step.kl_term import KLTerm
 
-__all__ = ["FUSED_LOSS_MIN_VOCAB", "on_policy_weights", "takes_fused_loss"]
+__all__ = ["FUSED_LOSS_MIN_VOCAB", "on_policy_weights", "reduction_weights", "takes_fused_loss"]
 
 FUSED_LOSS_MIN_VOCAB = 32768
 """``algo.fused_loss: auto`` takes the forward-pass gradient from this many vocabulary entries."""
@@ -81,3 +84,13 @@ def on_policy_weights(
         total = total + a.entropy_coef * red(losses.entropy_bonus(z[1]))
     grads = torch.autograd.grad(total * world, z, allow_unused=True)
     return tuple(grads)  # type: ignore[return-value]
+
+
+def reduction_weights(red: Callable[[Tensor], Tensor], shape: torch.Size, device) -> Tensor:
+    """``[B, C]`` float64: the weight ``d red(x) / d x_i`` of each token in the reduction ``red``
+    (linear in ``x``: the mask over the loss's normaliser, 0 at masked tokens), taken by autograd
+    through ``red`` itself, so the weighted sum ``sum_i w_i x_i`` is ``red(x)``."""
+    with torch.enable_grad():
+        z = torch.zeros(shape, dtype=torch.float64, device=device, requires_grad=True)
+        (w,) = torch.autograd.grad(red(z), z, allow_unused=True)
+    return torch.zeros_like(z, requires_grad=False) if w is None else w

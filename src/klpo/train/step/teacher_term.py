@@ -15,7 +15,11 @@ discount 0: the Tinker cookbook's advantage, which follows the per-position grad
 explain --teacher``). In the loss (:func:`teacher_loss`): the estimator on the sampled tokens
 with :func:`klpo.losses.kl_loss`'s off-policy weight, or a divergence over the vocabulary from
 both models' hidden states (:mod:`klpo.teacher`; ``full`` through the fused head of
-:func:`klpo.logprobs.fused`), reduced like the policy loss and scaled by ``beta_T``.
+:func:`klpo.logprobs.fused`), reduced like the policy loss and scaled by ``beta_T``. The exact
+forms (``full``, ``forward``, ``jsd``) over heads without a logit transform take their gradient
+in the forward pass where ``algo.fused_loss`` does (:func:`klpo.train.step.fused.takes_fused_loss`):
+their weights are the reduction's (:func:`klpo.train.step.fused.reduction_weights`), and
+:func:`klpo.teacher.from_hidden_loss` forms the gradient tile by tile without recomputing it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ from klpo.train.config import ConfigError, TrainConfig
 from klpo.train.models.backbone import shares_prompt, token_outputs
 from klpo.train.models.build import Models
 from klpo.train.rollout.samplers import Rollout, completion_hidden
+from klpo.train.step.fused import reduction_weights, takes_fused_loss
 
 __all__ = ["TeacherScores", "teacher_loss", "teacher_penalty", "teacher_scores"]
+
+_EAGER = {"full": "reverse", "forward": "forward", "jsd": "jsd"}
+"""The exact ``teacher.estimator`` forms :func:`klpo.teacher.from_hidden_loss` computes (plain
+heads, ``algo.fused_loss`` taking the forward-pass gradient): the divergence of each."""
 
 
 @dataclass
@@ -145,6 +154,21 @@ def teacher_loss(
     if not t.vocabulary:  # a per-token estimator on the sampled tokens, the teacher as pi_ref
         return red(losses.kl_loss(t.estimator, logp, logp_t, **rows_logp_old))
     head, head_t = _head(m.backbone), _head(m.teacher)
+    plain = all(isinstance(h, Head) and h.transform is None for h in (head, head_t))
+    if (
+        t.estimator in _EAGER
+        and plain
+        and takes_fused_loss(cfg, head.weight.shape[0], applies=True)
+    ):
+        # The term's weight on each position is the reduction's alone, known before the forward
+        # pass: the gradient is formed in it, no logit tile recomputed in the backward pass.
+        b, c = tokens.shape
+        return teacher.from_hidden_loss(
+            hidden.reshape(b * c, -1), head.weight, hidden_t.reshape(b * c, -1), head_t.weight,
+            reduction_weights(red, tokens.shape, hidden.device).reshape(-1),
+            divergence=_EAGER[t.estimator], beta=t.jsd_beta, bias=head.bias,
+            bias_teacher=head_t.bias, temperature=temperature,
+        ).loss  # fmt: skip
     if t.estimator == "full":  # through the fused head (transforms included)
         out = token_outputs(
             hidden, head, tokens, temperature=temperature, features_ref=hidden_t,
