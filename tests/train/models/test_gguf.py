@@ -296,6 +296,28 @@ def test_a_wrong_remembered_digest_never_hands_over_another_files_image(
     assert gguf.find_image(true_sha) is None  # `make real-models` does not take it either
 
 
+def test_a_wrong_remembered_digest_with_no_image_yet_is_read_again(tiny_gguf, cache, tmp_path):
+    """A memo that names a digest no image has yet: the file was converted into that digest's
+    directory, where a later call for the file the digest belongs to took it (SmolLM2's weights
+    served as Gemma 3's). A new image is filed under the file's own digest, read from the file."""
+    import hashlib
+
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, seed=3, name="other")
+    true_sha = gguf.file_sha256(other)
+    images = cache / "gguf"
+    memo = images / "digests" / (hashlib.sha1(str(other.resolve()).encode()).hexdigest() + ".json")
+    wrong = "ab" * 32  # another file's digest, with no image in the cache
+    memo.write_text(json.dumps({**json.loads(memo.read_text()), "sha256": wrong}))
+    assert gguf.file_sha256(other) == wrong  # the memo is believed...
+    lines: list[str] = []
+    image = gguf.resolve_gguf(other, log=lines.append)
+    assert image.path == images / true_sha and image.sha256 == true_sha  # ...but not filed under
+    assert not (images / wrong).exists() and gguf.find_image(wrong) is None
+    assert any("remembered digest" in x for x in lines), lines
+    assert gguf.file_sha256(other) == true_sha  # remembered anew
+
+
 def test_not_a_gguf_file(tmp_path, cache):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF")

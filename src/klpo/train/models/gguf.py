@@ -458,7 +458,11 @@ def resolve_gguf(
     sha = file_sha256(source)
     final = _images() / sha
     odd = image_mismatch(final, header, sha)
-    if odd is not None:  # the remembered digest may be wrong: read the file itself
+    if odd is not None or not _complete(final):
+        # A remembered digest is trusted only where it names a complete image made from this
+        # file: a memo that names another file's image, or one no image has yet (a new image
+        # is filed under the file's own digest, never under a memo's), is checked by reading
+        # the file itself, which a conversion reads anyway.
         fresh = file_sha256(source, remembered=False)
         if fresh != sha:
             if log is not None:
