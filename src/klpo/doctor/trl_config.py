@@ -39,6 +39,8 @@ __all__ = [
     "installed_table",
     "launcher_processes",
     "parse",
+    "read_doc",
+    "script_fields",
     "setup",
     "updates",
 ]
