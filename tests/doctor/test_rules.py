@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from klpo.doctor import DoctorError, UnknownFramework, detect, diagnose
-from klpo.doctor.reading import FINDING_KINDS
+from klpo.doctor.reading import FINDING_KINDS, command_flags
 
 FIELD = Path(__file__).parent / "fixtures" / "field"
 NEMO = FIELD / "nemo_rl"
@@ -257,3 +257,20 @@ def test_every_finding_kind_is_documented_and_refused_if_unknown():
 def test_a_script_only_framework_refuses_a_mapping_by_name(tmp_path):
     with pytest.raises(DoctorError, match="slime is read from its script"):
         diagnose(_write(tmp_path, "x.yaml", "kl-coef: 0.1\n"), framework="slime")
+
+
+def test_command_flags_read_argparse_style():
+    # --a=1: the value glued on; --b 2: the next word; --s: a switch takes none even before a
+    # value-like word (3, then a positional, passed over); --c: followed by a flag, so none;
+    # --s=no: a switch written with a value keeps it; --last: nothing after it, so none.
+    words = ["pos", "--a=1", "--b", "2", "--s", "3", "--c", "--s=no", "--last"]
+    assert list(command_flags(words, {"s"})) == [
+        ("a", "1"),
+        ("b", "2"),
+        ("s", None),
+        ("c", None),
+        ("s", "no"),
+        ("last", None),
+    ]
+    # Without the switch, --s takes the word after it.
+    assert ("s", "3") in list(command_flags(words))

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "TeacherTerm",
     "Term",
     "UnknownFramework",
+    "command_flags",
     "duplicate_keys",
     "flatten",
     "interpolate",
@@ -550,6 +552,29 @@ def scalar(text: str) -> Any:
         except ValueError:
             pass
     return t
+
+
+def command_flags(
+    words: list[str], switches: Collection[str] = ()
+) -> Iterator[tuple[str, str | None]]:
+    """A command line's flags, argparse's way: ``(name, value as written)`` for each
+    ``--name=value`` or ``--name value``, and ``(name, None)`` for a flag that takes no value:
+    one in ``switches`` (unless written ``--name=value``), or one followed by another flag or by
+    nothing. Words that belong to no flag are passed over."""
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue
+        name, eq, value = word[2:].partition("=")
+        if eq:
+            yield name, value
+        elif name in switches or i >= len(words) or words[i].startswith("--"):
+            yield name, None
+        else:
+            yield name, words[i]
+            i += 1
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Callable
 from typing import Any
 
 from klpo.doctor import tables
@@ -38,6 +39,8 @@ __all__ = [
     "installed_table",
     "launcher_processes",
     "parse",
+    "read_doc",
+    "script_fields",
     "setup",
     "updates",
 ]
@@ -363,24 +366,12 @@ def cli_fields(ep: Any, path: Any, source: str) -> tuple[dict[str, Any], dict[st
     """``(the --config file's fields, the command line's --field value pairs)``."""
     from pathlib import Path
 
-    from klpo.doctor.reading import DoctorError, load_mapping, scalar
+    from klpo.doctor.reading import DoctorError, command_flags, load_mapping, scalar
 
-    words = ep.command.words[ep.at + 1 :]
     data: dict[str, Any] = {}
     flags: dict[str, Any] = {}
-    i = 0
-    while i < len(words):
-        word = words[i]
-        i += 1
-        if not word.startswith("--"):
-            continue
-        name, eq, value = word[2:].partition("=")
-        if not eq:
-            if i < len(words) and not words[i].startswith("--"):
-                value = words[i]
-                i += 1
-            else:
-                value = "true"
+    for name, given in command_flags(ep.command.words[ep.at + 1 :]):
+        value = "true" if given is None else given
         if name == "config":
             given = Path(value)
             beside = Path(path).parent / value
@@ -408,3 +399,35 @@ def launcher_processes(ep: Any) -> int | None:
             if given.isdigit() and found is None:
                 found = int(given)
     return found
+
+
+def script_fields(doc: Any, row: str, command: str) -> tuple[str, dict[str, Any]]:
+    """A launch script's TRL command, as ``TrlParser`` and the launcher take it: ``(its row,
+    e.g. "trl-rloo", the --config file's fields under the command line's)``, with the launcher's
+    process count as ``num_processes`` where the fields do not set it. Refused, naming
+    ``command``, where the script's command is of no row whose name starts with ``row``."""
+    from klpo.doctor.reading import DoctorError
+
+    ep = doc.entry()
+    if ep is None or not ep.framework.startswith(row):
+        raise DoctorError(f"{doc.source}: no {command} command found")
+    data, flags = cli_fields(ep, doc.path, doc.source)
+    procs = launcher_processes(ep)
+    if procs is not None:
+        flags.setdefault("num_processes", procs)
+    return ep.framework, {**data, **flags}
+
+
+def read_doc(
+    doc: Any,
+    version: str | None,
+    read: Callable[[dict[str, Any], str, str | None], Reading],
+    read_cli: Callable[[Any, str | None], Reading] | None = None,
+) -> Reading:
+    """A TRL row's reader, by what the document is: a launch script through ``read_cli`` (where
+    the row reads scripts), a Python script's ``XConfig(...)`` keywords or a YAML/JSON mapping's
+    fields through ``read(fields, source, version)``."""
+    if doc.kind == "script" and read_cli is not None:
+        return read_cli(doc, version)
+    fields = doc.call()[1] if doc.kind == "python" else doc.data
+    return read(fields, doc.source, version)

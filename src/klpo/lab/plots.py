@@ -63,6 +63,24 @@ def _colors(n: int) -> list:
     return [cmap(i % cmap.N) for i in range(n)]
 
 
+def _bias_and_spread(
+    ax_b: Any, ax_s: Any, unbiased: list[str], *, at: float, linthresh: float
+) -> None:
+    """The frame of a bias panel and a spread panel against the KL (log x): bias / KL on a
+    symlog axis, linear within ``±linthresh``, with its zero line and the names in ``unbiased``
+    (bias exactly 0) written above it at ``at`` (axes fraction); spread / KL on a log axis."""
+    if unbiased:
+        ax_b.annotate(
+            "exactly 0: " + ", ".join(unbiased), (at, 0.5), xycoords="axes fraction",
+            xytext=(0, 6), textcoords="offset points", fontsize=8,
+        )  # fmt: skip
+    ax_b.set_xscale("log")
+    ax_b.set_yscale("symlog", linthresh=linthresh)
+    ax_b.axhline(0, color="black", lw=0.6)
+    ax_s.set_xscale("log")
+    ax_s.set_yscale("log")
+
+
 def plot_mu_sweep(sweep: dict, path: Path) -> None:
     """Bias / KL and sd / KL of every Gaussian estimator against the true KL (mu sweep)."""
     plt = _plt()
@@ -80,19 +98,10 @@ def plot_mu_sweep(sweep: dict, path: Path) -> None:
     unbiased = [
         label for label, name in groups if all(abs(x) < 1e-9 for x in est[name]["exact_bias_rel"])
     ]
-    if unbiased:
-        ax_b.annotate(
-            "exactly 0: " + ", ".join(unbiased), (0.02, 0.5), xycoords="axes fraction",
-            xytext=(0, 6), textcoords="offset points", fontsize=8,
-        )  # fmt: skip
-    ax_b.set_xscale("log")
-    ax_b.set_yscale("symlog", linthresh=1e-3)
-    ax_b.axhline(0, color="black", lw=0.6)
+    _bias_and_spread(ax_b, ax_s, unbiased, at=0.02, linthresh=1e-3)
     ax_b.set_xlabel("true KL = mu²/2   (pi_theta = N(0, 1), pi_ref = N(mu, 1))")
     ax_b.set_ylabel("bias / true KL   (symlog, linear within ±0.001)")
     ax_b.set_title("Bias relative to the true KL (exact)")
-    ax_s.set_xscale("log")
-    ax_s.set_yscale("log")
     ax_s.set_xlabel("true KL = mu²/2")
     ax_s.set_ylabel("sd of one sample / true KL")
     ax_s.set_title(
@@ -170,19 +179,10 @@ def plot_ref_is_variants(var: dict, path: Path) -> None:
     unbiased = [
         n for n in names if all(abs(x) < 1e-9 for x in est[n]["exact_bias_rel"])
     ]  # NaN (Monte Carlo only) compares False
-    if unbiased:
-        ax_b.annotate(
-            "exactly 0: " + ", ".join(unbiased), (0.3, 0.5), xycoords="axes fraction",
-            xytext=(0, 6), textcoords="offset points", fontsize=8,
-        )  # fmt: skip
-    ax_b.set_xscale("log")
-    ax_b.set_yscale("symlog", linthresh=1e-2)
-    ax_b.axhline(0, color="black", lw=0.6)
+    _bias_and_spread(ax_b, ax_s, unbiased, at=0.3, linthresh=1e-2)
     ax_b.set_xlabel("true KL(pi_theta ‖ pi_ref)")
     ax_b.set_ylabel("bias / true KL   (symlog, linear within ±0.01)")
     ax_b.set_title("Bias of the batch estimate: exact (lines) or Monte Carlo (squares)")
-    ax_s.set_xscale("log")
-    ax_s.set_yscale("log")
     ax_s.set_xlabel("true KL(pi_theta ‖ pi_ref)")
     ax_s.set_ylabel("sd of one batch estimate / true KL")
     ax_s.set_title(f"Spread: exact (lines), Monte Carlo ({var['batches']:,} batches, markers)")

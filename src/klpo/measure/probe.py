@@ -669,17 +669,7 @@ def _reference_rows(
         out.append(_row("adapters_off", limits, None, rollout, tok, note="no --adapter given"))
     else:
         base = Backbone(_load(model, None, "--model").eval())
-        off = AdapterFreeReference(backbone)
-        with torch.no_grad():
-            from klpo.train.models.backbone import token_outputs
-            from klpo.train.rollout.samplers import completion_hidden
-
-            h_off = completion_hidden(off, rollout)
-            h_base = completion_hidden(base, rollout)
-            kl = token_outputs(
-                h_off, off.head(), rollout.completion_ids, temperature=1.0,
-                features_ref=h_base, head_ref=base.head(), with_entropy=False,
-            ).kl  # fmt: skip
+        kl = _trainer_kl(AdapterFreeReference(backbone), base, rollout)
         out.append(_row("adapters_off", limits, kl, rollout, tok))
     return out
 

@@ -464,6 +464,12 @@ def _stats(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else math.nan)
 
 
+def _mean(rows: list[dict[str, Any]], column: str) -> float:
+    """The mean of ``column`` over ``rows`` (one cell's runs), nan where none has a finite one;
+    a run without the column counts as having none."""
+    return _stats([num(r.get(column)) for r in rows])[0]
+
+
 def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (algo, choice, beta): means ± sd over seeds and the failure count."""
     cells: dict[tuple, list[dict[str, Any]]] = {}
@@ -487,27 +493,27 @@ def summarise_cells(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kl_final": _stats([num(r["kl_exact_final"]) for r in rs])[0],
                 "kl_peak": _stats([num(r["kl_exact_peak"]) for r in rs])[0],
                 "kl_gap": _stats([num(r["kl_gap_mean"]) for r in rs])[0],
-                "gold_final": _stats([num(r.get("gold_final")) for r in rs])[0],
+                "gold_final": _mean(rs, "gold_final"),
                 "gold_sd": _stats([num(r.get("gold_final")) for r in rs])[1],
-                "gold_peak": _stats([num(r.get("gold_peak")) for r in rs])[0],
-                "gold_peak_kl_seq": _stats([num(r.get("gold_peak_kl_seq")) for r in rs])[0],
-                "proxy_final": _stats([num(r.get("proxy_final")) for r in rs])[0],
-                "kl_seq_final": _stats([num(r.get("kl_seq_final")) for r in rs])[0],
-                "entropy_final": _stats([num(r.get("entropy_final")) for r in rs])[0],
-                "length_final": _stats([num(r.get("length_final")) for r in rs])[0],
+                "gold_peak": _mean(rs, "gold_peak"),
+                "gold_peak_kl_seq": _mean(rs, "gold_peak_kl_seq"),
+                "proxy_final": _mean(rs, "proxy_final"),
+                "kl_seq_final": _mean(rs, "kl_seq_final"),
+                "entropy_final": _mean(rs, "entropy_final"),
+                "length_final": _mean(rs, "length_final"),
                 "reward_mean": reward_m,
                 "reward_var": reward_s**2 if math.isfinite(reward_s) else math.nan,
                 "wall_s": _stats([num(r["wall_s"]) for r in rs])[0],
-                "ref_time_s": _stats([num(r.get("ref_time_s")) for r in rs])[0],
-                "kl_est_var": _stats([num(r.get("kl_est_var")) for r in rs])[0],
-                "kl_noise_var": _stats([num(r.get("kl_noise_var")) for r in rs])[0],
-                "kl_k1_noise_var": _stats([num(r.get("kl_k1_noise_var")) for r in rs])[0],
-                "steps_to_target": _stats([num(r.get("steps_to_target")) for r in rs])[0],
+                "ref_time_s": _mean(rs, "ref_time_s"),
+                "kl_est_var": _mean(rs, "kl_est_var"),
+                "kl_noise_var": _mean(rs, "kl_noise_var"),
+                "kl_k1_noise_var": _mean(rs, "kl_k1_noise_var"),
+                "steps_to_target": _mean(rs, "steps_to_target"),
                 "reached": sum(math.isfinite(num(r.get("steps_to_target"))) for r in rs),
-                "kl_target": _stats([num(r.get("kl_target")) for r in rs])[0],
+                "kl_target": _mean(rs, "kl_target"),
                 "kl_unit": rs[0].get("kl_unit") or "token",
-                "kl_budget_ratio": _stats([num(r.get("kl_budget_ratio")) for r in rs])[0],
-                "kl_budget_frac": _stats([num(r.get("kl_budget_frac")) for r in rs])[0],
+                "kl_budget_ratio": _mean(rs, "kl_budget_ratio"),
+                "kl_budget_frac": _mean(rs, "kl_budget_frac"),
                 "kl_budget_held": sum(num(r.get("kl_budget_held")) == 1.0 for r in rs),
             }
         )

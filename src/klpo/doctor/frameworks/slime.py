@@ -34,7 +34,7 @@ from klpo.doctor import distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.keys import unknown_key_text
 from klpo.doctor.launch import framework_command, script_notes
-from klpo.doctor.reading import Reading, Settings, Term, check_known, nearest, scalar
+from klpo.doctor.reading import Reading, Settings, Term, check_known, command_flags, nearest, scalar
 
 __all__ = ["DEFAULTS", "VERSION", "read"]
 
@@ -102,23 +102,10 @@ def parse_flags(
 ) -> dict[str, Any]:
     """``--flag value`` / ``--flag=value`` / switches, argparse's way for slime's flags
     (``switches``: flags that take no value, besides :data:`SWITCHES`)."""
-    switches = {*SWITCHES, *switches}
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(words):
-        w = words[i]
-        i += 1
-        if not w.startswith("--"):
-            continue
-        name, eq, value = w[2:].partition("=")
-        if eq:
-            out[name] = scalar(value)
-        elif name in switches or i >= len(words) or words[i].startswith("--"):
-            out[name] = True
-        else:
-            out[name] = scalar(words[i])
-            i += 1
-    return out
+    return {
+        name: True if value is None else scalar(value)
+        for name, value in command_flags(words, {*SWITCHES, *switches})
+    }
 
 
 def read(doc: Any, version: str | None = None) -> Reading:

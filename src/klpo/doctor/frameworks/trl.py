@@ -23,17 +23,18 @@ from klpo.doctor import tables
 from klpo.doctor.reading import Reading, Settings, Term, check_known
 from klpo.doctor.trl_config import (
     CARRIED,
+    CLASSES,
     LAUNCH_KEYS,
     LOSS_TYPES,
     SCALE_REWARDS,
     SCRIPT_KEYS,
     VERSION,
-    cli_fields,
     common,
     finish,
     grpo_algo,
     installed_table,
-    launcher_processes,
+    read_doc,
+    script_fields,
     setup,
     updates,
 )
@@ -282,19 +283,8 @@ def read_cli(doc: Any, version: str | None = None) -> Reading:
     ``--field value`` overrides the file's (TRL's ``TrlParser``). The file's keys that belong to
     the script (``reward_funcs``) or to ``accelerate launch`` (``num_processes``) are TRL's own.
     """
-    from klpo.doctor.reading import DoctorError
-
-    ep = doc.entry()
-    if ep is None or not ep.framework.startswith("trl-"):
-        raise DoctorError(f"{doc.source}: no `trl grpo` or `trl rloo` command found")
-    data, flags = cli_fields(ep, doc.path, doc.source)
-    procs = launcher_processes(ep)
-    if procs is not None:
-        flags.setdefault("num_processes", procs)
-    merged = {**data, **flags}
-    if ep.framework == "trl-rloo":
-        return read_rloo(merged, doc.source, version)
-    return read_grpo(merged, doc.source, version)
+    row, fields = script_fields(doc, "trl-", "`trl grpo` or `trl rloo`")
+    return (read_rloo if row == "trl-rloo" else read_grpo)(fields, doc.source, version)
 
 
 # -- the rows' entry points (klpo.doctor.frameworks: trl-grpo, trl-rloo, unsloth) -------------
@@ -338,20 +328,23 @@ def _mapping_kind(data: dict[str, Any], source: str) -> tuple[str, str] | None:
     return "grpo", why
 
 
-def detect_grpo(doc: Any) -> tuple[int, str] | None:
+def _detect(doc: Any, kind: str, article: str) -> tuple[int, str] | None:
+    """Evidence that ``doc`` is a ``kind`` (``grpo`` or ``rloo``) config: its Python call
+    (``article`` goes before the class's name), or a mapping :func:`_mapping_kind` takes for one."""
+    cls = CLASSES[kind]
     if doc.kind == "python":
-        cls, _, _, line = doc.call()
-        return (2, f"a GRPOConfig(...) call (line {line})") if cls == "GRPOConfig" else None
+        name, _, _, line = doc.call()
+        return (2, f"{article} {cls}(...) call (line {line})") if name == cls else None
     found = _mapping_kind(doc.data, doc.source) if doc.kind == "mapping" else None
-    return (2, found[1]) if found and found[0] == "grpo" else None
+    return (2, found[1]) if found and found[0] == kind else None
+
+
+def detect_grpo(doc: Any) -> tuple[int, str] | None:
+    return _detect(doc, "grpo", "a")
 
 
 def detect_rloo(doc: Any) -> tuple[int, str] | None:
-    if doc.kind == "python":
-        cls, _, _, line = doc.call()
-        return (2, f"an RLOOConfig(...) call (line {line})") if cls == "RLOOConfig" else None
-    found = _mapping_kind(doc.data, doc.source) if doc.kind == "mapping" else None
-    return (2, found[1]) if found and found[0] == "rloo" else None
+    return _detect(doc, "rloo", "an")
 
 
 def detect_unsloth(doc: Any) -> tuple[int, str] | None:
@@ -374,11 +367,7 @@ def read_grpo_doc(doc: Any, version: str | None = None) -> Reading:
 
 def read_rloo_doc(doc: Any, version: str | None = None) -> Reading:
     """The ``trl-rloo`` row's reader."""
-    if doc.kind == "script":
-        return read_cli(doc, version)
-    if doc.kind == "python":
-        return read_rloo(doc.call()[1], doc.source, version)
-    return read_rloo(doc.data, doc.source, version)
+    return read_doc(doc, version, read_rloo, read_cli)
 
 
 def read_unsloth_doc(doc: Any, version: str | None = None) -> Reading:

@@ -21,18 +21,18 @@ from typing import Any
 
 from klpo.doctor import distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
-from klpo.doctor.reading import DoctorError, Reading, Settings, TeacherTerm, check_known
+from klpo.doctor.reading import Reading, Settings, TeacherTerm, check_known
 from klpo.doctor.trl_config import (
     CARRIED,
     CLASSES,
     LAUNCH_KEYS,
     LOSS_TYPES,
     VERSION,
-    cli_fields,
     common,
     finish,
     grpo_algo,
-    launcher_processes,
+    read_doc,
+    script_fields,
     setup,
     updates,
 )
@@ -386,29 +386,17 @@ def read_cli(doc: Any, version: str | None = None) -> Reading:
     """A launch script running ``trl distillation [--config FILE] [--field value ...]`` (or
     TRL's ``scripts/distillation.py``): the file's fields under the command line's, as
     ``TrlParser`` takes them; the launcher's process count as ``num_processes``."""
-    ep = doc.entry()
-    if ep is None or ep.framework != "trl-distillation":
-        raise DoctorError(f"{doc.source}: no `trl distillation` command found")
-    data, flags = cli_fields(ep, doc.path, doc.source)
-    procs = launcher_processes(ep)
-    if procs is not None:
-        flags.setdefault("num_processes", procs)
-    return read_distillation({**data, **flags}, doc.source, version, script=True)
+    _, fields = script_fields(doc, "trl-distillation", "`trl distillation`")
+    return read_distillation(fields, doc.source, version, script=True)
 
 
 def read_distillation_doc(doc: Any, version: str | None = None) -> Reading:
     """The ``trl-distillation`` row's reader: a DistillationConfig's fields (YAML/JSON, a
     script's ``trl distillation``, a Python script's ``DistillationConfig(...)``)."""
-    if doc.kind == "script":
-        return read_cli(doc, version)
-    if doc.kind == "python":
-        return read_distillation(doc.call()[1], doc.source, version)
-    return read_distillation(doc.data, doc.source, version)
+    return read_doc(doc, version, read_distillation, read_cli)
 
 
 def read_sdpo_doc(doc: Any, version: str | None = None) -> Reading:
     """The ``trl-sdpo`` row's reader: an SDPOConfig's fields (YAML/JSON, a Python script's
     ``SDPOConfig(...)``)."""
-    if doc.kind == "python":
-        return read_sdpo(doc.call()[1], doc.source, version)
-    return read_sdpo(doc.data, doc.source, version)
+    return read_doc(doc, version, read_sdpo)
