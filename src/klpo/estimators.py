@@ -16,14 +16,7 @@ import torch
 from torch import Tensor
 
 from klpo._lazy import resolve
-from klpo._tensor import (
-    capped,
-    check_float,
-    check_mask,
-    check_same_shape,
-    to_out,
-    wide_dtype,
-)
+from klpo._tensor import capped, check_float, check_mask, check_same_shape, to_out, wide_dtype
 from klpo._tensor import check_finite as _check_finite
 from klpo.logprobs import exact_kl
 from klpo.registry import ESTIMATORS, SPECS, Spec, _spec

@@ -31,13 +31,7 @@ from torch import Tensor
 
 from klpo import kl
 from klpo._ratios import check_per_token, kl_to_old, log_ratio
-from klpo._tensor import (
-    capped_exp,
-    check_mask,
-    host_floats,
-    to_out,
-    wide_dtype,
-)
+from klpo._tensor import capped_exp, check_mask, host_floats, to_out, wide_dtype
 from klpo.loss_metrics import kl_metrics, policy_metrics, value_metrics
 from klpo.registry import _spec
 

@@ -46,14 +46,7 @@ import torch
 from torch import Tensor
 
 from klpo._ratios import widened
-from klpo._tensor import (
-    capped_exp,
-    check_float,
-    check_mask,
-    check_same_shape,
-    to_out,
-    wide_dtype,
-)
+from klpo._tensor import capped_exp, check_float, check_mask, check_same_shape, to_out, wide_dtype
 from klpo.trust_region import (
     effective_sample_size,
     finish_trust_region_stats,

@@ -29,12 +29,7 @@ from klpo import kl
 from klpo.train import resume as plans
 from klpo.train.config import ConfigError, TrainConfig, dump_config, flat
 from klpo.train.data.sources import Example, PromptStream
-from klpo.train.evaluate import (
-    Evaluation,
-    cached_evaluation,
-    evaluation_key,
-    policy_evaluation,
-)
+from klpo.train.evaluate import Evaluation, cached_evaluation, evaluation_key, policy_evaluation
 from klpo.train.lr_schedule import advance_lr, make_lr_scheduler
 from klpo.train.models import fsdp
 from klpo.train.models.backbone import is_sharded

@@ -39,15 +39,7 @@ from typing import Any
 from klpo.doctor import nemo_rl_distill, tables
 from klpo.doctor.advice import RunShape, build_equivalent, build_intended, carry
 from klpo.doctor.keys import check_keys, settle
-from klpo.doctor.reading import (
-    DoctorError,
-    Reading,
-    Settings,
-    Term,
-    flatten,
-    interpolate,
-    merge,
-)
+from klpo.doctor.reading import DoctorError, Reading, Settings, Term, flatten, interpolate, merge
 
 __all__ = ["DEFAULTS", "VERSION", "detect", "load", "read", "read_settings"]
 

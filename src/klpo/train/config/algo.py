@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from klpo.registry import MODES
 from klpo.train.algorithms import ALGORITHMS, POLICY_LOSSES, Algorithm, PolicyLoss
-from klpo.train.config.common import (
-    EXPERIMENTAL,
-    Section,
-    one_of,
-    table_row,
-)
+from klpo.train.config.common import EXPERIMENTAL, Section, one_of, table_row
 
 
 class AlgoConfig(Section):

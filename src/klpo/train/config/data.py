@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
-from klpo.train.config.common import (
-    Section,
-)
+from klpo.train.config.common import Section
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",

@@ -9,10 +9,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ValidationError,
-)
+from pydantic import BaseModel, ValidationError
 
 from klpo.train.config.common import ConfigError
 from klpo.train.config.train import TrainConfig

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from klpo import control, registry
 from klpo.registry import Placement
-from klpo.train.config.common import (
-    EXPERIMENTAL,
-    Section,
-    one_of,
-)
+from klpo.train.config.common import EXPERIMENTAL, Section, one_of
 from klpo.train.spellings import FOREIGN_ESTIMATORS
 
 

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-)
+from pydantic import Field, field_validator
 
-from klpo.train.config.common import (
-    Section,
-)
+from klpo.train.config.common import Section
 
 
 class LoraConfig(Section):

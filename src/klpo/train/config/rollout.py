@@ -4,20 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from klpo.train.choices import ENGINES, SAMPLERS
-from klpo.train.config.common import (
-    EXPERIMENTAL,
-    Engine,
-    Sampler,
-    Section,
-    table_row,
-)
+from klpo.train.config.common import EXPERIMENTAL, Engine, Sampler, Section, table_row
 
 
 class RolloutConfig(Section):

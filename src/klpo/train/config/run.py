@@ -4,17 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-)
+from pydantic import Field, field_validator
 
-from klpo.train.config.common import (
-    LR_SCHEDULERS,
-    Section,
-    Tracker,
-    one_of,
-)
+from klpo.train.config.common import LR_SCHEDULERS, Section, Tracker, one_of
 
 
 class OptimConfig(Section):

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
 from klpo import registry
 from klpo.train.algorithms import ALGORITHMS
 from klpo.train.config.algo import AlgoConfig
-from klpo.train.config.common import (
-    Section,
-)
+from klpo.train.config.common import Section
 from klpo.train.config.data import PLAIN_CHAT_STOP, SOURCE_REWARDS, DataConfig, RewardTerm
 from klpo.train.config.kl import KLConfig
 from klpo.train.config.model import ModelConfig
