@@ -1,7 +1,8 @@
 """The doctor reads on-policy distillation configs: TRL's DistillationConfig and SDPOConfig, verl's
 ``distillation.*``, NeMo-RL's distillation algorithm and MOPD, slime's ``--use-opd``, prime-rl's
-opd/opsd. Each term's divergence, direction, support, placement, credit and clamps are the ones
-read in the framework's source (the module docstrings name the files); what it follows is
+opd/opsd, SkyRL's on-policy distillation example, ROLL's OPD pipeline (pure and mixed). Each
+term's divergence, direction, support, placement, credit and clamps are the ones read in the
+framework's source (the module docstrings name the files); what it follows is
 ``klpo explain --teacher``'s shipped table; each trap has a finding, tested here one by one; the
 frameworks' own example configs (``fixtures/field/``, sources in its README) are read as the
 source says."""
@@ -363,6 +364,81 @@ def test_prime_rl_opd_and_opsd(name, teacher):
         assert any("live policy" in d for d in r.teacher_differences)
 
 
+# --- SkyRL --------------------------------------------------------------------------------------
+
+
+def _skyrl(tmp_path: Path, *overrides: str) -> Path:
+    """SkyRL's OPD example command, reduced to its algorithm settings, with ``overrides``."""
+    script = tmp_path / "run_opd.sh"
+    args = " \\\n  ".join((
+        "trainer.algorithm.advantage_estimator=no_op",
+        "trainer.algorithm.policy_loss_type=importance_sampling",
+        "trainer.policy.model.path=Qwen/Qwen3-1.7B-Base",
+        "trainer.ref.model.path=Qwen/Qwen3-4B",
+        "trainer.algorithm.use_kl_loss=false",
+        "trainer.algorithm.use_kl_in_reward=true",
+        *overrides,
+    ))  # fmt: skip
+    script.write_text(
+        "uv run --isolated --extra fsdp -m "
+        f"examples.train.on_policy_distillation.main_on_policy_distill \\\n  {args}\n"
+    )
+    return script
+
+
+def test_skyrl_opd_example_is_the_per_token_reward_with_coefficient_one(tmp_path):
+    # main_on_policy_distill.py: rewards = -(action_log_probs - teacher_action_log_probs) per
+    # token, the no_op estimator passes them through: k1 in the reward, discount 0, coefficient 1
+    # (kl_loss_coef never read), the task reward replaced, the teacher the reference model.
+    r = read(_skyrl(tmp_path))
+    (t,) = r.teacher_terms
+    assert (t.estimator, t.placement, t.credit, t.beta, t.teacher) == (
+        "k1", "reward", "token", 1.0, "Qwen/Qwen3-4B",
+    )  # fmt: skip
+    assert not r.terms  # the reward-side KL of main_base is replaced, not added
+    assert "main_on_policy_distill.py" in _one(_findings(r, "warning"), "discount 0")
+    _one(_findings(r, "note"), "environment's reward is not in the advantage")
+    _one(_findings(r, "note"), "the coefficient is 1, fixed")
+    assert r.teacher_section == {
+        "model": "Qwen/Qwen3-4B", "estimator": "k1", "placement": "reward", "beta": 1.0,
+        "credit": "token",
+    }  # fmt: skip
+    assert r.teacher_intended["credit"] == "returns"
+    # a coefficient given is named as unread; whitening rescales the term per batch
+    r = read(_skyrl(tmp_path, "trainer.algorithm.kl_loss_coef=0.5",
+                    "trainer.algorithm.advantage_batch_normalize=true"))  # fmt: skip
+    assert r.teacher_terms[0].beta == 1.0
+    assert "kl_loss_coef" in _one(_findings(r, "warning"), "set but not read")
+    _one(_findings(r, "warning"), "advantage_batch_normalize whitens")
+
+
+def test_skyrl_opd_without_use_kl_in_reward_has_no_term_and_no_teacher_path_is_the_student(
+    tmp_path,
+):
+    # apply_reward_kl_penalty is called only with use_kl_in_reward (trainer.py:428-430)
+    r = read(_skyrl(tmp_path, "trainer.algorithm.use_kl_in_reward=false"))
+    assert not r.teacher_terms and [f for f in r.findings if f.kind == "cancelled"]
+    # trainer.ref.model.path defaults to the policy's (config.py:1504-1505)
+    script = _skyrl(tmp_path)
+    script.write_text(script.read_text().replace("trainer.ref.model.path=Qwen/Qwen3-4B", ""))
+    r = read(script)
+    assert r.teacher_terms[0].teacher == "Qwen/Qwen3-1.7B-Base"
+    _one(_findings(r, "warning"), "the teacher is the student's own start")
+    # another estimator: the term is not derived; the README's typo is a key SkyRL refuses
+    r = read(_skyrl(tmp_path, "trainer.algorithm.advantage_estimator=grpo"))
+    assert not r.teacher_terms and _one(_findings(r, "warning"), "the doctor reads the term")
+    r = read(_skyrl(tmp_path, "trainer.ref.mode.path=Qwen/Qwen3-4B"))
+    assert any(f.kind == "unknown-key" and f.level == "error" for f in r.findings)
+    # main_base itself has no teacher term: the reward KL is main_base's, to the reference
+    base = _skyrl(tmp_path)
+    base.write_text(base.read_text().replace(
+        "examples.train.on_policy_distillation.main_on_policy_distill",
+        "skyrl.train.entrypoints.main_base",
+    ).replace("advantage_estimator=no_op", "advantage_estimator=grpo"))  # fmt: skip
+    r = read(base)
+    assert not r.teacher_terms and [t.placement for t in r.terms] == ["reward"]
+
+
 # --- the report and --json ----------------------------------------------------------------------
 
 
@@ -422,6 +498,8 @@ EXAMPLES = {
     "slime/run-qwen3-8B-opd.sh": ("slime", "OPD (apply_opd_kl_to_advantages)", "sampled", "reward", "token", "k1"),
     "slime/run-qwen3-8B-opd-megatron.sh": ("slime", "OPD (apply_opd_kl_to_advantages)", "sampled", "reward", "token", "k1"),
     "prime_rl/debug_algo_opd.toml": ("prime-rl", "opd (ref_kl loss)", "sampled", "reward", "token", "k1"),
+    "skyrl/run_on_policy_distill_math_qwen3_1.7b.sh": ("skyrl", "OnPolicyDistillationTrainer.apply_reward_kl_penalty", "sampled", "reward", "token", "k1"),
+    "skyrl/run_on_policy_distill_math_qwen3_4b.sh": ("skyrl", "OnPolicyDistillationTrainer.apply_reward_kl_penalty", "sampled", "reward", "token", "k1"),
 }  # fmt: skip
 
 

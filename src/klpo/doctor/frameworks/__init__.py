@@ -320,6 +320,9 @@ _row(
     "skyrl", detector=None,
     entries=(
         Entry(r"skyrl(_train)?(\.train)?\.entrypoints\.main_base"),
+        # the on-policy distillation example (main_base's config, its own trainer: read)
+        Entry(r"(.*/)?examples[./](train[./])?on_policy_distillation[./]main_on_policy_distill"
+              r"(\.py)?"),
         Entry(r"examples\.[\w.]*main_\w+", needs=r"trainer\.algorithm\.\S+",
               refuse="a SkyRL example's own entry point, with its own trainer (a subclass of "
               "main_base's); the doctor reads skyrl.train.entrypoints.main_base only and does "
