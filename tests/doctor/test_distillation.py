@@ -1,7 +1,8 @@
 """The doctor reads on-policy distillation configs: TRL's DistillationConfig and SDPOConfig, verl's
 ``distillation.*``, NeMo-RL's distillation algorithm and MOPD, slime's ``--use-opd``, prime-rl's
-opd/opsd. Each term's divergence, direction, support, placement, credit and clamps are the ones
-read in the framework's source (the module docstrings name the files); what it follows is
+opd/opsd, SkyRL's on-policy distillation example, ROLL's OPD pipeline (pure and mixed). Each
+term's divergence, direction, support, placement, credit and clamps are the ones read in the
+framework's source (the module docstrings name the files); what it follows is
 ``klpo explain --teacher``'s shipped table; each trap has a finding, tested here one by one; the
 frameworks' own example configs (``fixtures/field/``, sources in its README) are read as the
 source says."""
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from klpo import registry
 from klpo.doctor import diagnose, read
@@ -363,6 +365,193 @@ def test_prime_rl_opd_and_opsd(name, teacher):
         assert any("live policy" in d for d in r.teacher_differences)
 
 
+# --- SkyRL --------------------------------------------------------------------------------------
+
+
+def _skyrl(tmp_path: Path, *overrides: str) -> Path:
+    """SkyRL's OPD example command, reduced to its algorithm settings, with ``overrides``."""
+    script = tmp_path / "run_opd.sh"
+    args = " \\\n  ".join((
+        "trainer.algorithm.advantage_estimator=no_op",
+        "trainer.algorithm.policy_loss_type=importance_sampling",
+        "trainer.policy.model.path=Qwen/Qwen3-1.7B-Base",
+        "trainer.ref.model.path=Qwen/Qwen3-4B",
+        "trainer.algorithm.use_kl_loss=false",
+        "trainer.algorithm.use_kl_in_reward=true",
+        *overrides,
+    ))  # fmt: skip
+    script.write_text(
+        "uv run --isolated --extra fsdp -m "
+        f"examples.train.on_policy_distillation.main_on_policy_distill \\\n  {args}\n"
+    )
+    return script
+
+
+def test_skyrl_opd_example_is_the_per_token_reward_with_coefficient_one(tmp_path):
+    # main_on_policy_distill.py: rewards = -(action_log_probs - teacher_action_log_probs) per
+    # token, the no_op estimator passes them through: k1 in the reward, discount 0, coefficient 1
+    # (kl_loss_coef never read), the task reward replaced, the teacher the reference model.
+    r = read(_skyrl(tmp_path))
+    (t,) = r.teacher_terms
+    assert (t.estimator, t.placement, t.credit, t.beta, t.teacher) == (
+        "k1", "reward", "token", 1.0, "Qwen/Qwen3-4B",
+    )  # fmt: skip
+    assert not r.terms  # the reward-side KL of main_base is replaced, not added
+    assert "main_on_policy_distill.py" in _one(_findings(r, "warning"), "discount 0")
+    _one(_findings(r, "note"), "environment's reward is not in the advantage")
+    _one(_findings(r, "note"), "the coefficient is 1, fixed")
+    assert r.teacher_section == {
+        "model": "Qwen/Qwen3-4B", "estimator": "k1", "placement": "reward", "beta": 1.0,
+        "credit": "token",
+    }  # fmt: skip
+    assert r.teacher_intended["credit"] == "returns"
+    # a coefficient given is named as unread; whitening rescales the term per batch
+    r = read(_skyrl(tmp_path, "trainer.algorithm.kl_loss_coef=0.5",
+                    "trainer.algorithm.advantage_batch_normalize=true"))  # fmt: skip
+    assert r.teacher_terms[0].beta == 1.0
+    assert "kl_loss_coef" in _one(_findings(r, "warning"), "set but not read")
+    _one(_findings(r, "warning"), "advantage_batch_normalize whitens")
+
+
+def test_skyrl_opd_without_use_kl_in_reward_has_no_term_and_no_teacher_path_is_the_student(
+    tmp_path,
+):
+    # apply_reward_kl_penalty is called only with use_kl_in_reward (trainer.py:428-430)
+    r = read(_skyrl(tmp_path, "trainer.algorithm.use_kl_in_reward=false"))
+    assert not r.teacher_terms and [f for f in r.findings if f.kind == "cancelled"]
+    # trainer.ref.model.path defaults to the policy's (config.py:1504-1505)
+    script = _skyrl(tmp_path)
+    script.write_text(script.read_text().replace("trainer.ref.model.path=Qwen/Qwen3-4B", ""))
+    r = read(script)
+    assert r.teacher_terms[0].teacher == "Qwen/Qwen3-1.7B-Base"
+    _one(_findings(r, "warning"), "the teacher is the student's own start")
+    # another estimator: the term is not derived; the README's typo is a key SkyRL refuses
+    r = read(_skyrl(tmp_path, "trainer.algorithm.advantage_estimator=grpo"))
+    assert not r.teacher_terms and _one(_findings(r, "warning"), "the doctor reads the term")
+    r = read(_skyrl(tmp_path, "trainer.ref.mode.path=Qwen/Qwen3-4B"))
+    assert any(f.kind == "unknown-key" and f.level == "error" for f in r.findings)
+    # main_base itself has no teacher term: the reward KL is main_base's, to the reference
+    base = _skyrl(tmp_path)
+    base.write_text(base.read_text().replace(
+        "examples.train.on_policy_distillation.main_on_policy_distill",
+        "skyrl.train.entrypoints.main_base",
+    ).replace("advantage_estimator=no_op", "advantage_estimator=grpo"))  # fmt: skip
+    r = read(base)
+    assert not r.teacher_terms and [t.placement for t in r.terms] == ["reward"]
+
+
+# --- ROLL ---------------------------------------------------------------------------------------
+
+ROLL_OPD = FIELD / "roll" / "qwen3-8B-onpolicy-distill-megatron"
+
+
+def _roll(tmp_path: Path, base: Path, drop: tuple[str, ...] = (), **keys) -> Path:
+    """``base``'s settings without the top-level ``drop`` keys, with ``keys`` set."""
+    data = yaml.safe_load(base.read_text())
+    for k in drop:
+        data.pop(k, None)
+    data.update(keys)
+    out = tmp_path / "opd.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def test_roll_pure_opd_is_the_per_token_reward_with_the_launchers_settings(tmp_path):
+    # start_onpolicy_distill_pipeline.py sets is_pure_opd; _apply_opd_config forces gamma 0,
+    # reinforce, no KL loss, no reward KL; compute_advantage: advantages = -opd_kl_coef ·
+    # compute_approx_kl("kl") = -(log pi_theta - log pi_T) per token (opd_kl_coef defaults to 1)
+    for name in ("onpolicy_distill_config.yaml", "run_onpolicy_distill_pipeline.sh"):
+        r = read(ROLL_OPD / name)
+        (t,) = r.teacher_terms
+        assert (t.estimator, t.placement, t.credit, t.beta, t.teacher) == (
+            "k1", "reward", "token", 1.0, "Qwen/Qwen3-32B",
+        )  # fmt: skip
+        assert (r.algorithm, r.group_size, r.terms) == ("reinforce", 4, [])
+        assert r.settings["adv_estimator"]["value"] == "reinforce"
+        assert "compute_advantage" in _one(_findings(r, "warning"), "discount 0")
+        _one(_findings(r, "note"), "the task reward is not in the advantage")
+        # the reference (the teacher) is loaded in OPD: no init_kl_coef note
+        assert not [x for x in _findings(r) if "init_kl_coef is ROLL's default" in x]
+    assert r.teacher_section == {
+        "model": "Qwen/Qwen3-32B", "estimator": "k1", "placement": "reward", "beta": 1.0,
+        "credit": "token",
+    }  # fmt: skip
+    assert r.teacher_intended["credit"] == "returns"
+    # what the file says of the forced settings is named; so is every clamp of the advantage
+    path = _roll(tmp_path, ROLL_OPD / "onpolicy_distill_config.yaml", adv_estimator="grpo",
+                 whiten_advantages=True, advantage_clip=2.0, init_kl_coef=0)  # fmt: skip
+    r = read(path)
+    assert r.algorithm == "reinforce"
+    _one(_findings(r, "warning"), "adv_estimator 'grpo': pure OPD sets")
+    _one(_findings(r, "warning"), "whiten_advantages whitens")
+    _one(_findings(r, "warning"), "advantage_clip 2 clamps")
+    assert r.teacher_terms[0].clamps == ("the advantage clipped to ±2 (advantage_clip)",)
+    _one(_findings(r, "note"), "from the inference engine (infer_logprobs)")
+
+
+def test_roll_pure_opd_takes_k3_only_from_its_own_launcher(tmp_path):
+    # the OPD launcher builds the config with check_types=False: kl_penalty k3 reaches
+    # compute_approx_kl (k3, value clamped to ±10); start_rlvr_pipeline.py's dacite refuses it
+    path = _roll(tmp_path, ROLL_OPD / "onpolicy_distill_config.yaml", kl_penalty="k3")
+    (t,) = read(path).teacher_terms
+    assert (t.estimator, t.value_clamp, t.table_key) == ("low_var_kl", (-10.0, 10.0), "k3")
+    script = tmp_path / "run.sh"
+    script.write_text("python examples/start_rlvr_pipeline.py --config_path . --config_name opd\n")
+    _roll(tmp_path, ROLL_OPD / "onpolicy_distill_config.yaml", kl_penalty="k3", is_pure_opd=True)
+    r = read(script)  # the RLVR launcher, pure by is_pure_opd: its dacite checks the Literal
+    assert not r.teacher_terms and [f for f in r.findings if f.kind == "refused"]
+    r = read(_roll(tmp_path, ROLL_OPD / "onpolicy_distill_config.yaml", kl_penalty="full"))
+    assert not r.teacher_terms and _one(_findings(r, "error"), "kl_penalty 'full'")
+
+
+def test_roll_multi_teacher_terms_and_their_routing(tmp_path):
+    r = read(ROLL_OPD / "multi_teacher_onpolicy_distill_config.yaml")
+    assert [(t.teacher, t.beta, t.beta_option) for t in r.teacher_terms] == [
+        ("Qwen/Qwen3-32B", 1.0, "teacher.teacher_32B.opd_kl_coef"),
+        ("Qwen/Qwen3-14B", 1.0, "teacher.teacher_14B.opd_kl_coef"),
+    ]
+    # each teacher's keys are a worker's: none is an unknown key; routing covers both tags
+    assert not [f for f in r.findings if f.kind == "unknown-key" and "teacher" in f.keys[0]]
+    assert not [x for x in _findings(r) if "routed to no teacher" in x]
+    assert any("one teacher term" in d for d in r.teacher_differences)
+    data = yaml.safe_load((ROLL_OPD / "multi_teacher_onpolicy_distill_config.yaml").read_text())
+    data["teacher"]["teacher_14B"]["tag_included"] = ["code_contests"]
+    data["teacher"]["teacher_14B"]["opd_kl_cof"] = 0.5
+    path = tmp_path / "multi.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = read(path)
+    text = _one(_findings(r, "warning"), "routed to no teacher")
+    assert "KodCode" in text and "advantage is 0" in text
+    assert [f.keys[0] for f in r.findings if f.kind == "unknown-key"][-1] == (
+        "teacher.teacher_14B.opd_kl_cof"
+    )
+
+
+def test_roll_mixed_opd_subtracts_the_term_after_the_returns(tmp_path):
+    rlvr = FIELD / "roll" / "qwen3-8B-rlvr_fsdp2" / "rlvr_config.yaml"
+    teacher = {"model_args": {"model_name_or_path": "Qwen/Qwen3-32B"}, "opd_kl_coef": 0.5}
+    r = read(_roll(tmp_path, rlvr, drop=("reference",), use_opd=True, teacher=teacher))
+    (t,) = r.teacher_terms
+    assert (t.estimator, t.placement, t.credit, t.beta) == ("k1", "reward", "token", 0.5)
+    assert r.algorithm == "reinforce"  # the file's estimator: mixed mode keeps it
+    _one(_findings(r, "note"), "after the returns are formed")
+    _one(_findings(r, "warning"), "whiten_advantages whitens")  # the example whitens
+    _one(_findings(r, "warning"), "the sum of the task's advantage and the teacher term")
+    # the reference configured beside use_opd: ROLL raises
+    r = read(_roll(tmp_path, rlvr, use_opd=True, teacher=teacher))
+    assert not r.teacher_terms and _one(_findings(r, "error"), "should NOT be configured")
+    # a KL loss in mixed mode is to the teacher
+    r = read(_roll(tmp_path, rlvr, drop=("reference",), use_opd=True, teacher=teacher,
+                   use_kl_loss=True, kl_loss_coef=0.01))  # fmt: skip
+    assert r.terms and _one(_findings(r, "warning"), "are to the teacher")
+    # the teacher without use_opd is never loaded; both modes at once are refused
+    r = read(_roll(tmp_path, rlvr, teacher=teacher))
+    assert not r.teacher_terms and _one(_findings(r, "warning"), "never loads it")
+    r = read(_roll(tmp_path, ROLL_OPD / "onpolicy_distill_config.yaml", use_opd=True,
+                   is_pure_opd=True))  # fmt: skip
+    assert not r.teacher_terms and _one(_findings(r, "error"), "mutually exclusive")
+
+
 # --- the report and --json ----------------------------------------------------------------------
 
 
@@ -422,6 +611,10 @@ EXAMPLES = {
     "slime/run-qwen3-8B-opd.sh": ("slime", "OPD (apply_opd_kl_to_advantages)", "sampled", "reward", "token", "k1"),
     "slime/run-qwen3-8B-opd-megatron.sh": ("slime", "OPD (apply_opd_kl_to_advantages)", "sampled", "reward", "token", "k1"),
     "prime_rl/debug_algo_opd.toml": ("prime-rl", "opd (ref_kl loss)", "sampled", "reward", "token", "k1"),
+    "skyrl/run_on_policy_distill_math_qwen3_1.7b.sh": ("skyrl", "OnPolicyDistillationTrainer.apply_reward_kl_penalty", "sampled", "reward", "token", "k1"),
+    "skyrl/run_on_policy_distill_math_qwen3_4b.sh": ("skyrl", "OnPolicyDistillationTrainer.apply_reward_kl_penalty", "sampled", "reward", "token", "k1"),
+    "roll/qwen3-8B-onpolicy-distill-megatron/onpolicy_distill_config.yaml": ("roll", "OPD (pure): -opd_kl_coef · compute_approx_kl(kl)", "sampled", "reward", "token", "k1"),
+    "roll/qwen3-8B-onpolicy-distill-megatron/run_onpolicy_distill_pipeline.sh": ("roll", "OPD (pure): -opd_kl_coef · compute_approx_kl(kl)", "sampled", "reward", "token", "k1"),
 }  # fmt: skip
 
 

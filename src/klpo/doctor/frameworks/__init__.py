@@ -320,6 +320,9 @@ _row(
     "skyrl", detector=None,
     entries=(
         Entry(r"skyrl(_train)?(\.train)?\.entrypoints\.main_base"),
+        # the on-policy distillation example (main_base's config, its own trainer: read)
+        Entry(r"(.*/)?examples[./](train[./])?on_policy_distillation[./]main_on_policy_distill"
+              r"(\.py)?"),
         Entry(r"examples\.[\w.]*main_\w+", needs=r"trainer\.algorithm\.\S+",
               refuse="a SkyRL example's own entry point, with its own trainer (a subclass of "
               "main_base's); the doctor reads skyrl.train.entrypoints.main_base only and does "
@@ -346,13 +349,16 @@ _row(
     ),
 )  # fmt: skip
 _row(
-    "roll", "ROLL (RLVR pipeline)", ("0.3.0+8eb27cc",), "mapping script",
+    "roll", "ROLL (RLVR pipeline, on-policy distillation)", ("0.3.0+8eb27cc",), "mapping script",
     KeyPolicy("lenient",
               "dacite.from_dict builds RLVRConfig with dacite's default Config (strict=False): "
               "an unknown key is dropped without a word",
               "examples/start_rlvr_pipeline.py:27"),
     "roll",
-    entries=(Entry(r"start_rlvr(_vl)?_pipeline\.py", base=True),),
+    entries=(
+        Entry(r"start_rlvr(_vl)?_pipeline\.py", base=True),
+        Entry(r"start_onpolicy_distill_pipeline\.py", base=True),
+    ),
 )  # fmt: skip
 _row(
     "unsloth", "Unsloth (TRL GRPO, patched)", ("2026.8.19",), "python",

@@ -19,20 +19,34 @@ dataclasses key by key and refuses an unknown key (``config.py:1564-1573``) or a
 ``9d7bca9``, 2026-03-20) ``compute_approx_kl`` ran under ``@torch.no_grad``: in ``skyrl-train``
 0.1.0 to 0.4.0 and ``skyrl`` 0.1.0 the KL loss has **no gradient at all**; ``skyrl`` 0.2.0
 (2026-04-22) and later have it.
+
+On-policy distillation (``examples/train/on_policy_distillation/``, its own entry point
+``main_on_policy_distill.py`` over ``main_base``'s config): the example's trainer overrides
+``apply_reward_kl_penalty``, which the base trainer calls only with ``use_kl_in_reward``
+(``skyrl/train/trainer.py:428-430``), to set each token's reward to -(log pi_theta - log pi_T)
+of the sampled token, the teacher being the reference model (``trainer.ref.model.path``, which
+defaults to the policy's own path, ``config.py:1504-1505``): the task reward is replaced, and
+``kl_loss_coef``, ``kl_estimator_type`` and ``kl_ctrl`` are not read (coefficient 1, k1). Its
+``no_op`` advantage estimator passes the per-token rewards through as the advantages (discount
+0); the examples use ``policy_loss_type=importance_sampling`` (``ppo_utils.py:1095-1139``: the
+ratio to the rollout-time log-probs times the advantage, unclipped); ``advantage_batch_normalize``
+whitens the advantages afterwards (``trainer.py:1477-1482``). The example's README launches it with
+``trainer.ref.mode.path=...``, a key SkyRL refuses (``mode`` for ``model``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from klpo.doctor import tables
+from klpo.doctor import distill, tables
 from klpo.doctor.advice import build_equivalent, build_intended, carry
 from klpo.doctor.keys import check_keys
 from klpo.doctor.launch import framework_command, script_notes
 from klpo.doctor.reading import Reading, Settings, Term, check_known, scalar
 from klpo.doctor.tables import version_key
 
-__all__ = ["DEFAULTS", "VERSION", "no_gradient_version", "read"]
+__all__ = ["DEFAULTS", "OPD_OVERRIDDEN", "VERSION", "is_opd_entry", "no_gradient_version", "read"]
 
 VERSION = "0.3.0"
 A = "trainer.algorithm"
@@ -64,6 +78,17 @@ CARRIED = [
     ("trainer.max_prompt_length", "data.max_prompt_tokens"),
     ("trainer.policy.optimizer_config.lr", "optim.lr"),
 ]
+
+
+# The settings the OPD example's apply_reward_kl_penalty never reads (it sets the reward itself).
+OPD_OVERRIDDEN = (f"{A}.kl_loss_coef", f"{A}.kl_estimator_type", f"{A}.kl_ctrl.type")
+
+
+def is_opd_entry(name: str) -> bool:
+    """Whether a training command's entry point is SkyRL's on-policy distillation example
+    (``examples/train/on_policy_distillation/main_on_policy_distill.py``, before the ``train/``
+    folder ``examples/on_policy_distillation/``), as a module or a path."""
+    return re.search(r"on_policy_distillation[./]main_on_policy_distill(\.py)?$", name) is not None
 
 
 def no_gradient_version(version: str) -> bool:
@@ -115,11 +140,15 @@ def read(doc: Any, version: str | None = None) -> Reading:
     tb, mb = s.int("trainer.train_batch_size") or 1, s.int("trainer.policy_mini_batch_size") or 1
     steps = max(1, -(-tb // mb))
     r.algorithm, r.group_size, r.updates_per_batch = adv, n, epochs * steps
-    _terms(r, kind, coef, use_loss, use_reward)
+    opd = is_opd_entry(ep.name)
+    # the OPD example's trainer replaces the reward-side KL with its teacher term
+    _terms(r, kind, coef, use_loss, use_reward and not opd)
     if use_loss and coef > 0:
         _no_gradient_window(r, version)
     _findings(r, s)
     _equivalent(r, s, adv, epochs, steps, n, use_loss)
+    if opd:
+        _opd(r, s, adv, use_loss, use_reward)
     r.findings[:0] = s.findings
     r.settings = s.read
     return r
@@ -227,3 +256,89 @@ def _equivalent(
     carried, _ = carry(s, CARRIED)
     build_equivalent(r, algo, {"group_size": max(n, 2)}, {}, carried, s)
     build_intended(r)
+
+
+def _opd(r: Reading, s: Settings, adv: str, use_loss: bool, use_reward: bool) -> None:
+    """The on-policy distillation example: each token's reward set to -(log pi_theta - log pi_T)
+    by its trainer's ``apply_reward_kl_penalty``, reached only with ``use_kl_in_reward``."""
+    keys = [f"{A}.use_kl_in_reward", f"{A}.advantage_estimator"]
+    if not use_reward:
+        r.warn(
+            "warning",
+            [f"{A}.use_kl_in_reward"],
+            "main_on_policy_distill with use_kl_in_reward false: the example's teacher reward is "
+            "set in apply_reward_kl_penalty, which the trainer calls only with use_kl_in_reward "
+            "(skyrl/train/trainer.py:428-430), so no distillation term is applied"
+            + (
+                f"; the KL loss (use_kl_loss) is to trainer.ref.model.path, the teacher, at "
+                f"kl_loss_coef {s.float(f'{A}.kl_loss_coef') or 0:g}"
+                if use_loss
+                else ""
+            )
+            + "; set use_kl_in_reward=true and use_kl_loss=false, as the example's scripts do",
+            kind="cancelled",
+        )
+        return
+    if use_loss:
+        return  # refused by validate_cfg (_terms said so): the run does not start
+    ref = "trainer.ref.model.path"
+    teacher = s.str(ref) or (str(s.values[ref]) if s.given(ref) else None)
+    if teacher is None:
+        policy = s.str("trainer.policy.model.path") or "the policy's path"
+        r.warn(
+            "warning",
+            ["trainer.ref.model.path"],
+            "trainer.ref.model.path is not given: SkyRL sets it to trainer.policy.model.path "
+            f"(config.py:1504-1505), so the teacher is the student's own start ({policy}) and "
+            "the term is a KL to the initial policy; give the teacher's path",
+        )
+        teacher = s.str("trainer.policy.model.path") or ""
+    if adv != "no_op":
+        r.warn(
+            "warning",
+            keys,
+            f"main_on_policy_distill with advantage_estimator {adv}: the per-token teacher "
+            f"rewards go through {adv}'s advantage instead of the example's no_op (which passes "
+            "them through, one token each); the doctor reads the term with no_op only",
+        )
+        return
+    t = distill.sampled(
+        "main_on_policy_distill, use_kl_in_reward=true, advantage_estimator=no_op",
+        "OnPolicyDistillationTrainer.apply_reward_kl_penalty", "k1", "reward", 1.0,
+        "none (fixed at 1)", credit="token", teacher=teacher, logged_as="loss/avg_final_rewards",
+    )  # fmt: skip
+    r.teacher_terms.append(t)
+    distill.per_token_credit(
+        r, t, keys, "examples/train/on_policy_distillation/main_on_policy_distill.py: rewards = "
+        "-(action_log_probs - teacher_action_log_probs), passed through by the no_op estimator"
+    )  # fmt: skip
+    r.warn(
+        "note",
+        [f"{A}.use_kl_in_reward"],
+        "the example's apply_reward_kl_penalty replaces the task reward with the teacher term "
+        "(data['rewards'] = -(log pi_theta - log pi_T)): the environment's reward is not in "
+        "the advantage (pure distillation)",
+    )
+    given = [k for k in OPD_OVERRIDDEN if s.given(k)]
+    r.warn(
+        "warning" if given else "note",
+        given or [f"{A}.kl_loss_coef"],
+        (f"{', '.join(given)} set but not read" if given else "the coefficient is 1, fixed")
+        + ": the example's apply_reward_kl_penalty computes the k1 difference itself and never "
+        "reads kl_loss_coef, kl_estimator_type or kl_ctrl (the base trainer's version does)",
+        kind="unread-key" if given else "",
+    )
+    if s.bool(f"{A}.advantage_batch_normalize"):
+        r.warn(
+            "warning",
+            [f"{A}.advantage_batch_normalize"],
+            "advantage_batch_normalize whitens the per-token teacher rewards over the batch "
+            "(trainer.py:1477-1482): each token's -(log pi_theta - log pi_T) is shifted by the "
+            "batch mean and divided by its standard deviation, so the term's scale and sign "
+            "change from batch to batch",
+        )
+    r.teacher_intended_why.append(
+        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
+        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
+    )
+    distill.build_sections(r, teacher, {"credit": "returns"})
