@@ -58,6 +58,7 @@ AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the pa
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -227,12 +228,18 @@ def _sums(
     with_entropy: bool,
     token_chunk: int,
     vocab_chunk: int,
+    keep: tuple[list[Tensor] | None, Tensor | None] = (None, None),
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-token sums over the vocabulary, relative to the references ``m`` and ``m_ref``.
 
     With ``e_v = exp(x_v - m)``: ``s = sum e``, ``s_x = sum e (x - m)`` (entropy),
     ``s_d = sum e (x - m - x_ref + m_ref)`` and ``s_ref = sum exp(x_ref - m_ref)`` (KL).
+    ``keep = (tiles, unit)`` (the backward pass's saving, :func:`_saving`): ``tiles`` a list that
+    gets each tile's ``e`` (``[vc, n]``, in loop order), ``unit`` a float32 ``[N, H]`` of zeros
+    that gets ``sum_v e_v weight_v`` added (the hidden states' gradient before its per-token
+    factor); None: not wanted.
     """
+    tiles, unit = keep
     n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
 
     def zeros() -> Tensor:
@@ -252,6 +259,10 @@ def _sums(
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
             add_column_sums(s[t], e)
+            if tiles is not None:
+                tiles.append(e)
+            if unit is not None:
+                gemm.grad_hidden(unit[t], e, w, pol.plan.grad_hidden)
             if s_x is not None:
                 add_column_dots(s_x[t], e, x)
             if ref is not None:
@@ -329,6 +340,7 @@ def _backward_logp(
     delta: Tensor | None,
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     ctx,
+    saved: tuple[list[Tensor] | None, Tensor | None] = (None, None),
 ) -> None:
     """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
 
@@ -339,7 +351,15 @@ def _backward_logp(
     tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grads = (grad_h,
     grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]``, zeros; None: not needed); ``ctx``
     gives the chunk sizes.
+
+    ``saved = (tiles, unit)``: what the forward pass kept (:func:`saving`). ``tiles``, the
+    forward's ``e = exp(x - x_y) = s pi`` in loop order, stand in for the recomputed tiles (no
+    GEMM, no ``exp``; read, and dropped from the list once used, so that their memory goes as
+    the weight gradient's comes), with ``alpha / s`` passed as ``alpha``. ``unit``, the finished
+    ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its per-token factor, so no tile
+    is needed for it (with a frozen head, none at all). None: recompute.
     """
+    tiles, unit = saved
     grad_h, grad_w, grad_b = grads
     cd, plan = pol.cd, pol.plan
     token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
@@ -352,7 +372,13 @@ def _backward_logp(
     dw_buffer = None
     if grad_w is not None and not direct:
         dw_buffer = torch.empty(min(vocab_chunk, vocab), hs, dtype=cd, device=device)
-    for v0 in range(0, vocab, vocab_chunk):
+    tile_h = grad_h  # the tiles' part of the hidden states' gradient, unless saved
+    if unit is not None and grad_h is not None:
+        grad_h.copy_(unit)
+        tile_h = None
+    tiles_needed = tile_h is not None or grad_w is not None or gb is not None
+    k = 0  # the next saved tile
+    for v0 in range(0, vocab if tiles_needed else 0, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
         dw = None
@@ -360,12 +386,15 @@ def _backward_logp(
             dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            pi, slope = pol.tile_slope(w, v0, t, log_z)
-            pi.exp_()  # pi.T: [vc, n]
-            if slope is not None:  # a soft cap: dx/dz at each entry (alpha is taken out still)
-                pi.mul_(slope)
-            if grad_h is not None:
-                gemm.grad_hidden(grad_h[t], pi, w, plan.grad_hidden)
+            if tiles is not None:
+                pi, tiles[k], k = tiles[k], None, k + 1  # s pi.T: [vc, n], let go after use
+            else:
+                pi, slope = pol.tile_slope(w, v0, t, log_z)
+                pi.exp_()  # pi.T: [vc, n]
+                if slope is not None:  # a soft cap: dx/dz at each entry (alpha taken out still)
+                    pi.mul_(slope)
+            if tile_h is not None:
+                gemm.grad_hidden(tile_h[t], pi, w, plan.grad_hidden)
             if dw is not None:
                 gemm.grad_weight(dw, pi, ha[t], plan.grad_weight, t0 > 0)
             if gb is not None:
@@ -400,14 +429,15 @@ def _redo_overflowed(
 ) -> None:
     """The tokens whose sums overflowed (a logit ~88 above the target's) redone with the row's max
     as the reference (one more pass over their tiles, :meth:`HeadTiles.row_max`), in place in
-    ``outs = (logp, log_z, entropy, kl, log_z_ref)``; nothing to do where every output is finite."""
+    ``outs = (logp, log_z, entropy, kl, log_z_ref)``; nothing to do where every output is finite.
+    Returns whether any token was redone."""
     logp, log_z, ent, kl, log_z_ref = outs
     finite = torch.isfinite(logp)
     for t in (ent, kl, log_z_ref):
         if t is not None:
             finite &= torch.isfinite(t)
     if bool(finite.all()):
-        return
+        return False
     idx = (~finite).nonzero()[:, 0]
     pol_i = pol.subset(idx)
     ref_i = None if ref is None else ref.subset(idx)
@@ -421,6 +451,61 @@ def _redo_overflowed(
     if kl is not None:
         kl[idx] = kl_i
         log_z_ref[idx] = m_ref_i + torch.log(sums_i[3])
+    return True
+
+
+KEEP_ELEMENTS = 1 << 27
+""":func:`fused` keeps its forward tiles for the backward pass when the call's logits number at
+most this many (``N V``; 512 MiB in float32, 862 tokens at V = 151,936): see :func:`saving`."""
+
+
+class Saving(NamedTuple):
+    """What :func:`fused`'s forward pass keeps for a log-prob-only backward pass.
+
+    Attributes:
+        tiles: every tile's ``e = exp(x - x_y)`` (``N V`` floats): the backward pass runs the
+            two gradient GEMMs on them instead of recomputing them (three GEMMs a tile in all,
+            as a method that holds the logits).
+        unit: ``pi @ W`` (``[N, H]``, one more GEMM a tile in the forward pass): the hidden
+            states' gradient for a frozen head, so the backward pass needs no tile (two GEMMs
+            a tile in all, as naive with a frozen head).
+    """
+
+    tiles: bool
+    unit: bool
+
+
+SAVINGS: dict[str, Saving] = {
+    "recompute": Saving(False, False),
+    "tiles": Saving(True, False),
+    "unit": Saving(False, True),
+}
+
+
+def saving(
+    pol: HeadTiles, ref: HeadTiles | None, needs: tuple[bool, bool, bool], token_chunk: int
+) -> str:
+    """Which :data:`SAVINGS` row :func:`fused`'s forward pass takes, from what it knows before the
+    backward pass: ``needs``, whether hidden, weight and bias get a gradient (all False when
+    autograd does not record the call).
+
+    Both savings serve a backward pass where only ``logp`` has a gradient (the policy-gradient
+    loss; with an entropy gradient too the tiles are recomputed and the saving goes unused).
+    ``"unit"`` where only the hidden states get a gradient (a frozen head: LoRA); ``"tiles"``
+    where the head gets one and the logits number at most :data:`KEEP_ELEMENTS` (so at most
+    ``4 KEEP_ELEMENTS`` bytes, against naive's three ``[N, V]`` float32 tensors);
+    ``"recompute"`` otherwise, and always for a reference (the KL), a soft cap (its ``dx/dz``
+    would be one more tile) and the bf16 weight-gradient GEMM (which takes the recompute path).
+    """
+    need_h, need_w, need_b = needs
+    n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
+    if ref is not None or pol.capped or not (need_h or need_w or need_b):
+        return "recompute"
+    if not (need_w or need_b):
+        return "unit"
+    if n * vocab <= KEEP_ELEMENTS and not _bf16_grad_weight(pol, need_w, token_chunk):
+        return "tiles"
+    return "recompute"
 
 
 class _Fused(torch.autograd.Function):
@@ -444,7 +529,10 @@ class _Fused(torch.autograd.Function):
         token_chunk: int,
         vocab_chunk: int,
         plan: gemm.Plan,
+        grad_on: bool,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``grad_on``: whether autograd records the call (inside a Function's forward it never
+        does, and ``ctx.needs_input_grad`` does not say)."""
         ctx.set_materialize_grads(False)
         cd = compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
         pol = HeadTiles(hidden, weight, bias, aff, cd, plan)
@@ -453,21 +541,38 @@ class _Fused(torch.autograd.Function):
             if hidden_ref is None
             else HeadTiles(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         )
+        needs = ctx.needs_input_grad[:3] if grad_on else (False, False, False)
+        kept = SAVINGS[saving(pol, ref, needs, token_chunk)]
+        tiles = [] if kept.tiles else None
+        unit = torch.zeros(pol.hidden.shape, dtype=cd, device=hidden.device) if kept.unit else None
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
-        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk)
+        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, (tiles, unit))
         logp, log_z, ent, kl = _finish(x_y, x_y, sums)
         log_z_ref = None if ref is None else m_ref + torch.log(sums[3])
 
-        _redo_overflowed(
+        redone = _redo_overflowed(
             pol, ref, x_y, (logp, log_z, ent, kl, log_z_ref), with_entropy, token_chunk, vocab_chunk
         )
+        inv_s = None
+        if tiles is not None or unit is not None:
+            # pi = e / s. A redone token's e overflowed, and 1 / s below float32's normal range
+            # (a target ~87 nats below the row's max) would lose digits: recompute instead.
+            inv_s = torch.reciprocal(sums[0])
+            if redone or not bool((inv_s >= torch.finfo(cd).tiny).all()):
+                tiles = unit = inv_s = None
+            elif unit is not None:
+                unit.mul_(inv_s[:, None])
         logp = logp.clamp_max(0.0)
         ent = None if ent is None else ent.clamp_min(0.0)
         kl = None if kl is None else kl.clamp_min(0.0)
         saved = (hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, log_z, log_z_ref)
-        ctx.save_for_backward(*saved, ent, kl)
+        ctx.save_for_backward(*saved, ent, kl, inv_s, unit)
+        # The tiles are held by ctx itself, not saved, so that the backward pass can let each go
+        # once used: the weight gradient then fills the memory they free, and the peak is the
+        # larger of the two, not their sum.
+        ctx.tiles = tiles
         ctx.aff, ctx.aff_ref, ctx.cd = aff, aff_ref, cd
         ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
@@ -475,9 +580,12 @@ class _Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_kl):
         hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, *rest = ctx.saved_tensors
-        log_z, log_z_ref, ent, kl = rest
+        log_z, log_z_ref, ent, kl, inv_s, unit = rest
+        # Taken from ctx, so that they go tile by tile as used (and with the first backward pass
+        # whatever it needs: a second one, under retain_graph, recomputes).
+        tiles, ctx.tiles = ctx.tiles, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 13
+        none = (None,) * 14
         if grad_logp is None and grad_entropy is None and grad_kl is None:
             return none
         if not (need_h or need_w or need_b):
@@ -505,7 +613,10 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         grads = (grad_h, grad_w, grad_b)
         if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
-            _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx)
+            if unit is not None and (need_w or need_b):
+                unit = None  # saved for a frozen head (not the case at this call)
+            a = alpha[0] if tiles is None else alpha[0] * inv_s  # pi = e / s
+            _backward_logp(pol, tokens, log_z, a, delta, grads, ctx, (tiles, unit))
         else:
             coefs = (alpha, beta, gamma, delta)
             _backward_tiles(pol, ref, tokens, (log_z, log_z_ref), coefs, grads, ctx)
@@ -513,7 +624,7 @@ class _Fused(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
             grad_b,
-            *(None,) * 10,
+            *(None,) * 11,
         )
 
 
@@ -678,7 +789,14 @@ def fused(
             raise ValueError(f"{name} must be a positive int, got {size!r}")
     plan = given_or_head_plan(plan, x.hidden, weight, x.cd)
     logp, ent, kl = _Fused.apply(
-        *x.tensors, x.aff, x.aff_ref, bool(with_entropy), token_chunk, vocab_chunk, plan
+        *x.tensors,
+        x.aff,
+        x.aff_ref,
+        bool(with_entropy),
+        token_chunk,
+        vocab_chunk,
+        plan,
+        torch.is_grad_enabled(),
     )
     return FusedOutput(
         logp.view(x.lead),
