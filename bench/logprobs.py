@@ -189,18 +189,29 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
         if forced:  # this method only: every GEMM on one backend
             extra = {**extra, "plan": gemm.Plan(forced, forced, forced, forced == "onednn")}
 
+        from klpo import fused_kernel
+
+        # These methods only: no tiles kept, ever, or kept at any size (klpo.fused_kernel.saving).
+        keep = {"klpo (recompute)": 0, "klpo (keep)": 1 << 62}.get(
+            case.method, fused_kernel.KEEP_ELEMENTS
+        )
+
         def forward():
-            out = lp.fused(
-                hidden,
-                weight,
-                tokens,
-                hidden_ref=hidden_ref,
-                weight_ref=weight_ref,
-                with_entropy=case.with_entropy,
-                token_chunk=case.token_chunk or lp.TOKEN_CHUNK,
-                vocab_chunk=case.vocab_chunk,
-                **extra,
-            )
+            before, fused_kernel.KEEP_ELEMENTS = fused_kernel.KEEP_ELEMENTS, keep
+            try:  # the saving is chosen in the forward pass
+                out = lp.fused(
+                    hidden,
+                    weight,
+                    tokens,
+                    hidden_ref=hidden_ref,
+                    weight_ref=weight_ref,
+                    with_entropy=case.with_entropy,
+                    token_chunk=case.token_chunk or lp.TOKEN_CHUNK,
+                    vocab_chunk=case.vocab_chunk,
+                    **extra,
+                )
+            finally:
+                fused_kernel.KEEP_ELEMENTS = before
             return out.logp if case.kind == "logp" else out.kl
 
     elif case.method == "naive":
@@ -366,7 +377,9 @@ def _peak(case: Case) -> dict:
     _reset_peak()
     base = _rss_kib("VmRSS")
     run, has_output = _method(case, hidden, weight, tokens, coef, hidden_ref, weight_ref)
+    cpu = time.process_time()
     seconds, out = _timed(run)
+    cpu = time.process_time() - cpu
     hwm = _rss_kib("VmHWM")
     peak = hwm - base
     err = None
@@ -375,7 +388,13 @@ def _peak(case: Case) -> dict:
             k = min(CHECK_TOKENS, case.n)
             ref = _reference(case, hidden, weight, tokens, hidden_ref, weight_ref)
             err = float((out[:k].double() - ref).abs().max())
-    return {"peak_mib": peak / 1024, "rss_mib": hwm / 1024, "err": err, "once_s": seconds}
+    return {
+        "peak_mib": peak / 1024,
+        "rss_mib": hwm / 1024,
+        "err": err,
+        "once_s": seconds,
+        "once_cpu_s": cpu,
+    }
 
 
 def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
@@ -462,6 +481,7 @@ def measure_group(
             if "once_s" in r:
                 t = r["once_s"]
                 r = {**r, "time": t, "min": t, "max": t, "reps": 1, "rounds": [t]}
+                r["cpu_rounds"] = [r["once_cpu_s"]]
             out[m] = r
         return out
     request = {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}

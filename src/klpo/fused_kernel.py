@@ -32,7 +32,20 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   + delta 1[v = y]`` and the per-token ``alpha`` is taken out of the tile: ``grad_hidden = alpha
   (pi @ weight) + delta weight[y]`` and ``grad_weight = pi.T @ (alpha hidden) + delta hidden`` at
   the targets' rows, so a tile costs one ``exp`` and its GEMMs. Only the inputs and a few floats
-  per token are saved for the backward pass; no tile outlives its iteration.
+  per token are saved for the backward pass; no tile outlives its iteration, except by the
+  saving below.
+* Saving (:func:`saving`, :data:`SAVINGS`): the recompute is the fourth GEMM of a tile where a
+  method that holds the logits runs three, so for a backward pass where only ``logp`` has a
+  gradient the forward pass keeps what spares it, chosen once per call from the inputs' gradient
+  flags: with a frozen head (no weight or bias gradient: a LoRA policy), ``pi @ weight``
+  (``[N, H]``, one GEMM a tile in the forward pass), so the backward pass runs no tile at all (two
+  GEMMs a tile in all, as naive with a frozen head); with a head gradient and at most
+  :data:`KEEP_ELEMENTS` logits in the call, every tile's ``e = exp(x - x_y)`` (``N V`` floats),
+  which the backward pass multiplies into the gradients with ``alpha / s`` in place of ``alpha``
+  (``pi = e / s``), letting each go once used (three GEMMs a tile, no recompute, no second
+  ``exp``). Neither for the KL (its reference's tiles would double the memory), a soft cap (its
+  ``dx/dz`` would be another tile) or a token whose sums overflowed (its ``e`` is not its
+  ``pi``); with an entropy gradient the kept tiles go unused and the tiles are recomputed.
 * Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
   float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
   float32 ``[V, H]`` accumulator beside the gradient itself).
@@ -47,7 +60,8 @@ anyway.
 
 Speed on CPU: the GEMMs dominate (four per tile for log-probs: forward, recompute, and the two
 gradients; six for KL), so the floor of this recomputing kernel is 4/3 (log-probs) or 6/4 (KL) of
-the GEMMs a method that keeps the logits needs. Each of the three GEMM roles runs on the backend
+the GEMMs a method that keeps the logits needs; the saving brings log-probs to three (two for a
+frozen head) where it applies. Each of the three GEMM roles runs on the backend
 measured fastest on the machine, oneDNN or torch.mm, once and cached (:mod:`klpo.gemm`): on an
 AVX-512 CPU oneDNN's float32 GEMM is the faster, on one without AVX-512 (or with oneDNN capped at
 AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the passes are kept to one
@@ -81,16 +95,20 @@ from klpo._logits import (
 )
 
 __all__ = [
+    "KEEP_ELEMENTS",
     "PLAN_TOKENS",
+    "SAVINGS",
     "TILE_ELEMENTS",
     "TOKEN_CHUNK",
     "VOCAB_CHUNK_MAX",
     "HeadTiles",
+    "Saving",
     "check_head_args",
     "default_vocab_chunk",
     "fused",
     "given_or_head_plan",
     "head_plan",
+    "saving",
 ]
 
 
@@ -511,7 +529,7 @@ def saving(
 class _Fused(torch.autograd.Function):
     """``(logp, entropy, kl)`` from hidden states and the head (:func:`fused`); the backward
     pass recomputes the tiles (:func:`_backward_logp` when only ``logp`` has a gradient, else
-    :func:`_backward_tiles`)."""
+    :func:`_backward_tiles`), or takes what the forward pass kept (:func:`saving`)."""
 
     @staticmethod
     def forward(
@@ -738,7 +756,10 @@ def fused(
 
     Gradient: with respect to ``hidden``, ``weight`` and ``bias`` (whichever require it), of any
     combination of the three outputs, in one backward pass that recomputes the tiles (the formula
-    for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs' dtypes. A
+    for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs'
+    dtypes. Where only ``logp`` will have a gradient the forward pass may keep what spares the
+    recompute (:func:`klpo.fused_kernel.saving`): ``pi @ weight`` (``[N, H]``) for a frozen head,
+    every tile (``N V`` float32, at most :data:`KEEP_ELEMENTS`) for a head with a gradient. A
     ``weight`` tied to the input embeddings (``model.lm_head.weight``) gets this gradient added to
     the embedding's by autograd as usual. The reference (``hidden_ref``, ``weight_ref``,
     ``bias_ref``) is detached.
