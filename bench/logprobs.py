@@ -44,12 +44,21 @@ Gemma 3 270M's head instead of the default shapes (log-probs, N = 4096, H = 640,
 ``--methods`` overrides), ``--tokens N`` another token count (a smaller trial first), and
 ``--warmups 0`` skips the warm-up round, and ``--once`` calls each method once in its own
 process, its time and peak from that call (no interleaving, no floors), where one call of a
-method takes minutes::
+method takes minutes. ``--sweep-tokens 256,512,...`` times naive, ``klpo`` and ``klpo loss`` (or
+``--methods``; with ``floor``, both floors) at each token count on the default head (H = 896,
+V = 151,936, float32, log-probs; ``--sweep-kinds logp,kl`` adds the KL), one group of interleaved
+rounds per count (or ``--once``), with each method's ratio to naive from the same rounds in wall
+and in CPU time (the process's, which a shared core's load inflates less) and its peak; naive is
+skipped where ``MemAvailable`` is below 1.25x its three ``[N, V]`` tensors. ``klpo (recompute)``
+and ``klpo (keep)`` are ``klpo`` with its saving for a log-prob-only backward pass off, and on at
+any size (:func:`klpo.fused_kernel.saving`)::
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
         --head gemma3 --reps 1 --warmups 0
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
         --head gemma3 --once
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python bench/logprobs.py \
+        --sweep-tokens 256,512,1024,2048 --methods "naive,klpo,klpo (recompute),klpo loss"
 """
 
 from __future__ import annotations
@@ -192,12 +201,12 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
         from klpo import fused_kernel
 
         # These methods only: no tiles kept, ever, or kept at any size (klpo.fused_kernel.saving).
-        keep = {"klpo (recompute)": 0, "klpo (keep)": 1 << 62}.get(
-            case.method, fused_kernel.KEEP_ELEMENTS
+        keep = {"klpo (recompute)": 0.0, "klpo (keep)": float(case.n)}.get(
+            case.method, fused_kernel.KEEP_PER_WEIGHT
         )
 
         def forward():
-            before, fused_kernel.KEEP_ELEMENTS = fused_kernel.KEEP_ELEMENTS, keep
+            before, fused_kernel.KEEP_PER_WEIGHT = fused_kernel.KEEP_PER_WEIGHT, keep
             try:  # the saving is chosen in the forward pass
                 out = lp.fused(
                     hidden,
@@ -211,7 +220,7 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
                     **extra,
                 )
             finally:
-                fused_kernel.KEEP_ELEMENTS = before
+                fused_kernel.KEEP_PER_WEIGHT = before
             return out.logp if case.kind == "logp" else out.kl
 
     elif case.method == "naive":

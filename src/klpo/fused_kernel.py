@@ -39,11 +39,13 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   gradient the forward pass keeps what spares it, chosen once per call from the inputs' gradient
   flags: with a frozen head (no weight or bias gradient: a LoRA policy), ``pi @ weight``
   (``[N, H]``, one GEMM a tile in the forward pass), so the backward pass runs no tile at all (two
-  GEMMs a tile in all, as naive with a frozen head); with a head gradient and at most
-  :data:`KEEP_ELEMENTS` logits in the call, every tile's ``e = exp(x - x_y)`` (``N V`` floats),
-  which the backward pass multiplies into the gradients with ``alpha / s`` in place of ``alpha``
-  (``pi = e / s``), letting each go once used (three GEMMs a tile, no recompute, no second
-  ``exp``). Neither for the KL (its reference's tiles would double the memory), a soft cap (its
+  GEMMs a tile in all, as naive with a frozen head); with a head gradient, the tiles' ``e = exp(x
+  - x_y)`` in loop order up to :func:`keep_budget` floats (as many as the head has weights, ``V
+  H``: all of them for ``N ≤ H``), which the backward pass multiplies into the gradients with
+  ``alpha / s`` in place of ``alpha`` (``pi = e / s``; the tiles past the budget are recomputed
+  as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``, and the
+  weight gradient fills the memory the kept tiles free, so the peak is the recomputing kernel's.
+  Neither for the KL (its reference's tiles would double the memory), a soft cap (its
   ``dx/dz`` would be another tile) or a token whose sums overflowed (its ``e`` is not its
   ``pi``); with an entropy gradient the kept tiles go unused and the tiles are recomputed.
 * Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
@@ -95,7 +97,7 @@ from klpo._logits import (
 )
 
 __all__ = [
-    "KEEP_ELEMENTS",
+    "KEEP_PER_WEIGHT",
     "PLAN_TOKENS",
     "SAVINGS",
     "TILE_ELEMENTS",
@@ -108,6 +110,7 @@ __all__ = [
     "fused",
     "given_or_head_plan",
     "head_plan",
+    "keep_budget",
     "saving",
 ]
 
@@ -246,18 +249,19 @@ def _sums(
     with_entropy: bool,
     token_chunk: int,
     vocab_chunk: int,
-    keep: tuple[list[Tensor] | None, Tensor | None] = (None, None),
+    keep: tuple[list[Tensor | None] | None, Tensor | None, int] = (None, None, 0),
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-token sums over the vocabulary, relative to the references ``m`` and ``m_ref``.
 
     With ``e_v = exp(x_v - m)``: ``s = sum e``, ``s_x = sum e (x - m)`` (entropy),
     ``s_d = sum e (x - m - x_ref + m_ref)`` and ``s_ref = sum exp(x_ref - m_ref)`` (KL).
-    ``keep = (tiles, unit)`` (the backward pass's saving, :func:`_saving`): ``tiles`` a list that
-    gets each tile's ``e`` (``[vc, n]``, in loop order), ``unit`` a float32 ``[N, H]`` of zeros
+    ``keep = (tiles, unit, budget)`` (the backward pass's saving, :func:`saving`): ``tiles`` a
+    list that gets each tile's ``e`` (``[vc, n]``, in loop order) while the kept tiles hold at
+    most ``budget`` floats, None for each tile after that; ``unit`` a float32 ``[N, H]`` of zeros
     that gets ``sum_v e_v weight_v`` added (the hidden states' gradient before its per-token
     factor); None: not wanted.
     """
-    tiles, unit = keep
+    tiles, unit, budget = keep
     n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
 
     def zeros() -> Tensor:
@@ -278,7 +282,8 @@ def _sums(
             e = torch.exp(x) if keep_x else x.exp_()
             add_column_sums(s[t], e)
             if tiles is not None:
-                tiles.append(e)
+                tiles.append(e if e.numel() <= budget else None)
+                budget -= e.numel() if e.numel() <= budget else budget
             if unit is not None:
                 gemm.grad_hidden(unit[t], e, w, pol.plan.grad_hidden)
             if s_x is not None:
@@ -353,12 +358,12 @@ def given_or_head_plan(
 def _backward_logp(
     pol: HeadTiles,
     tokens: Tensor,
-    log_z: Tensor,
+    offset: Tensor,
     alpha: Tensor,
     delta: Tensor | None,
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     ctx,
-    saved: tuple[list[Tensor] | None, Tensor | None] = (None, None),
+    saved: tuple[list[Tensor | None] | None, Tensor | None] = (None, None),
 ) -> None:
     """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
 
@@ -370,12 +375,14 @@ def _backward_logp(
     grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]``, zeros; None: not needed); ``ctx``
     gives the chunk sizes.
 
-    ``saved = (tiles, unit)``: what the forward pass kept (:func:`saving`). ``tiles``, the
-    forward's ``e = exp(x - x_y) = s pi`` in loop order, stand in for the recomputed tiles (no
-    GEMM, no ``exp``; read, and dropped from the list once used, so that their memory goes as
-    the weight gradient's comes), with ``alpha / s`` passed as ``alpha``. ``unit``, the finished
-    ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its per-token factor, so no tile
-    is needed for it (with a frozen head, none at all). None: recompute.
+    A tile is ``exp(x - offset)``: ``pi`` with ``offset = log Z``. ``saved = (tiles, unit)``:
+    what the forward pass kept (:func:`saving`). ``tiles``, the forward's ``e = exp(x - x_y) = s
+    pi`` in loop order (None for a tile not kept, recomputed with ``offset = x_y``), stand in for
+    the recomputed tiles (no GEMM, no ``exp``; dropped from the list once used, so that their
+    memory goes as the weight gradient's comes); the caller passes ``alpha / s`` as ``alpha``.
+    ``unit``, the finished ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its
+    per-token factor, so no tile is needed for it (with a frozen head, none at all). None:
+    recompute.
     """
     tiles, unit = saved
     grad_h, grad_w, grad_b = grads
@@ -404,10 +411,11 @@ def _backward_logp(
             dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
+            pi = None
             if tiles is not None:
                 pi, tiles[k], k = tiles[k], None, k + 1  # s pi.T: [vc, n], let go after use
-            else:
-                pi, slope = pol.tile_slope(w, v0, t, log_z)
+            if pi is None:
+                pi, slope = pol.tile_slope(w, v0, t, offset)
                 pi.exp_()  # pi.T: [vc, n]
                 if slope is not None:  # a soft cap: dx/dz at each entry (alpha taken out still)
                     pi.mul_(slope)
@@ -472,18 +480,26 @@ def _redo_overflowed(
     return True
 
 
-KEEP_ELEMENTS = 1 << 27
-""":func:`fused` keeps its forward tiles for the backward pass when the call's logits number at
-most this many (``N V``; 512 MiB in float32, 862 tokens at V = 151,936): see :func:`saving`."""
+KEEP_PER_WEIGHT = 1.0
+""":func:`fused` keeps at most this many forward tiles' logits per weight of the head (``V H``)
+for a log-prob-only backward pass (:func:`saving`): the kept tiles then never outgrow the weight
+gradient, which fills the memory they free as the backward pass uses them, so the peak is the
+recomputing kernel's."""
+
+
+def keep_budget(vocab: int, hidden_size: int) -> int:
+    """How many logits :func:`fused` may keep for its backward pass: :data:`KEEP_PER_WEIGHT` per
+    weight of a ``[vocab, hidden_size]`` head."""
+    return int(KEEP_PER_WEIGHT * vocab * hidden_size)
 
 
 class Saving(NamedTuple):
     """What :func:`fused`'s forward pass keeps for a log-prob-only backward pass.
 
     Attributes:
-        tiles: every tile's ``e = exp(x - x_y)`` (``N V`` floats): the backward pass runs the
-            two gradient GEMMs on them instead of recomputing them (three GEMMs a tile in all,
-            as a method that holds the logits).
+        tiles: the tiles' ``e = exp(x - x_y)`` up to :func:`keep_budget` floats: the backward
+            pass runs the two gradient GEMMs on them instead of recomputing them (three GEMMs a
+            kept tile, as a method that holds the logits; four a tile past the budget).
         unit: ``pi @ W`` (``[N, H]``, one more GEMM a tile in the forward pass): the hidden
             states' gradient for a frozen head, so the backward pass needs no tile (two GEMMs
             a tile in all, as naive with a frozen head).
@@ -501,27 +517,30 @@ SAVINGS: dict[str, Saving] = {
 
 
 def saving(
-    pol: HeadTiles, ref: HeadTiles | None, needs: tuple[bool, bool, bool], token_chunk: int
+    pol: HeadTiles, ref: HeadTiles | None, needs: tuple[bool, bool, bool], chunks: tuple[int, int]
 ) -> str:
     """Which :data:`SAVINGS` row :func:`fused`'s forward pass takes, from what it knows before the
     backward pass: ``needs``, whether hidden, weight and bias get a gradient (all False when
-    autograd does not record the call).
+    autograd does not record the call), and ``chunks = (token_chunk, vocab_chunk)``.
 
     Both savings serve a backward pass where only ``logp`` has a gradient (the policy-gradient
     loss; with an entropy gradient too the tiles are recomputed and the saving goes unused).
     ``"unit"`` where only the hidden states get a gradient (a frozen head: LoRA); ``"tiles"``
-    where the head gets one and the logits number at most :data:`KEEP_ELEMENTS` (so at most
-    ``4 KEEP_ELEMENTS`` bytes, against naive's three ``[N, V]`` float32 tensors);
-    ``"recompute"`` otherwise, and always for a reference (the KL), a soft cap (its ``dx/dz``
-    would be one more tile) and the bf16 weight-gradient GEMM (which takes the recompute path).
+    where the head gets one and :func:`keep_budget` holds a tile (the budget's tiles are kept,
+    the rest recomputed); ``"recompute"`` otherwise, and
+    always for a reference (the KL), a soft cap (its ``dx/dz`` would be one more tile) and the
+    bf16 weight-gradient GEMM (which takes the recompute path).
     """
     need_h, need_w, need_b = needs
-    n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
+    vocab, hidden_size = pol.weight.shape
+    token_chunk, vocab_chunk = chunks
+    tile = min(pol.hidden.shape[0], token_chunk) * min(vocab_chunk, vocab)
     if ref is not None or pol.capped or not (need_h or need_w or need_b):
         return "recompute"
     if not (need_w or need_b):
         return "unit"
-    if n * vocab <= KEEP_ELEMENTS and not _bf16_grad_weight(pol, need_w, token_chunk):
+    bf16_w = _bf16_grad_weight(pol, need_w, token_chunk)
+    if keep_budget(vocab, hidden_size) >= tile and not bf16_w:
         return "tiles"
     return "recompute"
 
@@ -560,13 +579,15 @@ class _Fused(torch.autograd.Function):
             else HeadTiles(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         )
         needs = ctx.needs_input_grad[:3] if grad_on else (False, False, False)
-        kept = SAVINGS[saving(pol, ref, needs, token_chunk)]
+        kept = SAVINGS[saving(pol, ref, needs, (token_chunk, vocab_chunk))]
         tiles = [] if kept.tiles else None
         unit = torch.zeros(pol.hidden.shape, dtype=cd, device=hidden.device) if kept.unit else None
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
-        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, (tiles, unit))
+        budget = keep_budget(*weight.shape)
+        keep = (tiles, unit, budget)
+        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, keep)
         logp, log_z, ent, kl = _finish(x_y, x_y, sums)
         log_z_ref = None if ref is None else m_ref + torch.log(sums[3])
 
@@ -586,7 +607,8 @@ class _Fused(torch.autograd.Function):
         ent = None if ent is None else ent.clamp_min(0.0)
         kl = None if kl is None else kl.clamp_min(0.0)
         saved = (hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, log_z, log_z_ref)
-        ctx.save_for_backward(*saved, ent, kl, inv_s, unit)
+        # x_y: the offset of the tiles past the budget, recomputed as the kept ones, e = s pi.
+        ctx.save_for_backward(*saved, ent, kl, inv_s, unit, None if tiles is None else x_y)
         # The tiles are held by ctx itself, not saved, so that the backward pass can let each go
         # once used: the weight gradient then fills the memory they free, and the peak is the
         # larger of the two, not their sum.
@@ -598,7 +620,7 @@ class _Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_kl):
         hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, *rest = ctx.saved_tensors
-        log_z, log_z_ref, ent, kl, inv_s, unit = rest
+        log_z, log_z_ref, ent, kl, inv_s, unit, x_y = rest
         # Taken from ctx, so that they go tile by tile as used (and with the first backward pass
         # whatever it needs: a second one, under retain_graph, recomputes).
         tiles, ctx.tiles = ctx.tiles, None
@@ -633,8 +655,11 @@ class _Fused(torch.autograd.Function):
         if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
             if unit is not None and (need_w or need_b):
                 unit = None  # saved for a frozen head (not the case at this call)
-            a = alpha[0] if tiles is None else alpha[0] * inv_s  # pi = e / s
-            _backward_logp(pol, tokens, log_z, a, delta, grads, ctx, (tiles, unit))
+            if tiles is None:  # the tiles are pi = exp(x - log Z)
+                _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx, (None, unit))
+            else:  # the tiles are e = exp(x - x_y) = s pi, kept or recomputed
+                a = alpha[0] * inv_s
+                _backward_logp(pol, tokens, x_y, a, delta, grads, ctx, (tiles, None))
         else:
             coefs = (alpha, beta, gamma, delta)
             _backward_tiles(pol, ref, tokens, (log_z, log_z_ref), coefs, grads, ctx)
@@ -759,7 +784,8 @@ def fused(
     for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs'
     dtypes. Where only ``logp`` will have a gradient the forward pass may keep what spares the
     recompute (:func:`klpo.fused_kernel.saving`): ``pi @ weight`` (``[N, H]``) for a frozen head,
-    every tile (``N V`` float32, at most :data:`KEEP_ELEMENTS`) for a head with a gradient. A
+    the tiles (float32, up to as many as the head has weights, ``V H``) for a head with a
+    gradient. A
     ``weight`` tied to the input embeddings (``model.lm_head.weight``) gets this gradient added to
     the embedding's by autograd as usual. The reference (``hidden_ref``, ``weight_ref``,
     ``bias_ref``) is detached.
