@@ -653,8 +653,6 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         grads = (grad_h, grad_w, grad_b)
         if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
-            if unit is not None and (need_w or need_b):
-                unit = None  # saved for a frozen head (not the case at this call)
             if tiles is None:  # the tiles are pi = exp(x - log Z)
                 _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx, (None, unit))
             else:  # the tiles are e = exp(x - x_y) = s pi, kept or recomputed
