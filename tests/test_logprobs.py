@@ -774,7 +774,7 @@ def test_kept_tiles_are_at_most_the_heads_size(n):
     held = sum(t.numel() for t in tiles if t is not None)
     if n <= h:  # every tile: N V = 16,000 floats, the head's V H
         assert held == n * v and all(t is not None for t in tiles)
-    else:  # greedily, in loop order: within one tile (64 x 64) of V H
+    else:  # a prefix in loop order, within one tile (64 x 64) of V H
         assert v * h - 64 * n < held <= v * h and None in tiles
     assert kept_by(out) == "tiles"
     weight.requires_grad_(False)

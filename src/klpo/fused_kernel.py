@@ -44,7 +44,9 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   H``: all of them for ``N ≤ H``), which the backward pass multiplies into the gradients with
   ``alpha / s`` in place of ``alpha`` (``pi = e / s``; the tiles past the budget are recomputed
   as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``, and the
-  weight gradient fills the memory the kept tiles free, so the peak is the recomputing kernel's.
+  kept tiles never outgrow the weight gradient, which fills the memory they free (the peak lies
+  between the recomputing kernel's and that plus ``V H`` floats, as the allocator returns
+  memory).
   Neither for the KL (its reference's tiles would double the memory), a soft cap (its
   ``dx/dz`` would be another tile) or a token whose sums overflowed (its ``e`` is not its
   ``pi``); with an entropy gradient the kept tiles go unused and the tiles are recomputed.
@@ -282,8 +284,9 @@ def _sums(
             e = torch.exp(x) if keep_x else x.exp_()
             add_column_sums(s[t], e)
             if tiles is not None:
-                tiles.append(e if e.numel() <= budget else None)
-                budget -= e.numel() if e.numel() <= budget else budget
+                fits = e.numel() <= budget
+                tiles.append(e if fits else None)
+                budget = budget - e.numel() if fits else 0  # kept: a prefix in loop order
             if unit is not None:
                 gemm.grad_hidden(unit[t], e, w, pol.plan.grad_hidden)
             if s_x is not None:
@@ -483,8 +486,9 @@ def _redo_overflowed(
 KEEP_PER_WEIGHT = 1.0
 """:func:`fused` keeps at most this many forward tiles' logits per weight of the head (``V H``)
 for a log-prob-only backward pass (:func:`saving`): the kept tiles then never outgrow the weight
-gradient, which fills the memory they free as the backward pass uses them, so the peak is the
-recomputing kernel's."""
+gradient, which fills the memory they free as the backward pass uses them, so the peak lies
+between the recomputing kernel's and that plus ``V H`` floats (as the allocator returns freed
+memory; docs/performance.md). Every tile is kept for ``N ≤ H``, a share ``H / N`` past that."""
 
 
 def keep_budget(vocab: int, hidden_size: int) -> int:
