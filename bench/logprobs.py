@@ -44,12 +44,21 @@ Gemma 3 270M's head instead of the default shapes (log-probs, N = 4096, H = 640,
 ``--methods`` overrides), ``--tokens N`` another token count (a smaller trial first), and
 ``--warmups 0`` skips the warm-up round, and ``--once`` calls each method once in its own
 process, its time and peak from that call (no interleaving, no floors), where one call of a
-method takes minutes::
+method takes minutes. ``--sweep-tokens 256,512,...`` times naive, ``klpo`` and ``klpo loss`` (or
+``--methods``; with ``floor``, both floors) at each token count on the default head (H = 896,
+V = 151,936, float32, log-probs; ``--sweep-kinds logp,kl`` adds the KL), one group of interleaved
+rounds per count (or ``--once``), with each method's ratio to naive from the same rounds in wall
+and in CPU time (the process's, which a shared core's load inflates less) and its peak; naive is
+skipped where ``MemAvailable`` is below 1.25x its three ``[N, V]`` tensors. ``klpo (recompute)``
+and ``klpo (keep)`` are ``klpo`` with its saving for a log-prob-only backward pass off, and on at
+any size (:func:`klpo.fused_kernel.saving`)::
 
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
         --head gemma3 --reps 1 --warmups 0
     PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 PEERS_VENV/bin/python bench/logprobs.py \
         --head gemma3 --once
+    PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 python bench/logprobs.py \
+        --sweep-tokens 256,512,1024,2048 --methods "naive,klpo,klpo (recompute),klpo loss"
 """
 
 from __future__ import annotations
@@ -189,18 +198,29 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
         if forced:  # this method only: every GEMM on one backend
             extra = {**extra, "plan": gemm.Plan(forced, forced, forced, forced == "onednn")}
 
+        from klpo import fused_kernel
+
+        # These methods only: no tiles kept, ever, or kept at any size (klpo.fused_kernel.saving).
+        keep = {"klpo (recompute)": 0.0, "klpo (keep)": float(case.n)}.get(
+            case.method, fused_kernel.KEEP_PER_WEIGHT
+        )
+
         def forward():
-            out = lp.fused(
-                hidden,
-                weight,
-                tokens,
-                hidden_ref=hidden_ref,
-                weight_ref=weight_ref,
-                with_entropy=case.with_entropy,
-                token_chunk=case.token_chunk or lp.TOKEN_CHUNK,
-                vocab_chunk=case.vocab_chunk,
-                **extra,
-            )
+            before, fused_kernel.KEEP_PER_WEIGHT = fused_kernel.KEEP_PER_WEIGHT, keep
+            try:  # the saving is chosen in the forward pass
+                out = lp.fused(
+                    hidden,
+                    weight,
+                    tokens,
+                    hidden_ref=hidden_ref,
+                    weight_ref=weight_ref,
+                    with_entropy=case.with_entropy,
+                    token_chunk=case.token_chunk or lp.TOKEN_CHUNK,
+                    vocab_chunk=case.vocab_chunk,
+                    **extra,
+                )
+            finally:
+                fused_kernel.KEEP_PER_WEIGHT = before
             return out.logp if case.kind == "logp" else out.kl
 
     elif case.method == "naive":
@@ -366,7 +386,9 @@ def _peak(case: Case) -> dict:
     _reset_peak()
     base = _rss_kib("VmRSS")
     run, has_output = _method(case, hidden, weight, tokens, coef, hidden_ref, weight_ref)
+    cpu = time.process_time()
     seconds, out = _timed(run)
+    cpu = time.process_time() - cpu
     hwm = _rss_kib("VmHWM")
     peak = hwm - base
     err = None
@@ -375,7 +397,13 @@ def _peak(case: Case) -> dict:
             k = min(CHECK_TOKENS, case.n)
             ref = _reference(case, hidden, weight, tokens, hidden_ref, weight_ref)
             err = float((out[:k].double() - ref).abs().max())
-    return {"peak_mib": peak / 1024, "rss_mib": hwm / 1024, "err": err, "once_s": seconds}
+    return {
+        "peak_mib": peak / 1024,
+        "rss_mib": hwm / 1024,
+        "err": err,
+        "once_s": seconds,
+        "once_cpu_s": cpu,
+    }
 
 
 def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
@@ -398,9 +426,12 @@ def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
         for run in runs.values():
             run()
     secs = {m: [] for m in runs}
+    cpu = {m: [] for m in runs}
     for _ in range(reps):
         for m, run in runs.items():
+            c0 = time.process_time()
             secs[m].append(_timed(run)[0])
+            cpu[m].append(time.process_time() - c0)
     for m, ts in secs.items():
         rounds = list(ts)  # in round order, for the paired ratios
         ts.sort()
@@ -410,6 +441,7 @@ def _times(case: Case, methods: list[str], reps: int, warmups: int = 1) -> dict:
             "max": ts[-1],
             "reps": len(ts),
             "rounds": rounds,
+            "cpu_rounds": cpu[m],  # this process's CPU seconds, the same rounds
         }
     return out
 
@@ -458,6 +490,7 @@ def measure_group(
             if "once_s" in r:
                 t = r["once_s"]
                 r = {**r, "time": t, "min": t, "max": t, "reps": 1, "rounds": [t]}
+                r["cpu_rounds"] = [r["once_cpu_s"]]
             out[m] = r
         return out
     request = {"what": "times", "case": asdict(case), "methods": methods, "reps": reps}
@@ -614,6 +647,107 @@ def sweep_loss(timeout: float, reps: int) -> None:
             print(f"| {kind} N={n} H=896 V=151936 | {tc} | {cell} | {mib} |", flush=True)
 
 
+SWEEP_TOKENS_METHODS = ["naive", "klpo", "klpo loss"]
+SWEEP_TOKENS_SHAPE = (896, 151936)  # the default head: Qwen2.5-0.5B's H and V
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``--sweep-tokens``' comma-separated token counts, each ≥ 1."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(
+            f"--sweep-tokens takes comma-separated token counts ≥ 1 (say 256,512,1024), got "
+            f"{text!r}"
+        )
+    return counts
+
+
+def paired(results: dict, a: str, b: str, key: str = "rounds") -> tuple[float, float, float] | None:
+    """Median, min and max over the interleaved rounds of each round's ratio ``a / b`` (``key``:
+    ``rounds`` for wall time, ``cpu_rounds`` for the process's CPU time); None if either lacks
+    them."""
+    ra, rb = results.get(a, {}).get(key), results.get(b, {}).get(key)
+    if not ra or not rb or len(ra) != len(rb):
+        return None
+    r = sorted(x / y for x, y in zip(ra, rb, strict=True))
+    return r[len(r) // 2], r[0], r[-1]
+
+
+def sweep_tokens_table(rows: list[tuple[str, int, dict]], methods: list[str]) -> str:
+    """One row per case, token count and method: time, its ratio to naive's from the same rounds
+    (wall and CPU time), peak memory and its ratio to naive's."""
+    lines = [
+        "| case | N | method | time s, median [min, max] | ×naive (wall), median [min, max] "
+        "| ×naive (CPU) | peak MiB | ×naive |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    floors = ["floor: bare GEMMs", "floor: klpo's GEMMs"]
+    shown = [x for m in methods for x in (floors if m == "floor" else [m])]
+    for kind, n, results in rows:
+        naive = results.get("naive", {})
+        for m in shown:
+            r = results.get(m, {})
+            if "time" not in r:
+                lines.append(f"| {kind} | {n} | {m} | {r.get('error', '?')} | | | | |")
+                continue
+            wall = paired(results, m, "naive")
+            cpu = paired(results, m, "naive", "cpu_rounds")
+            peak = r.get("peak_mib")
+            npeak = naive.get("peak_mib")
+            cells = [
+                kind,
+                str(n),
+                m,
+                f"{r['time']:.2f} [{r['min']:.2f}, {r['max']:.2f}]",
+                "-" if wall is None else f"{wall[0]:.3f} [{wall[1]:.3f}, {wall[2]:.3f}]",
+                "-" if cpu is None else f"{cpu[0]:.3f}",
+                _fmt(peak, ".0f"),
+                _fmt(None if peak is None or not npeak else peak / npeak, ".2f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_tokens(
+    counts: list[int],
+    kinds: list[str],
+    methods: list[str],
+    reps: int,
+    warmups: int,
+    timeout: float,
+    once: bool,
+) -> None:
+    """naive, ``klpo`` and ``klpo loss`` (or ``methods``) at each token count of ``counts`` on the
+    default head (H = 896, V = 151,936, float32, forward + backward), interleaved rounds per
+    count (``--once``: one call each in its own process), peak memory per method in its own
+    process; naive is left out (said so) where ``MemAvailable`` is below 1.25x its three
+    ``[N, V]`` float32 tensors."""
+    h, v = SWEEP_TOKENS_SHAPE
+    rows = []
+    for kind in kinds:
+        for n in counts:
+            chosen = list(methods)
+            avail = mem_available()
+            skipped = {}
+            if "naive" in chosen and avail is not None and naive_bytes(n, v) * 1.25 > avail:
+                chosen.remove("naive")
+                skipped["naive"] = {
+                    "error": f"skipped: needs {naive_bytes(n, v) / 2**30:.1f} GiB, "
+                    f"{avail / 2**30:.1f} available"
+                }
+            results = measure_group(
+                Case(kind, "", n, h, v, "float32"), chosen, reps, timeout, warmups, once
+            )
+            results.update(skipped)
+            print(f"  {kind} N={n}: {json.dumps(results)}", file=sys.stderr, flush=True)
+            rows.append((kind, n, results))
+            print(f"  done: {kind} N={n}", file=sys.stderr, flush=True)
+    print(sweep_tokens_table(rows, methods))
+
+
 def head_shapes(head: str, tokens: int | None) -> list[tuple[int, int, int]]:
     """The log-prob shapes of ``--head`` (:data:`HEADS`), with ``tokens`` tokens if given."""
     if head not in HEADS:
@@ -675,6 +809,17 @@ def main() -> None:
     )
     parser.add_argument("--sweep", action="store_true", help="klpo's tile sizes")
     parser.add_argument(
+        "--sweep-tokens",
+        default="",
+        help="comma-separated token counts (say 256,512,1024,2048,4096,8192): naive, klpo and "
+        "klpo loss at each on the default head, with ratios to naive from the same rounds",
+    )
+    parser.add_argument(
+        "--sweep-kinds",
+        default="logp",
+        help="with --sweep-tokens: comma-separated cases, logp and/or kl (default logp)",
+    )
+    parser.add_argument(
         "--sweep-loss", action="store_true", help="the token chunks of klpo's fused loss"
     )
     args = parser.parse_args()
@@ -688,6 +833,14 @@ def main() -> None:
             f"--dtypes takes {','.join(DTYPES)}, --reps ≥ 1 and --warmups ≥ 0; got "
             f"{args.dtypes}, {args.reps}, {args.warmups}"
         )
+    if args.sweep_tokens:
+        try:
+            counts = parse_tokens(args.sweep_tokens)
+        except ValueError as err:
+            parser.error(str(err))
+        kinds = [k for k in args.sweep_kinds.split(",") if k]
+        if not kinds or any(k not in ("logp", "kl") for k in kinds):
+            parser.error(f"--sweep-kinds takes logp and/or kl, got {args.sweep_kinds!r}")
     if args.tokens is not None and not args.head:
         parser.error("--tokens sets the token count of --head's shapes; give --head too")
     if args.head:
@@ -701,6 +854,18 @@ def main() -> None:
         return
     if args.sweep_loss:
         sweep_loss(args.timeout, args.reps)
+        return
+    if args.sweep_tokens:
+        methods = [m for m in args.methods.split(",") if m] or SWEEP_TOKENS_METHODS
+        start = time.perf_counter()
+        sweep_tokens(counts, kinds, methods, args.reps, args.warmups, args.timeout, args.once)
+        print(
+            f"\nTotal wall time {time.perf_counter() - start:.0f} s. H=896 V=151936 float32, "
+            "forward + backward of the weighted sum; ×naive: median [min, max] over the "
+            "interleaved rounds of each round's ratio (wall time), and the median of the CPU-time "
+            "ratios (this process's CPU seconds, which a shared core's load inflates less); "
+            "peak: peak RSS over the inputs', own process."
+        )
         return
 
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES

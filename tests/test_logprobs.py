@@ -38,8 +38,10 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from klpo import fused_kernel as fk
 from klpo import gemm
 from klpo import logprobs as lp
+from klpo._logits import affine
 from klpo.logprobs import LogitTransform
 
 U32 = 2.0**-24
@@ -505,7 +507,283 @@ def test_fused_logp_only_gradcheck_float64():
             h, w, tokens, bias=b, temperature=0.8, with_entropy=False, token_chunk=3, vocab_chunk=6
         ).logp
 
-    assert torch.autograd.gradcheck(f, (h, w, b))
+    # The first backward pass takes the kept tiles, gradcheck's second recomputes them: they
+    # differ by float64 rounding (nondet_tol).
+    assert torch.autograd.gradcheck(f, (h, w, b), nondet_tol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# What fused's forward pass keeps for a log-prob-only backward pass (klpo.fused_kernel.saving).
+
+
+def kept_by(out) -> str:
+    """The saving a fused call's forward pass kept (``klpo.fused_kernel.SAVINGS``' row), read from
+    its autograd node: the tiles it holds, and its saved tensors ``(9 inputs and log Z's,
+    entropy, kl, 1 / s, unit)``."""
+    node = out.logp.grad_fn
+    while not hasattr(node, "saved_tensors"):  # the view of the [N] output, then fused's node
+        node = node.next_functions[0][0]
+    tiles, unit = node.tiles, node.saved_tensors[12]
+    kept = [t for t in tiles or () if t is not None]
+    assert not (kept and unit is not None)
+    return "tiles" if kept else "unit" if unit is not None else "recompute"
+
+
+def kept_tiles(out) -> list:
+    """The tiles a fused call's forward pass holds for its backward pass (None: one past the
+    budget, to be recomputed)."""
+    return out.logp.grad_fn.next_functions[0][0].tiles  # fused's node, under the output's view
+
+
+@pytest.fixture
+def keep_per_weight(monkeypatch):
+    """Set ``klpo.fused_kernel.KEEP_PER_WEIGHT`` for one test."""
+
+    def set_to(value: float) -> None:
+        monkeypatch.setattr(fk, "KEEP_PER_WEIGHT", value)
+
+    return set_to
+
+
+def logp_only_call(p: Problem, frozen: bool, with_entropy: bool, **kw):
+    """``fused`` on ``p``'s policy alone with grad on hidden (and on weight and bias unless
+    ``frozen``), its output and the gradients of ``sum a logp`` (None for a frozen leaf)."""
+    hidden = p.hidden.detach().requires_grad_(True)
+    weight = p.weight.detach().requires_grad_(not frozen)
+    bias = None if p.bias is None else p.bias.detach().requires_grad_(not frozen)
+    out = lp.fused(
+        hidden, weight, p.tokens, bias=bias, temperature=p.temperature,
+        with_entropy=with_entropy, **kw,
+    )  # fmt: skip
+    kept = kept_by(out)
+    (p.upstream[0].to(out.logp.dtype) * out.logp).sum().backward()
+    grads = {"grad_hidden": hidden.grad, "grad_weight": weight.grad}
+    grads["grad_bias"] = None if bias is None else bias.grad
+    return out, grads, kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("frozen", [False, True], ids=["head-grad", "frozen-head"])
+@pytest.mark.parametrize("keep", ["all", "part", "none"])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_logp_only_saving_matches_float64_naive(
+    keep_per_weight, dtype, shape, frozen, keep, with_entropy
+):
+    """Every row of the saving rule, with budgets that hold every tile, about half of them (the
+    rest recomputed) and less than one: a head with a gradient keeps the tiles the budget holds,
+    in loop order, and recomputes the rest (all of them under a budget below one tile), a frozen
+    head keeps ``pi @ W`` whatever the budget; the values and the gradients of ``sum a logp`` are
+    float64 naive's within the same bounds as the recomputing kernel's."""
+    n, h, v, token_chunk, vocab_chunk = shape
+    keep_per_weight({"all": (n + 0.5) / h, "part": n / 2 / h, "none": 0.0}[keep])
+    p = make_problem(n, h, v, dtype=dtype, temperature=0.7, bias=True, ref=False)
+    p.upstream = (p.upstream[0], torch.zeros(n, dtype=torch.float64), p.upstream[2])
+    ref = naive(p)  # d loss / d entropy = 0: the gradients of sum a * logp alone
+    call = lambda: logp_only_call(  # noqa: E731
+        p, frozen, with_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+    )
+    if not frozen and keep != "none":  # which tiles the budget held, before the backward pass
+        hidden = p.hidden.detach().requires_grad_(True)
+        weight = p.weight.detach().requires_grad_(True)
+        tiles = kept_tiles(lp.fused(hidden, weight, p.tokens, token_chunk=token_chunk,
+                                    vocab_chunk=vocab_chunk, with_entropy=with_entropy))  # fmt: skip
+        held = [t is not None for t in tiles]
+        assert len(tiles) == math.ceil(v / vocab_chunk) * math.ceil(n / token_chunk)
+        assert sum(t.numel() for t in tiles if t is not None) <= fk.keep_budget(v, h)
+        assert all(held) if keep == "all" else (any(held) and not all(held))
+    out, grads, kept = call()
+    assert kept == ("unit" if frozen else "recompute" if keep == "none" else "tiles")
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, ref["logp"], tol)
+    if with_entropy:
+        assert_within("entropy", out.entropy, ref["entropy"], tol)
+    bound = grad_bound(p, ref, tol, False)
+    for name, got in grads.items():
+        if frozen and name != "grad_hidden":
+            assert got is None
+            continue
+        assert got.dtype == dtype
+        assert_within(name, got, ref[name], bound[name])
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["head-grad", "frozen-head"])
+def test_a_saving_left_unused_when_the_entropy_gets_a_gradient(keep_per_weight, frozen):
+    """A saving serves only ``logp``'s gradient: with the entropy's too the backward pass
+    recomputes the tiles, and every gradient is float64 naive's."""
+    keep_per_weight(100.0)
+    p = make_problem(37, 24, 301, dtype=torch.float32, temperature=0.7, bias=True, ref=False)
+    ref = naive(p)
+    hidden = p.hidden.detach().requires_grad_(True)
+    weight = p.weight.detach().requires_grad_(not frozen)
+    bias = p.bias.detach().requires_grad_(not frozen)
+    out = lp.fused(hidden, weight, p.tokens, bias=bias, temperature=0.7, vocab_chunk=64)
+    assert kept_by(out) == ("unit" if frozen else "tiles")
+    a, c = (u.float() for u in p.upstream[:2])
+    ((a * out.logp).sum() + (c * out.entropy).sum()).backward()
+    tol = value_tol(p, ref)
+    bound = grad_bound(p, ref, tol, False)
+    assert_within("grad_hidden", hidden.grad, ref["grad_hidden"], bound["grad_hidden"])
+    if not frozen:
+        assert_within("grad_weight", weight.grad, ref["grad_weight"], bound["grad_weight"])
+        assert_within("grad_bias", bias.grad, ref["grad_bias"], bound["grad_bias"])
+
+
+def test_the_saving_rule(keep_per_weight):
+    """``saving``'s rows (klpo.fused_kernel.SAVINGS): nothing without a gradient, a reference or a
+    soft cap; ``pi @ W`` for a frozen head; the tiles for a head with a gradient where the budget
+    (KEEP_PER_WEIGHT per weight of the head) holds one tile, and none where it does not."""
+    p = make_problem(8, 4, 30, dtype=torch.float32, bias=True)
+    plan = gemm.Plan("mm", "mm", "mm", False)
+    plain = affine(None, 1.0, "transform")
+    cap = affine(LogitTransform.make(softcap=30.0), 1.0, "transform")
+
+    def head(transform=plain):
+        return fk.HeadTiles(p.hidden, p.weight, p.bias, transform, torch.float32, plan)
+
+    ref = fk.HeadTiles(p.hidden_ref, p.weight_ref, p.bias_ref, plain, torch.float32, plan)
+    chunks = (4096, 10)  # tiles of 8 tokens by 10 entries: 80 floats, the budget 1.0 * 30 * 4
+    rows = [
+        ((head(), None, (False, False, False)), "recompute"),  # no gradient (or no_grad)
+        ((head(), None, (True, True, True)), "tiles"),
+        ((head(), None, (False, True, False)), "tiles"),  # the head alone
+        ((head(), None, (False, False, True)), "tiles"),  # the bias alone
+        ((head(), None, (True, False, False)), "unit"),  # a frozen head
+        ((head(), ref, (True, True, True)), "recompute"),  # the KL
+        ((head(), ref, (True, False, False)), "recompute"),
+        ((head(cap), None, (True, True, True)), "recompute"),  # a soft cap
+        ((head(cap), None, (True, False, False)), "recompute"),
+    ]
+    keep_per_weight(1.0)
+    assert fk.keep_budget(30, 4) == 120
+    for args, want in rows:
+        assert fk.saving(*args, chunks) == want, (args[2], want)
+    keep_per_weight(80 / 120)  # the budget holds one tile exactly
+    assert fk.saving(head(), None, (True, True, False), chunks) == "tiles"
+    keep_per_weight(79 / 120)  # not one
+    assert fk.saving(head(), None, (True, True, False), chunks) == "recompute"
+    assert fk.saving(head(), None, (True, False, False), chunks) == "unit"
+
+
+def test_nothing_is_kept_without_a_graph(monkeypatch):
+    """Under ``torch.no_grad`` (a scoring pass) the rule is asked with no gradient needed, even
+    for leaves that require one, and keeps nothing."""
+    asked = []
+    rule = fk.saving
+
+    def spy(pol, ref, needs, chunks):
+        asked.append((needs, rule(pol, ref, needs, chunks)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(fk, "saving", spy)
+    p = make_problem(6, 8, 50, dtype=torch.float32, ref=False)
+    hidden = p.hidden.requires_grad_(True)
+    weight = p.weight.requires_grad_(True)
+    with torch.no_grad():
+        lp.fused(hidden, weight, p.tokens)
+    out = lp.fused(hidden, weight, p.tokens)
+    assert asked == [((False, False, False), "recompute"), ((True, True, False), "tiles")]
+    assert kept_by(out) == "tiles"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["head-grad", "frozen-head"])
+def test_a_saving_is_dropped_where_a_token_overflowed(frozen):
+    """A token whose ``exp(x - x_y)`` overflowed (a logit 150 above its target's) is redone with
+    its max as the offset, so the forward's tiles (and ``pi @ W``) are not its ``pi``: nothing is
+    kept, the backward pass recomputes, and the gradients are float64 naive's."""
+    v = 300
+    weight = torch.zeros(v, 1)
+    weight[0] = -100.0
+    weight[250] = 50.0
+    weight[1:250, 0] = torch.linspace(-3, 3, 249)
+    hidden = torch.ones(4, 1)
+    tokens = torch.tensor([0, 250, 7, 0])
+    up = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float64)
+    p = Problem(hidden, weight, None, tokens, None, None, None, 1.0, (up, up * 0, up * 0))
+    ref = naive(p)
+    out, grads, kept = logp_only_call(p, frozen, False, vocab_chunk=64)
+    assert kept == "recompute"
+    tame = Problem(**{**p.__dict__, "weight": weight.clamp(-3, 3)})
+    assert logp_only_call(tame, frozen, False, vocab_chunk=64)[2] == ("unit" if frozen else "tiles")
+    tol = value_tol(p, ref)
+    assert_within("logp", out.logp, ref["logp"], tol)
+    bound = grad_bound(p, ref, tol, False)
+    assert_within("grad_hidden", grads["grad_hidden"], ref["grad_hidden"], bound["grad_hidden"])
+    if not frozen:
+        assert_within("grad_weight", grads["grad_weight"], ref["grad_weight"], bound["grad_weight"])
+
+
+def test_kept_tiles_go_with_the_first_backward_pass():
+    """The backward pass lets each kept tile go once used (their memory goes as the weight
+    gradient's comes); a second backward pass (``retain_graph``) recomputes the tiles, and both
+    give float64 naive's gradients."""
+    p = make_problem(37, 24, 301, dtype=torch.float32, bias=True, ref=False)
+    p.upstream = (p.upstream[0], torch.zeros(37, dtype=torch.float64), p.upstream[2])
+    ref = naive(p)
+    hidden = p.hidden.detach().requires_grad_(True)
+    weight = p.weight.detach().requires_grad_(True)
+    bias = p.bias.detach().requires_grad_(True)
+    out = lp.fused(hidden, weight, p.tokens, bias=bias, with_entropy=False, vocab_chunk=64)
+    assert kept_by(out) == "tiles"
+    loss = (p.upstream[0].float() * out.logp).sum()
+    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+    assert kept_by(out) == "recompute"
+    second = torch.autograd.grad(loss, (hidden, weight, bias))
+    tol = value_tol(p, ref)
+    bound = grad_bound(p, ref, tol, False)
+    for grads in (first, second):
+        for name, got in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, strict=True):
+            assert_within(name, got, ref[name], bound[name])
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["head-grad", "frozen-head"])
+def test_saving_gradcheck_float64(frozen):
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(23, 5, dtype=torch.float64, generator=gen, requires_grad=not frozen)
+    b = torch.randn(23, dtype=torch.float64, generator=gen, requires_grad=not frozen)
+    tokens = torch.tensor([0, 22, 5, 5, 11, 3, 22])
+
+    def f(*leaves):
+        hh, ww, bb = leaves if not frozen else (leaves[0], w, b)
+        out = lp.fused(hh, ww, tokens, bias=bb, temperature=0.8, token_chunk=3, vocab_chunk=6)
+        assert kept_by(out) == ("unit" if frozen else "tiles")
+        return out.logp
+
+    # gradcheck runs the backward pass twice on one graph: the first uses the kept tiles, the
+    # second recomputes them, so the two differ by float64 rounding (nondet_tol).
+    assert torch.autograd.gradcheck(f, (h,) if frozen else (h, w, b), nondet_tol=1e-12)
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_kept_tiles_are_at_most_the_heads_size(n):
+    """The memory the saving costs: the kept tiles hold at most as many float32 as the head has
+    weights (V H), all the tiles for N ≤ H, whole tiles up to that for N > H (the rest are
+    recomputed), held by the node rather than saved; nothing else beyond the inputs but a few
+    floats a token; a frozen head's ``pi @ W`` is one ``[N, H]``."""
+    h, v = 16, 1000
+    p = make_problem(n, h, v, dtype=torch.float32, bias=True, ref=False)
+    hidden = p.hidden.requires_grad_(True)
+    weight = p.weight.requires_grad_(True)
+    bias = p.bias.requires_grad_(True)
+    out, saved = saved_bytes(lambda: lp.fused(hidden, weight, p.tokens, bias=bias, vocab_chunk=64))
+    inputs = sum(t.numel() * t.element_size() for t in (hidden, weight, bias, p.tokens))
+    extra = sum(b for _, b in saved) - inputs
+    assert 0 <= extra <= 5 * 4 * n  # log Z, entropy, 1 / s, x_y
+    tiles = kept_tiles(out)
+    held = sum(t.numel() for t in tiles if t is not None)
+    if n <= h:  # every tile: N V = 16,000 floats, the head's V H
+        assert held == n * v and all(t is not None for t in tiles)
+    else:  # a prefix in loop order, within one tile (64 x 64) of V H
+        assert v * h - 64 * n < held <= v * h and None in tiles
+    assert kept_by(out) == "tiles"
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    out, saved = saved_bytes(lambda: lp.fused(hidden, weight, p.tokens, bias=bias, vocab_chunk=64))
+    extra = sum(b for _, b in saved) - inputs
+    assert 0 <= extra - 4 * n * h <= 4 * 4 * n
+    assert kept_by(out) == "unit"
+    out.logp.sum().backward()
 
 
 def test_tied_embedding_gradient():

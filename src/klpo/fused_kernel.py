@@ -32,7 +32,24 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   + delta 1[v = y]`` and the per-token ``alpha`` is taken out of the tile: ``grad_hidden = alpha
   (pi @ weight) + delta weight[y]`` and ``grad_weight = pi.T @ (alpha hidden) + delta hidden`` at
   the targets' rows, so a tile costs one ``exp`` and its GEMMs. Only the inputs and a few floats
-  per token are saved for the backward pass; no tile outlives its iteration.
+  per token are saved for the backward pass; no tile outlives its iteration, except by the
+  saving below.
+* Saving (:func:`saving`, :data:`SAVINGS`): the recompute is the fourth GEMM of a tile where a
+  method that holds the logits runs three, so for a backward pass where only ``logp`` has a
+  gradient the forward pass keeps what spares it, chosen once per call from the inputs' gradient
+  flags: with a frozen head (no weight or bias gradient: a LoRA policy), ``pi @ weight``
+  (``[N, H]``, one GEMM a tile in the forward pass), so the backward pass runs no tile at all (two
+  GEMMs a tile in all, as naive with a frozen head); with a head gradient, the tiles' ``e = exp(x
+  - x_y)`` in loop order up to :func:`keep_budget` floats (as many as the head has weights, ``V
+  H``: all of them for ``N ≤ H``), which the backward pass multiplies into the gradients with
+  ``alpha / s`` in place of ``alpha`` (``pi = e / s``; the tiles past the budget are recomputed
+  as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``, and the
+  kept tiles never outgrow the weight gradient, which fills the memory they free (the peak lies
+  between the recomputing kernel's and that plus ``V H`` floats, as the allocator returns
+  memory).
+  Neither for the KL (its reference's tiles would double the memory), a soft cap (its
+  ``dx/dz`` would be another tile) or a token whose sums overflowed (its ``e`` is not its
+  ``pi``); with an entropy gradient the kept tiles go unused and the tiles are recomputed.
 * Loop order: vocabulary chunks outside, token chunks inside, so each weight chunk is converted to
   float32 once per pass and the weight gradient of a chunk is finished before the next starts (no
   float32 ``[V, H]`` accumulator beside the gradient itself).
@@ -47,7 +64,8 @@ anyway.
 
 Speed on CPU: the GEMMs dominate (four per tile for log-probs: forward, recompute, and the two
 gradients; six for KL), so the floor of this recomputing kernel is 4/3 (log-probs) or 6/4 (KL) of
-the GEMMs a method that keeps the logits needs. Each of the three GEMM roles runs on the backend
+the GEMMs a method that keeps the logits needs; the saving brings log-probs to three (two for a
+frozen head) where it applies. Each of the three GEMM roles runs on the backend
 measured fastest on the machine, oneDNN or torch.mm, once and cached (:mod:`klpo.gemm`): on an
 AVX-512 CPU oneDNN's float32 GEMM is the faster, on one without AVX-512 (or with oneDNN capped at
 AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the passes are kept to one
@@ -58,6 +76,7 @@ AVX2) MKL's often is. ``exp`` is the only elementwise pass that costs, so the pa
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -80,16 +99,21 @@ from klpo._logits import (
 )
 
 __all__ = [
+    "KEEP_PER_WEIGHT",
     "PLAN_TOKENS",
+    "SAVINGS",
     "TILE_ELEMENTS",
     "TOKEN_CHUNK",
     "VOCAB_CHUNK_MAX",
     "HeadTiles",
+    "Saving",
     "check_head_args",
     "default_vocab_chunk",
     "fused",
     "given_or_head_plan",
     "head_plan",
+    "keep_budget",
+    "saving",
 ]
 
 
@@ -227,12 +251,19 @@ def _sums(
     with_entropy: bool,
     token_chunk: int,
     vocab_chunk: int,
+    keep: tuple[list[Tensor | None] | None, Tensor | None, int] = (None, None, 0),
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-token sums over the vocabulary, relative to the references ``m`` and ``m_ref``.
 
     With ``e_v = exp(x_v - m)``: ``s = sum e``, ``s_x = sum e (x - m)`` (entropy),
     ``s_d = sum e (x - m - x_ref + m_ref)`` and ``s_ref = sum exp(x_ref - m_ref)`` (KL).
+    ``keep = (tiles, unit, budget)`` (the backward pass's saving, :func:`saving`): ``tiles`` a
+    list that gets each tile's ``e`` (``[vc, n]``, in loop order) while the kept tiles hold at
+    most ``budget`` floats, None for each tile after that; ``unit`` a float32 ``[N, H]`` of zeros
+    that gets ``sum_v e_v weight_v`` added (the hidden states' gradient before its per-token
+    factor); None: not wanted.
     """
+    tiles, unit, budget = keep
     n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
 
     def zeros() -> Tensor:
@@ -252,6 +283,12 @@ def _sums(
             x = pol.tile(w, v0, t, m)  # [vc, n]
             e = torch.exp(x) if keep_x else x.exp_()
             add_column_sums(s[t], e)
+            if tiles is not None:
+                fits = e.numel() <= budget
+                tiles.append(e if fits else None)
+                budget = budget - e.numel() if fits else 0  # kept: a prefix in loop order
+            if unit is not None:
+                gemm.grad_hidden(unit[t], e, w, pol.plan.grad_hidden)
             if s_x is not None:
                 add_column_dots(s_x[t], e, x)
             if ref is not None:
@@ -324,11 +361,12 @@ def given_or_head_plan(
 def _backward_logp(
     pol: HeadTiles,
     tokens: Tensor,
-    log_z: Tensor,
+    offset: Tensor,
     alpha: Tensor,
     delta: Tensor | None,
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     ctx,
+    saved: tuple[list[Tensor | None] | None, Tensor | None] = (None, None),
 ) -> None:
     """The backward pass when only ``logp`` has a gradient: ``G / T = alpha pi + delta 1[v = y]``.
 
@@ -339,7 +377,17 @@ def _backward_logp(
     tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grads = (grad_h,
     grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]``, zeros; None: not needed); ``ctx``
     gives the chunk sizes.
+
+    A tile is ``exp(x - offset)``: ``pi`` with ``offset = log Z``. ``saved = (tiles, unit)``:
+    what the forward pass kept (:func:`saving`). ``tiles``, the forward's ``e = exp(x - x_y) = s
+    pi`` in loop order (None for a tile not kept, recomputed with ``offset = x_y``), stand in for
+    the recomputed tiles (no GEMM, no ``exp``; dropped from the list once used, so that their
+    memory goes as the weight gradient's comes); the caller passes ``alpha / s`` as ``alpha``.
+    ``unit``, the finished ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its
+    per-token factor, so no tile is needed for it (with a frozen head, none at all). None:
+    recompute.
     """
+    tiles, unit = saved
     grad_h, grad_w, grad_b = grads
     cd, plan = pol.cd, pol.plan
     token_chunk, vocab_chunk = ctx.token_chunk, ctx.vocab_chunk
@@ -352,7 +400,13 @@ def _backward_logp(
     dw_buffer = None
     if grad_w is not None and not direct:
         dw_buffer = torch.empty(min(vocab_chunk, vocab), hs, dtype=cd, device=device)
-    for v0 in range(0, vocab, vocab_chunk):
+    tile_h = grad_h  # the tiles' part of the hidden states' gradient, unless saved
+    if unit is not None and grad_h is not None:
+        grad_h.copy_(unit)
+        tile_h = None
+    tiles_needed = tile_h is not None or grad_w is not None or gb is not None
+    k = 0  # the next saved tile
+    for v0 in range(0, vocab if tiles_needed else 0, vocab_chunk):
         v1 = min(v0 + vocab_chunk, vocab)
         w = pol.chunk(v0, v1)
         dw = None
@@ -360,12 +414,16 @@ def _backward_logp(
             dw = grad_w[v0:v1] if direct else dw_buffer[: v1 - v0]
         for t0 in range(0, n, token_chunk):
             t = slice(t0, min(t0 + token_chunk, n))
-            pi, slope = pol.tile_slope(w, v0, t, log_z)
-            pi.exp_()  # pi.T: [vc, n]
-            if slope is not None:  # a soft cap: dx/dz at each entry (alpha is taken out still)
-                pi.mul_(slope)
-            if grad_h is not None:
-                gemm.grad_hidden(grad_h[t], pi, w, plan.grad_hidden)
+            pi = None
+            if tiles is not None:
+                pi, tiles[k], k = tiles[k], None, k + 1  # s pi.T: [vc, n], let go after use
+            if pi is None:
+                pi, slope = pol.tile_slope(w, v0, t, offset)
+                pi.exp_()  # pi.T: [vc, n]
+                if slope is not None:  # a soft cap: dx/dz at each entry (alpha taken out still)
+                    pi.mul_(slope)
+            if tile_h is not None:
+                gemm.grad_hidden(tile_h[t], pi, w, plan.grad_hidden)
             if dw is not None:
                 gemm.grad_weight(dw, pi, ha[t], plan.grad_weight, t0 > 0)
             if gb is not None:
@@ -400,14 +458,15 @@ def _redo_overflowed(
 ) -> None:
     """The tokens whose sums overflowed (a logit ~88 above the target's) redone with the row's max
     as the reference (one more pass over their tiles, :meth:`HeadTiles.row_max`), in place in
-    ``outs = (logp, log_z, entropy, kl, log_z_ref)``; nothing to do where every output is finite."""
+    ``outs = (logp, log_z, entropy, kl, log_z_ref)``; nothing to do where every output is finite.
+    Returns whether any token was redone."""
     logp, log_z, ent, kl, log_z_ref = outs
     finite = torch.isfinite(logp)
     for t in (ent, kl, log_z_ref):
         if t is not None:
             finite &= torch.isfinite(t)
     if bool(finite.all()):
-        return
+        return False
     idx = (~finite).nonzero()[:, 0]
     pol_i = pol.subset(idx)
     ref_i = None if ref is None else ref.subset(idx)
@@ -421,12 +480,79 @@ def _redo_overflowed(
     if kl is not None:
         kl[idx] = kl_i
         log_z_ref[idx] = m_ref_i + torch.log(sums_i[3])
+    return True
+
+
+KEEP_PER_WEIGHT = 1.0
+""":func:`fused` keeps at most this many forward tiles' logits per weight of the head (``V H``)
+for a log-prob-only backward pass (:func:`saving`): the kept tiles then never outgrow the weight
+gradient, which fills the memory they free as the backward pass uses them, so the peak lies
+between the recomputing kernel's and that plus ``V H`` floats (as the allocator returns freed
+memory; docs/performance.md). Every tile is kept for ``N ≤ H``, a share ``H / N`` past that."""
+
+
+def keep_budget(vocab: int, hidden_size: int) -> int:
+    """How many logits :func:`fused` may keep for its backward pass: :data:`KEEP_PER_WEIGHT` per
+    weight of a ``[vocab, hidden_size]`` head."""
+    return int(KEEP_PER_WEIGHT * vocab * hidden_size)
+
+
+class Saving(NamedTuple):
+    """What :func:`fused`'s forward pass keeps for a log-prob-only backward pass.
+
+    Attributes:
+        tiles: the tiles' ``e = exp(x - x_y)`` up to :func:`keep_budget` floats: the backward
+            pass runs the two gradient GEMMs on them instead of recomputing them (three GEMMs a
+            kept tile, as a method that holds the logits; four a tile past the budget).
+        unit: ``pi @ W`` (``[N, H]``, one more GEMM a tile in the forward pass): the hidden
+            states' gradient for a frozen head, so the backward pass needs no tile (two GEMMs
+            a tile in all, as naive with a frozen head).
+    """
+
+    tiles: bool
+    unit: bool
+
+
+SAVINGS: dict[str, Saving] = {
+    "recompute": Saving(False, False),
+    "tiles": Saving(True, False),
+    "unit": Saving(False, True),
+}
+
+
+def saving(
+    pol: HeadTiles, ref: HeadTiles | None, needs: tuple[bool, bool, bool], chunks: tuple[int, int]
+) -> str:
+    """Which :data:`SAVINGS` row :func:`fused`'s forward pass takes, from what it knows before the
+    backward pass: ``needs``, whether hidden, weight and bias get a gradient (all False when
+    autograd does not record the call), and ``chunks = (token_chunk, vocab_chunk)``.
+
+    Both savings serve a backward pass where only ``logp`` has a gradient (the policy-gradient
+    loss; with an entropy gradient too the tiles are recomputed and the saving goes unused).
+    ``"unit"`` where only the hidden states get a gradient (a frozen head: LoRA); ``"tiles"``
+    where the head gets one and :func:`keep_budget` holds a tile (the budget's tiles are kept,
+    the rest recomputed); ``"recompute"`` otherwise, and
+    always for a reference (the KL), a soft cap (its ``dx/dz`` would be one more tile) and the
+    bf16 weight-gradient GEMM (which takes the recompute path).
+    """
+    need_h, need_w, need_b = needs
+    vocab, hidden_size = pol.weight.shape
+    token_chunk, vocab_chunk = chunks
+    tile = min(pol.hidden.shape[0], token_chunk) * min(vocab_chunk, vocab)
+    if ref is not None or pol.capped or not (need_h or need_w or need_b):
+        return "recompute"
+    if not (need_w or need_b):
+        return "unit"
+    bf16_w = _bf16_grad_weight(pol, need_w, token_chunk)
+    if keep_budget(vocab, hidden_size) >= tile and not bf16_w:
+        return "tiles"
+    return "recompute"
 
 
 class _Fused(torch.autograd.Function):
     """``(logp, entropy, kl)`` from hidden states and the head (:func:`fused`); the backward
     pass recomputes the tiles (:func:`_backward_logp` when only ``logp`` has a gradient, else
-    :func:`_backward_tiles`)."""
+    :func:`_backward_tiles`), or takes what the forward pass kept (:func:`saving`)."""
 
     @staticmethod
     def forward(
@@ -444,7 +570,10 @@ class _Fused(torch.autograd.Function):
         token_chunk: int,
         vocab_chunk: int,
         plan: gemm.Plan,
+        grad_on: bool,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``grad_on``: whether autograd records the call (inside a Function's forward it never
+        does, and ``ctx.needs_input_grad`` does not say)."""
         ctx.set_materialize_grads(False)
         cd = compute_dtype(hidden, weight, bias, hidden_ref, weight_ref, bias_ref)
         pol = HeadTiles(hidden, weight, bias, aff, cd, plan)
@@ -453,21 +582,41 @@ class _Fused(torch.autograd.Function):
             if hidden_ref is None
             else HeadTiles(hidden_ref, weight_ref, bias_ref, aff_ref, cd, plan)
         )
+        needs = ctx.needs_input_grad[:3] if grad_on else (False, False, False)
+        kept = SAVINGS[saving(pol, ref, needs, (token_chunk, vocab_chunk))]
+        tiles = [] if kept.tiles else None
+        unit = torch.zeros(pol.hidden.shape, dtype=cd, device=hidden.device) if kept.unit else None
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
-        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk)
+        budget = keep_budget(*weight.shape)
+        keep = (tiles, unit, budget)
+        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, keep)
         logp, log_z, ent, kl = _finish(x_y, x_y, sums)
         log_z_ref = None if ref is None else m_ref + torch.log(sums[3])
 
-        _redo_overflowed(
+        redone = _redo_overflowed(
             pol, ref, x_y, (logp, log_z, ent, kl, log_z_ref), with_entropy, token_chunk, vocab_chunk
         )
+        inv_s = None
+        if tiles is not None or unit is not None:
+            # pi = e / s. A redone token's e overflowed, and 1 / s below float32's normal range
+            # (a target ~87 nats below the row's max) would lose digits: recompute instead.
+            inv_s = torch.reciprocal(sums[0])
+            if redone or not bool((inv_s >= torch.finfo(cd).tiny).all()):
+                tiles = unit = inv_s = None
+            elif unit is not None:
+                unit.mul_(inv_s[:, None])
         logp = logp.clamp_max(0.0)
         ent = None if ent is None else ent.clamp_min(0.0)
         kl = None if kl is None else kl.clamp_min(0.0)
         saved = (hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, log_z, log_z_ref)
-        ctx.save_for_backward(*saved, ent, kl)
+        # x_y: the offset of the tiles past the budget, recomputed as the kept ones, e = s pi.
+        ctx.save_for_backward(*saved, ent, kl, inv_s, unit, None if tiles is None else x_y)
+        # The tiles are held by ctx itself, not saved, so that the backward pass can let each go
+        # once used: the weight gradient then fills the memory they free, and the peak is the
+        # larger of the two, not their sum.
+        ctx.tiles = tiles
         ctx.aff, ctx.aff_ref, ctx.cd = aff, aff_ref, cd
         ctx.token_chunk, ctx.vocab_chunk, ctx.plan = token_chunk, vocab_chunk, plan
         return logp, ent, kl
@@ -475,9 +624,12 @@ class _Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_kl):
         hidden, weight, bias, tokens, hidden_ref, weight_ref, bias_ref, *rest = ctx.saved_tensors
-        log_z, log_z_ref, ent, kl = rest
+        log_z, log_z_ref, ent, kl, inv_s, unit, x_y = rest
+        # Taken from ctx, so that they go tile by tile as used (and with the first backward pass
+        # whatever it needs: a second one, under retain_graph, recomputes).
+        tiles, ctx.tiles = ctx.tiles, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none = (None,) * 13
+        none = (None,) * 14
         if grad_logp is None and grad_entropy is None and grad_kl is None:
             return none
         if not (need_h or need_w or need_b):
@@ -505,7 +657,11 @@ class _Fused(torch.autograd.Function):
         grad_b = torch.empty_like(bias) if need_b else None
         grads = (grad_h, grad_w, grad_b)
         if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
-            _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx)
+            if tiles is None:  # the tiles are pi = exp(x - log Z)
+                _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx, (None, unit))
+            else:  # the tiles are e = exp(x - x_y) = s pi, kept or recomputed
+                a = alpha[0] * inv_s
+                _backward_logp(pol, tokens, x_y, a, delta, grads, ctx, (tiles, None))
         else:
             coefs = (alpha, beta, gamma, delta)
             _backward_tiles(pol, ref, tokens, (log_z, log_z_ref), coefs, grads, ctx)
@@ -513,7 +669,7 @@ class _Fused(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             grad_w,
             grad_b,
-            *(None,) * 10,
+            *(None,) * 11,
         )
 
 
@@ -627,7 +783,11 @@ def fused(
 
     Gradient: with respect to ``hidden``, ``weight`` and ``bias`` (whichever require it), of any
     combination of the three outputs, in one backward pass that recomputes the tiles (the formula
-    for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs' dtypes. A
+    for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs'
+    dtypes. Where only ``logp`` will have a gradient the forward pass may keep what spares the
+    recompute (:func:`klpo.fused_kernel.saving`): ``pi @ weight`` (``[N, H]``) for a frozen head,
+    the tiles (float32, up to as many as the head has weights, ``V H``) for a head with a
+    gradient. A
     ``weight`` tied to the input embeddings (``model.lm_head.weight``) gets this gradient added to
     the embedding's by autograd as usual. The reference (``hidden_ref``, ``weight_ref``,
     ``bias_ref``) is detached.
@@ -678,7 +838,14 @@ def fused(
             raise ValueError(f"{name} must be a positive int, got {size!r}")
     plan = given_or_head_plan(plan, x.hidden, weight, x.cd)
     logp, ent, kl = _Fused.apply(
-        *x.tensors, x.aff, x.aff_ref, bool(with_entropy), token_chunk, vocab_chunk, plan
+        *x.tensors,
+        x.aff,
+        x.aff_ref,
+        bool(with_entropy),
+        token_chunk,
+        vocab_chunk,
+        plan,
+        torch.is_grad_enabled(),
     )
     return FusedOutput(
         logp.view(x.lead),

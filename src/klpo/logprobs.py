@@ -19,7 +19,9 @@ Two families of functions compute them without holding ``[tokens, V]`` float32 t
 * From hidden states and the output head: :func:`fused` returns all three at once from
   ``hidden [N, H]`` (or ``[B, T, H]``), ``weight [V, H]`` and an optional ``bias [V]``, and from
   the reference model's hidden states and head for ``kl``. The logits
-  ``hidden @ weight.T + bias`` never exist beyond one ``vocab_chunk x token_chunk`` tile.
+  ``hidden @ weight.T + bias`` never exist beyond one ``vocab_chunk x token_chunk`` tile, but for
+  the exponentiated tiles a log-prob-only backward pass may keep, up to as many floats as the
+  head has weights (:func:`klpo.fused_kernel.saving`).
 
 Gradients (both families), with upstream gradients ``a``, ``b``, ``c`` of ``logp``, ``entropy``
 and ``kl`` at a position, with respect to the scaled logits ``x``:

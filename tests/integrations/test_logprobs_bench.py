@@ -89,3 +89,40 @@ def test_once_times_each_method_in_its_own_process(lp):
         assert r["time"] == r["min"] == r["max"] == r["once_s"] > 0 and r["rounds"] == [r["time"]]
         assert r["peak_mib"] >= 0 and r["err"] < 1e-5
     assert "| logp | naive |" in lp.table([("logp", got)])
+
+
+def test_sweep_tokens_parsing_and_paired_ratios_by_hand(lp):
+    """``--sweep-tokens``' counts, and the ratio to naive from the same rounds: rounds of 2, 4, 3
+    s against naive's 1, 2, 4 are ratios 2, 2, 0.75 (median 2, min 0.75, max 2)."""
+    assert lp.parse_tokens("256,512, 1024") == [256, 512, 1024]
+    for bad in ("", "a,b", "256,0"):
+        with pytest.raises(ValueError, match="--sweep-tokens takes"):
+            lp.parse_tokens(bad)
+    results = {
+        "naive": {"time": 2.0, "min": 1.0, "max": 4.0, "rounds": [1.0, 2.0, 4.0],
+                  "cpu_rounds": [1.0, 1.0, 2.0], "peak_mib": 100.0},
+        "klpo": {"time": 3.0, "min": 2.0, "max": 4.0, "rounds": [2.0, 4.0, 3.0],
+                 "cpu_rounds": [0.5, 0.75, 1.0], "peak_mib": 25.0},
+        "klpo loss": {"error": "absent"},
+    }  # fmt: skip
+    assert lp.paired(results, "klpo", "naive") == (2.0, 0.75, 2.0)
+    assert lp.paired(results, "klpo", "naive", "cpu_rounds") == (0.5, 0.5, 0.75)
+    assert lp.paired(results, "klpo loss", "naive") is None
+    table = lp.sweep_tokens_table([("logp", 256, results)], ["naive", "klpo", "klpo loss"])
+    assert (
+        "| logp | 256 | klpo | 3.00 [2.00, 4.00] | 2.000 [0.750, 2.000] | 0.500 | 25 | 0.25 |"
+        in (table)
+    )
+    assert "| logp | 256 | klpo loss | absent |" in table
+
+
+def test_sweep_tokens_runs_its_methods_at_each_count(lp, monkeypatch, capsys):
+    """The sweep at a tiny head (the default head's shape patched): one group per count, every
+    method timed and its peak measured, in one table."""
+    monkeypatch.setattr(lp, "SWEEP_TOKENS_SHAPE", (8, 64))
+    lp.sweep_tokens([4, 16], ["logp"], ["naive", "klpo"], 1, 0, 300.0, False)
+    out = capsys.readouterr().out
+    for n in (4, 16):
+        for m in ("naive", "klpo"):
+            row = next(ln for ln in out.splitlines() if ln.startswith(f"| logp | {n} | {m} |"))
+            assert row.count("|") == 9 and "?" not in row
