@@ -206,7 +206,10 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
         )
 
         def forward():
-            before, fused_kernel.KEEP_PER_WEIGHT = fused_kernel.KEEP_PER_WEIGHT, keep
+            before = fused_kernel.KEEP_PER_WEIGHT, fused_kernel.KEEP_ALL_ON_CPU
+            fused_kernel.KEEP_PER_WEIGHT = keep
+            if case.method == "klpo (recompute)":
+                fused_kernel.KEEP_ALL_ON_CPU = False
             try:  # the saving is chosen in the forward pass
                 out = lp.fused(
                     hidden,
@@ -220,7 +223,7 @@ def _method(case: Case, hidden, weight, tokens, coef, hidden_ref, weight_ref):
                     **extra,
                 )
             finally:
-                fused_kernel.KEEP_PER_WEIGHT = before
+                fused_kernel.KEEP_PER_WEIGHT, fused_kernel.KEEP_ALL_ON_CPU = before
             return out.logp if case.kind == "logp" else out.kl
 
     elif case.method == "naive":

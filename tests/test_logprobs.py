@@ -537,10 +537,12 @@ def kept_tiles(out) -> list:
 
 @pytest.fixture
 def keep_per_weight(monkeypatch):
-    """Set ``klpo.fused_kernel.KEEP_PER_WEIGHT`` for one test."""
+    """Set ``klpo.fused_kernel.KEEP_PER_WEIGHT`` for one test (the CPU's keep-every-tile rule
+    off, so that the budget is that many floats per weight here too)."""
 
     def set_to(value: float) -> None:
         monkeypatch.setattr(fk, "KEEP_PER_WEIGHT", value)
+        monkeypatch.setattr(fk, "KEEP_ALL_ON_CPU", False)
 
     return set_to
 
@@ -629,6 +631,24 @@ def test_a_saving_left_unused_when_the_entropy_gets_a_gradient(keep_per_weight, 
         assert_within("grad_bias", bias.grad, ref["grad_bias"], bound["grad_bias"])
 
 
+def test_a_cpu_keeps_every_tile(monkeypatch):
+    """On a CPU (KEEP_ALL_ON_CPU) the budget holds every row's logits, however small the head:
+    a tile of 8 tokens by 10 entries past a 30 x 1 head's 30 weights is kept; elsewhere it is the
+    head's size."""
+    monkeypatch.setattr(fk, "KEEP_PER_WEIGHT", 1.0)
+    monkeypatch.setattr(fk, "KEEP_ALL_ON_CPU", True)
+    assert fk.keep_budget(30, 1, 8, "cpu") == 240 and fk.keep_budget(30, 1, 8, "cuda") == 30
+    assert fk.keep_budget(30, 100, 8, "cpu") == 3000  # the head's size where it is larger
+    p = make_problem(8, 1, 30, dtype=torch.float32, bias=False)
+    plan = gemm.Plan("mm", "mm", "mm", False)
+    head = fk.HeadTiles(
+        p.hidden, p.weight, None, affine(None, 1.0, "transform"), torch.float32, plan
+    )
+    assert fk.saving(head, None, (True, True, False), (4096, 10)) == "tiles"
+    monkeypatch.setattr(fk, "KEEP_ALL_ON_CPU", False)
+    assert fk.saving(head, None, (True, True, False), (4096, 10)) == "recompute"
+
+
 def test_the_saving_rule(keep_per_weight):
     """``saving``'s rows (klpo.fused_kernel.SAVINGS): nothing without a gradient, a reference or a
     soft cap; ``pi @ W`` for a frozen head; the tiles for a head with a gradient where the budget
@@ -655,7 +675,7 @@ def test_the_saving_rule(keep_per_weight):
         ((head(cap), None, (True, False, False)), "recompute"),
     ]
     keep_per_weight(1.0)
-    assert fk.keep_budget(30, 4) == 120
+    assert fk.keep_budget(30, 4) == 120 == fk.keep_budget(30, 4, 8, "cpu")
     for args, want in rows:
         assert fk.saving(*args, chunks) == want, (args[2], want)
     keep_per_weight(80 / 120)  # the budget holds one tile exactly
@@ -756,11 +776,12 @@ def test_saving_gradcheck_float64(frozen):
 
 
 @pytest.mark.parametrize("n", [16, 64])
-def test_kept_tiles_are_at_most_the_heads_size(n):
-    """The memory the saving costs: the kept tiles hold at most as many float32 as the head has
-    weights (V H), all the tiles for N ≤ H, whole tiles up to that for N > H (the rest are
-    recomputed), held by the node rather than saved; nothing else beyond the inputs but a few
-    floats a token; a frozen head's ``pi @ W`` is one ``[N, H]``."""
+def test_kept_tiles_are_at_most_the_heads_size(n, keep_per_weight):
+    """The memory the saving costs off the CPU's keep-every-tile rule: the kept tiles hold at
+    most as many float32 as the head has weights (V H), all the tiles for N ≤ H, whole tiles up
+    to that for N > H (the rest are recomputed), held by the node rather than saved; nothing else
+    beyond the inputs but a few floats a token; a frozen head's ``pi @ W`` is one ``[N, H]``."""
+    keep_per_weight(1.0)
     h, v = 16, 1000
     p = make_problem(n, h, v, dtype=torch.float32, bias=True, ref=False)
     hidden = p.hidden.requires_grad_(True)

@@ -40,8 +40,9 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   flags: with a frozen head (no weight or bias gradient: a LoRA policy), ``pi @ weight``
   (``[N, H]``, one GEMM a tile in the forward pass), so the backward pass runs no tile at all (two
   GEMMs a tile in all, as naive with a frozen head); with a head gradient, the tiles' ``e = exp(x
-  - x_y)`` in loop order up to :func:`keep_budget` floats (as many as the head has weights, ``V
-  H``: all of them for ``N ≤ H``), which the backward pass multiplies into the gradients with
+  - x_y)`` in loop order up to :func:`keep_budget` floats (on a CPU every tile, ``N V`` floats, a
+  third of what naive PyTorch holds; elsewhere as many as the head has weights, ``V H``: all of
+  them for ``N ≤ H``), which the backward pass multiplies into the gradients with
   ``alpha / s`` in place of ``alpha`` (``pi = e / s``; the tiles past the budget are recomputed
   as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``, and the
   kept tiles never outgrow the weight gradient, which fills the memory they free (the peak lies
@@ -99,6 +100,7 @@ from klpo._logits import (
 )
 
 __all__ = [
+    "KEEP_ALL_ON_CPU",
     "KEEP_PER_WEIGHT",
     "PLAN_TOKENS",
     "SAVINGS",
@@ -485,16 +487,29 @@ def _redo_overflowed(
 
 KEEP_PER_WEIGHT = 1.0
 """:func:`fused` keeps at most this many forward tiles' logits per weight of the head (``V H``)
-for a log-prob-only backward pass (:func:`saving`): the kept tiles then never outgrow the weight
-gradient, which fills the memory they free as the backward pass uses them, so the peak lies
-between the recomputing kernel's and that plus ``V H`` floats (as the allocator returns freed
-memory; docs/performance.md). Every tile is kept for ``N ≤ H``, a share ``H / N`` past that."""
+for a log-prob-only backward pass (:func:`saving`), off the CPU (and on it with
+:data:`KEEP_ALL_ON_CPU` false): the kept tiles then never outgrow the weight gradient, which fills
+the memory they free as the backward pass uses them, so the peak lies between the recomputing
+kernel's and that plus ``V H`` floats (as the allocator returns freed memory;
+docs/performance.md). Every tile is kept for ``N ≤ H``, a share ``H / N`` past that."""
+
+KEEP_ALL_ON_CPU = True
+""":func:`fused` on a CPU keeps every tile (``N V`` floats, about a third of the logits, their
+log-softmax and its gradient that naive PyTorch holds at once): measured on an AVX2 CPU at V =
+151,936, the share ``H / N`` of :data:`KEEP_PER_WEIGHT` took 1.10x naive's time at N = 2,048 and
+1.04x at 4,096, every tile 0.86x and 0.81x at 0.50x and 0.41x naive's peak
+(docs/performance.md, "Small micro-batches"). On an accelerator memory is the scarcer of the two,
+and the budget stays the head's size."""
 
 
-def keep_budget(vocab: int, hidden_size: int) -> int:
+def keep_budget(vocab: int, hidden_size: int, tokens: int = 0, device: str = "") -> int:
     """How many logits :func:`fused` may keep for its backward pass: :data:`KEEP_PER_WEIGHT` per
-    weight of a ``[vocab, hidden_size]`` head."""
-    return int(KEEP_PER_WEIGHT * vocab * hidden_size)
+    weight of a ``[vocab, hidden_size]`` head, or on a CPU (``device`` ``"cpu"``, with
+    :data:`KEEP_ALL_ON_CPU`) at least every one of the ``tokens`` rows' logits."""
+    budget = int(KEEP_PER_WEIGHT * vocab * hidden_size)
+    if KEEP_ALL_ON_CPU and device == "cpu":
+        budget = max(budget, tokens * vocab)
+    return budget
 
 
 class Saving(NamedTuple):
@@ -544,7 +559,8 @@ def saving(
     if not (need_w or need_b):
         return "unit"
     bf16_w = _bf16_grad_weight(pol, need_w, token_chunk)
-    if keep_budget(vocab, hidden_size) >= tile and not bf16_w:
+    budget = keep_budget(vocab, hidden_size, pol.hidden.shape[0], pol.hidden.device.type)
+    if budget >= tile and not bf16_w:
         return "tiles"
     return "recompute"
 
@@ -589,7 +605,7 @@ class _Fused(torch.autograd.Function):
         # References: the targets' own logits, so e = exp(x - x_y) = pi / pi(y) needs no max pass.
         x_y = pol.target_logits(tokens)
         m_ref = None if ref is None else ref.target_logits(tokens)
-        budget = keep_budget(*weight.shape)
+        budget = keep_budget(*weight.shape, hidden.shape[0], hidden.device.type)
         keep = (tiles, unit, budget)
         sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, keep)
         logp, log_z, ent, kl = _finish(x_y, x_y, sums)

@@ -77,7 +77,8 @@ def test_a_teacher_equal_to_the_student_is_exactly_zero_at_step_one(
 def test_the_forward_pass_gradient_of_a_teacher_equal_to_the_student_is_exactly_zero(
     tiny_model, dtype, lora
 ) -> None:
-    """algo.fused_loss=on: the exact teacher terms through klpo.teacher.from_hidden_loss."""
+    """algo.fused_loss=on: the exact teacher terms (the forward KL and the JSD through
+    klpo.teacher.from_hidden_loss, the reverse KL through the fused head)."""
     cache: dict = {}
     with loaded_once(cache):
         m = None
@@ -111,7 +112,8 @@ def test_the_teacher_losss_forward_pass_gradient_is_the_per_token_paths(
 ) -> None:
     """algo.fused_loss on against off: the same value and gradients (float64, 1e-12) for a
     teacher unlike the student, masked tokens and a sequence-mean reduction; on calls
-    klpo.teacher.from_hidden_loss, off never; a frozen head (LoRA) gets no gradient."""
+    klpo.teacher.from_hidden_loss for the forward KL and the JSD (``full`` stays on the fused
+    head, measured faster), off never; a frozen head (LoRA) gets no gradient."""
     g = torch.Generator().manual_seed(5)
     f = torch.float64
     b, c, v, h, ht = 3, 4, 11, 5, 7
@@ -145,7 +147,7 @@ def test_the_teacher_losss_forward_pass_gradient_is_the_per_token_paths(
         loss = teacher_loss(cfg, m, x, None, hidden_t, None, {}, red, tokens)
         (2.5 * loss).backward()
         out[mode] = (loss.detach(), x.grad, w.grad, bb.grad)
-    assert len(calls) == 1
+    assert len(calls) == (0 if estimator == "full" else 1)
     assert torch.allclose(out["on"][0], out["off"][0], rtol=0, atol=1e-12)
     assert float(out["on"][0]) > 0
     for name, a, b_ in zip(
