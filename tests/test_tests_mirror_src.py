@@ -35,6 +35,8 @@ COVERED_BY: dict[str, str] = {
     "and gradients",
     "klpo/fused_loss_kernel.py": "tests/test_logprobs.py: fused_loss's value and gradient against "
     "the unfused loss",
+    "klpo/teacher_kernel.py": "tests/test_teacher.py: from_hidden and from_hidden_loss (through "
+    "klpo.teacher, their face) against float64 naive divergences, values and gradients",
     "klpo/loss_metrics.py": "tests/test_losses.py: policy_metrics, value_metrics and kl_metrics "
     "against hand values",
     "klpo/trust_region.py": "tests/test_offpolicy.py: the effective sample size and the "

@@ -388,6 +388,10 @@ def _backward_logp(
     ``unit``, the finished ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its
     per-token factor, so no tile is needed for it (with a frozen head, none at all). None:
     recompute.
+
+    Long because: one loop over the tiles takes each from where it is (kept, or recomputed with
+    its offset) and feeds the three gradients at once; split into functions, each tile's
+    ``pi`` would be formed, held and passed between them, the memory the saving exists to avoid.
     """
     tiles, unit = saved
     grad_h, grad_w, grad_b = grads

@@ -68,6 +68,7 @@ LIBRARY = (
     "klpo.heads",
     "klpo.logprobs",
     "klpo.vocab_parallel",
+    "klpo.teacher_kernel",
     "klpo.estimators",
     "klpo.explain",
     "klpo.kl",
