@@ -251,8 +251,7 @@ def _sums(
     m: Tensor,
     m_ref: Tensor | None,
     with_entropy: bool,
-    token_chunk: int,
-    vocab_chunk: int,
+    chunks: tuple[int, int],
     keep: tuple[list[Tensor | None] | None, Tensor | None, int] = (None, None, 0),
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Per-token sums over the vocabulary, relative to the references ``m`` and ``m_ref``.
@@ -265,6 +264,7 @@ def _sums(
     that gets ``sum_v e_v weight_v`` added (the hidden states' gradient before its per-token
     factor); None: not wanted.
     """
+    token_chunk, vocab_chunk = chunks
     tiles, unit, budget = keep
     n, vocab = pol.hidden.shape[0], pol.weight.shape[0]
 
@@ -363,9 +363,7 @@ def given_or_head_plan(
 def _backward_logp(
     pol: HeadTiles,
     tokens: Tensor,
-    offset: Tensor,
-    alpha: Tensor,
-    delta: Tensor | None,
+    scale: tuple[Tensor, Tensor, Tensor | None],
     grads: tuple[Tensor | None, Tensor | None, Tensor | None],
     ctx,
     saved: tuple[list[Tensor | None] | None, Tensor | None] = (None, None),
@@ -393,6 +391,7 @@ def _backward_logp(
     its offset) and feeds the three gradients at once; split into functions, each tile's
     ``pi`` would be formed, held and passed between them, the memory the saving exists to avoid.
     """
+    offset, alpha, delta = scale
     tiles, unit = saved
     grad_h, grad_w, grad_b = grads
     cd, plan = pol.cd, pol.plan
@@ -478,7 +477,7 @@ def _redo_overflowed(
     ref_i = None if ref is None else ref.subset(idx)
     m_i = pol_i.row_max(token_chunk, vocab_chunk)
     m_ref_i = None if ref_i is None else ref_i.row_max(token_chunk, vocab_chunk)
-    sums_i = _sums(pol_i, ref_i, m_i, m_ref_i, with_entropy, token_chunk, vocab_chunk)
+    sums_i = _sums(pol_i, ref_i, m_i, m_ref_i, with_entropy, (token_chunk, vocab_chunk))
     logp_i, log_z_i, ent_i, kl_i = _finish(x_y[idx], m_i, sums_i)
     logp[idx], log_z[idx] = logp_i, log_z_i
     if ent is not None:
@@ -611,7 +610,7 @@ class _Fused(torch.autograd.Function):
         m_ref = None if ref is None else ref.target_logits(tokens)
         budget = keep_budget(*weight.shape, hidden.shape[0], hidden.device.type)
         keep = (tiles, unit, budget)
-        sums = _sums(pol, ref, x_y, m_ref, with_entropy, token_chunk, vocab_chunk, keep)
+        sums = _sums(pol, ref, x_y, m_ref, with_entropy, (token_chunk, vocab_chunk), keep)
         logp, log_z, ent, kl = _finish(x_y, x_y, sums)
         log_z_ref = None if ref is None else m_ref + torch.log(sums[3])
 
@@ -678,10 +677,10 @@ class _Fused(torch.autograd.Function):
         grads = (grad_h, grad_w, grad_b)
         if beta is None and gamma is None and not _bf16_grad_weight(pol, need_w, ctx.token_chunk):
             if tiles is None:  # the tiles are pi = exp(x - log Z)
-                _backward_logp(pol, tokens, log_z, alpha[0], delta, grads, ctx, (None, unit))
+                _backward_logp(pol, tokens, (log_z, alpha[0], delta), grads, ctx, (None, unit))
             else:  # the tiles are e = exp(x - x_y) = s pi, kept or recomputed
                 a = alpha[0] * inv_s
-                _backward_logp(pol, tokens, x_y, a, delta, grads, ctx, (tiles, None))
+                _backward_logp(pol, tokens, (x_y, a, delta), grads, ctx, (tiles, None))
         else:
             coefs = (alpha, beta, gamma, delta)
             _backward_tiles(pol, ref, tokens, (log_z, log_z_ref), coefs, grads, ctx)

@@ -160,9 +160,8 @@ def from_hidden(
         >>> torch.allclose(got, forward_kl(h @ w.T, ht @ wt.T), atol=1e-12)
         True
     """
-    divergence, rows = _checked(
-        "from_hidden", hidden, weight, hidden_teacher, weight_teacher, divergence, beta, row_chunk
-    )
+    heads = (hidden, weight, hidden_teacher, weight_teacher)
+    divergence, rows = _checked("from_hidden", heads, divergence, beta, row_chunk)
     opts = (divergence, float(beta), float(temperature), group, rows)
     return _FromHidden.apply(
         hidden, weight, bias, hidden_teacher.detach(), weight_teacher.detach(),
@@ -172,17 +171,16 @@ def from_hidden(
 
 def _checked(
     fn: str,
-    hidden: Tensor,
-    weight: Tensor,
-    hidden_teacher: Tensor,
-    weight_teacher: Tensor,
+    heads: tuple[Tensor, Tensor, Tensor, Tensor],
     divergence: str,
     beta: float,
     row_chunk: int | None,
     row_elements: int = ROW_ELEMENTS,
 ) -> tuple[str, int]:
     """The divergence (a JSD at ``beta`` 0 or 1 as the KL it is) and the rows a tile holds
-    (``row_chunk``, default ``row_elements // V_r``), the shapes checked."""
+    (``row_chunk``, default ``row_elements // V_r``), the shapes of ``heads`` (the student's
+    hidden states and head, the teacher's) checked."""
+    hidden, weight, hidden_teacher, weight_teacher = heads
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < beta < 1.0:
@@ -291,8 +289,8 @@ class _FromHiddenLoss(torch.autograd.Function):
     the backward pass (:func:`from_hidden_loss`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, hidden_t, weight_t, bias_t, weights, opts, want):
-        kind, beta, temperature, group, rows = opts
+    def forward(ctx, hidden, weight, bias, hidden_t, weight_t, bias_t, opts):
+        kind, beta, temperature, group, rows, weights, want = opts
         need_h, need_w, need_b = want
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         device = hidden.device
@@ -341,12 +339,12 @@ class _FromHiddenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _):
         if grad_loss is None:
-            return (None,) * 9
+            return (None,) * 7
         scaled = [
             None if g is None else (g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype))
             for g in ctx.saved_tensors
         ]
-        return (*scaled, *(None,) * 6)
+        return (*scaled, *(None,) * 4)
 
 
 def from_hidden_loss(
@@ -417,10 +415,10 @@ def from_hidden_loss(
         >>> torch.allclose(out.loss, (c * forward_kl(h @ w.T, ht @ wt.T)).sum(), atol=1e-12)
         True
     """
+    heads = (hidden, weight, hidden_teacher, weight_teacher)
     divergence, rows = _checked(
-        "from_hidden_loss", hidden, weight, hidden_teacher, weight_teacher, divergence, beta,
-        row_chunk, LOSS_ROW_ELEMENTS,
-    )  # fmt: skip
+        "from_hidden_loss", heads, divergence, beta, row_chunk, LOSS_ROW_ELEMENTS
+    )
     check_float("weights", weights)
     if weights.shape != hidden.shape[:1]:
         raise ValueError(
@@ -433,10 +431,10 @@ def from_hidden_loss(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    opts = (divergence, float(beta), float(temperature), group, rows)
+    w = weights.detach().to(hidden.device)  # no gradient: carried with the options
+    opts = (divergence, float(beta), float(temperature), group, rows, w, want)
     loss, value = _FromHiddenLoss.apply(
         hidden, weight, bias, hidden_teacher.detach(), weight_teacher.detach(),
-        None if bias_teacher is None else bias_teacher.detach(),
-        weights.detach().to(hidden.device), opts, want,
+        None if bias_teacher is None else bias_teacher.detach(), opts,
     )  # fmt: skip
     return FromHiddenLoss(loss, value)
