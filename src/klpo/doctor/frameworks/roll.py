@@ -538,18 +538,40 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
          launcher: str | None, data: dict[str, Any]) -> None:  # fmt: skip
     """The teacher terms of pure or mixed OPD, their refusals and findings."""
     configured = {k: v for k, v in teachers.items() if _configured(v)}
+    if _opd_refused(r, mode, configured, data):
+        return
+    penalty = s.str("kl_penalty") or "kl"
+    est = _opd_estimator(r, mode, launcher, penalty)
+    if est is None:
+        return
+    _opd_terms(r, mode, penalty, est, teachers, configured)
+    first = r.teacher_terms[0]
+    _opd_notes(r, s, mode, penalty, est)
+    _opd_advantage(r, s, mode)
+    if len(configured) > 1:
+        _routing(r, configured, data, mode)
+    r.teacher_intended_why.append(
+        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
+        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
+    )
+    distill.build_sections(r, first.teacher, {"credit": "returns"})
+
+
+def _opd_refused(r: Reading, mode: str, configured: dict[str, dict[str, Any]],
+                 data: dict[str, Any]) -> bool:  # fmt: skip
+    """True (and the refusal said) where ROLL does not start: no teacher, no students, a reference."""
     if not configured:
         r.warn("error", ["teacher"],
                f"{'pure' if mode == 'pure' else 'mixed'} OPD without a configured teacher "
                "(model_args.model_name_or_path or device_mapping): ROLL raises 'requires "
                "teacher config' (base_config.py:713-714, 734-735) and does not start",
                kind="refused")  # fmt: skip
-        return
+        return True
     if mode == "pure" and not (_students(data) and all(_configured(data[k]) for k in STUDENT)):
         r.warn("error", list(STUDENT),
                "pure OPD without configured student_train and student_infer sections: ROLL "
                "raises (base_config.py:715-719) and does not start", kind="refused")  # fmt: skip
-        return
+        return True
     if (
         mode == "mixed"
         and isinstance(data.get("reference"), dict)
@@ -559,8 +581,12 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
                "use_opd with a configured reference section: ROLL raises ('reference should "
                "NOT be configured', base_config.py:736-739) and does not start; the teacher "
                "takes the reference's place", kind="refused")  # fmt: skip
-        return
-    penalty = s.str("kl_penalty") or "kl"
+        return True
+    return False
+
+
+def _opd_estimator(r: Reading, mode: str, launcher: str | None, penalty: str) -> str | None:
+    """The OPD term's estimator for ``kl_penalty``, or None (and why) where there is no term."""
     est = OPD_ESTIMATORS.get(penalty)
     # the OPD launcher builds the config with check_types=False: no Literal is checked there
     unchecked = launcher == "opd" or (launcher is None and mode == "pure")
@@ -571,7 +597,7 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
                    "start_rlvr_pipeline.py's dacite refuses any other value: the run does not "
                    f"start (only {OPD_LAUNCHER}, which checks no types, takes k3)",
                    kind="refused")  # fmt: skip
-        return
+        return None
     if est is None:
         r.warn("error", ["kl_penalty"],
                f"kl_penalty {penalty!r} for the OPD term: "
@@ -581,7 +607,13 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
                   "log pi_T)" if penalty == "full" else
                   "compute_approx_kl raises NotImplementedError at the first step"),
                kind="" if penalty == "full" else "refused")  # fmt: skip
-        return
+    return est
+
+
+def _opd_terms(r: Reading, mode: str, penalty: str, est: str,
+               teachers: dict[str, dict[str, Any]],
+               configured: dict[str, dict[str, Any]]) -> None:  # fmt: skip
+    """One teacher term per configured teacher, and their per-token credit."""
     keys = ["use_opd" if mode == "mixed" else "is_pure_opd", "kl_penalty"]
     prefix = "teacher" if "default" in teachers else None
     for name, section in configured.items():
@@ -600,13 +632,16 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
             clamps=("value clamped to ±10 (compute_approx_kl's k3)",) if penalty == "k3" else (),
         )  # fmt: skip
         r.teacher_terms.append(t)
-    first = r.teacher_terms[0]
     distill.per_token_credit(
-        r, first, keys,
+        r, r.teacher_terms[0], keys,
         "roll/utils/functionals.py: compute_advantage, "
         + ("advantages = -sum over teachers of opd_kl_coef · KL" if mode == "pure" else
            "advantages = the estimator's advantages - sum over teachers of opd_kl_coef · KL"),
     )  # fmt: skip
+
+
+def _opd_notes(r: Reading, s: Settings, mode: str, penalty: str, est: str) -> None:
+    """What pure or mixed OPD trains on, the estimator's reward, and whose log-probs d uses."""
     if mode == "pure":
         r.warn("note", ["is_pure_opd"],
                "pure OPD: the advantage is the teacher term alone; the reward workers' scores "
@@ -628,6 +663,10 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
                "as a per-token reward, not the sampled reverse KL's -d; klpo explain --teacher "
                "derives the k1 reward only", kind="")  # fmt: skip
     _opd_logprobs(r, s)
+
+
+def _opd_advantage(r: Reading, s: Settings, mode: str) -> None:
+    """What whiten_advantages and advantage_clip do to the advantage the teacher term is in."""
     if s.bool("whiten_advantages"):
         r.warn("warning", ["whiten_advantages"],
                "whiten_advantages whitens the advantages after the teacher term is in them "
@@ -645,13 +684,6 @@ def _opd(r: Reading, s: Settings, mode: str, teachers: dict[str, dict[str, Any]]
             replace(t, clamps=(*t.clamps, f"the advantage clipped to ±{clip:g} (advantage_clip)"))
             for t in r.teacher_terms
         ]
-    if len(configured) > 1:
-        _routing(r, configured, data, mode)
-    r.teacher_intended_why.append(
-        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
-        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
-    )
-    distill.build_sections(r, first.teacher, {"credit": "returns"})
 
 
 def _opd_logprobs(r: Reading, s: Settings) -> None:

@@ -263,36 +263,11 @@ def _opd(r: Reading, s: Settings, adv: str, use_loss: bool, use_reward: bool) ->
     by its trainer's ``apply_reward_kl_penalty``, reached only with ``use_kl_in_reward``."""
     keys = [f"{A}.use_kl_in_reward", f"{A}.advantage_estimator"]
     if not use_reward:
-        r.warn(
-            "warning",
-            [f"{A}.use_kl_in_reward"],
-            "main_on_policy_distill with use_kl_in_reward false: the example's teacher reward is "
-            "set in apply_reward_kl_penalty, which the trainer calls only with use_kl_in_reward "
-            "(skyrl/train/trainer.py:428-430), so no distillation term is applied"
-            + (
-                f"; the KL loss (use_kl_loss) is to trainer.ref.model.path, the teacher, at "
-                f"kl_loss_coef {s.float(f'{A}.kl_loss_coef') or 0:g}"
-                if use_loss
-                else ""
-            )
-            + "; set use_kl_in_reward=true and use_kl_loss=false, as the example's scripts do",
-            kind="cancelled",
-        )
+        _opd_cancelled(r, s, use_loss)
         return
     if use_loss:
         return  # refused by validate_cfg (_terms said so): the run does not start
-    ref = "trainer.ref.model.path"
-    teacher = s.str(ref) or (str(s.values[ref]) if s.given(ref) else None)
-    if teacher is None:
-        policy = s.str("trainer.policy.model.path") or "the policy's path"
-        r.warn(
-            "warning",
-            ["trainer.ref.model.path"],
-            "trainer.ref.model.path is not given: SkyRL sets it to trainer.policy.model.path "
-            f"(config.py:1504-1505), so the teacher is the student's own start ({policy}) and "
-            "the term is a KL to the initial policy; give the teacher's path",
-        )
-        teacher = s.str("trainer.policy.model.path") or ""
+    teacher = _opd_teacher(r, s)
     if adv != "no_op":
         r.warn(
             "warning",
@@ -312,6 +287,52 @@ def _opd(r: Reading, s: Settings, adv: str, use_loss: bool, use_reward: bool) ->
         r, t, keys, "examples/train/on_policy_distillation/main_on_policy_distill.py: rewards = "
         "-(action_log_probs - teacher_action_log_probs), passed through by the no_op estimator"
     )  # fmt: skip
+    _opd_findings(r, s)
+    r.teacher_intended_why.append(
+        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
+        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
+    )
+    distill.build_sections(r, teacher, {"credit": "returns"})
+
+
+def _opd_cancelled(r: Reading, s: Settings, use_loss: bool) -> None:
+    """The example run with use_kl_in_reward false: no distillation term is applied."""
+    r.warn(
+        "warning",
+        [f"{A}.use_kl_in_reward"],
+        "main_on_policy_distill with use_kl_in_reward false: the example's teacher reward is "
+        "set in apply_reward_kl_penalty, which the trainer calls only with use_kl_in_reward "
+        "(skyrl/train/trainer.py:428-430), so no distillation term is applied"
+        + (
+            f"; the KL loss (use_kl_loss) is to trainer.ref.model.path, the teacher, at "
+            f"kl_loss_coef {s.float(f'{A}.kl_loss_coef') or 0:g}"
+            if use_loss
+            else ""
+        )
+        + "; set use_kl_in_reward=true and use_kl_loss=false, as the example's scripts do",
+        kind="cancelled",
+    )
+
+
+def _opd_teacher(r: Reading, s: Settings) -> str:
+    """The teacher's path: trainer.ref.model.path, or the policy's (said) where it is not given."""
+    ref = "trainer.ref.model.path"
+    teacher = s.str(ref) or (str(s.values[ref]) if s.given(ref) else None)
+    if teacher is None:
+        policy = s.str("trainer.policy.model.path") or "the policy's path"
+        r.warn(
+            "warning",
+            ["trainer.ref.model.path"],
+            "trainer.ref.model.path is not given: SkyRL sets it to trainer.policy.model.path "
+            f"(config.py:1504-1505), so the teacher is the student's own start ({policy}) and "
+            "the term is a KL to the initial policy; give the teacher's path",
+        )
+        teacher = s.str("trainer.policy.model.path") or ""
+    return teacher
+
+
+def _opd_findings(r: Reading, s: Settings) -> None:
+    """The term's findings: the task reward replaced, the unread coefficients, batch whitening."""
     r.warn(
         "note",
         [f"{A}.use_kl_in_reward"],
@@ -337,8 +358,3 @@ def _opd(r: Reading, s: Settings, adv: str, use_loss: bool, use_reward: bool) ->
             "batch mean and divided by its standard deviation, so the term's scale and sign "
             "change from batch to batch",
         )
-    r.teacher_intended_why.append(
-        "credit: returns: the per-token reward with returns-to-go follows the gradient of the "
-        "sequence KL(pi_theta ‖ pi_T) (klpo explain --teacher)"
-    )
-    distill.build_sections(r, teacher, {"credit": "returns"})
