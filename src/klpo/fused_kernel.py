@@ -44,9 +44,9 @@ Cross-Entropy, arXiv:2411.09009, and the online softmax of Milakov & Gimelshein,
   third of what naive PyTorch holds; elsewhere as many as the head has weights, ``V H``: all of
   them for ``N ≤ H``), which the backward pass multiplies into the gradients with
   ``alpha / s`` in place of ``alpha`` (``pi = e / s``; the tiles past the budget are recomputed
-  as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``, and the
-  kept tiles never outgrow the weight gradient, which fills the memory they free (the peak lies
-  between the recomputing kernel's and that plus ``V H`` floats, as the allocator returns
+  as ``e``), letting each go once used: three GEMMs a kept tile, no second ``exp``; off the CPU
+  the kept tiles never outgrow the weight gradient, which fills the memory they free (the peak
+  lies between the recomputing kernel's and that plus ``V H`` floats, as the allocator returns
   memory).
   Neither for the KL (its reference's tiles would double the memory), a soft cap (its
   ``dx/dz`` would be another tile) or a token whose sums overflowed (its ``e`` is not its
@@ -375,21 +375,11 @@ def _backward_logp(
     rows delta * hidden`` (``alpha * hidden`` formed once), so a tile is one GEMM, one ``exp`` and
     two GEMMs: no pass to scale it or to add at the targets. A soft-capped head multiplies each
     tile by its ``dx/dz`` (``delta`` comes with the targets' own). Fills ``grads = (grad_h,
-    grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]``, zeros; None: not needed); ``ctx``
-    gives the chunk sizes.
+    grad_w, grad_b)`` in place (``grad_h`` float32 ``[N, H]`` zeros; None: not needed).
 
-    A tile is ``exp(x - offset)``: ``pi`` with ``offset = log Z``. ``saved = (tiles, unit)``:
-    what the forward pass kept (:func:`saving`). ``tiles``, the forward's ``e = exp(x - x_y) = s
-    pi`` in loop order (None for a tile not kept, recomputed with ``offset = x_y``), stand in for
-    the recomputed tiles (no GEMM, no ``exp``; dropped from the list once used, so that their
-    memory goes as the weight gradient's comes); the caller passes ``alpha / s`` as ``alpha``.
-    ``unit``, the finished ``pi @ W`` ``[N, H]``, is the hidden states' gradient before its
-    per-token factor, so no tile is needed for it (with a frozen head, none at all). None:
-    recompute.
-
-    Long because: one loop over the tiles takes each from where it is (kept, or recomputed with
-    its offset) and feeds the three gradients at once; split into functions, each tile's
-    ``pi`` would be formed, held and passed between them, the memory the saving exists to avoid.
+    A tile is ``exp(x - offset)``: ``pi`` with ``offset = log Z``. ``saved = (tiles, unit)``,
+    what the forward pass kept (:func:`saving`; the module notes say how each stands in for the
+    tiles), with ``alpha / s`` as ``alpha`` for kept tiles; None: recompute.
     """
     offset, alpha, delta = scale
     tiles, unit = saved
@@ -792,61 +782,43 @@ def fused(
 ) -> FusedOutput:
     r"""Token log-probs, entropy and exact KL(pi_theta ‖ pi_ref) from hidden states and the head.
 
-    With ``x = transform(hidden @ weight.T + bias) / temperature`` and ``pi = softmax(x)`` (and
-    ``x_ref``, ``pi_ref`` likewise from ``hidden_ref``, ``weight_ref``, ``bias_ref`` and
-    ``transform_ref``), per position:
-    ``logp = log pi(y)``, ``entropy = -sum_v pi log pi`` and
-    ``kl = sum_v pi (log pi - log pi_ref)``, all computed tile by tile (``vocab_chunk`` vocabulary
-    entries by ``token_chunk`` tokens) so that the ``[N, V]`` logits never exist; see
-    :mod:`klpo.fused_kernel` for the algorithm, its precision and its speed.
+    With ``x = transform(hidden @ weight.T + bias) / temperature``, ``pi = softmax(x)`` (``pi_ref``
+    likewise from the reference's), per position ``logp = log pi(y)``, ``entropy = -sum_v pi log
+    pi`` and ``kl = sum_v pi (log pi - log pi_ref)``, tile by tile so that the ``[N, V]`` logits
+    never exist (the module notes: the algorithm, its precision and its speed).
 
     Gradient: with respect to ``hidden``, ``weight`` and ``bias`` (whichever require it), of any
-    combination of the three outputs, in one backward pass that recomputes the tiles (the formula
-    for ``G`` is in :mod:`klpo.logprobs`' notes), accumulated in float32 and cast to the inputs'
-    dtypes. Where only ``logp`` will have a gradient the forward pass may keep what spares the
-    recompute (:func:`klpo.fused_kernel.saving`): ``pi @ weight`` (``[N, H]``) for a frozen head,
-    the tiles (float32, up to as many as the head has weights, ``V H``) for a head with a
-    gradient. A
-    ``weight`` tied to the input embeddings (``model.lm_head.weight``) gets this gradient added to
-    the embedding's by autograd as usual. The reference (``hidden_ref``, ``weight_ref``,
-    ``bias_ref``) is detached.
+    combination of the outputs, in float32 cast to the inputs' dtypes; the backward pass
+    recomputes the tiles or takes what the forward pass kept (:func:`saving`). A tied ``weight``
+    gets it added to the embedding's by autograd; the reference is detached.
 
     Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` the policy's last hidden states at the positions that
-            produced ``tokens`` (after the final norm), float32, bf16, fp16 or float64.
-        weight: ``[V, H]`` the policy's output head (``model.lm_head.weight``).
+        hidden, weight, bias: the policy's last hidden states (after the final norm) at the
+            positions that produced ``tokens`` (``[N, H]`` or ``[B, T, H]``; float32, bf16, fp16
+            or float64), its head ``[V, H]`` (``model.lm_head.weight``) and bias ``[V]``, if any.
         tokens: ``[N]`` or ``[B, T]`` integer token ids in ``[0, V)``.
-        bias: ``[V]`` the head's bias, if it has one.
         temperature: the sampling temperature the logits are divided by (policy and reference).
-        hidden_ref: ``[N, H_ref]`` or ``[B, T, H_ref]`` the reference model's hidden states at the
-            same positions; with ``weight_ref`` it turns on ``kl``.
-        weight_ref: ``[V, H_ref]`` the reference model's head.
-        bias_ref: ``[V]`` the reference head's bias, if any.
-        with_entropy: compute the entropy (one more elementwise pass per tile); else it is None.
-        token_chunk: tokens per tile (default :data:`TOKEN_CHUNK` = 4096).
-        vocab_chunk: vocabulary entries per tile (default
-            ``default_vocab_chunk(min(N, token_chunk))``: at most :data:`TILE_ELEMENTS` logits,
-            8 MiB in float32). Both defaults are justified in docs/performance.md.
-        transform: what the policy's model does to its head's output before the softmax (a
-            scale, a soft cap: :class:`LogitTransform`, read from a model by
-            :func:`klpo.heads.read_head`); None or the identity: nothing, at no cost. A soft cap
-            costs two elementwise passes per tile (and one more in the backward pass).
-        transform_ref: likewise for the reference's head (None: nothing, whatever
-            ``transform``).
-        plan: the backend of each of the three GEMMs (:class:`klpo.gemm.Plan`); default
-            :func:`head_plan`, chosen by the head alone. A fixed plan pins them, for benchmarks
-            and tests: ``gemm.Plan("mm", "mm", "mm", False)`` sends every product to torch.mm.
+        hidden_ref, weight_ref, bias_ref: the reference model's hidden states at the same
+            positions (``[N, H_ref]`` or ``[B, T, H_ref]``), head ``[V, H_ref]`` and bias; the
+            first two turn on ``kl``.
+        with_entropy: compute the entropy (one more pass per tile); else it is None.
+        token_chunk, vocab_chunk: tokens and vocabulary entries per tile (defaults
+            :data:`TOKEN_CHUNK` and ``default_vocab_chunk(min(N, token_chunk))``, at most
+            :data:`TILE_ELEMENTS` logits; both justified in docs/performance.md).
+        transform, transform_ref: what the policy's (the reference's) model does to its head's
+            output before the softmax (a scale, a soft cap: :class:`LogitTransform`, from
+            :func:`klpo.heads.read_head`); None: nothing. A soft cap costs two passes a tile.
+        plan: the backend of each of the three GEMMs (:class:`klpo.gemm.Plan`; default
+            :func:`head_plan`, by the head alone); ``gemm.Plan("mm", "mm", "mm", False)`` pins
+            every product to torch.mm, for benchmarks and tests.
 
     Returns:
         :class:`FusedOutput` ``(logp, entropy, kl)``, each with the shape of ``tokens``, float32
         (float64 when an input is float64); ``kl`` is None without a reference.
 
     Raises:
-        ValueError / TypeError: naming the argument, for a wrong shape, dtype, token id, chunk size
-        or temperature, or for half a reference.
-
-    Long because: the docstring documents each of the public API's fourteen arguments (the body
-    is a quarter of it).
+        ValueError / TypeError: naming the argument (shape, dtype, token id, chunk, temperature,
+        half a reference).
     """
     ref = HeadArgs(hidden_ref, weight_ref, bias_ref, transform_ref)
     x = head_inputs(tokens, HeadArgs(hidden, weight, bias, transform), ref, temperature)

@@ -6,6 +6,24 @@ Each model's logits ``hidden @ weight.T + bias`` exist only as one ``[rows, V_r]
 the per-position values); :func:`from_hidden_loss` forms the gradient of a weighted sum in the
 forward pass, as :func:`klpo.logprobs.fused_loss` does for the policy's own terms. Under tensor
 parallelism the heads are shards of the vocabulary (``group``; :mod:`klpo.vocab_parallel`).
+
+The loss form's algorithm (:func:`from_hidden_loss`): a tile of ``k`` rows at a time, both models'
+logits over the (rank's) vocabulary, ``x = (hidden @ weight.T + bias) / T`` and ``x_T``; their
+normalisers ``L = logsumexp x`` (with ``group``, the two all-reduces of :func:`from_hidden`, a MAX
+and a SUM, on the tile's rows); the value ``D`` (one more SUM); the gradient tile ``G = dD/dx``
+(:func:`klpo.teacher.reverse_kl`'s, :func:`klpo.teacher.forward_kl`'s or :func:`klpo.teacher.jsd`'s
+formula) and at once ``grad_hidden[rows] = (G @ weight) weights / T`` and ``grad_weight += G.T @
+(hidden weights / T)`` (``grad_bias`` alike): two logit GEMMs and two gradient GEMMs a tile (one
+when the head is frozen, a LoRA student's: ``weight.requires_grad`` false), where
+:func:`from_hidden` spends six (two, two recomputed in the backward pass, two). Every collective
+happens inside the tile's own rows, so a vocabulary-parallel head needs no second pass: each rank
+forms ``G`` on its rows of the vocabulary, its head's gradient is its own, and ``grad_hidden`` is
+summed over the group once at the end. Memory: two ``[k, V_r]`` tiles (three at the normalisers and
+for the forward KL, four for the JSD), ``k`` = ``row_chunk`` (default :data:`LOSS_ROW_ELEMENTS` ``//
+V_r``); the gradients (float32, cast to the inputs' dtypes) are held from the forward to the
+backward pass, which multiplies them by the loss's upstream gradient. Measured in
+docs/performance.md (``bench/teacher_kl.py``).
+
 :mod:`klpo.teacher` is the face: import these names from there.
 """
 
@@ -372,22 +390,7 @@ def from_hidden_loss(
     backward takes any upstream gradient. :func:`klpo.logprobs.fused_loss` is the same idea for
     the policy's own log-probs, entropy and KL to a reference.
 
-    Algorithm: a tile of ``k`` rows at a time, both models' logits over the (rank's) vocabulary,
-    ``x = (hidden @ weight.T + bias) / T`` and ``x_T``; their normalisers ``L = logsumexp x`` (with
-    ``group``, the two all-reduces of :func:`from_hidden`, a MAX and a SUM, on the tile's rows); the
-    value ``D`` (one more SUM); the gradient tile ``G = dD/dx`` (:func:`klpo.teacher.reverse_kl`'s,
-    :func:`klpo.teacher.forward_kl`'s or :func:`klpo.teacher.jsd`'s formula) and at once ``grad_hidden[rows] = (G @
-    weight) weights / T`` and ``grad_weight += G.T @ (hidden weights / T)`` (``grad_bias``
-    alike): two logit GEMMs and two gradient GEMMs a tile (one when the head is frozen, a LoRA
-    student's: ``weight.requires_grad`` false), where :func:`from_hidden` spends six (two, two
-    recomputed in the backward pass, two). Every collective happens inside the tile's own rows,
-    so a vocabulary-parallel head needs no second pass: each rank forms ``G`` on its rows of the
-    vocabulary, its head's gradient is its own, and ``grad_hidden`` is summed over the group
-    once at the end. Memory: two ``[k, V_r]`` tiles (three at the normalisers and for the
-    forward KL, four for the JSD), ``k`` = ``row_chunk`` (default :data:`LOSS_ROW_ELEMENTS`
-    ``// V_r``); the gradients (float32, cast to the inputs' dtypes) are held from the forward
-    to the backward pass, which multiplies them by the loss's upstream gradient. Measured in
-    docs/performance.md (``bench/teacher_kl.py``).
+    The algorithm and its memory: the module notes.
 
     Args:
         hidden, weight, hidden_teacher, weight_teacher, bias, bias_teacher: as in
@@ -401,9 +404,6 @@ def from_hidden_loss(
 
     Raises:
         ValueError: as :func:`from_hidden`; ``weights`` not a float ``[N]`` tensor.
-
-    Long because: the docstring states the algorithm, its memory and the public arguments; the
-    body is the checks and one call.
 
     Example:
         >>> import torch
